@@ -1,0 +1,56 @@
+// Checkpoint files on disk, crash-safe. The payload is opaque bytes (the Trainer puts a torch
+// archive in it); this layer makes sure that what it hands back is exactly what was saved.
+//
+// File layout: "COHORTCK" | u32 format version | u64 payload length | u32 CRC-32 | payload.
+// A save writes a temporary file in the same directory, fsyncs it, renames it over the final
+// name and fsyncs the directory, so a kill at any moment leaves every earlier checkpoint whole.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace cohort {
+
+struct CheckpointFile {
+  std::string path;
+  int64_t step = 0;
+};
+
+struct LoadedCheckpoint {
+  CheckpointFile file;
+  std::vector<uint8_t> payload;
+};
+
+class CheckpointStore {
+ public:
+  // `prefix` names the files (prefix-<step>.ckpt), so several stores can share a directory.
+  // The newest `keep` checkpoints are kept. The directory is created if it does not exist.
+  explicit CheckpointStore(std::string dir, std::string prefix = "ckpt", int keep = 3);
+
+  // Returns the path written. Throws IoError.
+  std::string save(int64_t step, std::span<const uint8_t> payload);
+
+  // Complete checkpoint files (temporary files excluded), newest first.
+  std::vector<CheckpointFile> list() const;
+
+  // The newest checkpoint that verifies. Each one that does not is passed to `onCorrupt` with a
+  // message naming its path and what is wrong, and the next older one is tried.
+  std::optional<LoadedCheckpoint> loadNewest(
+      const std::function<void(const std::string& message)>& onCorrupt) const;
+
+  // Reads and verifies one file. Throws IoError naming the path.
+  static std::vector<uint8_t> readVerified(const std::string& path);
+
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+  std::string prefix_;
+  int keep_;
+};
+
+}  // namespace cohort

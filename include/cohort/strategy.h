@@ -1,0 +1,62 @@
+// A Strategy owns how one training step on this replica turns into new parameters: the forward
+// and backward pass, and whatever exchange with other processes its scheme does. The Trainer owns
+// everything else (data, epochs, evaluation, checkpoints, metrics).
+#pragma once
+
+#include <cohort/data.h>
+
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace cohort {
+
+using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+
+// What one step did, as seen from this replica.
+struct StepStats {
+  double loss = 0.0;               // this replica's loss on its batch
+  int64_t samples = 0;             // examples trained on by all replicas together in this step
+  int64_t bytesSent = 0;           // payload bytes this replica sent
+  int64_t bytesReceived = 0;       // payload bytes this replica received
+  double computeSeconds = 0.0;     // forward + backward + optimizer
+  double commWaitSeconds = 0.0;    // time blocked on communication (not hidden by overlap)
+};
+
+// Where this process stands among the replicas.
+struct ReplicaInfo {
+  int rank = 0;
+  int worldSize = 1;
+  bool isChief() const { return rank == 0; }
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+
+  virtual std::string name() const = 0;
+  virtual ReplicaInfo replica() const = 0;
+
+  // Once, before training: make every replica start from the same parameters.
+  virtual void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) = 0;
+
+  // One step on this replica's batch: forward, backward, and this scheme's exchange.
+  virtual StepStats step(const Batch& batch, const LossFn& loss) = 0;
+
+  // Brings the local model to the state to evaluate or checkpoint.
+  virtual void synchronize() = 0;
+};
+
+// Options of every scheme; each strategy reads the ones it needs.
+struct StrategyOptions {
+  std::string name = "local";
+};
+
+// Throws InvalidArgument for an unknown or not yet available scheme.
+std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options);
+
+}  // namespace cohort

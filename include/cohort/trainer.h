@@ -1,0 +1,69 @@
+// The training loop: data, epochs, evaluation, checkpoints, metrics and progress.
+#pragma once
+
+#include <cohort/strategy.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace cohort {
+
+enum class ProgressMode { kAuto, kBar, kLines, kOff };
+
+struct TrainOptions {
+  std::string model = "cnn";
+  std::string data = "fashion-mnist";
+  int64_t epochs = 1;
+  int64_t steps = 0;  // when > 0, train this many steps in all and ignore epochs
+  int64_t batch = 64;  // per replica
+  double lr = 0.01;
+  std::string optimizer = "momentum";  // sgd | momentum | adam
+  double momentum = 0.9;
+  int threads = 0;  // intra-op threads; 0 = this machine's cores
+  uint64_t seed = 1;
+  int64_t evalEvery = 0;  // steps; 0 = at the end only
+  double targetAccuracy = 0.0;  // stop at the first evaluation that reaches it; 0 = never
+  std::string checkpointDir;
+  int64_t checkpointEvery = 0;  // steps; 0 = at the end only (when checkpointDir is set)
+  bool resume = false;
+  std::string metricsPath;  // JSON lines; empty = none
+  ProgressMode progress = ProgressMode::kAuto;
+  double progressIntervalSeconds = 5.0;  // for kLines
+  StrategyOptions strategy;
+};
+
+// Throws InvalidArgument naming the first option that is out of range.
+void validate(const TrainOptions& options);
+
+struct TrainResult {
+  int64_t steps = 0;
+  int64_t epochs = 0;  // epochs begun
+  double testAccuracy = 0.0;
+  double testLoss = 0.0;
+  double lastTrainLoss = 0.0;
+  double wallSeconds = 0.0;
+  double samplesPerSecond = 0.0;  // steady state, all replicas, evaluation excluded
+  std::optional<double> secondsToTarget;
+  int64_t bytesSent = 0;
+  int64_t bytesReceived = 0;
+  double commWaitSeconds = 0.0;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(TrainOptions options);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  TrainResult run();
+
+  torch::nn::Sequential model() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace cohort

@@ -1,0 +1,60 @@
+#include <cohort/trainer.h>
+
+#include "cli/commands.h"
+
+#include <cstdio>
+#include <map>
+
+namespace cohort::cli {
+
+Run addTrainCommand(CLI::App& app) {
+  auto options = std::make_shared<TrainOptions>();
+  auto progress = std::make_shared<std::string>("auto");
+  TrainOptions& o = *options;
+  CLI::App* train = app.add_subcommand("train", "Train a model with one of the distribution schemes");
+  train->set_config("--config", "", "Read options from a TOML file (keys are the long flag names)");
+  train->allow_config_extras(false);
+
+  train->add_option("--model", o.model, "mlp, cnn, lstm, or a TorchScript file FILE.pt")
+      ->capture_default_str();
+  train->add_option("--data", o.data, "fashion-mnist, mnist:DIR or synthetic[:N]")->capture_default_str();
+  train->add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str();
+  train->add_option("--steps", o.steps, "Steps to train in all (overrides --epochs)");
+  train->add_option("--batch", o.batch, "Batch size per worker")->capture_default_str();
+  train->add_option("--lr", o.lr, "Learning rate")->capture_default_str();
+  train->add_option("--optimizer", o.optimizer, "sgd, momentum or adam")->capture_default_str();
+  train->add_option("--momentum", o.momentum, "Momentum of the momentum optimizer")->capture_default_str();
+  train->add_option("--threads", o.threads, "Intra-op threads (0: all cores)")->capture_default_str();
+  train->add_option("--seed", o.seed, "Seed for initialization and data order")->capture_default_str();
+  train->add_option("--eval-every", o.evalEvery, "Evaluate on the test set every N steps (0: at the end)")
+      ->capture_default_str();
+  train->add_option("--target-accuracy", o.targetAccuracy,
+                    "Stop at the first evaluation reaching this test accuracy (0: never)");
+  train->add_option("--checkpoint-dir", o.checkpointDir, "Write checkpoints to this directory");
+  train->add_option("--checkpoint-every", o.checkpointEvery,
+                    "Checkpoint every N steps (0: at the end only)");
+  train->add_flag("--resume", o.resume, "Continue from the newest checkpoint in --checkpoint-dir");
+  train->add_option("--metrics", o.metricsPath, "Write JSON-lines metrics to this file");
+  train->add_option("--progress", *progress, "auto, bar, lines or off")
+      ->check(CLI::IsMember({"auto", "bar", "lines", "off"}))
+      ->capture_default_str();
+  train->add_option("--strategy", o.strategy.name, "local")->capture_default_str();
+
+  return [options, progress]() {
+    TrainOptions& o = *options;
+    static const std::map<std::string, ProgressMode> kModes{{"auto", ProgressMode::kAuto},
+                                                           {"bar", ProgressMode::kBar},
+                                                           {"lines", ProgressMode::kLines},
+                                                           {"off", ProgressMode::kOff}};
+    o.progress = kModes.at(*progress);
+    Trainer trainer(o);
+    TrainResult r = trainer.run();
+    std::printf("done: %lld steps, %lld epochs, test accuracy %.4f, test loss %.4f, %.1f samples/s, %.1f s\n",
+                (long long)r.steps, (long long)r.epochs, r.testAccuracy, r.testLoss,
+                r.samplesPerSecond, r.wallSeconds);
+    if (r.secondsToTarget) std::printf("target accuracy reached after %.1f s\n", *r.secondsToTarget);
+    return 0;
+  };
+}
+
+}  // namespace cohort::cli

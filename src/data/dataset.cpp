@@ -1,0 +1,121 @@
+#include <cohort/data.h>
+#include <cohort/error.h>
+#include <cohort/idx.h>
+
+#include <torch/torch.h>
+
+#include <filesystem>
+
+namespace cohort {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// The file for `stem` in dir, gzip'd or not.
+std::string findIdx(const std::string& dir, const std::string& stem) {
+  for (const char* suffix : {".gz", ""}) {
+    fs::path p = fs::path(dir) / (stem + suffix);
+    if (fs::exists(p)) return p.string();
+  }
+  throw IoError(dir + ": no " + stem + "[.gz] in this directory (an IDX data set needs "
+                "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and "
+                "t10k-labels-idx1-ubyte, optionally gzip'd)");
+}
+
+Dataset loadIdxPair(const std::string& dir, const std::string& prefix) {
+  const std::string imagesPath = findIdx(dir, prefix + "-images-idx3-ubyte");
+  const std::string labelsPath = findIdx(dir, prefix + "-labels-idx1-ubyte");
+  IdxArray images = readIdxFile(imagesPath);
+  IdxArray labels = readIdxFile(labelsPath);
+  COHORT_CHECK(images.type == IdxType::kUint8 && (images.dims.size() == 3 || images.dims.size() == 4),
+               IoError, imagesPath, ": expected uint8 images of shape [N, H, W] or [N, C, H, W]");
+  COHORT_CHECK(labels.type == IdxType::kUint8 && labels.dims.size() == 1, IoError, labelsPath,
+               ": expected uint8 labels of shape [N]");
+  COHORT_CHECK(images.dims[0] == labels.dims[0], IoError, imagesPath, " holds ", images.dims[0],
+               " images but ", labelsPath, " holds ", labels.dims[0], " labels");
+  COHORT_CHECK(images.dims[0] > 0, IoError, imagesPath, ": holds no images");
+  std::vector<int64_t> shape = images.dims;
+  if (shape.size() == 3) shape.insert(shape.begin() + 1, 1);
+  Dataset data;
+  data.images = torch::from_blob(images.data.data(), shape, torch::kUInt8).clone();
+  data.labels = torch::from_blob(labels.data.data(), {labels.dims[0]}, torch::kUInt8)
+                    .to(torch::kInt64);
+  return data;
+}
+
+DataSplits loadIdxDir(const std::string& name, const std::string& dir) {
+  COHORT_CHECK(fs::is_directory(dir), IoError, dir, ": no such directory");
+  DataSplits splits;
+  splits.name = name;
+  splits.train = loadIdxPair(dir, "train");
+  splits.test = loadIdxPair(dir, "t10k");
+  COHORT_CHECK(splits.train.images.sizes().slice(1) == splits.test.images.sizes().slice(1),
+               IoError, dir, ": training and test images have different shapes");
+  const int64_t maxLabel =
+      std::max(splits.train.labels.max().item<int64_t>(), splits.test.labels.max().item<int64_t>());
+  splits.classes = maxLabel + 1;
+  return splits;
+}
+
+// Images with a learnable label: each class has a random template; an image is its class's
+// template plus noise.
+Dataset makeSynthetic(int64_t n, const torch::Tensor& templates, torch::Generator& gen) {
+  const int64_t classes = templates.size(0);
+  Dataset data;
+  data.labels = torch::randint(classes, {n}, gen, torch::kInt64);
+  auto noise = torch::randn({n, 1, 28, 28}, gen) * 48.0;
+  auto images = templates.index_select(0, data.labels) + noise;
+  data.images = images.clamp(0, 255).to(torch::kUInt8);
+  return data;
+}
+
+}  // namespace
+
+DataSplits loadData(const std::string& spec, uint64_t seed) {
+  if (spec == "fashion-mnist") {
+    COHORT_CHECK(fs::is_directory(kFashionMnistDir), IoError, "Fashion-MNIST is not installed (",
+                 kFashionMnistDir, " is missing): install Debian's package dataset-fashion-mnist "
+                 "(apt-get install dataset-fashion-mnist), or pass --data mnist:DIR or --data synthetic");
+    return loadIdxDir("fashion-mnist", kFashionMnistDir);
+  }
+  if (spec.rfind("mnist:", 0) == 0) {
+    const std::string dir = spec.substr(6);
+    COHORT_CHECK(!dir.empty(), InvalidArgument, "--data mnist:DIR needs a directory");
+    return loadIdxDir("mnist:" + dir, dir);
+  }
+  if (spec == "synthetic" || spec.rfind("synthetic:", 0) == 0) {
+    int64_t n = 60000;
+    if (spec.size() > 10) {
+      try {
+        size_t used = 0;
+        n = std::stoll(spec.substr(10), &used);
+        COHORT_CHECK(used == spec.size() - 10, InvalidArgument, "");
+      } catch (const std::exception&) {
+        throw InvalidArgument("--data " + spec + ": expected synthetic:N with N a whole number");
+      }
+      COHORT_CHECK(n >= 6, InvalidArgument, "--data ", spec, ": need at least 6 examples");
+    }
+    auto gen = at::detail::createCPUGenerator(seed ^ 0x5EEDDA7AULL);
+    auto templates = torch::rand({10, 1, 28, 28}, gen) * 255.0;
+    DataSplits splits;
+    splits.name = "synthetic";
+    splits.train = makeSynthetic(n, templates, gen);
+    splits.test = makeSynthetic(std::max<int64_t>(n / 6, 1), templates, gen);
+    splits.classes = 10;
+    return splits;
+  }
+  throw InvalidArgument("unknown data set '" + spec +
+                        "': expected fashion-mnist, mnist:DIR or synthetic[:N]");
+}
+
+Batch makeBatch(const Dataset& data, std::span<const int64_t> indices) {
+  auto index = torch::from_blob(const_cast<int64_t*>(indices.data()),
+                                {int64_t(indices.size())}, torch::kInt64);
+  Batch batch;
+  batch.inputs = data.images.index_select(0, index).to(torch::kFloat32).div_(255.0f);
+  batch.targets = data.labels.index_select(0, index);
+  return batch;
+}
+
+}  // namespace cohort

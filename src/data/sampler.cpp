@@ -1,0 +1,39 @@
+#include <cohort/error.h>
+#include <cohort/sampler.h>
+
+#include <numeric>
+#include <random>
+
+namespace cohort {
+
+ShardSampler::ShardSampler(SamplerOptions options) : options_(options) {
+  COHORT_CHECK(options_.worldSize >= 1, InvalidArgument, "world size must be at least 1, got ",
+               options_.worldSize);
+  COHORT_CHECK(options_.rank >= 0 && options_.rank < options_.worldSize, InvalidArgument, "rank ",
+               options_.rank, " is outside the world of ", options_.worldSize);
+  COHORT_CHECK(options_.datasetSize >= options_.worldSize, InvalidArgument, "a data set of ",
+               options_.datasetSize, " examples cannot be shared by ", options_.worldSize,
+               " replicas");
+}
+
+std::vector<int64_t> ShardSampler::epochIndices(int64_t epoch) const {
+  std::vector<int64_t> perm(size_t(options_.datasetSize));
+  std::iota(perm.begin(), perm.end(), int64_t{0});
+  if (options_.shuffle) {
+    // std::mt19937_64 and a hand-written Fisher-Yates: the order must be the same on every
+    // machine and standard library, which std::shuffle does not promise.
+    std::mt19937_64 rng(options_.seed * 0x9E3779B97F4A7C15ULL + uint64_t(epoch) + 1);
+    for (size_t i = perm.size() - 1; i > 0; --i) {
+      const size_t j = size_t(rng() % (i + 1));
+      std::swap(perm[i], perm[j]);
+    }
+  }
+  const int64_t count = samplesPerRank();
+  std::vector<int64_t> mine(static_cast<size_t>(count));
+  for (int64_t k = 0; k < count; ++k) {
+    mine[size_t(k)] = perm[size_t(options_.rank + k * options_.worldSize)];
+  }
+  return mine;
+}
+
+}  // namespace cohort

@@ -1,0 +1,35 @@
+#include "strategy/local.h"
+
+#include <cohort/error.h>
+
+#include <torch/torch.h>
+
+#include <chrono>
+
+namespace cohort {
+
+void clearGradients(torch::nn::Module& model) {
+  for (auto& p : model.parameters()) p.mutable_grad().reset();
+}
+
+void LocalStrategy::attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) {
+  model_ = std::move(model);
+  optimizer_ = &optimizer;
+}
+
+StepStats LocalStrategy::step(const Batch& batch, const LossFn& loss) {
+  COHORT_CHECK(optimizer_ != nullptr, Error, "LocalStrategy::step before attach");
+  const auto start = std::chrono::steady_clock::now();
+  clearGradients(*model_);
+  auto value = loss(model_->forward(batch.inputs), batch.targets);
+  value.backward();
+  optimizer_->step();
+  StepStats stats;
+  stats.loss = value.item<double>();
+  stats.samples = batch.size();
+  stats.computeSeconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return stats;
+}
+
+}  // namespace cohort

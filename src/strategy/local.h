@@ -1,0 +1,25 @@
+// The single-process scheme: forward, backward, optimizer step, no exchange.
+#pragma once
+
+#include <cohort/strategy.h>
+
+namespace cohort {
+
+class LocalStrategy final : public Strategy {
+ public:
+  std::string name() const override { return "local"; }
+  ReplicaInfo replica() const override { return {}; }
+  void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;
+  StepStats step(const Batch& batch, const LossFn& loss) override;
+  void synchronize() override {}
+
+ private:
+  torch::nn::Sequential model_{nullptr};
+  torch::optim::Optimizer* optimizer_ = nullptr;
+};
+
+// Drops every parameter's gradient, so the next backward writes it fresh instead of adding to
+// zeros (saves a fill and an add per tensor).
+void clearGradients(torch::nn::Module& model);
+
+}  // namespace cohort

@@ -1,0 +1,155 @@
+#include <cohort/checkpoint.h>
+#include <cohort/error.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+namespace cohort {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kMagic[8] = {'C', 'O', 'H', 'O', 'R', 'T', 'C', 'K'};
+constexpr uint32_t kFormatVersion = 1;
+constexpr size_t kHeaderSize = 8 + 4 + 8 + 4;
+
+void putLe(std::vector<uint8_t>& out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(uint8_t(v >> (8 * i)));
+}
+
+uint64_t getLe(const uint8_t* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= uint64_t(p[i]) << (8 * i);
+  return v;
+}
+
+uint32_t crc32Of(std::span<const uint8_t> data) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  size_t done = 0;
+  while (done < data.size()) {
+    const size_t n = std::min<size_t>(data.size() - done, 1u << 30);
+    crc = crc32(crc, data.data() + done, uInt(n));
+    done += n;
+  }
+  return uint32_t(crc);
+}
+
+void writeAll(int fd, const uint8_t* data, size_t size, const std::string& path) {
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, size);
+    if (n < 0 && errno == EINTR) continue;
+    COHORT_CHECK(n > 0, IoError, path, ": cannot write checkpoint: ", std::strerror(errno));
+    data += n;
+    size -= size_t(n);
+  }
+}
+
+void fsyncPath(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), flags);
+  COHORT_CHECK(fd >= 0, IoError, path, ": cannot open to sync: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  COHORT_CHECK(rc == 0, IoError, path, ": fsync failed: ", std::strerror(errno));
+}
+
+}  // namespace
+
+CheckpointStore::CheckpointStore(std::string dir, std::string prefix, int keep)
+    : dir_(std::move(dir)), prefix_(std::move(prefix)), keep_(std::max(keep, 1)) {
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  COHORT_CHECK(!ec && fs::is_directory(dir_), IoError, dir_,
+               ": cannot create the checkpoint directory: ", ec.message());
+}
+
+std::string CheckpointStore::save(int64_t step, std::span<const uint8_t> payload) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "-%010lld.ckpt", static_cast<long long>(step));
+  const std::string finalPath = (fs::path(dir_) / (prefix_ + name)).string();
+  const std::string tmpPath = finalPath + ".tmp." + std::to_string(::getpid());
+
+  std::vector<uint8_t> header(kMagic, kMagic + 8);
+  putLe(header, kFormatVersion, 4);
+  putLe(header, payload.size(), 8);
+  putLe(header, crc32Of(payload), 4);
+
+  const int fd = ::open(tmpPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  COHORT_CHECK(fd >= 0, IoError, tmpPath, ": cannot create checkpoint: ", std::strerror(errno));
+  try {
+    writeAll(fd, header.data(), header.size(), tmpPath);
+    writeAll(fd, payload.data(), payload.size(), tmpPath);
+    COHORT_CHECK(::fsync(fd) == 0, IoError, tmpPath, ": fsync failed: ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmpPath.c_str());
+    throw;
+  }
+  ::close(fd);
+  COHORT_CHECK(::rename(tmpPath.c_str(), finalPath.c_str()) == 0, IoError, finalPath,
+               ": cannot rename checkpoint into place: ", std::strerror(errno));
+  fsyncPath(dir_, O_RDONLY | O_DIRECTORY);
+
+  auto files = list();
+  for (size_t i = size_t(keep_); i < files.size(); ++i) {
+    std::error_code ec;
+    fs::remove(files[i].path, ec);  // best effort: an old checkpoint left behind is harmless
+  }
+  return finalPath;
+}
+
+std::vector<CheckpointFile> CheckpointStore::list() const {
+  const std::regex pattern(prefix_ + "-([0-9]+)\\.ckpt");
+  std::vector<CheckpointFile> files;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir_, ec)) {
+    std::smatch m;
+    const std::string name = entry.path().filename().string();
+    if (std::regex_match(name, m, pattern)) {
+      files.push_back({entry.path().string(), std::stoll(m[1].str())});
+    }
+  }
+  std::sort(files.begin(), files.end(),
+            [](const CheckpointFile& a, const CheckpointFile& b) { return a.step > b.step; });
+  return files;
+}
+
+std::vector<uint8_t> CheckpointStore::readVerified(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  COHORT_CHECK(in.good(), IoError, path, ": cannot open checkpoint: ", std::strerror(errno));
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  COHORT_CHECK(bytes.size() >= kHeaderSize && std::memcmp(bytes.data(), kMagic, 8) == 0, IoError,
+               path, ": not a cohort checkpoint (bad header)");
+  const uint32_t version = uint32_t(getLe(&bytes[8], 4));
+  COHORT_CHECK(version == kFormatVersion, IoError, path, ": checkpoint format version ", version,
+               " is not supported (this build reads version ", kFormatVersion, ")");
+  const uint64_t length = getLe(&bytes[12], 8);
+  const uint32_t crc = uint32_t(getLe(&bytes[20], 4));
+  COHORT_CHECK(bytes.size() - kHeaderSize == length, IoError, path, ": corrupt checkpoint: ",
+               bytes.size() - kHeaderSize, " payload bytes where the header says ", length);
+  std::vector<uint8_t> payload(bytes.begin() + kHeaderSize, bytes.end());
+  COHORT_CHECK(crc32Of(payload) == crc, IoError, path, ": corrupt checkpoint: checksum mismatch");
+  return payload;
+}
+
+std::optional<LoadedCheckpoint> CheckpointStore::loadNewest(
+    const std::function<void(const std::string&)>& onCorrupt) const {
+  for (const auto& file : list()) {
+    try {
+      return LoadedCheckpoint{file, readVerified(file.path)};
+    } catch (const IoError& e) {
+      if (onCorrupt) onCorrupt(std::string(e.what()) + "; trying an older checkpoint");
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace cohort

@@ -1,0 +1,10 @@
+#pragma once
+
+namespace cohort {
+
+// Sets the intra-op thread count of libtorch (OpenMP) and of OpenBLAS, which libtorch calls for
+// dense layers but does not configure. threads <= 0 means this machine's core count.
+// Returns the count set.
+int setComputeThreads(int threads);
+
+}  // namespace cohort

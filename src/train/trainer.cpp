@@ -1,0 +1,362 @@
+#include <cohort/checkpoint.h>
+#include <cohort/error.h>
+#include <cohort/metrics.h>
+#include <cohort/models.h>
+#include <cohort/sampler.h>
+#include <cohort/trainer.h>
+
+#include "train/progress.h"
+#include "train/threads.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+
+namespace cohort {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Steps at the start of a run that the throughput figure leaves out (allocator and JIT warm-up).
+constexpr int64_t kWarmupSteps = 5;
+constexpr int64_t kEvalBatch = 1000;
+
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o,
+                                                       const std::vector<torch::Tensor>& params) {
+  if (o.optimizer == "sgd") {
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(o.lr));
+  }
+  if (o.optimizer == "momentum") {
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(o.lr).momentum(o.momentum));
+  }
+  if (o.optimizer == "adam") {
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(o.lr));
+  }
+  throw InvalidArgument("unknown optimizer '" + o.optimizer + "': expected sgd, momentum or adam");
+}
+
+torch::Tensor crossEntropy(const torch::Tensor& output, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(output, target);
+}
+
+// What a checkpoint must agree on with the run that resumes it.
+std::string fingerprint(const TrainOptions& o, const ReplicaInfo& r) {
+  std::ostringstream out;
+  out << "model=" << o.model << " data=" << o.data << " batch=" << o.batch
+      << " optimizer=" << o.optimizer << " strategy=" << o.strategy.name
+      << " workers=" << r.worldSize << " seed=" << o.seed;
+  return out.str();
+}
+
+}  // namespace
+
+void validate(const TrainOptions& o) {
+  COHORT_CHECK(o.batch > 0, InvalidArgument, "--batch must be positive, got ", o.batch);
+  COHORT_CHECK(o.lr > 0, InvalidArgument, "--lr must be positive, got ", o.lr);
+  COHORT_CHECK(o.steps >= 0, InvalidArgument, "--steps must not be negative, got ", o.steps);
+  COHORT_CHECK(o.steps > 0 || o.epochs > 0, InvalidArgument, "--epochs must be positive, got ", o.epochs);
+  COHORT_CHECK(o.threads >= 0, InvalidArgument, "--threads must not be negative, got ", o.threads);
+  COHORT_CHECK(o.evalEvery >= 0, InvalidArgument, "--eval-every must not be negative, got ", o.evalEvery);
+  COHORT_CHECK(o.targetAccuracy >= 0 && o.targetAccuracy <= 1, InvalidArgument,
+               "--target-accuracy must be between 0 and 1, got ", o.targetAccuracy);
+  COHORT_CHECK(o.checkpointEvery >= 0, InvalidArgument, "--checkpoint-every must not be negative, got ",
+               o.checkpointEvery);
+  COHORT_CHECK(!o.resume || !o.checkpointDir.empty(), InvalidArgument,
+               "--resume needs --checkpoint-dir to find the checkpoint");
+  COHORT_CHECK(o.momentum >= 0 && o.momentum < 1, InvalidArgument, "--momentum must be in [0, 1), got ",
+               o.momentum);
+  COHORT_CHECK(o.optimizer == "sgd" || o.optimizer == "momentum" || o.optimizer == "adam",
+               InvalidArgument, "unknown optimizer '", o.optimizer, "': expected sgd, momentum or adam");
+}
+
+struct Trainer::State {
+  TrainOptions options;
+  DataSplits data;
+  torch::nn::Sequential model{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::unique_ptr<Strategy> strategy;
+  std::unique_ptr<ShardSampler> sampler;
+  std::unique_ptr<CheckpointStore> checkpoints;
+  std::unique_ptr<MetricsWriter> metrics;
+  ReplicaInfo replica;
+  int64_t step = 0;         // steps completed
+  int64_t epoch = 0;        // the epoch under way
+  int64_t stepInEpoch = 0;  // its steps completed
+
+  void warn(const std::string& message) { std::fprintf(stderr, "cohort: warning: %s\n", message.c_str()); }
+
+  std::vector<uint8_t> serialize() {
+    torch::serialize::OutputArchive archive;
+    torch::serialize::OutputArchive modelArchive;
+    model->save(modelArchive);
+    archive.write("model", modelArchive);
+    torch::serialize::OutputArchive optimizerArchive;
+    optimizer->save(optimizerArchive);
+    archive.write("optimizer", optimizerArchive);
+    archive.write("step", c10::IValue(step));
+    archive.write("epoch", c10::IValue(epoch));
+    archive.write("step_in_epoch", c10::IValue(stepInEpoch));
+    archive.write("fingerprint", c10::IValue(fingerprint(options, replica)));
+    {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      archive.write("rng", gen.get_state());
+    }
+    std::vector<uint8_t> bytes;
+    archive.save_to([&](const void* data, size_t size) {
+      auto p = static_cast<const uint8_t*>(data);
+      bytes.insert(bytes.end(), p, p + size);
+      return size;
+    });
+    return bytes;
+  }
+
+  void restore(const LoadedCheckpoint& ckpt) {
+    const std::string& path = ckpt.file.path;
+    torch::serialize::InputArchive archive;
+    c10::IValue value;
+    try {
+      archive.load_from(reinterpret_cast<const char*>(ckpt.payload.data()), ckpt.payload.size());
+      archive.read("fingerprint", value);
+    } catch (const c10::Error& e) {
+      throw IoError(path + ": checkpoint payload is unreadable");
+    }
+    const std::string expected = fingerprint(options, replica);
+    COHORT_CHECK(value.toStringRef() == expected, InvalidArgument, path,
+                 ": checkpoint is from a different run (", value.toStringRef(), "; this run: ",
+                 expected, "): use another --checkpoint-dir or the same settings");
+    try {
+      torch::serialize::InputArchive modelArchive;
+      archive.read("model", modelArchive);
+      model->load(modelArchive);
+      torch::serialize::InputArchive optimizerArchive;
+      archive.read("optimizer", optimizerArchive);
+      optimizer->load(optimizerArchive);
+      archive.read("step", value);
+      step = value.toInt();
+      archive.read("epoch", value);
+      epoch = value.toInt();
+      archive.read("step_in_epoch", value);
+      stepInEpoch = value.toInt();
+      torch::Tensor rng;
+      archive.read("rng", rng);
+      auto gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng);
+    } catch (const c10::Error& e) {
+      std::string what = e.what_without_backtrace();
+      throw IoError(path + ": checkpoint does not fit this model: " + what.substr(0, what.find('\n')));
+    }
+  }
+
+  void resume() {
+    auto loaded = checkpoints->loadNewest([&](const std::string& m) { warn(m); });
+    if (!loaded) {
+      COHORT_CHECK(checkpoints->list().empty(), IoError, "no readable checkpoint in ",
+                   checkpoints->dir(), ": every one is corrupt (see the warnings above)");
+      warn("--resume: no checkpoint in " + checkpoints->dir() + " yet; starting from scratch");
+      return;
+    }
+    restore(*loaded);
+    std::fprintf(stderr, "cohort: resumed from %s (step %lld, epoch %lld)\n", loaded->file.path.c_str(),
+                 (long long)step, (long long)epoch + 1);
+  }
+
+  void saveCheckpoint() {
+    strategy->synchronize();
+    if (!replica.isChief() || !checkpoints) return;
+    checkpoints->save(step, serialize());
+  }
+
+  struct Eval {
+    double accuracy = 0;
+    double loss = 0;
+  };
+
+  Eval evaluate() {
+    torch::NoGradGuard noGrad;
+    model->eval();
+    const Dataset& test = data.test;
+    const int64_t n = test.size();
+    double lossSum = 0;
+    int64_t correct = 0;
+    std::vector<int64_t> idx;
+    for (int64_t start = 0; start < n; start += kEvalBatch) {
+      const int64_t count = std::min(kEvalBatch, n - start);
+      idx.resize(size_t(count));
+      std::iota(idx.begin(), idx.end(), start);
+      Batch batch = makeBatch(test, idx);
+      auto out = model->forward(batch.inputs);
+      lossSum += torch::nn::functional::cross_entropy(
+                     out, batch.targets,
+                     torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                     .item<double>();
+      correct += out.argmax(1).eq(batch.targets).sum().item<int64_t>();
+    }
+    model->train();
+    return {double(correct) / double(n), lossSum / double(n)};
+  }
+};
+
+Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
+  validate(options);
+  State& s = *state_;
+  s.options = std::move(options);
+  const TrainOptions& o = s.options;
+  setComputeThreads(o.threads);
+  torch::manual_seed(o.seed);
+
+  s.strategy = makeStrategy(o.strategy);
+  s.replica = s.strategy->replica();
+  s.data = loadData(o.data, o.seed);
+  s.model = makeModel(o.model, {s.data.channels(), s.data.height(), s.data.width(), s.data.classes});
+  s.model->train();
+  s.optimizer = makeOptimizer(o, s.model->parameters());
+  s.sampler = std::make_unique<ShardSampler>(SamplerOptions{.datasetSize = s.data.train.size(),
+                                                            .rank = s.replica.rank,
+                                                            .worldSize = s.replica.worldSize,
+                                                            .seed = o.seed});
+  COHORT_CHECK(s.sampler->samplesPerRank() > 0, InvalidArgument, "the training set is empty");
+  if (!o.checkpointDir.empty()) {
+    s.checkpoints = std::make_unique<CheckpointStore>(o.checkpointDir);
+    if (o.resume) s.resume();
+  }
+  // attach after resume: it makes every replica start from the chief's (restored) parameters.
+  s.strategy->attach(s.model, *s.optimizer);
+  if (s.replica.isChief()) s.metrics = std::make_unique<MetricsWriter>(o.metricsPath, o.resume);
+}
+
+Trainer::~Trainer() = default;
+
+torch::nn::Sequential Trainer::model() const { return state_->model; }
+
+TrainResult Trainer::run() {
+  State& s = *state_;
+  const TrainOptions& o = s.options;
+  const bool chief = s.replica.isChief();
+  const int64_t perEpoch = s.sampler->batchesPerEpoch(o.batch);
+  const int64_t totalSteps = o.steps > 0 ? o.steps : o.epochs * perEpoch;
+  const LossFn loss = crossEntropy;
+
+  Progress::Style style = Progress::Style::kOff;
+  if (chief) {
+    switch (o.progress) {
+      case ProgressMode::kAuto: style = Progress::autoStyle(); break;
+      case ProgressMode::kBar: style = Progress::Style::kBar; break;
+      case ProgressMode::kLines: style = Progress::Style::kLines; break;
+      case ProgressMode::kOff: break;
+    }
+  }
+  Progress progress(style, totalSteps, o.progressIntervalSeconds);
+
+  TrainResult result;
+  const auto start = Clock::now();
+  const int64_t firstStep = s.step;
+  double steadySeconds = 0;
+  int64_t steadySamples = 0;
+  double recentLoss = 0;
+  bool stop = false;
+
+  auto runEval = [&]() {
+    s.strategy->synchronize();
+    if (!chief) return;
+    auto ev = s.evaluate();
+    result.testAccuracy = ev.accuracy;
+    result.testLoss = ev.loss;
+    const double wall = secondsSince(start);
+    MetricFields fields{{"step", s.step}, {"epoch", s.epoch}, {"accuracy", ev.accuracy},
+                        {"loss", ev.loss}, {"wall_s", wall}};
+    if (o.targetAccuracy > 0 && ev.accuracy >= o.targetAccuracy && !result.secondsToTarget) {
+      result.secondsToTarget = wall;
+      fields.emplace_back("seconds_to_target", wall);
+      stop = true;
+    }
+    s.metrics->write("eval", fields);
+    char text[160];
+    std::snprintf(text, sizeof(text), "eval at step %lld: test accuracy %.4f, loss %.4f",
+                  (long long)s.step, ev.accuracy, ev.loss);
+    progress.message(text);
+  };
+
+  while (s.step < totalSteps && !stop) {
+    const std::vector<int64_t> indices = s.sampler->epochIndices(s.epoch);
+    const int64_t n = int64_t(indices.size());
+    while (s.stepInEpoch < perEpoch && s.step < totalSteps && !stop) {
+      const auto stepStart = Clock::now();
+      const int64_t begin = s.stepInEpoch * o.batch;
+      const int64_t count = std::min(o.batch, n - begin);
+      Batch batch = makeBatch(s.data.train, std::span(indices).subspan(size_t(begin), size_t(count)));
+      StepStats stats = s.strategy->step(batch, loss);
+      ++s.step;
+      ++s.stepInEpoch;
+      result.bytesSent += stats.bytesSent;
+      result.bytesReceived += stats.bytesReceived;
+      result.commWaitSeconds += stats.commWaitSeconds;
+      recentLoss = stats.loss;
+      COHORT_CHECK(std::isfinite(stats.loss), Error, "the loss became ", stats.loss, " at step ",
+                   s.step, ": lower --lr");
+      const double stepSeconds = secondsSince(stepStart);
+      if (s.step - firstStep > kWarmupSteps) {
+        steadySeconds += stepSeconds;
+        steadySamples += stats.samples;
+      }
+      const double rate = steadySeconds > 0 ? double(steadySamples) / steadySeconds
+                                            : double(stats.samples) / stepSeconds;
+      if (chief) {
+        s.metrics->write("step", {{"step", s.step}, {"epoch", s.epoch}, {"loss", stats.loss},
+                                  {"samples", stats.samples}, {"step_s", stepSeconds},
+                                  {"compute_s", stats.computeSeconds},
+                                  {"comm_wait_s", stats.commWaitSeconds},
+                                  {"bytes_sent", stats.bytesSent},
+                                  {"bytes_received", stats.bytesReceived},
+                                  {"wall_s", secondsSince(start)}});
+      }
+      progress.update(s.step, s.epoch, stats.loss, rate);
+      if (o.evalEvery > 0 && s.step % o.evalEvery == 0 && s.step < totalSteps) runEval();
+      if (s.checkpoints && o.checkpointEvery > 0 && s.step % o.checkpointEvery == 0 &&
+          s.step < totalSteps) {
+        s.saveCheckpoint();
+      }
+    }
+    if (s.stepInEpoch >= perEpoch) {
+      ++s.epoch;
+      s.stepInEpoch = 0;
+    }
+  }
+  progress.finish();
+
+  if (!stop) runEval();
+  if (s.checkpoints) s.saveCheckpoint();
+
+  result.steps = s.step;
+  result.epochs = s.epoch + (s.stepInEpoch > 0 ? 1 : 0);
+  result.lastTrainLoss = recentLoss;
+  result.wallSeconds = secondsSince(start);
+  result.samplesPerSecond = steadySeconds > 0 ? double(steadySamples) / steadySeconds : 0.0;
+  if (chief) {
+    MetricFields done{{"steps", result.steps},
+                      {"epochs", result.epochs},
+                      {"samples_per_s", result.samplesPerSecond},
+                      {"test_accuracy", result.testAccuracy},
+                      {"test_loss", result.testLoss},
+                      {"wall_s", result.wallSeconds},
+                      {"bytes_sent", result.bytesSent},
+                      {"bytes_received", result.bytesReceived},
+                      {"comm_wait_s", result.commWaitSeconds},
+                      {"strategy", o.strategy.name},
+                      {"model", o.model},
+                      {"workers", int64_t(s.replica.worldSize)}};
+    if (result.secondsToTarget) done.emplace_back("seconds_to_target", *result.secondsToTarget);
+    s.metrics->write("done", done);
+  }
+  return result;
+}
+
+}  // namespace cohort
