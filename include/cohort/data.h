@@ -35,7 +35,7 @@ struct DataSplits {
 inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
 
 // spec is one of:
-//   fashion-mnist          Fashion-MNIST from kFashionMnistDir
+//   fashion-mnist          Fashion-MNIST from kFashionMnistDir, or $COHORT_FASHION_MNIST_DIR
 //   mnist:DIR              any IDX pair in DIR: {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]
 //   synthetic[:N]          N (default 60000) random 1x28x28 images with 10 classes, plus N/6 test
 //                          images; labels depend on the images, so a model can learn them.

@@ -5,11 +5,21 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <string>
+#include <vector>
 
 namespace cohort::cli {
 
 using Run = std::function<int()>;
 
 Run addTrainCommand(CLI::App& app);
+
+// The options a TOML file sets, as command-line arguments for `command` ("--batch", "32", ...).
+// Throws InvalidArgument naming the file and the key that `command` does not know.
+std::vector<std::string> configToArgs(const CLI::App& command, const std::string& path);
+
+// Replaces `--config FILE` (or --config=FILE) after a subcommand by the options FILE sets, placed
+// before the other arguments so that the command line overrides the file.
+std::vector<std::string> expandConfig(const CLI::App& app, std::vector<std::string> args);
 
 }  // namespace cohort::cli

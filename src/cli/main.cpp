@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -18,6 +19,37 @@ int fail(int code, const std::string& message) {
 
 }  // namespace
 
+namespace cohort::cli {
+
+std::vector<std::string> expandConfig(const CLI::App& app, std::vector<std::string> args) {
+  if (args.empty()) return args;
+  const CLI::App* command = nullptr;
+  for (const CLI::App* sub : app.get_subcommands({})) {
+    if (sub->get_name() == args[0]) command = sub;
+  }
+  if (command == nullptr) return args;
+  std::string path;
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (args[i] == "--") break;
+    if (args[i] == "--config" && i + 1 < args.size()) {
+      path = args[i + 1];
+      args.erase(args.begin() + long(i), args.begin() + long(i) + 2);
+      break;
+    }
+    if (args[i].rfind("--config=", 0) == 0) {
+      path = args[i].substr(9);
+      args.erase(args.begin() + long(i));
+      break;
+    }
+  }
+  if (path.empty()) return args;
+  std::vector<std::string> fromFile = configToArgs(*command, path);
+  args.insert(args.begin() + 1, fromFile.begin(), fromFile.end());
+  return args;
+}
+
+}  // namespace cohort::cli
+
 int main(int argc, char** argv) {
   CLI::App app{"cohort: distributed training of neural networks on libtorch"};
   app.require_subcommand(1);
@@ -25,7 +57,11 @@ int main(int argc, char** argv) {
   cohort::cli::Run train = cohort::cli::addTrainCommand(app);
 
   try {
-    app.parse(argc, argv);
+    std::vector<std::string> args = cohort::cli::expandConfig(app, {argv + 1, argv + argc});
+    std::reverse(args.begin(), args.end());  // CLI11 takes them last first
+    app.parse(args);
+  } catch (const cohort::InvalidArgument& e) {
+    return fail(2, e.what());
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {

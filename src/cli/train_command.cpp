@@ -1,19 +1,55 @@
+#include <cohort/error.h>
 #include <cohort/trainer.h>
 
 #include "cli/commands.h"
 
 #include <cstdio>
+#include <algorithm>
 #include <map>
 
 namespace cohort::cli {
+
+std::vector<std::string> configToArgs(const CLI::App& command, const std::string& path) {
+  std::vector<CLI::ConfigItem> items;
+  try {
+    items = CLI::ConfigTOML().from_file(path);
+  } catch (const CLI::Error& e) {
+    throw InvalidArgument(path + ": cannot read the config file: " + e.what());
+  }
+  std::vector<std::string> args;
+  for (const auto& item : items) {
+    if (item.name == "++" || item.name == "--") continue;  // section markers
+    COHORT_CHECK(item.parents.empty(), InvalidArgument, path, ": unknown key '", item.fullname(),
+                 "': sections are not used, write the keys at the top level");
+    std::string flag = "--" + item.name;
+    std::replace(flag.begin() + 2, flag.end(), '_', '-');
+    const CLI::Option* option = command.get_option_no_throw(flag);
+    COHORT_CHECK(option != nullptr && flag != "--config" && flag != "--help", InvalidArgument, path,
+                 ": unknown key '", item.name, "' (see cohort ", command.get_name(), " --help)");
+    if (option->get_expected_max() == 0) {  // a flag: true or false
+      COHORT_CHECK(item.inputs.size() == 1 && (item.inputs[0] == "true" || item.inputs[0] == "false"),
+                   InvalidArgument, path, ": key '", item.name, "' takes true or false");
+      if (item.inputs[0] == "true") args.push_back(flag);
+      continue;
+    }
+    COHORT_CHECK(item.inputs.size() == 1, InvalidArgument, path, ": key '", item.name,
+                 "' takes one value");
+    args.push_back(flag);
+    args.push_back(item.inputs[0]);
+  }
+  return args;
+}
 
 Run addTrainCommand(CLI::App& app) {
   auto options = std::make_shared<TrainOptions>();
   auto progress = std::make_shared<std::string>("auto");
   TrainOptions& o = *options;
   CLI::App* train = app.add_subcommand("train", "Train a model with one of the distribution schemes");
-  train->set_config("--config", "", "Read options from a TOML file (keys are the long flag names)");
-  train->allow_config_extras(false);
+  // A flag given twice (in --config and on the command line) takes the last: the command line.
+  train->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // Read by expandConfig() before parsing; declared here for --help.
+  train->add_option("--config", "Read options from a TOML file: keys are the long flag names "
+                                "(batch = 32, eval-every = 100); the command line overrides them");
 
   train->add_option("--model", o.model, "mlp, cnn, lstm, or a TorchScript file FILE.pt")
       ->capture_default_str();

@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <filesystem>
 
 namespace cohort {
@@ -25,8 +26,8 @@ std::string findIdx(const std::string& dir, const std::string& stem) {
 
 Dataset loadIdxPair(const std::string& dir, const std::string& prefix) {
   const std::string imagesPath = findIdx(dir, prefix + "-images-idx3-ubyte");
-  const std::string labelsPath = findIdx(dir, prefix + "-labels-idx1-ubyte");
   IdxArray images = readIdxFile(imagesPath);
+  const std::string labelsPath = findIdx(dir, prefix + "-labels-idx1-ubyte");
   IdxArray labels = readIdxFile(labelsPath);
   COHORT_CHECK(images.type == IdxType::kUint8 && (images.dims.size() == 3 || images.dims.size() == 4),
                IoError, imagesPath, ": expected uint8 images of shape [N, H, W] or [N, C, H, W]");
@@ -74,10 +75,12 @@ Dataset makeSynthetic(int64_t n, const torch::Tensor& templates, torch::Generato
 
 DataSplits loadData(const std::string& spec, uint64_t seed) {
   if (spec == "fashion-mnist") {
-    COHORT_CHECK(fs::is_directory(kFashionMnistDir), IoError, "Fashion-MNIST is not installed (",
-                 kFashionMnistDir, " is missing): install Debian's package dataset-fashion-mnist "
+    const char* env = std::getenv("COHORT_FASHION_MNIST_DIR");
+    const std::string dir = (env != nullptr && *env != '\0') ? env : kFashionMnistDir;
+    COHORT_CHECK(fs::is_directory(dir), IoError, "Fashion-MNIST is not installed (", dir,
+                 " is missing): install Debian's package dataset-fashion-mnist "
                  "(apt-get install dataset-fashion-mnist), or pass --data mnist:DIR or --data synthetic");
-    return loadIdxDir("fashion-mnist", kFashionMnistDir);
+    return loadIdxDir("fashion-mnist", dir);
   }
   if (spec.rfind("mnist:", 0) == 0) {
     const std::string dir = spec.substr(6);

@@ -157,13 +157,16 @@ struct Trainer::State {
   }
 
   void resume() {
-    auto loaded = checkpoints->loadNewest([&](const std::string& m) { warn(m); });
+    std::vector<std::string> corrupt;
+    auto loaded = checkpoints->loadNewest([&](const std::string& m) { corrupt.push_back(m); });
     if (!loaded) {
-      COHORT_CHECK(checkpoints->list().empty(), IoError, "no readable checkpoint in ",
-                   checkpoints->dir(), ": every one is corrupt (see the warnings above)");
+      std::string all;
+      for (const auto& m : corrupt) all += (all.empty() ? "" : " | ") + m.substr(0, m.find("; trying"));
+      COHORT_CHECK(corrupt.empty(), IoError, "no readable checkpoint in ", checkpoints->dir(), ": ", all);
       warn("--resume: no checkpoint in " + checkpoints->dir() + " yet; starting from scratch");
       return;
     }
+    for (const auto& m : corrupt) warn(m);
     restore(*loaded);
     std::fprintf(stderr, "cohort: resumed from %s (step %lld, epoch %lld)\n", loaded->file.path.c_str(),
                  (long long)step, (long long)epoch + 1);
@@ -261,6 +264,8 @@ TrainResult Trainer::run() {
   const int64_t firstStep = s.step;
   double steadySeconds = 0;
   int64_t steadySamples = 0;
+  double allSeconds = 0;  // for runs too short to have a steady state
+  int64_t allSamples = 0;
   double recentLoss = 0;
   bool stop = false;
 
@@ -303,6 +308,8 @@ TrainResult Trainer::run() {
       COHORT_CHECK(std::isfinite(stats.loss), Error, "the loss became ", stats.loss, " at step ",
                    s.step, ": lower --lr");
       const double stepSeconds = secondsSince(stepStart);
+      allSeconds += stepSeconds;
+      allSamples += stats.samples;
       if (s.step - firstStep > kWarmupSteps) {
         steadySeconds += stepSeconds;
         steadySamples += stats.samples;
@@ -339,7 +346,9 @@ TrainResult Trainer::run() {
   result.epochs = s.epoch + (s.stepInEpoch > 0 ? 1 : 0);
   result.lastTrainLoss = recentLoss;
   result.wallSeconds = secondsSince(start);
-  result.samplesPerSecond = steadySeconds > 0 ? double(steadySamples) / steadySeconds : 0.0;
+  result.samplesPerSecond = steadySeconds > 0   ? double(steadySamples) / steadySeconds
+                            : allSeconds > 0 ? double(allSamples) / allSeconds
+                                             : 0.0;
   if (chief) {
     MetricFields done{{"steps", result.steps},
                       {"epochs", result.epochs},

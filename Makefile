@@ -1,0 +1,36 @@
+# cohort: `make demo` and `make test` each set up, build and run on a fresh Debian machine.
+BUILD ?= build
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+
+.PHONY: all setup configure build test test-unit demo bench clean
+
+all: build
+
+setup:
+	@bash scripts/setup.sh
+
+$(BUILD)/build.ninja:
+	cmake -S . -B $(BUILD) -G Ninja $(CMAKE_FLAGS)
+
+configure: $(BUILD)/build.ninja
+
+build: setup configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+# Every test: unit, multiproc and slow.
+test: build
+	cd $(BUILD) && ctest --output-on-failure --timeout 900
+
+test-unit: build
+	cd $(BUILD) && ctest --output-on-failure -L unit
+
+# The main job.
+demo: build
+	bash scripts/demo.sh $(BUILD)
+
+bench: build
+	bash bench/run_all.sh $(BUILD)
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,112 @@
+#include <cohort/checkpoint.h>
+#include <cohort/error.h>
+
+#include <filesystem>
+
+#include "test_util.h"
+
+namespace cohort {
+namespace {
+
+std::vector<uint8_t> payloadFor(int64_t step, size_t size) {
+  std::vector<uint8_t> p(size);
+  for (size_t i = 0; i < size; ++i) p[i] = uint8_t((i * 31 + size_t(step) * 7) & 0xFF);
+  return p;
+}
+
+void flipByte(const std::string& path, size_t offset) {
+  std::string bytes = test::readFile(path);
+  bytes[offset] = char(bytes[offset] ^ 0x5A);
+  test::writeFile(path, bytes);
+}
+
+TEST(Checkpoint, RoundTripsAndListsNewestFirst) {
+  test::TempDir dir;
+  CheckpointStore store(dir.path());
+  store.save(5, payloadFor(5, 1000));
+  store.save(10, payloadFor(10, 2000));
+  auto files = store.list();
+  ASSERT_EQ(files.size(), 2u);
+  EXPECT_EQ(files[0].step, 10);
+  EXPECT_EQ(files[1].step, 5);
+  auto loaded = store.loadNewest(nullptr);
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->file.step, 10);
+  EXPECT_EQ(loaded->payload, payloadFor(10, 2000));
+}
+
+TEST(Checkpoint, KeepsOnlyTheNewest) {
+  test::TempDir dir;
+  CheckpointStore store(dir.path(), "ckpt", 3);
+  for (int64_t step = 1; step <= 6; ++step) store.save(step * 100, payloadFor(step, 10));
+  auto files = store.list();
+  ASSERT_EQ(files.size(), 3u);
+  EXPECT_EQ(files.back().step, 400);
+}
+
+TEST(Checkpoint, CorruptNewestFallsBackToPrevious) {
+  test::TempDir dir;
+  CheckpointStore store(dir.path());
+  store.save(1, payloadFor(1, 500));
+  const std::string newest = store.save(2, payloadFor(2, 500));
+  flipByte(newest, 100);
+  std::vector<std::string> warnings;
+  auto loaded = store.loadNewest([&](const std::string& m) { warnings.push_back(m); });
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->file.step, 1);
+  EXPECT_EQ(loaded->payload, payloadFor(1, 500));
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find(newest), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("checksum mismatch"), std::string::npos) << warnings[0];
+}
+
+TEST(Checkpoint, TruncatedFileIsRefusedWithItsPath) {
+  test::TempDir dir;
+  CheckpointStore store(dir.path());
+  const std::string path = store.save(3, payloadFor(3, 5000));
+  std::filesystem::resize_file(path, 3000);
+  try {
+    CheckpointStore::readVerified(path);
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(path + ": corrupt checkpoint"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(store.loadNewest(nullptr).has_value());
+}
+
+TEST(Checkpoint, ForeignFileIsNotACheckpoint) {
+  test::TempDir dir;
+  test::writeFile(dir.file("ckpt-0000000007.ckpt"), "hello, not a checkpoint at all");
+  EXPECT_THROW(CheckpointStore::readVerified(dir.file("ckpt-0000000007.ckpt")), IoError);
+}
+
+TEST(Checkpoint, TemporaryFilesAreIgnored) {
+  test::TempDir dir;
+  CheckpointStore store(dir.path());
+  store.save(1, payloadFor(1, 10));
+  test::writeFile(dir.file("ckpt-0000000009.ckpt.tmp.123"), "partial");
+  auto files = store.list();
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0].step, 1);
+}
+
+TEST(Checkpoint, EmptyPayloadRoundTrips) {
+  test::TempDir dir;
+  CheckpointStore store(dir.path());
+  store.save(0, {});
+  auto loaded = store.loadNewest(nullptr);
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_TRUE(loaded->payload.empty());
+}
+
+TEST(Checkpoint, PrefixesKeepStoresApart) {
+  test::TempDir dir;
+  CheckpointStore a(dir.path(), "stage0");
+  CheckpointStore b(dir.path(), "stage1");
+  a.save(1, payloadFor(1, 10));
+  EXPECT_EQ(a.list().size(), 1u);
+  EXPECT_TRUE(b.list().empty());
+}
+
+}  // namespace
+}  // namespace cohort

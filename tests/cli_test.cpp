@@ -1,0 +1,100 @@
+// Bad input at the command line: one line naming the problem, a non-zero exit, no crash.
+#include <zlib.h>
+
+#include "test_util.h"
+
+namespace cohort {
+namespace {
+
+void expectOneLineError(const std::string& args, const std::string& needle, int code = -1,
+                        const std::string& env = "") {
+  auto r = test::runCommand("env " + env + test::cohortBinary() + " " + args, 120);
+  EXPECT_NE(r.exitCode, 0) << args;
+  if (code >= 0) EXPECT_EQ(r.exitCode, code) << args << "\n" << r.output;
+  auto lines = test::lines(r.output);
+  ASSERT_EQ(lines.size(), 1u) << args << "\n" << r.output;
+  EXPECT_EQ(lines[0].rfind("cohort: error: ", 0), 0u) << lines[0];
+  EXPECT_NE(lines[0].find(needle), std::string::npos) << "expected '" << needle << "' in: " << lines[0];
+}
+
+TEST(Cli, UnknownModel) { expectOneLineError("train --model resnet --steps 1", "unknown model 'resnet'", 2); }
+
+TEST(Cli, UnknownFlag) { expectOneLineError("train --bogus 3", "--bogus", 2); }
+
+TEST(Cli, NegativeBatch) { expectOneLineError("train --batch -4 --steps 1", "--batch must be positive", 2); }
+
+TEST(Cli, NotANumber) { expectOneLineError("train --lr fast", "--lr", 2); }
+
+TEST(Cli, UnknownStrategy) {
+  expectOneLineError("train --strategy telepathy --steps 1 --data synthetic:60", "unknown strategy", 2);
+}
+
+TEST(Cli, MissingFashionMnistNamesTheDebianPackage) {
+  expectOneLineError("train --steps 1", "apt-get install dataset-fashion-mnist", 1,
+                     "COHORT_FASHION_MNIST_DIR=/nonexistent/fashion ");
+}
+
+TEST(Cli, MissingDataDirectory) {
+  expectOneLineError("train --data mnist:/nonexistent/data --steps 1", "/nonexistent/data: no such directory");
+}
+
+void writeGzip(const std::string& path, const std::string& bytes) {
+  gzFile f = gzopen(path.c_str(), "wb");
+  gzwrite(f, bytes.data(), unsigned(bytes.size()));
+  gzclose(f);
+}
+
+TEST(Cli, TruncatedIdxFile) {
+  test::TempDir dir;
+  // A header that promises 10 images of 28x28 followed by only 100 bytes.
+  std::string header{'\0', '\0', '\x08', '\x03', '\0', '\0', '\0', '\x0a', '\0', '\0', '\0', '\x1c', '\0', '\0', '\0', '\x1c'};
+  writeGzip(dir.file("train-images-idx3-ubyte.gz"), header + std::string(100, 'x'));
+  expectOneLineError("train --data mnist:" + dir.path() + " --steps 1", "truncated IDX file");
+}
+
+TEST(Cli, WrongMagicIdxFile) {
+  test::TempDir dir;
+  test::writeFile(dir.file("train-images-idx3-ubyte"), "GIF89a not an idx file");
+  expectOneLineError("train --data mnist:" + dir.path() + " --steps 1", "wrong magic");
+}
+
+TEST(Cli, NotATorchScriptFile) {
+  test::TempDir dir;
+  test::writeFile(dir.file("model.pt"), "definitely not torchscript");
+  expectOneLineError("train --model " + dir.file("model.pt") + " --data synthetic:60 --steps 1",
+                     dir.file("model.pt") + ": not a TorchScript module");
+}
+
+TEST(Cli, UnknownConfigKey) {
+  test::TempDir dir;
+  test::writeFile(dir.file("c.toml"), "batch = 32\nlearning_speed = 3\n");
+  expectOneLineError("train --config " + dir.file("c.toml"), "learning_speed", 2);
+}
+
+TEST(Cli, ConfigFileSetsOptions) {
+  test::TempDir dir;
+  test::writeFile(dir.file("c.toml"), "model = \"mlp\"\ndata = \"synthetic:120\"\nsteps = 3\nbatch = 8\nprogress = \"off\"\n");
+  auto r = test::runCommand(test::cohortBinary() + " train --config " + dir.file("c.toml") + " --threads 1");
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("done: 3 steps"), std::string::npos) << r.output;
+}
+
+TEST(Cli, ResumeWithOnlyCorruptCheckpointsNamesThem) {
+  test::TempDir dir;
+  test::writeFile(dir.file("ckpt-0000000004.ckpt"), "COHORTCK garbage");
+  expectOneLineError("train --data synthetic:60 --steps 5 --checkpoint-dir " + dir.path() + " --resume",
+                     "no readable checkpoint in " + dir.path());
+}
+
+TEST(Cli, HelpListsTheTrainOptions) {
+  auto r = test::runCommand(test::cohortBinary() + " train --help");
+  EXPECT_EQ(r.exitCode, 0);
+  for (const char* flag : {"--model", "--data", "--epochs", "--steps", "--batch", "--lr", "--optimizer",
+                           "--threads", "--seed", "--eval-every", "--target-accuracy", "--checkpoint-dir",
+                           "--resume", "--metrics", "--strategy", "--config"}) {
+    EXPECT_NE(r.output.find(flag), std::string::npos) << flag;
+  }
+}
+
+}  // namespace
+}  // namespace cohort

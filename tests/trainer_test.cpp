@@ -1,0 +1,174 @@
+#include <cohort/checkpoint.h>
+#include <cohort/error.h>
+#include <cohort/trainer.h>
+
+#include <nlohmann/json.hpp>
+
+#include <torch/torch.h>
+
+#include "test_util.h"
+
+namespace cohort {
+namespace {
+
+TrainOptions smallRun() {
+  TrainOptions o;
+  o.model = "mlp";
+  o.data = "synthetic:640";
+  o.batch = 16;
+  o.threads = 1;
+  o.seed = 3;
+  o.progress = ProgressMode::kOff;
+  o.optimizer = "momentum";
+  return o;
+}
+
+std::vector<torch::Tensor> parametersOf(const Trainer& t) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : t.model()->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void expectIdentical(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i << " differs by "
+                                          << (a[i] - b[i]).abs().max().item<double>();
+  }
+}
+
+TEST(Trainer, ResumeReachesTheSameParametersAsAnUninterruptedRun) {
+  for (const char* optimizer : {"momentum", "adam"}) {
+    // 40 steps cross an epoch boundary (640 / 16 = 40 steps per epoch... use 55 to cross it).
+    TrainOptions full = smallRun();
+    full.optimizer = optimizer;
+    full.steps = 55;
+    Trainer uninterrupted(full);
+    uninterrupted.run();
+
+    test::TempDir dir;
+    TrainOptions first = full;
+    first.steps = 47;  // stops mid-epoch, checkpoint at the end
+    first.checkpointDir = dir.path();
+    Trainer(first).run();
+
+    TrainOptions second = full;
+    second.checkpointDir = dir.path();
+    second.resume = true;
+    Trainer resumed(second);
+    TrainResult r = resumed.run();
+    EXPECT_EQ(r.steps, 55);
+    expectIdentical(parametersOf(uninterrupted), parametersOf(resumed));
+  }
+}
+
+TEST(Trainer, ResumeSkipsACorruptCheckpoint) {
+  test::TempDir dir;
+  TrainOptions o = smallRun();
+  o.steps = 20;
+  o.checkpointEvery = 10;
+  o.checkpointDir = dir.path();
+  Trainer(o).run();
+  CheckpointStore store(dir.path());
+  auto files = store.list();
+  ASSERT_EQ(files.size(), 2u);  // steps 10 and 20
+  std::string bytes = test::readFile(files[0].path);
+  bytes[bytes.size() / 2] ^= 0x11;
+  test::writeFile(files[0].path, bytes);
+
+  // Resuming now starts from step 10; training to 20 must give the uninterrupted result.
+  TrainOptions again = o;
+  again.resume = true;
+  again.checkpointEvery = 0;
+  testing::internal::CaptureStderr();
+  Trainer resumed(again);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(files[0].path), std::string::npos) << err;
+  EXPECT_NE(err.find("resumed from " + files[1].path), std::string::npos) << err;
+
+  TrainOptions plain = smallRun();
+  plain.steps = 20;
+  Trainer reference(plain);
+  reference.run();
+  resumed.run();
+  expectIdentical(parametersOf(reference), parametersOf(resumed));
+}
+
+TEST(Trainer, ResumeRefusesACheckpointOfAnotherRun) {
+  test::TempDir dir;
+  TrainOptions o = smallRun();
+  o.steps = 5;
+  o.checkpointDir = dir.path();
+  Trainer(o).run();
+  TrainOptions other = o;
+  other.batch = 32;
+  other.resume = true;
+  try {
+    Trainer t(other);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint is from a different run"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Trainer, MetricsHaveStepEvalAndDoneEvents) {
+  test::TempDir dir;
+  TrainOptions o = smallRun();
+  o.steps = 12;
+  o.evalEvery = 5;
+  o.metricsPath = dir.file("m.jsonl");
+  TrainResult r = Trainer(o).run();
+  auto lines = test::lines(test::readFile(o.metricsPath));
+  int steps = 0, evals = 0, done = 0;
+  for (const auto& line : lines) {
+    auto j = nlohmann::json::parse(line);
+    const std::string event = j["event"];
+    if (event == "step") {
+      ++steps;
+      EXPECT_EQ(j["samples"], 16);
+    } else if (event == "eval") {
+      ++evals;
+      EXPECT_GE(j["accuracy"].get<double>(), 0.0);
+    } else if (event == "done") {
+      ++done;
+      EXPECT_EQ(j["steps"], 12);
+      EXPECT_GT(j["samples_per_s"].get<double>(), 0.0);
+      EXPECT_DOUBLE_EQ(j["test_accuracy"].get<double>(), r.testAccuracy);
+      EXPECT_GT(j["wall_s"].get<double>(), 0.0);
+    }
+  }
+  EXPECT_EQ(steps, 12);
+  EXPECT_EQ(evals, 3);  // at steps 5, 10 and the end
+  EXPECT_EQ(done, 1);
+  EXPECT_EQ(nlohmann::json::parse(lines.back())["event"], "done");
+}
+
+TEST(Trainer, TargetAccuracyStopsEarly) {
+  TrainOptions o = smallRun();
+  o.data = "synthetic:1200";
+  o.epochs = 20;
+  o.evalEvery = 10;
+  o.targetAccuracy = 0.9;  // the synthetic classes are easy to tell apart
+  TrainResult r = Trainer(o).run();
+  ASSERT_TRUE(r.secondsToTarget.has_value());
+  EXPECT_GE(r.testAccuracy, 0.9);
+  EXPECT_LT(r.steps, 20 * 1200 / 16);
+}
+
+TEST(Trainer, RejectsBadOptions) {
+  TrainOptions o = smallRun();
+  o.batch = -1;
+  EXPECT_THROW(validate(o), InvalidArgument);
+  o = smallRun();
+  o.optimizer = "rmsprop";
+  EXPECT_THROW(validate(o), InvalidArgument);
+  o = smallRun();
+  o.resume = true;
+  EXPECT_THROW(validate(o), InvalidArgument);
+  o = smallRun();
+  o.strategy.name = "telepathy";
+  EXPECT_THROW(Trainer{o}, InvalidArgument);
+}
+
+}  // namespace
+}  // namespace cohort
