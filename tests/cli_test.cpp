@@ -26,7 +26,7 @@ TEST(Cli, NegativeBatch) { expectOneLineError("train --batch -4 --steps 1", "--b
 TEST(Cli, NotANumber) { expectOneLineError("train --lr fast", "--lr", 2); }
 
 TEST(Cli, UnknownStrategy) {
-  expectOneLineError("train --strategy telepathy --steps 1 --data synthetic:60", "unknown strategy", 2);
+  expectOneLineError("train --strategy telepathy --steps 1 --data synthetic:60", "--strategy: telepathy not in", 2);
 }
 
 TEST(Cli, MissingFashionMnistNamesTheDebianPackage) {

@@ -53,10 +53,23 @@ class Strategy {
 
 // Options of every scheme; each strategy reads the ones it needs.
 struct StrategyOptions {
-  std::string name = "local";
+  std::string name = "local";  // local | allreduce | average
+  // allreduce
+  double bucketMb = 25.0;
+  double firstBucketMb = 1.0;
+  bool overlap = true;
+  // average
+  int64_t period = 1;
+  bool averageOptimizerState = false;
 };
 
-// Throws InvalidArgument for an unknown or not yet available scheme.
-std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options);
+class Communicator;
+
+// `comm` is the job's communicator, null for a single process. Throws InvalidArgument for an
+// unknown scheme, or one that cannot run with this communicator.
+std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, std::shared_ptr<Communicator> comm);
+
+// Whether the scheme exchanges anything between processes (and so needs a communicator).
+bool isDistributed(const std::string& strategyName);
 
 }  // namespace cohort

@@ -20,7 +20,7 @@ struct TrainOptions {
   double lr = 0.01;
   std::string optimizer = "momentum";  // sgd | momentum | adam
   double momentum = 0.9;
-  int threads = 0;  // intra-op threads; 0 = this machine's cores
+  int threads = 0;  // intra-op threads; 0 = $OMP_NUM_THREADS, else cores / workers on this host
   uint64_t seed = 1;
   int64_t evalEvery = 0;  // steps; 0 = at the end only
   double targetAccuracy = 0.0;  // stop at the first evaluation that reaches it; 0 = never
@@ -28,6 +28,8 @@ struct TrainOptions {
   int64_t checkpointEvery = 0;  // steps; 0 = at the end only (when checkpointDir is set)
   bool resume = false;
   std::string metricsPath;  // JSON lines; empty = none
+  std::string saveModelPath;  // the trained model (torch::save); "{rank}" in it: every rank writes
+  double timeoutSeconds = 60.0;  // every wait on a peer
   ProgressMode progress = ProgressMode::kAuto;
   double progressIntervalSeconds = 5.0;  // for kLines
   StrategyOptions strategy;

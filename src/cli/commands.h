@@ -13,6 +13,7 @@ namespace cohort::cli {
 using Run = std::function<int()>;
 
 Run addTrainCommand(CLI::App& app);
+Run addLaunchCommand(CLI::App& app);
 
 // The options a TOML file sets, as command-line arguments for `command` ("--batch", "32", ...).
 // Throws InvalidArgument naming the file and the key that `command` does not know.

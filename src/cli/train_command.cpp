@@ -74,7 +74,24 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--progress", *progress, "auto, bar, lines or off")
       ->check(CLI::IsMember({"auto", "bar", "lines", "off"}))
       ->capture_default_str();
-  train->add_option("--strategy", o.strategy.name, "local")->capture_default_str();
+  train->add_option("--save-model", o.saveModelPath,
+                    "Save the trained model here (torch::save); with {rank} in the path every rank saves");
+  train->add_option("--timeout", o.timeoutSeconds, "Seconds to wait for a peer before failing")
+      ->capture_default_str();
+  train->add_option("--strategy", o.strategy.name, "local, allreduce or average")
+      ->check(CLI::IsMember({"local", "allreduce", "average"}))
+      ->capture_default_str();
+  auto* dp = "Data parallelism";
+  train->add_option("--bucket-mb", o.strategy.bucketMb, "allreduce: gradient bucket size in MB")
+      ->group(dp)->capture_default_str();
+  train->add_option("--first-bucket-mb", o.strategy.firstBucketMb,
+                    "allreduce: size of the first bucket, launched earliest")->group(dp)->capture_default_str();
+  train->add_flag("--no-overlap{false}", o.strategy.overlap,
+                  "allreduce: launch every allreduce after backward instead of during it")->group(dp);
+  train->add_option("--period", o.strategy.period, "average: average the parameters every K steps")
+      ->group(dp)->capture_default_str();
+  train->add_flag("--average-optimizer-state", o.strategy.averageOptimizerState,
+                  "average: average momentum / Adam state too")->group(dp);
 
   return [options, progress]() {
     TrainOptions& o = *options;

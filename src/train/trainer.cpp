@@ -1,4 +1,6 @@
 #include <cohort/checkpoint.h>
+#include <cohort/cluster.h>
+#include <cohort/communicator.h>
 #include <cohort/error.h>
 #include <cohort/metrics.h>
 #include <cohort/models.h>
@@ -12,7 +14,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <sstream>
+#include <thread>
 
 namespace cohort {
 
@@ -55,6 +59,20 @@ std::string fingerprint(const TrainOptions& o, const ReplicaInfo& r) {
   return out.str();
 }
 
+// Threads for this process when --threads is not given: OMP_NUM_THREADS (cohort launch sets it),
+// else this host's cores shared among the workers on it.
+int defaultThreads() {
+  if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr && std::atoi(env) > 0) return std::atoi(env);
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  int local = 1;
+  try {
+    local = std::max(1, resolveClusterFromEnvironment().localWorldSize);
+  } catch (const Error&) {
+    // reported when the trainer resolves the cluster
+  }
+  return std::max(1, cores / local);
+}
+
 }  // namespace
 
 void validate(const TrainOptions& o) {
@@ -72,6 +90,7 @@ void validate(const TrainOptions& o) {
                "--resume needs --checkpoint-dir to find the checkpoint");
   COHORT_CHECK(o.momentum >= 0 && o.momentum < 1, InvalidArgument, "--momentum must be in [0, 1), got ",
                o.momentum);
+  COHORT_CHECK(o.timeoutSeconds > 0, InvalidArgument, "--timeout must be positive, got ", o.timeoutSeconds);
   COHORT_CHECK(o.optimizer == "sgd" || o.optimizer == "momentum" || o.optimizer == "adam",
                InvalidArgument, "unknown optimizer '", o.optimizer, "': expected sgd, momentum or adam");
 }
@@ -81,6 +100,8 @@ struct Trainer::State {
   DataSplits data;
   torch::nn::Sequential model{nullptr};
   std::unique_ptr<torch::optim::Optimizer> optimizer;
+  ClusterSpec cluster;
+  std::shared_ptr<Communicator> comm;  // null for a single process
   std::unique_ptr<Strategy> strategy;
   std::unique_ptr<ShardSampler> sampler;
   std::unique_ptr<CheckpointStore> checkpoints;
@@ -156,7 +177,27 @@ struct Trainer::State {
     }
   }
 
+  // The chief reads the checkpoint and sends it to every worker, so all resume alike even when
+  // only the chief can see the checkpoint directory.
   void resume() {
+    std::vector<uint8_t> payload;
+    std::string path;
+    if (replica.isChief()) {
+      if (auto loaded = loadChiefCheckpoint()) {
+        payload = std::move(loaded->payload);
+        path = loaded->file.path;
+      }
+    }
+    if (comm) payload = comm->broadcastBytes(payload, 0);
+    if (payload.empty()) return;
+    restore(LoadedCheckpoint{{path.empty() ? "the chief's checkpoint" : path, 0}, std::move(payload)});
+    if (replica.isChief()) {
+      std::fprintf(stderr, "cohort: resumed from %s (step %lld, epoch %lld)\n", path.c_str(), (long long)step,
+                   (long long)epoch + 1);
+    }
+  }
+
+  std::optional<LoadedCheckpoint> loadChiefCheckpoint() {
     std::vector<std::string> corrupt;
     auto loaded = checkpoints->loadNewest([&](const std::string& m) { corrupt.push_back(m); });
     if (!loaded) {
@@ -164,12 +205,10 @@ struct Trainer::State {
       for (const auto& m : corrupt) all += (all.empty() ? "" : " | ") + m.substr(0, m.find("; trying"));
       COHORT_CHECK(corrupt.empty(), IoError, "no readable checkpoint in ", checkpoints->dir(), ": ", all);
       warn("--resume: no checkpoint in " + checkpoints->dir() + " yet; starting from scratch");
-      return;
+      return std::nullopt;
     }
     for (const auto& m : corrupt) warn(m);
-    restore(*loaded);
-    std::fprintf(stderr, "cohort: resumed from %s (step %lld, epoch %lld)\n", loaded->file.path.c_str(),
-                 (long long)step, (long long)epoch + 1);
+    return loaded;
   }
 
   void saveCheckpoint() {
@@ -213,10 +252,21 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   State& s = *state_;
   s.options = std::move(options);
   const TrainOptions& o = s.options;
-  setComputeThreads(o.threads);
+  setComputeThreads(o.threads > 0 ? o.threads : defaultThreads());
   torch::manual_seed(o.seed);
 
-  s.strategy = makeStrategy(o.strategy);
+  s.cluster = resolveClusterFromEnvironment();
+  COHORT_CHECK(s.cluster.role == Role::kWorker, InvalidArgument, "this process is not a worker (",
+               describe(s.cluster), "): cohort train runs workers only");
+  if (isDistributed(o.strategy.name)) {
+    s.comm = Communicator::connect(
+        s.cluster, CommOptions{.timeout = std::chrono::milliseconds(int64_t(o.timeoutSeconds * 1000))});
+  } else {
+    COHORT_CHECK(s.cluster.worldSize == 1, InvalidArgument, "--strategy ", o.strategy.name,
+                 " trains in one process, but this is ", describe(s.cluster),
+                 ": choose a distributed --strategy (allreduce, average)");
+  }
+  s.strategy = makeStrategy(o.strategy, s.comm);
   s.replica = s.strategy->replica();
   s.data = loadData(o.data, o.seed);
   s.model = makeModel(o.model, {s.data.channels(), s.data.height(), s.data.width(), s.data.classes});
@@ -227,10 +277,9 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
                                                             .worldSize = s.replica.worldSize,
                                                             .seed = o.seed});
   COHORT_CHECK(s.sampler->samplesPerRank() > 0, InvalidArgument, "the training set is empty");
-  if (!o.checkpointDir.empty()) {
-    s.checkpoints = std::make_unique<CheckpointStore>(o.checkpointDir);
-    if (o.resume) s.resume();
-  }
+  // Only the chief reads and writes checkpoints.
+  if (!o.checkpointDir.empty() && s.replica.isChief()) s.checkpoints = std::make_unique<CheckpointStore>(o.checkpointDir);
+  if (o.resume) s.resume();
   // attach after resume: it makes every replica start from the chief's (restored) parameters.
   s.strategy->attach(s.model, *s.optimizer);
   if (s.replica.isChief()) s.metrics = std::make_unique<MetricsWriter>(o.metricsPath, o.resume);
@@ -269,9 +318,7 @@ TrainResult Trainer::run() {
   double recentLoss = 0;
   bool stop = false;
 
-  auto runEval = [&]() {
-    s.strategy->synchronize();
-    if (!chief) return;
+  auto evalOnChief = [&]() {
     auto ev = s.evaluate();
     result.testAccuracy = ev.accuracy;
     result.testLoss = ev.loss;
@@ -283,11 +330,24 @@ TrainResult Trainer::run() {
       fields.emplace_back("seconds_to_target", wall);
       stop = true;
     }
+    fields.emplace_back("epoch_progress", double(s.step) / double(perEpoch));
     s.metrics->write("eval", fields);
     char text[160];
     std::snprintf(text, sizeof(text), "eval at step %lld: test accuracy %.4f, loss %.4f",
                   (long long)s.step, ev.accuracy, ev.loss);
     progress.message(text);
+  };
+
+  // Every rank calls this at the same steps: synchronize() may be collective, and the chief's
+  // decision to stop is sent to all.
+  auto runEval = [&]() {
+    s.strategy->synchronize();
+    if (chief) evalOnChief();
+    if (s.comm && o.targetAccuracy > 0) {
+      auto flag = torch::tensor({stop ? 1 : 0}, torch::kInt32);
+      s.comm->broadcast(flag, 0);
+      stop = flag.item<int>() != 0;
+    }
   };
 
   while (s.step < totalSteps && !stop) {
@@ -341,6 +401,19 @@ TrainResult Trainer::run() {
 
   if (!stop) runEval();
   if (s.checkpoints) s.saveCheckpoint();
+
+  if (!o.saveModelPath.empty()) {
+    std::string path = o.saveModelPath;
+    const auto at = path.find("{rank}");
+    if (at != std::string::npos) path.replace(at, 6, std::to_string(s.replica.rank));
+    if (at != std::string::npos || chief) {
+      try {
+        torch::save(s.model, path);
+      } catch (const c10::Error& e) {
+        throw IoError(path + ": cannot save the model: " + std::string(e.what_without_backtrace()).substr(0, 200));
+      }
+    }
+  }
 
   result.steps = s.step;
   result.epochs = s.epoch + (s.stepInEpoch > 0 ? 1 : 0);

@@ -1,0 +1,84 @@
+"""Shared pieces of the benchmark scripts: Fashion-MNIST loading, the models in PyTorch, stats."""
+import gzip
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+FASHION = "/usr/share/datasets/fashion-mnist"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_idx(path):
+    with gzip.open(path, "rb") as f:
+        data = f.read()
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def load_fashion(split="train"):
+    prefix = "train" if split == "train" else "t10k"
+    images = torch.from_numpy(read_idx(f"{FASHION}/{prefix}-images-idx3-ubyte.gz").copy()).unsqueeze(1)
+    labels = torch.from_numpy(read_idx(f"{FASHION}/{prefix}-labels-idx1-ubyte.gz").astype(np.int64))
+    return images, labels
+
+
+def make_model(name):
+    """The same networks as cohort's built-ins (src/models/zoo.cpp)."""
+    if name == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                             nn.Linear(512, 10))
+    if name == "cnn":
+        return nn.Sequential(nn.Conv2d(1, 32, 5), nn.MaxPool2d(2), nn.Conv2d(32, 64, 5), nn.MaxPool2d(2),
+                             nn.Flatten(), nn.Linear(64 * 4 * 4, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    raise ValueError(name)
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def machine():
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{platform.node()}: {os.cpu_count()} cores, {cpu}, torch {torch.__version__}"
+
+
+def done_event(metrics_path):
+    done = None
+    with open(metrics_path) as f:
+        for line in f:
+            event = json.loads(line)
+            if event.get("event") == "done":
+                done = event
+    if done is None:
+        raise RuntimeError(f"{metrics_path}: no done event")
+    return done
+
+
+def run(cmd, env=None, timeout=1800):
+    started = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc, time.time() - started
+
+
+def single_thread_env():
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Every benchmark, one after the other (they would disturb each other if run together).
+set -euo pipefail
+build=${1:-build}
+here=$(cd "$(dirname "$0")" && pwd)
+/usr/bin/python3 "$here/single_process.py" --build "$build"
+/usr/bin/python3 "$here/accuracy.py" --build "$build"

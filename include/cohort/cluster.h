@@ -1,0 +1,73 @@
+// Who this process is in the job: its role, its rank and where its peers are, read from the
+// environment a launcher left behind (DESIGN.md, "Processes and how they find each other").
+//
+// Sources, first match wins:
+//   1. TF_CONFIG (Kubernetes operators, hand-written): {"cluster": {"chief": [...], "worker": [...],
+//      "ps": [...], "evaluator": [...]}, "task": {"type": ..., "index": ...}}.
+//   2. torchrun / cohort launch: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+//      MASTER_PORT.
+//   3. OpenMPI's mpirun: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE.
+//   4. Slurm's srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST.
+//   5. None of them: a single process.
+// A variable set to the empty string counts as unset.
+//
+// Cross-process contract: every worker of a job must resolve the same worldSize and master, and
+// distinct ranks 0..worldSize-1; the resolution is a pure function of the environment so that
+// launchers giving every process a consistent environment get that for free.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cohort {
+
+enum class Role { kWorker, kParameterServer, kEvaluator };
+
+struct HostPort {
+  std::string host;  // a name or an address; IPv6 without brackets
+  int port = 0;
+
+  // "host:port", or "[host]:port" when host is an IPv6 address.
+  std::string str() const;
+  bool operator==(const HostPort&) const = default;
+};
+
+struct ClusterSpec {
+  Role role = Role::kWorker;
+  int rank = 0;            // workers: 0..worldSize-1, the chief is 0; ps: the shard index; evaluator: its index
+  int worldSize = 1;       // number of workers, chief included
+  int localRank = 0;       // among the workers on this host
+  int localWorldSize = 1;  // workers on this host
+  HostPort master{"127.0.0.1", 29500};     // where the chief's rendezvous store listens
+  std::vector<HostPort> workers;           // worker addresses when known (TF_CONFIG), chief first
+  std::vector<HostPort> parameterServers;  // ps shard addresses (TF_CONFIG "ps")
+  std::string source = "single";           // "TF_CONFIG", "torchrun", "OpenMPI", "Slurm" or "single"
+
+  bool isChief() const { return role == Role::kWorker && rank == 0; }
+};
+
+constexpr int kDefaultMasterPort = 29500;
+
+// Looks up one environment variable; std::nullopt when it is unset.
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+
+// Resolves role, rank and peers from the environment, in the order above. Throws InvalidArgument
+// naming the variable that is wrong and what is wrong with it; two sources that are both set and
+// disagree (TF_CONFIG with RANK/WORLD_SIZE, RANK/WORLD_SIZE with OMPI_COMM_WORLD_RANK/SIZE) are
+// an error naming both.
+ClusterSpec resolveCluster(const EnvLookup& env);
+
+// resolveCluster over the process environment (std::getenv).
+ClusterSpec resolveClusterFromEnvironment();
+
+// One line for logs: "worker 1 of 2 (TF_CONFIG), master 127.0.0.1:29500".
+std::string describe(const ClusterSpec& spec);
+
+// Expands Slurm's compressed host list, in order: "node[01-03,07],gpu5" ->
+// node01 node02 node03 node07 gpu5 (zero padding kept, several bracket groups in one name
+// multiply out). Throws InvalidArgument on an unbalanced bracket or a bad range.
+std::vector<std::string> expandSlurmNodelist(const std::string& nodelist);
+
+}  // namespace cohort

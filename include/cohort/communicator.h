@@ -1,0 +1,101 @@
+// Collective and point-to-point communication between the workers of one job, over c10d's
+// ProcessGroupGloo, with a rendezvous through a c10d TCPStore hosted by the chief.
+//
+// Contract (as for c10d's ProcessGroup): every collective must be called by all ranks, in the
+// same order. Every wait has a timeout (CommOptions::timeout); when a peer dies, the error names
+// the rank that stopped responding, found through heartbeats the ranks keep in the store.
+#pragma once
+
+#include <cohort/cluster.h>
+
+#include <torch/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace cohort {
+
+struct CommOptions {
+  std::chrono::milliseconds timeout{60000};
+  int glooThreads = 2;  // threads that run Gloo's work
+};
+
+// Bytes this rank put on the wire and took off it, by the count of the algorithm used
+// (ring allreduce: 2 (N-1)/N of the buffer each way), and the time spent waiting.
+struct CommCounters {
+  int64_t bytesSent = 0;
+  int64_t bytesReceived = 0;
+  double waitSeconds = 0.0;
+};
+
+class Communicator;
+
+// A handle on an operation under way (c10d's Work, with cohort's error policy).
+class CommWork {
+ public:
+  CommWork() = default;
+  bool valid() const { return impl_ != nullptr; }
+  bool isCompleted() const;
+  // Blocks until done or the communicator's timeout. Throws CommError / TimeoutError naming the
+  // operation and, when it can be found, the rank that was lost. Returns the seconds waited.
+  double wait();
+
+  struct Impl;  // opaque: defined in communicator.cpp
+
+ private:
+  friend class Communicator;
+  std::shared_ptr<Impl> impl_;
+};
+
+class Communicator {
+ public:
+  // Joins the job: the chief (rank 0) hosts the store at spec.master, every rank connects to
+  // it and the Gloo process group is formed. Throws CommError when the rendezvous times out.
+  static std::shared_ptr<Communicator> connect(const ClusterSpec& spec, const CommOptions& options = {});
+
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const;
+  int worldSize() const;
+
+  // In place: tensor becomes the sum over ranks.
+  CommWork allreduceAsync(torch::Tensor tensor);
+  void allreduce(torch::Tensor tensor) { allreduceAsync(std::move(tensor)).wait(); }
+
+  // In place: every rank gets root's tensor.
+  void broadcast(torch::Tensor tensor, int root = 0);
+  // Bytes of any length from root to all.
+  std::vector<uint8_t> broadcastBytes(const std::vector<uint8_t>& bytes, int root = 0);
+
+  // Every rank's tensor (same shape everywhere), in rank order.
+  std::vector<torch::Tensor> allgather(const torch::Tensor& tensor);
+  // Every rank's 1-D tensor, whose lengths may differ between ranks, in rank order.
+  std::vector<torch::Tensor> allgatherVariable(const torch::Tensor& tensor);
+
+  void barrier();
+
+  CommWork sendAsync(torch::Tensor tensor, int dst, int tag = 0);
+  CommWork recvAsync(torch::Tensor tensor, int src, int tag = 0);
+  void send(torch::Tensor tensor, int dst, int tag = 0) { sendAsync(std::move(tensor), dst, tag).wait(); }
+  void recv(torch::Tensor tensor, int src, int tag = 0) { recvAsync(std::move(tensor), src, tag).wait(); }
+
+  CommCounters counters() const;
+  const CommOptions& options() const;
+
+  // Ranks whose heartbeat has stopped (waits about three heartbeat periods to tell).
+  // Used to name the lost peer when an operation fails.
+  std::vector<int> lostRanks();
+
+  struct Impl;  // opaque: defined in communicator.cpp
+
+ private:
+  explicit Communicator(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;  // shared with CommWork handles still under way
+};
+
+}  // namespace cohort

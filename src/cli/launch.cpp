@@ -1,0 +1,479 @@
+#include "cli/launch.h"
+
+#include <cohort/error.h>
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace cohort::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kMaxPort = 65535;
+constexpr size_t kMaxLine = 64 * 1024;  // a longer line is forwarded in pieces
+constexpr size_t kReadChunk = 64 * 1024;
+constexpr int kReadsPerWakeup = 16;     // so that one busy writer cannot starve the others
+constexpr std::array<int, 3> kHandledSignals{SIGINT, SIGTERM, SIGCHLD};
+
+// The write end of the self-pipe. The handlers only write the signal number there; the main loop
+// polls the read end and does the work.
+int signalPipeWrite = -1;
+
+void onSignal(int signo) {
+  const int savedErrno = errno;
+  const auto byte = static_cast<unsigned char>(signo);
+  [[maybe_unused]] const ssize_t n = ::write(signalPipeWrite, &byte, 1);
+  errno = savedErrno;
+}
+
+std::string errorText(int error) { return std::strerror(error); }
+
+std::string signalName(int signo) {
+  const char* abbrev = ::sigabbrev_np(signo);
+  return abbrev != nullptr ? std::string("SIG") + abbrev : "unknown signal";
+}
+
+// Writes all of data, retrying after signals. Errors are dropped: there is nowhere to report them.
+void writeAll(int fd, std::string_view data) {
+  while (!data.empty()) {
+    const ssize_t n = ::write(fd, data.data(), data.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    data.remove_prefix(size_t(n));
+  }
+}
+
+void say(const std::string& line) { writeAll(STDERR_FILENO, "cohort launch: " + line + "\n"); }
+
+// The lines coming out of one pipe of one child, written with a prefix to one launcher stream.
+class LineForwarder {
+ public:
+  LineForwarder(int fd, int target, std::string prefix) : fd_(fd), target_(target), prefix_(std::move(prefix)) {}
+  LineForwarder(const LineForwarder&) = delete;
+  LineForwarder& operator=(const LineForwarder&) = delete;
+  ~LineForwarder() { close(); }
+
+  int fd() const { return fd_; }
+  bool isOpen() const { return fd_ >= 0; }
+
+  // Reads what the pipe holds now (a bounded amount) and forwards every complete line. At end of
+  // file, forwards the partial last line and closes the pipe. Returns true if more may be waiting.
+  bool readAvailable() {
+    std::array<char, kReadChunk> buffer;
+    for (int i = 0; i < kReadsPerWakeup && isOpen(); ++i) {
+      const ssize_t n = ::read(fd_, buffer.data(), buffer.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
+      if (n <= 0) {
+        close();
+        return false;
+      }
+      pending_.append(buffer.data(), size_t(n));
+      forwardLines();
+    }
+    return isOpen();
+  }
+
+  // Forwards what is left, the partial last line included, and closes the pipe.
+  void close() {
+    if (!isOpen()) return;
+    ::close(fd_);
+    fd_ = -1;
+    if (!pending_.empty()) emit(pending_);
+    pending_.clear();
+  }
+
+ private:
+  void forwardLines() {
+    size_t begin = 0;
+    for (;;) {
+      const size_t newline = pending_.find('\n', begin);
+      if (newline == std::string::npos) {
+        if (pending_.size() - begin < kMaxLine) break;
+        emit(std::string_view(pending_).substr(begin, kMaxLine));
+        begin += kMaxLine;
+        continue;
+      }
+      emit(std::string_view(pending_).substr(begin, newline - begin));
+      begin = newline + 1;
+    }
+    pending_.erase(0, begin);
+  }
+
+  void emit(std::string_view line) {
+    std::string out;
+    out.reserve(prefix_.size() + line.size() + 1);
+    out.append(prefix_).append(line).push_back('\n');
+    writeAll(target_, out);  // one write per line keeps lines whole when streams are shared
+  }
+
+  int fd_;
+  const int target_;
+  const std::string prefix_;
+  std::string pending_;
+};
+
+struct Child {
+  int rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  std::unique_ptr<LineForwarder> out;
+  std::unique_ptr<LineForwarder> err;
+};
+
+// A pipe whose ends are closed on exec; the read end does not block.
+std::array<int, 2> openPipe(const std::string& what) {
+  std::array<int, 2> fds{-1, -1};
+  if (::pipe2(fds.data(), O_CLOEXEC) != 0) throw Error("launch: cannot create a pipe for " + what + ": " + errorText(errno));
+  ::fcntl(fds[0], F_SETFL, ::fcntl(fds[0], F_GETFL) | O_NONBLOCK);
+  return fds;
+}
+
+bool isRemovedFromChildEnv(std::string_view entry) {
+  const std::string_view name = entry.substr(0, entry.find('='));
+  static constexpr std::array<std::string_view, 8> kAssignedElsewhere{
+      "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "TF_CONFIG"};
+  return std::find(kAssignedElsewhere.begin(), kAssignedElsewhere.end(), name) != kAssignedElsewhere.end() ||
+         name.rfind("OMPI_COMM_WORLD_", 0) == 0;
+}
+
+bool hasEnv(const char* name) { return std::getenv(name) != nullptr; }
+
+// The environment every child shares: the launcher's, without the rank assignments of other
+// launchers, with a thread budget.
+std::vector<std::string> sharedChildEnv(int processes) {
+  std::vector<std::string> env;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    if (!isRemovedFromChildEnv(*entry)) env.emplace_back(*entry);
+  }
+  if (!hasEnv("OMP_NUM_THREADS")) {
+    const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+    const std::string threads = std::to_string(std::max(1, cores / processes));
+    env.push_back("OMP_NUM_THREADS=" + threads);
+    if (!hasEnv("OPENBLAS_NUM_THREADS")) env.push_back("OPENBLAS_NUM_THREADS=" + threads);
+  }
+  return env;
+}
+
+class Launcher {
+ public:
+  Launcher(const LaunchOptions& options, int port) : options_(options), port_(port) {}
+  Launcher(const Launcher&) = delete;
+  Launcher& operator=(const Launcher&) = delete;
+
+  // On the way out (normally or by an exception) no child is left running or unreaped.
+  ~Launcher() {
+    for (Child& child : children_) {
+      if (!child.running) continue;
+      ::kill(child.pid, SIGKILL);
+      while (::waitpid(child.pid, nullptr, 0) < 0 && errno == EINTR) {
+      }
+    }
+    children_.clear();
+    restoreSignalHandlers();
+  }
+
+  int run() {
+    installSignalHandlers();
+    const std::vector<std::string> shared = sharedChildEnv(options_.processes);
+    children_.resize(size_t(options_.processes));
+    for (int rank = 0; rank < options_.processes; ++rank) start(rank, shared);
+    while (running_ > 0) {
+      waitForEvents();
+      handleSignals();
+      reapChildren();
+      if (ending_ && !killed_ && Clock::now() >= deadline_) {
+        for (const Child& child : children_) {
+          if (child.running) {
+            say("rank " + std::to_string(child.rank) + " did not stop within " + formatSeconds(options_.graceSeconds) +
+                " s, killing it");
+          }
+        }
+        killRemaining();
+      }
+    }
+    // Every child has exited: forward what they wrote last and stop listening, even if a
+    // grandchild still holds a pipe open.
+    for (Child& child : children_) {
+      drain(child);
+      child.out->close();
+      child.err->close();
+    }
+    return exitCode_;
+  }
+
+ private:
+  static std::string formatSeconds(double seconds) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%g", seconds);
+    return text;
+  }
+
+  void installSignalHandlers() {
+    const std::array<int, 2> fds = openPipe("signals");
+    signalPipeRead_ = fds[0];
+    signalPipeWrite = fds[1];
+    ::fcntl(signalPipeWrite, F_SETFL, ::fcntl(signalPipeWrite, F_GETFL) | O_NONBLOCK);
+    struct sigaction action {};
+    action.sa_handler = onSignal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_NOCLDSTOP;
+    for (size_t i = 0; i < kHandledSignals.size(); ++i) {
+      ::sigaction(kHandledSignals[i], nullptr, &originalActions_[i]);
+      // A launcher started with SIGINT ignored (a background job of a script) keeps ignoring it.
+      if (kHandledSignals[i] != SIGCHLD && originalActions_[i].sa_handler == SIG_IGN) continue;
+      ::sigaction(kHandledSignals[i], &action, nullptr);
+    }
+    handlersInstalled_ = true;
+  }
+
+  void restoreSignalHandlers() {
+    if (handlersInstalled_) {
+      for (size_t i = 0; i < kHandledSignals.size(); ++i) ::sigaction(kHandledSignals[i], &originalActions_[i], nullptr);
+      handlersInstalled_ = false;
+    }
+    if (signalPipeRead_ >= 0) ::close(signalPipeRead_);
+    if (signalPipeWrite >= 0) ::close(signalPipeWrite);
+    signalPipeRead_ = signalPipeWrite = -1;
+  }
+
+  void start(int rank, const std::vector<std::string>& shared) {
+    const std::string name = "rank " + std::to_string(rank);
+    Child& child = children_[size_t(rank)];
+    child.rank = rank;
+    const std::array<int, 2> out = openPipe(name);
+    child.out = std::make_unique<LineForwarder>(out[0], STDOUT_FILENO, "[" + name + "] ");
+    std::array<int, 2> err{};
+    try {
+      err = openPipe(name);
+    } catch (...) {
+      ::close(out[1]);
+      throw;
+    }
+    child.err = std::make_unique<LineForwarder>(err[0], STDERR_FILENO, "[" + name + "] ");
+
+    // Built before fork: between fork and exec only async-signal-safe calls are allowed.
+    std::vector<std::string> env = shared;
+    env.push_back("RANK=" + std::to_string(rank));
+    env.push_back("WORLD_SIZE=" + std::to_string(options_.processes));
+    env.push_back("LOCAL_RANK=" + std::to_string(rank));
+    env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(options_.processes));
+    env.push_back("MASTER_ADDR=" + options_.host);
+    env.push_back("MASTER_PORT=" + std::to_string(port_));
+    std::vector<char*> envp;
+    for (std::string& entry : env) envp.push_back(entry.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> args = options_.command;
+    std::vector<char*> argv;
+    for (std::string& arg : args) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+
+    // Signals stay blocked from fork until the child has put back the original dispositions, so
+    // that the launcher's handler never runs in a child.
+    sigset_t blocked;
+    sigset_t original;
+    sigemptyset(&blocked);
+    for (int signo : kHandledSignals) sigaddset(&blocked, signo);
+    ::sigprocmask(SIG_BLOCK, &blocked, &original);
+    const pid_t launcher = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid == 0) execChild(argv, envp, out[1], err[1], launcher, original);
+    const int forkErrno = errno;
+    ::sigprocmask(SIG_SETMASK, &original, nullptr);
+    ::close(out[1]);
+    ::close(err[1]);
+    if (pid < 0) throw Error("launch: cannot start " + name + ": fork failed: " + errorText(forkErrno));
+    child.pid = pid;
+    child.running = true;
+    ++running_;
+  }
+
+  [[noreturn]] void execChild(const std::vector<char*>& argv, const std::vector<char*>& envp, int outFd, int errFd,
+                              pid_t launcher, const sigset_t& originalMask) {
+    for (size_t i = 0; i < kHandledSignals.size(); ++i) ::sigaction(kHandledSignals[i], &originalActions_[i], nullptr);
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != launcher) ::_exit(128 + SIGTERM);  // the launcher died before prctl
+    ::sigprocmask(SIG_SETMASK, &originalMask, nullptr);
+    ::dup2(outFd, STDOUT_FILENO);
+    ::dup2(errFd, STDERR_FILENO);
+    ::execvpe(argv[0], argv.data(), envp.data());
+    char message[512];
+    const int length = std::snprintf(message, sizeof(message), "cohort launch: cannot run %s: %s\n", argv[0],
+                                     std::strerror(errno));
+    writeAll(STDERR_FILENO, std::string_view(message, size_t(std::clamp(length, 0, int(sizeof(message)) - 1))));
+    ::_exit(127);
+  }
+
+  // Sleeps until output, a signal or a child's exit arrives (or the grace period ends), and
+  // forwards the output.
+  void waitForEvents() {
+    std::vector<pollfd> fds{{signalPipeRead_, POLLIN, 0}};
+    std::vector<LineForwarder*> forwarders{nullptr};
+    for (Child& child : children_) {
+      for (LineForwarder* f : {child.out.get(), child.err.get()}) {
+        if (f == nullptr || !f->isOpen()) continue;
+        fds.push_back({f->fd(), POLLIN, 0});
+        forwarders.push_back(f);
+      }
+    }
+    int timeoutMs = -1;
+    if (ending_ && !killed_) {
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline_ - Clock::now()).count();
+      timeoutMs = int(std::clamp<int64_t>(left, 0, 1000 * 1000));
+    }
+    if (::poll(fds.data(), fds.size(), timeoutMs) <= 0) return;  // EINTR: the self-pipe says why
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents != 0) forwarders[i]->readAvailable();
+    }
+  }
+
+  void handleSignals() {
+    std::array<unsigned char, 64> bytes;
+    ssize_t n = 0;
+    while ((n = ::read(signalPipeRead_, bytes.data(), bytes.size())) > 0 || (n < 0 && errno == EINTR)) {
+      for (ssize_t i = 0; i < n; ++i) {
+        const int signo = bytes[size_t(i)];
+        if (signo == SIGCHLD) continue;  // reapChildren() runs next anyway
+        if (!ending_) {
+          say("got " + signalName(signo) + ", stopping the ranks");
+          exitCode_ = 128 + signo;
+          endJob(signo);
+        } else if (!killed_) {
+          killRemaining();  // asked twice: do not wait out the grace period
+        }
+      }
+    }
+  }
+
+  void reapChildren() {
+    for (Child& child : children_) {
+      if (!child.running) continue;
+      int status = 0;
+      const pid_t pid = ::waitpid(child.pid, &status, WNOHANG);
+      if (pid != child.pid) continue;
+      child.running = false;
+      --running_;
+      drain(child);  // what it wrote before exiting comes before the line about its exit
+      const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+      if (!failed || ending_) continue;
+      const std::string who = "rank " + std::to_string(child.rank);
+      if (WIFSIGNALED(status)) {
+        const int signo = WTERMSIG(status);
+        say(who + " was killed by signal " + std::to_string(signo) + " (" + signalName(signo) + ")");
+        exitCode_ = 128 + signo;
+      } else {
+        say(who + " exited with status " + std::to_string(WEXITSTATUS(status)));
+        exitCode_ = WEXITSTATUS(status);
+      }
+      endJob(SIGTERM);
+    }
+  }
+
+  // Reads what an exited child left in its pipes (bounded: a grandchild may still be writing).
+  static void drain(Child& child) {
+    for (LineForwarder* f : {child.out.get(), child.err.get()}) {
+      for (int i = 0; i < 16 && f != nullptr && f->readAvailable(); ++i) {
+      }
+    }
+  }
+
+  void endJob(int signo) {
+    ending_ = true;
+    deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(options_.graceSeconds));
+    for (const Child& child : children_) {
+      if (child.running) ::kill(child.pid, signo);
+    }
+  }
+
+  void killRemaining() {
+    killed_ = true;
+    for (const Child& child : children_) {
+      if (child.running) ::kill(child.pid, SIGKILL);
+    }
+  }
+
+  const LaunchOptions& options_;
+  const int port_;
+  std::vector<Child> children_;
+  int running_ = 0;
+  int exitCode_ = 0;
+  bool ending_ = false;  // a child failed or a signal came: the others are being stopped
+  bool killed_ = false;  // the remaining children got SIGKILL
+  Clock::time_point deadline_;
+  int signalPipeRead_ = -1;
+  bool handlersInstalled_ = false;
+  std::array<struct sigaction, kHandledSignals.size()> originalActions_{};
+};
+
+}  // namespace
+
+int pickFreePort(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), "0", &hints, &found);
+  COHORT_CHECK(rc == 0, InvalidArgument, "--host ", host, ": cannot resolve it: ", ::gai_strerror(rc));
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(found, ::freeaddrinfo);
+  std::string lastError = "no address";
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      lastError = errorText(errno);
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t length = sizeof(bound);
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) == 0) {
+      ::close(fd);
+      if (bound.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port);
+      return ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+    }
+    lastError = errorText(errno);
+    ::close(fd);
+  }
+  throw InvalidArgument("--host " + host + ": cannot open a port there (" + lastError +
+                        "); give an address of this machine, or a --port");
+}
+
+int runLaunch(const LaunchOptions& options) {
+  COHORT_CHECK(options.processes >= 1, InvalidArgument, "-n/--nproc must be at least 1 (got ", options.processes, ")");
+  COHORT_CHECK(!options.command.empty(), InvalidArgument,
+               "no command to launch: give it after --, as in cohort launch -n 2 -- cohort train");
+  COHORT_CHECK(options.port >= 0 && options.port <= kMaxPort, InvalidArgument,
+               "--port must be between 0 and 65535 (0 picks a free port), got ", options.port);
+  COHORT_CHECK(std::isfinite(options.graceSeconds) && options.graceSeconds >= 0, InvalidArgument,
+               "--grace must be a number of seconds >= 0, got ", options.graceSeconds);
+  COHORT_CHECK(!options.host.empty(), InvalidArgument, "--host must not be empty");
+  const int port = options.port != 0 ? options.port : pickFreePort(options.host);
+  Launcher launcher(options, port);
+  return launcher.run();
+}
+
+}  // namespace cohort::cli

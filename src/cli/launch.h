@@ -1,0 +1,61 @@
+// `cohort launch`: N local processes of one command, wired together as one job.
+//
+// The contract (scripts and tests rely on it):
+//
+// Environment. Every child gets the launcher's environment plus RANK=i, WORLD_SIZE=N,
+// LOCAL_RANK=i, LOCAL_WORLD_SIZE=N, MASTER_ADDR=host and MASTER_PORT=port (a free TCP port on host
+// when port is 0). Unless the launcher's environment sets OMP_NUM_THREADS, it also gets
+// OMP_NUM_THREADS = max(1, cores / N) and the same OPENBLAS_NUM_THREADS (kept when set), so that N
+// workers never oversubscribe the cores. Variables through which another launcher would assign
+// ranks (OMPI_COMM_WORLD_*, SLURM_PROCID, TF_CONFIG, and the torchrun ones above) are removed from
+// the children's environment: under `cohort launch` the launcher's assignment wins, even when
+// `cohort launch` itself runs inside mpirun, srun or a TF_CONFIG job.
+//
+// Processes. Children are forked and exec'd with execvp semantics (PATH lookup), so COMMAND can be
+// any program. They stay in the launcher's process group (a Ctrl-C at a terminal reaches them
+// directly as well) and get SIGTERM when the launcher dies (PR_SET_PDEATHSIG). When COMMAND cannot
+// be executed the child prints "cohort launch: cannot run COMMAND: <reason>" and exits 127.
+//
+// Output. A child's stdout and stderr go to the launcher's stdout and stderr, line by line, every
+// line prefixed with "[rank i] ". A last line without a newline is written (with one) when the
+// pipe closes or when every child has exited; a line longer than 64 KiB is cut into pieces. The
+// launcher stops listening once every child has exited, even if a grandchild still holds a pipe.
+//
+// Ending. The launcher returns 0 when every child exits 0. The first child to exit non-zero or to be
+// killed by a signal ends the job: the launcher prints one line to stderr ("cohort launch: rank i
+// exited with status S" or "cohort launch: rank i was killed by signal K (SIGNAME)"), sends SIGTERM
+// to the children still running, SIGKILL to those still running graceSeconds later, and returns S,
+// or 128 + K. SIGINT or SIGTERM sent to the launcher is forwarded to every running child as the
+// same signal and ends the job the same way, returning 128 + the signal (the launcher says so in
+// one line on stderr). Such a signal while the job is already ending (a second Ctrl-C) sends
+// SIGKILL to the remaining children at once. Once the job is ending, further child exits are not
+// reported. Every child has been reaped when runLaunch returns.
+//
+// runLaunch installs handlers for SIGINT, SIGTERM and SIGCHLD while it runs (restoring the previous
+// ones before it returns), so only one may run at a time in a process.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace cohort::cli {
+
+struct LaunchOptions {
+  int processes = 1;               // N: ranks 0 .. N-1
+  std::string host = "127.0.0.1";  // MASTER_ADDR, and where a free port is looked for
+  int port = 0;                    // MASTER_PORT; 0 picks a free one
+  double graceSeconds = 10;        // from SIGTERM to SIGKILL when the job ends early
+  std::vector<std::string> command;
+};
+
+// Runs the job described above and returns the launcher's exit status. Throws InvalidArgument for
+// options that cannot work (processes < 1, no command, a port outside 0..65535, a negative grace),
+// Error when the children cannot be started (any already started are killed and reaped first).
+int runLaunch(const LaunchOptions& options);
+
+// A TCP port that was free on host a moment ago: binds port 0 on host's address, reads the port
+// back and closes the socket. Throws InvalidArgument when host does not resolve or is not an
+// address of this machine.
+int pickFreePort(const std::string& host);
+
+}  // namespace cohort::cli

@@ -1,0 +1,32 @@
+#include "cli/commands.h"
+#include "cli/launch.h"
+
+#include <memory>
+
+namespace cohort::cli {
+
+Run addLaunchCommand(CLI::App& app) {
+  auto options = std::make_shared<LaunchOptions>();
+  LaunchOptions& o = *options;
+  CLI::App* launch = app.add_subcommand(
+      "launch", "Run N processes of a command on this machine as ranks 0 .. N-1");
+  launch->footer(
+      "Usage: cohort launch -n N [--port P] [--host H] [--grace S] -- COMMAND...\n"
+      "Every process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and,\n"
+      "unless OMP_NUM_THREADS is set, OMP_NUM_THREADS = cores / N. Its output lines are prefixed with\n"
+      "[rank i]. The first rank to fail stops the others; its status is the exit status.");
+  launch->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  launch->add_option("-n,--nproc", o.processes, "Processes to start (ranks 0 .. N-1)")->required();
+  launch->add_option("--port", o.port, "MASTER_PORT (0: a free port)")->capture_default_str();
+  launch->add_option("--host", o.host, "MASTER_ADDR")->capture_default_str();
+  launch->add_option("--grace", o.graceSeconds, "Seconds between SIGTERM and SIGKILL when the job ends early")
+      ->capture_default_str();
+  // Everything from the first positional on is COMMAND, options that start with '-' included; after
+  // "--" even a COMMAND that starts with '-'. expandConfig() does not look past "--".
+  launch->add_option("command", o.command, "The command to run, after --")->type_name("");
+  launch->positionals_at_end();
+
+  return [options]() { return runLaunch(*options); };
+}
+
+}  // namespace cohort::cli

@@ -1,0 +1,341 @@
+#include <cohort/communicator.h>
+#include <cohort/error.h>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cstring>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+
+namespace cohort {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::chrono::milliseconds kHeartbeatPeriod{500};
+
+std::string firstLine(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+std::string heartbeatKey(int rank) { return "cohort/heartbeat/" + std::to_string(rank); }
+
+bool isLoopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0; }
+
+std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& masterHost) {
+  if (isLoopback(masterHost)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
+
+}  // namespace
+
+struct Communicator::Impl {
+  int rank = 0;
+  int size = 1;
+  CommOptions options;
+  HostPort master;
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+
+  // The heartbeat has its own store connection: c10d's store client is not meant to be shared
+  // between threads, and the group's connection must never wait behind a heartbeat.
+  std::mutex heartbeatMutex;
+  c10::intrusive_ptr<c10d::TCPStore> heartbeatStore;  // GUARDED_BY(heartbeatMutex)
+  std::thread heartbeat;
+  std::mutex stopMutex;
+  std::condition_variable stopCv;
+  bool stopping = false;  // GUARDED_BY(stopMutex)
+
+  std::atomic<int64_t> bytesSent{0};
+  std::atomic<int64_t> bytesReceived{0};
+  std::atomic<int64_t> waitNanos{0};
+
+  void count(int64_t sent, int64_t received) {
+    bytesSent += sent;
+    bytesReceived += received;
+  }
+
+  void beat() {
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(stopMutex);
+        if (stopCv.wait_for(lock, kHeartbeatPeriod, [&] { return stopping; })) return;
+      }
+      try {
+        std::lock_guard<std::mutex> lock(heartbeatMutex);
+        heartbeatStore->add(heartbeatKey(rank), 1);
+      } catch (const std::exception&) {
+        return;  // the store (the chief) is gone; the next operation reports it
+      }
+    }
+  }
+
+  // Heartbeat counters of every rank, or nothing when the store cannot be reached.
+  std::optional<std::vector<int64_t>> readHeartbeats() {
+    std::vector<int64_t> out(size_t(size), 0);
+    try {
+      std::lock_guard<std::mutex> lock(heartbeatMutex);
+      for (int r = 0; r < size; ++r) out[size_t(r)] = heartbeatStore->add(heartbeatKey(r), 0);
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+    return out;
+  }
+
+  std::vector<int> lostRanks() {
+    auto before = readHeartbeats();
+    if (!before) return {0};  // the chief hosts the store
+    std::this_thread::sleep_for(kHeartbeatPeriod * 3);
+    auto after = readHeartbeats();
+    if (!after) return {0};
+    std::vector<int> lost;
+    for (int r = 0; r < size; ++r) {
+      if (r != rank && (*after)[size_t(r)] == (*before)[size_t(r)]) lost.push_back(r);
+    }
+    return lost;
+  }
+
+  // Turns a failed operation into cohort's error, naming the lost peer when there is one.
+  [[noreturn]] void fail(const std::string& op, const std::exception& e) {
+    const std::string what = firstLine(e.what());
+    const bool timedOut = what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
+    std::string who;
+    for (int r : lostRanks()) {
+      who += (who.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) +
+             (r == 0 ? " (the chief, which hosts the rendezvous store)" : "");
+    }
+    std::string message = "rank " + std::to_string(rank) + ": " + op + " failed";
+    if (!who.empty()) message += ": lost " + who + ", whose heartbeat stopped";
+    message += " (" + what + ")";
+    if (timedOut && who.empty()) {
+      message += "; no peer answered within " + std::to_string(options.timeout.count() / 1000) +
+                 " s (--timeout to change)";
+      throw TimeoutError(message);
+    }
+    throw CommError(message);
+  }
+
+  ~Impl() {
+    {
+      std::lock_guard<std::mutex> lock(stopMutex);
+      stopping = true;
+    }
+    stopCv.notify_all();
+    if (heartbeat.joinable()) heartbeat.join();
+  }
+};
+
+struct CommWork::Impl {
+  std::shared_ptr<Communicator::Impl> comm;
+  c10::intrusive_ptr<c10d::Work> work;
+  std::string op;
+  std::vector<torch::Tensor> keepAlive;  // Gloo reads and writes these until the work is done
+  bool waited = false;
+};
+
+bool CommWork::isCompleted() const { return impl_ == nullptr || impl_->work->isCompleted(); }
+
+double CommWork::wait() {
+  if (impl_ == nullptr || impl_->waited) return 0.0;
+  const auto start = Clock::now();
+  try {
+    impl_->work->wait(impl_->comm->options.timeout);
+  } catch (const std::exception& e) {
+    impl_->waited = true;
+    impl_->comm->fail(impl_->op, e);
+  }
+  impl_->waited = true;
+  const auto waited = Clock::now() - start;
+  impl_->comm->waitNanos += std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
+  return std::chrono::duration<double>(waited).count();
+}
+
+Communicator::Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Communicator::~Communicator() = default;
+
+std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, const CommOptions& options) {
+  auto impl = std::make_shared<Impl>();
+  impl->rank = spec.rank;
+  impl->size = spec.worldSize;
+  impl->options = options;
+  impl->master = spec.master;
+  const std::string where = spec.master.host + ":" + std::to_string(spec.master.port);
+  try {
+    c10d::TCPStoreOptions storeOptions;
+    storeOptions.port = uint16_t(spec.master.port);
+    storeOptions.isServer = spec.rank == 0;
+    storeOptions.numWorkers = size_t(spec.worldSize);
+    storeOptions.waitWorkers = true;
+    storeOptions.timeout = options.timeout;
+    impl->store = c10::make_intrusive<c10d::TCPStore>(spec.master.host, storeOptions);
+
+    c10d::TCPStoreOptions beatOptions = storeOptions;
+    beatOptions.isServer = false;
+    beatOptions.numWorkers = c10::nullopt;
+    beatOptions.waitWorkers = false;
+    impl->heartbeatStore = c10::make_intrusive<c10d::TCPStore>(spec.master.host, beatOptions);
+    impl->heartbeatStore->add(heartbeatKey(spec.rank), 1);
+  } catch (const std::exception& e) {
+    throw CommError("rank " + std::to_string(spec.rank) + ": rendezvous with the chief at " + where +
+                    " failed: " + firstLine(e.what()) + ": check that all " + std::to_string(spec.worldSize) +
+                    " workers are started, that MASTER_ADDR/MASTER_PORT name the chief, and that the port "
+                    "is free (--timeout to wait longer)");
+  }
+  try {
+    auto groupOptions = c10d::ProcessGroupGloo::Options::create(options.timeout);
+    groupOptions->devices.push_back(makeDevice(spec.master.host));
+    groupOptions->threads = options.glooThreads;
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("cohort/group", impl->store);
+    impl->group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, spec.rank, spec.worldSize, groupOptions);
+  } catch (const std::exception& e) {
+    throw CommError("rank " + std::to_string(spec.rank) + ": forming the Gloo group through " + where +
+                    " failed: " + firstLine(e.what()));
+  }
+  impl->heartbeat = std::thread([raw = impl.get()] { raw->beat(); });
+  return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
+}
+
+int Communicator::rank() const { return impl_->rank; }
+int Communicator::worldSize() const { return impl_->size; }
+const CommOptions& Communicator::options() const { return impl_->options; }
+std::vector<int> Communicator::lostRanks() { return impl_->lostRanks(); }
+
+CommCounters Communicator::counters() const {
+  return {impl_->bytesSent.load(), impl_->bytesReceived.load(), double(impl_->waitNanos.load()) * 1e-9};
+}
+
+namespace {
+
+CommWork::Impl* newWork(std::shared_ptr<Communicator::Impl> comm, c10::intrusive_ptr<c10d::Work> work,
+                        std::string op, std::vector<torch::Tensor> keep) {
+  return new CommWork::Impl{std::move(comm), std::move(work), std::move(op), std::move(keep)};
+}
+
+}  // namespace
+
+CommWork Communicator::allreduceAsync(torch::Tensor tensor) {
+  COHORT_CHECK(tensor.is_contiguous(), InvalidArgument, "allreduce needs a contiguous tensor");
+  const int64_t n = nbytes(tensor);
+  const int64_t onWire = impl_->size > 1 ? 2 * n * (impl_->size - 1) / impl_->size : 0;
+  std::vector<torch::Tensor> tensors{tensor};
+  CommWork work;
+  try {
+    work.impl_.reset(newWork(impl_, impl_->group->allreduce(tensors), "allreduce of " + std::to_string(n) + " bytes",
+                             tensors));
+  } catch (const std::exception& e) {
+    impl_->fail("allreduce", e);
+  }
+  impl_->count(onWire, onWire);
+  return work;
+}
+
+void Communicator::broadcast(torch::Tensor tensor, int root) {
+  COHORT_CHECK(tensor.is_contiguous(), InvalidArgument, "broadcast needs a contiguous tensor");
+  std::vector<torch::Tensor> tensors{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  CommWork work;
+  try {
+    work.impl_.reset(newWork(impl_, impl_->group->broadcast(tensors, opts), "broadcast", tensors));
+  } catch (const std::exception& e) {
+    impl_->fail("broadcast", e);
+  }
+  work.wait();
+  const int64_t n = nbytes(tensor);
+  if (impl_->rank == root) {
+    impl_->count(n * (impl_->size - 1), 0);
+  } else {
+    impl_->count(0, n);
+  }
+}
+
+std::vector<uint8_t> Communicator::broadcastBytes(const std::vector<uint8_t>& bytes, int root) {
+  auto size = torch::tensor({int64_t(bytes.size())}, torch::kInt64);
+  broadcast(size, root);
+  const int64_t n = size.item<int64_t>();
+  auto buffer = torch::empty({n}, torch::kUInt8);
+  if (impl_->rank == root && n > 0) std::memcpy(buffer.data_ptr(), bytes.data(), size_t(n));
+  if (n > 0) broadcast(buffer, root);
+  const auto* p = buffer.data_ptr<uint8_t>();
+  return std::vector<uint8_t>(p, p + n);
+}
+
+std::vector<torch::Tensor> Communicator::allgather(const torch::Tensor& tensor) {
+  auto input = tensor.contiguous();
+  std::vector<std::vector<torch::Tensor>> outputs(1);
+  for (int r = 0; r < impl_->size; ++r) outputs[0].push_back(torch::empty_like(input));
+  std::vector<torch::Tensor> inputs{input};
+  CommWork work;
+  try {
+    work.impl_.reset(newWork(impl_, impl_->group->allgather(outputs, inputs), "allgather", outputs[0]));
+  } catch (const std::exception& e) {
+    impl_->fail("allgather", e);
+  }
+  work.wait();
+  const int64_t n = nbytes(input) * (impl_->size - 1);
+  impl_->count(n, n);
+  return outputs[0];
+}
+
+std::vector<torch::Tensor> Communicator::allgatherVariable(const torch::Tensor& tensor) {
+  COHORT_CHECK(tensor.dim() == 1, InvalidArgument, "allgatherVariable takes 1-D tensors, got ", tensor.dim(),
+               " dimensions");
+  auto lengths = allgather(torch::tensor({tensor.size(0)}, torch::kInt64));
+  int64_t longest = 0;
+  for (const auto& l : lengths) longest = std::max(longest, l.item<int64_t>());
+  auto padded = torch::zeros({longest}, tensor.options());
+  padded.narrow(0, 0, tensor.size(0)).copy_(tensor);
+  auto gathered = allgather(padded);
+  std::vector<torch::Tensor> out;
+  for (int r = 0; r < impl_->size; ++r) out.push_back(gathered[size_t(r)].narrow(0, 0, lengths[size_t(r)].item<int64_t>()));
+  return out;
+}
+
+void Communicator::barrier() {
+  CommWork work;
+  try {
+    work.impl_.reset(newWork(impl_, impl_->group->barrier(), "barrier", {}));
+  } catch (const std::exception& e) {
+    impl_->fail("barrier", e);
+  }
+  work.wait();
+}
+
+CommWork Communicator::sendAsync(torch::Tensor tensor, int dst, int tag) {
+  COHORT_CHECK(tensor.is_contiguous(), InvalidArgument, "send needs a contiguous tensor");
+  std::vector<torch::Tensor> tensors{tensor};
+  CommWork work;
+  try {
+    work.impl_.reset(newWork(impl_, impl_->group->send(tensors, dst, tag), "send to rank " + std::to_string(dst), tensors));
+  } catch (const std::exception& e) {
+    impl_->fail("send to rank " + std::to_string(dst), e);
+  }
+  impl_->count(nbytes(tensor), 0);
+  return work;
+}
+
+CommWork Communicator::recvAsync(torch::Tensor tensor, int src, int tag) {
+  COHORT_CHECK(tensor.is_contiguous(), InvalidArgument, "recv needs a contiguous tensor");
+  std::vector<torch::Tensor> tensors{tensor};
+  CommWork work;
+  try {
+    work.impl_.reset(newWork(impl_, impl_->group->recv(tensors, src, tag), "receive from rank " + std::to_string(src), tensors));
+  } catch (const std::exception& e) {
+    impl_->fail("receive from rank " + std::to_string(src), e);
+  }
+  impl_->count(0, nbytes(tensor));
+  return work;
+}
+
+}  // namespace cohort

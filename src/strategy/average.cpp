@@ -1,0 +1,111 @@
+#include "strategy/average.h"
+
+#include <cohort/error.h>
+
+#include "strategy/allreduce.h"
+#include "strategy/local.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+
+namespace cohort {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Averages the tensors over the ranks in place, with one allreduce per dtype.
+void averageInPlace(Communicator& comm, const std::vector<torch::Tensor>& tensors) {
+  torch::NoGradGuard noGrad;
+  std::map<c10::ScalarType, std::vector<torch::Tensor>> byType;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.is_floating_point()) byType[t.scalar_type()].push_back(t);
+  }
+  for (auto& [type, group] : byType) {
+    std::vector<torch::Tensor> flat;
+    for (auto& t : group) flat.push_back(t.reshape({-1}));
+    auto packed = torch::cat(flat);
+    comm.allreduce(packed);
+    packed.div_(comm.worldSize());
+    int64_t offset = 0;
+    for (auto& t : group) {
+      t.copy_(packed.narrow(0, offset, t.numel()).view_as(t));
+      offset += t.numel();
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer) {
+  std::vector<torch::Tensor> out;
+  auto& state = optimizer.state();
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      auto it = state.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      if (it == state.end()) continue;
+      if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+        out.push_back(sgd->momentum_buffer());
+      } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+        out.push_back(adam->exp_avg());
+        out.push_back(adam->exp_avg_sq());
+      }
+    }
+  }
+  return out;
+}
+
+AverageStrategy::AverageStrategy(std::shared_ptr<Communicator> comm, AverageOptions options)
+    : comm_(std::move(comm)), options_(options) {
+  COHORT_CHECK(comm_ != nullptr, InvalidArgument, "--strategy average needs a cluster");
+  COHORT_CHECK(options_.period >= 1, InvalidArgument, "--period must be at least 1, got ", options_.period);
+}
+
+ReplicaInfo AverageStrategy::replica() const { return {comm_->rank(), comm_->worldSize()}; }
+
+void AverageStrategy::attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) {
+  model_ = std::move(model);
+  optimizer_ = &optimizer;
+  broadcastModel(*comm_, *model_);
+}
+
+double AverageStrategy::average() {
+  const auto start = Clock::now();
+  std::vector<torch::Tensor> tensors;
+  for (auto& p : model_->parameters()) tensors.push_back(p);
+  for (auto& b : model_->buffers()) tensors.push_back(b);
+  if (options_.averageOptimizerState) {
+    for (auto& t : optimizerStateTensors(*optimizer_)) tensors.push_back(t);
+  }
+  averageInPlace(*comm_, tensors);
+  sinceAverage_ = 0;
+  return secondsSince(start);
+}
+
+StepStats AverageStrategy::step(const Batch& batch, const LossFn& loss) {
+  COHORT_CHECK(optimizer_ != nullptr, Error, "AverageStrategy::step before attach");
+  const auto start = Clock::now();
+  const CommCounters before = comm_->counters();
+  clearGradients(*model_);
+  auto value = loss(model_->forward(batch.inputs), batch.targets);
+  value.backward();
+  optimizer_->step();
+  StepStats stats;
+  stats.loss = value.item<double>();
+  if (++sinceAverage_ >= options_.period) stats.commWaitSeconds = average();
+  const CommCounters after = comm_->counters();
+  stats.samples = batch.size() * comm_->worldSize();
+  stats.bytesSent = after.bytesSent - before.bytesSent;
+  stats.bytesReceived = after.bytesReceived - before.bytesReceived;
+  stats.computeSeconds = secondsSince(start) - stats.commWaitSeconds;
+  return stats;
+}
+
+void AverageStrategy::synchronize() {
+  if (sinceAverage_ > 0) average();
+}
+
+}  // namespace cohort

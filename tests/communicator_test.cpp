@@ -1,0 +1,134 @@
+// The Communicator with ranks as threads of one process, over a real TCPStore on 127.0.0.1.
+#include <cohort/communicator.h>
+#include <cohort/error.h>
+
+#include <torch/torch.h>
+
+#include <thread>
+
+#include "test_util.h"
+
+namespace cohort {
+namespace {
+
+// Runs body(comm) on `world` threads, one rank each; rethrows the first failure.
+void onRanks(int world, const std::function<void(Communicator&)>& body) {
+  const int port = test::freePort();
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        ClusterSpec spec;
+        spec.rank = r;
+        spec.worldSize = world;
+        spec.master = {"127.0.0.1", port};
+        auto comm = Communicator::connect(spec, {.timeout = std::chrono::seconds(30)});
+        body(*comm);
+      } catch (...) {
+        errors[size_t(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+class CommunicatorTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CommunicatorTest, AllreduceSums) {
+  const int world = GetParam();
+  onRanks(world, [&](Communicator& comm) {
+    auto t = torch::full({1000}, float(comm.rank() + 1));
+    comm.allreduce(t);
+    EXPECT_TRUE(torch::all(t == float(world * (world + 1) / 2)).item<bool>());
+    if (world > 1) {
+      // Ring allreduce: 2 (N-1)/N of the buffer each way.
+      EXPECT_EQ(comm.counters().bytesSent, 2 * 4000 * (world - 1) / world);
+    }
+  });
+}
+
+TEST_P(CommunicatorTest, AsyncAllreducesCompleteInOrderOfIssue) {
+  const int world = GetParam();
+  onRanks(world, [&](Communicator& comm) {
+    std::vector<torch::Tensor> ts;
+    std::vector<CommWork> works;
+    for (int i = 0; i < 5; ++i) {
+      ts.push_back(torch::full({100 * (i + 1)}, float(i)));
+      works.push_back(comm.allreduceAsync(ts.back()));
+    }
+    for (auto& w : works) w.wait();
+    for (int i = 0; i < 5; ++i) EXPECT_TRUE(torch::all(ts[size_t(i)] == float(i * world)).item<bool>());
+  });
+}
+
+TEST_P(CommunicatorTest, BroadcastFromAnyRoot) {
+  const int world = GetParam();
+  onRanks(world, [&](Communicator& comm) {
+    const int root = world - 1;
+    auto t = comm.rank() == root ? torch::arange(10, torch::kFloat32) : torch::zeros({10});
+    comm.broadcast(t, root);
+    EXPECT_TRUE(torch::equal(t, torch::arange(10, torch::kFloat32)));
+    auto bytes = comm.broadcastBytes(comm.rank() == 0 ? std::vector<uint8_t>{1, 2, 3} : std::vector<uint8_t>{}, 0);
+    EXPECT_EQ(bytes, (std::vector<uint8_t>{1, 2, 3}));
+  });
+}
+
+TEST_P(CommunicatorTest, AllgatherSameAndVariableSizes) {
+  const int world = GetParam();
+  onRanks(world, [&](Communicator& comm) {
+    auto all = comm.allgather(torch::full({3}, comm.rank(), torch::kInt64));
+    ASSERT_EQ(int(all.size()), world);
+    for (int r = 0; r < world; ++r) EXPECT_TRUE(torch::all(all[size_t(r)] == r).item<bool>());
+    // Rank r sends r+1 values (rank 0 one, rank 2 three), and an empty tensor is allowed too.
+    auto mine = torch::full({comm.rank() + 1}, float(comm.rank()));
+    auto got = comm.allgatherVariable(mine);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(got[size_t(r)].size(0), r + 1);
+      EXPECT_TRUE(torch::all(got[size_t(r)] == float(r)).item<bool>());
+    }
+    auto empty = comm.allgatherVariable(torch::zeros({comm.rank() == 0 ? 0 : 2}));
+    EXPECT_EQ(empty[0].size(0), 0);
+    comm.barrier();
+  });
+}
+
+class RingTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RingTest, SendAndReceiveAroundARing) {
+  const int world = GetParam();
+  onRanks(world, [&](Communicator& comm) {
+    const int next = (comm.rank() + 1) % world;
+    const int prev = (comm.rank() + world - 1) % world;
+    auto out = torch::full({64}, float(comm.rank()));
+    auto in = torch::empty({64});
+    auto s = comm.sendAsync(out, next, 7);
+    comm.recv(in, prev, 7);
+    s.wait();
+    EXPECT_TRUE(torch::all(in == float(prev)).item<bool>());
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, CommunicatorTest, ::testing::Values(1, 2, 3));
+INSTANTIATE_TEST_SUITE_P(Worlds, RingTest, ::testing::Values(2, 3));
+
+TEST(Communicator, RendezvousTimesOutNamingTheChief) {
+  ClusterSpec spec;
+  spec.rank = 1;
+  spec.worldSize = 2;
+  spec.master = {"127.0.0.1", test::freePort()};  // nobody listens there
+  try {
+    Communicator::connect(spec, {.timeout = std::chrono::seconds(2)});
+    FAIL() << "expected CommError";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("rendezvous with the chief at 127.0.0.1:" + std::to_string(spec.master.port)),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace cohort

@@ -1,0 +1,191 @@
+// Synchronous data parallelism with real processes on 127.0.0.1: the seeds' equivalence proof,
+// bit-identical replicas, the same binary under cohort launch, mpirun and TF_CONFIG, and a worker
+// killed mid-training.
+#include <cohort/checkpoint.h>
+#include <cohort/models.h>
+
+#include <nlohmann/json.hpp>
+
+#include <torch/torch.h>
+
+#include "test_util.h"
+
+namespace cohort {
+namespace {
+
+std::vector<torch::Tensor> loadParameters(const std::string& path, const std::string& model = "mlp") {
+  auto net = makeModel(model, {});
+  torch::load(net, path);
+  std::vector<torch::Tensor> out;
+  for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+double maxDifference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  return worst;
+}
+
+nlohmann::json doneEvent(const std::string& metrics) {
+  nlohmann::json done;
+  for (const auto& line : test::lines(test::readFile(metrics))) {
+    auto j = nlohmann::json::parse(line);
+    if (j["event"] == "done") done = j;
+  }
+  return done;
+}
+
+std::string launch(int n) {
+  return test::cohortBinary() + " launch -n " + std::to_string(n) + " --port " + std::to_string(test::freePort()) + " -- ";
+}
+
+// The data and optimizer of the equivalence runs: plain SGD, no momentum, a few steps.
+const std::string kCommon = " --model mlp --data synthetic:1200 --optimizer sgd --lr 0.1 --steps 6 --threads 1 --progress off";
+
+struct Scheme {
+  std::string name;
+  std::string flags;
+  friend void PrintTo(const Scheme& s, std::ostream* out) { *out << s.name; }
+};
+
+class Equivalence : public ::testing::TestWithParam<std::tuple<Scheme, int>> {};
+
+// N workers with batch b each end where one worker with batch N*b ends, on the same examples.
+TEST_P(Equivalence, NWorkersEqualOneWorkerWithNTimesTheBatch) {
+  const auto& [scheme, n] = GetParam();
+  test::TempDir dir;
+  const int b = 8;
+  auto single = test::runCommand(test::cohortBinary() + " train" + kCommon + " --batch " + std::to_string(n * b) +
+                                 " --save-model " + dir.file("single.pt"), 120);
+  ASSERT_EQ(single.exitCode, 0) << single.output;
+  auto multi = test::runCommand(launch(n) + test::cohortBinary() + " train" + kCommon + " --batch " +
+                                    std::to_string(b) + " " + scheme.flags + " --save-model " + dir.file("multi.pt"),
+                                180);
+  ASSERT_EQ(multi.exitCode, 0) << multi.output;
+  const double diff = maxDifference(loadParameters(dir.file("single.pt")), loadParameters(dir.file("multi.pt")));
+  EXPECT_LT(diff, 1e-5) << scheme.name << " with " << n << " workers";
+  // Something did change: the comparison is not between two untouched initializations.
+  torch::manual_seed(1);
+  auto init = makeModel("mlp", {});
+  std::vector<torch::Tensor> initial;
+  for (auto& p : init->parameters()) initial.push_back(p.detach());
+  EXPECT_GT(maxDifference(initial, loadParameters(dir.file("multi.pt"))), 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Schemes, Equivalence,
+    ::testing::Combine(::testing::Values(Scheme{"allreduce", "--strategy allreduce"},
+                                         Scheme{"allreduce_no_overlap", "--strategy allreduce --no-overlap --bucket-mb 0.5"},
+                                         Scheme{"average", "--strategy average --period 1"}),
+                       ::testing::Values(2, 3)),
+    [](const auto& info) { return std::get<0>(info.param).name + "_" + std::to_string(std::get<1>(info.param)); });
+
+TEST(DataParallel, AllreduceReplicasStayBitIdentical) {
+  test::TempDir dir;
+  auto r = test::runCommand(launch(2) + test::cohortBinary() +
+                                " train --model cnn --data synthetic:600 --batch 16 --steps 8 --optimizer momentum"
+                                " --strategy allreduce --bucket-mb 1 --progress off --save-model " +
+                                dir.file("rank{rank}.pt"),
+                            180);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  auto a = loadParameters(dir.file("rank0.pt"), "cnn");
+  auto b = loadParameters(dir.file("rank1.pt"), "cnn");
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i;
+}
+
+TEST(DataParallel, AverageWithPeriodKeepsReplicasAveragedAtTheEnd) {
+  test::TempDir dir;
+  auto r = test::runCommand(launch(2) + test::cohortBinary() +
+                                " train --model mlp --data synthetic:600 --batch 16 --steps 10 --optimizer momentum"
+                                " --strategy average --period 4 --average-optimizer-state --progress off"
+                                " --save-model " + dir.file("rank{rank}.pt") + " --metrics " + dir.file("m.jsonl"),
+                            180);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  // The last average is at the end (synchronize before the final evaluation).
+  EXPECT_LT(maxDifference(loadParameters(dir.file("rank0.pt")), loadParameters(dir.file("rank1.pt"))), 1e-6);
+  auto done = doneEvent(dir.file("m.jsonl"));
+  EXPECT_EQ(done["workers"], 2);
+  EXPECT_GT(done["bytes_sent"].get<int64_t>(), 0);
+}
+
+TEST(DataParallel, RunsUnderMpirun) {
+  test::TempDir dir;
+  auto r = test::runCommand("mpirun --oversubscribe --allow-run-as-root -n 2 -x MASTER_PORT=" +
+                                std::to_string(test::freePort()) + " " + test::cohortBinary() + " train" + kCommon +
+                                " --batch 8 --strategy allreduce --metrics " + dir.file("m.jsonl"),
+                            180);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  auto done = doneEvent(dir.file("m.jsonl"));
+  EXPECT_EQ(done["workers"], 2);
+  EXPECT_EQ(done["steps"], 6);
+  EXPECT_EQ(done["samples_per_s"].is_number(), true);
+}
+
+std::string tfConfig(int chiefPort, int workerPort, const std::string& type, int index) {
+  return "{\"cluster\": {\"chief\": [\"127.0.0.1:" + std::to_string(chiefPort) + "\"], \"worker\": [\"127.0.0.1:" +
+         std::to_string(workerPort) + "\"]}, \"task\": {\"type\": \"" + type + "\", \"index\": " +
+         std::to_string(index) + "}}";
+}
+
+TEST(DataParallel, RunsUnderAHandWrittenTfConfig) {
+  test::TempDir dir;
+  const int chief = test::freePort();
+  const int worker = test::freePort();
+  const std::string train = test::cohortBinary() + " train" + kCommon + " --batch 8 --strategy allreduce";
+  // Two processes started by hand, each with its own TF_CONFIG, as a cluster operator would.
+  test::writeFile(dir.file("run.sh"),
+                  "TF_CONFIG='" + tfConfig(chief, worker, "worker", 0) + "' " + train + " > " + dir.file("worker.log") +
+                      " 2>&1 &\nworker=$!\nTF_CONFIG='" + tfConfig(chief, worker, "chief", 0) + "' " + train +
+                      " --metrics " + dir.file("m.jsonl") + "\nc=$?\nwait $worker\nw=$?\nexit $((c + w))\n");
+  auto r = test::runCommand("sh " + dir.file("run.sh"), 180);
+  ASSERT_EQ(r.exitCode, 0) << r.output << test::readFile(dir.file("worker.log"));
+  auto done = doneEvent(dir.file("m.jsonl"));
+  EXPECT_EQ(done["workers"], 2);
+  EXPECT_EQ(done["steps"], 6);
+}
+
+// Rank 1 is SIGKILLed a few seconds into a long run. Under cohort launch: launch names it and
+// exits with its status. Then a restart with --resume continues from the last checkpoint.
+TEST(DataParallel, KilledWorkerStopsTheJobAndResumeContinues) {
+  test::TempDir dir;
+  const std::string train = test::cohortBinary() +
+                            " train --model mlp --data fashion-mnist --batch 32 --strategy allreduce --threads 1"
+                            " --progress off --checkpoint-every 20 --checkpoint-dir " + dir.path();
+  // exec keeps the shell's pid, so the background kill hits the trainer itself.
+  auto killed = test::runCommand(launch(2) + "sh -c 'if [ \"$RANK\" = 1 ]; then (sleep 6; kill -9 $$) & fi; exec " +
+                                     train + " --steps 100000'", 120);
+  EXPECT_EQ(killed.exitCode, 137) << killed.output;
+  EXPECT_NE(killed.output.find("rank 1 was killed by signal 9"), std::string::npos) << killed.output;
+  CheckpointStore store(dir.path());
+  auto files = store.list();
+  ASSERT_FALSE(files.empty()) << killed.output;
+  const int64_t saved = files.front().step;
+
+  auto resumed = test::runCommand(launch(2) + train + " --resume --steps " + std::to_string(saved + 10) +
+                                      " --metrics " + dir.file("m.jsonl"), 120);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + files.front().path), std::string::npos) << resumed.output;
+  EXPECT_EQ(doneEvent(dir.file("m.jsonl"))["steps"], saved + 10);
+}
+
+// Without a launcher to stop it, the surviving worker itself must notice and name the lost rank.
+TEST(DataParallel, SurvivorNamesTheLostRankWithinTheTimeout) {
+  test::TempDir dir;
+  const int port = test::freePort();
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " WORLD_SIZE=2";
+  const std::string train = test::cohortBinary() +
+                            " train --model mlp --data synthetic:60000 --batch 32 --strategy allreduce --threads 1"
+                            " --progress off --steps 1000000 --timeout 20";
+  auto r = test::runCommand("sh -c '" + env + " RANK=1 " + train + " & victim=$!; " + env + " RANK=0 " + train +
+                                " > " + dir.file("chief.log") + " 2>&1 & chief=$!; sleep 8; kill -9 $victim; wait $chief;"
+                                " echo chief-exit=$?'",
+                            120);
+  const std::string log = test::readFile(dir.file("chief.log"));
+  EXPECT_NE(r.output.find("chief-exit=1"), std::string::npos) << r.output << log;
+  EXPECT_NE(log.find("lost rank 1"), std::string::npos) << log;
+}
+
+}  // namespace
+}  // namespace cohort

@@ -1,0 +1,315 @@
+// `cohort launch`: the environment every rank gets, output prefixed line by line, the first failure
+// stopping the others with its status, signals forwarded, bad input rejected.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <regex>
+#include <set>
+#include <thread>
+
+#include "test_util.h"
+
+namespace cohort {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::seconds;
+
+std::string launch(const std::string& args) { return test::cohortBinary() + " launch " + args; }
+
+size_t count(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + needle.size())) ++n;
+  return n;
+}
+
+// The launcher started from the test with fork/exec: stdout and stderr captured apart, in a process
+// group of its own so that cleanup kills whatever it started, every wait bounded by a deadline.
+class LauncherProcess {
+ public:
+  explicit LauncherProcess(const std::vector<std::string>& argv) {
+    int out[2];
+    int err[2];
+    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
+    std::vector<std::string> args = argv;
+    std::vector<char*> raw;
+    for (auto& a : args) raw.push_back(a.data());
+    raw.push_back(nullptr);
+    pid_ = ::fork();
+    if (pid_ < 0) throw std::runtime_error("fork failed");
+    if (pid_ == 0) {
+      ::setpgid(0, 0);
+      ::dup2(out[1], STDOUT_FILENO);
+      ::dup2(err[1], STDERR_FILENO);
+      ::execvp(raw[0], raw.data());
+      ::_exit(127);
+    }
+    ::setpgid(pid_, pid_);  // also here: no race with the kill in the destructor
+    ::close(out[1]);
+    ::close(err[1]);
+    outFd_ = out[0];
+    errFd_ = err[0];
+    pidFd_ = int(::syscall(SYS_pidfd_open, pid_, 0));  // readable once the launcher exits
+    if (pidFd_ < 0) throw std::runtime_error("pidfd_open failed");
+  }
+
+  ~LauncherProcess() {
+    if (!reaped_) {
+      ::kill(-pid_, SIGKILL);  // the launcher and its children, should a test have failed early
+      ::waitpid(pid_, nullptr, 0);
+    }
+    for (int fd : {outFd_, errFd_, pidFd_}) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+  pid_t pid() const { return pid_; }
+  const std::string& out() const { return out_; }
+  const std::string& err() const { return err_; }
+
+  // Reads output until stdout holds `needle` `times` times; false at the deadline.
+  bool waitForOutput(const std::string& needle, size_t times, seconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (count(out_, needle) < times) {
+      if (!pump(deadline)) return false;
+    }
+    return true;
+  }
+
+  // Reads all output and reaps the launcher; its exit code (128 + signal when killed), -1 at the
+  // deadline.
+  int wait(seconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (outFd_ >= 0 || errFd_ >= 0 || !exited_) {
+      if (!pump(deadline)) return -1;
+    }
+    int status = 0;
+    ::kill(-pid_, SIGKILL);       // anything a rank left behind; the group lives while its leader is a zombie
+    ::waitpid(pid_, &status, 0);  // it has exited: does not block
+    reaped_ = true;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+
+ private:
+  // One round of waiting for output or the exit; false when the deadline passed.
+  bool pump(Clock::time_point deadline) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    std::vector<pollfd> fds{{pidFd_, POLLIN, 0}, {outFd_, POLLIN, 0}, {errFd_, POLLIN, 0}};
+    if (::poll(fds.data(), fds.size(), int(left)) < 0 && errno != EINTR) return false;
+    if (fds[0].revents != 0) exited_ = true;
+    readFrom(outFd_, out_, fds[1].revents);
+    readFrom(errFd_, err_, fds[2].revents);
+    return true;
+  }
+
+  static void readFrom(int& fd, std::string& into, short revents) {
+    if (fd < 0 || revents == 0) return;
+    char buffer[65536];
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n > 0) {
+      into.append(buffer, size_t(n));
+    } else if (n == 0 || errno != EINTR) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+
+  pid_t pid_ = -1;
+  int outFd_ = -1;
+  int errFd_ = -1;
+  int pidFd_ = -1;
+  bool exited_ = false;
+  bool reaped_ = false;
+  std::string out_;
+  std::string err_;
+};
+
+int threadsPerRank(int n) { return std::max(1, int(std::max(1u, std::thread::hardware_concurrency())) / n); }
+
+// Variables of other launchers in the launcher's environment must not reach the ranks.
+const char* kForeignRanks = "RANK=5 WORLD_SIZE=9 LOCAL_RANK=4 OMPI_COMM_WORLD_RANK=3 OMPI_COMM_WORLD_SIZE=9 "
+                            "SLURM_PROCID=2 TF_CONFIG='{\"task\":{}}' ";
+
+class LaunchWorldSize : public testing::TestWithParam<int> {};
+
+TEST_P(LaunchWorldSize, EveryRankGetsItsEnvironmentAndItsPrefix) {
+  const int n = GetParam();
+  const int port = test::freePort();
+  auto r = test::runCommand(
+      std::string("env -u OMP_NUM_THREADS -u OPENBLAS_NUM_THREADS ") + kForeignRanks +
+          launch("-n " + std::to_string(n) + " --port " + std::to_string(port) +
+                 " -- sh -c 'echo \"env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
+                 "$OMP_NUM_THREADS $OPENBLAS_NUM_THREADS ${OMPI_COMM_WORLD_RANK-none} ${OMPI_COMM_WORLD_SIZE-none} "
+                 "${SLURM_PROCID-none} ${TF_CONFIG-none}\"'"),
+      60);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto lines = test::lines(r.output);
+  EXPECT_EQ(lines.size(), size_t(n)) << r.output;
+  const std::string threads = std::to_string(threadsPerRank(n));
+  for (int rank = 0; rank < n; ++rank) {
+    const std::string i = std::to_string(rank);
+    const std::string expected = "[rank " + i + "] env " + i + " " + std::to_string(n) + " " + i + " " +
+                                 std::to_string(n) + " 127.0.0.1 " + std::to_string(port) + " " + threads + " " +
+                                 threads + " none none none none";
+    EXPECT_NE(std::find(lines.begin(), lines.end(), expected), lines.end()) << expected << "\nin:\n" << r.output;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(LaunchWorldSizes, LaunchWorldSize, testing::Values(1, 2, 3));
+
+TEST(Launch, KeepsTheUsersThreadBudget) {
+  auto r = test::runCommand("env OMP_NUM_THREADS=3 OPENBLAS_NUM_THREADS=2 " +
+                                launch("-n 2 -- sh -c 'echo \"threads $OMP_NUM_THREADS $OPENBLAS_NUM_THREADS\"'"),
+                            60);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(count(r.output, "] threads 3 2\n"), 2u) << r.output;
+}
+
+TEST(Launch, PortZeroPicksOneFreePortForAllRanks) {
+  auto r = test::runCommand(launch("-n 3 --host localhost -- sh -c 'echo \"addr $MASTER_ADDR port $MASTER_PORT\"'"), 60);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  std::set<int> ports;
+  const std::regex line(R"(\[rank \d\] addr localhost port (\d+))");
+  for (const auto& l : test::lines(r.output)) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(l, m, line)) << l;
+    ports.insert(std::stoi(m[1]));
+  }
+  ASSERT_EQ(ports.size(), 1u) << r.output;
+  EXPECT_GT(*ports.begin(), 0);
+  EXPECT_LE(*ports.begin(), 65535);
+}
+
+TEST(Launch, StdoutAndStderrArePrefixedApart) {
+  LauncherProcess p({test::cohortBinary(), "launch", "-n", "2", "--",
+                     "sh", "-c", "echo out-$RANK; echo err-$RANK >&2; printf 'bar 10%%\\rbar 20%%\\n'; printf tail-$RANK"});
+  ASSERT_EQ(p.wait(seconds(60)), 0) << p.out() << p.err();
+  for (const std::string i : {"0", "1"}) {
+    EXPECT_NE(p.out().find("[rank " + i + "] out-" + i + "\n"), std::string::npos) << p.out();
+    EXPECT_NE(p.err().find("[rank " + i + "] err-" + i + "\n"), std::string::npos) << p.err();
+    // A partial last line is flushed when the pipe closes; '\r' stays inside its line.
+    EXPECT_NE(p.out().find("[rank " + i + "] tail-" + i + "\n"), std::string::npos) << p.out();
+    EXPECT_NE(p.out().find("[rank " + i + "] bar 10%\rbar 20%\n"), std::string::npos) << p.out();
+  }
+  EXPECT_EQ(p.out().find("err-"), std::string::npos) << p.out();
+  EXPECT_EQ(p.err().find("out-"), std::string::npos) << p.err();
+}
+
+TEST(Launch, ManyLinesArriveWholeAndInOrder) {
+  constexpr int kLines = 20000;
+  LauncherProcess p({test::cohortBinary(), "launch", "-n", "3", "--", "seq", "1", std::to_string(kLines)});
+  ASSERT_EQ(p.wait(seconds(60)), 0) << p.err();
+  std::vector<int> next(3, 1);
+  const std::regex line(R"(\[rank (\d)\] (\d+))");
+  for (const auto& l : test::lines(p.out())) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(l, m, line)) << l;
+    const int rank = std::stoi(m[1]);
+    ASSERT_EQ(std::stoi(m[2]), next[size_t(rank)]) << "rank " << rank;
+    ++next[size_t(rank)];
+  }
+  EXPECT_EQ(next, std::vector<int>(3, kLines + 1));
+}
+
+TEST(Launch, CommandArgumentsMayStartWithADash) {
+  auto r = test::runCommand(launch("-n 1 -- sh -c 'echo \"args $0 $1 $2\"' -n --port --"), 60);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(r.output, "[rank 0] args -n --port --\n");
+  // Without "--" the command starts at the first argument that is not an option of launch.
+  r = test::runCommand(launch("-n 1 sh -c 'echo \"args $0\"' -x"), 60);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(r.output, "[rank 0] args -x\n");
+}
+
+TEST(Launch, AFailingRankStopsTheOthersWithItsStatus) {
+  const auto start = Clock::now();
+  auto r = test::runCommand(
+      launch("-n 3 -- sh -c 'if [ \"$RANK\" = 1 ]; then echo bye; exit 7; fi; exec sleep 60'"), 30);
+  EXPECT_NE(r.exitCode, 124) << "the sleeping ranks were not stopped\n" << r.output;
+  EXPECT_EQ(r.exitCode, 7) << r.output;
+  EXPECT_LT(Clock::now() - start, seconds(20));
+  EXPECT_NE(r.output.find("[rank 1] bye\ncohort launch: rank 1 exited with status 7\n"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(count(r.output, "cohort launch:"), 1u) << r.output;  // only the first failure is reported
+}
+
+TEST(Launch, ARankKilledBySignalGives128PlusTheSignal) {
+  auto r = test::runCommand(launch("-n 2 -- sh -c 'if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 60'"), 30);
+  EXPECT_EQ(r.exitCode, 137) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 0 was killed by signal 9 (SIGKILL)"), std::string::npos) << r.output;
+}
+
+TEST(Launch, RanksIgnoringSigtermAreKilledAfterTheGracePeriod) {
+  LauncherProcess p({test::cohortBinary(), "launch", "-n", "2", "--grace", "1", "--",
+                     "sh", "-c", "trap '' TERM; echo \"ready $RANK $$\"; exec sleep 60"});
+  ASSERT_TRUE(p.waitForOutput("] ready ", 2, seconds(30))) << p.out() << p.err();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(p.out(), m, std::regex(R"(\[rank 1\] ready 1 (\d+))"))) << p.out();
+  const auto killedAt = Clock::now();
+  ASSERT_EQ(::kill(pid_t(std::stoi(m[1])), SIGKILL), 0);
+  EXPECT_EQ(p.wait(seconds(30)), 137) << p.err();
+  EXPECT_GE(Clock::now() - killedAt, std::chrono::milliseconds(900));  // rank 0 had its grace period
+  EXPECT_NE(p.err().find("cohort launch: rank 1 was killed by signal 9 (SIGKILL)\n"), std::string::npos) << p.err();
+  EXPECT_NE(p.err().find("cohort launch: rank 0 did not stop within 1 s, killing it\n"), std::string::npos)
+      << p.err();
+}
+
+class LaunchSignal : public testing::TestWithParam<int> {};
+
+TEST_P(LaunchSignal, IsForwardedToEveryRank) {
+  const int signo = GetParam();
+  const std::string name = signo == SIGINT ? "INT" : "TERM";
+  // `wait` returns as soon as a trapped signal arrives; the trap stops the background sleep.
+  LauncherProcess p({test::cohortBinary(), "launch", "-n", "3", "--",
+                     "sh", "-c", "trap 'echo got-" + name + "-$RANK; kill $s; exit 0' " + name +
+                                     "; sleep 60 & s=$!; echo ready-$RANK; wait $s"});
+  ASSERT_TRUE(p.waitForOutput("] ready-", 3, seconds(30))) << p.out() << p.err();
+  ASSERT_EQ(::kill(p.pid(), signo), 0);
+  EXPECT_EQ(p.wait(seconds(30)), 128 + signo) << p.out() << p.err();
+  for (const std::string i : {"0", "1", "2"}) {
+    EXPECT_NE(p.out().find("[rank " + i + "] got-" + name + "-" + i + "\n"), std::string::npos) << p.out();
+  }
+  EXPECT_NE(p.err().find("cohort launch: got SIG" + name), std::string::npos) << p.err();
+}
+
+INSTANTIATE_TEST_SUITE_P(LaunchSignals, LaunchSignal, testing::Values(SIGTERM, SIGINT));
+
+TEST(Launch, AMissingCommandExits127NamingIt) {
+  auto r = test::runCommand(launch("-n 2 -- cohort-no-such-command --flag"), 30);
+  EXPECT_EQ(r.exitCode, 127) << r.output;
+  EXPECT_NE(r.output.find("cannot run cohort-no-such-command: No such file or directory"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("exited with status 127"), std::string::npos) << r.output;
+}
+
+void expectUsageError(const std::string& args, const std::string& needle) {
+  auto r = test::runCommand(launch(args), 30);
+  EXPECT_EQ(r.exitCode, 2) << args << "\n" << r.output;
+  const auto lines = test::lines(r.output);
+  ASSERT_EQ(lines.size(), 1u) << args << "\n" << r.output;
+  EXPECT_EQ(lines[0].rfind("cohort: error: ", 0), 0u) << lines[0];
+  EXPECT_NE(lines[0].find(needle), std::string::npos) << "expected '" << needle << "' in: " << lines[0];
+}
+
+TEST(Launch, BadArgumentsExit2) {
+  expectUsageError("-n 0 -- true", "-n/--nproc must be at least 1 (got 0)");
+  expectUsageError("-n -3 -- true", "-n/--nproc must be at least 1 (got -3)");
+  expectUsageError("-n two -- true", "-n");
+  expectUsageError("-- true", "--nproc is required");
+  expectUsageError("-n 2", "no command to launch");
+  expectUsageError("-n 2 --", "no command to launch");
+  expectUsageError("-n 2 --port 70000 -- true", "--port must be between 0 and 65535");
+  expectUsageError("-n 2 --port -1 -- true", "--port must be between 0 and 65535");
+  expectUsageError("-n 2 --grace -1 -- true", "--grace must be");
+  expectUsageError("-n 2 --host no-such-host.invalid -- true", "--host no-such-host.invalid");
+}
+
+}  // namespace
+}  // namespace cohort
