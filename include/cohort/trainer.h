@@ -62,6 +62,7 @@ class Trainer {
   TrainResult run();
 
   torch::nn::Sequential model() const;
+  bool isChief() const;
 
  private:
   struct State;

@@ -102,6 +102,7 @@ Run addTrainCommand(CLI::App& app) {
     o.progress = kModes.at(*progress);
     Trainer trainer(o);
     TrainResult r = trainer.run();
+    if (!trainer.isChief()) return 0;  // the chief reports for the job
     std::printf("done: %lld steps, %lld epochs, test accuracy %.4f, test loss %.4f, %.1f samples/s, %.1f s\n",
                 (long long)r.steps, (long long)r.epochs, r.testAccuracy, r.testLoss,
                 r.samplesPerSecond, r.wallSeconds);

@@ -289,6 +289,8 @@ Trainer::~Trainer() = default;
 
 torch::nn::Sequential Trainer::model() const { return state_->model; }
 
+bool Trainer::isChief() const { return state_->replica.isChief(); }
+
 TrainResult Trainer::run() {
   State& s = *state_;
   const TrainOptions& o = s.options;
