@@ -5,9 +5,8 @@
 
 #include <torch/torch.h>
 
-#include <thread>
 
-#include "test_util.h"
+#include "rank_threads.h"
 
 namespace cohort {
 namespace {
@@ -21,28 +20,7 @@ struct SometimesImpl : torch::nn::Module {
 };
 TORCH_MODULE(Sometimes);
 
-void onRanks(int world, const std::function<void(std::shared_ptr<Communicator>)>& body) {
-  const int port = test::freePort();
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        ClusterSpec spec;
-        spec.rank = r;
-        spec.worldSize = world;
-        spec.master = {"127.0.0.1", port};
-        body(Communicator::connect(spec, {.timeout = std::chrono::seconds(30)}));
-      } catch (...) {
-        errors[size_t(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
+using test::onRanks;
 
 torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
 

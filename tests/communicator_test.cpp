@@ -6,34 +6,14 @@
 
 #include <thread>
 
-#include "test_util.h"
+#include "rank_threads.h"
 
 namespace cohort {
 namespace {
 
-// Runs body(comm) on `world` threads, one rank each; rethrows the first failure.
+// The collectives take a Communicator&; the harness hands out shared pointers.
 void onRanks(int world, const std::function<void(Communicator&)>& body) {
-  const int port = test::freePort();
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        ClusterSpec spec;
-        spec.rank = r;
-        spec.worldSize = world;
-        spec.master = {"127.0.0.1", port};
-        auto comm = Communicator::connect(spec, {.timeout = std::chrono::seconds(30)});
-        body(*comm);
-      } catch (...) {
-        errors[size_t(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  test::onRanks(world, [&](std::shared_ptr<Communicator> comm) { body(*comm); });
 }
 
 class CommunicatorTest : public ::testing::TestWithParam<int> {};

@@ -28,14 +28,7 @@ double maxDifference(const std::vector<torch::Tensor>& a, const std::vector<torc
   return worst;
 }
 
-nlohmann::json doneEvent(const std::string& metrics) {
-  nlohmann::json done;
-  for (const auto& line : test::lines(test::readFile(metrics))) {
-    auto j = nlohmann::json::parse(line);
-    if (j["event"] == "done") done = j;
-  }
-  return done;
-}
+nlohmann::json doneEvent(const std::string& metrics) { return test::lastEvent(metrics, "done"); }
 
 std::string launch(int n) {
   return test::cohortBinary() + " launch -n " + std::to_string(n) + " --port " + std::to_string(test::freePort()) + " -- ";

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -93,6 +94,16 @@ inline std::vector<std::string> lines(const std::string& text) {
     if (!line.empty()) out.push_back(line);
   }
   return out;
+}
+
+// The last `event` line of a metrics file (null when there is none).
+inline nlohmann::json lastEvent(const std::string& metricsPath, const std::string& event) {
+  nlohmann::json found;
+  for (const auto& line : lines(readFile(metricsPath))) {
+    auto j = nlohmann::json::parse(line);
+    if (j["event"] == event) found = j;
+  }
+  return found;
 }
 
 }  // namespace cohort::test

@@ -8,14 +8,7 @@
 namespace cohort {
 namespace {
 
-nlohmann::json lastEvent(const std::string& metricsPath, const std::string& event) {
-  nlohmann::json found;
-  for (const auto& line : test::lines(test::readFile(metricsPath))) {
-    auto j = nlohmann::json::parse(line);
-    if (j["event"] == event) found = j;
-  }
-  return found;
-}
+using test::lastEvent;
 
 // The accuracy bound: mlp >= 0.80 after one epoch (momentum 0.9, lr 0.01, batch 64).
 TEST(TrainE2E, MlpReaches80PercentInOneEpoch) {

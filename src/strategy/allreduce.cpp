@@ -18,26 +18,29 @@ double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(
 
 }  // namespace
 
-void broadcastModel(Communicator& comm, torch::nn::Module& model) {
+void exchangePacked(const std::vector<torch::Tensor>& tensors,
+                    const std::function<void(torch::Tensor& packed)>& exchange) {
   torch::NoGradGuard noGrad;
-  std::vector<torch::Tensor> tensors;
-  for (auto& p : model.parameters()) tensors.push_back(p);
-  for (auto& b : model.buffers()) tensors.push_back(b);
-  if (tensors.empty()) return;
-  // One broadcast per dtype keeps it to a few messages (buffers may be int64, e.g. BatchNorm's count).
   std::map<c10::ScalarType, std::vector<torch::Tensor>> byType;
-  for (auto& t : tensors) byType[t.scalar_type()].push_back(t);
+  for (const auto& t : tensors) byType[t.scalar_type()].push_back(t);
   for (auto& [type, group] : byType) {
     std::vector<torch::Tensor> flat;
     for (auto& t : group) flat.push_back(t.reshape({-1}));
     auto packed = torch::cat(flat);
-    comm.broadcast(packed, 0);
+    exchange(packed);
     int64_t offset = 0;
     for (auto& t : group) {
       t.copy_(packed.narrow(0, offset, t.numel()).view_as(t));
       offset += t.numel();
     }
   }
+}
+
+void broadcastModel(Communicator& comm, torch::nn::Module& model) {
+  std::vector<torch::Tensor> tensors;
+  for (auto& p : model.parameters()) tensors.push_back(p);
+  for (auto& b : model.buffers()) tensors.push_back(b);  // may be int64, e.g. BatchNorm's count
+  exchangePacked(tensors, [&](torch::Tensor& packed) { comm.broadcast(packed, 0); });
 }
 
 AllreduceStrategy::AllreduceStrategy(std::shared_ptr<Communicator> comm, AllreduceOptions options)

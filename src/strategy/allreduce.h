@@ -13,6 +13,7 @@
 #include <cohort/communicator.h>
 #include <cohort/strategy.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -62,6 +63,11 @@ class AllreduceStrategy final : public Strategy {
   bool inStep_ = false;
   double scale_ = 1.0;
 };
+
+// Packs the tensors into one flat tensor per dtype, lets `exchange` change it in place (one
+// collective per dtype instead of one per tensor), and copies the result back into the tensors.
+void exchangePacked(const std::vector<torch::Tensor>& tensors,
+                    const std::function<void(torch::Tensor& packed)>& exchange);
 
 // Makes every replica start from rank 0's parameters and buffers.
 void broadcastModel(Communicator& comm, torch::nn::Module& model);

@@ -17,25 +17,16 @@ using Clock = std::chrono::steady_clock;
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// Averages the tensors over the ranks in place, with one allreduce per dtype.
+// Averages the floating-point tensors over the ranks in place.
 void averageInPlace(Communicator& comm, const std::vector<torch::Tensor>& tensors) {
-  torch::NoGradGuard noGrad;
-  std::map<c10::ScalarType, std::vector<torch::Tensor>> byType;
+  std::vector<torch::Tensor> floating;
   for (const auto& t : tensors) {
-    if (t.defined() && t.is_floating_point()) byType[t.scalar_type()].push_back(t);
+    if (t.defined() && t.is_floating_point()) floating.push_back(t);
   }
-  for (auto& [type, group] : byType) {
-    std::vector<torch::Tensor> flat;
-    for (auto& t : group) flat.push_back(t.reshape({-1}));
-    auto packed = torch::cat(flat);
+  exchangePacked(floating, [&](torch::Tensor& packed) {
     comm.allreduce(packed);
     packed.div_(comm.worldSize());
-    int64_t offset = 0;
-    for (auto& t : group) {
-      t.copy_(packed.narrow(0, offset, t.numel()).view_as(t));
-      offset += t.numel();
-    }
-  }
+  });
 }
 
 }  // namespace
@@ -89,10 +80,7 @@ StepStats AverageStrategy::step(const Batch& batch, const LossFn& loss) {
   COHORT_CHECK(optimizer_ != nullptr, Error, "AverageStrategy::step before attach");
   const auto start = Clock::now();
   const CommCounters before = comm_->counters();
-  clearGradients(*model_);
-  auto value = loss(model_->forward(batch.inputs), batch.targets);
-  value.backward();
-  optimizer_->step();
+  auto value = forwardBackwardStep(model_, *optimizer_, batch, loss);
   StepStats stats;
   stats.loss = value.item<double>();
   if (++sinceAverage_ >= options_.period) stats.commWaitSeconds = average();

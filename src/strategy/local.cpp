@@ -12,6 +12,15 @@ void clearGradients(torch::nn::Module& model) {
   for (auto& p : model.parameters()) p.mutable_grad().reset();
 }
 
+torch::Tensor forwardBackwardStep(torch::nn::Sequential& model, torch::optim::Optimizer& optimizer,
+                                  const Batch& batch, const LossFn& loss) {
+  clearGradients(*model);
+  auto value = loss(model->forward(batch.inputs), batch.targets);
+  value.backward();
+  optimizer.step();
+  return value;
+}
+
 void LocalStrategy::attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) {
   model_ = std::move(model);
   optimizer_ = &optimizer;
@@ -20,10 +29,7 @@ void LocalStrategy::attach(torch::nn::Sequential model, torch::optim::Optimizer&
 StepStats LocalStrategy::step(const Batch& batch, const LossFn& loss) {
   COHORT_CHECK(optimizer_ != nullptr, Error, "LocalStrategy::step before attach");
   const auto start = std::chrono::steady_clock::now();
-  clearGradients(*model_);
-  auto value = loss(model_->forward(batch.inputs), batch.targets);
-  value.backward();
-  optimizer_->step();
+  auto value = forwardBackwardStep(model_, *optimizer_, batch, loss);
   StepStats stats;
   stats.loss = value.item<double>();
   stats.samples = batch.size();

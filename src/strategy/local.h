@@ -22,4 +22,9 @@ class LocalStrategy final : public Strategy {
 // zeros (saves a fill and an add per tensor).
 void clearGradients(torch::nn::Module& model);
 
+// One step with no exchange: clear gradients, forward, loss, backward, optimizer step.
+// Returns the loss.
+torch::Tensor forwardBackwardStep(torch::nn::Sequential& model, torch::optim::Optimizer& optimizer,
+                                  const Batch& batch, const LossFn& loss);
+
 }  // namespace cohort
