@@ -82,3 +82,32 @@ def single_thread_env():
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     return env
+
+
+WARMUP = 5
+
+
+def train_loop(model, images, labels, indices, batch, steps, world=1):
+    """cohort's loop in Python: gather by index, scale to [0, 1], forward, cross-entropy, backward,
+    momentum SGD step, loss.item(). Returns (samples over all workers, seconds) for the steps after
+    the first WARMUP, cohort's steady-state rule."""
+    import torch.nn.functional as F
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    per_epoch = len(indices) // batch
+    timed, samples = 0.0, 0
+    for step in range(steps):
+        start = time.perf_counter()
+        k = step % per_epoch
+        idx = indices[k * batch:(k + 1) * batch]
+        x = images.index_select(0, idx).float().div_(255.0)
+        y = labels.index_select(0, idx)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        loss.item()
+        if step >= WARMUP:
+            timed += time.perf_counter() - start
+            samples += len(idx) * world
+    return samples, timed

@@ -4,22 +4,15 @@
 Run under any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, e.g.
     build/cohort launch -n 2 -- /usr/bin/python3 bench/pytorch_ddp.py --model cnn --steps 150
 Each rank takes the strided shard of the epoch's permutation (as cohort's sampler does). Rank 0
-prints one JSON line: samples_per_s over all workers (steps after the first 5), and the median
-time per step spent outside forward/backward/optimizer is not separable in DDP, so only totals.
+prints one JSON line: samples_per_s over all workers (steps after the first 5).
 """
 import argparse
 import json
-import os
-import time
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import load_fashion, make_model
-
-WARMUP = 5
+from common import load_fashion, make_model, train_loop
 
 
 def main():
@@ -36,25 +29,9 @@ def main():
     torch.manual_seed(1)
     images, labels = load_fashion("train")
     model = DDP(make_model(args.model), bucket_cap_mb=args.bucket_mb)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1))
     mine = perm[rank::world][: len(labels) // world]
-    per_epoch = len(mine) // args.batch
-    timed, samples = 0.0, 0
-    for step in range(args.steps):
-        start = time.perf_counter()
-        k = step % per_epoch
-        idx = mine[k * args.batch:(k + 1) * args.batch]
-        x = images.index_select(0, idx).float().div_(255.0)
-        y = labels.index_select(0, idx)
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        loss.item()
-        if step >= WARMUP:
-            timed += time.perf_counter() - start
-            samples += len(idx) * world
+    samples, timed = train_loop(model, images, labels, mine, args.batch, args.steps, world)
     if rank == 0:
         print(json.dumps({"samples_per_s": samples / timed, "steps": args.steps, "model": args.model,
                           "workers": world}), flush=True)
