@@ -103,6 +103,22 @@ TEST(DataParallel, AverageWithPeriodKeepsReplicasAveragedAtTheEnd) {
   EXPECT_GT(done["bytes_sent"].get<int64_t>(), 0);
 }
 
+// Checkpoints every 10 steps with averaging every 4: the checkpoint's synchronize() is a
+// collective, which every rank must join (a chief-only one deadlocked here once).
+TEST(DataParallel, AverageCheckpointsOffThePeriodDoNotDesynchronize) {
+  test::TempDir dir;
+  auto r = test::runCommand(launch(2) + test::cohortBinary() +
+                                " train --model mlp --data synthetic:600 --batch 16 --steps 22 --optimizer momentum"
+                                " --strategy average --period 4 --checkpoint-every 10 --eval-every 7 --timeout 20"
+                                " --progress off --checkpoint-dir " + dir.path() + " --save-model " +
+                                dir.file("rank{rank}.pt") + " --metrics " + dir.file("m.jsonl"),
+                            120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(doneEvent(dir.file("m.jsonl"))["steps"], 22);
+  EXPECT_EQ(CheckpointStore(dir.path()).list().front().step, 22);
+  EXPECT_LT(maxDifference(loadParameters(dir.file("rank0.pt")), loadParameters(dir.file("rank1.pt"))), 1e-6);
+}
+
 TEST(DataParallel, RunsUnderMpirun) {
   test::TempDir dir;
   auto r = test::runCommand("mpirun --oversubscribe --allow-run-as-root -n 2 -x MASTER_PORT=" +

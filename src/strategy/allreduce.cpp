@@ -36,6 +36,17 @@ void exchangePacked(const std::vector<torch::Tensor>& tensors,
   }
 }
 
+void averageInPlace(Communicator& comm, const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> floating;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.is_floating_point()) floating.push_back(t);
+  }
+  exchangePacked(floating, [&](torch::Tensor& packed) {
+    comm.allreduce(packed);
+    packed.div_(comm.worldSize());
+  });
+}
+
 void broadcastModel(Communicator& comm, torch::nn::Module& model) {
   std::vector<torch::Tensor> tensors;
   for (auto& p : model.parameters()) tensors.push_back(p);
@@ -94,6 +105,10 @@ void AllreduceStrategy::attach(torch::nn::Sequential model, torch::optim::Optimi
   for (size_t k = 0; k < params_.size(); ++k) {
     params_[k].register_hook([this, k](torch::Tensor grad) { onGradient(k, grad); });
   }
+}
+
+void AllreduceStrategy::synchronize() {
+  if (model_) averageInPlace(*comm_, model_->buffers());
 }
 
 void AllreduceStrategy::onGradient(size_t param, const torch::Tensor& grad) {

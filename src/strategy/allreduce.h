@@ -34,7 +34,9 @@ class AllreduceStrategy final : public Strategy {
   ReplicaInfo replica() const override;
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;
   StepStats step(const Batch& batch, const LossFn& loss) override;
-  void synchronize() override {}
+  // Averages floating-point buffers (e.g. BatchNorm's running statistics), which each rank
+  // updates from its own shard; parameters are identical already. Every rank must call it.
+  void synchronize() override;
 
   size_t bucketCount() const { return buckets_.size(); }
 
@@ -68,6 +70,9 @@ class AllreduceStrategy final : public Strategy {
 // collective per dtype instead of one per tensor), and copies the result back into the tensors.
 void exchangePacked(const std::vector<torch::Tensor>& tensors,
                     const std::function<void(torch::Tensor& packed)>& exchange);
+
+// Averages the floating-point tensors over the ranks in place (others are left alone).
+void averageInPlace(Communicator& comm, const std::vector<torch::Tensor>& tensors);
 
 // Makes every replica start from rank 0's parameters and buffers.
 void broadcastModel(Communicator& comm, torch::nn::Module& model);

@@ -17,18 +17,6 @@ using Clock = std::chrono::steady_clock;
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// Averages the floating-point tensors over the ranks in place.
-void averageInPlace(Communicator& comm, const std::vector<torch::Tensor>& tensors) {
-  std::vector<torch::Tensor> floating;
-  for (const auto& t : tensors) {
-    if (t.defined() && t.is_floating_point()) floating.push_back(t);
-  }
-  exchangePacked(floating, [&](torch::Tensor& packed) {
-    comm.allreduce(packed);
-    packed.div_(comm.worldSize());
-  });
-}
-
 }  // namespace
 
 std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer) {
@@ -37,7 +25,18 @@ std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimi
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
       auto it = state.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
-      if (it == state.end()) continue;
+      if (it == state.end()) {
+        // No state yet (the parameter never had a gradient here): a zero placeholder of the
+        // kind the optimizer keeps, so that every rank packs the same tensors.
+        if (auto* sgd = dynamic_cast<torch::optim::SGD*>(&optimizer)) {
+          const auto& o = static_cast<const torch::optim::SGDOptions&>(sgd->defaults());
+          if (o.momentum() != 0) out.push_back(torch::zeros_like(p));
+        } else if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
+          out.push_back(torch::zeros_like(p));
+          out.push_back(torch::zeros_like(p));
+        }
+        continue;
+      }
       if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
         out.push_back(sgd->momentum_buffer());
       } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {

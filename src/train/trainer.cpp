@@ -389,7 +389,9 @@ TrainResult Trainer::run() {
       }
       progress.update(s.step, s.epoch, stats.loss, rate);
       if (o.evalEvery > 0 && s.step % o.evalEvery == 0 && s.step < totalSteps) runEval();
-      if (s.checkpoints && o.checkpointEvery > 0 && s.step % o.checkpointEvery == 0 &&
+      // Keyed on the option, not on the chief-only store: saveCheckpoint() synchronizes, which
+      // may be a collective every rank must join.
+      if (!o.checkpointDir.empty() && o.checkpointEvery > 0 && s.step % o.checkpointEvery == 0 &&
           s.step < totalSteps) {
         s.saveCheckpoint();
       }
@@ -402,7 +404,7 @@ TrainResult Trainer::run() {
   progress.finish();
 
   if (!stop) runEval();
-  if (s.checkpoints) s.saveCheckpoint();
+  if (!o.checkpointDir.empty()) s.saveCheckpoint();
 
   if (!o.saveModelPath.empty()) {
     std::string path = o.saveModelPath;
