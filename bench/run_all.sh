@@ -5,3 +5,4 @@ build=${1:-build}
 here=$(cd "$(dirname "$0")" && pwd)
 /usr/bin/python3 "$here/single_process.py" --build "$build"
 /usr/bin/python3 "$here/accuracy.py" --build "$build"
+/usr/bin/python3 "$here/dataparallel.py" --build "$build"
