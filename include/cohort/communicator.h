@@ -37,16 +37,15 @@ class Communicator;
 class CommWork {
  public:
   CommWork() = default;
+  struct Impl;  // opaque: defined in communicator.cpp
+  explicit CommWork(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   bool valid() const { return impl_ != nullptr; }
   bool isCompleted() const;
   // Blocks until done or the communicator's timeout. Throws CommError / TimeoutError naming the
   // operation and, when it can be found, the rank that was lost. Returns the seconds waited.
   double wait();
 
-  struct Impl;  // opaque: defined in communicator.cpp
-
  private:
-  friend class Communicator;
   std::shared_ptr<Impl> impl_;
 };
 

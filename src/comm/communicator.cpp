@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <functional>
 #include <cstring>
 #include <condition_variable>
 #include <cstdlib>
@@ -217,9 +218,15 @@ CommCounters Communicator::counters() const {
 
 namespace {
 
-CommWork::Impl* newWork(std::shared_ptr<Communicator::Impl> comm, c10::intrusive_ptr<c10d::Work> work,
-                        std::string op, std::vector<torch::Tensor> keep) {
-  return new CommWork::Impl{std::move(comm), std::move(work), std::move(op), std::move(keep)};
+// Launches one Gloo operation as a CommWork; a failure to launch is reported like a failure to
+// complete. `keep` holds the tensors Gloo uses until the work is done.
+CommWork start(const std::shared_ptr<Communicator::Impl>& comm, const std::string& op,
+               const std::function<c10::intrusive_ptr<c10d::Work>()>& launch, std::vector<torch::Tensor> keep) {
+  try {
+    return CommWork(std::make_shared<CommWork::Impl>(CommWork::Impl{comm, launch(), op, std::move(keep)}));
+  } catch (const std::exception& e) {
+    comm->fail(op, e);
+  }
 }
 
 }  // namespace
@@ -229,13 +236,8 @@ CommWork Communicator::allreduceAsync(torch::Tensor tensor) {
   const int64_t n = nbytes(tensor);
   const int64_t onWire = impl_->size > 1 ? 2 * n * (impl_->size - 1) / impl_->size : 0;
   std::vector<torch::Tensor> tensors{tensor};
-  CommWork work;
-  try {
-    work.impl_.reset(newWork(impl_, impl_->group->allreduce(tensors), "allreduce of " + std::to_string(n) + " bytes",
-                             tensors));
-  } catch (const std::exception& e) {
-    impl_->fail("allreduce", e);
-  }
+  CommWork work = start(impl_, "allreduce of " + std::to_string(n) + " bytes",
+                        [&] { return impl_->group->allreduce(tensors); }, tensors);
   impl_->count(onWire, onWire);
   return work;
 }
@@ -245,13 +247,7 @@ void Communicator::broadcast(torch::Tensor tensor, int root) {
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  CommWork work;
-  try {
-    work.impl_.reset(newWork(impl_, impl_->group->broadcast(tensors, opts), "broadcast", tensors));
-  } catch (const std::exception& e) {
-    impl_->fail("broadcast", e);
-  }
-  work.wait();
+  start(impl_, "broadcast", [&] { return impl_->group->broadcast(tensors, opts); }, tensors).wait();
   const int64_t n = nbytes(tensor);
   if (impl_->rank == root) {
     impl_->count(n * (impl_->size - 1), 0);
@@ -276,13 +272,7 @@ std::vector<torch::Tensor> Communicator::allgather(const torch::Tensor& tensor) 
   std::vector<std::vector<torch::Tensor>> outputs(1);
   for (int r = 0; r < impl_->size; ++r) outputs[0].push_back(torch::empty_like(input));
   std::vector<torch::Tensor> inputs{input};
-  CommWork work;
-  try {
-    work.impl_.reset(newWork(impl_, impl_->group->allgather(outputs, inputs), "allgather", outputs[0]));
-  } catch (const std::exception& e) {
-    impl_->fail("allgather", e);
-  }
-  work.wait();
+  start(impl_, "allgather", [&] { return impl_->group->allgather(outputs, inputs); }, outputs[0]).wait();
   const int64_t n = nbytes(input) * (impl_->size - 1);
   impl_->count(n, n);
   return outputs[0];
@@ -303,24 +293,14 @@ std::vector<torch::Tensor> Communicator::allgatherVariable(const torch::Tensor& 
 }
 
 void Communicator::barrier() {
-  CommWork work;
-  try {
-    work.impl_.reset(newWork(impl_, impl_->group->barrier(), "barrier", {}));
-  } catch (const std::exception& e) {
-    impl_->fail("barrier", e);
-  }
-  work.wait();
+  start(impl_, "barrier", [&] { return impl_->group->barrier(); }, {}).wait();
 }
 
 CommWork Communicator::sendAsync(torch::Tensor tensor, int dst, int tag) {
   COHORT_CHECK(tensor.is_contiguous(), InvalidArgument, "send needs a contiguous tensor");
   std::vector<torch::Tensor> tensors{tensor};
-  CommWork work;
-  try {
-    work.impl_.reset(newWork(impl_, impl_->group->send(tensors, dst, tag), "send to rank " + std::to_string(dst), tensors));
-  } catch (const std::exception& e) {
-    impl_->fail("send to rank " + std::to_string(dst), e);
-  }
+  CommWork work = start(impl_, "send to rank " + std::to_string(dst),
+                        [&] { return impl_->group->send(tensors, dst, tag); }, tensors);
   impl_->count(nbytes(tensor), 0);
   return work;
 }
@@ -328,12 +308,8 @@ CommWork Communicator::sendAsync(torch::Tensor tensor, int dst, int tag) {
 CommWork Communicator::recvAsync(torch::Tensor tensor, int src, int tag) {
   COHORT_CHECK(tensor.is_contiguous(), InvalidArgument, "recv needs a contiguous tensor");
   std::vector<torch::Tensor> tensors{tensor};
-  CommWork work;
-  try {
-    work.impl_.reset(newWork(impl_, impl_->group->recv(tensors, src, tag), "receive from rank " + std::to_string(src), tensors));
-  } catch (const std::exception& e) {
-    impl_->fail("receive from rank " + std::to_string(src), e);
-  }
+  CommWork work = start(impl_, "receive from rank " + std::to_string(src),
+                        [&] { return impl_->group->recv(tensors, src, tag); }, tensors);
   impl_->count(0, nbytes(tensor));
   return work;
 }
