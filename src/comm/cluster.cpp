@@ -268,14 +268,19 @@ void checkTorchrunAgreesWithTfConfig(const Env& env, const ClusterSpec& spec) {
 // ---------------------------------------------------------------------------------------------
 // torchrun / cohort launch
 
+// Reads a launcher's world size and rank variables into spec; the rank must be below the size.
+void readRankAndSize(const Env& env, const std::string& rankVar, const std::string& sizeVar, ClusterSpec& spec) {
+  spec.worldSize = positiveVar(env, sizeVar, 1);
+  spec.rank = nonNegativeVar(env, rankVar, 0);
+  COHORT_CHECK(spec.rank < spec.worldSize, InvalidArgument, rankVar, "=", spec.rank, " is not below ", sizeVar,
+               "=", spec.worldSize);
+}
+
 ClusterSpec fromTorchrun(const Env& env) {
   requireBoth(env, "RANK", "WORLD_SIZE", "torchrun");
   ClusterSpec spec;
   spec.source = "torchrun";
-  spec.worldSize = positiveVar(env, "WORLD_SIZE", 1);
-  spec.rank = nonNegativeVar(env, "RANK", 0);
-  COHORT_CHECK(spec.rank < spec.worldSize, InvalidArgument, "RANK=", spec.rank, " is not below WORLD_SIZE=",
-               spec.worldSize);
+  readRankAndSize(env, "RANK", "WORLD_SIZE", spec);
   spec.localRank = nonNegativeVar(env, "LOCAL_RANK", 0);
   const bool localWorldSet = env.has("LOCAL_WORLD_SIZE");
   spec.localWorldSize = positiveVar(env, "LOCAL_WORLD_SIZE", spec.worldSize);
@@ -314,10 +319,7 @@ ClusterSpec fromOpenMpi(const Env& env) {
   requireBoth(env, "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "mpirun");
   ClusterSpec spec;
   spec.source = "OpenMPI";
-  spec.worldSize = positiveVar(env, "OMPI_COMM_WORLD_SIZE", 1);
-  spec.rank = nonNegativeVar(env, "OMPI_COMM_WORLD_RANK", 0);
-  COHORT_CHECK(spec.rank < spec.worldSize, InvalidArgument, "OMPI_COMM_WORLD_RANK=", spec.rank,
-               " is not below OMPI_COMM_WORLD_SIZE=", spec.worldSize);
+  readRankAndSize(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", spec);
   // Without the local pair the layout is unknown: count this process alone on its host.
   const bool localKnown = env.has("OMPI_COMM_WORLD_LOCAL_SIZE");
   spec.localRank = nonNegativeVar(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0);
@@ -439,10 +441,7 @@ ClusterSpec fromSlurm(const Env& env) {
   requireBoth(env, "SLURM_PROCID", "SLURM_NTASKS", "srun");
   ClusterSpec spec;
   spec.source = "Slurm";
-  spec.worldSize = positiveVar(env, "SLURM_NTASKS", 1);
-  spec.rank = nonNegativeVar(env, "SLURM_PROCID", 0);
-  COHORT_CHECK(spec.rank < spec.worldSize, InvalidArgument, "SLURM_PROCID=", spec.rank,
-               " is not below SLURM_NTASKS=", spec.worldSize);
+  readRankAndSize(env, "SLURM_PROCID", "SLURM_NTASKS", spec);
   spec.localRank = nonNegativeVar(env, "SLURM_LOCALID", 0);
 
   // Tasks on this node: --ntasks-per-node when given, else the step's per-node counts picked by
