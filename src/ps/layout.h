@@ -1,0 +1,33 @@
+// Which shard holds which part of which parameter. Shards are balanced by bytes: parameters are
+// placed largest first on the least-loaded shard, and one larger than an even share is cut into
+// chunks of at most that share, spread the same way.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace cohort::ps {
+
+struct ParamInfo {
+  std::string name;
+  uint64_t numel = 0;
+};
+
+struct Piece {
+  uint32_t key = 0;     // unique in the job; pieces are numbered in parameter order
+  int shard = 0;
+  size_t param = 0;     // index into the parameter list
+  uint64_t offset = 0;  // first element of the parameter this piece holds
+  uint64_t numel = 0;
+  std::string name;     // "fc1.weight" or "fc1.weight[0:1000]"
+};
+
+// Throws InvalidArgument when shards < 1 or a parameter is empty.
+std::vector<Piece> planLayout(std::span<const ParamInfo> params, int shards);
+
+// Elements per shard under a layout.
+std::vector<uint64_t> shardLoads(std::span<const Piece> pieces, int shards);
+
+}  // namespace cohort::ps

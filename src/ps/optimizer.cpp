@@ -1,0 +1,64 @@
+#include "ps/optimizer.h"
+
+#include <cohort/error.h>
+
+#include <cmath>
+
+namespace cohort::ps {
+
+namespace {
+constexpr double kBeta1 = 0.9;
+constexpr double kBeta2 = 0.999;
+constexpr double kEps = 1e-8;
+}  // namespace
+
+ServerOptimizer::ServerOptimizer(std::string name, double lr, double momentum, size_t size)
+    : name_(std::move(name)), lr_(lr), momentum_(momentum) {
+  if (name_ == "sgd") return;
+  if (name_ == "momentum") {
+    slots_.assign(1, std::vector<float>(size, 0.0f));
+    return;
+  }
+  if (name_ == "adam") {
+    slots_.assign(2, std::vector<float>(size, 0.0f));
+    return;
+  }
+  throw InvalidArgument("unknown optimizer '" + name_ + "': expected sgd, momentum or adam");
+}
+
+void ServerOptimizer::applyPart(size_t offset, std::span<float> p, std::span<const float> g, float scale) {
+  const size_t n = p.size();
+  const float lr = float(lr_);
+  if (name_ == "sgd") {
+    for (size_t i = 0; i < n; ++i) p[i] -= lr * (scale * g[i]);
+    return;
+  }
+  if (name_ == "momentum") {
+    // torch::optim::SGD: the buffer starts as the first gradient, then b = m b + g (dampening 0).
+    float* b = slots_[0].data() + offset;
+    const float m = float(momentum_);
+    if (steps_ == 1) {
+      for (size_t i = 0; i < n; ++i) b[i] = scale * g[i];
+    } else {
+      for (size_t i = 0; i < n; ++i) b[i] = m * b[i] + scale * g[i];
+    }
+    for (size_t i = 0; i < n; ++i) p[i] -= lr * b[i];
+    return;
+  }
+  // adam, as torch::optim::Adam (no weight decay, no amsgrad)
+  float* m1 = slots_[0].data() + offset;
+  float* m2 = slots_[1].data() + offset;
+  const double c1 = 1.0 - std::pow(kBeta1, double(steps_));
+  const double c2 = 1.0 - std::pow(kBeta2, double(steps_));
+  const float stepSize = float(lr_ / c1);
+  const float sqrtC2 = float(std::sqrt(c2));
+  const float b1 = float(kBeta1), b2 = float(kBeta2), eps = float(kEps);
+  for (size_t i = 0; i < n; ++i) {
+    const float gi = scale * g[i];
+    m1[i] = b1 * m1[i] + (1 - b1) * gi;
+    m2[i] = b2 * m2[i] + (1 - b2) * gi * gi;
+    p[i] -= stepSize * m1[i] / (std::sqrt(m2[i]) / sqrtC2 + eps);
+  }
+}
+
+}  // namespace cohort::ps

@@ -1,0 +1,552 @@
+#include "ps/shard.h"
+
+#include "ps/optimizer.h"
+#include "ps/wire.h"
+
+#include <cohort/checkpoint.h>
+#include <cohort/error.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+namespace cohort::ps {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The staleness histogram's last bucket counts every tau at or above it.
+constexpr int64_t kHistogramBuckets = 64;
+// Model size one shard accepts (elements): 8 GiB of float32.
+constexpr uint64_t kMaxElements = uint64_t(1) << 31;
+// How often a held push looks again for lost workers.
+constexpr auto kTick = std::chrono::milliseconds(100);
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+Status notInitialized() {
+  // UNAVAILABLE, so that clients retry until the chief's Init arrives.
+  return Status::error(Code::kUnavailable, "not initialized yet: waiting for the chief's Init");
+}
+
+bool samePieces(const std::vector<wire::PieceSpec>& a, const google::protobuf::RepeatedPtrField<wire::PieceSpec>& b) {
+  if (a.size() != size_t(b.size())) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].key() != b.Get(int(i)).key() || a[i].numel() != b.Get(int(i)).numel()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+struct Shard::Worker {
+  int64_t clock = 0;  // pushes handled (applied or dropped)
+  bool done = false;
+  bool lost = false;
+  Clock::time_point lastSeen = Clock::now();
+};
+
+Shard::Shard(ShardOptions options) : options_(std::move(options)) {
+  if (!options_.checkpointDir.empty()) {
+    store_ = std::make_unique<CheckpointStore>(options_.checkpointDir, "shard");
+    loadCheckpoint();
+  }
+}
+
+Shard::~Shard() = default;
+
+void Shard::log(const std::string& message) const {
+  if (options_.log) {
+    options_.log(message);
+  } else {
+    std::fprintf(stderr, "cohort %s: %s\n", options_.name.c_str(), message.c_str());
+  }
+}
+
+Status Shard::checkWorker(uint32_t worker) const {
+  if (worker < workers_.size()) return Status::Ok();
+  return Status::error(Code::kInvalidArgument, "worker " + std::to_string(worker) + " is not in this job of " +
+                                                   std::to_string(workers_.size()) + " workers");
+}
+
+Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
+  if (Status s = checkProtocol(request.protocol()); !s.ok()) return s;
+  if (Status s = checkPolicy(request.policy()); !s.ok()) return s;
+  const std::vector<wire::PieceSpec> pieces(request.pieces().begin(), request.pieces().end());
+  if (Status s = checkPieces(pieces, kMaxElements); !s.ok()) return s;
+  if (Status s = checkTensors(request.values(), pieces, true, "Init"); !s.ok()) return s;
+
+  std::lock_guard<std::mutex> lock(mu_);
+  if (initialized_ && request.resume()) {
+    if (!samePieces(pieces_, request.pieces())) {
+      return Status::error(Code::kFailedPrecondition,
+                           "this shard holds a different model (" + std::to_string(pieces_.size()) +
+                               " pieces) than the chief's (" + std::to_string(request.pieces_size()) +
+                               "): resume with the same model and number of shards, or start afresh");
+    }
+    if (policy_.workers() != request.policy().workers()) {
+      return Status::error(Code::kFailedPrecondition,
+                           "this shard's state is from a job of " + std::to_string(policy_.workers()) +
+                               " workers, not " + std::to_string(request.policy().workers()));
+    }
+    policy_ = request.policy();  // the resumed job may change mode or learning rate
+    failure_.reset();
+    finished_ = false;
+    for (auto& w : workers_) w = Worker{w.clock, false, false, Clock::now()};
+    reply->set_version(version_);
+    reply->set_resumed(true);
+    for (const auto& w : workers_) reply->add_clocks(w.clock);
+    log("resumed at version " + std::to_string(version_));
+    return Status::Ok();
+  }
+
+  policy_ = request.policy();
+  pieces_.assign(pieces.begin(), pieces.end());
+  values_.clear();
+  for (const auto& t : request.values()) appendFloats(t, values_);
+  optimizer_ = std::make_unique<ServerOptimizer>(policy_.optimizer(), policy_.lr(), policy_.momentum(), values_.size());
+  version_ = 0;
+  lastCheckpointVersion_ = 0;
+  workers_.assign(policy_.workers(), Worker{});
+  pending_.assign(values_.size(), 0.0f);
+  pendingCount_ = 0;
+  pendingFrom_.assign(policy_.workers(), false);
+  failure_.reset();
+  finished_ = false;
+  stats_ = wire::StatsReply();
+  stalenessSum_ = 0;
+  if (store_) {
+    // A fresh run replaces an earlier run's checkpoints, so a restart never picks up those.
+    for (const auto& f : store_->list()) std::filesystem::remove(f.path);
+  }
+  initialized_ = true;
+  changed_.notify_all();
+  reply->set_version(version_);
+  reply->set_resumed(false);
+  for (size_t i = 0; i < workers_.size(); ++i) reply->add_clocks(0);
+  return Status::Ok();
+}
+
+void Shard::fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out) {
+  size_t at = 0;
+  for (const auto& p : pieces_) {
+    setTensor(out->Add(), p, values_.data() + at);
+    at += p.numel();
+  }
+  stats_.set_bytes_pulled(stats_.bytes_pulled() + int64_t(values_.size() * sizeof(float)));
+}
+
+Status Shard::pull(const wire::PullRequest& request, wire::PullReply* reply) {
+  if (Status s = checkProtocol(request.protocol()); !s.ok()) return s;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!initialized_) return notInitialized();
+  if (Status s = checkWorker(request.worker()); !s.ok()) return s;
+  if (failure_) return Status::error(Code::kAborted, *failure_);
+  Worker& w = workers_[request.worker()];
+  w.lastSeen = Clock::now();
+  reply->set_version(version_);
+  reply->set_samples_total(stats_.samples_total());
+  fillValuesLocked(reply->mutable_values());
+  return Status::Ok();
+}
+
+void Shard::noteStalenessLocked(int64_t tau) {
+  auto* h = stats_.mutable_staleness_histogram();
+  while (h->size() < kHistogramBuckets) h->Add(0);
+  (*h)[int(std::min(tau, kHistogramBuckets - 1))] += 1;
+  stalenessSum_ += double(tau);
+  stats_.set_staleness_max(std::max(stats_.staleness_max(), tau));
+}
+
+void Shard::applyLocked(const Parts& parts, float scale) {
+  const bool updates = policy_.push() == "updates";
+  if (!updates) optimizer_->beginStep();
+  size_t at = 0;
+  for (const auto& g : parts) {
+    std::span<float> v(values_.data() + at, g.size());
+    if (updates) {
+      for (size_t i = 0; i < g.size(); ++i) v[i] += scale * g[i];
+    } else {
+      optimizer_->applyPart(at, v, g, scale);
+    }
+    at += g.size();
+  }
+  ++version_;
+  changed_.notify_all();
+  maybeCheckpointLocked();
+}
+
+void Shard::accumulateLocked(const Parts& parts, float scale) {
+  size_t at = 0;
+  for (const auto& g : parts) {
+    float* p = pending_.data() + at;
+    for (size_t i = 0; i < g.size(); ++i) p[i] += scale * g[i];
+    at += g.size();
+  }
+  pendingCount_ += 1;
+}
+
+// Applies the average of the gathered gradients (sync, softsync) and starts a new gathering.
+void Shard::applyPendingLocked() {
+  applyLocked(Parts{std::span<const float>(pending_)}, 1.0f / float(pendingCount_));
+  std::fill(pending_.begin(), pending_.end(), 0.0f);
+  pendingCount_ = 0;
+  std::fill(pendingFrom_.begin(), pendingFrom_.end(), false);
+}
+
+void Shard::markLostLocked(Clock::time_point now) {
+  const auto limit = std::chrono::duration<double>(policy_.timeout_s());
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    Worker& w = workers_[i];
+    if (w.done || w.lost || now - w.lastSeen <= limit) continue;
+    w.lost = true;
+    log("worker " + std::to_string(i) + " is lost: nothing from it for " + std::to_string(int(policy_.timeout_s())) +
+        " s (at its step " + std::to_string(w.clock) + ")");
+    changed_.notify_all();
+  }
+}
+
+int64_t Shard::slowestClockLocked() const {
+  int64_t slowest = INT64_MAX;
+  for (const auto& w : workers_) {
+    if (!w.done && !w.lost) slowest = std::min(slowest, w.clock);
+  }
+  return slowest;
+}
+
+void Shard::finishIfAllDoneLocked() {
+  if (finished_) return;
+  bool allOver = true;
+  bool anyDone = false;
+  for (const auto& w : workers_) {
+    allOver = allOver && (w.done || w.lost);
+    anyDone = anyDone || w.done;
+  }
+  if (!allOver || !anyDone) return;
+  finished_ = true;
+  checkpointLocked();
+  changed_.notify_all();
+}
+
+Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
+  const auto arrived = Clock::now();
+  std::vector<wire::PieceSpec> pieces;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // The protocol first: a worker of another version must hear so, not retry "not initialized".
+    Status s = checkProtocol(request.protocol());
+    if (s.ok() && !initialized_) return notInitialized();
+    if (s.ok()) s = checkWorker(request.worker());
+    if (!s.ok()) {
+      stats_.set_rejected(stats_.rejected() + 1);
+      if (stats_.rejected() <= 10 || stats_.rejected() % 100 == 0) log("refused a push: " + s.message);
+      return s;
+    }
+    pieces = pieces_;
+  }
+  // Checked and decoded outside the lock: a large push does not stall the others.
+  Status valid = checkTensors(request.values(), pieces, true, "push");
+  Parts grad;
+  std::vector<std::vector<float>> copies(size_t(request.values_size()));  // for misaligned data only
+  size_t gradSize = 0;
+  if (valid.ok()) {
+    for (int i = 0; i < request.values_size(); ++i) {
+      grad.push_back(floatsOf(request.values(i), copies[size_t(i)]));
+      gradSize += grad.back().size();
+    }
+  }
+
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!valid.ok() || gradSize != values_.size()) {  // values_ can change size under a concurrent Init
+    stats_.set_rejected(stats_.rejected() + 1);
+    if (stats_.rejected() <= 10 || stats_.rejected() % 100 == 0) {
+      log("refused a push from worker " + std::to_string(request.worker()) + ": " + valid.message);
+    }
+    return valid.ok() ? Status::error(Code::kAborted, "the shard was re-initialized during the push") : valid;
+  }
+  if (failure_) return Status::error(Code::kAborted, *failure_);
+  const uint32_t id = request.worker();
+  Worker& me = workers_[id];
+  me.lastSeen = arrived;
+  if (me.lost) {
+    me.lost = false;
+    log("worker " + std::to_string(id) + " is back");
+  }
+  stats_.set_bytes_pushed(stats_.bytes_pushed() + int64_t(gradSize * sizeof(float)));
+  // Saturating: a hostile `samples` must not overflow the total (found by fuzz/push_fuzz.cpp).
+  stats_.set_samples_total(stats_.samples_total() +
+                           std::clamp<int64_t>(request.samples(), 0, INT64_MAX - stats_.samples_total()));
+  const auto limit = std::chrono::duration<double>(policy_.timeout_s());
+  const bool sync = policy_.mode() == "sync";
+  const uint64_t pulled = std::min<uint64_t>(request.pulled_version(), version_);  // a restarted shard is behind
+  auto tau = [&]() { return int64_t(version_ - std::min<uint64_t>(pulled, version_)); };
+  std::string dropped;
+
+  auto finishReply = [&](bool applied) {
+    me.clock += 1;
+    me.lastSeen = Clock::now();
+    reply->set_applied(applied);
+    reply->set_dropped(dropped);
+    reply->set_version(version_);
+    reply->set_samples_total(stats_.samples_total());
+    const double held = secondsSince(arrived);
+    reply->set_wait_s(held);
+    stats_.set_wait_s(stats_.wait_s() + held);
+    if (request.want_values()) fillValuesLocked(reply->mutable_values());
+    changed_.notify_all();
+    return Status::Ok();
+  };
+
+  if (sync) {
+    const uint64_t step = version_;
+    if (request.pulled_version() < step || pendingFrom_[id]) {
+      // Its step closed without it (backup workers), or it already gave a gradient for this one.
+      dropped = "late";
+      reply->set_staleness(tau());
+      stats_.set_dropped_late(stats_.dropped_late() + 1);
+      return finishReply(false);
+    }
+    accumulateLocked(grad, 1.0f);
+    pendingFrom_[id] = true;
+    reply->set_staleness(0);
+    noteStalenessLocked(0);
+    stats_.set_applied(stats_.applied() + 1);
+    auto closeIfReady = [&]() {
+      int live = 0;
+      for (const auto& w : workers_) live += (!w.done && !w.lost) ? 1 : 0;
+      const int needed = std::max(1, std::min(int(policy_.workers() - policy_.backup_workers()), live));
+      if (version_ != step || pendingCount_ < needed) return;
+      applyPendingLocked();
+    };
+    closeIfReady();
+    while (version_ == step && !failure_) {
+      changed_.wait_for(lock, kTick);
+      const auto now = Clock::now();
+      // Workers held in this step are alive: they are waiting on us.
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        if (pendingFrom_[i]) workers_[i].lastSeen = std::max(workers_[i].lastSeen, now);
+      }
+      markLostLocked(now);
+      std::string missing;
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        if (workers_[i].lost && !pendingFrom_[i]) missing += (missing.empty() ? "" : ", ") + std::to_string(i);
+      }
+      if (!missing.empty() && policy_.backup_workers() == 0) {
+        failure_ = "worker " + missing + " sent no gradient for step " + std::to_string(step) + " within " +
+                   std::to_string(int(policy_.timeout_s())) +
+                   " s: it is lost, and sync mode needs every worker (--backup-workers K lets the others go on)";
+        log(*failure_);
+        changed_.notify_all();
+        break;
+      }
+      closeIfReady();
+    }
+    if (failure_) return Status::error(Code::kAborted, *failure_);
+    return finishReply(true);
+  }
+
+  // The asynchronous modes.
+  if (policy_.warmup_steps() > 0 && id != 0 && version_ < uint64_t(policy_.warmup_steps())) {
+    // Worker 0 trains alone until version W; the others wait, then start from its parameters.
+    auto progress = Clock::now();
+    uint64_t seen = version_;
+    while (version_ < uint64_t(policy_.warmup_steps()) && !failure_) {
+      changed_.wait_for(lock, kTick);
+      if (version_ != seen) {
+        seen = version_;
+        progress = Clock::now();
+      } else if (workers_[0].done || workers_[0].lost || Clock::now() - progress > limit) {
+        break;  // worker 0 will not finish the warm-up: go on without it
+      }
+    }
+    dropped = "warmup";
+    reply->set_staleness(tau());
+    stats_.set_dropped_warmup(stats_.dropped_warmup() + 1);
+    return finishReply(false);
+  }
+
+  const int64_t t = tau();
+  reply->set_staleness(t);
+  if (policy_.max_staleness() >= 0 && t > policy_.max_staleness()) {
+    dropped = "stale";
+    stats_.set_dropped_stale(stats_.dropped_stale() + 1);
+  } else {
+    const float scale = (policy_.staleness_lr() == "inverse" && t > 1) ? 1.0f / float(t) : 1.0f;
+    noteStalenessLocked(t);
+    stats_.set_applied(stats_.applied() + 1);
+    if (policy_.mode() == "softsync") {
+      accumulateLocked(grad, scale);
+      if (pendingCount_ >= int(policy_.softsync())) applyPendingLocked();
+    } else {
+      applyLocked(grad, scale);
+    }
+  }
+
+  if (policy_.mode() == "ssp") {
+    // Held until this worker, about to start step clock+1, is at most S steps ahead of the slowest.
+    me.clock += 1;
+    const int64_t bound = int64_t(policy_.staleness_bound());
+    while (!failure_) {
+      const auto now = Clock::now();
+      me.lastSeen = now;
+      markLostLocked(now);
+      const int64_t slowest = slowestClockLocked();
+      if (me.clock - slowest <= bound) {
+        stats_.set_max_clock_gap(std::max(stats_.max_clock_gap(), me.clock - std::min(slowest, me.clock)));
+        break;
+      }
+      changed_.wait_for(lock, kTick);
+    }
+    me.clock -= 1;  // finishReply counts it
+  }
+  return finishReply(dropped.empty());
+}
+
+Status Shard::done(const wire::DoneRequest& request, wire::DoneReply* reply) {
+  if (Status s = checkProtocol(request.protocol()); !s.ok()) return s;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!initialized_) return notInitialized();
+  if (Status s = checkWorker(request.worker()); !s.ok()) return s;
+  Worker& w = workers_[request.worker()];
+  w.done = true;
+  w.lost = false;
+  w.lastSeen = Clock::now();
+  changed_.notify_all();
+  finishIfAllDoneLocked();
+  reply->set_all_done(finished_);
+  return Status::Ok();
+}
+
+Status Shard::stats(const wire::StatsRequest& request, wire::StatsReply* reply) {
+  if (Status s = checkProtocol(request.protocol()); !s.ok()) return s;
+  std::lock_guard<std::mutex> lock(mu_);
+  *reply = stats_;
+  reply->set_initialized(initialized_);
+  reply->set_version(version_);
+  const int64_t counted = stats_.applied();
+  reply->set_staleness_mean(counted > 0 ? stalenessSum_ / double(counted) : 0.0);
+  for (const auto& w : workers_) {
+    reply->add_clocks(w.clock);
+    reply->add_done(w.done);
+    reply->add_lost(w.lost);
+  }
+  return Status::Ok();
+}
+
+void Shard::countUnauthenticated() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.set_unauthenticated(stats_.unauthenticated() + 1);
+}
+
+std::optional<std::string> Shard::waitFinished(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto until = Clock::now() + timeout;
+  while (!finished_ && !failure_) {
+    if (initialized_) {
+      markLostLocked(Clock::now());
+      finishIfAllDoneLocked();
+      if (finished_) break;
+    }
+    if (changed_.wait_until(lock, std::min(until, Clock::now() + kTick)) == std::cv_status::timeout &&
+        Clock::now() >= until) {
+      break;
+    }
+  }
+  return failure_;
+}
+
+bool Shard::finished() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return finished_;
+}
+
+void Shard::stop(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failure_) failure_ = reason;
+  changed_.notify_all();
+}
+
+void Shard::checkpoint() {
+  std::lock_guard<std::mutex> lock(mu_);
+  checkpointLocked();
+}
+
+void Shard::maybeCheckpointLocked() {
+  if (!store_ || policy_.checkpoint_every() <= 0) return;
+  if (version_ - lastCheckpointVersion_ >= uint64_t(policy_.checkpoint_every())) checkpointLocked();
+}
+
+void Shard::checkpointLocked() {
+  if (!store_ || !initialized_) return;
+  wire::ShardCheckpoint c;
+  *c.mutable_policy() = policy_;
+  for (const auto& p : pieces_) *c.add_pieces() = p;
+  c.set_version(version_);
+  c.set_values(reinterpret_cast<const char*>(values_.data()), values_.size() * sizeof(float));
+  for (const auto& slot : optimizer_->slots()) {
+    c.add_optimizer_slots(reinterpret_cast<const char*>(slot.data()), slot.size() * sizeof(float));
+  }
+  c.set_optimizer_steps(optimizer_->steps());
+  for (const auto& w : workers_) c.add_clocks(w.clock);
+  *c.mutable_stats() = stats_;
+  c.mutable_stats()->set_staleness_mean(stats_.applied() > 0 ? stalenessSum_ / double(stats_.applied()) : 0.0);
+  std::string bytes;
+  c.SerializeToString(&bytes);
+  try {
+    store_->save(int64_t(version_), std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+    lastCheckpointVersion_ = version_;
+  } catch (const Error& e) {
+    log(std::string("checkpoint failed, training goes on: ") + e.what());
+  }
+}
+
+bool Shard::loadCheckpoint() {
+  auto loaded = store_->loadNewest([&](const std::string& m) { log(m); });
+  if (!loaded) return false;
+  wire::ShardCheckpoint c;
+  const auto& bytes = loaded->payload;
+  const auto corrupt = [&](const std::string& why) {
+    log(loaded->file.path + ": " + why + "; starting without it");
+    return false;
+  };
+  if (!c.ParseFromArray(bytes.data(), int(bytes.size()))) return corrupt("not a shard checkpoint");
+  if (!checkPolicy(c.policy()).ok()) return corrupt("its policy is invalid");
+  const std::vector<wire::PieceSpec> pieces(c.pieces().begin(), c.pieces().end());
+  if (!checkPieces(pieces, kMaxElements).ok()) return corrupt("its pieces are invalid");
+  uint64_t total = 0;
+  for (const auto& p : pieces) total += p.numel();
+  if (c.values().size() != total * sizeof(float)) return corrupt("its values do not match its pieces");
+  auto optimizer = std::make_unique<ServerOptimizer>(c.policy().optimizer(), c.policy().lr(),
+                                                     c.policy().momentum(), size_t(total));
+  if (optimizer->slots().size() != size_t(c.optimizer_slots_size())) return corrupt("its optimizer state is incomplete");
+  for (size_t s = 0; s < optimizer->slots().size(); ++s) {
+    const std::string& slot = c.optimizer_slots(int(s));
+    if (slot.size() != total * sizeof(float)) return corrupt("its optimizer state has the wrong size");
+    std::memcpy(optimizer->slots()[s].data(), slot.data(), slot.size());
+  }
+  if (c.clocks_size() != int(c.policy().workers())) return corrupt("its worker clocks do not match its policy");
+  optimizer->steps() = c.optimizer_steps();
+
+  std::lock_guard<std::mutex> lock(mu_);
+  policy_ = c.policy();
+  pieces_.assign(pieces.begin(), pieces.end());
+  values_.resize(size_t(total));
+  std::memcpy(values_.data(), c.values().data(), c.values().size());
+  optimizer_ = std::move(optimizer);
+  version_ = c.version();
+  lastCheckpointVersion_ = version_;
+  workers_.assign(policy_.workers(), Worker{});
+  for (size_t i = 0; i < workers_.size(); ++i) workers_[i].clock = c.clocks(int(i));
+  pending_.assign(values_.size(), 0.0f);
+  pendingCount_ = 0;
+  pendingFrom_.assign(policy_.workers(), false);
+  stats_ = c.stats();
+  stalenessSum_ = stats_.staleness_mean() * double(stats_.applied());
+  initialized_ = true;
+  log("restored from " + loaded->file.path + " at version " + std::to_string(version_));
+  return true;
+}
+
+}  // namespace cohort::ps

@@ -1,0 +1,124 @@
+// One parameter-server shard: its pieces of the model, the optimizer, and the update policy that
+// decides when a pushed gradient is applied, held, or dropped. Transport-free: the gRPC service
+// (ps/service.h) and the in-process fake transport (ps/client.h) both call it, so every policy is
+// tested without sockets.
+//
+// Policies (wire::Policy.mode):
+//   sync      Each step, the pushes of all N workers (N-K with backup_workers K) are summed,
+//             averaged and applied; each pusher is held until its step closes. A push computed on
+//             an older version than the current one arrived after its step closed: dropped (late).
+//             A step that waits longer than the timeout fails the shard, naming the missing
+//             workers; with backup workers, workers that stay silent that long are counted lost.
+//   async     Each push is applied on arrival.
+//   softsync  Pushes are summed; every `softsync` of them are averaged and applied.
+//   ssp       As async, but a worker that has pushed c steps is held until c - (slowest worker's
+//             steps) <= staleness_bound. Workers done or lost (silent for the timeout) no longer
+//             count as the slowest.
+// Asynchronous modes also take: staleness_lr inverse (scale by 1/tau), max_staleness T (drop when
+// tau > T), warmup_steps W (until version W only worker 0's pushes are applied; others' are held,
+// then dropped). tau = version at apply (or drop) - the version the gradient was computed on.
+//
+// With push == "updates" the workers run the optimizer themselves and the shard adds the
+// (averaged, under sync and softsync) updates to the values.
+#pragma once
+
+#include "ps/status.h"
+#include "ps.pb.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace cohort {
+class CheckpointStore;
+}
+
+namespace cohort::ps {
+
+class ServerOptimizer;
+
+struct ShardOptions {
+  std::string name = "ps 0";   // in messages and logs
+  std::string checkpointDir;   // empty: no checkpoints
+  // Where the shard reports what it refuses, loses or recovers; default: stderr.
+  std::function<void(const std::string&)> log;
+};
+
+class Shard {
+ public:
+  // Loads the newest readable checkpoint from options.checkpointDir when there is one.
+  explicit Shard(ShardOptions options);
+  ~Shard();
+  Shard(const Shard&) = delete;
+  Shard& operator=(const Shard&) = delete;
+
+  Status init(const wire::InitRequest& request, wire::InitReply* reply);
+  Status pull(const wire::PullRequest& request, wire::PullReply* reply);
+  // May block, as the policy says, for at most the policy's timeout.
+  Status push(const wire::PushRequest& request, wire::PushReply* reply);
+  Status done(const wire::DoneRequest& request, wire::DoneReply* reply);
+  Status stats(const wire::StatsRequest& request, wire::StatsReply* reply);
+
+  // A request refused by the transport for its credentials.
+  void countUnauthenticated();
+
+  // Blocks until every worker is done or lost (returns nullopt) or the shard failed (returns
+  // why), or until `timeout` passes (returns nullopt; check finished()). Writes a final
+  // checkpoint first when every worker is done.
+  std::optional<std::string> waitFinished(std::chrono::milliseconds timeout);
+  bool finished() const;
+
+  // Writes a checkpoint now (no-op without a checkpoint directory or before Init).
+  void checkpoint();
+
+  // The server is going down: every held push is let go at once with ABORTED and `reason`, and
+  // so is every later call.
+  void stop(const std::string& reason);
+
+ private:
+  struct Worker;
+  Status checkWorker(uint32_t worker) const;
+  // A push's values, one run per piece in the shard's order (views into the request).
+  using Parts = std::vector<std::span<const float>>;
+  void applyLocked(const Parts& parts, float scale);
+  void accumulateLocked(const Parts& parts, float scale);
+  void applyPendingLocked();
+  void noteStalenessLocked(int64_t tau);
+  void fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out);
+  void markLostLocked(std::chrono::steady_clock::time_point now);
+  int64_t slowestClockLocked() const;
+  void maybeCheckpointLocked();
+  void checkpointLocked();
+  bool loadCheckpoint();
+  void finishIfAllDoneLocked();
+  void log(const std::string& message) const;
+
+  ShardOptions options_;
+  mutable std::mutex mu_;
+  std::condition_variable changed_;
+  bool initialized_ = false;
+  wire::Policy policy_;
+  std::vector<wire::PieceSpec> pieces_;
+  std::vector<float> values_;
+  std::unique_ptr<ServerOptimizer> optimizer_;
+  uint64_t version_ = 0;
+  std::vector<Worker> workers_;
+  // sync and softsync: the step being gathered
+  std::vector<float> pending_;
+  int pendingCount_ = 0;
+  std::vector<bool> pendingFrom_;
+  std::optional<std::string> failure_;
+  bool finished_ = false;
+  uint64_t lastCheckpointVersion_ = 0;
+  std::unique_ptr<CheckpointStore> store_;
+  wire::StatsReply stats_;
+  double stalenessSum_ = 0;
+};
+
+}  // namespace cohort::ps

@@ -1,0 +1,153 @@
+#include "ps/wire.h"
+
+#include <cmath>
+#include <cstring>
+#include <unordered_set>
+
+namespace cohort::ps {
+
+namespace {
+
+Status invalid(std::string message) { return Status::error(Code::kInvalidArgument, std::move(message)); }
+
+}  // namespace
+
+Status checkProtocol(uint32_t protocol) {
+  if (protocol == kProtocolVersion) return Status::Ok();
+  return Status::error(Code::kFailedPrecondition,
+                       "protocol version " + std::to_string(protocol) + " is not this server's " +
+                           std::to_string(kProtocolVersion) + ": run the same cohort on workers and servers");
+}
+
+Status checkTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>& tensors,
+                    std::span<const wire::PieceSpec> pieces, bool finiteOnly, const char* what) {
+  const std::string w = what;
+  for (int i = 0; i < tensors.size(); ++i) {
+    const wire::Tensor& t = tensors.Get(i);
+    if (size_t(i) >= pieces.size()) {
+      bool known = false;
+      for (const auto& q : pieces) known = known || q.key() == t.key();
+      return invalid(w + ": " + (known ? "key " + std::to_string(t.key()) + " appears twice"
+                                       : "unknown key " + std::to_string(t.key())) +
+                     " (this shard holds " + std::to_string(pieces.size()) + " pieces)");
+    }
+    const wire::PieceSpec& p = pieces[size_t(i)];
+    if (t.key() != p.key()) {
+      bool known = false;
+      for (const auto& q : pieces) known = known || q.key() == t.key();
+      return invalid(w + ": " + (known ? "key " + std::to_string(t.key()) + " out of order" :
+                                         "unknown key " + std::to_string(t.key())) +
+                     " where piece " + std::to_string(p.key()) + " (" + p.name() + ") belongs");
+    }
+    if (t.dtype() != wire::FLOAT32) {
+      const std::string name = wire::DType_Name(t.dtype());
+      return invalid(w + ": " + p.name() + " has dtype " + (name.empty() ? std::to_string(t.dtype()) : name) +
+                     ", expected FLOAT32");
+    }
+    if (t.numel() != p.numel()) {
+      return invalid(w + ": " + p.name() + " has " + std::to_string(t.numel()) + " elements, expected " +
+                     std::to_string(p.numel()));
+    }
+    if (t.data().size() != p.numel() * sizeof(float)) {
+      return invalid(w + ": " + p.name() + " carries " + std::to_string(t.data().size()) + " bytes, expected " +
+                     std::to_string(p.numel() * sizeof(float)));
+    }
+    if (finiteOnly) {
+      // Exponent bits all ones: NaN or Inf. Read as integers, so the loop vectorizes.
+      const char* bytes = t.data().data();
+      uint32_t worst = 0;
+      for (uint64_t j = 0; j < p.numel(); ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, bytes + j * sizeof(float), sizeof(bits));
+        worst |= uint32_t((bits & 0x7f800000u) == 0x7f800000u);
+      }
+      if (worst != 0) {
+        for (uint64_t j = 0; j < p.numel(); ++j) {
+          float v;
+          std::memcpy(&v, bytes + j * sizeof(float), sizeof(float));
+          if (!std::isfinite(v)) {
+            return invalid(w + ": " + p.name() + " holds " + (std::isnan(v) ? "NaN" : "Inf") + " at element " +
+                           std::to_string(j));
+          }
+        }
+      }
+    }
+  }
+  if (size_t(tensors.size()) < pieces.size()) {
+    const auto& p = pieces[size_t(tensors.size())];
+    return invalid(w + ": piece " + std::to_string(p.key()) + " (" + p.name() + ") is missing");
+  }
+  return Status::Ok();
+}
+
+void appendFloats(const wire::Tensor& tensor, std::vector<float>& out) {
+  const size_t n = tensor.data().size() / sizeof(float);
+  const size_t at = out.size();
+  out.resize(at + n);
+  std::memcpy(out.data() + at, tensor.data().data(), n * sizeof(float));
+}
+
+std::span<const float> floatsOf(const wire::Tensor& tensor, std::vector<float>& scratch) {
+  const std::string& data = tensor.data();
+  const size_t n = data.size() / sizeof(float);
+  if (reinterpret_cast<uintptr_t>(data.data()) % alignof(float) == 0) {
+    return {reinterpret_cast<const float*>(data.data()), n};
+  }
+  scratch.resize(n);
+  std::memcpy(scratch.data(), data.data(), n * sizeof(float));
+  return scratch;
+}
+
+void setTensor(wire::Tensor* tensor, const wire::PieceSpec& piece, const float* values) {
+  tensor->set_key(piece.key());
+  tensor->set_numel(piece.numel());
+  tensor->set_dtype(wire::FLOAT32);
+  tensor->set_data(reinterpret_cast<const char*>(values), piece.numel() * sizeof(float));
+}
+
+Status checkPieces(std::span<const wire::PieceSpec> pieces, uint64_t maxElements) {
+  if (pieces.empty()) return invalid("Init: no pieces");
+  std::unordered_set<uint32_t> keys;
+  uint64_t total = 0;
+  for (const auto& p : pieces) {
+    if (!keys.insert(p.key()).second) return invalid("Init: key " + std::to_string(p.key()) + " appears twice");
+    if (p.numel() == 0) return invalid("Init: piece " + p.name() + " is empty");
+    if (p.numel() > maxElements - total) {
+      return invalid("Init: the pieces hold more than " + std::to_string(maxElements) + " elements");
+    }
+    total += p.numel();
+  }
+  return Status::Ok();
+}
+
+Status checkPolicy(const wire::Policy& p) {
+  const std::string& m = p.mode();
+  if (m != "sync" && m != "async" && m != "softsync" && m != "ssp") {
+    return invalid("Init: unknown mode '" + m + "': expected sync, async, softsync or ssp");
+  }
+  if (p.workers() < 1 || p.workers() > 65536) return invalid("Init: workers must be in 1..65536");
+  if (p.backup_workers() >= p.workers()) {
+    return invalid("Init: backup workers (" + std::to_string(p.backup_workers()) + ") must be fewer than the " +
+                   std::to_string(p.workers()) + " workers");
+  }
+  if (m == "softsync" && (p.softsync() < 1 || p.softsync() > p.workers())) {
+    return invalid("Init: softsync must be in 1.." + std::to_string(p.workers()) + ", got " +
+                   std::to_string(p.softsync()));
+  }
+  if (p.staleness_lr() != "none" && p.staleness_lr() != "inverse") {
+    return invalid("Init: unknown staleness_lr '" + p.staleness_lr() + "': expected none or inverse");
+  }
+  if (p.push() != "gradients" && p.push() != "updates") {
+    return invalid("Init: unknown push '" + p.push() + "': expected gradients or updates");
+  }
+  if (p.optimizer() != "sgd" && p.optimizer() != "momentum" && p.optimizer() != "adam") {
+    return invalid("Init: unknown optimizer '" + p.optimizer() + "': expected sgd, momentum or adam");
+  }
+  if (!(p.lr() > 0) || !std::isfinite(p.lr())) return invalid("Init: lr must be positive");
+  if (!(p.momentum() >= 0 && p.momentum() < 1)) return invalid("Init: momentum must be in [0, 1)");
+  if (!(p.timeout_s() > 0) || !std::isfinite(p.timeout_s())) return invalid("Init: timeout must be positive");
+  if (p.warmup_steps() < 0 || p.checkpoint_every() < 0) return invalid("Init: negative step count");
+  return Status::Ok();
+}
+
+}  // namespace cohort::ps

@@ -1,0 +1,422 @@
+// The parameter server's pieces without sockets: layout, the shard optimizers against torch's,
+// and every update policy driven through a Shard by threads standing in for workers.
+#include "ps/layout.h"
+#include "ps/optimizer.h"
+#include "ps/shard.h"
+#include "ps/wire.h"
+
+#include "test_util.h"
+
+#include <cohort/checkpoint.h>
+#include <cohort/error.h>
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <future>
+#include <thread>
+
+namespace cohort::ps {
+namespace {
+
+using namespace std::chrono_literals;
+
+wire::Policy policy(const std::string& mode, int workers) {
+  wire::Policy p;
+  p.set_mode(mode);
+  p.set_workers(uint32_t(workers));
+  p.set_softsync(1);
+  p.set_staleness_lr("none");
+  p.set_max_staleness(-1);
+  p.set_push("gradients");
+  p.set_optimizer("sgd");
+  p.set_lr(1.0);
+  p.set_momentum(0.9);
+  p.set_timeout_s(5);
+  return p;
+}
+
+// A shard of one piece of `n` elements, all starting at `start`.
+struct Fixture {
+  std::shared_ptr<Shard> shard;
+  wire::PieceSpec piece;
+  std::vector<std::string> logged;
+  std::mutex logMu;
+
+  explicit Fixture(const wire::Policy& p, size_t n = 4, float start = 0.0f, std::string dir = "", bool resume = false) {
+    shard = std::make_shared<Shard>(ShardOptions{.name = "test", .checkpointDir = dir, .log = [this](const std::string& m) {
+                                                   std::lock_guard<std::mutex> lock(logMu);
+                                                   logged.push_back(m);
+                                                 }});
+    piece.set_key(7);
+    piece.set_name("w");
+    piece.set_numel(n);
+    wire::InitRequest init;
+    init.set_protocol(kProtocolVersion);
+    *init.mutable_policy() = p;
+    *init.add_pieces() = piece;
+    init.set_resume(resume);
+    std::vector<float> values(n, start);
+    setTensor(init.add_values(), piece, values.data());
+    wire::InitReply reply;
+    Status s = shard->init(init, &reply);
+    EXPECT_TRUE(s.ok()) << s.message;
+  }
+
+  wire::PushRequest pushOf(uint32_t worker, uint64_t pulled, float g) {
+    wire::PushRequest r;
+    r.set_protocol(kProtocolVersion);
+    r.set_worker(worker);
+    r.set_pulled_version(pulled);
+    r.set_samples(10);
+    r.set_want_values(true);
+    std::vector<float> grad(piece.numel(), g);
+    setTensor(r.add_values(), piece, grad.data());
+    return r;
+  }
+
+  wire::PushReply push(uint32_t worker, uint64_t pulled, float g, Status* status = nullptr) {
+    wire::PushReply reply;
+    Status s = shard->push(pushOf(worker, pulled, g), &reply);
+    if (status != nullptr) *status = s;
+    else EXPECT_TRUE(s.ok()) << s.message;
+    return reply;
+  }
+
+  std::vector<float> values() {
+    wire::PullRequest r;
+    r.set_protocol(kProtocolVersion);
+    wire::PullReply reply;
+    EXPECT_TRUE(shard->pull(r, &reply).ok());
+    std::vector<float> out;
+    for (const auto& t : reply.values()) appendFloats(t, out);
+    return out;
+  }
+
+  wire::StatsReply stats() {
+    wire::StatsRequest r;
+    r.set_protocol(kProtocolVersion);
+    wire::StatsReply reply;
+    EXPECT_TRUE(shard->stats(r, &reply).ok());
+    return reply;
+  }
+
+  void done(uint32_t worker) {
+    wire::DoneRequest r;
+    r.set_protocol(kProtocolVersion);
+    r.set_worker(worker);
+    wire::DoneReply reply;
+    EXPECT_TRUE(shard->done(r, &reply).ok());
+  }
+};
+
+TEST(PsLayout, BalancesShardsAndCoversEveryElementOnce) {
+  std::vector<ParamInfo> params{{"conv.weight", 800}, {"conv.bias", 32}, {"fc.weight", 10000}, {"fc.bias", 10}};
+  for (int shards : {1, 2, 3, 5}) {
+    const auto pieces = planLayout(params, shards);
+    const auto loads = shardLoads(pieces, shards);
+    const uint64_t total = 10842;
+    const uint64_t share = (total + shards - 1) / shards;
+    for (auto load : loads) {
+      EXPECT_GT(load, 0u);
+      EXPECT_LE(load, share + 800) << shards << " shards";  // off by less than one unsplit parameter
+    }
+    // Every element of every parameter is in exactly one piece, keys in parameter order.
+    std::vector<std::vector<int>> covered(params.size());
+    for (size_t i = 0; i < params.size(); ++i) covered[i].assign(params[i].numel, 0);
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      EXPECT_EQ(pieces[k].key, k);
+      if (k > 0) EXPECT_LE(pieces[k - 1].param, pieces[k].param);
+      for (uint64_t e = 0; e < pieces[k].numel; ++e) covered[pieces[k].param][pieces[k].offset + e] += 1;
+    }
+    for (const auto& c : covered) {
+      for (int n : c) ASSERT_EQ(n, 1);
+    }
+  }
+  // A parameter larger than an even share is cut into chunks across shards.
+  const auto split = planLayout(std::vector<ParamInfo>{{"big", 1000}}, 4);
+  ASSERT_EQ(split.size(), 4u);
+  EXPECT_EQ(split[1].name, "big[250:500]");
+  EXPECT_THROW(planLayout(params, 0), InvalidArgument);
+}
+
+// The shard's optimizers must step exactly as torch::optim does, or sync ps would not match allreduce.
+TEST(PsOptimizer, MatchesTorchMomentumAndAdam) {
+  for (const std::string name : {"sgd", "momentum", "adam"}) {
+    torch::manual_seed(3);
+    auto p = torch::randn({50});
+    auto param = p.clone().requires_grad_(true);
+    std::unique_ptr<torch::optim::Optimizer> reference;
+    if (name == "adam") reference = std::make_unique<torch::optim::Adam>(std::vector{param}, torch::optim::AdamOptions(0.01));
+    else reference = std::make_unique<torch::optim::SGD>(std::vector{param}, torch::optim::SGDOptions(0.01).momentum(name == "momentum" ? 0.9 : 0.0));
+    ServerOptimizer mine(name, 0.01, 0.9, 50);
+    std::vector<float> values(p.data_ptr<float>(), p.data_ptr<float>() + 50);
+    for (int step = 0; step < 4; ++step) {
+      auto g = torch::randn({50});
+      param.mutable_grad() = g.clone();
+      reference->step();
+      mine.apply(values, std::span<const float>(g.data_ptr<float>(), 50));
+    }
+    auto ref = param.detach();
+    for (int i = 0; i < 50; ++i) ASSERT_NEAR(values[size_t(i)], ref[i].item<float>(), 1e-6) << name << " at " << i;
+  }
+}
+
+TEST(PsShard, AsyncAppliesOnArrivalAndMeasuresStaleness) {
+  Fixture f(policy("async", 2));
+  auto a = f.push(0, 0, 1.0f);  // computed on version 0, applied at version 0: tau 0
+  auto b = f.push(1, 0, 1.0f);  // also computed on version 0, but one update went in since: tau 1
+  EXPECT_TRUE(a.applied());
+  EXPECT_EQ(a.staleness(), 0);
+  EXPECT_EQ(b.staleness(), 1);
+  EXPECT_EQ(b.version(), 2u);
+  EXPECT_FLOAT_EQ(f.values()[0], -2.0f);
+  auto s = f.stats();
+  EXPECT_EQ(s.applied(), 2);
+  ASSERT_GE(s.staleness_histogram_size(), 2);
+  EXPECT_EQ(s.staleness_histogram(0), 1);
+  EXPECT_EQ(s.staleness_histogram(1), 1);
+  EXPECT_DOUBLE_EQ(s.staleness_mean(), 0.5);
+  EXPECT_EQ(s.samples_total(), 20);
+  EXPECT_EQ(s.bytes_pushed(), 2 * 4 * 4);
+}
+
+TEST(PsShard, MaxStalenessDropsExactlyTheGradientsOverTheBound) {
+  auto p = policy("async", 3);
+  p.set_max_staleness(1);
+  Fixture f(p);
+  f.push(0, 0, 1.0f);             // tau 0: applied
+  f.push(1, 0, 1.0f);             // tau 1: applied
+  auto late = f.push(2, 0, 1.0f); // tau 2 > 1: dropped
+  EXPECT_FALSE(late.applied());
+  EXPECT_EQ(late.dropped(), "stale");
+  EXPECT_EQ(late.staleness(), 2);
+  auto ok = f.push(2, 2, 1.0f);   // tau 0 again
+  EXPECT_TRUE(ok.applied());
+  EXPECT_FLOAT_EQ(f.values()[0], -3.0f);  // three applied, the stale one never touched them
+  EXPECT_EQ(f.stats().dropped_stale(), 1);
+  EXPECT_EQ(f.stats().applied(), 3);
+}
+
+TEST(PsShard, InverseStalenessScalesTheGradient) {
+  auto p = policy("async", 3);
+  p.set_staleness_lr("inverse");
+  Fixture f(p);
+  f.push(0, 0, 1.0f);  // tau 0 -> scale 1
+  f.push(1, 0, 1.0f);  // tau 1 -> scale 1
+  f.push(2, 0, 1.0f);  // tau 2 -> scale 1/2
+  EXPECT_FLOAT_EQ(f.values()[0], -2.5f);
+}
+
+TEST(PsShard, SyncAveragesAllWorkersAndHoldsEachUntilTheStepCloses) {
+  Fixture f(policy("sync", 2));
+  auto first = std::async(std::launch::async, [&] { return f.push(0, 0, 1.0f); });
+  EXPECT_EQ(first.wait_for(300ms), std::future_status::timeout) << "released before the other worker pushed";
+  auto second = f.push(1, 0, 3.0f);
+  auto a = first.get();
+  EXPECT_TRUE(a.applied());
+  EXPECT_TRUE(second.applied());
+  EXPECT_EQ(a.version(), 1u);
+  EXPECT_FLOAT_EQ(f.values()[0], -2.0f);  // the average of 1 and 3, applied once
+  ASSERT_EQ(a.values_size(), 1);          // the push brought back the new parameters
+}
+
+TEST(PsShard, SyncWithBackupWorkersDoesNotWaitForTheLastAndDropsIt) {
+  auto p = policy("sync", 3);
+  p.set_backup_workers(1);
+  Fixture f(p);
+  auto a = std::async(std::launch::async, [&] { return f.push(0, 0, 1.0f); });
+  auto b = f.push(1, 0, 3.0f);  // the second of three closes the step
+  EXPECT_TRUE(a.get().applied());
+  EXPECT_EQ(b.version(), 1u);
+  auto late = f.push(2, 0, 100.0f);  // computed on version 0: its step has closed
+  EXPECT_FALSE(late.applied());
+  EXPECT_EQ(late.dropped(), "late");
+  EXPECT_FLOAT_EQ(f.values()[0], -2.0f);
+  EXPECT_EQ(f.stats().dropped_late(), 1);
+}
+
+TEST(PsShard, SyncStopsNamingAWorkerThatNeverPushes) {
+  auto p = policy("sync", 2);
+  p.set_timeout_s(0.5);
+  Fixture f(p);
+  Status status;
+  const auto start = std::chrono::steady_clock::now();
+  f.push(0, 0, 1.0f, &status);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_EQ(status.code, Code::kAborted);
+  EXPECT_NE(status.message.find("worker 1"), std::string::npos) << status.message;
+  EXPECT_NE(status.message.find("--backup-workers"), std::string::npos) << status.message;
+  auto failure = f.shard->waitFinished(10ms);
+  ASSERT_TRUE(failure.has_value());
+}
+
+TEST(PsShard, SoftsyncAppliesTheAverageOfEverySGradients) {
+  auto p = policy("softsync", 3);
+  p.set_softsync(2);
+  Fixture f(p);
+  auto a = f.push(0, 0, 1.0f);
+  EXPECT_EQ(a.version(), 0u);  // gathered, not applied yet, and not held
+  auto b = f.push(1, 0, 3.0f);
+  EXPECT_EQ(b.version(), 1u);
+  EXPECT_FLOAT_EQ(f.values()[0], -2.0f);
+}
+
+TEST(PsShard, SspNeverLetsAWorkerRunMoreThanTheBoundAhead) {
+  auto p = policy("ssp", 3);
+  p.set_staleness_bound(2);
+  Fixture f(p);
+  // Worker 0 races; workers 1 and 2 crawl. The shard must hold worker 0 back.
+  std::atomic<bool> stop{false};
+  auto fast = std::async(std::launch::async, [&] {
+    for (int i = 0; i < 30; ++i) f.push(0, 0, 0.0f);
+  });
+  auto slow = [&](uint32_t w) {
+    return std::async(std::launch::async, [&, w] {
+      for (int i = 0; i < 10; ++i) {
+        std::this_thread::sleep_for(20ms);
+        f.push(w, 0, 0.0f);
+      }
+      f.done(w);
+    });
+  };
+  auto s1 = slow(1);
+  auto s2 = slow(2);
+  std::this_thread::sleep_for(100ms);
+  // Held: at most bound + 1 pushes ahead of the slowest (which has pushed at most 100/20 = 5).
+  EXPECT_LE(f.stats().clocks(0), 5 + 2 + 1);
+  s1.get();
+  s2.get();
+  fast.get();  // released once the slow ones are done
+  const auto s = f.stats();
+  EXPECT_LE(s.max_clock_gap(), 2);
+  EXPECT_GE(s.max_clock_gap(), 1);
+  EXPECT_EQ(s.clocks(0), 30);
+}
+
+TEST(PsShard, WarmupLetsWorkerZeroTrainAloneFirst) {
+  auto p = policy("async", 2);
+  p.set_warmup_steps(3);
+  Fixture f(p);
+  auto other = std::async(std::launch::async, [&] { return f.push(1, 0, 100.0f); });
+  EXPECT_EQ(other.wait_for(200ms), std::future_status::timeout);
+  for (int i = 0; i < 3; ++i) f.push(0, uint64_t(i), 1.0f);
+  auto r = other.get();
+  EXPECT_FALSE(r.applied());
+  EXPECT_EQ(r.dropped(), "warmup");
+  EXPECT_FLOAT_EQ(f.values()[0], -3.0f);
+  EXPECT_EQ(f.stats().dropped_warmup(), 1);
+}
+
+TEST(PsShard, RejectsMalformedPushesWithoutTouchingTheParameters) {
+  Fixture f(policy("async", 1));
+  auto check = [&](wire::PushRequest r, Code code, const std::string& words) {
+    wire::PushReply reply;
+    Status s = f.shard->push(r, &reply);
+    EXPECT_EQ(s.code, code) << s.message;
+    EXPECT_NE(s.message.find(words), std::string::npos) << s.message;
+  };
+  auto nan = f.pushOf(0, 0, std::nanf(""));
+  check(nan, Code::kInvalidArgument, "NaN");
+  auto inf = f.pushOf(0, 0, INFINITY);
+  check(inf, Code::kInvalidArgument, "Inf");
+  auto key = f.pushOf(0, 0, 1.0f);
+  key.mutable_values(0)->set_key(99);
+  check(key, Code::kInvalidArgument, "unknown key 99");
+  auto shape = f.pushOf(0, 0, 1.0f);
+  shape.mutable_values(0)->set_numel(3);
+  check(shape, Code::kInvalidArgument, "3 elements");
+  auto dtype = f.pushOf(0, 0, 1.0f);
+  dtype.mutable_values(0)->set_dtype(wire::DTYPE_UNSPECIFIED);
+  check(dtype, Code::kInvalidArgument, "dtype");
+  auto truncated = f.pushOf(0, 0, 1.0f);
+  truncated.mutable_values(0)->mutable_data()->resize(5);
+  check(truncated, Code::kInvalidArgument, "bytes");
+  auto missing = f.pushOf(0, 0, 1.0f);
+  missing.clear_values();
+  check(missing, Code::kInvalidArgument, "missing");
+  auto protocol = f.pushOf(0, 0, 1.0f);
+  protocol.set_protocol(99);
+  check(protocol, Code::kFailedPrecondition, "protocol version 99");
+  auto stranger = f.pushOf(5, 0, 1.0f);
+  check(stranger, Code::kInvalidArgument, "worker 5");
+  for (float v : f.values()) EXPECT_EQ(v, 0.0f);
+  EXPECT_EQ(f.stats().rejected(), 9);
+  EXPECT_EQ(f.stats().applied(), 0);
+}
+
+TEST(PsShard, RestoresFromItsCheckpointAndResumes) {
+  test::TempDir dir;
+  auto p = policy("async", 1);
+  p.set_optimizer("momentum");
+  p.set_checkpoint_every(2);
+  std::vector<float> before;
+  {
+    Fixture f(p, 4, 1.0f, dir.path());
+    for (int i = 0; i < 5; ++i) f.push(0, uint64_t(i), 1.0f);
+    f.shard->checkpoint();
+    before = f.values();
+  }
+  // A new shard on the same directory (a restart) has the parameters, version and momentum.
+  auto restarted = std::make_shared<Shard>(ShardOptions{.name = "again", .checkpointDir = dir.path(), .log = [](const std::string&) {}});
+  wire::StatsRequest sr;
+  sr.set_protocol(kProtocolVersion);
+  wire::StatsReply stats;
+  ASSERT_TRUE(restarted->stats(sr, &stats).ok());
+  EXPECT_TRUE(stats.initialized());
+  EXPECT_EQ(stats.version(), 5u);
+  EXPECT_EQ(stats.clocks(0), 5);
+  wire::PullRequest pr;
+  pr.set_protocol(kProtocolVersion);
+  wire::PullReply pulled;
+  ASSERT_TRUE(restarted->pull(pr, &pulled).ok());
+  std::vector<float> after;
+  appendFloats(pulled.values(0), after);
+  EXPECT_EQ(after, before);
+
+  // Its next step continues the momentum: the same as a shard that never stopped.
+  Fixture uninterrupted(p, 4, 1.0f);
+  for (int i = 0; i < 6; ++i) uninterrupted.push(0, uint64_t(i), 1.0f);
+  wire::PushRequest next;
+  next.set_protocol(kProtocolVersion);
+  next.set_pulled_version(5);
+  next.set_want_values(true);
+  std::vector<float> g(4, 1.0f);
+  wire::PieceSpec piece = uninterrupted.piece;
+  setTensor(next.add_values(), piece, g.data());
+  wire::PushReply reply;
+  ASSERT_TRUE(restarted->push(next, &reply).ok());
+  std::vector<float> resumed;
+  appendFloats(reply.values(0), resumed);
+  EXPECT_EQ(resumed, uninterrupted.values());
+
+  // A fresh Init (not --resume) starts over and removes the old checkpoints.
+  Fixture fresh(p, 4, 9.0f, dir.path(), false);
+  EXPECT_EQ(fresh.values()[0], 9.0f);
+  EXPECT_TRUE(CheckpointStore(dir.path(), "shard").list().empty());
+}
+
+TEST(PsShard, FinishesWhenEveryWorkerIsDone) {
+  Fixture f(policy("async", 2));
+  f.done(0);
+  EXPECT_FALSE(f.shard->finished());
+  f.done(1);
+  EXPECT_TRUE(f.shard->finished());
+  EXPECT_FALSE(f.shard->waitFinished(10ms).has_value());
+}
+
+TEST(PsShard, CountsAWorkerSilentForTheTimeoutAsLost) {
+  auto p = policy("async", 2);
+  p.set_timeout_s(0.3);
+  Fixture f(p);
+  f.done(0);
+  f.shard->waitFinished(2s);  // worker 1 never speaks: lost, so the shard is finished
+  EXPECT_TRUE(f.shard->finished());
+  EXPECT_TRUE(f.stats().lost(1));
+}
+
+}  // namespace
+}  // namespace cohort::ps
