@@ -9,6 +9,7 @@ packages=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libcli11-dev nlohmann-json3-dev libspdlog-dev zlib1g-dev libzstd-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang libclang-rt-14-dev openssl
   dataset-fashion-mnist
   python3 python3-torch
   openmpi-bin iproute2

@@ -1,0 +1,185 @@
+#include "ps/client.h"
+
+#include "ps/shard.h"
+
+#include <cohort/error.h>
+
+#include "ps.grpc.pb.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <climits>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace cohort::ps {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Back-off between attempts at an unavailable shard.
+constexpr auto kFirstBackoff = std::chrono::milliseconds(50);
+constexpr auto kMaxBackoff = std::chrono::milliseconds(2000);
+
+// "60", "1.5": seconds as a person would write them.
+std::string seconds(double s) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3g", s);
+  return text;
+}
+
+// Copies `from` into `to` through its wire form, as a transport would.
+template <typename Message>
+bool roundTrip(const Message& from, Message* to) {
+  std::string bytes;
+  return from.SerializeToString(&bytes) && to->ParseFromString(bytes);
+}
+
+class FakeClient : public ShardClient {
+ public:
+  FakeClient(std::shared_ptr<Shard> shard, std::string name) : shard_(std::move(shard)), name_(std::move(name)) {}
+
+  Status init(const wire::InitRequest& q, wire::InitReply* r) override { return call(&Shard::init, q, r); }
+  Status pull(const wire::PullRequest& q, wire::PullReply* r) override { return call(&Shard::pull, q, r); }
+  Status push(const wire::PushRequest& q, wire::PushReply* r) override { return call(&Shard::push, q, r); }
+  Status done(const wire::DoneRequest& q, wire::DoneReply* r) override { return call(&Shard::done, q, r); }
+  Status stats(const wire::StatsRequest& q, wire::StatsReply* r) override { return call(&Shard::stats, q, r); }
+  std::string address() const override { return name_; }
+
+ private:
+  // Like gRPC, the reply is filled only when the call succeeds.
+  template <typename Request, typename Reply>
+  Status call(Status (Shard::*method)(const Request&, Reply*), const Request& request, Reply* reply) {
+    Request sent;
+    if (!roundTrip(request, &sent)) return Status::error(Code::kInternal, "cannot serialize the request");
+    Reply answer;
+    Status status = (shard_.get()->*method)(sent, &answer);
+    if (!status.ok()) return status;
+    if (!roundTrip(answer, reply)) return Status::error(Code::kInternal, "cannot serialize the reply");
+    return status;
+  }
+
+  std::shared_ptr<Shard> shard_;
+  std::string name_;
+};
+
+std::string readPem(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  COHORT_CHECK(in.good(), InvalidArgument, "cannot read the TLS CA file ", path, " (--tls-ca): check the path");
+  std::stringstream text;
+  text << in.rdbuf();
+  // Empty roots would make gRPC fall back to the system's, trusting what the user did not ask for.
+  COHORT_CHECK(!text.str().empty(), InvalidArgument, "the TLS CA file ", path, " is empty");
+  return text.str();
+}
+
+std::shared_ptr<grpc::Channel> makeChannel(const std::string& address, const ClientOptions& options) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (options.tlsCaFile.empty()) {
+    credentials = grpc::InsecureChannelCredentials();
+  } else {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = readPem(options.tlsCaFile);
+    credentials = grpc::SslCredentials(ssl);
+  }
+  grpc::ChannelArguments args;
+  // A push or pull carries a shard's whole slice of the model: tens of MB.
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kHttp2MaxFrame);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kHttp2Window);
+  // gRPC's own reconnect back-off grows to 2 minutes; cap it at ours so that a shard that comes
+  // back is found within one of our retries.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, int(kFirstBackoff.count()));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, int(kMaxBackoff.count()));
+  return grpc::CreateCustomChannel(address, credentials, args);
+}
+
+class GrpcClient : public ShardClient {
+ public:
+  GrpcClient(std::string address, ClientOptions options)
+      : address_(std::move(address)),
+        options_(std::move(options)),
+        stub_(wire::ParameterServer::NewStub(makeChannel(address_, options_))) {}
+
+  using Stub = wire::ParameterServer::Stub;
+  Status init(const wire::InitRequest& q, wire::InitReply* r) override { return call(&Stub::Init, q, r); }
+  Status pull(const wire::PullRequest& q, wire::PullReply* r) override { return call(&Stub::Pull, q, r); }
+  Status push(const wire::PushRequest& q, wire::PushReply* r) override { return call(&Stub::Push, q, r); }
+  Status done(const wire::DoneRequest& q, wire::DoneReply* r) override { return call(&Stub::Done, q, r); }
+  Status stats(const wire::StatsRequest& q, wire::StatsReply* r) override { return call(&Stub::Stats, q, r); }
+  std::string address() const override { return address_; }
+
+ private:
+  // One unary call, retried while the shard is UNAVAILABLE, until timeoutSeconds have passed
+  // since the first attempt. The one place where grpc::Status becomes a ps::Status.
+  template <typename Request, typename Reply>
+  Status call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Reply*), const Request& request,
+              Reply* reply) {
+    const auto timeout = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(options_.timeoutSeconds));
+    const auto start = Clock::now();
+    auto backoff = std::chrono::duration_cast<Clock::duration>(kFirstBackoff);
+    for (bool first = true;; first = false) {
+      grpc::ClientContext context;
+      // gRPC takes deadlines on the system clock only.
+      // A shard may hold a push for up to its own timeout (a sync step, the ssp bound) before it
+      // answers, so the call gets twice that and some: the shard names a lost worker first.
+      context.set_deadline(std::chrono::system_clock::now() +
+                           std::chrono::duration_cast<std::chrono::system_clock::duration>(2 * timeout) +
+                           std::chrono::seconds(5));
+      if (!options_.authToken.empty()) context.AddMetadata("authorization", "Bearer " + options_.authToken);
+      const grpc::Status status = (stub_.get()->*method)(&context, request, reply);
+      if (status.ok()) return Status::Ok();
+      const auto code = Code(status.error_code());
+      if (code == Code::kDeadlineExceeded) {
+        return Status::error(code, "ps shard " + address_ + " did not answer within " +
+                                       seconds(2 * options_.timeoutSeconds + 5) + " s: " + status.error_message());
+      }
+      if (code != Code::kUnavailable) return Status::error(code, status.error_message());
+      const auto waited = Clock::now() - start;
+      if (waited >= timeout) {
+        return Status::error(code, "ps shard " + address_ + " unreachable for " +
+                                       seconds(std::chrono::duration<double>(waited).count()) +
+                                       " s: " + status.error_message());
+      }
+      if (first && !options_.quiet) {
+        std::fprintf(stderr, "cohort: ps shard %s unavailable (%s); retrying for up to %s s\n", address_.c_str(),
+                     status.error_message().c_str(), seconds(options_.timeoutSeconds).c_str());
+      }
+      std::this_thread::sleep_for(std::min(backoff, timeout - waited));
+      backoff = std::min(backoff * 2, std::chrono::duration_cast<Clock::duration>(kMaxBackoff));
+    }
+  }
+
+  const std::string address_;
+  const ClientOptions options_;
+  const std::unique_ptr<Stub> stub_;
+};
+
+}  // namespace
+
+void keepFreedMemory() {
+  ::mallopt(M_MMAP_MAX, 0);
+  ::mallopt(M_TRIM_THRESHOLD, INT_MAX);
+}
+
+std::unique_ptr<ShardClient> makeFakeClient(std::shared_ptr<Shard> shard, std::string name) {
+  return std::make_unique<FakeClient>(std::move(shard), std::move(name));
+}
+
+std::unique_ptr<ShardClient> makeGrpcClient(const std::string& address, const ClientOptions& options) {
+  // Also bounds it so that deadlines stay representable.
+  COHORT_CHECK(options.timeoutSeconds > 0 && options.timeoutSeconds <= 1e7, InvalidArgument,
+               "the timeout for ps shard ", address, " must be between 0 and 1e7 s, got ", options.timeoutSeconds);
+  return std::make_unique<GrpcClient>(address, options);
+}
+
+}  // namespace cohort::ps

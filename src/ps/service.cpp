@@ -1,0 +1,244 @@
+#include "ps/service.h"
+
+#include "ps/client.h"
+
+#include <cohort/error.h>
+
+#include "ps.grpc.pb.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <string_view>
+
+namespace cohort::ps {
+
+namespace {
+
+using Clock = std::chrono::system_clock;
+
+// How long shutdown lets calls in flight finish before cancelling them.
+constexpr auto kShutdownGrace = std::chrono::milliseconds(500);
+// How often runShardServer looks for a signal.
+constexpr auto kPoll = std::chrono::milliseconds(250);
+
+std::string readPem(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  COHORT_CHECK(in.good(), InvalidArgument, "cannot read ", flag, " ", path, ": check the path and its permissions");
+  std::stringstream text;
+  text << in.rdbuf();
+  COHORT_CHECK(!text.str().empty(), InvalidArgument, flag, " ", path, " is empty");
+  return text.str();
+}
+
+std::shared_ptr<grpc::ServerCredentials> serverCredentials(const ServerOptions& o) {
+  COHORT_CHECK(o.tlsCertFile.empty() == o.tlsKeyFile.empty(), InvalidArgument,
+               "TLS needs both --tls-cert and --tls-key, got only ", o.tlsCertFile.empty() ? "--tls-key" : "--tls-cert");
+  if (o.tlsCertFile.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl;
+  ssl.pem_key_cert_pairs.push_back({readPem(o.tlsKeyFile, "--tls-key"), readPem(o.tlsCertFile, "--tls-cert")});
+  return grpc::SslServerCredentials(ssl);
+}
+
+// Compares in time that depends only on the length of `expected`, so that a caller cannot find
+// the token byte by byte by timing refusals.
+bool sameSecret(std::string_view given, std::string_view expected) {
+  unsigned char diff = given.size() == expected.size() ? 0 : 1;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    diff |= static_cast<unsigned char>((i < given.size() ? given[i] : 0) ^ expected[i]);
+  }
+  return diff == 0;
+}
+
+grpc::Status toGrpc(const Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code), s.message);
+}
+
+class Service final : public wire::ParameterServer::Service {
+ public:
+  Service(std::shared_ptr<Shard> shard, const ServerOptions& options)
+      : shard_(std::move(shard)),
+        expected_(options.authToken.empty() ? "" : "Bearer " + options.authToken),
+        name_(options.shard.name),
+        log_(options.shard.log) {}
+
+  grpc::Status Init(grpc::ServerContext* c, const wire::InitRequest* q, wire::InitReply* r) override {
+    return handle(c, [&] { return shard_->init(*q, r); });
+  }
+  grpc::Status Pull(grpc::ServerContext* c, const wire::PullRequest* q, wire::PullReply* r) override {
+    return handle(c, [&] { return shard_->pull(*q, r); });
+  }
+  grpc::Status Push(grpc::ServerContext* c, const wire::PushRequest* q, wire::PushReply* r) override {
+    return handle(c, [&] { return shard_->push(*q, r); });
+  }
+  grpc::Status Done(grpc::ServerContext* c, const wire::DoneRequest* q, wire::DoneReply* r) override {
+    return handle(c, [&] { return shard_->done(*q, r); });
+  }
+  grpc::Status Stats(grpc::ServerContext* c, const wire::StatsRequest* q, wire::StatsReply* r) override {
+    return handle(c, [&] { return shard_->stats(*q, r); });
+  }
+
+ private:
+  template <typename Call>
+  grpc::Status handle(grpc::ServerContext* context, const Call& call) {
+    if (!authorized(*context)) return refuse(*context);
+    try {
+      return toGrpc(call());
+    } catch (const std::exception& e) {
+      // Out of memory for a large Init, say: the caller gets the reason, the shard stays up.
+      return grpc::Status(grpc::StatusCode::INTERNAL, std::string("ps shard ") + name_ + ": " + e.what());
+    }
+  }
+
+  bool authorized(const grpc::ServerContext& context) const {
+    if (expected_.empty()) return true;
+    const auto& metadata = context.client_metadata();
+    const auto found = metadata.find("authorization");
+    if (found == metadata.end()) return false;
+    return sameSecret(std::string_view(found->second.data(), found->second.size()), expected_);
+  }
+
+  grpc::Status refuse(const grpc::ServerContext& context) {
+    shard_->countUnauthenticated();
+    // Rate-limited: a misconfigured worker retrying, or a scanner, must not flood the log.
+    const int64_t n = ++refused_;
+    if (n <= 10 || n % 100 == 0) {
+      const bool missing = context.client_metadata().count("authorization") == 0;
+      log("refused a request from " + context.peer() + ": " + (missing ? "no" : "wrong") + " auth token (" +
+          std::to_string(n) + " refused so far)");
+    }
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or wrong auth token: pass the job's --auth-token");
+  }
+
+  void log(const std::string& message) const {
+    if (log_) {
+      log_(message);
+    } else {
+      std::fprintf(stderr, "cohort %s: %s\n", name_.c_str(), message.c_str());
+    }
+  }
+
+  const std::shared_ptr<Shard> shard_;
+  const std::string expected_;  // "Bearer TOKEN"; empty: no token required
+  const std::string name_;
+  const std::function<void(const std::string&)> log_;
+  std::atomic<int64_t> refused_{0};
+};
+
+// The signal runShardServer was asked to stop by; 0 while none.
+volatile std::sig_atomic_t stopSignal = 0;
+
+void onStopSignal(int signal) { stopSignal = signal; }
+
+// Installs onStopSignal for SIGTERM and SIGINT while alive; puts the previous handlers back after.
+class StopSignals {
+ public:
+  StopSignals() {
+    stopSignal = 0;
+    struct sigaction action {};
+    action.sa_handler = onStopSignal;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGTERM, &action, &oldTerm_);
+    sigaction(SIGINT, &action, &oldInt_);
+  }
+  ~StopSignals() {
+    sigaction(SIGTERM, &oldTerm_, nullptr);
+    sigaction(SIGINT, &oldInt_, nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  struct sigaction oldTerm_ {};
+  struct sigaction oldInt_ {};
+};
+
+// "0.0.0.0:0" with port 4711: "0.0.0.0:4711".
+std::string withPort(const std::string& address, int port) {
+  const size_t colon = address.rfind(':');
+  return (colon == std::string::npos ? address : address.substr(0, colon)) + ":" + std::to_string(port);
+}
+
+}  // namespace
+
+struct ShardServer::Impl {
+  std::shared_ptr<Shard> shard;
+  std::unique_ptr<Service> service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  std::once_flag stopped;
+};
+
+ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()) {
+  const auto credentials = serverCredentials(options);  // first: a bad flag fails before any work
+  impl_->shard = std::make_shared<Shard>(options.shard);
+  impl_->service = std::make_unique<Service>(impl_->shard, options);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.address, credentials, &impl_->port);
+  // A push or pull carries a shard's whole slice of the model: tens of MB.
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxSendMessageSize(-1);
+  // gRPC sets SO_REUSEPORT by default: a second shard on a taken port would silently share it.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Large frames and a deep window: tens of MB per call in 16 KB frames cost more than the copy.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kHttp2MaxFrame);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kHttp2Window);
+  builder.RegisterService(impl_->service.get());
+  impl_->server = builder.BuildAndStart();
+  COHORT_CHECK(impl_->server != nullptr && impl_->port != 0, Error, "cannot listen on ", options.address,
+               ": the port is taken or the host is not an address of this machine (gRPC's log above says which)");
+}
+
+ShardServer::~ShardServer() { shutdown(); }
+
+int ShardServer::port() const { return impl_->port; }
+
+std::shared_ptr<Shard> ShardServer::shard() const { return impl_->shard; }
+
+void ShardServer::shutdown() {
+  // gRPC waits for running handlers even past the deadline; Shard::stop lets held pushes go.
+  std::call_once(impl_->stopped, [this] {
+    // Held pushes go first, so that gRPC's wait for running handlers is short.
+    if (impl_->shard) impl_->shard->stop("the parameter-server shard is shutting down");
+    if (impl_->server) impl_->server->Shutdown(Clock::now() + kShutdownGrace);
+  });
+}
+
+int runShardServer(const ServerOptions& options) {
+  keepFreedMemory();
+  StopSignals signals;
+  ShardServer server(options);
+  const std::shared_ptr<Shard> shard = server.shard();
+  std::printf("cohort ps: listening on %s\n", withPort(options.address, server.port()).c_str());
+  std::fflush(stdout);
+  for (;;) {
+    if (const auto failure = shard->waitFinished(kPoll)) {
+      std::fprintf(stderr, "cohort ps: error: %s\n", failure->c_str());
+      server.shutdown();
+      return 1;
+    }
+    if (shard->finished()) {
+      server.shutdown();
+      return 0;
+    }
+    if (const int signal = stopSignal; signal != 0) {
+      // Checkpoint before shutting down: a held push can keep shutdown busy, and a second signal
+      // (or SIGKILL) may follow.
+      std::fprintf(stderr, "cohort ps: %s: %s, stopping\n", signal == SIGINT ? "SIGINT" : "SIGTERM",
+                   options.shard.checkpointDir.empty() ? "no --checkpoint-dir, nothing saved"
+                                                       : "writing a checkpoint");
+      shard->checkpoint();
+      server.shutdown();
+      return 0;
+    }
+  }
+}
+
+}  // namespace cohort::ps

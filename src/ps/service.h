@@ -1,0 +1,42 @@
+// The gRPC face of a Shard: `cohort ps`, and the parameter-server tasks of a `cohort launch --ps`
+// or TF_CONFIG job.
+#pragma once
+
+#include "ps/shard.h"
+
+#include <memory>
+#include <string>
+
+namespace cohort::ps {
+
+struct ServerOptions {
+  std::string address = "0.0.0.0:0";  // host:port to listen on; port 0 picks a free one
+  std::string authToken;    // every call must carry it (metadata "authorization: Bearer TOKEN")
+  std::string tlsCertFile;  // with tlsKeyFile: serve TLS instead of plaintext
+  std::string tlsKeyFile;
+  ShardOptions shard;
+};
+
+class ShardServer {
+ public:
+  // Starts listening; throws Error when the address cannot be bound, InvalidArgument when a TLS
+  // file cannot be read or only one of the two is given.
+  explicit ShardServer(ServerOptions options);
+  ~ShardServer();
+  ShardServer(const ShardServer&) = delete;
+  ShardServer& operator=(const ShardServer&) = delete;
+
+  int port() const;
+  std::shared_ptr<Shard> shard() const;
+  void shutdown();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// `cohort ps`: serves until every worker is done (0) or the shard fails (1); SIGTERM or SIGINT
+// write a checkpoint and end it (0). Prints "cohort ps: listening on HOST:PORT" once ready.
+int runShardServer(const ServerOptions& options);
+
+}  // namespace cohort::ps

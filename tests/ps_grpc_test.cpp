@@ -1,0 +1,419 @@
+// The parameter server over real gRPC on 127.0.0.1: the ShardServer, the retrying client, auth
+// tokens, TLS, refused pushes, message sizes, and runShardServer's ways to end.
+#include "ps/client.h"
+#include "ps/service.h"
+#include "ps/wire.h"
+
+#include "test_util.h"
+
+#include <cohort/error.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <filesystem>
+#include <future>
+#include <limits>
+#include <mutex>
+#include <thread>
+
+namespace cohort::ps {
+namespace {
+
+using namespace std::chrono_literals;
+using test::TempDir;
+
+wire::Policy asyncPolicy() {
+  wire::Policy p;
+  p.set_mode("async");
+  p.set_workers(1);
+  p.set_optimizer("sgd");
+  p.set_lr(0.5);
+  p.set_push("gradients");
+  p.set_staleness_lr("none");
+  p.set_max_staleness(-1);
+  p.set_timeout_s(5);
+  return p;
+}
+
+wire::PieceSpec piece(uint32_t key, const std::string& name, uint64_t numel) {
+  wire::PieceSpec p;
+  p.set_key(key);
+  p.set_name(name);
+  p.set_numel(numel);
+  return p;
+}
+
+// Two pieces: a = {1, 2, 3}, b = {-1, 4}.
+const std::vector<wire::PieceSpec> kPieces{piece(0, "a", 3), piece(1, "b", 2)};
+const std::vector<std::vector<float>> kStart{{1, 2, 3}, {-1, 4}};
+
+wire::InitRequest initOf(const wire::Policy& policy, const std::vector<wire::PieceSpec>& pieces,
+                         const std::vector<std::vector<float>>& values) {
+  wire::InitRequest r;
+  r.set_protocol(kProtocolVersion);
+  *r.mutable_policy() = policy;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    *r.add_pieces() = pieces[i];
+    setTensor(r.add_values(), pieces[i], values[i].data());
+  }
+  return r;
+}
+
+wire::PushRequest pushOf(const std::vector<std::vector<float>>& grads, uint32_t worker = 0) {
+  wire::PushRequest r;
+  r.set_protocol(kProtocolVersion);
+  r.set_worker(worker);
+  r.set_samples(8);
+  for (size_t i = 0; i < grads.size(); ++i) setTensor(r.add_values(), kPieces[i], grads[i].data());
+  return r;
+}
+
+template <typename Request>
+Request withProtocol() {
+  Request r;
+  r.set_protocol(kProtocolVersion);
+  return r;
+}
+
+// Every value a Pull returns, pieces concatenated.
+std::vector<float> pullAll(ShardClient& client) {
+  wire::PullReply reply;
+  const Status s = client.pull(withProtocol<wire::PullRequest>(), &reply);
+  EXPECT_TRUE(s.ok()) << s.message;
+  std::vector<float> out;
+  for (const auto& t : reply.values()) appendFloats(t, out);
+  return out;
+}
+
+wire::StatsReply statsOf(ShardClient& client) {
+  wire::StatsReply reply;
+  const Status s = client.stats(withProtocol<wire::StatsRequest>(), &reply);
+  EXPECT_TRUE(s.ok()) << s.message;
+  return reply;
+}
+
+// A ShardServer on 127.0.0.1 whose log lines the test can read.
+struct TestServer {
+  std::mutex mu;
+  std::vector<std::string> logged;
+  std::unique_ptr<ShardServer> server;
+
+  explicit TestServer(ServerOptions options = {}) {
+    if (options.address == ServerOptions{}.address) options.address = "127.0.0.1:0";
+    options.shard.name = "test";
+    options.shard.log = [this](const std::string& m) {
+      std::lock_guard<std::mutex> lock(mu);
+      logged.push_back(m);
+    };
+    server = std::make_unique<ShardServer>(options);
+  }
+
+  std::string address() const { return "127.0.0.1:" + std::to_string(server->port()); }
+
+  std::unique_ptr<ShardClient> client(ClientOptions options = {.timeoutSeconds = 5, .quiet = true}) const {
+    return makeGrpcClient(address(), options);
+  }
+
+  std::vector<std::string> log() {
+    std::lock_guard<std::mutex> lock(mu);
+    return logged;
+  }
+};
+
+void expectInit(ShardClient& client, const std::vector<wire::PieceSpec>& pieces = kPieces,
+                const std::vector<std::vector<float>>& values = kStart) {
+  wire::InitReply reply;
+  const Status s = client.init(initOf(asyncPolicy(), pieces, values), &reply);
+  ASSERT_TRUE(s.ok()) << codeName(s.code) << ": " << s.message;
+  EXPECT_EQ(reply.version(), 0u);
+}
+
+TEST(PsGrpcTest, InitPullPushStatsOverGrpc) {
+  TestServer server;
+  ASSERT_GT(server.server->port(), 0);
+  auto client = server.client();
+  expectInit(*client);
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{1, 2, 3, -1, 4}));
+
+  wire::PushReply reply;
+  const Status s = client->push(pushOf({{2, 4, 6}, {-2, 0.5f}}), &reply);
+  ASSERT_TRUE(s.ok()) << s.message;
+  EXPECT_TRUE(reply.applied());
+  EXPECT_EQ(reply.version(), 1u);
+  // sgd with lr 0.5: p - 0.5 g
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{0, 0, 0, 0, 3.75f}));
+
+  const auto stats = statsOf(*client);
+  EXPECT_TRUE(stats.initialized());
+  EXPECT_EQ(stats.applied(), 1);
+  EXPECT_EQ(stats.rejected(), 0);
+  EXPECT_EQ(stats.bytes_pushed(), 5 * 4);
+  EXPECT_EQ(stats.bytes_pulled(), 2 * 5 * 4);
+  EXPECT_EQ(stats.samples_total(), 8);
+}
+
+TEST(PsGrpcTest, FakeClientRoundTripsLikeTheWire) {
+  auto shard = std::make_shared<Shard>(ShardOptions{.log = [](const std::string&) {}});
+  auto client = makeFakeClient(shard, "fake 0");
+  EXPECT_EQ(client->address(), "fake 0");
+  // Before Init the shard asks to be retried, as over gRPC.
+  wire::PullReply early;
+  EXPECT_EQ(client->pull(withProtocol<wire::PullRequest>(), &early).code, Code::kUnavailable);
+  expectInit(*client);
+  wire::PushReply reply;
+  ASSERT_TRUE(client->push(pushOf({{2, 4, 6}, {-2, 0.5f}}), &reply).ok());
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{0, 0, 0, 0, 3.75f}));
+  EXPECT_EQ(statsOf(*client).applied(), 1);
+}
+
+TEST(PsGrpcTest, AuthTokenIsRequiredAndCounted) {
+  TestServer server(ServerOptions{.authToken = "s3cret"});
+  auto none = server.client();
+  auto wrong = server.client({.authToken = "s3cres", .timeoutSeconds = 5, .quiet = true});
+  auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
+
+  wire::InitReply initReply;
+  const Status refused = none->init(initOf(asyncPolicy(), kPieces, kStart), &initReply);
+  EXPECT_EQ(refused.code, Code::kUnauthenticated) << refused.message;
+  EXPECT_NE(refused.message.find("--auth-token"), std::string::npos) << refused.message;
+  EXPECT_EQ(statsOf(*right).unauthenticated(), 1);
+  EXPECT_FALSE(statsOf(*right).initialized());
+
+  wire::StatsReply statsReply;
+  EXPECT_EQ(wrong->stats(withProtocol<wire::StatsRequest>(), &statsReply).code, Code::kUnauthenticated);
+  EXPECT_EQ(statsOf(*right).unauthenticated(), 2);
+
+  expectInit(*right);
+  EXPECT_EQ(pullAll(*right), (std::vector<float>{1, 2, 3, -1, 4}));
+  const auto log = server.log();
+  ASSERT_EQ(log.size(), 2u);
+  EXPECT_NE(log[0].find("refused a request from ipv4:127.0.0.1:"), std::string::npos) << log[0];
+  EXPECT_NE(log[0].find("no auth token"), std::string::npos) << log[0];
+  EXPECT_NE(log[1].find("wrong auth token"), std::string::npos) << log[1];
+}
+
+TEST(PsGrpcTest, TlsWithTheRightCaWorksAndPlaintextDoesNot) {
+  TempDir dir;
+  const std::string cert = dir.file("cert.pem");
+  const std::string key = dir.file("key.pem");
+  const auto made = test::runCommand("openssl req -x509 -newkey rsa:2048 -nodes -keyout " + key + " -out " + cert +
+                                         " -days 1 -subj /CN=localhost"
+                                         " -addext subjectAltName=IP:127.0.0.1,DNS:localhost",
+                                     60);
+  ASSERT_EQ(made.exitCode, 0) << "openssl could not make a test certificate:\n" << made.output;
+
+  TestServer server(ServerOptions{.tlsCertFile = cert, .tlsKeyFile = key});
+  auto tls = server.client({.tlsCaFile = cert, .timeoutSeconds = 5, .quiet = true});
+  expectInit(*tls);
+  EXPECT_EQ(pullAll(*tls), (std::vector<float>{1, 2, 3, -1, 4}));
+
+  auto plain = server.client({.timeoutSeconds = 1, .quiet = true});
+  wire::StatsReply reply;
+  const Status s = plain->stats(withProtocol<wire::StatsRequest>(), &reply);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.code, Code::kOk);
+
+  EXPECT_THROW(makeGrpcClient(server.address(), {.tlsCaFile = dir.file("missing.pem")}), InvalidArgument);
+  EXPECT_THROW(ShardServer(ServerOptions{.address = "127.0.0.1:0", .tlsCertFile = cert}), InvalidArgument);
+  EXPECT_THROW(ShardServer(ServerOptions{.address = "127.0.0.1:0", .tlsCertFile = cert, .tlsKeyFile = dir.file("no")}),
+               InvalidArgument);
+}
+
+TEST(PsGrpcTest, BadPushesAreRefusedAndChangeNothing) {
+  TestServer server;
+  auto client = server.client();
+  expectInit(*client);
+  const auto good = pushOf({{1, 1, 1}, {1, 1}});
+  struct Case {
+    const char* what;
+    std::function<void(wire::PushRequest&)> spoil;
+    Code expected;
+  };
+  const std::vector<Case> cases{
+      {"unknown key", [](wire::PushRequest& r) { r.mutable_values(1)->set_key(42); }, Code::kInvalidArgument},
+      {"wrong numel", [](wire::PushRequest& r) { r.mutable_values(0)->set_numel(4); }, Code::kInvalidArgument},
+      {"wrong dtype",
+       [](wire::PushRequest& r) { r.mutable_values(0)->set_dtype(wire::DTYPE_UNSPECIFIED); },
+       Code::kInvalidArgument},
+      {"truncated data", [](wire::PushRequest& r) { r.mutable_values(1)->mutable_data()->resize(7); },
+       Code::kInvalidArgument},
+      {"NaN",
+       [](wire::PushRequest& r) {
+         const float nan = std::numeric_limits<float>::quiet_NaN();
+         r.mutable_values(1)->mutable_data()->replace(4, 4, reinterpret_cast<const char*>(&nan), 4);
+       },
+       Code::kInvalidArgument},
+      {"protocol 99", [](wire::PushRequest& r) { r.set_protocol(99); }, Code::kFailedPrecondition},
+  };
+  for (const auto& c : cases) {
+    wire::PushRequest bad = good;
+    c.spoil(bad);
+    wire::PushReply reply;
+    const Status s = client->push(bad, &reply);
+    EXPECT_EQ(s.code, c.expected) << c.what << ": " << codeName(s.code) << " " << s.message;
+  }
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{1, 2, 3, -1, 4}));
+  const auto stats = statsOf(*client);
+  EXPECT_EQ(stats.version(), 0u);
+  EXPECT_EQ(stats.applied(), 0);
+  EXPECT_EQ(stats.rejected(), int64_t(cases.size()));
+}
+
+TEST(PsGrpcTest, ClientWaitsForAShardThatStartsLate) {
+  const int port = test::freePort();
+  auto client = makeGrpcClient("127.0.0.1:" + std::to_string(port), {.timeoutSeconds = 20, .quiet = true});
+  const auto start = std::chrono::steady_clock::now();
+  auto init = std::async(std::launch::async, [&] {
+    wire::InitReply reply;
+    return client->init(initOf(asyncPolicy(), kPieces, kStart), &reply);
+  });
+  // What is under test is the client retrying while nothing listens; this sleep makes sure it does.
+  std::this_thread::sleep_for(1s);
+  TestServer server(ServerOptions{.address = "127.0.0.1:" + std::to_string(port)});
+  ASSERT_EQ(init.wait_for(15s), std::future_status::ready) << "the client did not find the late shard";
+  const Status s = init.get();
+  EXPECT_TRUE(s.ok()) << codeName(s.code) << ": " << s.message;
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 1s);
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{1, 2, 3, -1, 4}));
+}
+
+TEST(PsGrpcTest, ClientWaitsForTheChiefsInit) {
+  TestServer server;
+  auto worker = server.client({.timeoutSeconds = 20, .quiet = true});
+  auto pulled = std::async(std::launch::async, [&] {
+    wire::PullReply reply;
+    const Status s = worker->pull(withProtocol<wire::PullRequest>(), &reply);
+    return std::make_pair(s, reply.values_size());
+  });
+  std::this_thread::sleep_for(300ms);  // the worker's first Pull finds the shard not initialized
+  expectInit(*server.client());
+  ASSERT_EQ(pulled.wait_for(15s), std::future_status::ready) << "the pull was not retried after Init";
+  const auto [status, pieces] = pulled.get();
+  EXPECT_TRUE(status.ok()) << status.message;
+  EXPECT_EQ(pieces, 2);
+}
+
+TEST(PsGrpcTest, UnreachableShardFailsInTimeNamingIt) {
+  const std::string address = "127.0.0.1:" + std::to_string(test::freePort());
+  auto client = makeGrpcClient(address, {.timeoutSeconds = 1, .quiet = true});
+  const auto start = std::chrono::steady_clock::now();
+  wire::StatsReply reply;
+  const Status s = client->stats(withProtocol<wire::StatsRequest>(), &reply);
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(s.code, Code::kUnavailable) << codeName(s.code);
+  EXPECT_NE(s.message.find("ps shard " + address + " unreachable for"), std::string::npos) << s.message;
+  EXPECT_GE(took, 900ms);
+  EXPECT_LT(took, 5s);
+  EXPECT_THROW(makeGrpcClient(address, {.timeoutSeconds = 0}), InvalidArgument);
+}
+
+TEST(PsGrpcTest, HeldCallEndsAtTheClientsDeadlineNamingTheShard) {
+  TestServer server;
+  auto chief = server.client();
+  wire::Policy sync = asyncPolicy();
+  sync.set_mode("sync");
+  sync.set_workers(2);
+  // Longer than the client's deadline, and no longer: the server's shutdown waits for the held push.
+  sync.set_timeout_s(9);
+  wire::InitReply initReply;
+  ASSERT_TRUE(chief->init(initOf(sync, kPieces, kStart), &initReply).ok());
+  // Worker 0's push waits for worker 1's, which never comes; the client's deadline (2 x 0.5 + 5 s)
+  // ends it before the shard's 9 s timeout.
+  auto impatient = server.client({.timeoutSeconds = 0.5, .quiet = true});
+  wire::PushReply reply;
+  const Status s = impatient->push(pushOf({{1, 1, 1}, {1, 1}}), &reply);
+  EXPECT_EQ(s.code, Code::kDeadlineExceeded) << codeName(s.code) << ": " << s.message;
+  EXPECT_NE(s.message.find("ps shard " + server.address() + " did not answer within 6 s"), std::string::npos)
+      << s.message;
+}
+
+TEST(PsGrpcTest, ATakenPortIsAnError) {
+  TestServer first;
+  try {
+    ShardServer second(ServerOptions{.address = first.address()});
+    FAIL() << "a second server listened on " << first.address();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot listen on " + first.address()), std::string::npos) << e.what();
+  }
+}
+
+TEST(PsGrpcTest, SixtyFourMegabytePieceRoundTrips) {
+  TestServer server;
+  auto client = server.client({.timeoutSeconds = 60, .quiet = true});
+  const uint64_t n = uint64_t(16) << 20;
+  std::vector<float> values(n);
+  for (uint64_t i = 0; i < n; ++i) values[i] = float(i % 1000) * 0.25f;
+  expectInit(*client, {piece(0, "big", n)}, {values});
+  wire::PullReply reply;
+  const Status s = client->pull(withProtocol<wire::PullRequest>(), &reply);
+  ASSERT_TRUE(s.ok()) << codeName(s.code) << ": " << s.message;
+  ASSERT_EQ(reply.values_size(), 1);
+  std::vector<float> back;
+  appendFloats(reply.values(0), back);
+  EXPECT_TRUE(back == values) << "the 64 MB piece came back different";
+}
+
+// runShardServer on a free port, in a thread, until it returns.
+struct RunningServer {
+  ServerOptions options;
+  std::future<int> exit;
+
+  explicit RunningServer(ServerOptions o) : options(std::move(o)) {
+    options.address = "127.0.0.1:" + std::to_string(test::freePort());
+    options.shard.log = [](const std::string&) {};
+    exit = std::async(std::launch::async, [this] { return runShardServer(options); });
+  }
+  std::unique_ptr<ShardClient> client() const {
+    return makeGrpcClient(options.address, {.timeoutSeconds = 10, .quiet = true});
+  }
+  int waitExit() {
+    EXPECT_EQ(exit.wait_for(20s), std::future_status::ready) << "runShardServer did not return";
+    return exit.get();
+  }
+};
+
+TEST(PsGrpcTest, RunShardServerEndsWhenEveryWorkerIsDone) {
+  RunningServer run({});
+  auto client = run.client();
+  expectInit(*client);
+  wire::DoneRequest done = withProtocol<wire::DoneRequest>();
+  wire::DoneReply reply;
+  ASSERT_TRUE(client->done(done, &reply).ok());
+  EXPECT_TRUE(reply.all_done());
+  EXPECT_EQ(run.waitExit(), 0);
+}
+
+TEST(PsGrpcTest, RunShardServerFailsWhenTheShardFails) {
+  RunningServer run({});
+  auto client = run.client();
+  wire::Policy sync = asyncPolicy();
+  sync.set_mode("sync");
+  sync.set_workers(2);
+  sync.set_timeout_s(1);
+  wire::InitReply initReply;
+  ASSERT_TRUE(client->init(initOf(sync, kPieces, kStart), &initReply).ok());
+  // Worker 1 never pushes: after the timeout sync mode gives up on the step.
+  wire::PushReply reply;
+  EXPECT_EQ(client->push(pushOf({{1, 1, 1}, {1, 1}}), &reply).code, Code::kAborted);
+  EXPECT_EQ(run.waitExit(), 1);
+}
+
+TEST(PsGrpcTest, RunShardServerCheckpointsOnSigterm) {
+  TempDir dir;
+  RunningServer run(ServerOptions{.shard = {.checkpointDir = dir.path()}});
+  auto client = run.client();
+  expectInit(*client);  // answered: the signal handlers are in place
+  ASSERT_EQ(::kill(::getpid(), SIGTERM), 0);
+  EXPECT_EQ(run.waitExit(), 0);
+  bool written = false;
+  for (const auto& f : std::filesystem::directory_iterator(dir.path())) {
+    written = written || f.path().extension() == ".ckpt";
+  }
+  EXPECT_TRUE(written) << "no checkpoint in " << dir.path();
+}
+
+}  // namespace
+}  // namespace cohort::ps
