@@ -8,25 +8,14 @@
 
 #include <torch/torch.h>
 
+#include "model_util.h"
 #include "test_util.h"
 
 namespace cohort {
 namespace {
 
-std::vector<torch::Tensor> loadParameters(const std::string& path, const std::string& model = "mlp") {
-  auto net = makeModel(model, {});
-  torch::load(net, path);
-  std::vector<torch::Tensor> out;
-  for (auto& p : net->parameters()) out.push_back(p.detach().clone());
-  return out;
-}
-
-double maxDifference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double worst = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
-  return worst;
-}
+using test::loadParameters;
+using test::maxDifference;
 
 nlohmann::json doneEvent(const std::string& metrics) { return test::lastEvent(metrics, "done"); }
 

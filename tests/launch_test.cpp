@@ -15,6 +15,8 @@
 
 #include "test_util.h"
 
+#include <nlohmann/json.hpp>
+
 namespace cohort {
 namespace {
 
@@ -185,6 +187,41 @@ TEST(Launch, PortZeroPicksOneFreePortForAllRanks) {
   ASSERT_EQ(ports.size(), 1u) << r.output;
   EXPECT_GT(*ports.begin(), 0);
   EXPECT_LE(*ports.begin(), 65535);
+}
+
+// --ps M: M more children, and every one gets the same TF_CONFIG cluster with its own task, and
+// the same job secret.
+TEST(Launch, ParameterServersGetTfConfigAndTheJobsSecret) {
+  auto r = test::runCommand("env -u COHORT_AUTH_TOKEN " +
+                                launch("-n 2 --ps 2 -- sh -c 'echo \"${RANK-none} ${COHORT_AUTH_TOKEN} $TF_CONFIG\"'"),
+                            60);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const std::regex line(R"(\[(rank|ps) (\d)\] (\S+) (\S+) (.*))");
+  std::set<std::string> clusters, tokens, tasks;
+  for (const auto& l : test::lines(r.output)) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(l, m, line)) << l;
+    const auto config = nlohmann::json::parse(m[5].str());
+    const std::string type = config["task"]["type"];
+    const int index = config["task"]["index"];
+    if (m[1] == "ps") {
+      EXPECT_EQ(m[3], "none") << "a shard has no worker rank";
+      EXPECT_EQ(type, "ps");
+      EXPECT_EQ(std::to_string(index), m[2].str());
+    } else {
+      EXPECT_EQ(m[3], m[2]);
+      EXPECT_EQ(type, m[2] == "0" ? "chief" : "worker");
+    }
+    EXPECT_EQ(config["cluster"]["ps"].size(), 2u);
+    EXPECT_EQ(config["cluster"]["worker"].size(), 1u);
+    clusters.insert(config["cluster"].dump());
+    tokens.insert(m[4]);
+    tasks.insert(type + std::to_string(index));
+  }
+  EXPECT_EQ(tasks.size(), 4u) << r.output;
+  EXPECT_EQ(clusters.size(), 1u) << r.output;
+  ASSERT_EQ(tokens.size(), 1u) << r.output;
+  EXPECT_EQ(tokens.begin()->size(), 32u);
 }
 
 TEST(Launch, StdoutAndStderrArePrefixedApart) {

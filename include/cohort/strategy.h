@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cohort/data.h>
+#include <cohort/metrics.h>
 
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
@@ -11,7 +12,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace cohort {
 
@@ -25,6 +28,7 @@ struct StepStats {
   int64_t bytesReceived = 0;       // payload bytes this replica received
   double computeSeconds = 0.0;     // forward + backward + optimizer
   double commWaitSeconds = 0.0;    // time blocked on communication (not hidden by overlap)
+  MetricFields extra;              // scheme-specific fields for the step event (ps: staleness)
 };
 
 // Where this process stands among the replicas.
@@ -49,6 +53,17 @@ class Strategy {
 
   // Brings the local model to the state to evaluate or checkpoint.
   virtual void synchronize() = 0;
+
+  // Where training should resume, when the scheme keeps that itself (ps: the servers count each
+  // worker's steps); known after attach().
+  virtual std::optional<int64_t> resumeStep() const { return std::nullopt; }
+
+  // After the last step, before the final evaluation (ps: the chief waits for the other workers).
+  virtual void finish() {}
+
+  // The chief's scheme-specific fields for the done event, once evaluation is over (ps: the
+  // servers' staleness and byte counts).
+  virtual MetricFields report() { return {}; }
 };
 
 // Options of every scheme; each strategy reads the ones it needs.
@@ -61,6 +76,24 @@ struct StrategyOptions {
   // average
   int64_t period = 1;
   bool averageOptimizerState = false;
+  // ps (see ps/shard.h for what each does)
+  struct Ps {
+    std::string mode = "async";  // sync | async | softsync | ssp
+    int backupWorkers = 0;
+    int softsync = 1;
+    int stalenessBound = 3;
+    std::string stalenessLr = "none";  // none | inverse
+    int64_t maxStaleness = -1;         // < 0: no bound
+    int64_t warmupSteps = 0;
+    std::string push = "gradients";  // gradients | updates
+    std::vector<std::string> hosts;  // shard addresses; empty: from the cluster spec
+    std::string authToken;
+    std::string tlsCa;    // PEM roots for TLS to the shards
+    std::string tlsCert;  // when this process serves a shard
+    std::string tlsKey;
+    int slowRank = -1;        // test hook: this worker sleeps slowSeconds per step
+    double slowSeconds = 0;
+  } ps;
 };
 
 class Communicator;

@@ -8,12 +8,24 @@
 #include <string>
 #include <vector>
 
+namespace cohort::ps {
+struct ServerOptions;
+}
+
 namespace cohort::cli {
 
 using Run = std::function<int()>;
 
 Run addTrainCommand(CLI::App& app);
 Run addLaunchCommand(CLI::App& app);
+Run addPsCommand(CLI::App& app);
+
+// The parameter servers' shared secret: the token, else the file's contents, else
+// $COHORT_AUTH_TOKEN (which `cohort launch --ps` sets), else none.
+std::string resolveAuthToken(const std::string& token, const std::string& file);
+
+// Serves one shard until the workers are done; the exit status.
+int serveShard(ps::ServerOptions options);
 
 // The options a TOML file sets, as command-line arguments for `command` ("--batch", "32", ...).
 // Throws InvalidArgument naming the file and the key that `command` does not know.

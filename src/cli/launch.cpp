@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -138,6 +139,8 @@ class LineForwarder {
 
 struct Child {
   int rank = 0;
+  bool server = false;  // a parameter-server shard (--ps), not a worker
+  std::string label;    // "rank i" or "ps i"
   pid_t pid = -1;
   bool running = false;
   std::unique_ptr<LineForwarder> out;
@@ -180,7 +183,11 @@ std::vector<std::string> sharedChildEnv(int processes) {
 
 class Launcher {
  public:
-  Launcher(const LaunchOptions& options, int port) : options_(options), port_(port) {}
+  Launcher(const LaunchOptions& options, int port) : options_(options), port_(port) {
+    if (options.parameterServers == 0) return;
+    ports_.push_back(port);
+    for (int i = 1; i < options.processes + options.parameterServers; ++i) ports_.push_back(pickFreePort(options.host));
+  }
   Launcher(const Launcher&) = delete;
   Launcher& operator=(const Launcher&) = delete;
 
@@ -198,17 +205,19 @@ class Launcher {
 
   int run() {
     installSignalHandlers();
-    const std::vector<std::string> shared = sharedChildEnv(options_.processes);
-    children_.resize(size_t(options_.processes));
-    for (int rank = 0; rank < options_.processes; ++rank) start(rank, shared);
+    std::vector<std::string> shared = sharedChildEnv(options_.processes);
+    if (options_.parameterServers > 0 && !hasEnv("COHORT_AUTH_TOKEN")) shared.push_back("COHORT_AUTH_TOKEN=" + randomToken());
+    children_.resize(size_t(options_.processes + options_.parameterServers));
+    for (int i = 0; i < int(children_.size()); ++i) start(i, shared);
     while (running_ > 0) {
       waitForEvents();
       handleSignals();
       reapChildren();
+      stopServersAfterWorkers();
       if (ending_ && !killed_ && Clock::now() >= deadline_) {
         for (const Child& child : children_) {
           if (child.running) {
-            say("rank " + std::to_string(child.rank) + " did not stop within " + formatSeconds(options_.graceSeconds) +
+            say(child.label + " did not stop within " + formatSeconds(options_.graceSeconds) +
                 " s, killing it");
           }
         }
@@ -260,10 +269,61 @@ class Launcher {
     signalPipeRead_ = signalPipeWrite = -1;
   }
 
-  void start(int rank, const std::vector<std::string>& shared) {
-    const std::string name = "rank " + std::to_string(rank);
-    Child& child = children_[size_t(rank)];
-    child.rank = rank;
+  // A secret for the job's parameter servers, so that only its own workers can talk to them.
+  static std::string randomToken() {
+    std::random_device device;
+    std::string token;
+    for (int i = 0; i < 4; ++i) {
+      char part[9];
+      std::snprintf(part, sizeof(part), "%08x", unsigned(device()));
+      token += part;
+    }
+    return token;
+  }
+
+  // The job's TF_CONFIG (--ps M): rank 0 is the chief at the rendezvous port, the other workers
+  // and the shards get ports of their own.
+  std::string tfConfig(int index) const {
+    auto address = [&](int port) { return "\"" + options_.host + ":" + std::to_string(port) + "\""; };
+    std::string workers, servers;
+    for (int r = 1; r < options_.processes; ++r) workers += (workers.empty() ? "" : ",") + address(ports_[size_t(r)]);
+    for (int k = 0; k < options_.parameterServers; ++k) {
+      servers += (servers.empty() ? "" : ",") + address(ports_[size_t(options_.processes + k)]);
+    }
+    const bool server = index >= options_.processes;
+    const std::string type = server ? "ps" : index == 0 ? "chief" : "worker";
+    const int taskIndex = server ? index - options_.processes : index == 0 ? 0 : index - 1;
+    return "{\"cluster\":{\"chief\":[" + address(port_) + "],\"worker\":[" + workers + "],\"ps\":[" + servers +
+           "]},\"task\":{\"type\":\"" + type + "\",\"index\":" + std::to_string(taskIndex) + "}}";
+  }
+
+  // Shards end on their own once every worker said it is done; one that has not within the grace
+  // period after the last worker exited is stopped.
+  void stopServersAfterWorkers() {
+    if (options_.parameterServers == 0 || ending_) return;
+    for (const Child& child : children_) {
+      if (!child.server && child.running) return;
+    }
+    if (!workersDone_) {
+      workersDone_ = true;
+      serversDeadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                            std::chrono::duration<double>(std::max(options_.graceSeconds, 1.0)));
+      return;
+    }
+    if (Clock::now() < serversDeadline_ || serversStopped_) return;
+    serversStopped_ = true;
+    for (const Child& child : children_) {
+      if (child.running) ::kill(child.pid, SIGTERM);
+    }
+  }
+
+  void start(int index, const std::vector<std::string>& shared) {
+    Child& child = children_[size_t(index)];
+    child.rank = index;
+    child.server = index >= options_.processes;
+    child.label = child.server ? "ps " + std::to_string(index - options_.processes) : "rank " + std::to_string(index);
+    const std::string name = child.label;
+    const int rank = index;
     const std::array<int, 2> out = openPipe(name);
     child.out = std::make_unique<LineForwarder>(out[0], STDOUT_FILENO, "[" + name + "] ");
     std::array<int, 2> err{};
@@ -277,12 +337,15 @@ class Launcher {
 
     // Built before fork: between fork and exec only async-signal-safe calls are allowed.
     std::vector<std::string> env = shared;
-    env.push_back("RANK=" + std::to_string(rank));
-    env.push_back("WORLD_SIZE=" + std::to_string(options_.processes));
-    env.push_back("LOCAL_RANK=" + std::to_string(rank));
-    env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(options_.processes));
+    if (!child.server) {
+      env.push_back("RANK=" + std::to_string(rank));
+      env.push_back("WORLD_SIZE=" + std::to_string(options_.processes));
+      env.push_back("LOCAL_RANK=" + std::to_string(rank));
+      env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(options_.processes));
+    }
     env.push_back("MASTER_ADDR=" + options_.host);
     env.push_back("MASTER_PORT=" + std::to_string(port_));
+    if (options_.parameterServers > 0) env.push_back("TF_CONFIG=" + tfConfig(index));
     std::vector<char*> envp;
     for (std::string& entry : env) envp.push_back(entry.data());
     envp.push_back(nullptr);
@@ -343,6 +406,8 @@ class Launcher {
     if (ending_ && !killed_) {
       const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline_ - Clock::now()).count();
       timeoutMs = int(std::clamp<int64_t>(left, 0, 1000 * 1000));
+    } else if (options_.parameterServers > 0) {
+      timeoutMs = 200;  // to notice when the shards' grace period after the workers is over
     }
     if (::poll(fds.data(), fds.size(), timeoutMs) <= 0) return;  // EINTR: the self-pipe says why
     for (size_t i = 1; i < fds.size(); ++i) {
@@ -379,7 +444,7 @@ class Launcher {
       drain(child);  // what it wrote before exiting comes before the line about its exit
       const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
       if (!failed || ending_) continue;
-      const std::string who = "rank " + std::to_string(child.rank);
+      const std::string& who = child.label;
       if (WIFSIGNALED(status)) {
         const int signo = WTERMSIG(status);
         say(who + " was killed by signal " + std::to_string(signo) + " (" + signalName(signo) + ")");
@@ -418,6 +483,10 @@ class Launcher {
 
   const LaunchOptions& options_;
   const int port_;
+  std::vector<int> ports_;  // --ps: each child's port in TF_CONFIG
+  bool workersDone_ = false;
+  bool serversStopped_ = false;
+  Clock::time_point serversDeadline_;
   std::vector<Child> children_;
   int running_ = 0;
   int exitCode_ = 0;
@@ -471,6 +540,8 @@ int runLaunch(const LaunchOptions& options) {
   COHORT_CHECK(std::isfinite(options.graceSeconds) && options.graceSeconds >= 0, InvalidArgument,
                "--grace must be a number of seconds >= 0, got ", options.graceSeconds);
   COHORT_CHECK(!options.host.empty(), InvalidArgument, "--host must not be empty");
+  COHORT_CHECK(options.parameterServers >= 0, InvalidArgument, "--ps must not be negative, got ",
+               options.parameterServers);
   const int port = options.port != 0 ? options.port : pickFreePort(options.host);
   Launcher launcher(options, port);
   return launcher.run();

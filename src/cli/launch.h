@@ -31,6 +31,15 @@
 // SIGKILL to the remaining children at once. Once the job is ending, further child exits are not
 // reported. Every child has been reaped when runLaunch returns.
 //
+// Parameter servers (parameterServers = M > 0). M more children run the same command as the
+// shards "ps 0" .. "ps M-1" (their output lines are prefixed with "[ps k] "). Every child then also
+// gets TF_CONFIG describing the whole job: {"cluster": {"chief": [host:port], "worker": [the other
+// workers], "ps": [the shards]}, "task": {"type": "chief" | "worker" | "ps", "index": k}}, each
+// with a free port of its own, and COHORT_AUTH_TOKEN (a random secret, unless the launcher's
+// environment sets one); the shards get no RANK or WORLD_SIZE. Shards end on their own when the
+// workers are done; any still running graceSeconds (at least 1 s) after the last worker exited
+// with 0 get SIGTERM, which a cohort shard answers by checkpointing and exiting with 0.
+//
 // runLaunch installs handlers for SIGINT, SIGTERM and SIGCHLD while it runs (restoring the previous
 // ones before it returns), so only one may run at a time in a process.
 #pragma once
@@ -44,6 +53,7 @@ struct LaunchOptions {
   int processes = 1;               // N: ranks 0 .. N-1
   std::string host = "127.0.0.1";  // MASTER_ADDR, and where a free port is looked for
   int port = 0;                    // MASTER_PORT; 0 picks a free one
+  int parameterServers = 0;        // M: --ps shards, started after the workers (see below)
   double graceSeconds = 10;        // from SIGTERM to SIGKILL when the job ends early
   std::vector<std::string> command;
 };

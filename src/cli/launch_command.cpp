@@ -11,12 +11,17 @@ Run addLaunchCommand(CLI::App& app) {
   CLI::App* launch = app.add_subcommand(
       "launch", "Run N processes of a command on this machine as ranks 0 .. N-1");
   launch->footer(
-      "Usage: cohort launch -n N [--port P] [--host H] [--grace S] -- COMMAND...\n"
+      "Usage: cohort launch -n N [--ps M] [--port P] [--host H] [--grace S] -- COMMAND...\n"
       "Every process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and,\n"
       "unless OMP_NUM_THREADS is set, OMP_NUM_THREADS = cores / N. Its output lines are prefixed with\n"
-      "[rank i]. The first rank to fail stops the others; its status is the exit status.");
+      "[rank i]. The first rank to fail stops the others; its status is the exit status.\n"
+      "With --ps M, M parameter-server shards run the same command too ([ps k]), and every process gets\n"
+      "TF_CONFIG and COHORT_AUTH_TOKEN: cohort launch -n 2 --ps 1 -- cohort train --strategy ps");
   launch->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   launch->add_option("-n,--nproc", o.processes, "Processes to start (ranks 0 .. N-1)")->required();
+  launch->add_option("--ps", o.parameterServers,
+                     "Parameter-server shards to start as well (every process gets TF_CONFIG)")
+      ->capture_default_str();
   launch->add_option("--port", o.port, "MASTER_PORT (0: a free port)")->capture_default_str();
   launch->add_option("--host", o.host, "MASTER_ADDR")->capture_default_str();
   launch->add_option("--grace", o.graceSeconds, "Seconds between SIGTERM and SIGKILL when the job ends early")

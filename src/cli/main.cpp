@@ -56,6 +56,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "cohort 0.1.0");
   cohort::cli::Run train = cohort::cli::addTrainCommand(app);
   cohort::cli::Run launch = cohort::cli::addLaunchCommand(app);
+  cohort::cli::Run ps = cohort::cli::addPsCommand(app);
 
   try {
     std::vector<std::string> args = cohort::cli::expandConfig(app, {argv + 1, argv + argc});
@@ -76,6 +77,7 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("train")) return train();
     if (app.got_subcommand("launch")) return launch();
+    if (app.got_subcommand("ps")) return ps();
     return fail(2, "no command given (see cohort --help)");
   } catch (const cohort::InvalidArgument& e) {
     return fail(2, e.what());

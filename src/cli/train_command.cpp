@@ -1,5 +1,8 @@
+#include <cohort/cluster.h>
 #include <cohort/error.h>
 #include <cohort/trainer.h>
+
+#include "ps/service.h"
 
 #include "cli/commands.h"
 
@@ -40,9 +43,30 @@ std::vector<std::string> configToArgs(const CLI::App& command, const std::string
   return args;
 }
 
+namespace {
+
+// "a,b,,c" -> {"a", "b", "c"}
+std::vector<std::string> splitList(const std::string& text) {
+  std::vector<std::string> out;
+  for (size_t at = 0; at < text.size();) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    if (comma > at) out.push_back(text.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
 Run addTrainCommand(CLI::App& app) {
   auto options = std::make_shared<TrainOptions>();
   auto progress = std::make_shared<std::string>("auto");
+  struct PsFlags {
+    std::string hosts;
+    std::string authTokenFile;
+    std::string slowWorker;
+  };
+  auto psFlags = std::make_shared<PsFlags>();
   TrainOptions& o = *options;
   CLI::App* train = app.add_subcommand("train", "Train a model with one of the distribution schemes");
   // A flag given twice (in --config and on the command line) takes the last: the command line.
@@ -78,8 +102,8 @@ Run addTrainCommand(CLI::App& app) {
                     "Save the trained model here (torch::save); with {rank} in the path every rank saves");
   train->add_option("--timeout", o.timeoutSeconds, "Seconds to wait for a peer before failing")
       ->capture_default_str();
-  train->add_option("--strategy", o.strategy.name, "local, allreduce or average")
-      ->check(CLI::IsMember({"local", "allreduce", "average"}))
+  train->add_option("--strategy", o.strategy.name, "local, allreduce, average or ps")
+      ->check(CLI::IsMember({"local", "allreduce", "average", "ps"}))
       ->capture_default_str();
   auto* dp = "Data parallelism";
   train->add_option("--bucket-mb", o.strategy.bucketMb, "allreduce: gradient bucket size in MB")
@@ -93,8 +117,72 @@ Run addTrainCommand(CLI::App& app) {
   train->add_flag("--average-optimizer-state", o.strategy.averageOptimizerState,
                   "average: average momentum / Adam state too")->group(dp);
 
-  return [options, progress]() {
+  auto* psGroup = "Parameter server (--strategy ps)";
+  auto& p = o.strategy.ps;
+  train->add_option("--ps-mode", p.mode, "sync, async, softsync or ssp")
+      ->check(CLI::IsMember({"sync", "async", "softsync", "ssp"}))->group(psGroup)->capture_default_str();
+  train->add_option("--backup-workers", p.backupWorkers,
+                    "sync: aggregate the first N-K gradients of each step, drop the late ones")->group(psGroup);
+  train->add_option("--softsync", p.softsync, "softsync: apply after this many gradients, averaged")
+      ->group(psGroup)->capture_default_str();
+  train->add_option("--staleness-bound", p.stalenessBound,
+                    "ssp: a worker more than S steps ahead of the slowest waits")->group(psGroup)->capture_default_str();
+  train->add_option("--staleness-lr", p.stalenessLr, "none, or inverse: scale each gradient by 1/staleness")
+      ->check(CLI::IsMember({"none", "inverse"}))->group(psGroup)->capture_default_str();
+  train->add_option("--max-staleness", p.maxStaleness, "Drop gradients staler than T (-1: never)")
+      ->group(psGroup)->capture_default_str();
+  train->add_option("--warmup-steps", p.warmupSteps, "Worker 0 trains alone for the first W updates")
+      ->group(psGroup)->capture_default_str();
+  train->add_option("--push", p.push, "gradients (the shards run the optimizer) or updates (the workers do)")
+      ->check(CLI::IsMember({"gradients", "updates"}))->group(psGroup)->capture_default_str();
+  train->add_option("--ps-hosts", psFlags->hosts, "Shard addresses HOST:PORT,... (default: TF_CONFIG's ps list)")
+      ->group(psGroup);
+  train->add_option("--auth-token", p.authToken, "Shared secret of the shards (default: $COHORT_AUTH_TOKEN)")
+      ->group(psGroup);
+  train->add_option("--auth-token-file", psFlags->authTokenFile, "Read the shared secret from this file")
+      ->group(psGroup);
+  train->add_option("--tls-ca", p.tlsCa, "PEM roots that sign the shards' certificates: talk TLS")->group(psGroup);
+  train->add_option("--tls-cert", p.tlsCert, "A shard task's PEM certificate: serve TLS")->group(psGroup);
+  train->add_option("--tls-key", p.tlsKey, "A shard task's PEM private key")->group(psGroup);
+  train->add_option("--test-slow-worker", psFlags->slowWorker,
+                    "Testing: RANK:SECONDS[,...] makes those workers sleep so long every step")->group("Testing");
+
+  return [options, progress, psFlags]() {
     TrainOptions& o = *options;
+    auto& p = o.strategy.ps;
+    p.authToken = resolveAuthToken(p.authToken, psFlags->authTokenFile);
+    p.hosts.clear();
+    p.hosts = splitList(psFlags->hosts);
+    // RANK:SECONDS,...: the entry for this worker's rank, if any.
+    const ClusterSpec cluster = resolveClusterFromEnvironment();
+    for (const std::string& entry : splitList(psFlags->slowWorker)) {
+      const size_t colon = entry.find(':');
+      try {
+        COHORT_CHECK(colon != std::string::npos, InvalidArgument, "");
+        const int rank = std::stoi(entry.substr(0, colon));
+        const double seconds = std::stod(entry.substr(colon + 1));
+        if (cluster.role == Role::kWorker && rank == cluster.rank) {
+          p.slowRank = rank;
+          p.slowSeconds = seconds;
+        }
+      } catch (const std::exception&) {
+        throw InvalidArgument("--test-slow-worker takes RANK:SECONDS[,RANK:SECONDS...], got '" +
+                              psFlags->slowWorker + "'");
+      }
+    }
+    // Under TF_CONFIG (cohort launch --ps) the same command runs on the shards: serve one.
+    if (cluster.role == Role::kParameterServer) {
+      COHORT_CHECK(size_t(cluster.rank) < cluster.parameterServers.size(), InvalidArgument,
+                   "this ps task has no address in TF_CONFIG");
+      ps::ServerOptions server;
+      server.address = HostPort{"0.0.0.0", cluster.parameterServers[size_t(cluster.rank)].port}.str();
+      server.authToken = p.authToken;
+      server.tlsCertFile = p.tlsCert;
+      server.tlsKeyFile = p.tlsKey;
+      server.shard.name = "ps " + std::to_string(cluster.rank);
+      if (!o.checkpointDir.empty()) server.shard.checkpointDir = o.checkpointDir + "/ps-" + std::to_string(cluster.rank);
+      return serveShard(server);
+    }
     static const std::map<std::string, ProgressMode> kModes{{"auto", ProgressMode::kAuto},
                                                            {"bar", ProgressMode::kBar},
                                                            {"lines", ProgressMode::kLines},

@@ -7,6 +7,7 @@
 #include <cohort/sampler.h>
 #include <cohort/trainer.h>
 
+#include "strategy/ps.h"
 #include "train/progress.h"
 #include "train/threads.h"
 
@@ -258,7 +259,24 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   s.cluster = resolveClusterFromEnvironment();
   COHORT_CHECK(s.cluster.role == Role::kWorker, InvalidArgument, "this process is not a worker (",
                describe(s.cluster), "): cohort train runs workers only");
-  if (isDistributed(o.strategy.name)) {
+  if (o.strategy.name == "ps") {
+    // Workers meet at the parameter servers, not in a Gloo group: a lost worker stops no one else.
+    PsContext ps;
+    ps.options = o.strategy.ps;
+    ps.rank = s.cluster.rank;
+    ps.workers = s.cluster.worldSize;
+    ps.optimizer = o.optimizer;
+    ps.lr = o.lr;
+    ps.momentum = o.momentum;
+    ps.timeoutSeconds = o.timeoutSeconds;
+    ps.checkpointEvery = o.checkpointEvery;
+    ps.resume = o.resume;
+    ps.shards = o.strategy.ps.hosts;
+    if (ps.shards.empty()) {
+      for (const auto& h : s.cluster.parameterServers) ps.shards.push_back(h.str());
+    }
+    s.strategy = makePsStrategy(std::move(ps));
+  } else if (isDistributed(o.strategy.name)) {
     s.comm = Communicator::connect(
         s.cluster, CommOptions{.timeout = std::chrono::milliseconds(int64_t(o.timeoutSeconds * 1000))});
   } else {
@@ -266,7 +284,7 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
                  " trains in one process, but this is ", describe(s.cluster),
                  ": choose a distributed --strategy (allreduce, average)");
   }
-  s.strategy = makeStrategy(o.strategy, s.comm);
+  if (!s.strategy) s.strategy = makeStrategy(o.strategy, s.comm);
   s.replica = s.strategy->replica();
   s.data = loadData(o.data, o.seed);
   s.model = makeModel(o.model, {s.data.channels(), s.data.height(), s.data.width(), s.data.classes});
@@ -277,11 +295,23 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
                                                             .worldSize = s.replica.worldSize,
                                                             .seed = o.seed});
   COHORT_CHECK(s.sampler->samplesPerRank() > 0, InvalidArgument, "the training set is empty");
-  // Only the chief reads and writes checkpoints.
-  if (!o.checkpointDir.empty() && s.replica.isChief()) s.checkpoints = std::make_unique<CheckpointStore>(o.checkpointDir);
-  if (o.resume) s.resume();
+  // Only the chief reads and writes checkpoints; under ps the shards checkpoint the parameters.
+  const bool serverCheckpoints = o.strategy.name == "ps";
+  if (!o.checkpointDir.empty() && s.replica.isChief() && !serverCheckpoints) {
+    s.checkpoints = std::make_unique<CheckpointStore>(o.checkpointDir);
+  }
+  if (o.resume && !serverCheckpoints) s.resume();
   // attach after resume: it makes every replica start from the chief's (restored) parameters.
   s.strategy->attach(s.model, *s.optimizer);
+  if (std::optional<int64_t> at = s.strategy->resumeStep(); at && *at > 0) {
+    const int64_t perEpoch = s.sampler->batchesPerEpoch(o.batch);
+    s.step = *at;
+    s.epoch = perEpoch > 0 ? *at / perEpoch : 0;
+    s.stepInEpoch = perEpoch > 0 ? *at % perEpoch : 0;
+    if (s.replica.isChief()) {
+      std::fprintf(stderr, "cohort: resumed from the parameter servers at step %lld\n", (long long)s.step);
+    }
+  }
   if (s.replica.isChief()) s.metrics = std::make_unique<MetricsWriter>(o.metricsPath, o.resume);
 }
 
@@ -298,6 +328,7 @@ TrainResult Trainer::run() {
   const int64_t perEpoch = s.sampler->batchesPerEpoch(o.batch);
   const int64_t totalSteps = o.steps > 0 ? o.steps : o.epochs * perEpoch;
   const LossFn loss = crossEntropy;
+  const bool serverCheckpoints = o.strategy.name == "ps";
 
   Progress::Style style = Progress::Style::kOff;
   if (chief) {
@@ -379,19 +410,21 @@ TrainResult Trainer::run() {
       const double rate = steadySeconds > 0 ? double(steadySamples) / steadySeconds
                                             : double(stats.samples) / stepSeconds;
       if (chief) {
-        s.metrics->write("step", {{"step", s.step}, {"epoch", s.epoch}, {"loss", stats.loss},
-                                  {"samples", stats.samples}, {"step_s", stepSeconds},
-                                  {"compute_s", stats.computeSeconds},
-                                  {"comm_wait_s", stats.commWaitSeconds},
-                                  {"bytes_sent", stats.bytesSent},
-                                  {"bytes_received", stats.bytesReceived},
-                                  {"wall_s", secondsSince(start)}});
+        MetricFields fields{{"step", s.step}, {"epoch", s.epoch}, {"loss", stats.loss},
+                            {"samples", stats.samples}, {"step_s", stepSeconds},
+                            {"compute_s", stats.computeSeconds},
+                            {"comm_wait_s", stats.commWaitSeconds},
+                            {"bytes_sent", stats.bytesSent},
+                            {"bytes_received", stats.bytesReceived},
+                            {"wall_s", secondsSince(start)}};
+        fields.insert(fields.end(), stats.extra.begin(), stats.extra.end());
+        s.metrics->write("step", fields);
       }
       progress.update(s.step, s.epoch, stats.loss, rate);
       if (o.evalEvery > 0 && s.step % o.evalEvery == 0 && s.step < totalSteps) runEval();
       // Keyed on the option, not on the chief-only store: saveCheckpoint() synchronizes, which
       // may be a collective every rank must join.
-      if (!o.checkpointDir.empty() && o.checkpointEvery > 0 && s.step % o.checkpointEvery == 0 &&
+      if (!o.checkpointDir.empty() && !serverCheckpoints && o.checkpointEvery > 0 && s.step % o.checkpointEvery == 0 &&
           s.step < totalSteps) {
         s.saveCheckpoint();
       }
@@ -403,8 +436,11 @@ TrainResult Trainer::run() {
   }
   progress.finish();
 
+  s.strategy->finish();
   if (!stop) runEval();
-  if (!o.checkpointDir.empty()) s.saveCheckpoint();
+  if (!o.checkpointDir.empty() && !serverCheckpoints) s.saveCheckpoint();
+  MetricFields schemeReport;
+  if (chief) schemeReport = s.strategy->report();
 
   if (!o.saveModelPath.empty()) {
     std::string path = o.saveModelPath;
@@ -440,6 +476,7 @@ TrainResult Trainer::run() {
                       {"model", o.model},
                       {"workers", int64_t(s.replica.worldSize)}};
     if (result.secondsToTarget) done.emplace_back("seconds_to_target", *result.secondsToTarget);
+    done.insert(done.end(), schemeReport.begin(), schemeReport.end());
     s.metrics->write("done", done);
   }
   return result;

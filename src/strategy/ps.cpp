@@ -1,0 +1,384 @@
+#include "strategy/ps.h"
+
+#include "ps/layout.h"
+#include "ps/wire.h"
+#include "strategy/local.h"
+
+#include <cohort/error.h>
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <thread>
+
+namespace cohort {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+void check(const ps::Status& s, const std::string& shard, const char* call) {
+  if (s.ok()) return;
+  const std::string what = "ps shard " + shard + ": " + call + " failed (" + ps::codeName(s.code) + "): " + s.message;
+  if (s.code == ps::Code::kInvalidArgument || s.code == ps::Code::kFailedPrecondition) throw InvalidArgument(what);
+  if (s.code == ps::Code::kDeadlineExceeded) throw TimeoutError(what);
+  throw CommError(what);
+}
+
+// Runs f(i) for every shard, in parallel when there are several, and rethrows the first failure.
+template <typename F>
+void forEachShard(size_t shards, F f) {
+  if (shards == 1) {
+    f(size_t(0));
+    return;
+  }
+  std::vector<std::future<void>> calls;
+  for (size_t i = 0; i < shards; ++i) calls.push_back(std::async(std::launch::async, f, i));
+  std::exception_ptr first;
+  for (auto& c : calls) {
+    try {
+      c.get();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+class PsStrategy final : public Strategy {
+ public:
+  explicit PsStrategy(PsContext c) : c_(std::move(c)) {
+    COHORT_CHECK(!c_.shards.empty(), InvalidArgument,
+                 "--strategy ps needs parameter servers: run it under `cohort launch --ps M`, with a TF_CONFIG "
+                 "that lists a \"ps\" job, or give --ps-hosts HOST:PORT,...");
+    const auto& o = c_.options;
+    COHORT_CHECK(o.mode == "sync" || o.mode == "async" || o.mode == "softsync" || o.mode == "ssp", InvalidArgument,
+                 "unknown --ps-mode '", o.mode, "': expected sync, async, softsync or ssp");
+    COHORT_CHECK(o.backupWorkers >= 0 && o.backupWorkers < c_.workers, InvalidArgument,
+                 "--backup-workers must be in 0..", c_.workers - 1, " with ", c_.workers, " workers, got ",
+                 o.backupWorkers);
+    COHORT_CHECK(o.backupWorkers == 0 || o.mode == "sync", InvalidArgument,
+                 "--backup-workers applies to --ps-mode sync only");
+    COHORT_CHECK(o.mode != "softsync" || (o.softsync >= 1 && o.softsync <= c_.workers), InvalidArgument,
+                 "--softsync must be in 1..", c_.workers, " (the number of workers), got ", o.softsync);
+    COHORT_CHECK(o.stalenessBound >= 0, InvalidArgument, "--staleness-bound must not be negative");
+    COHORT_CHECK(o.mode != "sync" || (o.stalenessLr == "none" && o.maxStaleness < 0 && o.warmupSteps == 0),
+                 InvalidArgument,
+                 "--staleness-lr, --max-staleness and --warmup-steps are remedies for the asynchronous modes "
+                 "(async, softsync, ssp); sync gradients are never stale");
+    COHORT_CHECK(o.stalenessLr == "none" || o.stalenessLr == "inverse", InvalidArgument,
+                 "unknown --staleness-lr '", o.stalenessLr, "': expected none or inverse");
+    COHORT_CHECK(o.push == "gradients" || o.push == "updates", InvalidArgument, "unknown --push '", o.push,
+                 "': expected gradients or updates");
+    COHORT_CHECK(o.warmupSteps >= 0, InvalidArgument, "--warmup-steps must not be negative");
+    for (size_t i = 0; i < c_.shards.size(); ++i) {
+      if (c_.connect) {
+        clients_.push_back(c_.connect(i));
+      } else {
+        clients_.push_back(ps::makeGrpcClient(
+            c_.shards[i], ps::ClientOptions{.authToken = o.authToken, .tlsCaFile = o.tlsCa,
+                                            .timeoutSeconds = c_.timeoutSeconds}));
+      }
+    }
+    versions_.assign(c_.shards.size(), 0);
+    ps::keepFreedMemory();
+  }
+
+  std::string name() const override { return "ps"; }
+  ReplicaInfo replica() const override { return {c_.rank, c_.workers}; }
+
+  void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override {
+    model_ = model;
+    optimizer_ = &optimizer;
+    params_ = model->parameters();
+    std::vector<ps::ParamInfo> infos;
+    const auto named = model->named_parameters();
+    for (const auto& item : named) {
+      COHORT_CHECK(item.value().scalar_type() == torch::kFloat32 && item.value().is_contiguous(), InvalidArgument,
+                   "parameter ", item.key(), " is not a contiguous float32 tensor: the parameter server holds float32");
+      infos.push_back({item.key(), uint64_t(item.value().numel())});
+    }
+    pieces_ = ps::planLayout(infos, int(c_.shards.size()));
+    specs_.assign(c_.shards.size(), {});
+    shardPieces_.assign(c_.shards.size(), {});
+    for (const auto& p : pieces_) {
+      ps::wire::PieceSpec spec;
+      spec.set_key(p.key);
+      spec.set_name(p.name);
+      spec.set_numel(p.numel);
+      specs_[size_t(p.shard)].push_back(spec);
+      shardPieces_[size_t(p.shard)].push_back(&p);
+    }
+    if (c_.rank == 0) initShards();
+    pullAll();
+    if (c_.resume) {
+      ps::wire::StatsRequest request;
+      request.set_protocol(ps::kProtocolVersion);
+      ps::wire::StatsReply reply;
+      check(clients_[0]->stats(request, &reply), c_.shards[0], "Stats");
+      if (c_.rank < reply.clocks_size()) {
+        resumeStep_ = reply.clocks(c_.rank);
+        clock_ = *resumeStep_;
+      }
+    }
+  }
+
+  StepStats step(const Batch& batch, const LossFn& loss) override {
+    StepStats stats;
+    const auto start = Clock::now();
+    if (c_.options.slowRank == c_.rank && c_.options.slowSeconds > 0) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(c_.options.slowSeconds));
+    }
+    std::vector<torch::Tensor> before;
+    torch::Tensor out;
+    if (c_.options.push == "updates") {
+      for (const auto& p : params_) before.push_back(p.detach().clone());
+      out = forwardBackwardStep(model_, *optimizer_, batch, loss);
+    } else {
+      clearGradients(*model_);
+      out = loss(model_->forward(batch.inputs), batch.targets);
+      out.backward();
+    }
+    stats.loss = out.item<double>();
+    // What goes to the shards: the gradients, or the change the local optimizer made.
+    std::vector<torch::Tensor> send;
+    {
+      torch::NoGradGuard noGrad;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (c_.options.push == "updates") {
+          send.push_back((params_[i].detach() - before[i]).contiguous());
+        } else {
+          const auto& g = params_[i].grad();
+          send.push_back(g.defined() ? g.contiguous() : torch::zeros_like(params_[i]));
+        }
+      }
+    }
+    stats.computeSeconds = secondsSince(start);
+
+    const auto commStart = Clock::now();
+    std::vector<ps::wire::PushReply> replies(clients_.size());
+    std::vector<int64_t> sent(clients_.size(), 0);
+    forEachShard(clients_.size(), [&](size_t s) {
+      ps::wire::PushRequest request;
+      request.set_protocol(ps::kProtocolVersion);
+      request.set_worker(uint32_t(c_.rank));
+      request.set_pulled_version(versions_[s]);
+      request.set_clock(clock_);
+      request.set_samples(batch.inputs.size(0));
+      request.set_want_values(true);
+      for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
+        const ps::Piece& p = *shardPieces_[s][k];
+        ps::setTensor(request.add_values(), specs_[s][k], send[p.param].data_ptr<float>() + p.offset);
+      }
+      sent[s] = payloadBytes(request.values());
+      check(clients_[s]->push(request, &replies[s]), c_.shards[s], "Push");
+      load(s, replies[s].version(), replies[s].values());
+    });
+    stats.commWaitSeconds = secondsSince(commStart);
+    ++clock_;
+
+    const auto& first = replies[0];
+    stats.samples = std::max<int64_t>(0, first.samples_total() - samplesSeen_);
+    samplesSeen_ = std::max(samplesSeen_, first.samples_total());
+    for (size_t s = 0; s < replies.size(); ++s) {
+      stats.bytesSent += sent[s];
+      stats.bytesReceived += payloadBytes(replies[s].values());
+    }
+    stats.extra = {{"staleness", first.staleness()},
+                   {"applied", first.applied()},
+                   {"server_wait_s", first.wait_s()}};
+    if (!first.applied()) stats.extra.emplace_back("dropped", first.dropped());
+    return stats;
+  }
+
+  void synchronize() override { pullAll(); }
+
+  std::optional<int64_t> resumeStep() const override { return resumeStep_; }
+
+  void finish() override {
+    if (c_.rank != 0) {
+      sayDone();
+      return;
+    }
+    // The chief reports for the job, so it waits until every other worker is done or lost.
+    const auto start = Clock::now();
+    while (true) {
+      ps::wire::StatsReply reply = statsOf(0);
+      bool others = true;
+      for (int w = 1; w < reply.done_size(); ++w) others = others && (reply.done(w) || reply.lost(w));
+      if (others) break;
+      COHORT_CHECK(secondsSince(start) < 2 * c_.timeoutSeconds, TimeoutError,
+                   "the other workers did not finish within ", 2 * c_.timeoutSeconds, " s of the chief");
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+
+  MetricFields report() override {
+    MetricFields fields;
+    std::vector<int64_t> histogram, pushed, pulled, lostWorkers;
+    int64_t appliedAll = 0, late = 0, stale = 0, warmup = 0, rejected = 0, unauth = 0, gap = 0;
+    double stalenessSum = 0, waitS = 0;
+    int64_t stalenessMax = 0;
+    for (size_t s = 0; s < clients_.size(); ++s) {
+      ps::wire::StatsReply r = statsOf(s);
+      pushed.push_back(r.bytes_pushed());
+      pulled.push_back(r.bytes_pulled());
+      rejected += r.rejected();
+      unauth += r.unauthenticated();
+      if (s != 0) continue;
+      // Every shard sees every push; shard 0 speaks for the staleness of all.
+      histogram.assign(r.staleness_histogram().begin(), r.staleness_histogram().end());
+      while (histogram.size() > 1 && histogram.back() == 0) histogram.pop_back();
+      appliedAll = r.applied();
+      late = r.dropped_late();
+      stale = r.dropped_stale();
+      warmup = r.dropped_warmup();
+      stalenessSum = r.staleness_mean();
+      stalenessMax = r.staleness_max();
+      gap = r.max_clock_gap();
+      waitS = r.wait_s();
+      for (int w = 0; w < r.lost_size(); ++w) {
+        if (r.lost(w) && !(w < r.done_size() && r.done(w))) lostWorkers.push_back(w);
+      }
+    }
+    fields = {{"ps_mode", c_.options.mode},
+              {"ps_shards", int64_t(clients_.size())},
+              {"staleness_mean", stalenessSum},
+              {"staleness_max", stalenessMax},
+              {"staleness_histogram", histogram},
+              {"gradients_applied", appliedAll},
+              {"dropped_late", late},
+              {"dropped_stale", stale},
+              {"dropped_warmup", warmup},
+              {"rejected", rejected},
+              {"unauthenticated", unauth},
+              {"max_clock_gap", gap},
+              {"server_wait_s", waitS},
+              {"bytes_pushed_per_shard", pushed},
+              {"bytes_pulled_per_shard", pulled},
+              {"workers_lost", lostWorkers}};
+    if (!lostWorkers.empty()) {
+      std::string list;
+      for (auto w : lostWorkers) list += (list.empty() ? "" : ", ") + std::to_string(w);
+      std::fprintf(stderr, "cohort: warning: worker %s stopped before the end; the others finished without it\n",
+                   list.c_str());
+    }
+    sayDone();  // last, so the shards outlive the chief's questions
+    return fields;
+  }
+
+ private:
+  template <typename R>
+  static int64_t payloadBytes(const R& tensors) {
+    int64_t n = 0;
+    for (const auto& t : tensors) n += int64_t(t.data().size());
+    return n;
+  }
+
+  ps::wire::StatsReply statsOf(size_t s) {
+    ps::wire::StatsRequest request;
+    request.set_protocol(ps::kProtocolVersion);
+    ps::wire::StatsReply reply;
+    check(clients_[s]->stats(request, &reply), c_.shards[s], "Stats");
+    return reply;
+  }
+
+  void sayDone() {
+    if (saidDone_) return;
+    saidDone_ = true;
+    forEachShard(clients_.size(), [&](size_t s) {
+      ps::wire::DoneRequest request;
+      request.set_protocol(ps::kProtocolVersion);
+      request.set_worker(uint32_t(c_.rank));
+      ps::wire::DoneReply reply;
+      check(clients_[s]->done(request, &reply), c_.shards[s], "Done");
+    });
+  }
+
+  void initShards() {
+    forEachShard(clients_.size(), [&](size_t s) {
+      ps::wire::InitRequest request;
+      request.set_protocol(ps::kProtocolVersion);
+      request.set_worker(0);
+      request.set_resume(c_.resume);
+      auto* p = request.mutable_policy();
+      const auto& o = c_.options;
+      p->set_mode(o.mode);
+      p->set_workers(uint32_t(c_.workers));
+      p->set_backup_workers(uint32_t(o.backupWorkers));
+      p->set_softsync(uint32_t(o.softsync));
+      p->set_staleness_bound(uint32_t(o.stalenessBound));
+      p->set_staleness_lr(o.stalenessLr);
+      p->set_max_staleness(o.maxStaleness);
+      p->set_warmup_steps(o.warmupSteps);
+      p->set_push(o.push);
+      p->set_optimizer(c_.optimizer);
+      p->set_lr(c_.lr);
+      p->set_momentum(c_.momentum);
+      p->set_checkpoint_every(c_.checkpointEvery);
+      p->set_timeout_s(c_.timeoutSeconds);
+      for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
+        const ps::Piece& piece = *shardPieces_[s][k];
+        *request.add_pieces() = specs_[s][k];
+        ps::setTensor(request.add_values(), specs_[s][k], params_[piece.param].data_ptr<float>() + piece.offset);
+      }
+      ps::wire::InitReply reply;
+      check(clients_[s]->init(request, &reply), c_.shards[s], "Init");
+      if (reply.resumed()) {
+        std::fprintf(stderr, "cohort: ps shard %s resumed at version %llu\n", c_.shards[s].c_str(),
+                     (unsigned long long)reply.version());
+      }
+    });
+  }
+
+  void pullAll() {
+    forEachShard(clients_.size(), [&](size_t s) {
+      ps::wire::PullRequest request;
+      request.set_protocol(ps::kProtocolVersion);
+      request.set_worker(uint32_t(c_.rank));
+      ps::wire::PullReply reply;
+      check(clients_[s]->pull(request, &reply), c_.shards[s], "Pull");
+      load(s, reply.version(), reply.values());
+      if (s == 0) samplesSeen_ = std::max(samplesSeen_, reply.samples_total());
+    });
+  }
+
+  // Copies shard s's values into the parameters.
+  void load(size_t s, uint64_t version, const google::protobuf::RepeatedPtrField<ps::wire::Tensor>& values) {
+    if (values.empty()) return;
+    const std::span<const ps::wire::PieceSpec> specs(specs_[s]);
+    ps::Status valid = ps::checkTensors(values, specs, false, "reply");
+    check(valid, c_.shards[s], "Pull");
+    torch::NoGradGuard noGrad;
+    for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
+      const ps::Piece& p = *shardPieces_[s][k];
+      std::memcpy(params_[p.param].data_ptr<float>() + p.offset, values.Get(int(k)).data().data(),
+                  p.numel * sizeof(float));
+    }
+    versions_[s] = version;
+  }
+
+  PsContext c_;
+  std::vector<std::unique_ptr<ps::ShardClient>> clients_;
+  torch::nn::Sequential model_{nullptr};
+  torch::optim::Optimizer* optimizer_ = nullptr;
+  std::vector<torch::Tensor> params_;
+  std::vector<ps::Piece> pieces_;
+  std::vector<std::vector<ps::wire::PieceSpec>> specs_;     // per shard, in key order
+  std::vector<std::vector<const ps::Piece*>> shardPieces_;  // the same pieces
+  std::vector<uint64_t> versions_;  // per shard: the version the parameters were pulled at
+  int64_t clock_ = 0;               // steps this worker has pushed
+  int64_t samplesSeen_ = 0;
+  std::optional<int64_t> resumeStep_;
+  bool saidDone_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Strategy> makePsStrategy(PsContext context) { return std::make_unique<PsStrategy>(std::move(context)); }
+
+}  // namespace cohort

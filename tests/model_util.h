@@ -1,0 +1,30 @@
+// Helpers for tests that compare trained models saved by `cohort train --save-model`.
+#pragma once
+
+#include <cohort/models.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace cohort::test {
+
+inline std::vector<torch::Tensor> loadParameters(const std::string& path, const std::string& model = "mlp") {
+  auto net = makeModel(model, {});
+  torch::load(net, path);
+  std::vector<torch::Tensor> out;
+  for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+// The largest element-wise difference between two parameter lists of the same shapes.
+inline double maxDifference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  return worst;
+}
+
+}  // namespace cohort::test
