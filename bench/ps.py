@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""The parameter server: every update policy against allreduce in the same run.
+
+    /usr/bin/python3 bench/ps.py [--build build] [--runs 3] [--sections rate,accuracy,bandwidth,staleness]
+
+rate:       cnn and mlp, 2 workers x 1 thread, batch 64, with 1 and 2 shards: samples/s of
+            ps sync, sync --backup-workers 1, async, softsync 2, ssp 2 against allreduce, alternating
+            runs (median); where the time went (compute, waiting on the shards, bytes per step).
+accuracy:   test accuracy after 2 epochs of each mode (1 shard; mlp and cnn): best per epoch, and
+            samples/s: best per second.
+bandwidth:  push+pull of one shard for a 58.4 MB model (14.6M floats) against raw loopback TCP.
+staleness:  async with N = 2, 3, 4 workers (mlp): the staleness histogram and its mean (the seeds
+            predict about N-1).
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, done_event, machine, median, run, single_thread_env  # noqa: E402
+
+STEPS = {"mlp": 400, "cnn": 100}
+MODES = [("allreduce", ["--strategy", "allreduce"]),
+         ("ps sync", ["--strategy", "ps", "--ps-mode", "sync"]),
+         ("ps sync backup 1", ["--strategy", "ps", "--ps-mode", "sync", "--backup-workers", "1"]),
+         ("ps async", ["--strategy", "ps", "--ps-mode", "async"]),
+         ("ps softsync 2", ["--strategy", "ps", "--ps-mode", "softsync", "--softsync", "2"]),
+         ("ps ssp 2", ["--strategy", "ps", "--ps-mode", "ssp", "--staleness-bound", "2"])]
+
+
+def train(build, tmp, workers, shards, model, flags, steps=None, epochs=None):
+    metrics = os.path.join(tmp, "m.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cohort = os.path.join(build, "cohort")
+    cmd = [cohort, "train", "--model", model, "--data", "fashion-mnist", "--batch", "64", "--threads", "1",
+           "--optimizer", "momentum", "--lr", "0.01", "--progress", "off", "--metrics", metrics] + flags
+    cmd += ["--steps", str(steps)] if steps else ["--epochs", str(epochs)]
+    ps = shards if "ps" in flags else 0
+    cmd = [cohort, "launch", "-n", str(workers)] + (["--ps", str(ps)] if ps else []) + ["--"] + cmd
+    run(cmd, env=single_thread_env())
+    steps_seen = []
+    with open(metrics) as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("event") == "step" and e["step"] > 5:
+                steps_seen.append(e)
+    done = done_event(metrics)
+    n = max(len(steps_seen), 1)
+    done["step_ms"] = 1000 * sum(e["step_s"] for e in steps_seen) / n
+    done["compute_ms"] = 1000 * sum(e["compute_s"] for e in steps_seen) / n
+    done["wait_ms"] = 1000 * sum(e["comm_wait_s"] for e in steps_seen) / n
+    done["mb_per_step"] = sum(e["bytes_sent"] + e["bytes_received"] for e in steps_seen) / n / 1e6
+    return done
+
+
+def section_rate(args, tmp):
+    for model in ["cnn", "mlp"]:
+        for shards in [1, 2]:
+            results = {name: [] for name, _ in MODES}
+            for _ in range(args.runs):
+                for name, flags in MODES:
+                    results[name].append(train(args.build, tmp, 2, shards, model, flags, steps=STEPS[model]))
+            base = median([d["samples_per_s"] for d in results["allreduce"]])
+            print(f"{model}, 2 workers, {shards} shard(s), {STEPS[model]} steps, median of {args.runs}:", flush=True)
+            for name, _ in MODES:
+                r = results[name]
+                rate = median([d["samples_per_s"] for d in r])
+                print(f"  {name:18s} {rate:8.1f} samples/s  {rate / base:5.2f}x allreduce   step "
+                      f"{median([d['step_ms'] for d in r]):6.1f} ms = compute {median([d['compute_ms'] for d in r]):6.1f}"
+                      f" + waiting {median([d['wait_ms'] for d in r]):6.1f} ms, {median([d['mb_per_step'] for d in r]):.2f}"
+                      f" MB/step", flush=True)
+
+
+def section_accuracy(args, tmp):
+    for model in ["mlp", "cnn"]:
+        print(f"{model}, 2 workers, 1 shard, 2 epochs:", flush=True)
+        for name, flags in MODES:
+            d = train(args.build, tmp, 2, 1, model, flags, epochs=2)
+            extra = ""
+            if "staleness_mean" in d:
+                extra = (f", staleness mean {d['staleness_mean']:.2f}, applied {d['gradients_applied']},"
+                         f" dropped {d['dropped_late'] + d['dropped_stale']}")
+            print(f"  {name:18s} test accuracy {d['test_accuracy']:.4f}  {d['samples_per_s']:8.1f} samples/s  "
+                  f"wall {d['wall_s']:.0f} s{extra}", flush=True)
+
+
+def section_bandwidth(args, tmp):
+    tcp, grpc = [], []
+    for _ in range(args.runs):
+        proc, _ = run([os.path.join(args.build, "bench", "ps_bandwidth"), "14.6", "10"])
+        for line in proc.stdout.splitlines():
+            j = json.loads(line)
+            (tcp if j["transport"] == "tcp" else grpc).append(j["gb_per_s"])
+    print(f"push+pull of 58.4 MB, one shard: gRPC {median(grpc):.3f} GB/s, raw loopback TCP {median(tcp):.3f} GB/s, "
+          f"ratio {median(grpc) / median(tcp):.3f}x (runs: gRPC {grpc}, TCP {tcp})", flush=True)
+
+
+def section_staleness(args, tmp):
+    for n in [2, 3, 4]:
+        d = train(args.build, tmp, n, 1, "mlp", ["--strategy", "ps", "--ps-mode", "async"], steps=300)
+        print(f"async, {n} workers: staleness mean {d['staleness_mean']:.2f} (seeds: about {n - 1}), max "
+              f"{d['staleness_max']}, histogram {d['staleness_histogram']}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--build", default=os.path.join(ROOT, "build"))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--sections", default="rate,accuracy,bandwidth,staleness")
+    args = p.parse_args()
+    print(f"machine: {machine()}")
+    sections = {"rate": section_rate, "accuracy": section_accuracy, "bandwidth": section_bandwidth,
+                "staleness": section_staleness}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.sections.split(","):
+            sections[name](args, tmp)
+
+
+if __name__ == "__main__":
+    main()
