@@ -6,6 +6,7 @@
 // Prints one JSON line per transport: {"transport": "tcp" | "grpc", "mb": ..., "gb_per_s": ...},
 // counting the bytes that went both ways (a push of the gradient, the parameters back).
 #include "ps/client.h"
+#include "ps/layout.h"
 #include "ps/service.h"
 #include "ps/wire.h"
 
@@ -17,6 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -110,10 +112,15 @@ double grpcShard(size_t floats, int rounds) {
   }
   keepFreedMemory();
   auto client = makeGrpcClient(address, ClientOptions{.timeoutSeconds = 60, .quiet = true});
-  wire::PieceSpec piece;
-  piece.set_key(0);
-  piece.set_name("w");
-  piece.set_numel(floats);
+  // The model as the worker's layout sends it: pieces of at most ps::kMaxPieceElements.
+  std::vector<wire::PieceSpec> pieces;
+  for (size_t at = 0; at < floats; at += kMaxPieceElements) {
+    wire::PieceSpec piece;
+    piece.set_key(uint32_t(pieces.size()));
+    piece.set_name("w" + std::to_string(pieces.size()));
+    piece.set_numel(std::min<size_t>(kMaxPieceElements, floats - at));
+    pieces.push_back(piece);
+  }
   std::vector<float> values(floats, 0.5f);
   wire::InitRequest init;
   init.set_protocol(kProtocolVersion);
@@ -127,19 +134,27 @@ double grpcShard(size_t floats, int rounds) {
   p->set_optimizer("sgd");
   p->set_lr(0.001);
   p->set_timeout_s(60);
-  *init.add_pieces() = piece;
-  setTensor(init.add_values(), piece, values.data());
+  size_t at = 0;
+  for (const auto& piece : pieces) {
+    *init.add_pieces() = piece;
+    setTensor(init.add_values(), piece, values.data() + at);
+    at += piece.numel();
+  }
   wire::InitReply initReply;
   if (!client->init(init, &initReply).ok()) std::exit(6);
   std::vector<float> grad(floats, 0.001f);
   wire::PushRequest push;
   push.set_protocol(kProtocolVersion);
   push.set_want_values(true);
-  setTensor(push.add_values(), piece, grad.data());
+  at = 0;
+  for (const auto& piece : pieces) {
+    setTensor(push.add_values(), piece, grad.data() + at);
+    at += piece.numel();
+  }
   auto once = [&]() {
     wire::PushReply reply;
     Status s = client->push(push, &reply);
-    if (!s.ok() || reply.values_size() != 1) std::exit(7);
+    if (!s.ok() || reply.values_size() != int(pieces.size())) std::exit(7);
   };
   once();  // warm-up
   const auto start = Clock::now();

@@ -15,7 +15,8 @@ std::vector<Piece> planLayout(std::span<const ParamInfo> params, int shards) {
     total += p.numel;
   }
   // An even share, rounded up: no chunk is larger, so the loads differ by less than one share.
-  const uint64_t share = std::max<uint64_t>(1, (total + uint64_t(shards) - 1) / uint64_t(shards));
+  const uint64_t share =
+      std::clamp<uint64_t>((total + uint64_t(shards) - 1) / uint64_t(shards), 1, kMaxPieceElements);
 
   std::vector<size_t> order(params.size());
   std::iota(order.begin(), order.end(), 0);

@@ -1,6 +1,6 @@
 // Which shard holds which part of which parameter. Shards are balanced by bytes: parameters are
-// placed largest first on the least-loaded shard, and one larger than an even share is cut into
-// chunks of at most that share, spread the same way.
+// placed largest first on the least-loaded shard, and one larger than an even share (or than
+// kMaxPieceElements) is cut into chunks of at most that, spread the same way.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +9,11 @@
 #include <vector>
 
 namespace cohort::ps {
+
+// The largest piece (elements): protobuf reserves a string up front only below 50 MB and grows
+// larger ones by appending, copy after copy; 4M floats (16 MB) per piece keep every message
+// field on the fast path, and a large tensor travels as several pieces even to one shard.
+constexpr uint64_t kMaxPieceElements = uint64_t(4) << 20;
 
 struct ParamInfo {
   std::string name;
