@@ -89,9 +89,11 @@ def section_accuracy(args, tmp):
 
 def section_bandwidth(args, tmp):
     tcp, grpc = [], []
-    for _ in range(args.runs):
+    for _ in range(max(5, args.runs)):
         proc, _ = run([os.path.join(args.build, "bench", "ps_bandwidth"), "14.6", "10"])
         for line in proc.stdout.splitlines():
+            if not line.startswith("{"):
+                continue  # the shard's "listening on" line
             j = json.loads(line)
             (tcp if j["transport"] == "tcp" else grpc).append(j["gb_per_s"])
     print(f"push+pull of 58.4 MB, one shard: gRPC {median(grpc):.3f} GB/s, raw loopback TCP {median(tcp):.3f} GB/s, "
