@@ -2,6 +2,7 @@
 """The parameter server: every update policy against allreduce in the same run.
 
     /usr/bin/python3 bench/ps.py [--build build] [--runs 3] [--sections rate,accuracy,bandwidth,staleness]
+                                  [--models cnn,mlp] [--shards 1,2]
 
 rate:       cnn and mlp, 2 workers x 1 thread, batch 64, with 1 and 2 shards: samples/s of
             ps sync, sync --backup-workers 1, async, softsync 2, ssp 2 against allreduce, alternating
@@ -57,8 +58,8 @@ def train(build, tmp, workers, shards, model, flags, steps=None, epochs=None):
 
 
 def section_rate(args, tmp):
-    for model in ["cnn", "mlp"]:
-        for shards in [1, 2]:
+    for model in args.models.split(","):
+        for shards in [int(m) for m in args.shards.split(",")]:
             results = {name: [] for name, _ in MODES}
             for _ in range(args.runs):
                 for name, flags in MODES:
@@ -75,7 +76,7 @@ def section_rate(args, tmp):
 
 
 def section_accuracy(args, tmp):
-    for model in ["mlp", "cnn"]:
+    for model in args.models.split(","):
         print(f"{model}, 2 workers, 1 shard, 2 epochs:", flush=True)
         for name, flags in MODES:
             d = train(args.build, tmp, 2, 1, model, flags, epochs=2)
@@ -112,6 +113,8 @@ def main():
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--sections", default="rate,accuracy,bandwidth,staleness")
+    p.add_argument("--models", default="cnn,mlp", help="rate and accuracy: the models")
+    p.add_argument("--shards", default="1,2", help="rate: the shard counts")
     args = p.parse_args()
     print(f"machine: {machine()}")
     sections = {"rate": section_rate, "accuracy": section_accuracy, "bandwidth": section_bandwidth,

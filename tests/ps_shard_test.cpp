@@ -14,8 +14,11 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <future>
 #include <thread>
 
@@ -66,10 +69,14 @@ struct Fixture {
     EXPECT_TRUE(s.ok()) << s.message;
   }
 
+  // Pushes each worker has made through pushOf: the clock a real worker sends.
+  std::array<std::atomic<int64_t>, 8> clocks{};
+
   wire::PushRequest pushOf(uint32_t worker, uint64_t pulled, float g) {
     wire::PushRequest r;
     r.set_protocol(kProtocolVersion);
     r.set_worker(worker);
+    if (worker < clocks.size()) r.set_clock(clocks[worker]++);
     r.set_pulled_version(pulled);
     r.set_samples(10);
     r.set_want_values(true);
@@ -383,6 +390,7 @@ TEST(PsShard, RestoresFromItsCheckpointAndResumes) {
   wire::PushRequest next;
   next.set_protocol(kProtocolVersion);
   next.set_pulled_version(5);
+  next.set_clock(5);
   next.set_want_values(true);
   std::vector<float> g(4, 1.0f);
   wire::PieceSpec piece = uninterrupted.piece;
@@ -416,6 +424,143 @@ TEST(PsShard, CountsAWorkerSilentForTheTimeoutAsLost) {
   f.shard->waitFinished(2s);  // worker 1 never speaks: lost, so the shard is finished
   EXPECT_TRUE(f.shard->finished());
   EXPECT_TRUE(f.stats().lost(1));
+}
+
+TEST(PsShard, ARetriedPushIsNotCountedTwice) {
+  Fixture f(policy("async", 1));
+  auto first = f.pushOf(0, 0, 1.0f);
+  wire::PushReply reply;
+  ASSERT_TRUE(f.shard->push(first, &reply).ok());
+  EXPECT_TRUE(reply.applied());
+  // The reply was lost with the connection; the client sends the same push again.
+  ASSERT_TRUE(f.shard->push(first, &reply).ok());
+  EXPECT_FALSE(reply.applied());
+  EXPECT_EQ(reply.dropped(), "duplicate");
+  EXPECT_FLOAT_EQ(f.values()[0], -1.0f);
+  EXPECT_EQ(f.stats().clocks(0), 1);
+  EXPECT_EQ(f.stats().dropped_duplicate(), 1);
+}
+
+TEST(PsShard, ARestoredShardServesAFirstPullOnlyAfterAnInit) {
+  test::TempDir dir;
+  auto p = policy("async", 2);
+  {
+    Fixture f(p, 4, 1.0f, dir.path());
+    f.push(0, 0, 1.0f);
+    f.shard->checkpoint();
+  }
+  // Restarted with the directory of an earlier run: a new job's first pull must wait for its
+  // chief, but a running job's later pulls are served (that is how it rides out a restart).
+  Shard restored(ShardOptions{.name = "again", .checkpointDir = dir.path(), .log = [](const std::string&) {}});
+  wire::PullRequest pr;
+  pr.set_protocol(kProtocolVersion);
+  pr.set_worker(1);
+  pr.set_initial(true);
+  wire::PullReply pulled;
+  Status s = restored.pull(pr, &pulled);
+  EXPECT_EQ(s.code, Code::kUnavailable) << s.message;
+  pr.set_initial(false);
+  EXPECT_TRUE(restored.pull(pr, &pulled).ok());
+}
+
+TEST(PsShard, ResumeRefusesToDeleteCheckpointsItCannotRead) {
+  test::TempDir dir;
+  auto p = policy("async", 1);
+  {
+    Fixture f(p, 4, 1.0f, dir.path());
+    f.push(0, 0, 1.0f);
+    f.shard->checkpoint();
+  }
+  // The only checkpoint is made unreadable: a --resume Init must not start afresh over it.
+  const auto files = CheckpointStore(dir.path(), "shard").list();
+  ASSERT_EQ(files.size(), 1u);
+  { std::ofstream(files[0].path, std::ios::binary | std::ios::trunc) << "garbage"; }
+  Shard shard(ShardOptions{.name = "again", .checkpointDir = dir.path(), .log = [](const std::string&) {}});
+  wire::InitRequest init;
+  init.set_protocol(kProtocolVersion);
+  *init.mutable_policy() = p;
+  wire::PieceSpec piece;
+  piece.set_key(7);
+  piece.set_name("w");
+  piece.set_numel(4);
+  *init.add_pieces() = piece;
+  std::vector<float> values(4, 0.0f);
+  setTensor(init.add_values(), piece, values.data());
+  init.set_resume(true);
+  wire::InitReply reply;
+  Status s = shard.init(init, &reply);
+  EXPECT_EQ(s.code, Code::kFailedPrecondition);
+  EXPECT_NE(s.message.find("cannot resume"), std::string::npos) << s.message;
+  EXPECT_EQ(CheckpointStore(dir.path(), "shard").list().size(), 1u);
+}
+
+TEST(PsShard, ResumeWithAnotherOptimizerIsRefused) {
+  test::TempDir dir;
+  auto p = policy("async", 1);
+  Fixture f(p, 4, 1.0f, dir.path());
+  auto other = p;
+  other.set_optimizer("adam");
+  wire::InitRequest init;
+  init.set_protocol(kProtocolVersion);
+  *init.mutable_policy() = other;
+  *init.add_pieces() = f.piece;
+  std::vector<float> values(4, 0.0f);
+  setTensor(init.add_values(), f.piece, values.data());
+  init.set_resume(true);
+  wire::InitReply reply;
+  Status s = f.shard->init(init, &reply);
+  EXPECT_EQ(s.code, Code::kFailedPrecondition);
+  EXPECT_NE(s.message.find("same optimizer"), std::string::npos) << s.message;
+}
+
+TEST(PsShard, AWarmupPushIsHeldAtMostTheTimeout) {
+  auto p = policy("async", 2);
+  p.set_warmup_steps(1000);
+  p.set_timeout_s(0.3);
+  Fixture f(p);
+  // Worker 0 keeps making progress, so the warm-up goes on; worker 1's push still comes back.
+  std::atomic<bool> stop{false};
+  auto zero = std::async(std::launch::async, [&] {
+    for (uint64_t i = 0; !stop; ++i) {
+      f.push(0, i, 0.0f);
+      std::this_thread::sleep_for(10ms);
+    }
+  });
+  auto one = std::async(std::launch::async, [&] { return f.push(1, 0, 1.0f); });
+  const bool back = one.wait_for(3s) == std::future_status::ready;
+  stop = true;
+  zero.get();
+  ASSERT_TRUE(back);
+  EXPECT_EQ(one.get().dropped(), "warmup");
+  EXPECT_FALSE(f.stats().lost(1));
+}
+
+TEST(PsShard, SspWithWarmupIsRefused) {
+  auto p = policy("ssp", 2);
+  p.set_warmup_steps(3);
+  Status s = checkPolicy(p);
+  EXPECT_EQ(s.code, Code::kInvalidArgument);
+  EXPECT_NE(s.message.find("ssp"), std::string::npos) << s.message;
+}
+
+TEST(PsShard, AnInitWhileAPushIsHeldAbortsThatPush) {
+  auto p = policy("sync", 2);
+  Fixture f(p);
+  Status held;
+  auto one = std::async(std::launch::async, [&] { return f.push(0, 0, 1.0f, &held); });
+  EXPECT_EQ(one.wait_for(200ms), std::future_status::timeout);
+  // A new job's chief re-initializes with three workers (workers_ is replaced under the push).
+  wire::InitRequest init;
+  init.set_protocol(kProtocolVersion);
+  *init.mutable_policy() = policy("sync", 3);
+  *init.add_pieces() = f.piece;
+  std::vector<float> values(4, 0.0f);
+  setTensor(init.add_values(), f.piece, values.data());
+  wire::InitReply reply;
+  ASSERT_TRUE(f.shard->init(init, &reply).ok());
+  one.get();
+  EXPECT_EQ(held.code, Code::kAborted);
+  EXPECT_NE(held.message.find("re-initialized"), std::string::npos) << held.message;
 }
 
 }  // namespace

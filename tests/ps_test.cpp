@@ -218,7 +218,10 @@ TEST(PsFaults, ShardKilledAndRestartedResumesFromItsCheckpoint) {
                   shard + " > " + dir.file("ps1.log") + " 2>&1 &\nps=$!\n" + waitListening(dir.file("ps1.log")) + env + " RANK=1 " + train() + flags +
                   " > " + dir.file("worker.log") + " 2>&1 &\nworker=$!\n" + env + " RANK=0 " + train() + flags +
                   " --metrics " + dir.file("m.jsonl") + " > " + dir.file("chief.log") + " 2>&1 &\nchief=$!\n" +
-                  "sleep 6\nkill -9 $ps\nwait $ps\nsleep 2\n" + shard + " > " + dir.file("ps2.log") + " 2>&1 &\nps=$!\n" +
+                  // Killed once it has a checkpoint (a second one, so that it was mid-run), and a few
+                  // steps after it: those are lost with it and redone from the checkpoint.
+                  "for i in $(seq 1200); do [ $(ls " + dir.file("ps") + " 2>/dev/null | grep -c 'ckpt$') -ge 2 ] && break; sleep 0.1; done\n"
+                  "sleep 1\nkill -9 $ps\nwait $ps\nsleep 2\n" + shard + " > " + dir.file("ps2.log") + " 2>&1 &\nps=$!\n" +
                   "wait $chief\nc=$?\nwait $worker\nw=$?\nwait $ps\ns=$?\necho chief=$c worker=$w ps=$s\n");
   auto r = test::runCommand("sh " + dir.file("run.sh"), 240);
   const std::string logs = r.output + test::readFile(dir.file("chief.log")) + test::readFile(dir.file("ps1.log")) +

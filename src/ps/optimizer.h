@@ -28,6 +28,7 @@ class ServerOptimizer {
   void applyPart(size_t offset, std::span<float> values, std::span<const float> g, float scale);
 
   const std::string& name() const { return name_; }
+  void setLr(double lr) { lr_ = lr; }
   // The optimizer's per-element state (momentum: 1 slot, adam: 2) and step count, for checkpoints.
   std::vector<std::vector<float>>& slots() { return slots_; }
   int64_t& steps() { return steps_; }

@@ -21,10 +21,23 @@ using Clock = std::chrono::steady_clock;
 constexpr int64_t kHistogramBuckets = 64;
 // Model size one shard accepts (elements): 8 GiB of float32.
 constexpr uint64_t kMaxElements = uint64_t(1) << 31;
+// Steps a worker may claim to have pushed (far beyond any run; keeps clock arithmetic exact).
+constexpr int64_t kMaxClock = int64_t(1) << 50;
 // How often a held push looks again for lost workers.
 constexpr auto kTick = std::chrono::milliseconds(100);
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// "60 s", "0.5 s": a timeout as the user gave it.
+std::string seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g s", s);
+  return buf;
+}
+
+// Protobuf refuses to serialize a message of 2 GiB or more; a checkpoint holds the values and
+// up to two optimizer slots.
+constexpr uint64_t kMaxCheckpointBytes = (uint64_t(1) << 31) - (uint64_t(64) << 20);
 
 Status notInitialized() {
   // UNAVAILABLE, so that clients retry until the chief's Init arrives.
@@ -45,6 +58,7 @@ struct Shard::Worker {
   int64_t clock = 0;  // pushes handled (applied or dropped)
   bool done = false;
   bool lost = false;
+  bool held = false;  // ssp: a push of its is waiting for the slowest to catch up
   Clock::time_point lastSeen = Clock::now();
 };
 
@@ -79,6 +93,12 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
   if (Status s = checkTensors(request.values(), pieces, true, "Init"); !s.ok()) return s;
 
   std::lock_guard<std::mutex> lock(mu_);
+  if (request.resume() && !initialized_ && store_ && !store_->list().empty()) {
+    // Starting afresh would delete them: refuse, and let the user decide.
+    return Status::error(Code::kFailedPrecondition,
+                         "cannot resume: no checkpoint in " + store_->dir() +
+                             " could be restored (the shard's log says why); move them away to start afresh");
+  }
   if (initialized_ && request.resume()) {
     if (!samePieces(pieces_, request.pieces())) {
       return Status::error(Code::kFailedPrecondition,
@@ -91,10 +111,20 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
                            "this shard's state is from a job of " + std::to_string(policy_.workers()) +
                                " workers, not " + std::to_string(request.policy().workers()));
     }
+    if (policy_.optimizer() != request.policy().optimizer() || policy_.momentum() != request.policy().momentum()) {
+      return Status::error(Code::kFailedPrecondition,
+                           "this shard's state is for optimizer " + policy_.optimizer() + " (momentum " +
+                               std::to_string(policy_.momentum()) + "), not " + request.policy().optimizer() +
+                               " (momentum " + std::to_string(request.policy().momentum()) +
+                               "): resume with the same optimizer, or start afresh");
+    }
     policy_ = request.policy();  // the resumed job may change mode or learning rate
+    optimizer_->setLr(policy_.lr());
+    ++generation_;
+    initSinceStart_ = true;
     failure_.reset();
     finished_ = false;
-    for (auto& w : workers_) w = Worker{w.clock, false, false, Clock::now()};
+    for (auto& w : workers_) w = Worker{.clock = w.clock, .lastSeen = Clock::now()};
     reply->set_version(version_);
     reply->set_resumed(true);
     for (const auto& w : workers_) reply->add_clocks(w.clock);
@@ -102,6 +132,20 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
     return Status::Ok();
   }
 
+  if (store_) {
+    uint64_t total = 0;
+    for (const auto& p : pieces) total += p.numel();
+    const uint64_t slots = request.policy().push() == "updates"       ? 0
+                           : request.policy().optimizer() == "adam"     ? 2
+                           : request.policy().optimizer() == "momentum" ? 1
+                                                                        : 0;
+    if ((1 + slots) * total * sizeof(float) > kMaxCheckpointBytes) {
+      return Status::error(Code::kInvalidArgument,
+                           "this shard's part of the model (" + std::to_string(total) +
+                               " values and their optimizer state) is too large for one checkpoint (2 GiB): "
+                               "use more shards");
+    }
+  }
   policy_ = request.policy();
   pieces_.assign(pieces.begin(), pieces.end());
   values_.clear();
@@ -122,6 +166,8 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
     for (const auto& f : store_->list()) std::filesystem::remove(f.path);
   }
   initialized_ = true;
+  initSinceStart_ = true;
+  ++generation_;  // pushes held under the old state see it and give up
   changed_.notify_all();
   reply->set_version(version_);
   reply->set_resumed(false);
@@ -141,7 +187,7 @@ void Shard::fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* o
 Status Shard::pull(const wire::PullRequest& request, wire::PullReply* reply) {
   if (Status s = checkProtocol(request.protocol()); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!initialized_) return notInitialized();
+  if (!initialized_ || (request.initial() && !initSinceStart_)) return notInitialized();
   if (Status s = checkWorker(request.worker()); !s.ok()) return s;
   if (failure_) return Status::error(Code::kAborted, *failure_);
   Worker& w = workers_[request.worker()];
@@ -202,8 +248,8 @@ void Shard::markLostLocked(Clock::time_point now) {
     Worker& w = workers_[i];
     if (w.done || w.lost || now - w.lastSeen <= limit) continue;
     w.lost = true;
-    log("worker " + std::to_string(i) + " is lost: nothing from it for " + std::to_string(int(policy_.timeout_s())) +
-        " s (at its step " + std::to_string(w.clock) + ")");
+    log("worker " + std::to_string(i) + " is lost: nothing from it for " + seconds(policy_.timeout_s()) +
+        " (at its step " + std::to_string(w.clock) + ")");
     changed_.notify_all();
   }
 }
@@ -214,6 +260,18 @@ int64_t Shard::slowestClockLocked() const {
     if (!w.done && !w.lost) slowest = std::min(slowest, w.clock);
   }
   return slowest;
+}
+
+// The ssp record, measured independently of the hold decision: how far the fastest worker that
+// is free to compute is ahead of the slowest live one.
+void Shard::recordClockGapLocked() {
+  const int64_t slowest = slowestClockLocked();
+  if (slowest == INT64_MAX) return;
+  int64_t fastest = INT64_MIN;
+  for (const auto& w : workers_) {
+    if (!w.done && !w.lost && !w.held) fastest = std::max(fastest, w.clock);
+  }
+  if (fastest != INT64_MIN) stats_.set_max_clock_gap(std::max(stats_.max_clock_gap(), fastest - slowest));
 }
 
 void Shard::finishIfAllDoneLocked() {
@@ -259,21 +317,44 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
   }
 
   std::unique_lock<std::mutex> lock(mu_);
-  if (!valid.ok() || gradSize != values_.size()) {  // values_ can change size under a concurrent Init
+  if (valid.ok() && (request.clock() < 0 || request.clock() > kMaxClock)) {
+    valid = Status::error(Code::kInvalidArgument, "push: clock " + std::to_string(request.clock()) + " is out of range");
+  }
+  if (!valid.ok() || gradSize != values_.size() || request.worker() >= workers_.size()) {
+    // values_ and workers_ can change under a concurrent Init.
+    const Status s = valid.ok() ? Status::error(Code::kAborted, "the shard was re-initialized during the push") : valid;
     stats_.set_rejected(stats_.rejected() + 1);
     if (stats_.rejected() <= 10 || stats_.rejected() % 100 == 0) {
-      log("refused a push from worker " + std::to_string(request.worker()) + ": " + valid.message);
+      log("refused a push from worker " + std::to_string(request.worker()) + ": " + s.message);
     }
-    return valid.ok() ? Status::error(Code::kAborted, "the shard was re-initialized during the push") : valid;
+    return s;
   }
   if (failure_) return Status::error(Code::kAborted, *failure_);
   const uint32_t id = request.worker();
-  Worker& me = workers_[id];
-  me.lastSeen = arrived;
-  if (me.lost) {
-    me.lost = false;
+  // Never a reference across a wait: an Init while the push is held may replace workers_.
+  const uint64_t generation = generation_;
+  auto me = [&]() -> Worker& { return workers_[id]; };
+  auto reinitialized = [&]() {
+    return Status::error(Code::kAborted, "the shard was re-initialized by a new Init while this push was held");
+  };
+  me().lastSeen = arrived;
+  if (me().lost) {
+    me().lost = false;
     log("worker " + std::to_string(id) + " is back");
   }
+  if (request.clock() < me().clock) {
+    // A retry of a push this shard has already handled (the reply was lost with the connection):
+    // it must not count twice.
+    stats_.set_dropped_duplicate(stats_.dropped_duplicate() + 1);
+    reply->set_applied(false);
+    reply->set_dropped("duplicate");
+    reply->set_version(version_);
+    reply->set_samples_total(stats_.samples_total());
+    if (request.want_values()) fillValuesLocked(reply->mutable_values());
+    return Status::Ok();
+  }
+  // A shard restored from a checkpoint is behind the workers: their count is the true one.
+  me().clock = request.clock();
   stats_.set_bytes_pushed(stats_.bytes_pushed() + int64_t(gradSize * sizeof(float)));
   // Saturating: a hostile `samples` must not overflow the total (found by fuzz/push_fuzz.cpp).
   stats_.set_samples_total(stats_.samples_total() +
@@ -285,8 +366,9 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
   std::string dropped;
 
   auto finishReply = [&](bool applied) {
-    me.clock += 1;
-    me.lastSeen = Clock::now();
+    me().clock += 1;
+    me().lastSeen = Clock::now();
+    if (policy_.mode() == "ssp") recordClockGapLocked();
     reply->set_applied(applied);
     reply->set_dropped(dropped);
     reply->set_version(version_);
@@ -323,6 +405,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     closeIfReady();
     while (version_ == step && !failure_) {
       changed_.wait_for(lock, kTick);
+      if (generation_ != generation) return reinitialized();
       const auto now = Clock::now();
       // Workers held in this step are alive: they are waiting on us.
       for (size_t i = 0; i < workers_.size(); ++i) {
@@ -335,8 +418,8 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
       }
       if (!missing.empty() && policy_.backup_workers() == 0) {
         failure_ = "worker " + missing + " sent no gradient for step " + std::to_string(step) + " within " +
-                   std::to_string(int(policy_.timeout_s())) +
-                   " s: it is lost, and sync mode needs every worker (--backup-workers K lets the others go on)";
+                   seconds(policy_.timeout_s()) +
+                   ": it is lost, and sync mode needs every worker (--backup-workers K lets the others go on)";
         log(*failure_);
         changed_.notify_all();
         break;
@@ -344,23 +427,31 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
       closeIfReady();
     }
     if (failure_) return Status::error(Code::kAborted, *failure_);
+    if (generation_ != generation) return reinitialized();
     return finishReply(true);
   }
 
   // The asynchronous modes.
   if (policy_.warmup_steps() > 0 && id != 0 && version_ < uint64_t(policy_.warmup_steps())) {
     // Worker 0 trains alone until version W; the others wait, then start from its parameters.
+    // A push is held for at most the timeout (the worker then pushes again and is held again), so
+    // that no call outlives the client's deadline; the held worker counts as heard from.
     auto progress = Clock::now();
     uint64_t seen = version_;
     while (version_ < uint64_t(policy_.warmup_steps()) && !failure_) {
       changed_.wait_for(lock, kTick);
+      if (generation_ != generation) return reinitialized();
+      const auto now = Clock::now();
+      me().lastSeen = now;
       if (version_ != seen) {
         seen = version_;
-        progress = Clock::now();
-      } else if (workers_[0].done || workers_[0].lost || Clock::now() - progress > limit) {
+        progress = now;
+      } else if (workers_[0].done || workers_[0].lost || now - progress > limit) {
         break;  // worker 0 will not finish the warm-up: go on without it
       }
+      if (now - arrived > limit) break;
     }
+    if (failure_) return Status::error(Code::kAborted, *failure_);
     dropped = "warmup";
     reply->set_staleness(tau());
     stats_.set_dropped_warmup(stats_.dropped_warmup() + 1);
@@ -386,20 +477,20 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
 
   if (policy_.mode() == "ssp") {
     // Held until this worker, about to start step clock+1, is at most S steps ahead of the slowest.
-    me.clock += 1;
+    me().clock += 1;
+    me().held = true;
     const int64_t bound = int64_t(policy_.staleness_bound());
     while (!failure_) {
       const auto now = Clock::now();
-      me.lastSeen = now;
+      me().lastSeen = now;
       markLostLocked(now);
-      const int64_t slowest = slowestClockLocked();
-      if (me.clock - slowest <= bound) {
-        stats_.set_max_clock_gap(std::max(stats_.max_clock_gap(), me.clock - std::min(slowest, me.clock)));
-        break;
-      }
+      if (me().clock - slowestClockLocked() <= bound) break;
       changed_.wait_for(lock, kTick);
+      if (generation_ != generation) return reinitialized();
     }
-    me.clock -= 1;  // finishReply counts it
+    me().held = false;
+    me().clock -= 1;  // finishReply counts it
+    if (failure_) return Status::error(Code::kAborted, *failure_);
   }
   return finishReply(dropped.empty());
 }
@@ -422,6 +513,11 @@ Status Shard::done(const wire::DoneRequest& request, wire::DoneReply* reply) {
 Status Shard::stats(const wire::StatsRequest& request, wire::StatsReply* reply) {
   if (Status s = checkProtocol(request.protocol()); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(mu_);
+  if (request.has_worker() && request.worker() < workers_.size()) {
+    Worker& w = workers_[request.worker()];  // waiting on the others, not lost
+    w.lastSeen = Clock::now();
+    w.lost = false;
+  }
   *reply = stats_;
   reply->set_initialized(initialized_);
   reply->set_version(version_);
@@ -493,7 +589,11 @@ void Shard::checkpointLocked() {
   *c.mutable_stats() = stats_;
   c.mutable_stats()->set_staleness_mean(stats_.applied() > 0 ? stalenessSum_ / double(stats_.applied()) : 0.0);
   std::string bytes;
-  c.SerializeToString(&bytes);
+  if (!c.SerializeToString(&bytes)) {
+    log("checkpoint failed, training goes on: the state of version " + std::to_string(version_) +
+        " could not be serialized (over 2 GiB?)");
+    return;
+  }
   try {
     store_->save(int64_t(version_), std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
     lastCheckpointVersion_ = version_;
@@ -503,12 +603,24 @@ void Shard::checkpointLocked() {
 }
 
 bool Shard::loadCheckpoint() {
-  auto loaded = store_->loadNewest([&](const std::string& m) { log(m); });
-  if (!loaded) return false;
+  // The newest one that reads and makes sense; an unusable one is named and the next tried.
+  for (const auto& file : store_->list()) {
+    std::vector<uint8_t> payload;
+    try {
+      payload = CheckpointStore::readVerified(file.path);
+    } catch (const Error& e) {
+      log(std::string(e.what()) + "; trying an older one");
+      continue;
+    }
+    if (restoreFrom(file.path, payload)) return true;
+  }
+  return false;
+}
+
+bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& bytes) {
   wire::ShardCheckpoint c;
-  const auto& bytes = loaded->payload;
   const auto corrupt = [&](const std::string& why) {
-    log(loaded->file.path + ": " + why + "; starting without it");
+    log(path + ": " + why + "; trying an older one");
     return false;
   };
   if (!c.ParseFromArray(bytes.data(), int(bytes.size()))) return corrupt("not a shard checkpoint");
@@ -545,7 +657,7 @@ bool Shard::loadCheckpoint() {
   stats_ = c.stats();
   stalenessSum_ = stats_.staleness_mean() * double(stats_.applied());
   initialized_ = true;
-  log("restored from " + loaded->file.path + " at version " + std::to_string(version_));
+  log("restored from " + path + " at version " + std::to_string(version_));
   return true;
 }
 

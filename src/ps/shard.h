@@ -96,13 +96,21 @@ class Shard {
   void maybeCheckpointLocked();
   void checkpointLocked();
   bool loadCheckpoint();
+  bool restoreFrom(const std::string& path, const std::vector<uint8_t>& bytes);
+  void recordClockGapLocked();
   void finishIfAllDoneLocked();
   void log(const std::string& message) const;
 
+  // Constant after construction.
   ShardOptions options_;
+  std::unique_ptr<CheckpointStore> store_;
+
+  // Everything below is guarded by mu_ (held pushes wait on changed_, which releases it).
   mutable std::mutex mu_;
   std::condition_variable changed_;
   bool initialized_ = false;
+  bool initSinceStart_ = false;  // an Init came since this process started (not only a restore)
+  uint64_t generation_ = 0;      // bumped by every Init: a held push under an older one gives up
   wire::Policy policy_;
   std::vector<wire::PieceSpec> pieces_;
   std::vector<float> values_;
@@ -116,7 +124,6 @@ class Shard {
   std::optional<std::string> failure_;
   bool finished_ = false;
   uint64_t lastCheckpointVersion_ = 0;
-  std::unique_ptr<CheckpointStore> store_;
   wire::StatsReply stats_;
   double stalenessSum_ = 0;
 };

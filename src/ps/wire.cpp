@@ -145,7 +145,11 @@ Status checkPolicy(const wire::Policy& p) {
   }
   if (!(p.lr() > 0) || !std::isfinite(p.lr())) return invalid("Init: lr must be positive");
   if (!(p.momentum() >= 0 && p.momentum() < 1)) return invalid("Init: momentum must be in [0, 1)");
-  if (!(p.timeout_s() > 0) || !std::isfinite(p.timeout_s())) return invalid("Init: timeout must be positive");
+  if (!(p.timeout_s() > 0) || !(p.timeout_s() <= 1e6)) return invalid("Init: timeout must be in (0, 1e6] s");
+  if (m == "ssp" && p.warmup_steps() > 0) {
+    // Workers held in warm-up would be the slowest, and hold worker 0 in turn.
+    return invalid("Init: warm-up steps cannot be combined with ssp: use async or softsync for a warm-up");
+  }
   if (p.warmup_steps() < 0 || p.checkpoint_every() < 0) return invalid("Init: negative step count");
   return Status::Ok();
 }

@@ -114,12 +114,9 @@ class PsStrategy final : public Strategy {
       shardPieces_[size_t(p.shard)].push_back(&p);
     }
     if (c_.rank == 0) initShards();
-    pullAll();
+    pullAll(/*initial=*/true);
     if (c_.resume) {
-      ps::wire::StatsRequest request;
-      request.set_protocol(ps::kProtocolVersion);
-      ps::wire::StatsReply reply;
-      check(clients_[0]->stats(request, &reply), c_.shards[0], "Stats");
+      ps::wire::StatsReply reply = statsOf(0);
       if (c_.rank < reply.clocks_size()) {
         resumeStep_ = reply.clocks(c_.rank);
         clock_ = *resumeStep_;
@@ -195,12 +192,22 @@ class PsStrategy final : public Strategy {
     return stats;
   }
 
-  void synchronize() override { pullAll(); }
+  // After finish() the shards may be gone: the parameters then are the last ones pulled.
+  void synchronize() override {
+    if (!finished_) pullAll();
+  }
 
   std::optional<int64_t> resumeStep() const override { return resumeStep_; }
 
+  // Ends this worker's conversation with the shards: the non-chief workers pull the final
+  // parameters and say Done; the chief first waits for the others, then pulls, reads the shards'
+  // record for its report, and says Done last. After this nothing is asked of the shards, so a
+  // final evaluation that takes longer than the timeout cannot make a shard count the chief lost
+  // and leave before the chief's questions.
   void finish() override {
     if (c_.rank != 0) {
+      pullAll();
+      finished_ = true;
       sayDone();
       return;
     }
@@ -215,9 +222,24 @@ class PsStrategy final : public Strategy {
                    "the other workers did not finish within ", 2 * c_.timeoutSeconds, " s of the chief");
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
+    pullAll();
+    report_ = gatherReport();
+    finished_ = true;
+    sayDone();
   }
 
   MetricFields report() override {
+    if (!lostWorkers_.empty()) {
+      std::string list;
+      for (auto w : lostWorkers_) list += (list.empty() ? "" : ", ") + std::to_string(w);
+      std::fprintf(stderr, "cohort: warning: worker %s stopped before the end; the others finished without it\n",
+                   list.c_str());
+    }
+    return report_;
+  }
+
+ private:
+  MetricFields gatherReport() {
     MetricFields fields;
     std::vector<int64_t> histogram, pushed, pulled, lostWorkers;
     int64_t appliedAll = 0, late = 0, stale = 0, warmup = 0, rejected = 0, unauth = 0, gap = 0;
@@ -261,17 +283,10 @@ class PsStrategy final : public Strategy {
               {"bytes_pushed_per_shard", pushed},
               {"bytes_pulled_per_shard", pulled},
               {"workers_lost", lostWorkers}};
-    if (!lostWorkers.empty()) {
-      std::string list;
-      for (auto w : lostWorkers) list += (list.empty() ? "" : ", ") + std::to_string(w);
-      std::fprintf(stderr, "cohort: warning: worker %s stopped before the end; the others finished without it\n",
-                   list.c_str());
-    }
-    sayDone();  // last, so the shards outlive the chief's questions
+    lostWorkers_ = lostWorkers;
     return fields;
   }
 
- private:
   template <typename R>
   static int64_t payloadBytes(const R& tensors) {
     int64_t n = 0;
@@ -282,6 +297,7 @@ class PsStrategy final : public Strategy {
   ps::wire::StatsReply statsOf(size_t s) {
     ps::wire::StatsRequest request;
     request.set_protocol(ps::kProtocolVersion);
+    request.set_worker(uint32_t(c_.rank));
     ps::wire::StatsReply reply;
     check(clients_[s]->stats(request, &reply), c_.shards[s], "Stats");
     return reply;
@@ -335,11 +351,12 @@ class PsStrategy final : public Strategy {
     });
   }
 
-  void pullAll() {
+  void pullAll(bool initial = false) {
     forEachShard(clients_.size(), [&](size_t s) {
       ps::wire::PullRequest request;
       request.set_protocol(ps::kProtocolVersion);
       request.set_worker(uint32_t(c_.rank));
+      request.set_initial(initial);
       ps::wire::PullReply reply;
       check(clients_[s]->pull(request, &reply), c_.shards[s], "Pull");
       load(s, reply.version(), reply.values());
@@ -375,6 +392,9 @@ class PsStrategy final : public Strategy {
   int64_t samplesSeen_ = 0;
   std::optional<int64_t> resumeStep_;
   bool saidDone_ = false;
+  bool finished_ = false;  // finish() ran: the shards are no longer asked anything
+  MetricFields report_;    // the chief's, gathered in finish()
+  std::vector<int64_t> lostWorkers_;
 };
 
 }  // namespace
