@@ -441,14 +441,29 @@ TEST(PsShard, ARetriedPushIsNotCountedTwice) {
   EXPECT_EQ(f.stats().dropped_duplicate(), 1);
 }
 
+// An Init of one piece, all zeros.
+wire::InitRequest initOf(const wire::Policy& p, const wire::PieceSpec& piece, bool resume) {
+  wire::InitRequest init;
+  init.set_protocol(kProtocolVersion);
+  *init.mutable_policy() = p;
+  *init.add_pieces() = piece;
+  std::vector<float> values(piece.numel(), 0.0f);
+  setTensor(init.add_values(), piece, values.data());
+  init.set_resume(resume);
+  return init;
+}
+
+// A shard that took one step and checkpointed it, then went away (as a killed one does).
+void checkpointOneStep(const wire::Policy& p, const std::string& dir) {
+  Fixture f(p, 4, 1.0f, dir);
+  f.push(0, 0, 1.0f);
+  f.shard->checkpoint();
+}
+
 TEST(PsShard, ARestoredShardServesAFirstPullOnlyAfterAnInit) {
   test::TempDir dir;
   auto p = policy("async", 2);
-  {
-    Fixture f(p, 4, 1.0f, dir.path());
-    f.push(0, 0, 1.0f);
-    f.shard->checkpoint();
-  }
+  checkpointOneStep(p, dir.path());
   // Restarted with the directory of an earlier run: a new job's first pull must wait for its
   // chief, but a running job's later pulls are served (that is how it rides out a restart).
   Shard restored(ShardOptions{.name = "again", .checkpointDir = dir.path(), .log = [](const std::string&) {}});
@@ -466,27 +481,17 @@ TEST(PsShard, ARestoredShardServesAFirstPullOnlyAfterAnInit) {
 TEST(PsShard, ResumeRefusesToDeleteCheckpointsItCannotRead) {
   test::TempDir dir;
   auto p = policy("async", 1);
-  {
-    Fixture f(p, 4, 1.0f, dir.path());
-    f.push(0, 0, 1.0f);
-    f.shard->checkpoint();
-  }
+  checkpointOneStep(p, dir.path());
   // The only checkpoint is made unreadable: a --resume Init must not start afresh over it.
   const auto files = CheckpointStore(dir.path(), "shard").list();
   ASSERT_EQ(files.size(), 1u);
   { std::ofstream(files[0].path, std::ios::binary | std::ios::trunc) << "garbage"; }
   Shard shard(ShardOptions{.name = "again", .checkpointDir = dir.path(), .log = [](const std::string&) {}});
-  wire::InitRequest init;
-  init.set_protocol(kProtocolVersion);
-  *init.mutable_policy() = p;
   wire::PieceSpec piece;
   piece.set_key(7);
   piece.set_name("w");
   piece.set_numel(4);
-  *init.add_pieces() = piece;
-  std::vector<float> values(4, 0.0f);
-  setTensor(init.add_values(), piece, values.data());
-  init.set_resume(true);
+  wire::InitRequest init = initOf(p, piece, true);
   wire::InitReply reply;
   Status s = shard.init(init, &reply);
   EXPECT_EQ(s.code, Code::kFailedPrecondition);
@@ -500,13 +505,7 @@ TEST(PsShard, ResumeWithAnotherOptimizerIsRefused) {
   Fixture f(p, 4, 1.0f, dir.path());
   auto other = p;
   other.set_optimizer("adam");
-  wire::InitRequest init;
-  init.set_protocol(kProtocolVersion);
-  *init.mutable_policy() = other;
-  *init.add_pieces() = f.piece;
-  std::vector<float> values(4, 0.0f);
-  setTensor(init.add_values(), f.piece, values.data());
-  init.set_resume(true);
+  wire::InitRequest init = initOf(other, f.piece, true);
   wire::InitReply reply;
   Status s = f.shard->init(init, &reply);
   EXPECT_EQ(s.code, Code::kFailedPrecondition);
@@ -550,12 +549,7 @@ TEST(PsShard, AnInitWhileAPushIsHeldAbortsThatPush) {
   auto one = std::async(std::launch::async, [&] { return f.push(0, 0, 1.0f, &held); });
   EXPECT_EQ(one.wait_for(200ms), std::future_status::timeout);
   // A new job's chief re-initializes with three workers (workers_ is replaced under the push).
-  wire::InitRequest init;
-  init.set_protocol(kProtocolVersion);
-  *init.mutable_policy() = policy("sync", 3);
-  *init.add_pieces() = f.piece;
-  std::vector<float> values(4, 0.0f);
-  setTensor(init.add_values(), f.piece, values.data());
+  wire::InitRequest init = initOf(policy("sync", 3), f.piece, false);
   wire::InitReply reply;
   ASSERT_TRUE(f.shard->init(init, &reply).ok());
   one.get();
