@@ -46,8 +46,17 @@ TEST_P(Equivalence, NWorkersEqualOneWorkerWithNTimesTheBatch) {
                                     std::to_string(b) + " " + scheme.flags + " --save-model " + dir.file("multi.pt"),
                                 180);
   ASSERT_EQ(multi.exitCode, 0) << multi.output;
-  const double diff = maxDifference(loadParameters(dir.file("single.pt")), loadParameters(dir.file("multi.pt")));
-  EXPECT_LT(diff, 1e-5) << scheme.name << " with " << n << " workers";
+  const auto one = loadParameters(dir.file("single.pt"));
+  const auto many = loadParameters(dir.file("multi.pt"));
+  // The same computation in another summation order differs in the last bits, and a ReLU whose
+  // input sits that close to zero can flip for one example and move a few hundred elements by
+  // ~1e-4 a few steps later (seen for average with 3 workers on an AMD EPYC, where allreduce
+  // happened to match to 1e-8). A wrong scheme moves nearly every element, so: almost all
+  // elements within 1e-5, and none far off.
+  const double diff = maxDifference(one, many);
+  EXPECT_LT(diff, 1e-3) << scheme.name << " with " << n << " workers";
+  EXPECT_LT(test::fractionDifferent(one, many, 1e-5), 0.01) << scheme.name << " with " << n << " workers, max "
+                                                             << diff;
   // Something did change: the comparison is not between two untouched initializations.
   torch::manual_seed(1);
   auto init = makeModel("mlp", {});

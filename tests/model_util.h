@@ -27,4 +27,16 @@ inline double maxDifference(const std::vector<torch::Tensor>& a, const std::vect
   return worst;
 }
 
+// The fraction of elements whose difference exceeds `tolerance`.
+inline double fractionDifferent(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
+                                double tolerance) {
+  EXPECT_EQ(a.size(), b.size());
+  double over = 0, all = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    over += (a[i] - b[i]).abs().gt(tolerance).sum().item<double>();
+    all += double(a[i].numel());
+  }
+  return all > 0 ? over / all : 0.0;
+}
+
 }  // namespace cohort::test
