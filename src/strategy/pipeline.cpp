@@ -72,7 +72,13 @@ std::optional<Manifest> readManifest(const std::string& path) {
   }
   COHORT_CHECK(m.stages > 0 && !cut.empty(), IoError, path, ": not a pipeline manifest");
   std::stringstream items(cut);
-  for (std::string item; std::getline(items, item, ',');) m.counts.push_back(std::stoi(item));
+  for (std::string item; std::getline(items, item, ',');) {
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    COHORT_CHECK(end != item.c_str() && *end == '\0' && v > 0, IoError, path, ": not a pipeline manifest (cut ",
+                 cut, ")");
+    m.counts.push_back(int(v));
+  }
   return m;
 }
 
