@@ -72,7 +72,11 @@ class Strategy {
 
   virtual DataShard dataShard() const { return {replica().rank, replica().worldSize}; }
 
-  virtual CheckpointPlan checkpointPlan() const { return {.writes = replica().isChief()}; }
+  virtual CheckpointPlan checkpointPlan() const {
+    CheckpointPlan plan;
+    plan.writes = replica().isChief();
+    return plan;
+  }
 
   // What a checkpoint must agree on beyond the run's options (pipeline: the stage and the cut).
   virtual std::string layout() const { return ""; }

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 namespace cohort {
@@ -351,6 +352,33 @@ StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
   std::vector<CommWork> sends;
   double idle = 0;
   double lossSum = 0;
+  // Receives are posted one micro-batch ahead in each direction (both schedules consume
+  // micro-batches in order), so a message that arrives early finds its buffer waiting; at most
+  // one extra buffer per direction, which keeps 1F1B's memory bound.
+  struct Posted {
+    torch::Tensor buffer;
+    CommWork work;
+  };
+  std::map<int, Posted> activations;
+  std::map<int, Posted> gradients;
+  auto post = [&](std::map<int, Posted>& posted, int i, bool forward) {
+    if (i >= M || posted.count(i) > 0) return;
+    const auto& shape = forward ? inShape_ : outShape_;
+    auto buffer = torch::empty(withBatch(size[size_t(i)], shape), torch::TensorOptions().dtype(forward ? inType_ : outType_));
+    CommWork work = comm_->recvAsync(buffer, forward ? prevRank() : nextRank(), 2 * i + (forward ? 0 : 1));
+    posted[i] = Posted{buffer, work};
+  };
+  // The buffer of micro-batch i, once it arrived; the time blocked is idle time.
+  auto take = [&](std::map<int, Posted>& posted, int i, bool forward) {
+    post(posted, i, forward);
+    Posted p = std::move(posted[i]);
+    posted.erase(i);
+    post(posted, i + 1, forward);
+    idle += p.work.wait();
+    return p.buffer;
+  };
+  if (!first()) post(activations, 0, true);
+  if (!last()) post(gradients, 0, false);
   int64_t live = 0;
   int64_t peak = 0;
   for (const PipeOp& op : makeSchedule(schedule_, options_.stages, stage_, M)) {
@@ -360,8 +388,7 @@ StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
       if (first()) {
         h.input = batch.inputs.narrow(0, offset[size_t(op.micro)], m);
       } else {
-        h.input = torch::empty(withBatch(m, inShape_), torch::TensorOptions().dtype(inType_));
-        idle += comm_->recvAsync(h.input, prevRank(), 2 * op.micro).wait();
+        h.input = take(activations, op.micro, true);
         if (h.input.is_floating_point()) h.input.requires_grad_(true);
       }
       h.output = forwardCounting(h.input, &h.bytes);
@@ -379,8 +406,7 @@ StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
       if (last()) {
         if (h.output.requires_grad()) h.output.backward();
       } else {
-        auto grad = torch::empty(withBatch(m, outShape_), torch::TensorOptions().dtype(outType_));
-        idle += comm_->recvAsync(grad, nextRank(), 2 * op.micro + 1).wait();
+        auto grad = take(gradients, op.micro, false);
         if (h.output.requires_grad()) h.output.backward(grad);
       }
       if (!first() && h.input.requires_grad()) {
