@@ -7,3 +7,4 @@ here=$(cd "$(dirname "$0")" && pwd)
 /usr/bin/python3 "$here/accuracy.py" --build "$build"
 /usr/bin/python3 "$here/dataparallel.py" --build "$build"
 /usr/bin/python3 "$here/ps.py" --build "$build"
+/usr/bin/python3 "$here/pipeline.py" --build "$build"

@@ -92,6 +92,34 @@ TEST_P(RingTest, SendAndReceiveAroundARing) {
   });
 }
 
+// Four ranks as a 2 x 2 grid: groups {0, 2} and {1, 3} reduce alone, point to point in a group
+// uses group ranks, and the whole job's group still works beside them.
+TEST(Communicator, SplitGroupsWorkSideBySideWithTheJob) {
+  onRanks(4, [&](Communicator& comm) {
+    const int column = comm.rank() % 2;
+    auto group = comm.split({column, column + 2}, "column-" + std::to_string(column));
+    EXPECT_EQ(group->worldSize(), 2);
+    EXPECT_EQ(group->rank(), comm.rank() / 2);
+    auto t = torch::full({10}, float(comm.rank()));
+    auto inGroup = group->allreduceAsync(t.clone());
+    auto all = torch::ones({3});
+    comm.allreduce(all);
+    auto sum = t.clone();
+    group->allreduce(sum);
+    EXPECT_TRUE(torch::all(sum == float(2 * column + 2)).item<bool>());
+    EXPECT_TRUE(torch::all(all == 4.0f).item<bool>());
+    inGroup.wait();
+    auto got = torch::empty({4});
+    if (group->rank() == 0) {
+      group->send(torch::full({4}, float(comm.rank())), 1, 3);
+    } else {
+      group->recv(got, 0, 3);
+      EXPECT_TRUE(torch::all(got == float(column)).item<bool>());
+    }
+    EXPECT_THROW(comm.split({(comm.rank() + 1) % 4}, "without me"), InvalidArgument);
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, CommunicatorTest, ::testing::Values(1, 2, 3));
 INSTANTIATE_TEST_SUITE_P(Worlds, RingTest, ::testing::Values(2, 3));
 

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -82,6 +83,17 @@ class Communicator {
   CommWork recvAsync(torch::Tensor tensor, int src, int tag = 0);
   void send(torch::Tensor tensor, int dst, int tag = 0) { sendAsync(std::move(tensor), dst, tag).wait(); }
   void recv(torch::Tensor tensor, int src, int tag = 0) { recvAsync(std::move(tensor), src, tag).wait(); }
+
+  // A communicator over a subset of the job's ranks (c10d's new_group): its own Gloo group,
+  // rendezvoused through the same store under a prefix made from `name`. Only the ranks in
+  // `ranks` call it, each with the same list and name; rank() in the result is the index in
+  // `ranks`. It shares this communicator's heartbeats, timeout and byte counters, and its errors
+  // name ranks of the whole job. Throws InvalidArgument when this rank is not in `ranks`.
+  std::shared_ptr<Communicator> split(const std::vector<int>& ranks, const std::string& name);
+
+  // How errors describe a rank of the whole job (default: "rank R"), e.g. "rank 3 (stage 1 of
+  // replica 1)". Set once, before any operation.
+  void setRankNames(std::function<std::string(int rank)> describe);
 
   CommCounters counters() const;
   const CommOptions& options() const;

@@ -11,7 +11,7 @@
 
 namespace cohort {
 
-using MetricValue = std::variant<int64_t, double, std::string, bool, std::vector<int64_t>>;
+using MetricValue = std::variant<int64_t, double, std::string, bool, std::vector<int64_t>, std::vector<double>>;
 using MetricFields = std::vector<std::pair<std::string, MetricValue>>;
 
 // Formats one JSON line (no newline): {"event":event, fields...}, in the order given.

@@ -31,11 +31,28 @@ struct StepStats {
   MetricFields extra;              // scheme-specific fields for the step event (ps: staleness)
 };
 
-// Where this process stands among the replicas.
+// Where this process stands in the job. The chief (rank 0) evaluates, logs and reports.
 struct ReplicaInfo {
   int rank = 0;
   int worldSize = 1;
   bool isChief() const { return rank == 0; }
+};
+
+// The part of the training data a process reads: shard `index` of `count` (ShardSampler).
+struct DataShard {
+  int index = 0;
+  int count = 1;
+};
+
+class Communicator;
+
+// Who keeps checkpoints, and where.
+struct CheckpointPlan {
+  bool writes = false;  // this process reads and writes checkpoints
+  std::string subdir;   // under --checkpoint-dir; "" for the directory itself
+  // The processes that restore from the same checkpoint; its rank 0 (a writer) reads it and sends
+  // it to the others on --resume. Null: the job's communicator, if any.
+  std::shared_ptr<Communicator> group;
 };
 
 class Strategy {
@@ -44,6 +61,34 @@ class Strategy {
 
   virtual std::string name() const = 0;
   virtual ReplicaInfo replica() const = 0;
+
+  // The hooks below tell the Trainer how this scheme maps processes onto the model and the data;
+  // the defaults are data parallelism's: every process holds the whole model, reads its own
+  // shard, and the chief alone evaluates and checkpoints.
+
+  // Once, before the optimizer is made: the layers this process trains (pipeline: its stage).
+  // `sample` is a batch of training data (for shapes, and for timing layers).
+  virtual torch::nn::Sequential localModel(torch::nn::Sequential model, const Batch& sample) { return model; }
+
+  virtual DataShard dataShard() const { return {replica().rank, replica().worldSize}; }
+
+  virtual CheckpointPlan checkpointPlan() const {
+    CheckpointPlan plan;
+    plan.writes = replica().isChief();
+    return plan;
+  }
+
+  // What a checkpoint must agree on beyond the run's options (pipeline: the stage and the cut).
+  virtual std::string layout() const { return ""; }
+
+  // Whether this process takes part in evaluation; the chief always does.
+  virtual bool joinsEvaluation() const { return replica().isChief(); }
+
+  // Inference on the whole model for evaluation, called by every process that joins it, with the
+  // same inputs; returns the outputs on the chief (others may get an undefined tensor).
+  virtual torch::Tensor infer(torch::nn::Sequential& model, const torch::Tensor& inputs) {
+    return model->forward(inputs);
+  }
 
   // Once, before training: make every replica start from the same parameters.
   virtual void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) = 0;
@@ -68,7 +113,10 @@ class Strategy {
 
 // Options of every scheme; each strategy reads the ones it needs.
 struct StrategyOptions {
-  std::string name = "local";  // local | allreduce | average
+  std::string name = "local";  // local | allreduce | average | pipeline
+  // The Trainer's, for schemes that keep records next to its checkpoints (pipeline: the manifest).
+  std::string checkpointDir;
+  bool resume = false;
   // allreduce
   double bucketMb = 25.0;
   double firstBucketMb = 1.0;
@@ -94,9 +142,15 @@ struct StrategyOptions {
     int slowRank = -1;        // test hook: this worker sleeps slowSeconds per step
     double slowSeconds = 0;
   } ps;
+  // pipeline (see strategy/pipeline.h)
+  struct Pipeline {
+    int stages = 2;
+    int replicas = 1;
+    int microBatches = 4;
+    std::string schedule = "1f1b";   // gpipe | 1f1b
+    std::string partition = "auto";  // auto | L1,L2,... (layers per stage)
+  } pipeline;
 };
-
-class Communicator;
 
 // `comm` is the job's communicator, null for a single process. Throws InvalidArgument for an
 // unknown scheme, or one that cannot run with this communicator.

@@ -80,7 +80,7 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--data", o.data, "fashion-mnist, mnist:DIR or synthetic[:N]")->capture_default_str();
   train->add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str();
   train->add_option("--steps", o.steps, "Steps to train in all (overrides --epochs)");
-  train->add_option("--batch", o.batch, "Batch size per worker")->capture_default_str();
+  train->add_option("--batch", o.batch, "Batch size per worker (pipeline: per replica)")->capture_default_str();
   train->add_option("--lr", o.lr, "Learning rate")->capture_default_str();
   train->add_option("--optimizer", o.optimizer, "sgd, momentum or adam")->capture_default_str();
   train->add_option("--momentum", o.momentum, "Momentum of the momentum optimizer")->capture_default_str();
@@ -102,8 +102,8 @@ Run addTrainCommand(CLI::App& app) {
                     "Save the trained model here (torch::save); with {rank} in the path every rank saves");
   train->add_option("--timeout", o.timeoutSeconds, "Seconds to wait for a peer before failing")
       ->capture_default_str();
-  train->add_option("--strategy", o.strategy.name, "local, allreduce, average or ps")
-      ->check(CLI::IsMember({"local", "allreduce", "average", "ps"}))
+  train->add_option("--strategy", o.strategy.name, "local, allreduce, average, ps or pipeline")
+      ->check(CLI::IsMember({"local", "allreduce", "average", "ps", "pipeline"}))
       ->capture_default_str();
   auto* dp = "Data parallelism";
   train->add_option("--bucket-mb", o.strategy.bucketMb, "allreduce: gradient bucket size in MB")
@@ -116,6 +116,22 @@ Run addTrainCommand(CLI::App& app) {
       ->group(dp)->capture_default_str();
   train->add_flag("--average-optimizer-state", o.strategy.averageOptimizerState,
                   "average: average momentum / Adam state too")->group(dp);
+
+  auto* mp = "Model parallelism (--strategy pipeline; cohort launch -n STAGES*REPLICAS)";
+  auto& pl = o.strategy.pipeline;
+  train->add_option("--stages", pl.stages, "Cut the model into S stages, one per process (rank = replica*S + stage)")
+      ->group(mp)->capture_default_str();
+  train->add_option("--replicas", pl.replicas,
+                    "R copies of the pipeline, data-parallel: each stage averages its gradients with its copies")
+      ->group(mp)->capture_default_str();
+  train->add_option("--micro-batches", pl.microBatches, "Split each batch into M micro-batches")
+      ->group(mp)->capture_default_str();
+  train->add_option("--schedule", pl.schedule,
+                    "gpipe (all forwards, then all backwards) or 1f1b (at most S micro-batches held per stage)")
+      ->check(CLI::IsMember({"gpipe", "1f1b"}))->group(mp)->capture_default_str();
+  train->add_option("--partition", pl.partition,
+                    "auto (balance measured forward+backward time per layer) or L1,L2,... layers per stage")
+      ->group(mp)->capture_default_str();
 
   auto* psGroup = "Parameter server (--strategy ps)";
   auto& p = o.strategy.ps;

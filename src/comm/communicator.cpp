@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <cstring>
@@ -41,8 +42,13 @@ int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.e
 }  // namespace
 
 struct Communicator::Impl {
-  int rank = 0;
+  int rank = 0;  // in this group
   int size = 1;
+  // A sub-group's ranks in the whole job, and the whole job's communicator, which keeps the
+  // heartbeats and the counters. Both empty for the whole job.
+  std::vector<int> members;
+  std::shared_ptr<Impl> world;
+  std::function<std::string(int)> rankName;  // of the whole job's; set before any operation
   CommOptions options;
   HostPort master;
   c10::intrusive_ptr<c10d::TCPStore> store;
@@ -61,9 +67,17 @@ struct Communicator::Impl {
   std::atomic<int64_t> bytesReceived{0};
   std::atomic<int64_t> waitNanos{0};
 
+  Impl& root() { return world ? *world : *this; }
+  int jobRank(int groupRank) const { return members.empty() ? groupRank : members[size_t(groupRank)]; }
+  std::string describeRank(int groupRank) {
+    const int r = jobRank(groupRank);
+    if (root().rankName) return root().rankName(r);
+    return "rank " + std::to_string(r);
+  }
+
   void count(int64_t sent, int64_t received) {
-    bytesSent += sent;
-    bytesReceived += received;
+    root().bytesSent += sent;
+    root().bytesReceived += received;
   }
 
   void beat() {
@@ -93,7 +107,9 @@ struct Communicator::Impl {
     return out;
   }
 
+  // Ranks of the whole job.
   std::vector<int> lostRanks() {
+    if (world) return world->lostRanks();
     auto before = readHeartbeats();
     if (!before) return {0};  // the chief hosts the store
     std::this_thread::sleep_for(kHeartbeatPeriod * 3);
@@ -111,11 +127,12 @@ struct Communicator::Impl {
     const std::string what = firstLine(e.what());
     const bool timedOut = what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
     std::string who;
+    Impl& job = root();
     for (int r : lostRanks()) {
-      who += (who.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) +
+      who += (who.empty() ? "" : ", ") + job.describeRank(r) +
              (r == 0 ? " (the chief, which hosts the rendezvous store)" : "");
     }
-    std::string message = "rank " + std::to_string(rank) + ": " + op + " failed";
+    std::string message = describeRank(rank) + ": " + op + " failed";
     if (!who.empty()) message += ": lost " + who + ", whose heartbeat stopped";
     message += " (" + what + ")";
     if (timedOut && who.empty()) {
@@ -157,7 +174,7 @@ double CommWork::wait() {
   }
   impl_->waited = true;
   const auto waited = Clock::now() - start;
-  impl_->comm->waitNanos += std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
+  impl_->comm->root().waitNanos += std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
   return std::chrono::duration<double>(waited).count();
 }
 
@@ -207,13 +224,43 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
 }
 
+std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks, const std::string& name) {
+  const int self = impl_->jobRank(impl_->rank);
+  const auto at = std::find(ranks.begin(), ranks.end(), self);
+  COHORT_CHECK(at != ranks.end(), InvalidArgument, "rank ", self, " is not in the group '", name,
+               "' it was asked to join");
+  auto sub = std::make_shared<Impl>();
+  sub->rank = int(at - ranks.begin());
+  sub->size = int(ranks.size());
+  sub->options = impl_->options;
+  sub->master = impl_->master;
+  sub->store = impl_->store;
+  sub->world = impl_->world ? impl_->world : impl_;
+  for (int r : ranks) sub->members.push_back(impl_->members.empty() ? r : impl_->members[size_t(r)]);
+  try {
+    auto groupOptions = c10d::ProcessGroupGloo::Options::create(impl_->options.timeout);
+    groupOptions->devices.push_back(makeDevice(impl_->master.host));
+    groupOptions->threads = impl_->options.glooThreads;
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("cohort/group/" + name, impl_->store);
+    sub->group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, sub->rank, sub->size, groupOptions);
+  } catch (const std::exception& e) {
+    sub->fail("forming the group '" + name + "'", e);
+  }
+  return std::shared_ptr<Communicator>(new Communicator(std::move(sub)));
+}
+
+void Communicator::setRankNames(std::function<std::string(int)> describe) {
+  impl_->root().rankName = std::move(describe);
+}
+
 int Communicator::rank() const { return impl_->rank; }
 int Communicator::worldSize() const { return impl_->size; }
 const CommOptions& Communicator::options() const { return impl_->options; }
 std::vector<int> Communicator::lostRanks() { return impl_->lostRanks(); }
 
 CommCounters Communicator::counters() const {
-  return {impl_->bytesSent.load(), impl_->bytesReceived.load(), double(impl_->waitNanos.load()) * 1e-9};
+  const Impl& job = impl_->root();
+  return {job.bytesSent.load(), job.bytesReceived.load(), double(job.waitNanos.load()) * 1e-9};
 }
 
 namespace {
@@ -299,7 +346,7 @@ void Communicator::barrier() {
 CommWork Communicator::sendAsync(torch::Tensor tensor, int dst, int tag) {
   COHORT_CHECK(tensor.is_contiguous(), InvalidArgument, "send needs a contiguous tensor");
   std::vector<torch::Tensor> tensors{tensor};
-  CommWork work = start(impl_, "send to rank " + std::to_string(dst),
+  CommWork work = start(impl_, "send to " + impl_->describeRank(dst),
                         [&] { return impl_->group->send(tensors, dst, tag); }, tensors);
   impl_->count(nbytes(tensor), 0);
   return work;
@@ -308,7 +355,7 @@ CommWork Communicator::sendAsync(torch::Tensor tensor, int dst, int tag) {
 CommWork Communicator::recvAsync(torch::Tensor tensor, int src, int tag) {
   COHORT_CHECK(tensor.is_contiguous(), InvalidArgument, "recv needs a contiguous tensor");
   std::vector<torch::Tensor> tensors{tensor};
-  CommWork work = start(impl_, "receive from rank " + std::to_string(src),
+  CommWork work = start(impl_, "receive from " + impl_->describeRank(src),
                         [&] { return impl_->group->recv(tensors, src, tag); }, tensors);
   impl_->count(0, nbytes(tensor));
   return work;

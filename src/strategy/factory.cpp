@@ -5,6 +5,7 @@
 #include "strategy/allreduce.h"
 #include "strategy/average.h"
 #include "strategy/local.h"
+#include "strategy/pipeline.h"
 
 namespace cohort {
 
@@ -23,7 +24,10 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, std::shar
         std::move(comm), AverageOptions{.period = options.period,
                                         .averageOptimizerState = options.averageOptimizerState});
   }
-  throw InvalidArgument("unknown strategy '" + options.name + "': expected local, allreduce or average");
+  if (options.name == "pipeline") {
+    return std::make_unique<PipelineStrategy>(std::move(comm), options.pipeline, options.checkpointDir, options.resume);
+  }
+  throw InvalidArgument("unknown strategy '" + options.name + "': expected local, allreduce, average or pipeline");
 }
 
 }  // namespace cohort

@@ -52,11 +52,12 @@ torch::Tensor crossEntropy(const torch::Tensor& output, const torch::Tensor& tar
 }
 
 // What a checkpoint must agree on with the run that resumes it.
-std::string fingerprint(const TrainOptions& o, const ReplicaInfo& r) {
+std::string fingerprint(const TrainOptions& o, const ReplicaInfo& r, const std::string& layout) {
   std::ostringstream out;
   out << "model=" << o.model << " data=" << o.data << " batch=" << o.batch
       << " optimizer=" << o.optimizer << " strategy=" << o.strategy.name
       << " workers=" << r.worldSize << " seed=" << o.seed;
+  if (!layout.empty()) out << " " << layout;
   return out.str();
 }
 
@@ -105,7 +106,8 @@ struct Trainer::State {
   std::shared_ptr<Communicator> comm;  // null for a single process
   std::unique_ptr<Strategy> strategy;
   std::unique_ptr<ShardSampler> sampler;
-  std::unique_ptr<CheckpointStore> checkpoints;
+  CheckpointPlan checkpointPlan;
+  std::unique_ptr<CheckpointStore> checkpoints;  // on the processes that write checkpoints
   std::unique_ptr<MetricsWriter> metrics;
   ReplicaInfo replica;
   int64_t step = 0;         // steps completed
@@ -125,7 +127,7 @@ struct Trainer::State {
     archive.write("step", c10::IValue(step));
     archive.write("epoch", c10::IValue(epoch));
     archive.write("step_in_epoch", c10::IValue(stepInEpoch));
-    archive.write("fingerprint", c10::IValue(fingerprint(options, replica)));
+    archive.write("fingerprint", c10::IValue(fingerprint(options, replica, strategy->layout())));
     {
       auto gen = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(gen.mutex());
@@ -150,7 +152,7 @@ struct Trainer::State {
     } catch (const c10::Error& e) {
       throw IoError(path + ": checkpoint payload is unreadable");
     }
-    const std::string expected = fingerprint(options, replica);
+    const std::string expected = fingerprint(options, replica, strategy->layout());
     COHORT_CHECK(value.toStringRef() == expected, InvalidArgument, path,
                  ": checkpoint is from a different run (", value.toStringRef(), "; this run: ",
                  expected, "): use another --checkpoint-dir or the same settings");
@@ -178,23 +180,35 @@ struct Trainer::State {
     }
   }
 
-  // The chief reads the checkpoint and sends it to every worker, so all resume alike even when
-  // only the chief can see the checkpoint directory.
+  // The writer (the chief) reads the checkpoint and sends it to the processes that restore the
+  // same model (every worker), so all resume alike even when only it can see the directory.
   void resume() {
     std::vector<uint8_t> payload;
     std::string path;
-    if (replica.isChief()) {
+    if (checkpointPlan.writes) {
       if (auto loaded = loadChiefCheckpoint()) {
         payload = std::move(loaded->payload);
         path = loaded->file.path;
       }
     }
-    if (comm) payload = comm->broadcastBytes(payload, 0);
-    if (payload.empty()) return;
-    restore(LoadedCheckpoint{{path.empty() ? "the chief's checkpoint" : path, 0}, std::move(payload)});
-    if (replica.isChief()) {
-      std::fprintf(stderr, "cohort: resumed from %s (step %lld, epoch %lld)\n", path.c_str(), (long long)step,
-                   (long long)epoch + 1);
+    Communicator* group = checkpointPlan.group ? checkpointPlan.group.get() : comm.get();
+    if (group != nullptr) payload = group->broadcastBytes(payload, 0);
+    if (!payload.empty()) {
+      restore(LoadedCheckpoint{{path.empty() ? "the chief's checkpoint" : path, 0}, std::move(payload)});
+      if (checkpointPlan.writes) {
+        std::fprintf(stderr, "cohort: resumed from %s (step %lld, epoch %lld)\n", path.c_str(), (long long)step,
+                     (long long)epoch + 1);
+      }
+    }
+    // Processes that restored different checkpoints (pipeline stages) must be at the same step.
+    if (comm && checkpointPlan.group) {
+      auto steps = comm->allgather(torch::tensor({step}, torch::kInt64));
+      for (size_t r = 0; r < steps.size(); ++r) {
+        COHORT_CHECK(steps[r].item<int64_t>() == step, InvalidArgument, "--resume: rank ", r, " restored step ",
+                     steps[r].item<int64_t>(), " but rank ", replica.rank, " step ", step, " (checkpoints under ",
+                     options.checkpointDir, " were written at different steps, e.g. a save was interrupted): "
+                     "remove the newer files so that every part ends at the same step");
+      }
     }
   }
 
@@ -214,7 +228,7 @@ struct Trainer::State {
 
   void saveCheckpoint() {
     strategy->synchronize();
-    if (!replica.isChief() || !checkpoints) return;
+    if (!checkpoints) return;
     checkpoints->save(step, serialize());
   }
 
@@ -223,6 +237,8 @@ struct Trainer::State {
     double loss = 0;
   };
 
+  // On every process that joins evaluation (strategy->joinsEvaluation()); the result is the
+  // chief's.
   Eval evaluate() {
     torch::NoGradGuard noGrad;
     model->eval();
@@ -236,7 +252,8 @@ struct Trainer::State {
       idx.resize(size_t(count));
       std::iota(idx.begin(), idx.end(), start);
       Batch batch = makeBatch(test, idx);
-      auto out = model->forward(batch.inputs);
+      auto out = strategy->infer(model, batch.inputs);
+      if (!out.defined()) continue;  // the chief has the outputs
       lossSum += torch::nn::functional::cross_entropy(
                      out, batch.targets,
                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
@@ -284,21 +301,37 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
                  " trains in one process, but this is ", describe(s.cluster),
                  ": choose a distributed --strategy (allreduce, average)");
   }
-  if (!s.strategy) s.strategy = makeStrategy(o.strategy, s.comm);
+  if (!s.strategy) {
+    StrategyOptions so = o.strategy;
+    so.checkpointDir = o.checkpointDir;
+    so.resume = o.resume;
+    s.strategy = makeStrategy(so, s.comm);
+  }
   s.replica = s.strategy->replica();
   s.data = loadData(o.data, o.seed);
   s.model = makeModel(o.model, {s.data.channels(), s.data.height(), s.data.width(), s.data.classes});
   s.model->train();
+  COHORT_CHECK(s.data.train.size() > 0, InvalidArgument, "the training set is empty");
+  {
+    std::vector<int64_t> first(size_t(std::min(o.batch, s.data.train.size())));
+    std::iota(first.begin(), first.end(), 0);
+    s.model = s.strategy->localModel(s.model, makeBatch(s.data.train, first));
+  }
   s.optimizer = makeOptimizer(o, s.model->parameters());
+  const DataShard shard = s.strategy->dataShard();
   s.sampler = std::make_unique<ShardSampler>(SamplerOptions{.datasetSize = s.data.train.size(),
-                                                            .rank = s.replica.rank,
-                                                            .worldSize = s.replica.worldSize,
+                                                            .rank = shard.index,
+                                                            .worldSize = shard.count,
                                                             .seed = o.seed});
   COHORT_CHECK(s.sampler->samplesPerRank() > 0, InvalidArgument, "the training set is empty");
-  // Only the chief reads and writes checkpoints; under ps the shards checkpoint the parameters.
+  // The chief (pipeline: each stage of replica 0) reads and writes checkpoints; under ps the
+  // shards checkpoint the parameters.
   const bool serverCheckpoints = o.strategy.name == "ps";
-  if (!o.checkpointDir.empty() && s.replica.isChief() && !serverCheckpoints) {
-    s.checkpoints = std::make_unique<CheckpointStore>(o.checkpointDir);
+  s.checkpointPlan = s.strategy->checkpointPlan();
+  if (!o.checkpointDir.empty() && s.checkpointPlan.writes && !serverCheckpoints) {
+    const std::string dir =
+        s.checkpointPlan.subdir.empty() ? o.checkpointDir : o.checkpointDir + "/" + s.checkpointPlan.subdir;
+    s.checkpoints = std::make_unique<CheckpointStore>(dir);
   }
   if (o.resume && !serverCheckpoints) s.resume();
   // attach after resume: it makes every replica start from the chief's (restored) parameters.
@@ -375,7 +408,11 @@ TrainResult Trainer::run() {
   // decision to stop is sent to all.
   auto runEval = [&]() {
     s.strategy->synchronize();
-    if (chief) evalOnChief();
+    if (chief) {
+      evalOnChief();
+    } else if (s.strategy->joinsEvaluation()) {
+      s.evaluate();
+    }
     if (s.comm && o.targetAccuracy > 0) {
       auto flag = torch::tensor({stop ? 1 : 0}, torch::kInt32);
       s.comm->broadcast(flag, 0);

@@ -1,0 +1,527 @@
+#include "strategy/pipeline.h"
+
+#include <cohort/error.h>
+
+#include "strategy/allreduce.h"
+#include "strategy/local.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+namespace cohort {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Tags of the point-to-point messages: 2i for micro-batch i's activations, 2i+1 for its
+// gradients; the others above any micro-batch's.
+constexpr int kLossTag = 1 << 24;
+constexpr int kEvalTag = kLossTag + 1;
+constexpr int kEvalOutputTag = kLossTag + 2;
+constexpr int kTimedPasses = 3;
+// Steps at the start whose idle time and step time the report leaves out (as the Trainer's).
+constexpr int64_t kWarmupSteps = 5;
+constexpr const char* kManifest = "pipeline.manifest";
+
+int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
+
+std::vector<int64_t> withBatch(int64_t batch, const std::vector<int64_t>& example) {
+  std::vector<int64_t> shape{batch};
+  shape.insert(shape.end(), example.begin(), example.end());
+  return shape;
+}
+
+std::vector<int64_t> exampleShape(const torch::Tensor& t) {
+  return std::vector<int64_t>(t.sizes().begin() + 1, t.sizes().end());
+}
+
+// "torch::nn::Conv2dImpl" -> "Conv2d"
+std::string shortType(std::string name) {
+  if (name.rfind("torch::nn::", 0) == 0) name = name.substr(11);
+  if (const auto ns = name.rfind("::"); ns != std::string::npos) name = name.substr(ns + 2);
+  if (name.size() > 4 && name.compare(name.size() - 4, 4, "Impl") == 0) name.resize(name.size() - 4);
+  return name;
+}
+
+struct Manifest {
+  int stages = 0;
+  int replicas = 0;
+  std::vector<int> counts;
+};
+
+std::optional<Manifest> readManifest(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  Manifest m;
+  std::string key;
+  std::string cut;
+  while (in >> key) {
+    if (key == "stages") in >> m.stages;
+    else if (key == "replicas") in >> m.replicas;
+    else if (key == "cut") in >> cut;
+    else std::getline(in, key);
+  }
+  COHORT_CHECK(m.stages > 0 && !cut.empty(), IoError, path, ": not a pipeline manifest");
+  std::stringstream items(cut);
+  for (std::string item; std::getline(items, item, ',');) {
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    COHORT_CHECK(end != item.c_str() && *end == '\0' && v > 0, IoError, path, ": not a pipeline manifest (cut ",
+                 cut, ")");
+    m.counts.push_back(int(v));
+  }
+  return m;
+}
+
+void writeManifest(const std::string& dir, const Manifest& m, const std::vector<std::string>& layers) {
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/" + kManifest;
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << "stages " << m.stages << "\nreplicas " << m.replicas << "\ncut " << joinCounts(m.counts) << "\n";
+    out << "# layers per stage; stage K's checkpoints are in stage-K/\n";
+    for (size_t j = 0; j < layers.size(); ++j) out << "# layer " << j << " " << layers[j] << "\n";
+    COHORT_CHECK(out.good(), IoError, tmp, ": cannot write the pipeline manifest");
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+}  // namespace
+
+torch::nn::Sequential sliceModel(const torch::nn::Sequential& model, int first, int count) {
+  torch::nn::Sequential out;
+  const auto named = model->named_children();
+  for (int j = first; j < first + count; ++j) out->push_back(named[size_t(j)].key(), *(model->begin() + j));
+  return out;
+}
+
+PipelineStrategy::PipelineStrategy(std::shared_ptr<Communicator> comm, Options options, std::string checkpointDir,
+                                   bool resume)
+    : comm_(std::move(comm)),
+      options_(std::move(options)),
+      schedule_(parseSchedule(options_.schedule)),
+      checkpointDir_(std::move(checkpointDir)),
+      resume_(resume) {
+  const int S = options_.stages;
+  const int R = options_.replicas;
+  COHORT_CHECK(S >= 1, InvalidArgument, "--stages must be positive, got ", S);
+  COHORT_CHECK(R >= 1, InvalidArgument, "--replicas must be positive, got ", R);
+  COHORT_CHECK(options_.microBatches >= 1, InvalidArgument, "--micro-batches must be positive, got ",
+               options_.microBatches);
+  COHORT_CHECK(comm_ != nullptr && comm_->worldSize() == S * R, InvalidArgument, "--strategy pipeline --stages ", S,
+               " --replicas ", R, " needs ", S * R, " processes (cohort launch -n ", S * R, "), but this job has ",
+               comm_ ? comm_->worldSize() : 1);
+  stage_ = comm_->rank() % S;
+  replica_ = comm_->rank() / S;
+  comm_->setRankNames([S, R](int rank) {
+    std::string name = "rank " + std::to_string(rank) + " (stage " + std::to_string(rank % S);
+    if (R > 1) name += " of replica " + std::to_string(rank / S);
+    return name + ")";
+  });
+  std::vector<int> peers;
+  for (int q = 0; q < R; ++q) peers.push_back(q * S + stage_);
+  stageGroup_ = comm_->split(peers, "stage-" + std::to_string(stage_));
+}
+
+CheckpointPlan PipelineStrategy::checkpointPlan() const {
+  return {.writes = replica_ == 0, .subdir = "stage-" + std::to_string(stage_), .group = stageGroup_};
+}
+
+std::string PipelineStrategy::layout() const {
+  return "stage=" + std::to_string(stage_) + "/" + std::to_string(options_.stages) + " cut=" + joinCounts(counts_);
+}
+
+torch::Tensor PipelineStrategy::forwardCounting(const torch::Tensor& x, int64_t* bytes) {
+  torch::Tensor y = x;
+  *bytes = nbytes(x);
+  for (auto& layer : *model_) {
+    y = layer.forward(y);
+    *bytes += nbytes(y);
+  }
+  return y;
+}
+
+// Forward and backward time of each layer, on rank 0, on one micro-batch: the smallest of a few
+// passes. Each layer runs on a detached copy of its input, so its backward can be timed alone.
+// The generator and the buffers are put back afterwards, so timing changes nothing in training.
+std::vector<double> PipelineStrategy::timeLayers(torch::nn::Sequential& model, const torch::Tensor& inputs) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  torch::Tensor rng;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng = gen.get_state();
+  }
+  std::vector<torch::Tensor> buffers;
+  for (auto& b : model->buffers()) buffers.push_back(b.clone());
+
+  const size_t n = model->size();
+  std::vector<double> best(n, std::numeric_limits<double>::infinity());
+  for (int pass = 0; pass <= kTimedPasses; ++pass) {  // pass 0 warms up
+    std::vector<torch::Tensor> ins(n);
+    std::vector<torch::Tensor> outs(n);
+    std::vector<double> seconds(n, 0.0);
+    torch::Tensor x = inputs;
+    for (size_t j = 0; j < n; ++j) {
+      ins[j] = x.detach();
+      if (ins[j].is_floating_point()) ins[j].requires_grad_(true);
+      const auto start = Clock::now();
+      outs[j] = (model->begin() + int64_t(j))->forward(ins[j]);
+      seconds[j] = secondsSince(start);
+      x = outs[j];
+    }
+    for (size_t j = n; j-- > 0;) {
+      if (!outs[j].requires_grad()) continue;
+      const auto start = Clock::now();
+      outs[j].backward(torch::ones_like(outs[j]));
+      seconds[j] += secondsSince(start);
+    }
+    if (pass > 0) {
+      for (size_t j = 0; j < n; ++j) best[j] = std::min(best[j], seconds[j]);
+    }
+  }
+  clearGradients(*model);
+  {
+    torch::NoGradGuard noGrad;
+    auto now = model->buffers();
+    for (size_t i = 0; i < now.size(); ++i) now[i].copy_(buffers[i]);
+  }
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(rng);
+  return best;
+}
+
+std::vector<int> PipelineStrategy::chooseCut(torch::nn::Sequential& model, const Batch& sample,
+                                             const std::vector<bool>& cutAfter) {
+  const int S = options_.stages;
+  const int L = int(model->size());
+  std::vector<int> counts;
+  if (options_.partition != "auto") counts = parsePartition(options_.partition, S, L);
+  std::vector<int64_t> wire(size_t(S), 0);
+  if (comm_->rank() == 0) {
+    // The manifest of the checkpoints to resume decides, when there is one.
+    const std::string manifestPath = checkpointDir_ + "/" + kManifest;
+    std::optional<Manifest> manifest;
+    if (resume_ && !checkpointDir_.empty()) manifest = readManifest(manifestPath);
+    if (manifest) {
+      COHORT_CHECK(manifest->stages == S, InvalidArgument, manifestPath, ": the checkpoints are of a ",
+                   manifest->stages, "-stage pipeline (cut ", joinCounts(manifest->counts), "), but this run has --stages ",
+                   S, ": resume with --stages ", manifest->stages, " --partition ", joinCounts(manifest->counts),
+                   ", or start in a new --checkpoint-dir");
+      if (options_.partition == "auto") {
+        counts = manifest->counts;
+        std::fprintf(stderr, "cohort: pipeline: resuming with the checkpoints' cut %s (%s)\n",
+                     joinCounts(counts).c_str(), manifestPath.c_str());
+      }
+      COHORT_CHECK(counts == manifest->counts, InvalidArgument, manifestPath, ": the checkpoints cut the model as ",
+                   joinCounts(manifest->counts), " (layers per stage), but this run asks for --partition ",
+                   joinCounts(counts), ": resume with --partition ", joinCounts(manifest->counts),
+                   " (or auto), or start in a new --checkpoint-dir");
+    }
+    if (counts.empty()) {
+      const int64_t micro = std::max<int64_t>(1, (sample.size() + options_.microBatches - 1) / options_.microBatches);
+      const std::vector<double> costs = timeLayers(model, sample.inputs.narrow(0, 0, std::min(micro, sample.size())));
+      counts = balanceStages(costs, S, cutAfter);
+      std::string text = "cohort: pipeline: --partition auto measured forward+backward per layer on a micro-batch of " +
+                         std::to_string(micro) + ":";
+      for (int j = 0; j < L; ++j) {
+        char item[96];
+        std::snprintf(item, sizeof(item), " %s %.2f ms", layerNames_[size_t(j)].c_str(), costs[size_t(j)] * 1e3);
+        text += item;
+      }
+      std::fprintf(stderr, "%s\n", text.c_str());
+      std::string stages;
+      double slowest = 0;
+      double total = 0;
+      for (int s = 0, j = 0; s < S; ++s) {
+        double cost = 0;
+        for (int k = 0; k < counts[size_t(s)]; ++k) cost += costs[size_t(j++)];
+        slowest = std::max(slowest, cost);
+        total += cost;
+        char item[64];
+        std::snprintf(item, sizeof(item), "%s%.2f ms", s == 0 ? "" : ", ", cost * 1e3);
+        stages += item;
+      }
+      std::fprintf(stderr,
+                   "cohort: pipeline: cut %s (layers per stage); predicted time per stage %s; slowest stage %.2fx the "
+                   "mean (1.00 is perfect balance)\n",
+                   joinCounts(counts).c_str(), stages.c_str(), slowest / (total / S));
+    }
+    for (int s = 0; s < S; ++s) wire[size_t(s)] = counts[size_t(s)];
+  }
+  // Rank 0's cut is everyone's (timing differs between processes).
+  auto shared = torch::tensor(wire, torch::kInt64);
+  comm_->broadcast(shared, 0);
+  counts.assign(size_t(S), 0);
+  for (int s = 0; s < S; ++s) counts[size_t(s)] = int(shared[s].item<int64_t>());
+  return counts;
+}
+
+torch::nn::Sequential PipelineStrategy::localModel(torch::nn::Sequential model, const Batch& sample) {
+  const int S = options_.stages;
+  const int L = int(model->size());
+  const auto named = model->named_children();
+  for (int j = 0; j < L; ++j) layerNames_.push_back(shortType(named[size_t(j)].value()->name()));
+  COHORT_CHECK(!(L == 1 && named[0].key() == "script"), InvalidArgument,
+               "--strategy pipeline: the TorchScript model's top level is not an nn.Sequential, so it is one layer "
+               "and cannot be cut into stages: script an nn.Sequential whose children are the layers");
+  std::string names;
+  for (int j = 0; j < L; ++j) names += (j ? ", " : "") + std::to_string(j) + " " + layerNames_[size_t(j)];
+  COHORT_CHECK(S <= L, InvalidArgument, "--stages ", S, " is more than the model's ", L, " layers (", names,
+               "): every stage needs at least one layer, use --stages ", L, " or fewer");
+
+  // The dry run: every layer's output shape for a batch of 2, in evaluation mode, without
+  // gradients (no generator draws, no buffer updates).
+  std::vector<torch::Tensor> outputs;
+  {
+    torch::NoGradGuard noGrad;
+    model->eval();
+    torch::Tensor x = sample.inputs.narrow(0, 0, std::min<int64_t>(2, sample.size()));
+    for (auto& layer : *model) {
+      x = layer.forward(x);
+      outputs.push_back(x);
+    }
+    model->train();
+  }
+  const int64_t n = std::min<int64_t>(2, sample.size());
+  std::vector<bool> cutAfter(size_t(L), false);
+  for (int j = 0; j < L; ++j) cutAfter[size_t(j)] = outputs[size_t(j)].dim() >= 1 && outputs[size_t(j)].size(0) == n;
+  counts_ = chooseCut(model, sample, cutAfter);
+  int firstLayer = 0;
+  for (int s = 0; s < stage_; ++s) firstLayer += counts_[size_t(s)];
+  for (int s = 0, j = 0; s + 1 < S; ++s) {
+    j += counts_[size_t(s)];
+    COHORT_CHECK(cutAfter[size_t(j - 1)], InvalidArgument, "--partition ", joinCounts(counts_),
+                 " cuts after layer ", j - 1, " (", layerNames_[size_t(j - 1)],
+                 "), whose output does not have the batch as its first dimension: cut elsewhere");
+  }
+  const int lastLayer = firstLayer + counts_[size_t(stage_)] - 1;
+  if (stage_ > 0) {
+    inShape_ = exampleShape(outputs[size_t(firstLayer - 1)]);
+    inType_ = outputs[size_t(firstLayer - 1)].scalar_type();
+  }
+  outShape_ = exampleShape(outputs[size_t(lastLayer)]);
+  outType_ = outputs[size_t(lastLayer)].scalar_type();
+  modelOutShape_ = exampleShape(outputs.back());
+  modelOutType_ = outputs.back().scalar_type();
+  return sliceModel(model, firstLayer, counts_[size_t(stage_)]);
+}
+
+void PipelineStrategy::attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) {
+  COHORT_CHECK(!counts_.empty(), Error, "PipelineStrategy::attach before localModel");
+  model_ = std::move(model);
+  optimizer_ = &optimizer;
+  // The stage's replicas start alike (after a resume too: each restored the same bytes).
+  if (options_.replicas > 1) broadcastModel(*stageGroup_, *model_);
+  if (comm_->rank() == 0 && !checkpointDir_.empty()) {
+    writeManifest(checkpointDir_, {options_.stages, options_.replicas, counts_}, layerNames_);
+  }
+}
+
+StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
+  COHORT_CHECK(optimizer_ != nullptr, Error, "PipelineStrategy::step before attach");
+  const auto start = Clock::now();
+  const CommCounters before = comm_->counters();
+  const int64_t B = batch.size();
+  // Micro-batch sizes: B split as evenly as possible; every stage computes the same.
+  const int M = int(std::min<int64_t>(options_.microBatches, B));
+  std::vector<int64_t> size(size_t(M), B / M);
+  std::vector<int64_t> offset(size_t(M), 0);
+  for (int i = 0; i < M; ++i) {
+    if (i < B % M) ++size[size_t(i)];
+    if (i > 0) offset[size_t(i)] = offset[size_t(i) - 1] + size[size_t(i) - 1];
+  }
+
+  clearGradients(*model_);
+  struct Held {
+    torch::Tensor input;
+    torch::Tensor output;  // the last stage: the micro-batch's share of the loss
+    int64_t bytes = 0;
+  };
+  std::vector<Held> held(static_cast<size_t>(M));
+  std::vector<CommWork> sends;
+  double idle = 0;
+  double lossSum = 0;
+  // Receives are posted one micro-batch ahead in each direction (both schedules consume
+  // micro-batches in order), so a message that arrives early finds its buffer waiting; at most
+  // one extra buffer per direction, which keeps 1F1B's memory bound.
+  struct Posted {
+    torch::Tensor buffer;
+    CommWork work;
+  };
+  std::map<int, Posted> activations;
+  std::map<int, Posted> gradients;
+  auto post = [&](std::map<int, Posted>& posted, int i, bool forward) {
+    if (i >= M || posted.count(i) > 0) return;
+    const auto& shape = forward ? inShape_ : outShape_;
+    auto buffer = torch::empty(withBatch(size[size_t(i)], shape), torch::TensorOptions().dtype(forward ? inType_ : outType_));
+    CommWork work = comm_->recvAsync(buffer, forward ? prevRank() : nextRank(), 2 * i + (forward ? 0 : 1));
+    posted[i] = Posted{buffer, work};
+  };
+  // The buffer of micro-batch i, once it arrived; the time blocked is idle time.
+  auto take = [&](std::map<int, Posted>& posted, int i, bool forward) {
+    post(posted, i, forward);
+    Posted p = std::move(posted[i]);
+    posted.erase(i);
+    post(posted, i + 1, forward);
+    idle += p.work.wait();
+    return p.buffer;
+  };
+  if (!first()) post(activations, 0, true);
+  if (!last()) post(gradients, 0, false);
+  int64_t live = 0;
+  int64_t peak = 0;
+  for (const PipeOp& op : makeSchedule(schedule_, options_.stages, stage_, M)) {
+    Held& h = held[size_t(op.micro)];
+    const int64_t m = size[size_t(op.micro)];
+    if (op.forward) {
+      if (first()) {
+        h.input = batch.inputs.narrow(0, offset[size_t(op.micro)], m);
+      } else {
+        h.input = take(activations, op.micro, true);
+        if (h.input.is_floating_point()) h.input.requires_grad_(true);
+      }
+      h.output = forwardCounting(h.input, &h.bytes);
+      if (last()) {
+        auto targets = batch.targets.narrow(0, offset[size_t(op.micro)], m);
+        h.output = loss(h.output, targets) * (double(m) / double(B));
+        lossSum += h.output.item<double>();
+      } else {
+        sends.push_back(comm_->sendAsync(h.output.detach().contiguous(), nextRank(), 2 * op.micro));
+      }
+      live += h.bytes;
+      peak = std::max(peak, live);
+    } else {
+      // A stage with nothing to differentiate (a Flatten alone at the front) has no graph.
+      if (last()) {
+        if (h.output.requires_grad()) h.output.backward();
+      } else {
+        auto grad = take(gradients, op.micro, false);
+        if (h.output.requires_grad()) h.output.backward(grad);
+      }
+      if (!first() && h.input.requires_grad()) {
+        auto grad = h.input.grad();
+        if (!grad.defined()) grad = torch::zeros_like(h.input);
+        sends.push_back(comm_->sendAsync(grad.contiguous(), prevRank(), 2 * op.micro + 1));
+      }
+      live -= h.bytes;
+      h = Held{};  // frees the micro-batch's graph
+    }
+  }
+  double waited = idle;
+  for (auto& s : sends) waited += s.wait();
+
+  if (options_.replicas > 1) {
+    std::vector<torch::Tensor> grads;
+    for (auto& p : model_->parameters()) {
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+      grads.push_back(p.grad());
+    }
+    const auto waitStart = Clock::now();
+    averageInPlace(*stageGroup_, grads);
+    waited += secondsSince(waitStart);
+  }
+  optimizer_->step();
+
+  // The chief (stage 0 of replica 0) reports the loss, which the last stage knows.
+  if (options_.stages > 1 && replica_ == 0 && (first() || last())) {
+    if (last()) {
+      waited += lossSend_.wait();
+      lossSend_ = comm_->sendAsync(torch::tensor({lossSum}, torch::kFloat64), 0, kLossTag);
+    } else {
+      auto value = torch::empty({1}, torch::kFloat64);
+      waited += comm_->recvAsync(value, options_.stages - 1, kLossTag).wait();
+      lossSum = value.item<double>();
+    }
+  }
+
+  const double seconds = secondsSince(start);
+  if (++steps_ > kWarmupSteps) {
+    idleSeconds_ += idle;
+    stepSeconds_ += seconds;
+  }
+  peakActivationBytes_ = std::max(peakActivationBytes_, peak);
+  const CommCounters after = comm_->counters();
+  StepStats stats;
+  stats.loss = lossSum;
+  stats.samples = B * options_.replicas;
+  stats.bytesSent = after.bytesSent - before.bytesSent;
+  stats.bytesReceived = after.bytesReceived - before.bytesReceived;
+  stats.commWaitSeconds = waited;
+  stats.computeSeconds = seconds - waited;
+  stats.extra = {{"idle_s", idle}, {"peak_activation_bytes", peak}, {"micro_batches", int64_t(M)}};
+  return stats;
+}
+
+torch::Tensor PipelineStrategy::infer(torch::nn::Sequential& model, const torch::Tensor& inputs) {
+  if (options_.stages == 1) return model->forward(inputs);
+  const int64_t n = inputs.size(0);
+  torch::Tensor x = inputs;
+  if (!first()) {
+    x = torch::empty(withBatch(n, inShape_), torch::TensorOptions().dtype(inType_));
+    comm_->recv(x, prevRank(), kEvalTag);
+  }
+  auto y = model->forward(x).contiguous();
+  if (!last()) {
+    comm_->send(y, nextRank(), kEvalTag);
+  } else {
+    comm_->send(y, 0, kEvalOutputTag);
+  }
+  if (!first()) return {};
+  auto out = torch::empty(withBatch(n, modelOutShape_), torch::TensorOptions().dtype(modelOutType_));
+  comm_->recv(out, options_.stages - 1, kEvalOutputTag);
+  return out;
+}
+
+void PipelineStrategy::synchronize() {
+  lossSend_.wait();
+  // Buffers (BatchNorm's statistics) are updated by each replica from its own batches.
+  if (options_.replicas > 1) averageInPlace(*stageGroup_, model_->buffers());
+}
+
+void PipelineStrategy::finish() {
+  lossSend_.wait();
+  auto mine = torch::tensor({double(peakActivationBytes_), idleSeconds_, stepSeconds_}, torch::kFloat64);
+  auto all = comm_->allgather(mine);
+  gathered_.clear();
+  for (auto& t : all) {
+    for (int k = 0; k < 3; ++k) gathered_.push_back(t[k].item<double>());
+  }
+}
+
+MetricFields PipelineStrategy::report() {
+  const int S = options_.stages;
+  std::vector<int64_t> peaks;
+  std::vector<double> idle;
+  double bubble = 0;
+  // Replica 0's stages.
+  for (int s = 0; s < S && size_t(3 * s + 2) < gathered_.size(); ++s) {
+    peaks.push_back(int64_t(gathered_[size_t(3 * s)]));
+    const double step = gathered_[size_t(3 * s + 2)];
+    idle.push_back(step > 0 ? gathered_[size_t(3 * s + 1)] / step : 0.0);
+    bubble += idle.back() / S;
+  }
+  std::vector<int64_t> cut(counts_.begin(), counts_.end());
+  const int M = options_.microBatches;
+  return {{"stages", int64_t(S)},
+          {"replicas", int64_t(options_.replicas)},
+          {"micro_batches", int64_t(M)},
+          {"schedule", options_.schedule},
+          {"cut", cut},
+          {"stage_peak_activation_bytes", peaks},
+          {"stage_idle_fraction", idle},
+          {"bubble_fraction", bubble},
+          {"bubble_fraction_theory", double(S - 1) / double(M + S - 1)}};
+}
+
+}  // namespace cohort

@@ -1,0 +1,98 @@
+// Model parallelism: a sequential model cut into S stages, one per process, with micro-batches
+// flowing through them (GPipe, 1F1B), and R replicas of that pipeline trained data-parallel.
+//
+// Ranks: rank = replica * S + stage. Stage s of replica q talks point to point with ranks
+// rank-1 (activations in, gradients out) and rank+1 (activations out, gradients in) over the
+// job's Gloo group; the stage's R copies average their gradients in a group of their own
+// (ranks s, s+S, s+2S, ...) before each optimizer step. All stages of one replica read the same
+// batches (the data is sharded by replica); stage 0 uses the inputs, the last stage the labels.
+//
+// The chief is rank 0, stage 0 of replica 0: the last stage sends it the loss of every step, and
+// evaluation runs through replica 0's stages with the outputs sent back to it. Each stage of
+// replica 0 writes its own checkpoints (--checkpoint-dir/stage-K); `pipeline.manifest` there
+// records the stages and the cut, and a resume with another cut is refused.
+//
+// Shapes on the wire are known without headers: a dry run at attach time records every layer's
+// output shape for a batch of 2, and the model may only be cut where an output's first dimension
+// is the batch; a micro-batch of m examples then has shape [m, rest...].
+#pragma once
+
+#include <cohort/communicator.h>
+#include <cohort/strategy.h>
+
+#include "strategy/pipeline_plan.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace cohort {
+
+class PipelineStrategy final : public Strategy {
+ public:
+  using Options = StrategyOptions::Pipeline;
+
+  // Throws InvalidArgument when the options do not fit the job (stages x replicas processes).
+  PipelineStrategy(std::shared_ptr<Communicator> comm, Options options, std::string checkpointDir, bool resume);
+
+  std::string name() const override { return "pipeline"; }
+  ReplicaInfo replica() const override { return {comm_->rank(), comm_->worldSize()}; }
+
+  torch::nn::Sequential localModel(torch::nn::Sequential model, const Batch& sample) override;
+  DataShard dataShard() const override { return {replica_, options_.replicas}; }
+  CheckpointPlan checkpointPlan() const override;
+  std::string layout() const override;
+  bool joinsEvaluation() const override { return replica_ == 0; }
+  torch::Tensor infer(torch::nn::Sequential& model, const torch::Tensor& inputs) override;
+
+  void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;
+  StepStats step(const Batch& batch, const LossFn& loss) override;
+  void synchronize() override;
+  void finish() override;
+  MetricFields report() override;
+
+  const std::vector<int>& cut() const { return counts_; }
+
+ private:
+  std::vector<int> chooseCut(torch::nn::Sequential& model, const Batch& sample, const std::vector<bool>& cutAfter);
+  std::vector<double> timeLayers(torch::nn::Sequential& model, const torch::Tensor& inputs);
+  torch::Tensor forwardCounting(const torch::Tensor& x, int64_t* bytes);
+  int prevRank() const { return comm_->rank() - 1; }
+  int nextRank() const { return comm_->rank() + 1; }
+  bool first() const { return stage_ == 0; }
+  bool last() const { return stage_ == options_.stages - 1; }
+
+  std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> stageGroup_;  // this stage in every replica
+  Options options_;
+  PipeSchedule schedule_;
+  std::string checkpointDir_;
+  bool resume_ = false;
+  int stage_ = 0;
+  int replica_ = 0;
+
+  std::vector<int> counts_;  // layers per stage
+  std::vector<std::string> layerNames_;
+  std::vector<int64_t> inShape_;   // one example's input to this stage (stages > 0)
+  std::vector<int64_t> outShape_;  // one example's output of this stage
+  std::vector<int64_t> modelOutShape_;  // one example's output of the whole model
+  c10::ScalarType inType_ = c10::kFloat;
+  c10::ScalarType outType_ = c10::kFloat;
+  c10::ScalarType modelOutType_ = c10::kFloat;
+
+  torch::nn::Sequential model_{nullptr};  // this stage's layers
+  torch::optim::Optimizer* optimizer_ = nullptr;
+  CommWork lossSend_;
+
+  // Measured over the steps after the first few, for the report.
+  int64_t steps_ = 0;
+  int64_t peakActivationBytes_ = 0;
+  double idleSeconds_ = 0;
+  double stepSeconds_ = 0;
+  std::vector<double> gathered_;  // every stage's [peak bytes, idle s, step s], after finish()
+};
+
+// Layers [first, first + count) of `model`, the same module objects under the same names.
+torch::nn::Sequential sliceModel(const torch::nn::Sequential& model, int first, int count);
+
+}  // namespace cohort

@@ -1,0 +1,98 @@
+// The pipeline's schedules and cuts, without processes.
+#include <cohort/error.h>
+
+#include <gtest/gtest.h>
+
+#include "strategy/pipeline_plan.h"
+
+namespace cohort {
+namespace {
+
+// Runs every stage's op list as far as the dependencies allow (forward of i after the forward of
+// i on the stage before; backward of i after the backward of i on the stage after) and says
+// whether all finished: a schedule that deadlocks, or runs an op twice, fails.
+bool runsToTheEnd(PipeSchedule schedule, int stages, int micro) {
+  std::vector<std::vector<PipeOp>> ops;
+  for (int s = 0; s < stages; ++s) ops.push_back(makeSchedule(schedule, stages, s, micro));
+  std::vector<size_t> next(size_t(stages), 0);
+  std::vector<std::vector<int>> forwardDone(size_t(stages), std::vector<int>(size_t(micro), 0));
+  std::vector<std::vector<int>> backwardDone = forwardDone;
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int s = 0; s < stages; ++s) {
+      if (next[size_t(s)] == ops[size_t(s)].size()) continue;
+      const PipeOp op = ops[size_t(s)][next[size_t(s)]];
+      const size_t i = size_t(op.micro);
+      const bool ready = op.forward ? (s == 0 || forwardDone[size_t(s) - 1][i])
+                                    : (forwardDone[size_t(s)][i] && (s == stages - 1 || backwardDone[size_t(s) + 1][i]));
+      if (!ready) continue;
+      auto& done = op.forward ? forwardDone[size_t(s)][i] : backwardDone[size_t(s)][i];
+      if (done++) return false;
+      ++next[size_t(s)];
+      progress = true;
+    }
+  }
+  for (int s = 0; s < stages; ++s) {
+    if (next[size_t(s)] != ops[size_t(s)].size() || ops[size_t(s)].size() != size_t(2 * micro)) return false;
+  }
+  return true;
+}
+
+TEST(PipelinePlan, SchedulesRunToTheEndForEveryShape) {
+  for (auto schedule : {PipeSchedule::kGpipe, PipeSchedule::kOneFOneB}) {
+    for (int stages = 1; stages <= 5; ++stages) {
+      for (int micro = 1; micro <= 9; ++micro) {
+        EXPECT_TRUE(runsToTheEnd(schedule, stages, micro)) << int(schedule) << " S=" << stages << " M=" << micro;
+      }
+    }
+  }
+}
+
+TEST(PipelinePlan, OneFOneBHoldsAtMostStagesMinusStageMicroBatches) {
+  for (int stages = 1; stages <= 4; ++stages) {
+    for (int micro = 1; micro <= 16; micro *= 2) {
+      for (int s = 0; s < stages; ++s) {
+        EXPECT_EQ(peakInFlight(makeSchedule(PipeSchedule::kOneFOneB, stages, s, micro)), std::min(micro, stages - s));
+        EXPECT_EQ(peakInFlight(makeSchedule(PipeSchedule::kGpipe, stages, s, micro)), micro);
+      }
+    }
+  }
+}
+
+TEST(PipelinePlan, OneFOneBAlternatesInTheSteadyState) {
+  auto ops = makeSchedule(PipeSchedule::kOneFOneB, 3, 0, 5);
+  std::string text;
+  for (const auto& op : ops) text += (op.forward ? "F" : "B") + std::to_string(op.micro) + " ";
+  EXPECT_EQ(text, "F0 F1 F2 B0 F3 B1 F4 B2 B3 B4 ");
+}
+
+TEST(PipelinePlan, BalanceMinimizesTheSlowestStage) {
+  EXPECT_EQ(balanceStages({1, 1, 1, 1}, 2), (std::vector<int>{2, 2}));
+  EXPECT_EQ(balanceStages({5, 1, 1, 1, 1, 1}, 2), (std::vector<int>{1, 5}));
+  EXPECT_EQ(balanceStages({1, 2, 3, 4, 5, 6}, 3), (std::vector<int>{3, 2, 1}));  // 6 | 9 | 6
+  EXPECT_EQ(balanceStages({3, 3, 3}, 3), (std::vector<int>{1, 1, 1}));
+  // Not after layer 0: the cut moves.
+  EXPECT_EQ(balanceStages({1, 1, 1, 1}, 2, {false, false, true, true}), (std::vector<int>{3, 1}));
+  EXPECT_THROW(balanceStages({1, 1}, 3), InvalidArgument);
+  EXPECT_THROW(balanceStages({1, 1, 1}, 2, {false, false, true}), InvalidArgument);
+}
+
+TEST(PipelinePlan, PartitionListsAreChecked) {
+  EXPECT_EQ(parsePartition("2,4", 2, 6), (std::vector<int>{2, 4}));
+  auto message = [](const std::string& text, int stages, int layers) {
+    try {
+      parsePartition(text, stages, layers);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message("2,3", 2, 6).find("covers 5 layers but the model has 6"), std::string::npos);
+  EXPECT_NE(message("2,2,2", 2, 6).find("has 3 stages but --stages is 2"), std::string::npos);
+  EXPECT_NE(message("3,x", 2, 6).find("'x' is not a positive number"), std::string::npos);
+  EXPECT_NE(message("6,0", 2, 6).find("'0' is not a positive number"), std::string::npos);
+  EXPECT_THROW(parseSchedule("zigzag"), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace cohort

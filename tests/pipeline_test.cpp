@@ -1,0 +1,234 @@
+// Model parallelism with real processes on 127.0.0.1: a pipelined step equals one step on the
+// whole batch (every schedule, stages and micro-batch counts), stages x replicas equals the
+// doubled batch, activation memory under each schedule, bad input, a killed stage, and resume.
+#include <cohort/checkpoint.h>
+#include <cohort/models.h>
+
+#include <nlohmann/json.hpp>
+
+#include <torch/torch.h>
+
+#include "model_util.h"
+#include "strategy/pipeline.h"
+#include "test_util.h"
+
+namespace cohort {
+namespace {
+
+using test::maxDifference;
+
+std::string launch(int n) {
+  return test::cohortBinary() + " launch -n " + std::to_string(n) + " --port " + std::to_string(test::freePort()) +
+         " -- ";
+}
+
+// Plain SGD, a few steps, one thread per process: the equivalence runs.
+const std::string kCommon =
+    " train --model mlp --data synthetic:1200 --optimizer sgd --lr 0.1 --steps 4 --threads 1 --progress off";
+
+std::vector<torch::Tensor> parametersOf(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+// The whole model's parameters, from the files each stage saved (stage s in files[s]), cut as
+// `cut` says (layers per stage).
+std::vector<torch::Tensor> loadStages(const std::vector<std::string>& files, const std::vector<int>& cut,
+                                      const std::string& model = "mlp") {
+  auto whole = makeModel(model, {});
+  std::vector<torch::Tensor> out;
+  int first = 0;
+  for (size_t s = 0; s < files.size(); ++s) {
+    auto stage = sliceModel(whole, first, cut[s]);
+    torch::load(stage, files[s]);
+    for (auto& p : parametersOf(*stage)) out.push_back(p);
+    first += cut[s];
+  }
+  return out;
+}
+
+std::vector<int> cutOf(const nlohmann::json& done) {
+  std::vector<int> cut;
+  for (const auto& c : done["cut"]) cut.push_back(c.get<int>());
+  return cut;
+}
+
+std::vector<torch::Tensor> trainSingle(const test::TempDir& dir, int batch) {
+  auto r = test::runCommand(test::cohortBinary() + kCommon + " --batch " + std::to_string(batch) + " --save-model " +
+                                dir.file("single.pt"), 120);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  return test::loadParameters(dir.file("single.pt"));
+}
+
+std::vector<torch::Tensor> initialMlp() {
+  torch::manual_seed(1);
+  auto init = makeModel("mlp", {});
+  return parametersOf(*init);
+}
+
+// S stages, every micro-batch count and both schedules, against one process on the same batches.
+void expectPipelinesEqualOneProcess(int stages, const std::string& partition) {
+  test::TempDir dir;
+  const auto single = trainSingle(dir, 8);
+  ASSERT_GT(maxDifference(initialMlp(), single), 1e-3);  // training moved the parameters
+  for (const std::string schedule : {"gpipe", "1f1b"}) {
+    for (int micro : {1, 2, 4}) {
+      SCOPED_TRACE(schedule + " with " + std::to_string(micro) + " micro-batches");
+      const std::string metrics = dir.file(schedule + std::to_string(micro) + ".jsonl");
+      auto r = test::runCommand(launch(stages) + test::cohortBinary() + kCommon +
+                                    " --batch 8 --strategy pipeline --stages " + std::to_string(stages) +
+                                    " --micro-batches " + std::to_string(micro) + " --schedule " + schedule +
+                                    " --partition " + partition + " --metrics " + metrics + " --save-model " +
+                                    dir.file("stage{rank}.pt"),
+                                120);
+      ASSERT_EQ(r.exitCode, 0) << r.output;
+      const auto done = test::lastEvent(metrics, "done");
+      std::vector<std::string> files;
+      for (int s = 0; s < stages; ++s) files.push_back(dir.file("stage" + std::to_string(s) + ".pt"));
+      EXPECT_LT(maxDifference(single, loadStages(files, cutOf(done))), 1e-5);
+      EXPECT_EQ(done["steps"], 4);
+      EXPECT_EQ(done["micro_batches"], micro);
+      // The chief's loss is the last stage's, sent back: a real number, not a placeholder.
+      EXPECT_GT(test::lastEvent(metrics, "step")["loss"].get<double>(), 0.1);
+    }
+  }
+}
+
+TEST(Pipeline, TwoStagesEqualOneProcessForEveryScheduleAndMicroBatchCount) {
+  expectPipelinesEqualOneProcess(2, "auto");
+}
+
+// The first stage is the Flatten alone: a stage with no parameters and nothing to differentiate.
+TEST(Pipeline, ThreeStagesEqualOneProcessForEveryScheduleAndMicroBatchCount) {
+  expectPipelinesEqualOneProcess(3, "1,3,2");
+}
+
+TEST(Pipeline, TwoStagesTimesTwoReplicasEqualOneProcessWithTheDoubledBatch) {
+  test::TempDir dir;
+  const auto single = trainSingle(dir, 16);
+  auto r = test::runCommand(launch(4) + test::cohortBinary() + kCommon +
+                                " --batch 8 --strategy pipeline --stages 2 --replicas 2 --micro-batches 2"
+                                " --partition 3,3 --metrics " + dir.file("m.jsonl") + " --save-model " +
+                                dir.file("rank{rank}.pt"),
+                            120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const std::vector<int> cut{3, 3};
+  const auto replica0 = loadStages({dir.file("rank0.pt"), dir.file("rank1.pt")}, cut);
+  const auto replica1 = loadStages({dir.file("rank2.pt"), dir.file("rank3.pt")}, cut);
+  EXPECT_LT(maxDifference(single, replica0), 1e-5);
+  EXPECT_EQ(maxDifference(replica0, replica1), 0.0);
+  const auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  EXPECT_EQ(done["replicas"], 2);
+  EXPECT_EQ(test::lastEvent(dir.file("m.jsonl"), "step")["samples"], 16);  // each sample once
+}
+
+// With micro-batches of 4 examples, GPipe holds all M of them at stage 0's peak, 1F1B at most S.
+TEST(Pipeline, OneFOneBBoundsActivationMemoryWhileGpipeGrowsWithMicroBatches) {
+  test::TempDir dir;
+  std::map<std::string, int64_t> peak;
+  for (const std::string schedule : {"gpipe", "1f1b"}) {
+    for (int micro : {2, 8}) {
+      const std::string key = schedule + std::to_string(micro);
+      auto r = test::runCommand(launch(2) + test::cohortBinary() +
+                                    " train --model mlp --data synthetic:1200 --steps 2 --threads 1 --progress off"
+                                    " --strategy pipeline --stages 2 --partition 3,3 --schedule " + schedule +
+                                    " --micro-batches " + std::to_string(micro) + " --batch " +
+                                    std::to_string(4 * micro) + " --metrics " + dir.file(key + ".jsonl"),
+                                120);
+      ASSERT_EQ(r.exitCode, 0) << r.output;
+      const auto done = test::lastEvent(dir.file(key + ".jsonl"), "done");
+      ASSERT_EQ(done["stage_peak_activation_bytes"].size(), 2u) << done.dump();
+      peak[key] = done["stage_peak_activation_bytes"][0].get<int64_t>();
+      EXPECT_GE(done["bubble_fraction"].get<double>(), 0.0);
+    }
+  }
+  EXPECT_GT(peak["gpipe2"], 0);
+  EXPECT_GT(double(peak["gpipe8"]) / double(peak["gpipe2"]), 3.0);
+  EXPECT_LT(double(peak["1f1b8"]) / double(peak["1f1b2"]), 1.5);
+  EXPECT_LT(double(peak["1f1b8"]) / double(peak["gpipe8"]), 0.5);
+}
+
+void expectRefused(const std::string& command, const std::string& message) {
+  test::TempDir dir;
+  auto r = test::runCommand(command + " --metrics " + dir.file("m.jsonl"), 120);
+  EXPECT_EQ(r.exitCode, 2) << r.output;
+  EXPECT_NE(r.output.find(message), std::string::npos) << r.output;
+  EXPECT_TRUE(test::lastEvent(dir.file("m.jsonl"), "step").is_null()) << "a step was trained";
+}
+
+TEST(Pipeline, BadInputIsRefusedBeforeTraining) {
+  const std::string train = test::cohortBinary() + " train --data synthetic:600 --steps 2 --threads 1 --progress off"
+                                                   " --strategy pipeline";
+  expectRefused(train + " --stages 2", "needs 2 processes (cohort launch -n 2), but this job has 1");
+  expectRefused(launch(2) + train + " --model mlp --stages 2 --partition 2,3",
+                "--partition 2,3 covers 5 layers but the model has 6");
+  expectRefused(launch(4) + train + " --model lstm --stages 4",
+                "--stages 4 is more than the model's 3 layers (0 RowsAsSequence, 1 LastStepLstm, 2 Linear)");
+  test::TempDir dir;
+  auto script = test::runCommand("/usr/bin/python3 " + test::sourceDir() + "/examples/make_torchscript.py " +
+                                 dir.file("custom.pt") + " --custom");
+  ASSERT_EQ(script.exitCode, 0) << script.output;
+  expectRefused(launch(2) + train + " --model " + dir.file("custom.pt") + " --stages 2",
+                "top level is not an nn.Sequential");
+}
+
+// No launcher: stage 1 of 3 is SIGKILLed once training runs; stages 0 and 2 must each stop
+// within the timeout, naming it.
+TEST(Pipeline, KilledStageStopsTheOthersNamingIt) {
+  test::TempDir dir;
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(test::freePort()) + " WORLD_SIZE=3";
+  const std::string train = test::cohortBinary() +
+                            " train --model mlp --data synthetic:6000 --batch 8 --threads 1 --progress off"
+                            " --steps 1000000 --timeout 20 --strategy pipeline --stages 3 --micro-batches 2";
+  const std::string script =
+      env + " RANK=1 " + train + " & victim=$!\n" +
+      env + " RANK=0 " + train + " --metrics " + dir.file("m.jsonl") + " > " + dir.file("stage0.log") + " 2>&1 & s0=$!\n" +
+      env + " RANK=2 " + train + " > " + dir.file("stage2.log") + " 2>&1 & s2=$!\n" +
+      // Training is under way once the chief has logged a step (polled, at most 60 s).
+      "for i in $(seq 600); do grep -q '\"event\":\"step\"' " + dir.file("m.jsonl") +
+      " 2>/dev/null && break; sleep 0.1; done\n"
+      "kill -9 $victim\nwait $s0; echo stage0-exit=$?\nwait $s2; echo stage2-exit=$?\n";
+  test::writeFile(dir.file("run.sh"), script);
+  auto r = test::runCommand("sh " + dir.file("run.sh"), 120);
+  const std::string log0 = test::readFile(dir.file("stage0.log"));
+  const std::string log2 = test::readFile(dir.file("stage2.log"));
+  EXPECT_NE(r.output.find("stage0-exit=1"), std::string::npos) << r.output << log0;
+  EXPECT_NE(r.output.find("stage2-exit=1"), std::string::npos) << r.output << log2;
+  EXPECT_NE(log0.find("lost rank 1 (stage 1)"), std::string::npos) << log0;
+  EXPECT_NE(log2.find("lost rank 1 (stage 1)"), std::string::npos) << log2;
+}
+
+// Per-stage checkpoints: a resumed run ends where an uninterrupted one does; another cut is refused.
+TEST(Pipeline, ResumeFromStageCheckpointsIsExactAndAnotherCutIsRefused) {
+  test::TempDir dir;
+  const std::string train = launch(2) + test::cohortBinary() +
+                            " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                            " --optimizer momentum --strategy pipeline --stages 2 --micro-batches 2";
+  auto whole = test::runCommand(train + " --partition 3,3 --steps 8 --save-model " + dir.file("whole{rank}.pt"), 120);
+  ASSERT_EQ(whole.exitCode, 0) << whole.output;
+  const std::string ckpt = " --checkpoint-dir " + dir.file("ckpt");
+  auto first = test::runCommand(train + " --partition 3,3 --steps 5" + ckpt, 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  EXPECT_TRUE(std::filesystem::exists(dir.file("ckpt/pipeline.manifest")));
+  const auto saved = CheckpointStore(dir.file("ckpt/stage-1")).list();
+  ASSERT_FALSE(saved.empty());
+  EXPECT_EQ(saved.front().step, 5);
+  EXPECT_FALSE(CheckpointStore(dir.file("ckpt/stage-0")).list().empty());
+  // auto takes the checkpoints' cut.
+  auto resumed = test::runCommand(train + " --partition auto --steps 8 --resume" + ckpt + " --save-model " +
+                                      dir.file("resumed{rank}.pt"), 120);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + saved.front().path), std::string::npos)
+      << resumed.output;
+  const std::vector<int> cut{3, 3};
+  EXPECT_LT(maxDifference(loadStages({dir.file("whole0.pt"), dir.file("whole1.pt")}, cut),
+                          loadStages({dir.file("resumed0.pt"), dir.file("resumed1.pt")}, cut)),
+            1e-6);
+  auto refused = test::runCommand(train + " --partition 2,4 --steps 10 --resume" + ckpt, 120);
+  EXPECT_EQ(refused.exitCode, 2) << refused.output;
+  EXPECT_NE(refused.output.find("the checkpoints cut the model as 3,3"), std::string::npos) << refused.output;
+}
+
+}  // namespace
+}  // namespace cohort
