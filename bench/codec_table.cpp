@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 
 using Clock = std::chrono::steady_clock;
@@ -46,7 +47,7 @@ int main(int argc, char** argv) {
   for (const auto& s : specs) encoders.emplace_back(s, size_t(numel));
   std::vector<double> bytes(specs.size(), 0), sent(specs.size(), 0), seconds(specs.size(), 0);
   std::vector<int64_t> idx(64);
-  std::vector<float> flat(size_t(numel));
+  std::vector<float> flat(static_cast<size_t>(numel), 0.0f);
   double lossFirst = 0, lossLast = 0;
   for (int s = 0; s < steps; ++s) {
     std::iota(idx.begin(), idx.end(), int64_t(s * 64) % 59000);
