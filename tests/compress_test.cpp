@@ -258,6 +258,20 @@ TEST(Codec, HalfConversionSaturatesAndRoundsToNearestEven) {
       ASSERT_LE(std::fabs(h - f), std::fabs(halfToFloat(uint16_t(b - 1)) - f));
     }
   }
+  // The subnormal range against a reference rounding in double.
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> exponent(-30.0, -14.0);
+  for (int i = 0; i < 100000; ++i) {
+    const float f = float(std::exp2(exponent(rng)));
+    const double steps = double(f) * 16777216.0;  // exact
+    const double want = std::nearbyint(steps);      // ties to even in the default rounding mode
+    ASSERT_EQ(double(halfToFloat(floatToHalf(f))), want * 0x1p-24) << f;
+    ASSERT_EQ(double(halfToFloat(floatToHalf(-f))), -want * 0x1p-24) << f;
+  }
+  for (uint32_t k = 0; k <= 1024; ++k) {  // every tie between two subnormal steps
+    const float tie = (float(k) + 0.5f) * 0x1p-24f;
+    ASSERT_EQ(floatToHalf(tie), (k % 2 == 0) ? k : k + 1) << k;
+  }
   EXPECT_EQ(bf16ToFloat(floatToBf16(std::numeric_limits<float>::max())), 0x1.fep127f);
   EXPECT_EQ(bf16ToFloat(floatToBf16(1.0f + 0x1p-8f)), 1.0f);  // tie to even
   EXPECT_EQ(bf16ToFloat(floatToBf16(3.0f)), 3.0f);

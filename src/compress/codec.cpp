@@ -364,8 +364,18 @@ uint16_t floatToHalf(float value) {
   if (ax == 0x7f800000) return sign | 0x7c00;
   if (ax >= 0x477ff000) return sign | 0x7bff;  // >= 65520 would round to infinity: saturate
   if (ax < 0x38800000) {
-    // Below 2^-14: a multiple of the subnormal step 2^-24 (the scaling is exact).
-    return sign | uint16_t(std::nearbyint(std::bit_cast<float>(ax) * 0x1p24f));
+    // Below 2^-14: a multiple of the subnormal step 2^-24, in integers (gradients have many such
+    // entries, and a libm rounding call per entry is slow). ax = m * 2^(e - 150), so the number of
+    // steps is m * 2^(e - 126): m shifted right by 126 - e, rounded to nearest even.
+    const uint32_t e = ax >> 23;
+    if (e < 102) return sign;  // below 2^-25 (or exactly it: a tie, to even): zero
+    const uint32_t m = (ax & 0x7fffff) | 0x800000;
+    const uint32_t shift = 126 - e;  // 14..24
+    uint32_t q = m >> shift;
+    const uint32_t rest = m & ((1u << shift) - 1);
+    const uint32_t half = 1u << (shift - 1);
+    q += (rest > half || (rest == half && (q & 1))) ? 1 : 0;
+    return sign | uint16_t(q);
   }
   uint32_t v = ax - (112u << 23);  // exponent bias 127 -> 15
   v += 0xfff + ((v >> 13) & 1);    // round to nearest even; a carry moves into the exponent
