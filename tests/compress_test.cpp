@@ -155,6 +155,23 @@ TEST(Codec, ThresholdSendsPlusMinusTauAndKeepsTheRest) {
   EXPECT_EQ(sent2[5], 0.5f);  // 0.9 still above tau
 }
 
+// A residual far above tau (beyond 2^16 tau, where +-tau is no longer a sign entry) still drains
+// by about tau per step, exactly, instead of all at once.
+TEST(Codec, ThresholdSendsAboutTauFromALargeResidual) {
+  for (float tau : {0.5f, roundTau(0.003), roundTau(0.0123)}) {
+    SCOPED_TRACE(tau);
+    Encoder enc(CodecSpec{.kind = CodecKind::Threshold, .tau = tau}, 2);
+    const std::vector<float> input{tau * 100000.0f, -tau * 3e6f};
+    const auto sent = decode(enc.encode(input), 2);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_NEAR(std::fabs(sent[i]), tau, tau * 0.5f) << i;
+      EXPECT_EQ(double(sent[i]) + double(enc.residual()[i]), double(input[i])) << i;
+    }
+    EXPECT_GT(sent[0], 0.0f);
+    EXPECT_LT(sent[1], 0.0f);
+  }
+}
+
 TEST(Codec, TopKSendsTheLargest) {
   Encoder enc(CodecSpec::parse("topk:0.25"), 8);
   const std::vector<float> input{0.1f, -5, 0.2f, 3, 0, 0.3f, -0.4f, 0.05f};
@@ -212,7 +229,7 @@ TEST(Codec, HugeAndNonFiniteValues) {
     for (size_t i = 3; i < 6; ++i) EXPECT_EQ(enc.residual()[i], 0.0f);
     for (float r : enc.residual()) EXPECT_TRUE(std::isfinite(r));
     if (enc.spec().kind == CodecKind::Threshold) {
-      // Far beyond 2^16 tau: sent whole, exactly.
+      // Beyond 2^24 tau, tau cannot be taken off acc: sent whole, exactly.
       EXPECT_EQ(sent[0], big);
       EXPECT_EQ(sent[1], -big);
       EXPECT_EQ(sent[2], 1e30f);

@@ -593,8 +593,11 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
     const float tau = spec_.tau;
     param = tau;
     // tau has at most 8 significant bits, tau = m * 2^q with m < 2^8, so for tau <= |acc| < 2^16 tau
-    // both acc and tau are multiples of ulp(acc) and acc -+ tau (smaller than |acc|) is exact.
-    // Beyond that (and for non-finite acc) the entry is sent as its float value, residual 0.
+    // both acc and tau are multiples of ulp(acc) and acc -+ tau (smaller than |acc|) is exact: a
+    // sign entry. Beyond that, r = fl(acc -+ tau) lies within a factor 2 of acc, so acc - r is
+    // exact (Sterbenz) and is sent as a value entry: +-tau up to acc's rounding, so that the step
+    // stays as small as Strom's however large the residual has grown. Only when tau is below
+    // half an ulp of acc (|acc| > 2^24 tau, r == acc) is acc sent whole; non-finite acc too.
     const float limit = tau * 65536.0f;
     for (size_t i = 0; i < n; ++i) {
       const float a = acc[i];
@@ -606,9 +609,13 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
         }
         continue;
       }
+      const float r = a < 0.0f ? a + tau : a - tau;
       if (m < limit) {
         list.addSign(i, a < 0.0f);
-        acc[i] = a < 0.0f ? a + tau : a - tau;
+        acc[i] = r;
+      } else if (std::isfinite(a) && r != a) {
+        list.addValue(i, a - r);
+        acc[i] = r;
       } else {
         list.addValue(i, a);
         acc[i] = 0.0f;
