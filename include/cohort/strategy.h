@@ -113,10 +113,14 @@ class Strategy {
 
 // Options of every scheme; each strategy reads the ones it needs.
 struct StrategyOptions {
-  std::string name = "local";  // local | allreduce | average | pipeline
+  std::string name = "local";  // local | allreduce | average | ps | pipeline
   // The Trainer's, for schemes that keep records next to its checkpoints (pipeline: the manifest).
   std::string checkpointDir;
   bool resume = false;
+  // Compression of what is exchanged (allreduce, average, ps): the --codec text (see
+  // src/compress/codec.h), and the steps trained uncompressed first.
+  std::string codec = "none";
+  int64_t codecWarmupSteps = 0;
   // allreduce
   double bucketMb = 25.0;
   double firstBucketMb = 1.0;
@@ -158,5 +162,9 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, std::shar
 
 // Whether the scheme exchanges anything between processes (and so needs a communicator).
 bool isDistributed(const std::string& strategyName);
+
+// Throws InvalidArgument when --codec or --codec-warmup-steps is malformed or does not fit the
+// scheme; the message names the accepted codecs.
+void checkCodecOptions(const StrategyOptions& options);
 
 }  // namespace cohort
