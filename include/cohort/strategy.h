@@ -68,7 +68,7 @@ class Strategy {
 
 // Options of every scheme; each strategy reads the ones it needs.
 struct StrategyOptions {
-  std::string name = "local";  // local | allreduce | average
+  std::string name = "local";  // local | allreduce | average | ps | gossip
   // allreduce
   double bucketMb = 25.0;
   double firstBucketMb = 1.0;
@@ -91,9 +91,16 @@ struct StrategyOptions {
     std::string tlsCa;    // PEM roots for TLS to the shards
     std::string tlsCert;  // when this process serves a shard
     std::string tlsKey;
-    int slowRank = -1;        // test hook: this worker sleeps slowSeconds per step
-    double slowSeconds = 0;
   } ps;
+  // gossip (see strategy/gossip.h)
+  struct Gossip {
+    int peers = 0;                 // send to this many random peers per step; 0: all
+    std::string codec = "none";    // the --codec of the updates
+    int64_t codecWarmupSteps = 0;  // steps 1..W send uncompressed updates
+  } gossip;
+  // Test hook for every scheme: worker slowRank sleeps slowSeconds in every step.
+  int slowRank = -1;
+  double slowSeconds = 0;
 };
 
 class Communicator;

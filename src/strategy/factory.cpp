@@ -23,7 +23,8 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, std::shar
         std::move(comm), AverageOptions{.period = options.period,
                                         .averageOptimizerState = options.averageOptimizerState});
   }
-  throw InvalidArgument("unknown strategy '" + options.name + "': expected local, allreduce or average");
+  // ps and gossip need no Gloo group: the Trainer builds them (makePsStrategy, makeGossipStrategy).
+  throw InvalidArgument("unknown strategy '" + options.name + "': expected local, allreduce, average, ps or gossip");
 }
 
 }  // namespace cohort
