@@ -1,6 +1,7 @@
 // The gossip transport without torch: the frame format, and peers as objects in one process
 // talking over real sockets on 127.0.0.1 (accumulation for peers not chosen, a wrong token, a
 // peer that disappears).
+#include "compress/codec.h"
 #include "gossip/peer.h"
 #include "gossip/wire.h"
 
@@ -78,22 +79,10 @@ TEST(GossipWire, MalformedFramesAreRejected) {
   EXPECT_FALSE(sameToken("abc", "abcd"));
 }
 
-TEST(GossipCodec, RawDecoderChecksTheLength) {
-  Codec none = makeCodec("none");
-  std::vector<uint8_t> message;
-  const std::vector<float> values{1.5f, -2.0f, 3.25f};
-  none.newEncoder(3)->encode(values, message);
-  std::vector<float> out{1, 1, 1};
-  none.decoder->decodeAdd(message, out, 2.0f);
-  EXPECT_EQ(out, (std::vector<float>{4.0f, -3.0f, 7.5f}));
-  std::vector<float> two(2);
-  EXPECT_THROW(none.decoder->decodeAdd(message, two, 1.0f), InvalidArgument);
-  EXPECT_THROW(makeCodec("nonsense"), InvalidArgument);
-}
-
 // n peers on 127.0.0.1, connected to each other.
 std::vector<std::unique_ptr<Peer>> makePeers(int n, size_t numel, double timeout,
-                                             const std::vector<std::string>& tokens = {}) {
+                                             const std::vector<std::string>& tokens = {},
+                                             const std::string& codec = "none", int64_t warmup = 0) {
   std::vector<std::unique_ptr<Peer>> peers;
   std::vector<HostPort> addresses;
   for (int r = 0; r < n; ++r) {
@@ -101,7 +90,9 @@ std::vector<std::unique_ptr<Peer>> makePeers(int n, size_t numel, double timeout
                                                        .worldSize = n,
                                                        .token = tokens.empty() ? "tok" : tokens[size_t(r)],
                                                        .timeoutSeconds = timeout,
-                                                       .numel = numel}));
+                                                       .numel = numel,
+                                                       .codec = codec,
+                                                       .codecWarmupSteps = warmup}));
     addresses.push_back(peers.back()->address());
   }
   for (auto& p : peers) p->connect(addresses);
@@ -181,6 +172,53 @@ TEST(GossipPeer, ADeadPeerIsDroppedAndTheOthersFinish) {
   std::vector<float> into(3, 0.0f);
   peers[1]->drain(into);
   EXPECT_EQ(into, (std::vector<float>{1, 2, 3}));
+}
+
+void finishAll(std::vector<std::unique_ptr<Peer>>& peers) {
+  std::vector<std::thread> finishing;
+  for (auto& p : peers) finishing.emplace_back([&p] { p->finish(PeerReport{}); });
+  for (auto& t : finishing) t.join();
+}
+
+// The codec slot: after the warm-up step (sent uncompressed), each destination's messages come
+// from an encoder of its own, residual included: the receiver gets exactly what a lone encoder
+// fed the same updates sends.
+TEST(GossipPeer, UpdatesTravelThroughTheCodecAfterTheWarmUp) {
+  const std::string codec = "threshold:0.5";
+  auto peers = makePeers(2, 4, 30, {}, codec, 1);
+  const std::vector<int> toOne{1};
+  const std::vector<std::vector<float>> updates{{0.7f, -0.2f, 0.1f, 3.0f}, {0.2f, -0.4f, 0.3f, 0.0f},
+                                                {-0.1f, -0.1f, 0.3f, 0.0f}};
+  std::vector<float> expected(4, 0.0f), got(4, 0.0f);
+  compress::Encoder reference(compress::CodecSpec::parse(codec), 4);
+  for (size_t s = 0; s < updates.size(); ++s) {
+    peers[0]->publish(updates[s], meta(int64_t(s) + 1), toOne);
+    if (s == 0) {
+      for (size_t i = 0; i < 4; ++i) expected[i] += updates[s][i];  // the warm-up step, exact
+    } else {
+      compress::decodeAdd(reference.encode(updates[s]), expected);
+    }
+    // One message per step: wait (at most 20 s) until it arrived, or steps would merge.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    int64_t seen = 0;
+    while (seen == 0 && std::chrono::steady_clock::now() < deadline) {
+      std::vector<float> into(4, 0.0f);
+      seen += peers[1]->drain(into).messages;
+      for (size_t i = 0; i < 4; ++i) got[i] += into[i];
+      if (seen == 0) std::this_thread::yield();
+    }
+    ASSERT_EQ(seen, 1) << "step " << s + 1 << " did not arrive as one message";
+  }
+  finishAll(peers);
+  std::vector<float> rest(4, 0.0f);
+  peers[1]->drain(rest);
+  EXPECT_EQ(rest, std::vector<float>(4, 0.0f));
+  EXPECT_EQ(got, expected);
+  EXPECT_NE(got[0], updates[0][0] + updates[1][0] + updates[2][0]) << "the codec sent everything: not a threshold";
+}
+
+TEST(GossipPeer, AnUnknownCodecIsRefused) {
+  EXPECT_THROW(Peer(PeerOptions{.rank = 0, .worldSize = 2, .numel = 3, .codec = "zip"}), InvalidArgument);
 }
 
 }  // namespace

@@ -69,6 +69,10 @@ class Strategy {
 // Options of every scheme; each strategy reads the ones it needs.
 struct StrategyOptions {
   std::string name = "local";  // local | allreduce | average | ps | gossip
+  // Compression of what is exchanged (allreduce, average, ps): the --codec text (see
+  // src/compress/codec.h), and the steps trained uncompressed first.
+  std::string codec = "none";
+  int64_t codecWarmupSteps = 0;
   // allreduce
   double bucketMb = 25.0;
   double firstBucketMb = 1.0;
@@ -94,9 +98,7 @@ struct StrategyOptions {
   } ps;
   // gossip (see strategy/gossip.h)
   struct Gossip {
-    int peers = 0;                 // send to this many random peers per step; 0: all
-    std::string codec = "none";    // the --codec of the updates
-    int64_t codecWarmupSteps = 0;  // steps 1..W send uncompressed updates
+    int peers = 0;  // send to this many random peers per step; 0: all
   } gossip;
   // Test hook for every scheme: worker slowRank sleeps slowSeconds in every step.
   int slowRank = -1;

@@ -1,5 +1,7 @@
 #include "gossip/peer.h"
 
+#include "compress/codec.h"
+
 #include <cohort/error.h>
 
 #include <arpa/inet.h>
@@ -96,8 +98,7 @@ struct Peer::Impl {
   };
 
   PeerOptions options;
-  Codec codec;
-  std::unique_ptr<UpdateDecoder> raw;
+  compress::CodecSpec codec;
   uint32_t maxBody = 0;
   int listenFd = -1;
   int port = 0;
@@ -120,9 +121,9 @@ struct Peer::Impl {
   std::vector<PeerCounters> peers;  // GUARDED_BY(stateMutex), by rank
   int64_t refused = 0;              // GUARDED_BY(stateMutex)
 
-  explicit Impl(PeerOptions o) : options(std::move(o)), codec(makeCodec(options.codec)) {
-    raw = std::move(makeCodec("none").decoder);
-    const uint64_t limit = kUpdateHeaderBytes + 2 * uint64_t(options.numel) * sizeof(float) + 4096;
+  explicit Impl(PeerOptions o) : options(std::move(o)), codec(compress::CodecSpec::parse(options.codec)) {
+    // The largest message a codec makes is an index and a value per entry, plus headers.
+    const uint64_t limit = kUpdateHeaderBytes + 3 * uint64_t(options.numel) * sizeof(float) + 4096;
     COHORT_CHECK(limit <= UINT32_MAX, InvalidArgument, "a model of ", options.numel,
                  " parameters is too large for gossip frames (4 GiB at most)");
     maxBody = std::max<uint32_t>(uint32_t(limit), kMaxHelloBody);
@@ -265,11 +266,11 @@ struct Peer::Impl {
         COHORT_CHECK(int(meta.sender) == from && meta.numel == options.numel, InvalidArgument, "an UPDATE from ",
                      meta.sender, " of ", meta.numel, " floats on the stream of peer ", from, " (expected ",
                      options.numel, ")");
+        // Codec messages describe themselves; decodeAdd checks the whole message before it adds.
         const std::span<const uint8_t> message = std::span<const uint8_t>(body).subspan(kUpdateHeaderBytes);
-        const UpdateDecoder& decoder = meta.encoding == Encoding::kRaw ? *raw : *codec.decoder;
         {
           std::lock_guard<std::mutex> lock(inboxMutex);
-          decoder.decodeAdd(message, inbox, 1.0f);
+          compress::decodeAdd(message, inbox, 1.0f);
           received.steps += meta.steps;
           received.samples += meta.samples;
           ++received.messages;
@@ -330,9 +331,10 @@ struct Peer::Impl {
     Outbox& box = *outboxes[size_t(r)];
     const int fd = dial(r, to);
     std::vector<float> sending(options.numel);
-    std::vector<uint8_t> frame;
-    std::unique_ptr<UpdateEncoder> encoder = codec.newEncoder(options.numel);
-    std::unique_ptr<UpdateEncoder> rawEncoder = makeCodec("none").newEncoder(options.numel);
+    std::vector<uint8_t> frame, scratch;
+    // One encoder per destination: its residual is what this peer has not yet sent to that one.
+    compress::Encoder encoder(codec, options.numel);
+    compress::Encoder rawEncoder(compress::CodecSpec{}, options.numel);  // warm-up steps
     auto send = [&](const std::vector<uint8_t>& bytes, bool isUpdate) {
       const std::string failed = writeAll(fd, bytes.data(), bytes.size());
       if (!failed.empty()) {
@@ -368,9 +370,13 @@ struct Peer::Impl {
         report = box.report;
       }
       if (meta.steps > 0) {
-        meta.encoding = codec.name == "none" || meta.step <= options.codecWarmupSteps ? Encoding::kRaw : Encoding::kCodec;
+        meta.encoding = codec.kind == compress::CodecKind::None || meta.step <= options.codecWarmupSteps
+                            ? Encoding::kRaw
+                            : Encoding::kCodec;
         beginUpdateFrame(meta, frame);
-        (meta.encoding == Encoding::kRaw ? *rawEncoder : *encoder).encode(sending, frame);
+        std::vector<uint8_t>& message = scratch;
+        (meta.encoding == Encoding::kRaw ? rawEncoder : encoder).encode(sending, message);
+        frame.insert(frame.end(), message.begin(), message.end());
         finishUpdateFrame(frame);
         ok = send(frame, true);
       }

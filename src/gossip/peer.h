@@ -12,13 +12,13 @@
 //   and dropped; training goes on. finish() is the one place that waits, with a deadline.
 #pragma once
 
-#include "gossip/codec.h"
 #include "gossip/wire.h"
 
 #include <cohort/cluster.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -32,7 +32,7 @@ struct PeerOptions {
   std::string bindHost = "127.0.0.1";  // where to listen (port chosen by the kernel)
   double timeoutSeconds = 60;         // connect, each send, and finish()
   size_t numel = 0;                   // floats in an update
-  std::string codec = "none";         // --codec; "none": raw float32
+  std::string codec = "none";         // --codec (compress/codec.h); "none": float32
   int64_t codecWarmupSteps = 0;       // updates of steps below this go raw (uncompressed)
 };
 

@@ -4,8 +4,8 @@
 //
 //   frame  = magic u32 "CGSP" | type u8 | 3 zero bytes | body length u32 | body
 //   HELLO  = protocol u32 | sender rank u32 | world size u32 | token length u32 | token
-//   UPDATE = sender u32 | encoding u32 (0 raw float32, 1 the job's codec) | version i64 | step i64
-//            | steps i64 | samples i64 | numel u64 | codec message
+//   UPDATE = sender u32 | encoding u32 (0 uncompressed, 1 the job's codec) | version i64 | step i64
+//            | steps i64 | samples i64 | numel u64 | codec message (compress/codec.h, self-describing)
 //   DONE   = the sender's PeerReport (8 i64)
 // Integers are little-endian. The first frame on a stream must be HELLO with the job's token;
 // anything else closes the stream. DONE is the last frame: the sender finished and everything it

@@ -61,7 +61,7 @@ class GossipStrategy final : public Strategy {
                  "--strategy gossip needs at least 2 workers: run it under `cohort launch -n N` (or another launcher)");
     COHORT_CHECK(c_.options.peers >= 0 && c_.options.peers <= others, InvalidArgument,
                  "--gossip-peers must be in 0..", others, " (0: all ", others, " other peers), got ", c_.options.peers);
-    COHORT_CHECK(c_.options.codecWarmupSteps >= 0, InvalidArgument, "--codec-warmup-steps must not be negative");
+    COHORT_CHECK(c_.codecWarmupSteps >= 0, InvalidArgument, "--codec-warmup-steps must not be negative");
     fanout_ = c_.options.peers == 0 ? others : c_.options.peers;
     received_.resize(size_t(c_.cluster.worldSize));
     histogram_.assign(kHistogramBins, 0);
@@ -111,8 +111,8 @@ class GossipStrategy final : public Strategy {
                                                                .bindHost = bind,
                                                                .timeoutSeconds = c_.timeoutSeconds,
                                                                .numel = numel_,
-                                                               .codec = c_.options.codec,
-                                                               .codecWarmupSteps = c_.options.codecWarmupSteps});
+                                                               .codec = c_.codec,
+                                                               .codecWarmupSteps = c_.codecWarmupSteps});
     rendezvous_->set("cohort/gossip/addr/" + std::to_string(cl.rank),
                      HostPort{advertise, peer_->address().port}.str());
     // Every replica starts from the chief's parameters (TorchScript models are not seeded alike).
@@ -231,7 +231,7 @@ class GossipStrategy final : public Strategy {
                    list.c_str());
     }
     return {{"gossip_peers", int64_t(fanout_)},
-            {"codec", c_.options.codec},
+            {"codec", c_.codec},
             {"staleness_mean", messagesApplied_ > 0 ? double(stalenessSum_) / double(messagesApplied_) : 0.0},
             {"staleness_max", stalenessMax_},
             {"staleness_histogram", histogram},

@@ -28,6 +28,8 @@ namespace cohort {
 
 struct GossipContext {
   StrategyOptions::Gossip options;
+  std::string codec = "none";    // --codec, for the updates
+  int64_t codecWarmupSteps = 0;  // steps 1..W send them uncompressed
   ClusterSpec cluster;  // rank, world size, and the rendezvous store's address
   double timeoutSeconds = 60;
   std::string authToken;  // empty: a random one the chief publishes in the rendezvous store

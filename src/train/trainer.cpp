@@ -284,6 +284,8 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
                  "--resume does not apply to --strategy gossip: the replicas differ and only the chief's is "
                  "checkpointed; start a new run (from --save-model's file with --model FILE.pt, for instance)");
     s.strategy = makeGossipStrategy(GossipContext{.options = o.strategy.gossip,
+                                                  .codec = o.strategy.codec,
+                                                  .codecWarmupSteps = o.strategy.codecWarmupSteps,
                                                   .cluster = s.cluster,
                                                   .timeoutSeconds = o.timeoutSeconds,
                                                   .authToken = o.strategy.ps.authToken,

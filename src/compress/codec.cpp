@@ -1,0 +1,658 @@
+// The codecs: message layout, encoders with their residual, and the hostile-input decoder.
+// Layout and arithmetic are documented in docs/ARCHITECTURE.md ("Compression").
+#include "compress/codec.h"
+
+#include <zstd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace cohort::compress {
+
+namespace {
+
+constexpr uint8_t kMagic[4] = {'C', 'O', 'C', 'M'};
+constexpr uint8_t kVersion = 1;
+constexpr int kZstdLevel = 1;
+
+[[noreturn]] void malformed(const std::string& why) {
+  throw MalformedMessage("malformed codec message: " + why);
+}
+
+size_t bitmapBytes(uint64_t bits) { return size_t((bits + 7) / 8); }
+
+// ---- writing -----------------------------------------------------------------------------------
+
+void putU32(std::vector<uint8_t>& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(uint8_t(v >> (8 * i)));
+}
+void putU64(std::vector<uint8_t>& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(uint8_t(v >> (8 * i)));
+}
+void putF32(std::vector<uint8_t>& out, float v) { putU32(out, std::bit_cast<uint32_t>(v)); }
+void putVarint(std::vector<uint8_t>& out, uint32_t v) {
+  while (v >= 0x80) {
+    out.push_back(uint8_t(v | 0x80));
+    v >>= 7;
+  }
+  out.push_back(uint8_t(v));
+}
+
+void putHeader(std::vector<uint8_t>& out, CodecKind kind, uint64_t length, float param, uint32_t bodyBytes) {
+  out.insert(out.end(), kMagic, kMagic + 4);
+  out.push_back(kVersion);
+  out.push_back(uint8_t(kind));
+  out.push_back(0);
+  out.push_back(0);
+  putU64(out, length);
+  putF32(out, param);
+  putU32(out, bodyBytes);
+}
+
+// A sparse list: strictly increasing indices, each either a "sign entry" (decoded as +-magnitude,
+// the codec's parameter) or a "value entry" (an explicit float).
+struct ListWriter {
+  std::vector<uint32_t> indices;
+  std::vector<uint8_t> isValue;
+  std::vector<uint8_t> negative;
+  std::vector<float> values;
+
+  void clear() {
+    indices.clear();
+    isValue.clear();
+    negative.clear();
+    values.clear();
+  }
+  void addSign(size_t index, bool neg) {
+    indices.push_back(uint32_t(index));
+    isValue.push_back(0);
+    negative.push_back(neg);
+  }
+  void addValue(size_t index, float value) {
+    indices.push_back(uint32_t(index));
+    isValue.push_back(1);
+    negative.push_back(0);
+    values.push_back(value);
+  }
+  // u32 n | n varints: the first index, then the difference to the previous one (>= 1)
+  // | value-entry bitmap | sign bitmap | the value entries' floats, in index order.
+  void write(std::vector<uint8_t>& out) const {
+    const size_t n = indices.size();
+    putU32(out, uint32_t(n));
+    uint32_t prev = 0;
+    for (size_t i = 0; i < n; ++i) {
+      putVarint(out, i == 0 ? indices[0] : indices[i] - prev);
+      prev = indices[i];
+    }
+    for (const auto* bits : {&isValue, &negative}) {
+      const size_t start = out.size();
+      out.resize(start + bitmapBytes(n), 0);
+      for (size_t i = 0; i < n; ++i) {
+        if ((*bits)[i]) out[start + i / 8] |= uint8_t(1u << (i % 8));
+      }
+    }
+    for (float v : values) putF32(out, v);
+  }
+};
+
+// ---- reading -----------------------------------------------------------------------------------
+
+class Reader {
+ public:
+  Reader(const uint8_t* data, size_t size, const char* what) : p_(data), end_(data + size), what_(what) {}
+
+  size_t left() const { return size_t(end_ - p_); }
+  const uint8_t* take(size_t n) {
+    if (n > left()) malformed(std::string(what_) + " is truncated");
+    const uint8_t* at = p_;
+    p_ += n;
+    return at;
+  }
+  uint32_t u32() {
+    const uint8_t* b = take(4);
+    return uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
+  }
+  uint64_t u64() {
+    const uint64_t lo = u32();
+    return lo | uint64_t(u32()) << 32;
+  }
+  float f32() { return std::bit_cast<float>(u32()); }
+  uint32_t varint() {
+    uint32_t v = 0;
+    for (int shift = 0; shift < 35; shift += 7) {
+      const uint8_t b = *take(1);
+      if (shift == 28 && b > 0x0f) malformed(std::string(what_) + " has a varint beyond 32 bits");
+      v |= uint32_t(b & 0x7f) << shift;
+      if (!(b & 0x80)) {
+        if (b == 0 && shift > 0) malformed(std::string(what_) + " has an overlong varint");
+        return v;
+      }
+    }
+    malformed(std::string(what_) + " has a varint beyond 32 bits");
+  }
+  void expectEnd() {
+    if (left() != 0) malformed(std::string(what_) + " has " + std::to_string(left()) + " trailing bytes");
+  }
+
+ private:
+  const uint8_t* p_;
+  const uint8_t* end_;
+  const char* what_;
+};
+
+bool bitAt(const uint8_t* bitmap, size_t i) { return (bitmap[i / 8] >> (i % 8)) & 1; }
+
+void checkPadding(const uint8_t* bitmap, uint64_t bits, const char* what) {
+  if (bits % 8 != 0 && (bitmap[bits / 8] >> (bits % 8)) != 0) {
+    malformed(std::string(what) + " has bits set past its end");
+  }
+}
+
+struct Entry {
+  uint32_t index;
+  bool isValue;
+  bool negative;
+  float value;  // for value entries
+};
+
+// Reads and checks a sparse list for a buffer of `length` entries.
+std::vector<Entry> readList(Reader& in, uint64_t length, bool signEntriesAllowed) {
+  const uint32_t n = in.u32();
+  if (n > length) malformed("the list has " + std::to_string(n) + " entries for a length of " + std::to_string(length));
+  std::vector<Entry> entries(n);
+  uint64_t prev = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t delta = in.varint();
+    if (i > 0 && delta == 0) malformed("index " + std::to_string(prev) + " is repeated");
+    const uint64_t index = i == 0 ? delta : prev + delta;
+    if (index >= length) {
+      malformed("index " + std::to_string(index) + " is out of range for a length of " + std::to_string(length));
+    }
+    entries[i].index = uint32_t(index);
+    prev = index;
+  }
+  const uint8_t* isValue = in.take(bitmapBytes(n));
+  const uint8_t* negative = in.take(bitmapBytes(n));
+  checkPadding(isValue, n, "the value-entry bitmap");
+  checkPadding(negative, n, "the sign bitmap");
+  for (uint32_t i = 0; i < n; ++i) {
+    entries[i].isValue = bitAt(isValue, i);
+    entries[i].negative = bitAt(negative, i);
+    if (entries[i].isValue && entries[i].negative) malformed("a value entry has its sign bit set");
+    if (!entries[i].isValue && !signEntriesAllowed) malformed("this codec's list has a sign entry");
+  }
+  for (auto& e : entries) {
+    if (e.isValue) e.value = in.f32();
+  }
+  return entries;
+}
+
+size_t elementBytes(CodecKind kind) {
+  switch (kind) {
+    case CodecKind::None: return 4;
+    case CodecKind::Fp16:
+    case CodecKind::Bf16: return 2;
+    default: return 0;
+  }
+}
+
+// The largest decompressed body a sparse message of `length` entries may claim: a list of at most
+// `length` entries (u32 count, varints of at most 5 bytes, two bitmaps, floats), plus onebit's
+// scales and sign bitmap.
+uint64_t maxSparseBody(CodecKind kind, uint64_t length) {
+  const uint64_t list = 4 + 5 * length + 2 * bitmapBytes(length) + 4 * length;
+  return kind == CodecKind::OneBit ? list + 8 + bitmapBytes(length) : list;
+}
+
+struct Parsed {
+  MessageInfo info;
+  uint32_t bodyBytes = 0;
+  const uint8_t* body = nullptr;
+  size_t bodySize = 0;  // bytes after the header
+};
+
+Parsed parseHeader(std::span<const uint8_t> message) {
+  Reader in(message.data(), message.size(), "the message header");
+  const uint8_t* magic = in.take(4);
+  if (std::memcmp(magic, kMagic, 4) != 0) malformed("it does not start with the codec magic 'COCM'");
+  const uint8_t version = *in.take(1);
+  if (version != kVersion) malformed("version " + std::to_string(version) + " (this build reads version 1)");
+  const uint8_t kind = *in.take(1);
+  if (kind > uint8_t(CodecKind::OneBit)) malformed("unknown codec " + std::to_string(kind));
+  const uint8_t* reserved = in.take(2);
+  if (reserved[0] != 0 || reserved[1] != 0) malformed("reserved header bytes are not zero");
+  Parsed p;
+  p.info.kind = CodecKind(kind);
+  p.info.length = in.u64();
+  p.info.param = in.f32();
+  p.bodyBytes = in.u32();
+  p.body = message.data() + kHeaderBytes;
+  p.bodySize = message.size() - kHeaderBytes;
+  if (p.info.length > kMaxLength) {
+    malformed("length " + std::to_string(p.info.length) + " is beyond the limit of " + std::to_string(kMaxLength));
+  }
+  const float param = p.info.param;
+  switch (p.info.kind) {
+    case CodecKind::TopK:
+      if (!(param > 0.0f && param <= 1.0f)) malformed("topk ratio " + std::to_string(param) + " is not in (0, 1]");
+      break;
+    case CodecKind::Threshold:
+      if (!(param > 0.0f && std::isfinite(param))) malformed("threshold tau " + std::to_string(param) + " is not positive");
+      break;
+    default:
+      if (std::bit_cast<uint32_t>(param) != 0) malformed("a parameter for a codec that has none");
+  }
+  if (const size_t elem = elementBytes(p.info.kind)) {
+    if (uint64_t(p.bodyBytes) != p.info.length * elem || p.bodySize != p.bodyBytes) {
+      malformed("a dense body of " + std::to_string(p.bodySize) + " bytes (header: " + std::to_string(p.bodyBytes) +
+                ") for " + std::to_string(p.info.length) + " entries of " + std::to_string(elem) + " bytes");
+    }
+  } else if (p.bodyBytes > maxSparseBody(p.info.kind, p.info.length)) {
+    malformed("a body of " + std::to_string(p.bodyBytes) + " bytes is more than " + std::to_string(p.info.length) +
+              " entries can take");
+  }
+  return p;
+}
+
+// The zstd frame after the header, decompressed into exactly bodyBytes.
+std::vector<uint8_t> inflate(const Parsed& p) {
+  const unsigned long long declared = ZSTD_getFrameContentSize(p.body, p.bodySize);
+  if (declared == ZSTD_CONTENTSIZE_ERROR || declared == ZSTD_CONTENTSIZE_UNKNOWN) {
+    malformed("the body is not a zstd frame with its size");
+  }
+  if (declared != p.bodyBytes) {
+    malformed("the zstd frame holds " + std::to_string(declared) + " bytes, the header says " +
+              std::to_string(p.bodyBytes));
+  }
+  const size_t frame = ZSTD_findFrameCompressedSize(p.body, p.bodySize);
+  if (ZSTD_isError(frame) || frame != p.bodySize) malformed("the zstd frame does not end where the message ends");
+  std::vector<uint8_t> body(p.bodyBytes);
+  struct DctxDeleter {
+    void operator()(ZSTD_DCtx* d) const { ZSTD_freeDCtx(d); }
+  };
+  thread_local std::unique_ptr<ZSTD_DCtx, DctxDeleter> dctx(ZSTD_createDCtx());
+  const size_t got = ZSTD_decompressDCtx(dctx.get(), body.data(), body.size(), p.body, p.bodySize);
+  if (ZSTD_isError(got)) malformed(std::string("bad zstd frame: ") + ZSTD_getErrorName(got));
+  if (got != p.bodyBytes) malformed("the zstd frame decompressed to fewer bytes than it declared");
+  return body;
+}
+
+const char* kindName(CodecKind kind) {
+  switch (kind) {
+    case CodecKind::None: return "none";
+    case CodecKind::Fp16: return "fp16";
+    case CodecKind::Bf16: return "bf16";
+    case CodecKind::TopK: return "topk";
+    case CodecKind::Threshold: return "threshold";
+    case CodecKind::OneBit: return "onebit";
+  }
+  return "?";
+}
+
+}  // namespace
+
+// ---- spec --------------------------------------------------------------------------------------
+
+float roundTau(double tau) {
+  int exponent = 0;
+  const double fraction = std::frexp(tau, &exponent);  // tau = fraction * 2^exponent, fraction in [0.5, 1)
+  return float(std::ldexp(std::nearbyint(std::ldexp(fraction, 8)), exponent - 8));
+}
+
+CodecSpec CodecSpec::parse(std::string_view text) {
+  auto bad = [&](const std::string& why) -> InvalidArgument {
+    return InvalidArgument("--codec " + std::string(text) + ": " + why + "; accepted: " + std::string(kCodecForms));
+  };
+  auto number = [&](std::string_view digits) {
+    const std::string s(digits);
+    size_t used = 0;
+    double v = 0;
+    try {
+      v = std::stod(s, &used);
+    } catch (const std::exception&) {
+      throw bad("'" + s + "' is not a number");
+    }
+    if (used != s.size() || !std::isfinite(v)) throw bad("'" + s + "' is not a number");
+    return v;
+  };
+  CodecSpec spec;
+  const size_t colon = text.find(':');
+  const std::string_view name = text.substr(0, colon);
+  const bool hasArg = colon != std::string_view::npos;
+  if (name == "none" || name == "fp16" || name == "bf16" || name == "onebit") {
+    if (hasArg) throw bad(std::string(name) + " takes no parameter");
+    spec.kind = name == "none" ? CodecKind::None
+                : name == "fp16" ? CodecKind::Fp16
+                : name == "bf16" ? CodecKind::Bf16
+                                 : CodecKind::OneBit;
+  } else if (name == "topk") {
+    if (!hasArg) throw bad("topk needs a ratio, e.g. topk:0.01");
+    spec.kind = CodecKind::TopK;
+    spec.ratio = number(text.substr(colon + 1));
+    if (!(spec.ratio > 0 && spec.ratio <= 1)) throw bad("the ratio must be in (0, 1]");
+  } else if (name == "threshold") {
+    if (!hasArg) throw bad("threshold needs a tau, e.g. threshold:0.01");
+    spec.kind = CodecKind::Threshold;
+    const double tau = number(text.substr(colon + 1));
+    if (!(tau >= 1e-30 && tau <= 1e30)) throw bad("tau must be positive (between 1e-30 and 1e30)");
+    spec.tau = roundTau(tau);
+  } else {
+    throw bad("unknown codec '" + std::string(name) + "'");
+  }
+  return spec;
+}
+
+std::string CodecSpec::text() const {
+  char buf[64];
+  switch (kind) {
+    case CodecKind::TopK: std::snprintf(buf, sizeof buf, "topk:%.17g", ratio); return buf;
+    case CodecKind::Threshold: std::snprintf(buf, sizeof buf, "threshold:%.9g", double(tau)); return buf;
+    default: return kindName(kind);
+  }
+}
+
+// ---- 16-bit conversions ------------------------------------------------------------------------
+
+uint16_t floatToHalf(float value) {
+  const uint32_t x = std::bit_cast<uint32_t>(value);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000);
+  const uint32_t ax = x & 0x7fffffff;
+  if (ax > 0x7f800000) return sign | 0x7e00;  // NaN
+  if (ax == 0x7f800000) return sign | 0x7c00;
+  if (ax >= 0x477ff000) return sign | 0x7bff;  // >= 65520 would round to infinity: saturate
+  if (ax < 0x38800000) {
+    // Below 2^-14: a multiple of the subnormal step 2^-24 (the scaling is exact).
+    return sign | uint16_t(std::nearbyint(std::bit_cast<float>(ax) * 0x1p24f));
+  }
+  uint32_t v = ax - (112u << 23);  // exponent bias 127 -> 15
+  v += 0xfff + ((v >> 13) & 1);    // round to nearest even; a carry moves into the exponent
+  return sign | uint16_t(v >> 13);
+}
+
+float halfToFloat(uint16_t bits) {
+  const uint32_t sign = uint32_t(bits & 0x8000) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1f;
+  const uint32_t mantissa = bits & 0x3ff;
+  if (exponent == 0) {
+    const float v = float(mantissa) * 0x1p-24f;
+    return sign ? -v : v;
+  }
+  if (exponent == 31) return std::bit_cast<float>(sign | 0x7f800000 | (mantissa << 13));
+  return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+uint16_t floatToBf16(float value) {
+  const uint32_t x = std::bit_cast<uint32_t>(value);
+  const uint32_t ax = x & 0x7fffffff;
+  if (ax > 0x7f800000) return uint16_t(x >> 16) | 0x40;  // NaN, kept quiet
+  if (ax == 0x7f800000) return uint16_t(x >> 16);
+  const uint32_t rounded = x + 0x7fff + ((x >> 16) & 1);
+  if ((rounded & 0x7f800000) == 0x7f800000) return uint16_t((x >> 16) & 0x8000) | 0x7f7f;  // saturate
+  return uint16_t(rounded >> 16);
+}
+
+float bf16ToFloat(uint16_t bits) { return std::bit_cast<float>(uint32_t(bits) << 16); }
+
+void floatsToHalf(std::span<const float> in, std::span<uint16_t> out) {
+  for (size_t i = 0; i < in.size(); ++i) out[i] = floatToHalf(in[i]);
+}
+void halfToFloats(std::span<const uint16_t> in, std::span<float> out) {
+  for (size_t i = 0; i < in.size(); ++i) out[i] = halfToFloat(in[i]);
+}
+void floatsToBf16(std::span<const float> in, std::span<uint16_t> out) {
+  for (size_t i = 0; i < in.size(); ++i) out[i] = floatToBf16(in[i]);
+}
+void bf16ToFloats(std::span<const uint16_t> in, std::span<float> out) {
+  for (size_t i = 0; i < in.size(); ++i) out[i] = bf16ToFloat(in[i]);
+}
+
+// ---- decoding ----------------------------------------------------------------------------------
+
+MessageInfo peekMessage(std::span<const uint8_t> message) { return parseHeader(message).info; }
+
+void decodeAdd(std::span<const uint8_t> message, std::span<float> out, float scale) {
+  const Parsed p = parseHeader(message);
+  const uint64_t length = p.info.length;
+  if (length != out.size()) {
+    malformed("it holds " + std::to_string(length) + " entries for a buffer of " + std::to_string(out.size()));
+  }
+  switch (p.info.kind) {
+    case CodecKind::None:
+      for (size_t i = 0; i < length; ++i) {
+        float v;
+        std::memcpy(&v, p.body + 4 * i, 4);
+        out[i] += scale * v;
+      }
+      return;
+    case CodecKind::Fp16:
+    case CodecKind::Bf16: {
+      const bool half = p.info.kind == CodecKind::Fp16;
+      for (size_t i = 0; i < length; ++i) {
+        const uint16_t bits = uint16_t(p.body[2 * i] | p.body[2 * i + 1] << 8);
+        out[i] += scale * (half ? halfToFloat(bits) : bf16ToFloat(bits));
+      }
+      return;
+    }
+    case CodecKind::TopK:
+    case CodecKind::Threshold: {
+      const std::vector<uint8_t> body = inflate(p);
+      Reader in(body.data(), body.size(), "the body");
+      const std::vector<Entry> entries = readList(in, length, p.info.kind == CodecKind::Threshold);
+      in.expectEnd();
+      for (const Entry& e : entries) {
+        out[e.index] += scale * (e.isValue ? e.value : e.negative ? -p.info.param : p.info.param);
+      }
+      return;
+    }
+    case CodecKind::OneBit: {
+      const std::vector<uint8_t> body = inflate(p);
+      Reader in(body.data(), body.size(), "the body");
+      const float positive = in.f32();
+      const float negative = in.f32();
+      if (!(positive >= 0.0f && std::isfinite(positive) && negative >= 0.0f && std::isfinite(negative))) {
+        malformed("onebit scales must be finite and non-negative");
+      }
+      const uint8_t* signs = in.take(bitmapBytes(length));
+      checkPadding(signs, length, "the sign bitmap");
+      const std::vector<Entry> escapes = readList(in, length, false);
+      in.expectEnd();
+      for (const Entry& e : escapes) {
+        if (bitAt(signs, e.index)) malformed("an escaped entry has its sign bit set");
+      }
+      size_t next = 0;
+      for (size_t i = 0; i < length; ++i) {
+        if (next < escapes.size() && escapes[next].index == i) {
+          out[i] += scale * escapes[next++].value;
+        } else {
+          out[i] += scale * (bitAt(signs, i) ? -negative : positive);
+        }
+      }
+      return;
+    }
+  }
+}
+
+// ---- encoding ----------------------------------------------------------------------------------
+
+struct Encoder::Scratch {
+  struct CctxDeleter {
+    void operator()(ZSTD_CCtx* c) const { ZSTD_freeCCtx(c); }
+  };
+  std::unique_ptr<ZSTD_CCtx, CctxDeleter> cctx{ZSTD_createCCtx()};
+  std::vector<uint8_t> body;
+  std::vector<float> magnitudes;
+  std::vector<uint8_t> signs;
+  ListWriter list;
+};
+
+Encoder::Encoder(CodecSpec spec, size_t length)
+    : spec_(spec), length_(length), scratch_(std::make_unique<Scratch>()) {
+  COHORT_CHECK(length <= kMaxLength, InvalidArgument, "a codec buffer of ", length, " floats is beyond the limit of ",
+               kMaxLength);
+  if (spec_.errorFeedback()) residual_.assign(length, 0.0f);
+}
+Encoder::~Encoder() = default;
+Encoder::Encoder(Encoder&&) noexcept = default;
+Encoder& Encoder::operator=(Encoder&&) noexcept = default;
+
+void Encoder::resetResidual() { std::fill(residual_.begin(), residual_.end(), 0.0f); }
+
+std::vector<uint8_t> Encoder::encode(std::span<const float> input) {
+  std::vector<uint8_t> message;
+  encode(input, message);
+  return message;
+}
+
+void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message) {
+  COHORT_CHECK_EQ(input.size(), length_, InvalidArgument, "the input to the ", kindName(spec_.kind),
+                  " encoder has the wrong length");
+  message.clear();
+  const size_t n = length_;
+  lastSent_ = n;
+  float param = 0.0f;
+  switch (spec_.kind) {
+    case CodecKind::None:
+      message.reserve(kHeaderBytes + 4 * n);
+      putHeader(message, spec_.kind, n, 0.0f, uint32_t(4 * n));
+      message.resize(kHeaderBytes + 4 * n);
+      if (n > 0) std::memcpy(message.data() + kHeaderBytes, input.data(), 4 * n);
+      return;
+    case CodecKind::Fp16:
+    case CodecKind::Bf16: {
+      putHeader(message, spec_.kind, n, 0.0f, uint32_t(2 * n));
+      message.resize(kHeaderBytes + 2 * n);
+      uint8_t* out = message.data() + kHeaderBytes;
+      const bool half = spec_.kind == CodecKind::Fp16;
+      for (size_t i = 0; i < n; ++i) {
+        const uint16_t bits = half ? floatToHalf(input[i]) : floatToBf16(input[i]);
+        out[2 * i] = uint8_t(bits);
+        out[2 * i + 1] = uint8_t(bits >> 8);
+      }
+      return;
+    }
+    default: break;
+  }
+
+  // Error feedback: the residual becomes acc = input + residual, and then acc - sent.
+  float* acc = residual_.data();
+  for (size_t i = 0; i < n; ++i) acc[i] += input[i];
+  std::vector<uint8_t>& body = scratch_->body;
+  body.clear();
+  ListWriter& list = scratch_->list;
+  list.clear();
+
+  if (spec_.kind == CodecKind::TopK) {
+    param = float(spec_.ratio);
+    // The k largest finite |acc| are sent as they are (residual 0: exact); non-finite entries too.
+    std::vector<float>& mags = scratch_->magnitudes;
+    mags.clear();
+    for (size_t i = 0; i < n; ++i) {
+      if (std::isfinite(acc[i])) mags.push_back(std::fabs(acc[i]));
+    }
+    const size_t finite = mags.size();
+    const size_t k = finite == 0 ? 0 : std::clamp<size_t>(size_t(std::ceil(spec_.ratio * double(finite))), 1, finite);
+    float kth = 0.0f;
+    if (k > 0 && k < finite) {
+      std::nth_element(mags.begin(), mags.begin() + (finite - k), mags.end());
+      kth = mags[finite - k];
+    }
+    size_t above = 0;  // entries strictly above kth are all sent; ties fill up to k in index order
+    for (size_t i = 0; i < n; ++i) {
+      if (std::isfinite(acc[i]) && std::fabs(acc[i]) > kth) ++above;
+    }
+    size_t ties = k > above ? k - above : 0;
+    for (size_t i = 0; i < n; ++i) {
+      const float a = acc[i];
+      const float m = std::fabs(a);
+      bool send = !std::isfinite(a) || m > kth;
+      if (!send && m == kth && m > 0.0f && ties > 0) {
+        send = true;
+        --ties;
+      }
+      if (send) {
+        list.addValue(i, a);
+        acc[i] = 0.0f;
+      }
+    }
+    list.write(body);
+    lastSent_ = list.indices.size();
+  } else if (spec_.kind == CodecKind::Threshold) {
+    const float tau = spec_.tau;
+    param = tau;
+    // tau has at most 8 significant bits, tau = m * 2^q with m < 2^8, so for tau <= |acc| < 2^16 tau
+    // both acc and tau are multiples of ulp(acc) and acc -+ tau (smaller than |acc|) is exact.
+    // Beyond that (and for non-finite acc) the entry is sent as its float value, residual 0.
+    const float limit = tau * 65536.0f;
+    for (size_t i = 0; i < n; ++i) {
+      const float a = acc[i];
+      const float m = std::fabs(a);
+      if (!(m >= tau)) {
+        if (!std::isfinite(a)) {  // NaN
+          list.addValue(i, a);
+          acc[i] = 0.0f;
+        }
+        continue;
+      }
+      if (m < limit) {
+        list.addSign(i, a < 0.0f);
+        acc[i] = a < 0.0f ? a + tau : a - tau;
+      } else {
+        list.addValue(i, a);
+        acc[i] = 0.0f;
+      }
+    }
+    list.write(body);
+    lastSent_ = list.indices.size();
+  } else {  // OneBit
+    // One scale per sign, the mean |acc| of the entries of that sign; zero counts as positive.
+    double sumPos = 0, sumNeg = 0;
+    size_t nPos = 0, nNeg = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const float a = acc[i];
+      if (!std::isfinite(a)) continue;
+      if (a < 0.0f) {
+        sumNeg -= a;
+        ++nNeg;
+      } else {
+        sumPos += a;
+        ++nPos;
+      }
+    }
+    const float positive = nPos ? float(sumPos / double(nPos)) : 0.0f;
+    const float negative = nNeg ? float(sumNeg / double(nNeg)) : 0.0f;
+    // The means of finite floats are finite floats.
+    putF32(body, positive);
+    putF32(body, negative);
+    const size_t bitmapAt = body.size();
+    body.resize(bitmapAt + bitmapBytes(n), 0);
+    for (size_t i = 0; i < n; ++i) {
+      const float a = acc[i];
+      if (!std::isfinite(a)) {
+        list.addValue(i, a);
+        acc[i] = 0.0f;
+      } else if (a < 0.0f) {
+        body[bitmapAt + i / 8] |= uint8_t(1u << (i % 8));
+        acc[i] = a + negative;
+      } else {
+        acc[i] = a - positive;
+      }
+    }
+    list.write(body);
+  }
+
+  COHORT_CHECK(body.size() <= std::numeric_limits<uint32_t>::max(), InvalidArgument, "a ", kindName(spec_.kind),
+               " message body of ", body.size(), " bytes is too large; use a smaller buffer");
+  const size_t bound = ZSTD_compressBound(body.size());
+  putHeader(message, spec_.kind, n, param, uint32_t(body.size()));
+  message.resize(kHeaderBytes + bound);
+  const size_t got = ZSTD_compressCCtx(scratch_->cctx.get(), message.data() + kHeaderBytes, bound, body.data(),
+                                       body.size(), kZstdLevel);
+  COHORT_CHECK(!ZSTD_isError(got), InvalidArgument, "zstd failed to compress a codec message: ",
+               ZSTD_getErrorName(got));
+  message.resize(kHeaderBytes + got);
+}
+
+}  // namespace cohort::compress

@@ -1,0 +1,124 @@
+// Codecs for what the schemes send: gradients, parameter changes, pushes. Torch-free, on flat
+// float buffers, so they build in seconds and the fuzz targets can link them.
+//
+// An Encoder belongs to one flat buffer of a fixed length and keeps that buffer's error-feedback
+// residual (Strom 2015; Seide et al. 2014): each encode() sends a compressed form of
+// acc = input + residual and keeps residual := acc - sent, so what is not sent this step is sent
+// later, never lost. The split is exact for `topk` and `threshold` (sent + residual == acc bit for
+// bit, every entry, see docs/ARCHITECTURE.md "Compression"); `onebit` rounds that one subtraction
+// (at most half an ulp of the residual per entry and step: +-scale cannot be split off a float
+// exactly in general); `none`, `fp16` and `bf16` keep no residual.
+//
+// A message is self-describing (header: magic, version, codec, length, parameter, body size), so
+// the receiver needs no state: decodeAdd() checks it as hostile input and adds its values into a
+// buffer. The layout is in docs/ARCHITECTURE.md.
+#pragma once
+
+#include <cohort/error.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cohort::compress {
+
+enum class CodecKind : uint8_t { None = 0, Fp16 = 1, Bf16 = 2, TopK = 3, Threshold = 4, OneBit = 5 };
+
+// What --codec accepts; parse errors quote it.
+inline constexpr std::string_view kCodecForms =
+    "none, fp16, bf16, topk:RATIO (0 < RATIO <= 1), threshold:TAU (TAU > 0), onebit";
+
+struct CodecSpec {
+  CodecKind kind = CodecKind::None;
+  double ratio = 1.0;  // topk: the fraction of entries sent each step
+  float tau = 0.0f;    // threshold: rounded to 8 significant bits (see roundTau)
+
+  // Parses the --codec text; throws InvalidArgument naming the accepted forms.
+  static CodecSpec parse(std::string_view text);
+  // The canonical text (parse(text()) == *this).
+  std::string text() const;
+  // none, fp16 and bf16: every entry is sent, as a dense array.
+  bool dense() const { return kind == CodecKind::None || kind == CodecKind::Fp16 || kind == CodecKind::Bf16; }
+  // The 16-bit dense codecs, which the allreduce strategy sums in 16 bits.
+  bool sixteenBit() const { return kind == CodecKind::Fp16 || kind == CodecKind::Bf16; }
+  bool errorFeedback() const { return !dense(); }
+  bool operator==(const CodecSpec&) const = default;
+};
+
+// tau with at most 8 significant bits, so that acc -+ tau is exact for tau <= |acc| < 2^16 tau.
+float roundTau(double tau);
+
+// A message that is not what it claims to be (truncated, wrong length, index out of range, ...).
+class MalformedMessage : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+// The header of a message, checked: the magic, version, codec, length within kMaxLength, and a
+// body size that fits the codec and the length. Throws MalformedMessage.
+struct MessageInfo {
+  CodecKind kind = CodecKind::None;
+  uint64_t length = 0;  // floats in the decoded buffer
+  float param = 0.0f;   // topk: ratio; threshold: tau; otherwise 0
+};
+MessageInfo peekMessage(std::span<const uint8_t> message);
+inline uint64_t decodedLength(std::span<const uint8_t> message) { return peekMessage(message).length; }
+
+// The longest buffer a message may describe (2^31 floats, 8 GiB).
+inline constexpr uint64_t kMaxLength = uint64_t(1) << 31;
+inline constexpr size_t kHeaderBytes = 24;
+
+// out[i] += scale * decoded[i]. out.size() must equal the message's length. Checks the whole
+// message before it touches out: on MalformedMessage, out is unchanged. Non-finite values in a
+// message are decoded as they are (an encoder sends them when its input had them).
+void decodeAdd(std::span<const uint8_t> message, std::span<float> out, float scale = 1.0f);
+
+class Encoder {
+ public:
+  // length: the buffer's size, at most kMaxLength. The residual starts at zero.
+  Encoder(CodecSpec spec, size_t length);
+  ~Encoder();
+  Encoder(Encoder&&) noexcept;
+  Encoder& operator=(Encoder&&) noexcept;
+
+  // Encodes input (+ residual) into a new message; input.size() must equal length().
+  //
+  // Non-finite entries (of input + residual) are sent as they are, with a residual of 0 for that
+  // entry, so that one NaN does not stay in the residual for ever; fp16 saturates finite values
+  // beyond its range to +-65504 (bf16 to +-3.39e38) instead of sending infinities.
+  std::vector<uint8_t> encode(std::span<const float> input);
+  void encode(std::span<const float> input, std::vector<uint8_t>& message);
+
+  std::span<const float> residual() const { return residual_; }
+  // Forgets the residual (after a warm-up, or when the parameters were replaced).
+  void resetResidual();
+  const CodecSpec& spec() const { return spec_; }
+  size_t length() const { return length_; }
+  // Entries sent by the last encode (all of them for the dense codecs and onebit).
+  size_t lastSent() const { return lastSent_; }
+
+ private:
+  struct Scratch;  // zstd context and buffers reused from step to step
+  CodecSpec spec_;
+  size_t length_;
+  std::vector<float> residual_;  // empty for the codecs without error feedback
+  std::unique_ptr<Scratch> scratch_;
+  size_t lastSent_ = 0;
+};
+
+// IEEE binary16 and bfloat16 conversions, round to nearest even. Finite floats beyond the target's
+// range saturate to its largest finite value; infinities stay infinite, NaN stays NaN.
+uint16_t floatToHalf(float value);
+float halfToFloat(uint16_t bits);
+uint16_t floatToBf16(float value);
+float bf16ToFloat(uint16_t bits);
+void floatsToHalf(std::span<const float> in, std::span<uint16_t> out);
+void halfToFloats(std::span<const uint16_t> in, std::span<float> out);
+void floatsToBf16(std::span<const float> in, std::span<uint16_t> out);
+void bf16ToFloats(std::span<const uint16_t> in, std::span<float> out);
+
+}  // namespace cohort::compress

@@ -1,0 +1,437 @@
+// The codecs on their own (src/compress): round trips, exact residual bookkeeping, edge values,
+// and every kind of malformed message. Torch-free: the binary builds in seconds.
+#include "compress/codec.h"
+
+#include <gtest/gtest.h>
+#include <zstd.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace {
+
+using namespace cohort::compress;
+using cohort::InvalidArgument;
+
+std::vector<float> gaussian(size_t n, uint32_t seed, float sigma = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+std::vector<float> decode(const std::vector<uint8_t>& message, size_t n) {
+  std::vector<float> out(n, 0.0f);
+  decodeAdd(message, out);
+  return out;
+}
+
+bool sameBits(float a, float b) { return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b); }
+
+const char* kAll[] = {"none", "fp16", "bf16", "topk:0.1", "threshold:0.5", "onebit"};
+const char* kFeedback[] = {"topk:0.1", "topk:1", "threshold:0.5", "threshold:0.01", "onebit"};
+
+TEST(CodecSpec, ParsesEveryForm) {
+  EXPECT_EQ(CodecSpec::parse("none").kind, CodecKind::None);
+  EXPECT_EQ(CodecSpec::parse("fp16").kind, CodecKind::Fp16);
+  EXPECT_EQ(CodecSpec::parse("bf16").kind, CodecKind::Bf16);
+  EXPECT_EQ(CodecSpec::parse("onebit").kind, CodecKind::OneBit);
+  const CodecSpec topk = CodecSpec::parse("topk:0.01");
+  EXPECT_EQ(topk.kind, CodecKind::TopK);
+  EXPECT_DOUBLE_EQ(topk.ratio, 0.01);
+  EXPECT_EQ(CodecSpec::parse("topk:1").ratio, 1.0);
+  const CodecSpec threshold = CodecSpec::parse("threshold:0.01");
+  EXPECT_EQ(threshold.kind, CodecKind::Threshold);
+  EXPECT_NEAR(threshold.tau, 0.01f, 0.01f / 256);
+  EXPECT_EQ(threshold.tau, 164 * 0x1p-14f);  // 8 significant bits
+  for (const char* text : kAll) EXPECT_EQ(CodecSpec::parse(CodecSpec::parse(text).text()), CodecSpec::parse(text));
+}
+
+TEST(CodecSpec, RejectsBadTextNamingTheForms) {
+  for (const char* text : {"", "zip", "fp16:2", "topk", "topk:0", "topk:1.5", "topk:-0.1", "topk:abc", "topk:0.1x",
+                           "threshold", "threshold:0", "threshold:-1", "threshold:nan", "threshold:inf", "onebit:3"}) {
+    try {
+      CodecSpec::parse(text);
+      ADD_FAILURE() << "'" << text << "' was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("accepted: none, fp16, bf16, topk:RATIO"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Codec, RoundTrips) {
+  const auto input = gaussian(1000, 1);
+  for (const char* text : kAll) {
+    SCOPED_TRACE(text);
+    Encoder enc(CodecSpec::parse(text), input.size());
+    const auto message = enc.encode(input);
+    const MessageInfo info = peekMessage(message);
+    EXPECT_EQ(info.length, input.size());
+    EXPECT_EQ(info.kind, enc.spec().kind);
+    EXPECT_EQ(decodedLength(message), input.size());
+    const auto out = decode(message, input.size());
+    for (size_t i = 0; i < input.size(); ++i) {
+      const float got = out[i];
+      // What was not sent is in the residual.
+      const float sent = enc.spec().errorFeedback() ? input[i] - enc.residual()[i] : input[i];
+      switch (enc.spec().kind) {
+        case CodecKind::None: ASSERT_TRUE(sameBits(got, input[i])); break;
+        case CodecKind::Fp16: ASSERT_NEAR(got, input[i], std::fabs(input[i]) * 0x1p-11f + 0x1p-25f); break;
+        case CodecKind::Bf16: ASSERT_NEAR(got, input[i], std::fabs(input[i]) * 0x1p-8f); break;
+        default: ASSERT_NEAR(got, sent, 1e-6f) << i;
+      }
+    }
+  }
+}
+
+TEST(Codec, ScaledDecodeAddsIntoTheBuffer) {
+  const auto input = gaussian(300, 2);
+  for (const char* text : kAll) {
+    SCOPED_TRACE(text);
+    Encoder enc(CodecSpec::parse(text), input.size());
+    const auto message = enc.encode(input);
+    const auto once = decode(message, input.size());
+    std::vector<float> out(input.size(), 1.0f);
+    decodeAdd(message, out, 0.5f);
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_FLOAT_EQ(out[i], 1.0f + 0.5f * once[i]);
+  }
+}
+
+// sent + residual == acc bit for bit, every entry, every step, for the codecs that promise it;
+// onebit's one rounding stays within half an ulp of the residual.
+TEST(Codec, ResidualBookkeepingIsExact) {
+  const size_t n = 5000;
+  for (const char* text : kFeedback) {
+    SCOPED_TRACE(text);
+    Encoder enc(CodecSpec::parse(text), n);
+    std::vector<float> residual(n, 0.0f);
+    double totalIn = 0, totalOut = 0;
+    for (int step = 0; step < 30; ++step) {
+      // Mixed scales, so that |acc| often passes 2 tau and the Sterbenz range.
+      auto input = gaussian(n, 100 + step, step % 3 == 0 ? 10.0f : 0.05f);
+      const auto message = enc.encode(input);
+      const auto sent = decode(message, n);
+      for (size_t i = 0; i < n; ++i) {
+        const float acc = residual[i] + input[i];
+        if (enc.spec().kind == CodecKind::OneBit) {
+          const double exact = double(acc) - double(sent[i]);
+          ASSERT_LE(std::fabs(exact - double(enc.residual()[i])),
+                    0.5 * std::fabs(std::nextafter(enc.residual()[i], INFINITY) - enc.residual()[i]))
+              << "entry " << i;
+        } else {
+          // The subtraction the other way round must give back exactly what was sent.
+          ASSERT_TRUE(sameBits(acc - enc.residual()[i], sent[i]) || (sent[i] == 0 && enc.residual()[i] == acc))
+              << "step " << step << " entry " << i << ": acc " << acc << " sent " << sent[i] << " residual "
+              << enc.residual()[i];
+          ASSERT_EQ(double(sent[i]) + double(enc.residual()[i]), double(acc));
+        }
+        residual[i] = enc.residual()[i];
+        totalIn += input[i];
+        totalOut += sent[i];
+      }
+    }
+    double left = 0;
+    for (float r : residual) left += r;
+    EXPECT_NEAR(totalOut + left, totalIn, 1e-3 * n);
+  }
+}
+
+TEST(Codec, ThresholdSendsPlusMinusTauAndKeepsTheRest) {
+  Encoder enc(CodecSpec::parse("threshold:0.5"), 6);
+  const std::vector<float> input{0.2f, 0.6f, -0.7f, 0.49f, -0.1f, 1.4f};
+  const auto sent = decode(enc.encode(input), 6);
+  EXPECT_EQ(sent, (std::vector<float>{0, 0.5f, -0.5f, 0, 0, 0.5f}));
+  EXPECT_EQ(enc.lastSent(), 3u);
+  const std::vector<float> residual(enc.residual().begin(), enc.residual().end());
+  EXPECT_FLOAT_EQ(residual[5], 0.9f);
+  // The residual carries over: 0.2 + 0.4 passes tau on the next step.
+  const auto sent2 = decode(enc.encode(std::vector<float>{0.4f, 0, 0, 0, 0, 0}), 6);
+  EXPECT_EQ(sent2[0], 0.5f);
+  EXPECT_EQ(sent2[5], 0.5f);  // 0.9 still above tau
+}
+
+TEST(Codec, TopKSendsTheLargest) {
+  Encoder enc(CodecSpec::parse("topk:0.25"), 8);
+  const std::vector<float> input{0.1f, -5, 0.2f, 3, 0, 0.3f, -0.4f, 0.05f};
+  const auto sent = decode(enc.encode(input), 8);
+  EXPECT_EQ(sent, (std::vector<float>{0, -5, 0, 3, 0, 0, 0, 0}));
+  EXPECT_EQ(enc.lastSent(), 2u);
+}
+
+TEST(Codec, OneBitSendsSignsWithMeanScales) {
+  Encoder enc(CodecSpec::parse("onebit"), 4);
+  const auto sent = decode(enc.encode(std::vector<float>{1, 3, -2, -4}), 4);
+  EXPECT_EQ(sent, (std::vector<float>{2, 2, -3, -3}));
+  EXPECT_EQ(std::vector<float>(enc.residual().begin(), enc.residual().end()), (std::vector<float>{-1, 1, 1, -1}));
+}
+
+TEST(Codec, EmptyAndAllZeroBuffers) {
+  for (const char* text : kAll) {
+    SCOPED_TRACE(text);
+    Encoder empty(CodecSpec::parse(text), 0);
+    const auto m0 = empty.encode(std::vector<float>{});
+    EXPECT_EQ(decodedLength(m0), 0u);
+    std::vector<float> none;
+    decodeAdd(m0, none);
+
+    Encoder enc(CodecSpec::parse(text), 1000);
+    const std::vector<float> zeros(1000, 0.0f);
+    const auto m = enc.encode(zeros);
+    EXPECT_EQ(decode(m, 1000), zeros);
+    if (enc.spec().errorFeedback()) {
+      for (float r : enc.residual()) ASSERT_EQ(r, 0.0f);
+      if (enc.spec().kind != CodecKind::OneBit) {
+        EXPECT_EQ(enc.lastSent(), 0u);
+      }
+    }
+    if (!enc.spec().dense()) {
+      EXPECT_LT(m.size(), 200u) << "an all-zero sparse message should be tiny";
+    }
+  }
+}
+
+// Huge finite values stay finite and exact; +-inf and NaN are sent as they are and leave no
+// residual behind.
+TEST(Codec, HugeAndNonFiniteValues) {
+  const float big = std::numeric_limits<float>::max();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> input{big, -big, 1e30f, inf, -inf, nan, 0.75f, -1e-30f};
+  for (const char* text : kFeedback) {
+    SCOPED_TRACE(text);
+    Encoder enc(CodecSpec::parse(text), input.size());
+    const auto sent = decode(enc.encode(input), input.size());
+    EXPECT_EQ(sent[3], inf);
+    EXPECT_EQ(sent[4], -inf);
+    EXPECT_TRUE(std::isnan(sent[5]));
+    for (size_t i = 3; i < 6; ++i) EXPECT_EQ(enc.residual()[i], 0.0f);
+    for (float r : enc.residual()) EXPECT_TRUE(std::isfinite(r));
+    if (enc.spec().kind == CodecKind::Threshold) {
+      // Far beyond 2^16 tau: sent whole, exactly.
+      EXPECT_EQ(sent[0], big);
+      EXPECT_EQ(sent[1], -big);
+      EXPECT_EQ(sent[2], 1e30f);
+    }
+  }
+  for (const char* text : {"fp16", "bf16"}) {
+    SCOPED_TRACE(text);
+    Encoder enc(CodecSpec::parse(text), input.size());
+    const auto sent = decode(enc.encode(input), input.size());
+    EXPECT_TRUE(std::isfinite(sent[0]) && sent[0] > 0);
+    EXPECT_TRUE(std::isfinite(sent[1]) && sent[1] < 0);
+    EXPECT_EQ(sent[3], inf);
+    EXPECT_EQ(sent[4], -inf);
+    EXPECT_TRUE(std::isnan(sent[5]));
+    EXPECT_EQ(sent[6], 0.75f);
+  }
+}
+
+TEST(Codec, HalfConversionSaturatesAndRoundsToNearestEven) {
+  EXPECT_EQ(halfToFloat(floatToHalf(65504.0f)), 65504.0f);
+  EXPECT_EQ(halfToFloat(floatToHalf(65519.0f)), 65504.0f);
+  EXPECT_EQ(halfToFloat(floatToHalf(65520.0f)), 65504.0f);  // IEEE would round to infinity
+  EXPECT_EQ(halfToFloat(floatToHalf(1e10f)), 65504.0f);
+  EXPECT_EQ(halfToFloat(floatToHalf(-1e10f)), -65504.0f);
+  EXPECT_EQ(halfToFloat(floatToHalf(1.0f + 0x1p-11f)), 1.0f);                     // tie to even
+  EXPECT_EQ(halfToFloat(floatToHalf(1.0f + 3 * 0x1p-11f)), 1.0f + 0x1p-9f);       // tie to even
+  EXPECT_EQ(halfToFloat(floatToHalf(0x1p-24f)), 0x1p-24f);                        // smallest subnormal
+  EXPECT_EQ(halfToFloat(floatToHalf(0x1p-26f)), 0.0f);
+  EXPECT_EQ(halfToFloat(floatToHalf(-0.0f)), 0.0f);
+  EXPECT_TRUE(std::signbit(halfToFloat(floatToHalf(-0.0f))));
+  // Every half value survives float -> half -> float.
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const float f = halfToFloat(uint16_t(bits));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(floatToHalf(f), bits) << bits;
+  }
+  // Rounding is to the nearest half, checked against the neighbours.
+  for (float f : gaussian(20000, 7, 100.0f)) {
+    const float h = halfToFloat(floatToHalf(f));
+    const uint16_t b = floatToHalf(f);
+    ASSERT_LE(std::fabs(h - f), std::fabs(halfToFloat(uint16_t(b + 1)) - f));
+    if ((b & 0x7fff) != 0) {
+      ASSERT_LE(std::fabs(h - f), std::fabs(halfToFloat(uint16_t(b - 1)) - f));
+    }
+  }
+  EXPECT_EQ(bf16ToFloat(floatToBf16(std::numeric_limits<float>::max())), 0x1.fep127f);
+  EXPECT_EQ(bf16ToFloat(floatToBf16(1.0f + 0x1p-8f)), 1.0f);  // tie to even
+  EXPECT_EQ(bf16ToFloat(floatToBf16(3.0f)), 3.0f);
+}
+
+// ---- malformed messages ------------------------------------------------------------------------
+
+void expectMalformed(const std::vector<uint8_t>& message, size_t n, const std::string& words) {
+  std::vector<float> out(n, 7.0f);
+  try {
+    decodeAdd(message, out);
+    ADD_FAILURE() << "accepted; expected an error with '" << words << "'";
+  } catch (const MalformedMessage& e) {
+    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+  }
+  for (float v : out) ASSERT_EQ(v, 7.0f) << "a rejected message changed the buffer";
+}
+
+std::vector<uint8_t> header(CodecKind kind, uint64_t length, float param, uint32_t bodyBytes) {
+  std::vector<uint8_t> m{'C', 'O', 'C', 'M', 1, uint8_t(kind), 0, 0};
+  for (int i = 0; i < 8; ++i) m.push_back(uint8_t(length >> (8 * i)));
+  uint32_t p = std::bit_cast<uint32_t>(param);
+  for (int i = 0; i < 4; ++i) m.push_back(uint8_t(p >> (8 * i)));
+  for (int i = 0; i < 4; ++i) m.push_back(uint8_t(bodyBytes >> (8 * i)));
+  return m;
+}
+
+TEST(CodecDecode, RejectsBrokenHeaders) {
+  Encoder enc(CodecSpec::parse("threshold:0.5"), 100);
+  const auto good = enc.encode(gaussian(100, 3));
+  auto m = good;
+  m[0] = 'X';
+  expectMalformed(m, 100, "magic");
+  m = good;
+  m[4] = 2;
+  expectMalformed(m, 100, "version 2");
+  m = good;
+  m[5] = 9;
+  expectMalformed(m, 100, "unknown codec 9");
+  m = good;
+  m[6] = 1;
+  expectMalformed(m, 100, "reserved");
+  expectMalformed(good, 99, "holds 100 entries for a buffer of 99");
+  expectMalformed(std::vector<uint8_t>(good.begin(), good.begin() + 10), 100, "truncated");
+  expectMalformed({}, 100, "truncated");
+  // An absurd length is refused before anything is allocated.
+  expectMalformed(header(CodecKind::TopK, uint64_t(1) << 40, 0.5f, 10), 100, "beyond the limit");
+  // A body size that the length cannot need is refused before decompressing.
+  expectMalformed(header(CodecKind::Threshold, 100, 0.5f, 0xffffffffu), 100, "more than 100 entries can take");
+  expectMalformed(header(CodecKind::Threshold, 100, -1.0f, 10), 100, "tau");
+  expectMalformed(header(CodecKind::TopK, 100, 2.0f, 10), 100, "ratio");
+  expectMalformed(header(CodecKind::OneBit, 100, 1.0f, 10), 100, "parameter");
+}
+
+TEST(CodecDecode, RejectsTruncatedOrPaddedMessagesOfEveryCodec) {
+  const auto input = gaussian(100, 4);
+  for (const char* text : kAll) {
+    SCOPED_TRACE(text);
+    Encoder enc(CodecSpec::parse(text), input.size());
+    const auto good = enc.encode(input);
+    for (size_t cut : {size_t(1), size_t(2), good.size() / 2, good.size() - kHeaderBytes}) {
+      expectMalformed(std::vector<uint8_t>(good.begin(), good.end() - cut), 100, "");
+    }
+    auto longer = good;
+    longer.push_back(0);
+    expectMalformed(longer, 100, "");
+  }
+}
+
+TEST(CodecDecode, RejectsBadZstdFrames) {
+  const auto input = gaussian(100, 5);
+  Encoder enc(CodecSpec::parse("topk:0.5"), input.size());
+  auto m = enc.encode(input);
+  // Garbage in place of the frame, keeping the length.
+  for (size_t i = kHeaderBytes; i < m.size(); ++i) m[i] = uint8_t(i * 37);
+  expectMalformed(m, 100, "zstd");
+  // A frame whose declared size disagrees with the header.
+  m = enc.encode(input);
+  m[20] ^= 1;
+  expectMalformed(m, 100, "the header says");
+  // A broken zstd frame header. (A flipped bit inside a literal float cannot be caught: frames
+  // carry no checksum, TCP has one.)
+  m = enc.encode(input);
+  m[kHeaderBytes] ^= 0xff;
+  expectMalformed(m, 100, "not a zstd frame");
+  // A frame cut short inside, with the message length following the cut.
+  m = enc.encode(input);
+  m.resize(m.size() - 5);
+  expectMalformed(m, 100, "zstd");
+}
+
+// A sparse message built by hand around `body`, so that each case breaks exactly one rule.
+std::vector<uint8_t> sparseMessage(CodecKind kind, uint64_t length, float param, const std::vector<uint8_t>& body) {
+  auto m = header(kind, length, param, uint32_t(body.size()));
+  std::vector<uint8_t> frame(ZSTD_compressBound(body.size()));
+  frame.resize(ZSTD_compress(frame.data(), frame.size(), body.data(), body.size(), 1));
+  m.insert(m.end(), frame.begin(), frame.end());
+  return m;
+}
+std::vector<uint8_t> list(uint32_t n, std::vector<uint8_t> varints, uint8_t isValue, uint8_t negative,
+                          std::vector<float> values) {
+  std::vector<uint8_t> b;
+  for (int i = 0; i < 4; ++i) b.push_back(uint8_t(n >> (8 * i)));
+  b.insert(b.end(), varints.begin(), varints.end());
+  if (n > 0) {
+    b.push_back(isValue);
+    b.push_back(negative);
+  }
+  for (float v : values) {
+    const uint32_t bits = std::bit_cast<uint32_t>(v);
+    for (int i = 0; i < 4; ++i) b.push_back(uint8_t(bits >> (8 * i)));
+  }
+  return b;
+}
+
+TEST(CodecDecode, RejectsBadIndices) {
+  const float tau = 0.5f;
+  // A well-formed hand-made message first, so the cases below fail for their own reason.
+  std::vector<float> out(10, 0.0f);
+  decodeAdd(sparseMessage(CodecKind::Threshold, 10, tau, list(2, {3, 4}, 0b00, 0b10, {})), out);
+  EXPECT_EQ(out[3], 0.5f);
+  EXPECT_EQ(out[7], -0.5f);
+
+  expectMalformed(sparseMessage(CodecKind::Threshold, 10, tau, list(2, {3, 7}, 0, 0, {})), 10, "out of range");
+  expectMalformed(sparseMessage(CodecKind::Threshold, 10, tau, list(1, {10}, 0, 0, {})), 10, "out of range");
+  expectMalformed(sparseMessage(CodecKind::Threshold, 10, tau, list(2, {3, 0}, 0, 0, {})), 10, "repeated");
+  expectMalformed(sparseMessage(CodecKind::Threshold, 10, tau, list(11, {}, 0, 0, {})), 10, "11 entries");
+  expectMalformed(sparseMessage(CodecKind::Threshold, 10, tau, list(2, {3}, 0, 0, {})), 10, "");
+  expectMalformed(sparseMessage(CodecKind::Threshold, 10, tau, list(1, {0x80, 0x80, 0x80, 0x80, 0x7f}, 0, 0, {})), 10,
+                  "varint");
+  expectMalformed(sparseMessage(CodecKind::Threshold, 10, tau, list(1, {0x81, 0x00}, 0, 0, {})), 10, "overlong");
+  // Missing float for a value entry; a value entry with a sign; bits past the end.
+  expectMalformed(sparseMessage(CodecKind::Threshold, 10, tau, list(1, {2}, 1, 0, {})), 10, "truncated");
+  expectMalformed(sparseMessage(CodecKind::Threshold, 10, tau, list(1, {2}, 1, 1, {1.0f})), 10, "sign bit");
+  expectMalformed(sparseMessage(CodecKind::Threshold, 10, tau, list(1, {2}, 0b10, 0, {})), 10, "past its end");
+  expectMalformed(sparseMessage(CodecKind::Threshold, 10, tau, list(1, {2}, 0, 0, {1.0f})), 10, "trailing");
+  // topk carries values only.
+  expectMalformed(sparseMessage(CodecKind::TopK, 10, 0.5f, list(1, {2}, 0, 0, {})), 10, "sign entry");
+  // onebit: scales, signs, escapes.
+  std::vector<uint8_t> onebit{0, 0, 0x80, 0x3f, 0, 0, 0x80, 0x3f, 0xff, 0x03};  // 1.0, 1.0, 10 bits
+  auto withList = [&](std::vector<uint8_t> head, std::vector<uint8_t> tail) {
+    head.insert(head.end(), tail.begin(), tail.end());
+    return head;
+  };
+  out.assign(10, 0.0f);
+  decodeAdd(sparseMessage(CodecKind::OneBit, 10, 0.0f, withList(onebit, list(0, {}, 0, 0, {}))), out);
+  EXPECT_EQ(out, std::vector<float>(10, -1.0f));
+  expectMalformed(sparseMessage(CodecKind::OneBit, 10, 0.0f, withList(onebit, list(1, {2}, 1, 0, {5.0f}))), 10,
+                  "escaped entry has its sign bit set");
+  auto padded = onebit;
+  padded[9] = 0x07;
+  expectMalformed(sparseMessage(CodecKind::OneBit, 10, 0.0f, withList(padded, list(0, {}, 0, 0, {}))), 10,
+                  "past its end");
+  auto negScale = onebit;
+  negScale[3] = 0xbf;
+  expectMalformed(sparseMessage(CodecKind::OneBit, 10, 0.0f, withList(negScale, list(0, {}, 0, 0, {}))), 10,
+                  "scales");
+}
+
+TEST(Codec, CompressesSparseUpdates) {
+  // 1% of a million entries: index deltas and signs, well under 2 bytes an entry after zstd.
+  const size_t n = 1000000;
+  auto input = gaussian(n, 9, 0.01f);
+  Encoder enc(CodecSpec::parse("threshold:0.0258"), n);
+  const auto m = enc.encode(input);
+  EXPECT_GT(enc.lastSent(), n / 200);
+  EXPECT_LT(enc.lastSent(), n / 50);
+  EXPECT_LT(double(m.size()) / double(enc.lastSent()), 2.0);
+  Encoder topk(CodecSpec::parse("topk:0.01"), n);
+  const auto mt = topk.encode(input);
+  EXPECT_EQ(topk.lastSent(), n / 100);
+  EXPECT_LT(double(mt.size()) / double(topk.lastSent()), 6.0);
+  Encoder onebit(CodecSpec::parse("onebit"), n);
+  EXPECT_LT(onebit.encode(input).size(), n / 8 + 200);
+}
+
+}  // namespace
