@@ -4,7 +4,8 @@
     /usr/bin/python3 bench/gossip.py [--build build] [--runs 3] [--epochs 2] [--slow 0.05] [--model mlp]
 
 3 workers x 1 thread on Fashion-MNIST, batch 64, momentum SGD lr 0.01; worker 2 sleeps --slow
-seconds in every step (--test-slow-worker). The three schemes alternate within each run, so they
+seconds in every step (--test-slow-worker). gossip sends to all peers every step, or (K=1) to one
+random peer per step (the other's share waits for its turn, summed). The schemes alternate within each run, so they
 share the machine's load; medians over the runs. For each: samples/s (cohort's steady-state
 figure, every worker's samples as the chief counts them), the chief's test accuracy at the end
 of every epoch, wall time, the chief's median step time, bytes per step, and gossip's staleness.
@@ -23,7 +24,8 @@ BATCH = 64
 TRAIN = 60000
 SCHEMES = [("allreduce", ["--strategy", "allreduce"], 0),
            ("ps async", ["--strategy", "ps", "--ps-mode", "async"], 1),
-           ("gossip", ["--strategy", "gossip"], 0)]
+           ("gossip", ["--strategy", "gossip"], 0),
+           ("gossip K=1", ["--strategy", "gossip", "--gossip-peers", "1"], 0)]
 
 
 def train(args, tmp, flags, shards):
@@ -70,7 +72,7 @@ def main():
             for name, flags, shards in SCHEMES:
                 d = train(args, tmp, flags, shards)
                 results[name].append(d)
-                print(f"  run {i + 1} {name:10s} {d['samples_per_s']:8.1f} samples/s, accuracy per epoch "
+                print(f"  run {i + 1} {name:12s} {d['samples_per_s']:8.1f} samples/s, accuracy per epoch "
                       f"{[round(a, 4) for a in d['epoch_accuracy']]}, wall {d['wall_s']:.1f} s", flush=True)
     base = median([d["samples_per_s"] for d in results["allreduce"]])
     for name, _, _ in SCHEMES:
@@ -78,12 +80,12 @@ def main():
         rate = median([d["samples_per_s"] for d in r])
         accuracy = [median([d["epoch_accuracy"][e] for d in r]) for e in range(args.epochs)]
         extra = ""
-        if name == "gossip":
+        if name.startswith("gossip"):
             extra = (f", staleness mean {median([d['staleness_mean'] for d in r]):.1f} max "
                      f"{median([d['staleness_max'] for d in r]):.0f}")
         elif name == "ps async":
             extra = f", staleness mean {median([d['staleness_mean'] for d in r]):.1f}"
-        print(f"{name:10s} {rate:8.1f} samples/s ({rate / base:5.2f}x allreduce), accuracy per epoch "
+        print(f"{name:12s} {rate:8.1f} samples/s ({rate / base:5.2f}x allreduce), accuracy per epoch "
               f"{' '.join(f'{a:.4f}' for a in accuracy)}, chief step {median([d['step_ms'] for d in r]):6.1f} ms, "
               f"{median([d['kb_per_step'] for d in r]):8.1f} kB/step, wall {median([d['wall_s'] for d in r]):5.1f} s"
               f"{extra}", flush=True)

@@ -22,7 +22,8 @@ std::string waitForStep(const std::string& metrics, int step) {
 TEST(GossipMultiproc, APeerKilledMidwayStopsNoOneAndTheModelLearns) {
   test::TempDir dir;
   test::TfJob job(3, 0);
-  const std::string flags = " --model mlp --data fashion-mnist --batch 32 --lr 0.05 --timeout 20 --auth-token g0ss1p";
+  const std::string flags =
+      " --model mlp --data fashion-mnist --batch 64 --optimizer momentum --lr 0.01 --timeout 20 --auth-token g0ss1p";
   const std::string metrics = dir.file("m.jsonl");
   test::writeFile(dir.file("run.sh"),
                   job.tfConfig("worker", 1) + " " + train() + flags + " --steps 100000 > " + dir.file("victim.log") +
@@ -56,7 +57,8 @@ TEST(GossipMultiproc, APeerKilledMidwayStopsNoOneAndTheModelLearns) {
 }
 
 // Peer 2 sleeps 0.15 s in every step. Nobody waits for it during training: the chief's 40 steps
-// end long before the slow peer's 40 sleeps could (6 s), and the slow peer's updates arrive stale.
+// end long before the slow peer's 40 sleeps could (6 s); at the end every update of every peer
+// has reached the chief's replica.
 TEST(GossipMultiproc, ASlowPeerMakesNoOneWait) {
   test::TempDir dir;
   const std::string metrics = dir.file("m.jsonl");
@@ -73,10 +75,12 @@ TEST(GossipMultiproc, ASlowPeerMakesNoOneWait) {
   auto last = test::lastEvent(metrics, "step");
   EXPECT_EQ(last["step"], 40);
   EXPECT_LT(last["wall_s"].get<double>(), 40 * 0.15) << "the chief's steps waited for the slow peer";
-  // Everything the others made reached the chief by the end, the slow peer's updates stale.
   EXPECT_EQ(done["updates_folded"], 3 * 40) << done.dump();
-  EXPECT_GE(done["staleness_max_from_peer"][2].get<int64_t>(), 5) << done.dump();
-  EXPECT_GE(done["staleness_max_from_peer"][2].get<int64_t>(), done["staleness_max_from_peer"][1].get<int64_t>());
+  int64_t histogramTotal = 0;
+  for (auto& c : done["staleness_histogram"]) histogramTotal += c.get<int64_t>();
+  EXPECT_EQ(histogramTotal, done["messages_applied"].get<int64_t>());
+  EXPECT_EQ(done["messages_from_peer"][1].get<int64_t>() + done["messages_from_peer"][2].get<int64_t>(),
+            done["messages_applied"].get<int64_t>());
 }
 
 }  // namespace
