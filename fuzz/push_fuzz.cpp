@@ -1,4 +1,5 @@
-// libFuzzer target: arbitrary bytes as a PushRequest, through the wire checks and a live Shard.
+// libFuzzer target: arbitrary bytes as a PushRequest, through the wire checks and a live Shard,
+// float32 values or a compressed (codec) message.
 // A shard takes pushes from anyone who can reach it (and holds the token), so a push must never
 // crash it, whatever it carries. Built by fuzz/CMakeLists.txt; run by the ps_push_fuzz test.
 #include "ps/shard.h"
@@ -36,6 +37,15 @@ constexpr size_t kTotal = 1 + 7 + 300;
 // What checkTensors lets through must decode to exactly the pieces' floats, all finite.
 void checkDecoding(const wire::PushRequest& request) {
   if (!checkProtocol(request.protocol()).ok()) return;
+  if (!request.compressed().empty()) {
+    std::vector<float> floats;
+    if (!decodeCompressed(request.compressed(), pieces(), true, "push", floats).ok()) return;
+    if (floats.size() != kTotal) fail("decodeCompressed passed a push that does not decode to 308 floats");
+    for (float v : floats) {
+      if (!std::isfinite(v)) fail("decodeCompressed passed a non-finite value");
+    }
+    return;
+  }
   if (!checkTensors(request.values(), pieces(), true, "push").ok()) return;
   std::vector<float> floats;
   for (const auto& t : request.values()) appendFloats(t, floats);

@@ -1,5 +1,6 @@
 // The parameter server over real gRPC on 127.0.0.1: the ShardServer, the retrying client, auth
 // tokens, TLS, refused pushes, message sizes, and runShardServer's ways to end.
+#include "compress/codec.h"
 #include "ps/client.h"
 #include "ps/service.h"
 #include "ps/wire.h"
@@ -413,6 +414,47 @@ TEST(PsGrpcTest, RunShardServerCheckpointsOnSigterm) {
     written = written || f.path().extension() == ".ckpt";
   }
   EXPECT_TRUE(written) << "no checkpoint in " << dir.path();
+}
+
+// A push may carry one codec message of the shard's pieces side by side (--codec): it applies as
+// the float32 push would, counts its real size, and a bad one is refused naming the problem.
+TEST(PsGrpcTest, CompressedPushesApplyAndBadOnesAreRefused) {
+  TestServer server;
+  auto client = server.client();
+  expectInit(*client);
+  auto compressed = [](const std::vector<uint8_t>& message) {
+    wire::PushRequest r = pushOf({});
+    r.set_compressed(message.data(), message.size());
+    return r;
+  };
+  // threshold 0.5: {2, 4, 6, -2, 0.25} sends +-0.5 where |g| >= 0.5, so {0.5, 0.5, 0.5, -0.5, 0}.
+  compress::Encoder encoder(compress::CodecSpec::parse("threshold:0.5"), 5);
+  const std::vector<uint8_t> message = encoder.encode(std::vector<float>{2, 4, 6, -2, 0.25f});
+  wire::PushReply reply;
+  Status s = client->push(compressed(message), &reply);
+  ASSERT_TRUE(s.ok()) << s.message;
+  EXPECT_TRUE(reply.applied());
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{0.75f, 1.75f, 2.75f, -0.75f, 4}));  // p - 0.5 g
+  EXPECT_EQ(statsOf(*client).bytes_pushed(), int64_t(message.size()));
+
+  auto refused = [&](const wire::PushRequest& request, const std::string& words) {
+    wire::PushReply r;
+    const Status st = client->push(request, &r);
+    EXPECT_EQ(st.code, Code::kInvalidArgument) << st.message;
+    EXPECT_NE(st.message.find(words), std::string::npos) << st.message;
+  };
+  compress::Encoder six(compress::CodecSpec::parse("topk:0.5"), 6);
+  refused(compressed(six.encode(std::vector<float>{1, 2, 3, 4, 5, 6})), "holds 6 values, this shard's 2 pieces hold 5");
+  auto cut = message;
+  cut.resize(cut.size() - 3);
+  refused(compressed(cut), "malformed codec message");
+  compress::Encoder fp16(compress::CodecSpec::parse("fp16"), 5);
+  refused(compressed(fp16.encode(std::vector<float>{1, std::numeric_limits<float>::infinity(), 0, 0, 0})), "Inf");
+  wire::PushRequest both = pushOf({{2, 4, 6}, {-2, 0.5f}});
+  both.set_compressed(message.data(), message.size());
+  refused(both, "both values and a compressed message");
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{0.75f, 1.75f, 2.75f, -0.75f, 4})) << "a refused push changed the shard";
+  EXPECT_EQ(statsOf(*client).rejected(), 4);
 }
 
 }  // namespace

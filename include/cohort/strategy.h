@@ -69,7 +69,7 @@ class Strategy {
 // Options of every scheme; each strategy reads the ones it needs.
 struct StrategyOptions {
   std::string name = "local";  // local | allreduce | average | ps | gossip
-  // Compression of what is exchanged (allreduce, average, ps): the --codec text (see
+  // Compression of what is exchanged (allreduce, average, ps, gossip): the --codec text (see
   // src/compress/codec.h), and the steps trained uncompressed first.
   std::string codec = "none";
   int64_t codecWarmupSteps = 0;
@@ -113,5 +113,9 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, std::shar
 
 // Whether the scheme exchanges anything between processes (and so needs a communicator).
 bool isDistributed(const std::string& strategyName);
+
+// Throws InvalidArgument when --codec or --codec-warmup-steps is malformed or does not fit the
+// scheme; the message names the accepted codecs.
+void checkCodecOptions(const StrategyOptions& options);
 
 }  // namespace cohort

@@ -117,6 +117,13 @@ Run addTrainCommand(CLI::App& app) {
   train->add_flag("--average-optimizer-state", o.strategy.averageOptimizerState,
                   "average: average momentum / Adam state too")->group(dp);
 
+  auto* codecGroup = "Compression (allreduce, average, ps, gossip)";
+  train->add_option("--codec", o.strategy.codec,
+                    "What exchanges carry: none, fp16, bf16, topk:RATIO (largest |g|, with residual), "
+                    "threshold:TAU (Strom: +-TAU where the residual passes it), onebit (sign + scale, with residual)")
+      ->group(codecGroup)->capture_default_str();
+  train->add_option("--codec-warmup-steps", o.strategy.codecWarmupSteps,
+                    "Train uncompressed for the first W steps")->group(codecGroup)->capture_default_str();
   auto* psGroup = "Parameter server (--strategy ps)";
   auto& p = o.strategy.ps;
   train->add_option("--ps-mode", p.mode, "sync, async, softsync or ssp")
@@ -154,6 +161,7 @@ Run addTrainCommand(CLI::App& app) {
 
   return [options, progress, psFlags]() {
     TrainOptions& o = *options;
+    checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
     auto& p = o.strategy.ps;
     p.authToken = resolveAuthToken(p.authToken, psFlags->authTokenFile);
     p.hosts.clear();

@@ -247,11 +247,24 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     pieces = pieces_;
   }
   // Checked and decoded outside the lock: a large push does not stall the others.
-  Status valid = checkTensors(request.values(), pieces, true, "push");
+  const bool compressed = !request.compressed().empty();
+  Status valid = compressed && request.values_size() > 0
+                     ? Status::error(Code::kInvalidArgument, "push: carries both values and a compressed message")
+                 : compressed ? Status::Ok()
+                              : checkTensors(request.values(), pieces, true, "push");
   Parts grad;
   std::vector<std::vector<float>> copies(size_t(request.values_size()));  // for misaligned data only
+  std::vector<float> decoded;                                             // a compressed push
   size_t gradSize = 0;
-  if (valid.ok()) {
+  if (valid.ok() && compressed) valid = decodeCompressed(request.compressed(), pieces, true, "push", decoded);
+  if (valid.ok() && compressed) {
+    size_t offset = 0;
+    for (const auto& p : pieces) {
+      grad.push_back(std::span<const float>(decoded).subspan(offset, size_t(p.numel())));
+      offset += size_t(p.numel());
+    }
+    gradSize = offset;
+  } else if (valid.ok()) {
     for (int i = 0; i < request.values_size(); ++i) {
       grad.push_back(floatsOf(request.values(i), copies[size_t(i)]));
       gradSize += grad.back().size();
@@ -274,7 +287,8 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     me.lost = false;
     log("worker " + std::to_string(id) + " is back");
   }
-  stats_.set_bytes_pushed(stats_.bytes_pushed() + int64_t(gradSize * sizeof(float)));
+  stats_.set_bytes_pushed(stats_.bytes_pushed() +
+                          (compressed ? int64_t(request.compressed().size()) : int64_t(gradSize * sizeof(float))));
   // Saturating: a hostile `samples` must not overflow the total (found by fuzz/push_fuzz.cpp).
   stats_.set_samples_total(stats_.samples_total() +
                            std::clamp<int64_t>(request.samples(), 0, INT64_MAX - stats_.samples_total()));

@@ -1,5 +1,7 @@
 #include "ps/wire.h"
 
+#include "compress/codec.h"
+
 #include <cmath>
 #include <cstring>
 #include <unordered_set>
@@ -96,6 +98,38 @@ std::span<const float> floatsOf(const wire::Tensor& tensor, std::vector<float>& 
   scratch.resize(n);
   std::memcpy(scratch.data(), data.data(), n * sizeof(float));
   return scratch;
+}
+
+Status decodeCompressed(const std::string& message, std::span<const wire::PieceSpec> pieces, bool finiteOnly,
+                        const char* what, std::vector<float>& out) {
+  const std::string w = what;
+  uint64_t total = 0;
+  for (const auto& p : pieces) total += p.numel();
+  const std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(message.data()), message.size());
+  try {
+    // The length first, so that nothing is allocated for a message that cannot fit.
+    const uint64_t length = compress::decodedLength(bytes);
+    if (length != total) {
+      return invalid(w + ": the compressed message holds " + std::to_string(length) + " values, this shard's " +
+                     std::to_string(pieces.size()) + " pieces hold " + std::to_string(total));
+    }
+    out.assign(size_t(total), 0.0f);
+    compress::decodeAdd(bytes, out);
+  } catch (const compress::MalformedMessage& e) {
+    return invalid(w + ": " + e.what());
+  }
+  if (finiteOnly) {
+    size_t index = 0;
+    for (const auto& p : pieces) {
+      for (uint64_t j = 0; j < p.numel(); ++j, ++index) {
+        if (!std::isfinite(out[index])) {
+          return invalid(w + ": " + p.name() + " holds " + (std::isnan(out[index]) ? "NaN" : "Inf") + " at element " +
+                         std::to_string(j) + " of the compressed message");
+        }
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 void setTensor(wire::Tensor* tensor, const wire::PieceSpec& piece, const float* values) {

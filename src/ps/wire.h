@@ -31,6 +31,13 @@ void appendFloats(const wire::Tensor& tensor, std::vector<float>& out);
 // (it is, from protobuf's parser), else copied into scratch.
 std::span<const float> floatsOf(const wire::Tensor& tensor, std::vector<float>& scratch);
 
+// A push's compressed field: a codec message of every piece's values side by side, in the
+// pieces' order. Decodes it into out (resized to the pieces' total), refusing a malformed message
+// (compress::decodeAdd's checks), a length other than the pieces' total, and (when finiteOnly)
+// NaN or Inf, naming the first.
+Status decodeCompressed(const std::string& message, std::span<const wire::PieceSpec> pieces, bool finiteOnly,
+                        const char* what, std::vector<float>& out);
+
 // A tensor for piece with `values` (numel floats) as its data.
 void setTensor(wire::Tensor* tensor, const wire::PieceSpec& piece, const float* values);
 

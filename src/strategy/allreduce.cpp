@@ -102,6 +102,10 @@ void AllreduceStrategy::attach(torch::nn::Sequential model, torch::optim::Optimi
     bucket.filled.assign(group.size(), false);
     buckets_.push_back(std::move(bucket));
   }
+  std::vector<int64_t> sizes;
+  for (auto& bucket : buckets_) sizes.push_back(bucket.flat.numel());
+  compressed_ = std::make_unique<CompressedSum>(comm_, options_.codec, sizes);
+  plain_ = std::make_unique<CompressedSum>(comm_, compress::CodecSpec{}, sizes);
   for (size_t k = 0; k < params_.size(); ++k) {
     params_[k].register_hook([this, k](torch::Tensor grad) { onGradient(k, grad); });
   }
@@ -125,9 +129,13 @@ void AllreduceStrategy::onGradient(size_t param, const torch::Tensor& grad) {
 }
 
 void AllreduceStrategy::launchReady() {
+  CompressedSum& sum = exchange();
+  // bf16 and the sparse codecs exchange synchronously: not from inside backward.
+  const bool async = sum.spec().kind == compress::CodecKind::None || sum.spec().kind == compress::CodecKind::Fp16;
+  if (inStep_ && !async) return;
   while (nextToLaunch_ < buckets_.size() && buckets_[nextToLaunch_].pending == 0) {
     Bucket& bucket = buckets_[nextToLaunch_];
-    bucket.work = comm_->allreduceAsync(bucket.flat);
+    bucket.work = sum.start(nextToLaunch_, bucket.flat);
     bucket.launched = true;
     ++nextToLaunch_;
   }
@@ -136,7 +144,9 @@ void AllreduceStrategy::launchReady() {
 StepStats AllreduceStrategy::step(const Batch& batch, const LossFn& loss) {
   COHORT_CHECK(optimizer_ != nullptr, Error, "AllreduceStrategy::step before attach");
   const auto start = Clock::now();
-  const CommCounters before = comm_->counters();
+  CompressedSum& sum = exchange();
+  const int64_t sentBefore = sum.bytesSent();
+  const int64_t receivedBefore = sum.bytesReceived();
   for (auto& bucket : buckets_) {
     bucket.pending = bucket.params.size();
     bucket.filled.assign(bucket.params.size(), false);
@@ -165,10 +175,12 @@ StepStats AllreduceStrategy::step(const Batch& batch, const LossFn& loss) {
     }
     bucket.pending = 0;
   }
-  launchReady();
-
   const auto waitStart = Clock::now();
-  for (auto& bucket : buckets_) bucket.work.wait();
+  launchReady();  // bf16 and sparse codecs: the whole exchange happens here
+  for (auto& bucket : buckets_) {
+    if (bucket.work.valid()) bucket.work.wait();
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) sum.finish(b, buckets_[b].flat);
   const double waited = secondsSince(waitStart);
 
   for (auto& bucket : buckets_) {
@@ -176,12 +188,12 @@ StepStats AllreduceStrategy::step(const Batch& batch, const LossFn& loss) {
   }
   optimizer_->step();
 
-  const CommCounters after = comm_->counters();
+  ++steps_;
   StepStats stats;
   stats.loss = value.item<double>();
   stats.samples = batch.size() * comm_->worldSize();
-  stats.bytesSent = after.bytesSent - before.bytesSent;
-  stats.bytesReceived = after.bytesReceived - before.bytesReceived;
+  stats.bytesSent = sum.bytesSent() - sentBefore;
+  stats.bytesReceived = sum.bytesReceived() - receivedBefore;
   stats.commWaitSeconds = waited;
   stats.computeSeconds = secondsSince(start) - waited;
   return stats;

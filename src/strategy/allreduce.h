@@ -8,10 +8,17 @@
 // order everywhere. Parameters that got no gradient in a step contribute zeros after backward, so
 // unused parameters never hang a step. Every rank applies the same averaged gradient with the
 // same optimizer, so the replicas stay bit-identical.
+//
+// With a codec (--codec, see strategy/compressed.h) the buckets travel compressed: fp16 keeps
+// overlapping with backward (a 16-bit Gloo allreduce per bucket); bf16 and the sparse codecs,
+// whose exchange is an allgather, run bucket by bucket after backward. The first
+// codecWarmupSteps steps are uncompressed.
 #pragma once
 
 #include <cohort/communicator.h>
 #include <cohort/strategy.h>
+
+#include "strategy/compressed.h"
 
 #include <functional>
 #include <memory>
@@ -23,6 +30,8 @@ struct AllreduceOptions {
   double bucketMb = 25.0;
   double firstBucketMb = 1.0;  // a small first bucket starts communication early (as DDP does)
   bool overlap = true;         // false: every allreduce after backward (for comparison)
+  compress::CodecSpec codec;
+  int64_t codecWarmupSteps = 0;
 };
 
 class AllreduceStrategy final : public Strategy {
@@ -53,6 +62,7 @@ class AllreduceStrategy final : public Strategy {
 
   void onGradient(size_t param, const torch::Tensor& grad);
   void launchReady();
+  CompressedSum& exchange() { return steps_ < options_.codecWarmupSteps ? *plain_ : *compressed_; }
 
   std::shared_ptr<Communicator> comm_;
   AllreduceOptions options_;
@@ -64,6 +74,9 @@ class AllreduceStrategy final : public Strategy {
   size_t nextToLaunch_ = 0;
   bool inStep_ = false;
   double scale_ = 1.0;
+  std::unique_ptr<CompressedSum> compressed_;  // with options_.codec
+  std::unique_ptr<CompressedSum> plain_;       // uncompressed, during the warm-up
+  int64_t steps_ = 0;                          // steps taken by this process
 };
 
 // Packs the tensors into one flat tensor per dtype, lets `exchange` change it in place (one

@@ -1,5 +1,6 @@
 #include "strategy/ps.h"
 
+#include "compress/codec.h"
 #include "ps/layout.h"
 #include "ps/wire.h"
 #include "strategy/local.h"
@@ -75,6 +76,7 @@ class PsStrategy final : public Strategy {
     COHORT_CHECK(o.push == "gradients" || o.push == "updates", InvalidArgument, "unknown --push '", o.push,
                  "': expected gradients or updates");
     COHORT_CHECK(o.warmupSteps >= 0, InvalidArgument, "--warmup-steps must not be negative");
+    codec_ = compress::CodecSpec::parse(c_.codec);
     for (size_t i = 0; i < c_.shards.size(); ++i) {
       if (c_.connect) {
         clients_.push_back(c_.connect(i));
@@ -112,6 +114,14 @@ class PsStrategy final : public Strategy {
       spec.set_numel(p.numel);
       specs_[size_t(p.shard)].push_back(spec);
       shardPieces_[size_t(p.shard)].push_back(&p);
+    }
+    if (codec_.kind != compress::CodecKind::None) {
+      for (const auto& pieces : specs_) {
+        size_t total = 0;
+        for (const auto& spec : pieces) total += size_t(spec.numel());
+        encoders_.emplace_back(codec_, total);
+        flat_.emplace_back(total);
+      }
     }
     if (c_.rank == 0) initShards();
     pullAll();
@@ -159,6 +169,8 @@ class PsStrategy final : public Strategy {
     const auto commStart = Clock::now();
     std::vector<ps::wire::PushReply> replies(clients_.size());
     std::vector<int64_t> sent(clients_.size(), 0);
+    const bool compress = !encoders_.empty() && steps_ >= c_.codecWarmupSteps;
+    messages_.resize(clients_.size());
     forEachShard(clients_.size(), [&](size_t s) {
       ps::wire::PushRequest request;
       request.set_protocol(ps::kProtocolVersion);
@@ -167,16 +179,29 @@ class PsStrategy final : public Strategy {
       request.set_clock(clock_);
       request.set_samples(batch.inputs.size(0));
       request.set_want_values(true);
-      for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
-        const ps::Piece& p = *shardPieces_[s][k];
-        ps::setTensor(request.add_values(), specs_[s][k], send[p.param].data_ptr<float>() + p.offset);
+      if (compress) {
+        // The shard's pieces side by side, through this shard's encoder (and its residual).
+        float* flat = flat_[s].data();
+        for (const ps::Piece* p : shardPieces_[s]) {
+          std::memcpy(flat, send[p->param].data_ptr<float>() + p->offset, p->numel * sizeof(float));
+          flat += p->numel;
+        }
+        encoders_[s].encode(flat_[s], messages_[s]);
+        request.set_compressed(messages_[s].data(), messages_[s].size());
+        sent[s] = int64_t(messages_[s].size());
+      } else {
+        for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
+          const ps::Piece& p = *shardPieces_[s][k];
+          ps::setTensor(request.add_values(), specs_[s][k], send[p.param].data_ptr<float>() + p.offset);
+        }
+        sent[s] = payloadBytes(request.values());
       }
-      sent[s] = payloadBytes(request.values());
       check(clients_[s]->push(request, &replies[s]), c_.shards[s], "Push");
       load(s, replies[s].version(), replies[s].values());
     });
     stats.commWaitSeconds = secondsSince(commStart);
     ++clock_;
+    ++steps_;
 
     const auto& first = replies[0];
     stats.samples = std::max<int64_t>(0, first.samples_total() - samplesSeen_);
@@ -369,6 +394,11 @@ class PsStrategy final : public Strategy {
   std::vector<std::vector<const ps::Piece*>> shardPieces_;  // the same pieces
   std::vector<uint64_t> versions_;  // per shard: the version the parameters were pulled at
   int64_t clock_ = 0;               // steps this worker has pushed
+  compress::CodecSpec codec_;
+  std::vector<compress::Encoder> encoders_;         // per shard, with a codec
+  std::vector<std::vector<float>> flat_;            // per shard: the pushed values side by side
+  std::vector<std::vector<uint8_t>> messages_;      // per shard: the last encoded push
+  int64_t steps_ = 0;                               // steps taken by this process (for the warm-up)
   int64_t samplesSeen_ = 0;
   std::optional<int64_t> resumeStep_;
   bool saidDone_ = false;

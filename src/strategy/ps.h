@@ -5,6 +5,10 @@
 //
 // With push = "updates" the worker runs its optimizer itself and pushes the change in its
 // parameters, which the shards add.
+//
+// With --codec, each push carries one codec message per shard (PushRequest.compressed) instead of
+// float32 values; the worker keeps one encoder, and so one residual, per shard. The pulls stay
+// float32.
 #pragma once
 
 #include <cohort/strategy.h>
@@ -28,6 +32,8 @@ struct PsContext {
   double timeoutSeconds = 60;
   int64_t checkpointEvery = 0;  // shard versions between shard checkpoints
   bool resume = false;
+  std::string codec = "none";  // --codec for the pushes (see compress/codec.h)
+  int64_t codecWarmupSteps = 0;
   // Test hook: the transport to shard i (defaults to gRPC to shards[i]).
   std::function<std::unique_ptr<ps::ShardClient>(size_t shard)> connect;
   size_t shardCount() const { return shards.size(); }

@@ -272,6 +272,8 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
     ps.timeoutSeconds = o.timeoutSeconds;
     ps.checkpointEvery = o.checkpointEvery;
     ps.resume = o.resume;
+    ps.codec = o.strategy.codec;
+    ps.codecWarmupSteps = o.strategy.codecWarmupSteps;
     ps.shards = o.strategy.ps.hosts;
     if (ps.shards.empty()) {
       for (const auto& h : s.cluster.parameterServers) ps.shards.push_back(h.str());
