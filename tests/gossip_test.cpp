@@ -83,5 +83,30 @@ TEST(GossipMultiproc, ASlowPeerMakesNoOneWait) {
             done["messages_applied"].get<int64_t>());
 }
 
+// --codec for gossip: after 3 uncompressed warm-up steps every update is a threshold message,
+// far smaller than the 2.7 MB of float32 an uncompressed mlp update takes, and the model still
+// learns.
+TEST(GossipMultiproc, CompressedUpdatesAfterTheWarmUp) {
+  test::TempDir dir;
+  const std::string metrics = dir.file("m.jsonl");
+  auto r = test::runCommand(test::cohortBinary() + " launch -n 3 --port " + std::to_string(test::freePort()) +
+                                " -- " + train() + " --model mlp --data synthetic:3000 --batch 16 --steps 40" +
+                                " --codec threshold:0.002 --codec-warmup-steps 3 --metrics " + metrics,
+                            200);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  auto done = test::lastEvent(metrics, "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["codec"], "threshold:0.002") << done.dump();
+  EXPECT_EQ(done["updates_folded"], 3 * 40) << done.dump();
+  EXPECT_GE(done["test_accuracy"].get<double>(), 0.9) << done.dump();
+  // At most 3 warm-up messages per destination at full size; the 37 compressed steps after them
+  // together must not weigh as much as 8 uncompressed ones.
+  const int64_t raw = 669706 * 4;  // the mlp's parameters, float32
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_LT(done["peer_bytes_sent"][rank].get<int64_t>(), 2 * (3 + 8) * raw) << "rank " << rank << ": "
+                                                                                 << done.dump();
+  }
+}
+
 }  // namespace
 }  // namespace cohort
