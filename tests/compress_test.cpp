@@ -155,6 +155,23 @@ TEST(Codec, ThresholdSendsPlusMinusTauAndKeepsTheRest) {
   EXPECT_EQ(sent2[5], 0.5f);  // 0.9 still above tau
 }
 
+// A residual far above tau (beyond 2^16 tau, where +-tau is no longer a sign entry) still drains
+// by about tau per step, exactly, instead of all at once.
+TEST(Codec, ThresholdSendsAboutTauFromALargeResidual) {
+  for (float tau : {0.5f, roundTau(0.003), roundTau(0.0123)}) {
+    SCOPED_TRACE(tau);
+    Encoder enc(CodecSpec{.kind = CodecKind::Threshold, .tau = tau}, 2);
+    const std::vector<float> input{tau * 100000.0f, -tau * 3e6f};
+    const auto sent = decode(enc.encode(input), 2);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_NEAR(std::fabs(sent[i]), tau, tau * 0.5f) << i;
+      EXPECT_EQ(double(sent[i]) + double(enc.residual()[i]), double(input[i])) << i;
+    }
+    EXPECT_GT(sent[0], 0.0f);
+    EXPECT_LT(sent[1], 0.0f);
+  }
+}
+
 TEST(Codec, TopKSendsTheLargest) {
   Encoder enc(CodecSpec::parse("topk:0.25"), 8);
   const std::vector<float> input{0.1f, -5, 0.2f, 3, 0, 0.3f, -0.4f, 0.05f};
@@ -212,7 +229,7 @@ TEST(Codec, HugeAndNonFiniteValues) {
     for (size_t i = 3; i < 6; ++i) EXPECT_EQ(enc.residual()[i], 0.0f);
     for (float r : enc.residual()) EXPECT_TRUE(std::isfinite(r));
     if (enc.spec().kind == CodecKind::Threshold) {
-      // Far beyond 2^16 tau: sent whole, exactly.
+      // Beyond 2^24 tau, tau cannot be taken off acc: sent whole, exactly.
       EXPECT_EQ(sent[0], big);
       EXPECT_EQ(sent[1], -big);
       EXPECT_EQ(sent[2], 1e30f);
@@ -257,6 +274,20 @@ TEST(Codec, HalfConversionSaturatesAndRoundsToNearestEven) {
     if ((b & 0x7fff) != 0) {
       ASSERT_LE(std::fabs(h - f), std::fabs(halfToFloat(uint16_t(b - 1)) - f));
     }
+  }
+  // The subnormal range against a reference rounding in double.
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> exponent(-30.0, -14.0);
+  for (int i = 0; i < 100000; ++i) {
+    const float f = float(std::exp2(exponent(rng)));
+    const double steps = double(f) * 16777216.0;  // exact
+    const double want = std::nearbyint(steps);      // ties to even in the default rounding mode
+    ASSERT_EQ(double(halfToFloat(floatToHalf(f))), want * 0x1p-24) << f;
+    ASSERT_EQ(double(halfToFloat(floatToHalf(-f))), -want * 0x1p-24) << f;
+  }
+  for (uint32_t k = 0; k <= 1024; ++k) {  // every tie between two subnormal steps
+    const float tie = (float(k) + 0.5f) * 0x1p-24f;
+    ASSERT_EQ(floatToHalf(tie), (k % 2 == 0) ? k : k + 1) << k;
   }
   EXPECT_EQ(bf16ToFloat(floatToBf16(std::numeric_limits<float>::max())), 0x1.fep127f);
   EXPECT_EQ(bf16ToFloat(floatToBf16(1.0f + 0x1p-8f)), 1.0f);  // tie to even

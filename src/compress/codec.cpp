@@ -364,8 +364,18 @@ uint16_t floatToHalf(float value) {
   if (ax == 0x7f800000) return sign | 0x7c00;
   if (ax >= 0x477ff000) return sign | 0x7bff;  // >= 65520 would round to infinity: saturate
   if (ax < 0x38800000) {
-    // Below 2^-14: a multiple of the subnormal step 2^-24 (the scaling is exact).
-    return sign | uint16_t(std::nearbyint(std::bit_cast<float>(ax) * 0x1p24f));
+    // Below 2^-14: a multiple of the subnormal step 2^-24, in integers (gradients have many such
+    // entries, and a libm rounding call per entry is slow). ax = m * 2^(e - 150), so the number of
+    // steps is m * 2^(e - 126): m shifted right by 126 - e, rounded to nearest even.
+    const uint32_t e = ax >> 23;
+    if (e < 102) return sign;  // below 2^-25 (or exactly it: a tie, to even): zero
+    const uint32_t m = (ax & 0x7fffff) | 0x800000;
+    const uint32_t shift = 126 - e;  // 14..24
+    uint32_t q = m >> shift;
+    const uint32_t rest = m & ((1u << shift) - 1);
+    const uint32_t half = 1u << (shift - 1);
+    q += (rest > half || (rest == half && (q & 1))) ? 1 : 0;
+    return sign | uint16_t(q);
   }
   uint32_t v = ax - (112u << 23);  // exponent bias 127 -> 15
   v += 0xfff + ((v >> 13) & 1);    // round to nearest even; a carry moves into the exponent
@@ -583,8 +593,11 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
     const float tau = spec_.tau;
     param = tau;
     // tau has at most 8 significant bits, tau = m * 2^q with m < 2^8, so for tau <= |acc| < 2^16 tau
-    // both acc and tau are multiples of ulp(acc) and acc -+ tau (smaller than |acc|) is exact.
-    // Beyond that (and for non-finite acc) the entry is sent as its float value, residual 0.
+    // both acc and tau are multiples of ulp(acc) and acc -+ tau (smaller than |acc|) is exact: a
+    // sign entry. Beyond that, r = fl(acc -+ tau) lies within a factor 2 of acc, so acc - r is
+    // exact (Sterbenz) and is sent as a value entry: +-tau up to acc's rounding, so that the step
+    // stays as small as Strom's however large the residual has grown. Only when tau is below
+    // half an ulp of acc (|acc| > 2^24 tau, r == acc) is acc sent whole; non-finite acc too.
     const float limit = tau * 65536.0f;
     for (size_t i = 0; i < n; ++i) {
       const float a = acc[i];
@@ -596,9 +609,13 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
         }
         continue;
       }
+      const float r = a < 0.0f ? a + tau : a - tau;
       if (m < limit) {
         list.addSign(i, a < 0.0f);
-        acc[i] = a < 0.0f ? a + tau : a - tau;
+        acc[i] = r;
+      } else if (std::isfinite(a) && r != a) {
+        list.addValue(i, a - r);
+        acc[i] = r;
       } else {
         list.addValue(i, a);
         acc[i] = 0.0f;
