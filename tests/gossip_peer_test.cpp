@@ -155,7 +155,24 @@ TEST(GossipPeer, ADeadPeerIsDroppedAndTheOthersFinish) {
   const double timeout = 60;
   auto peers = makePeers(3, 3, timeout);
   const std::vector<int> all{0, 1, 2};
-  peers[0]->publish(std::vector<float>{1, 2, 3}, meta(1), all);
+  // Every stream is up before peer 2 goes: each peer sends one update and waits (at most 20 s)
+  // until it has one from each of the others. (A peer that dies before the others reach it is
+  // dropped only when connecting to it has failed for the whole timeout.)
+  std::vector<std::vector<float>> got(3, std::vector<float>(3, 0.0f));
+  for (int r = 0; r < 3; ++r) peers[size_t(r)]->publish(std::vector<float>{1, 2, 3}, meta(1), all);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (int r = 0; r < 3; ++r) {
+    int64_t seen = 0;
+    while (seen < 2 && std::chrono::steady_clock::now() < deadline) {
+      std::vector<float> into(3, 0.0f);
+      seen += peers[size_t(r)]->drain(into).messages;
+      for (size_t i = 0; i < 3; ++i) got[size_t(r)][i] += into[i];
+      if (seen < 2) std::this_thread::yield();
+    }
+    ASSERT_EQ(seen, 2) << "peer " << r;
+    EXPECT_EQ(got[size_t(r)], (std::vector<float>{2, 4, 6})) << "peer " << r;
+  }
+  peers[0]->publish(std::vector<float>{1, 2, 3}, meta(2), all);
   peers[2].reset();  // closes its sockets, as a killed process's kernel does
   const auto start = std::chrono::steady_clock::now();
   std::vector<std::thread> finishing;
