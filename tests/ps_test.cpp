@@ -30,30 +30,7 @@ std::string waitListening(const std::string& log) {
   return "for i in $(seq 300); do grep -q listening " + log + " 2>/dev/null && break; sleep 0.1; done\n";
 }
 
-// A hand-written TF_CONFIG job of workers and shards on 127.0.0.1, as a cluster would have.
-struct Job {
-  std::vector<int> workers;
-  std::vector<int> shards;
-  Job(int n, int m) {
-    for (int i = 0; i < n; ++i) workers.push_back(test::freePort());
-    for (int i = 0; i < m; ++i) shards.push_back(test::freePort());
-  }
-  std::string tfConfig(const std::string& type, int index) const {
-    auto list = [](const std::vector<int>& ports, size_t from) {
-      std::string out;
-      for (size_t i = from; i < ports.size(); ++i) out += (out.empty() ? "" : ",") + std::string("\\\"127.0.0.1:") + std::to_string(ports[i]) + "\\\"";
-      return out;
-    };
-    return "TF_CONFIG=\"{\\\"cluster\\\":{\\\"chief\\\":[" + list({workers[0]}, 0) + "],\\\"worker\\\":[" + list(workers, 1) +
-           "],\\\"ps\\\":[" + list(shards, 0) + "]},\\\"task\\\":{\\\"type\\\":\\\"" + type + "\\\",\\\"index\\\":" +
-           std::to_string(index) + "}}\"";
-  }
-  std::string hosts() const {
-    std::string out;
-    for (int p : shards) out += (out.empty() ? "" : ",") + std::string("127.0.0.1:") + std::to_string(p);
-    return out;
-  }
-};
+using Job = test::TfJob;
 
 // sync with plain SGD averages the N gradients of a step and applies them once: allreduce.
 class SyncEqualsAllreduce : public ::testing::TestWithParam<std::tuple<int, int>> {};

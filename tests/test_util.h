@@ -106,4 +106,30 @@ inline nlohmann::json lastEvent(const std::string& metricsPath, const std::strin
   return found;
 }
 
+// A hand-written TF_CONFIG job of workers and shards on 127.0.0.1, as a cluster would have;
+// tfConfig() is a shell assignment for one task.
+struct TfJob {
+  std::vector<int> workers;
+  std::vector<int> shards;
+  TfJob(int n, int m) {
+    for (int i = 0; i < n; ++i) workers.push_back(freePort());
+    for (int i = 0; i < m; ++i) shards.push_back(freePort());
+  }
+  std::string tfConfig(const std::string& type, int index) const {
+    auto list = [](const std::vector<int>& ports, size_t from) {
+      std::string out;
+      for (size_t i = from; i < ports.size(); ++i) out += (out.empty() ? "" : ",") + std::string("\\\"127.0.0.1:") + std::to_string(ports[i]) + "\\\"";
+      return out;
+    };
+    return "TF_CONFIG=\"{\\\"cluster\\\":{\\\"chief\\\":[" + list({workers[0]}, 0) + "],\\\"worker\\\":[" + list(workers, 1) +
+           "],\\\"ps\\\":[" + list(shards, 0) + "]},\\\"task\\\":{\\\"type\\\":\\\"" + type + "\\\",\\\"index\\\":" +
+           std::to_string(index) + "}}\"";
+  }
+  std::string hosts() const {
+    std::string out;
+    for (int p : shards) out += (out.empty() ? "" : ",") + std::string("127.0.0.1:") + std::to_string(p);
+    return out;
+  }
+};
+
 }  // namespace cohort::test

@@ -113,11 +113,11 @@ class Strategy {
 
 // Options of every scheme; each strategy reads the ones it needs.
 struct StrategyOptions {
-  std::string name = "local";  // local | allreduce | average | ps | pipeline
+  std::string name = "local";  // local | allreduce | average | ps | gossip | pipeline
   // The Trainer's, for schemes that keep records next to its checkpoints (pipeline: the manifest).
   std::string checkpointDir;
   bool resume = false;
-  // Compression of what is exchanged (allreduce, average, ps): the --codec text (see
+  // Compression of what is exchanged (allreduce, average, ps, gossip): the --codec text (see
   // src/compress/codec.h), and the steps trained uncompressed first.
   std::string codec = "none";
   int64_t codecWarmupSteps = 0;
@@ -143,8 +143,6 @@ struct StrategyOptions {
     std::string tlsCa;    // PEM roots for TLS to the shards
     std::string tlsCert;  // when this process serves a shard
     std::string tlsKey;
-    int slowRank = -1;        // test hook: this worker sleeps slowSeconds per step
-    double slowSeconds = 0;
   } ps;
   // pipeline (see strategy/pipeline.h)
   struct Pipeline {
@@ -154,6 +152,13 @@ struct StrategyOptions {
     std::string schedule = "1f1b";   // gpipe | 1f1b
     std::string partition = "auto";  // auto | L1,L2,... (layers per stage)
   } pipeline;
+  // gossip (see strategy/gossip.h)
+  struct Gossip {
+    int peers = 0;  // send to this many random peers per step; 0: all
+  } gossip;
+  // Test hook for every scheme: worker slowRank sleeps slowSeconds in every step.
+  int slowRank = -1;
+  double slowSeconds = 0;
 };
 
 // `comm` is the job's communicator, null for a single process. Throws InvalidArgument for an

@@ -206,7 +206,8 @@ class Launcher {
   int run() {
     installSignalHandlers();
     std::vector<std::string> shared = sharedChildEnv(options_.processes);
-    if (options_.parameterServers > 0 && !hasEnv("COHORT_AUTH_TOKEN")) shared.push_back("COHORT_AUTH_TOKEN=" + randomToken());
+    // Every job gets a secret: ps shards and gossip peers refuse calls without it.
+    if (!hasEnv("COHORT_AUTH_TOKEN")) shared.push_back("COHORT_AUTH_TOKEN=" + randomToken());
     children_.resize(size_t(options_.processes + options_.parameterServers));
     for (int i = 0; i < int(children_.size()); ++i) start(i, shared);
     while (running_ > 0) {

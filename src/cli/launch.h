@@ -31,12 +31,14 @@
 // SIGKILL to the remaining children at once. Once the job is ending, further child exits are not
 // reported. Every child has been reaped when runLaunch returns.
 //
+// Every child of a job gets the same COHORT_AUTH_TOKEN (a random secret, unless the launcher's
+// environment sets one): parameter-server shards and gossip peers refuse calls without it.
+//
 // Parameter servers (parameterServers = M > 0). M more children run the same command as the
 // shards "ps 0" .. "ps M-1" (their output lines are prefixed with "[ps k] "). Every child then also
 // gets TF_CONFIG describing the whole job: {"cluster": {"chief": [host:port], "worker": [the other
 // workers], "ps": [the shards]}, "task": {"type": "chief" | "worker" | "ps", "index": k}}, each
-// with a free port of its own, and COHORT_AUTH_TOKEN (a random secret, unless the launcher's
-// environment sets one); the shards get no RANK or WORLD_SIZE. Shards end on their own when the
+// with a free port of its own; the shards get no RANK or WORLD_SIZE. Shards end on their own when the
 // workers are done; any still running graceSeconds (at least 1 s) after the last worker exited
 // with 0 get SIGTERM, which a cohort shard answers by checkpointing and exiting with 0.
 //

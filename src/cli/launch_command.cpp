@@ -14,9 +14,10 @@ Run addLaunchCommand(CLI::App& app) {
       "Usage: cohort launch -n N [--ps M] [--port P] [--host H] [--grace S] -- COMMAND...\n"
       "Every process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and,\n"
       "unless OMP_NUM_THREADS is set, OMP_NUM_THREADS = cores / N. Its output lines are prefixed with\n"
-      "[rank i]. The first rank to fail stops the others; its status is the exit status.\n"
+      "[rank i], and every process of the job the same random COHORT_AUTH_TOKEN (unless it is set).\n"
+      "The first rank to fail stops the others; its status is the exit status.\n"
       "With --ps M, M parameter-server shards run the same command too ([ps k]), and every process gets\n"
-      "TF_CONFIG and COHORT_AUTH_TOKEN: cohort launch -n 2 --ps 1 -- cohort train --strategy ps");
+      "TF_CONFIG: cohort launch -n 2 --ps 1 -- cohort train --strategy ps");
   launch->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   launch->add_option("-n,--nproc", o.processes, "Processes to start (ranks 0 .. N-1)")->required();
   launch->add_option("--ps", o.parameterServers,

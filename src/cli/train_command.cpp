@@ -102,8 +102,8 @@ Run addTrainCommand(CLI::App& app) {
                     "Save the trained model here (torch::save); with {rank} in the path every rank saves");
   train->add_option("--timeout", o.timeoutSeconds, "Seconds to wait for a peer before failing")
       ->capture_default_str();
-  train->add_option("--strategy", o.strategy.name, "local, allreduce, average, ps or pipeline")
-      ->check(CLI::IsMember({"local", "allreduce", "average", "ps", "pipeline"}))
+  train->add_option("--strategy", o.strategy.name, "local, allreduce, average, ps, gossip or pipeline")
+      ->check(CLI::IsMember({"local", "allreduce", "average", "ps", "gossip", "pipeline"}))
       ->capture_default_str();
   auto* dp = "Data parallelism";
   train->add_option("--bucket-mb", o.strategy.bucketMb, "allreduce: gradient bucket size in MB")
@@ -133,7 +133,7 @@ Run addTrainCommand(CLI::App& app) {
                     "auto (balance measured forward+backward time per layer) or L1,L2,... layers per stage")
       ->group(mp)->capture_default_str();
 
-  auto* codecGroup = "Compression (allreduce, average, ps)";
+  auto* codecGroup = "Compression (allreduce, average, ps, gossip)";
   train->add_option("--codec", o.strategy.codec,
                     "What exchanges carry: none, fp16, bf16, topk:RATIO (largest |g|, with residual), "
                     "threshold:TAU (Strom: +-TAU where the residual passes it), onebit (sign + scale, with residual)")
@@ -160,13 +160,18 @@ Run addTrainCommand(CLI::App& app) {
       ->check(CLI::IsMember({"gradients", "updates"}))->group(psGroup)->capture_default_str();
   train->add_option("--ps-hosts", psFlags->hosts, "Shard addresses HOST:PORT,... (default: TF_CONFIG's ps list)")
       ->group(psGroup);
-  train->add_option("--auth-token", p.authToken, "Shared secret of the shards (default: $COHORT_AUTH_TOKEN)")
+  train->add_option("--auth-token", p.authToken,
+                    "Shared secret of the shards and gossip peers (default: $COHORT_AUTH_TOKEN)")
       ->group(psGroup);
   train->add_option("--auth-token-file", psFlags->authTokenFile, "Read the shared secret from this file")
       ->group(psGroup);
   train->add_option("--tls-ca", p.tlsCa, "PEM roots that sign the shards' certificates: talk TLS")->group(psGroup);
   train->add_option("--tls-cert", p.tlsCert, "A shard task's PEM certificate: serve TLS")->group(psGroup);
   train->add_option("--tls-key", p.tlsKey, "A shard task's PEM private key")->group(psGroup);
+  auto* gossipGroup = "Gossip (--strategy gossip)";
+  train->add_option("--gossip-peers", o.strategy.gossip.peers,
+                    "Send each step's update to K random peers (the others get it with their next turn); 0: all")
+      ->group(gossipGroup)->capture_default_str();
   train->add_option("--test-slow-worker", psFlags->slowWorker,
                     "Testing: RANK:SECONDS[,...] makes those workers sleep so long every step")->group("Testing");
 
@@ -186,8 +191,8 @@ Run addTrainCommand(CLI::App& app) {
         const int rank = std::stoi(entry.substr(0, colon));
         const double seconds = std::stod(entry.substr(colon + 1));
         if (cluster.role == Role::kWorker && rank == cluster.rank) {
-          p.slowRank = rank;
-          p.slowSeconds = seconds;
+          o.strategy.slowRank = rank;
+          o.strategy.slowSeconds = seconds;
         }
       } catch (const std::exception&) {
         throw InvalidArgument("--test-slow-worker takes RANK:SECONDS[,RANK:SECONDS...], got '" +

@@ -43,7 +43,9 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, std::shar
   if (options.name == "pipeline") {
     return std::make_unique<PipelineStrategy>(std::move(comm), options.pipeline, options.checkpointDir, options.resume);
   }
-  throw InvalidArgument("unknown strategy '" + options.name + "': expected local, allreduce, average or pipeline");
+  // ps and gossip need no Gloo group: the Trainer builds them (makePsStrategy, makeGossipStrategy).
+  throw InvalidArgument("unknown strategy '" + options.name +
+                        "': expected local, allreduce, average, ps, gossip or pipeline");
 }
 
 }  // namespace cohort

@@ -137,9 +137,6 @@ class PsStrategy final : public Strategy {
   StepStats step(const Batch& batch, const LossFn& loss) override {
     StepStats stats;
     const auto start = Clock::now();
-    if (c_.options.slowRank == c_.rank && c_.options.slowSeconds > 0) {
-      std::this_thread::sleep_for(std::chrono::duration<double>(c_.options.slowSeconds));
-    }
     std::vector<torch::Tensor> before;
     torch::Tensor out;
     if (c_.options.push == "updates") {

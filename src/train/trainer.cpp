@@ -7,6 +7,7 @@
 #include <cohort/sampler.h>
 #include <cohort/trainer.h>
 
+#include "strategy/gossip.h"
 #include "strategy/ps.h"
 #include "train/progress.h"
 #include "train/threads.h"
@@ -295,6 +296,19 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
       for (const auto& h : s.cluster.parameterServers) ps.shards.push_back(h.str());
     }
     s.strategy = makePsStrategy(std::move(ps));
+  } else if (o.strategy.name == "gossip") {
+    // Peers talk over their own sockets (gossip/peer.h): a Gloo group would make one dead peer
+    // everyone's failure.
+    COHORT_CHECK(!o.resume, InvalidArgument,
+                 "--resume does not apply to --strategy gossip: the replicas differ and only the chief's is "
+                 "checkpointed; start a new run (from --save-model's file with --model FILE.pt, for instance)");
+    s.strategy = makeGossipStrategy(GossipContext{.options = o.strategy.gossip,
+                                                  .codec = o.strategy.codec,
+                                                  .codecWarmupSteps = o.strategy.codecWarmupSteps,
+                                                  .cluster = s.cluster,
+                                                  .timeoutSeconds = o.timeoutSeconds,
+                                                  .authToken = o.strategy.ps.authToken,
+                                                  .seed = o.seed});
   } else if (isDistributed(o.strategy.name)) {
     s.comm = Communicator::connect(
         s.cluster, CommOptions{.timeout = std::chrono::milliseconds(int64_t(o.timeoutSeconds * 1000))});
@@ -427,6 +441,9 @@ TrainResult Trainer::run() {
     const int64_t n = int64_t(indices.size());
     while (s.stepInEpoch < perEpoch && s.step < totalSteps && !stop) {
       const auto stepStart = Clock::now();
+      if (o.strategy.slowRank == s.replica.rank && o.strategy.slowSeconds > 0) {  // --test-slow-worker
+        std::this_thread::sleep_for(std::chrono::duration<double>(o.strategy.slowSeconds));
+      }
       const int64_t begin = s.stepInEpoch * o.batch;
       const int64_t count = std::min(o.batch, n - begin);
       Batch batch = makeBatch(s.data.train, std::span(indices).subspan(size_t(begin), size_t(count)));

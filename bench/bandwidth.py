@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Bandwidth saturation, emulated: workers in network namespaces joined by links that `tc tbf` limits.
+
+    sudo /usr/bin/python3 bench/bandwidth.py [--build build] [--runs 1] [--steps 30] [--rates 100mbit,1gbit,unlimited]
+
+The script creates its own namespaces (root needed; they are removed at the end, also on error):
+one per process, each with an `eth0` veth whose other end sits on a bridge in a hub namespace.
+Both ends of every veth get `tbf rate R` (netem is not available on these kernels; tbf is), so
+every process has a full-duplex link of R to the switch. Workers run with RANK/WORLD_SIZE/
+MASTER_ADDR on 10.77.0.x and GLOO_SOCKET_IFNAME=eth0; the ps job with a TF_CONFIG (chief, worker,
+one shard, each in its own namespace).
+
+Measured: samples/s (cohort's steady-state figure from the chief's done event) of the cnn on
+Fashion-MNIST, 2 workers x 1 thread, batch 64, for allreduce with --codec none / fp16 /
+threshold:0.001 and ps async with --codec none / threshold:0.001 (pushes are compressed; the pulled
+parameters are not), at each rate. Ratios are against `none` of the same scheme and rate.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, done_event, machine, median  # noqa: E402
+
+TAG = f"cbw{os.getpid() % 100000}"
+HUB = f"{TAG}-hub"
+SCHEMES = [("allreduce", "none"), ("allreduce", "fp16"), ("allreduce", "threshold:0.001"),
+           ("ps", "none"), ("ps", "threshold:0.001")]
+
+
+def sh(*cmd, check=True):
+    return subprocess.run(list(cmd), check=check, capture_output=True, text=True)
+
+
+def ns_name(i):
+    return f"{TAG}-{i}"
+
+
+def create(n):
+    sh("ip", "netns", "add", HUB)
+    sh("ip", "netns", "exec", HUB, "ip", "link", "add", "br0", "type", "bridge")
+    sh("ip", "netns", "exec", HUB, "ip", "link", "set", "br0", "up")
+    for i in range(n):
+        ns = ns_name(i)
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", f"{TAG}a{i}", "type", "veth", "peer", "name", f"{TAG}b{i}")
+        sh("ip", "link", "set", f"{TAG}a{i}", "netns", ns)
+        sh("ip", "link", "set", f"{TAG}b{i}", "netns", HUB)
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", f"{TAG}a{i}", "name", "eth0")
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"10.77.0.{i + 1}/24", "dev", "eth0")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        sh("ip", "netns", "exec", HUB, "ip", "link", "set", f"{TAG}b{i}", "master", "br0")
+        sh("ip", "netns", "exec", HUB, "ip", "link", "set", f"{TAG}b{i}", "up")
+
+
+def destroy(n):
+    for i in range(n):
+        sh("ip", "netns", "del", ns_name(i), check=False)
+    sh("ip", "netns", "del", HUB, check=False)
+
+
+def set_rate(n, rate):
+    for i in range(n):
+        for ns, dev in [(ns_name(i), "eth0"), (HUB, f"{TAG}b{i}")]:
+            if rate == "unlimited":
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            else:
+                burst = "1mb" if rate.endswith("gbit") else "128kb"
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                   "burst", burst, "latency", "50ms")
+
+
+def train_flags(args, metrics):
+    return [os.path.join(args.build, "cohort"), "train", "--model", "cnn", "--data", "fashion-mnist", "--batch", "64",
+            "--threads", "1", "--steps", str(args.steps), "--progress", "off", "--timeout", "300",
+            "--metrics", metrics]
+
+
+def run_job(args, tmp, scheme, codec):
+    metrics = os.path.join(tmp, "m.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    base = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
+    for k in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]:
+        base.pop(k, None)
+    procs = []
+    if scheme == "allreduce":
+        for r in range(2):
+            env = dict(base, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="10.77.0.1", MASTER_PORT="29500")
+            cmd = train_flags(args, metrics) + ["--strategy", "allreduce", "--codec", codec]
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns_name(r)] + cmd, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    else:
+        cluster = {"chief": ["10.77.0.1:29500"], "worker": ["10.77.0.2:29500"], "ps": ["10.77.0.3:2222"]}
+        tasks = [("ps", 0, 2), ("chief", 0, 0), ("worker", 0, 1)]
+        for kind, index, ns in tasks:
+            env = dict(base, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}}),
+                       COHORT_AUTH_TOKEN="bandwidth-bench")
+            cmd = train_flags(args, metrics) + ["--strategy", "ps", "--ps-mode", "async", "--codec", codec]
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns_name(ns)] + cmd, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    failed = False
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=1800)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            failed = True
+        outputs.append(out)
+        failed = failed or p.returncode != 0
+    if failed:
+        raise RuntimeError(f"{scheme} --codec {codec} failed:\n" + "\n".join(outputs))
+    return done_event(metrics)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--build", default=os.path.join(ROOT, "build"))
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rates", default="100mbit,1gbit,unlimited")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench/bandwidth.py needs root to create network namespaces (run it with sudo)")
+    print(f"machine: {machine()}")
+    print(f"cnn, 2 workers x 1 thread (ps: + 1 shard), batch 64, {args.steps} steps, median of {args.runs}", flush=True)
+    n = 3
+    try:
+        create(n)
+        with tempfile.TemporaryDirectory() as tmp:
+            for rate in args.rates.split(","):
+                set_rate(n, rate)
+                results = {s: [] for s in SCHEMES}
+                for _ in range(args.runs):
+                    for scheme, codec in SCHEMES:
+                        results[(scheme, codec)].append(run_job(args, tmp, scheme, codec))
+                for scheme, codec in SCHEMES:
+                    r = results[(scheme, codec)]
+                    rate_s = median([d["samples_per_s"] for d in r])
+                    base = median([d["samples_per_s"] for d in results[(scheme, "none")]])
+                    sent = median([d["bytes_sent"] / d["steps"] for d in r]) / 1e6
+                    print(f"{rate:9s} {scheme:9s} --codec {codec:16s} {rate_s:8.1f} samples/s  {rate_s / base:6.2f}x "
+                          f"none   {sent:7.3f} MB sent per chief step", flush=True)
+    finally:
+        destroy(n)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+// A small key-value exchange among the workers of a job, through the c10d TCPStore that the chief
+// hosts at the cluster's master address: for schemes whose peers talk over their own sockets
+// (gossip) and need each other's addresses, without forming a Gloo group.
+#pragma once
+
+#include <cohort/cluster.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace cohort {
+
+class Rendezvous {
+ public:
+  // The chief (rank 0) hosts the store at spec.master; the others connect to it, retrying until
+  // the timeout. Throws CommError naming the address when that fails.
+  static std::unique_ptr<Rendezvous> connect(const ClusterSpec& spec, std::chrono::milliseconds timeout);
+  ~Rendezvous();
+
+  void set(const std::string& key, const std::string& value);
+  // Waits (up to the timeout) until the key is set; throws TimeoutError naming it otherwise.
+  std::string get(const std::string& key);
+
+ private:
+  struct Impl;
+  explicit Rendezvous(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace cohort

@@ -1,0 +1,98 @@
+// One gossip peer's transport (torch-free): a listening socket that receives the other peers'
+// updates, and one sender thread per peer that sends them this peer's.
+//
+// Nothing the training thread does waits for another peer:
+// - publish() adds the step's update into a per-destination accumulator (one buffer per peer,
+//   so memory is bounded) and wakes that peer's sender thread. While a send to a slow peer is
+//   under way, further steps pile up in its accumulator and leave as one message: nothing is
+//   dropped, a slow link just carries fewer, larger sums.
+// - Receiver threads (one per incoming stream) decode each UPDATE into an inbox buffer as it
+//   arrives; drain() swaps that buffer out in O(1) and the caller adds it to its parameters.
+// - A peer whose stream fails (a send error, EOF before its DONE, a send timeout) is logged once
+//   and dropped; training goes on. finish() is the one place that waits, with a deadline.
+#pragma once
+
+#include "gossip/wire.h"
+
+#include <cohort/cluster.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace cohort::gossip {
+
+struct PeerOptions {
+  int rank = 0;
+  int worldSize = 1;
+  std::string token;                  // every stream's HELLO must carry it
+  std::string bindHost = "127.0.0.1";  // where to listen (port chosen by the kernel)
+  double timeoutSeconds = 60;         // connect, each send, and finish()
+  size_t numel = 0;                   // floats in an update
+  std::string codec = "none";         // --codec (compress/codec.h); "none": float32
+  int64_t codecWarmupSteps = 0;       // updates of steps below this go raw (uncompressed)
+};
+
+// What the receivers folded into the inbox since the last drain().
+struct Drained {
+  int64_t steps = 0;    // the other peers' steps summed in it
+  int64_t samples = 0;  // their examples
+  int64_t messages = 0;
+  std::vector<UpdateMeta> metas;  // one per message, for staleness
+};
+
+// Per-peer counters, indexed by rank.
+struct PeerCounters {
+  int64_t bytesSent = 0;        // frame bytes this peer wrote to that one
+  int64_t bytesReceived = 0;    // frame bytes read from that one
+  int64_t messagesSent = 0;
+  int64_t messagesReceived = 0;
+  bool lost = false;            // its stream failed before it finished
+  bool finished = false;        // its DONE arrived
+  std::optional<PeerReport> report;  // from its DONE
+};
+
+class Peer {
+ public:
+  // Binds and starts listening; throws CommError when it cannot.
+  explicit Peer(PeerOptions options);
+  ~Peer();
+  Peer(const Peer&) = delete;
+  Peer& operator=(const Peer&) = delete;
+
+  // host:port the others should connect to.
+  HostPort address() const;
+
+  // Starts one sender thread per other peer, connecting to addresses[rank] (this peer's own entry
+  // is ignored).
+  void connect(const std::vector<HostPort>& addresses);
+
+  // Adds update (numel floats, made by this peer's step meta.step) to every live peer's
+  // accumulator and asks the peers in `to` to send theirs now. Never blocks on the network.
+  void publish(std::span<const float> update, const UpdateMeta& meta, std::span<const int> to);
+
+  // Swaps the inbox with `into` (which must hold numel floats, all zero): afterwards `into` holds
+  // the sum of the updates received since the last drain, and the inbox is the old `into`.
+  Drained drain(std::vector<float>& into);
+
+  // Sends what is left and DONE (with `report`) to every live peer, then waits until every other
+  // peer finished or was lost, at most timeoutSeconds; peers still silent then count as lost.
+  void finish(const PeerReport& report);
+
+  // Ranks of the peers still live (not lost), this one excluded.
+  std::vector<int> livePeers() const;
+  std::vector<PeerCounters> counters() const;
+  int64_t bytesSent() const;
+  int64_t bytesReceived() const;
+  int64_t refusedStreams() const;  // connections refused for a wrong token or protocol
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace cohort::gossip

@@ -1,0 +1,339 @@
+#include "strategy/gossip.h"
+
+#include "gossip/peer.h"
+#include "strategy/local.h"
+
+#include <cohort/error.h>
+#include <cohort/rendezvous.h>
+
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <random>
+
+namespace cohort {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+constexpr size_t kHistogramBins = 64;  // staleness >= 63 counts in the last bin
+
+bool isLoopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1"; }
+
+HostPort parseHostPort(const std::string& text) {
+  const size_t colon = text.rfind(':');
+  COHORT_CHECK(colon != std::string::npos, CommError, "gossip: bad address '", text, "' in the rendezvous store");
+  std::string host = text.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  return {host, std::stoi(text.substr(colon + 1))};
+}
+
+std::string randomToken() {
+  std::random_device device;
+  std::string token;
+  for (int i = 0; i < 4; ++i) {
+    char part[9];
+    std::snprintf(part, sizeof(part), "%08x", device());
+    token += part;
+  }
+  return token;
+}
+
+// Per sender: what this replica applied from it.
+struct Received {
+  int64_t messages = 0;
+  int64_t stalenessSum = 0;
+  int64_t stalenessMax = 0;
+};
+
+class GossipStrategy final : public Strategy {
+ public:
+  explicit GossipStrategy(GossipContext c) : c_(std::move(c)), rng_(c_.seed * 7919 + uint64_t(c_.cluster.rank)) {
+    const int others = c_.cluster.worldSize - 1;
+    COHORT_CHECK(c_.cluster.worldSize >= 2, InvalidArgument,
+                 "--strategy gossip needs at least 2 workers: run it under `cohort launch -n N` (or another launcher)");
+    COHORT_CHECK(c_.options.peers >= 0 && c_.options.peers <= others, InvalidArgument,
+                 "--gossip-peers must be in 0..", others, " (0: all ", others, " other peers), got ", c_.options.peers);
+    COHORT_CHECK(c_.codecWarmupSteps >= 0, InvalidArgument, "--codec-warmup-steps must not be negative");
+    fanout_ = c_.options.peers == 0 ? others : c_.options.peers;
+    received_.resize(size_t(c_.cluster.worldSize));
+    histogram_.assign(kHistogramBins, 0);
+  }
+
+  std::string name() const override { return "gossip"; }
+  ReplicaInfo replica() const override { return {c_.cluster.rank, c_.cluster.worldSize}; }
+
+  void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override {
+    model_ = model;
+    optimizer_ = &optimizer;
+    params_ = model->parameters();
+    numel_ = 0;
+    for (const auto& item : model->named_parameters()) {
+      COHORT_CHECK(item.value().scalar_type() == torch::kFloat32 && item.value().is_contiguous(), InvalidArgument,
+                   "parameter ", item.key(), " is not a contiguous float32 tensor: gossip sends float32 updates");
+      numel_ += size_t(item.value().numel());
+    }
+    before_.assign(numel_, 0.0f);
+    update_.assign(numel_, 0.0f);
+    arrived_.assign(numel_, 0.0f);
+
+    const ClusterSpec& cl = c_.cluster;
+    const auto timeout = std::chrono::milliseconds(int64_t(c_.timeoutSeconds * 1000));
+    rendezvous_ = Rendezvous::connect(cl, timeout);
+    std::string token = c_.authToken;
+    if (token.empty()) {
+      // No shared secret given: a random one for this job, so streams are at least bound to it.
+      if (cl.isChief()) rendezvous_->set("cohort/gossip/job", randomToken());
+      token = rendezvous_->get("cohort/gossip/job");
+    }
+    // Where to listen, and the address to publish: the cluster spec's, loopback on one machine,
+    // else every interface under this host's name.
+    std::string bind = "0.0.0.0", advertise;
+    if (!cl.workers.empty()) {
+      bind = advertise = cl.workers[size_t(cl.rank)].host;
+    } else if (isLoopback(cl.master.host)) {
+      bind = advertise = "127.0.0.1";
+    } else {
+      char name[256] = {};
+      ::gethostname(name, sizeof(name) - 1);
+      advertise = name;
+    }
+    peer_ = std::make_unique<gossip::Peer>(gossip::PeerOptions{.rank = cl.rank,
+                                                               .worldSize = cl.worldSize,
+                                                               .token = token,
+                                                               .bindHost = bind,
+                                                               .timeoutSeconds = c_.timeoutSeconds,
+                                                               .numel = numel_,
+                                                               .codec = c_.codec,
+                                                               .codecWarmupSteps = c_.codecWarmupSteps});
+    rendezvous_->set("cohort/gossip/addr/" + std::to_string(cl.rank),
+                     HostPort{advertise, peer_->address().port}.str());
+    // Every replica starts from the chief's parameters (TorchScript models are not seeded alike).
+    if (cl.isChief()) {
+      copyOut(before_);
+      rendezvous_->set("cohort/gossip/init", std::string(reinterpret_cast<const char*>(before_.data()),
+                                                        before_.size() * sizeof(float)));
+    } else {
+      const std::string init = rendezvous_->get("cohort/gossip/init");
+      COHORT_CHECK(init.size() == numel_ * sizeof(float), CommError, "gossip: the chief's model has ",
+                   init.size() / sizeof(float), " parameters, this one ", numel_, ": run the same model everywhere");
+      std::memcpy(before_.data(), init.data(), init.size());
+      copyIn(before_);
+    }
+    std::vector<HostPort> addresses;
+    for (int r = 0; r < cl.worldSize; ++r) {
+      addresses.push_back(r == cl.rank ? peer_->address()
+                                       : parseHostPort(rendezvous_->get("cohort/gossip/addr/" + std::to_string(r))));
+    }
+    peer_->connect(addresses);
+  }
+
+  StepStats step(const Batch& batch, const LossFn& loss) override {
+    StepStats stats;
+    const auto start = Clock::now();
+    const int64_t sent0 = peer_->bytesSent(), received0 = peer_->bytesReceived();
+    const Applied applied = applyArrived();
+    double commSeconds = secondsSince(start);
+
+    const auto computeStart = Clock::now();
+    copyOut(before_);
+    stats.loss = forwardBackwardStep(model_, *optimizer_, batch, loss).item<double>();
+    // The update is what this step's optimizer did to the parameters.
+    copyOut(update_);
+    for (size_t i = 0; i < numel_; ++i) update_[i] -= before_[i];
+    ++steps_;
+    ++version_;
+    stats.computeSeconds = secondsSince(computeStart);
+
+    const auto sendStart = Clock::now();
+    std::vector<int> live = peer_->livePeers();
+    std::shuffle(live.begin(), live.end(), rng_);
+    live.resize(std::min(live.size(), size_t(fanout_)));
+    const int64_t samples = batch.inputs.size(0);
+    peer_->publish(update_, gossip::UpdateMeta{.version = version_, .step = steps_, .steps = 1, .samples = samples},
+                   live);
+    commSeconds += secondsSince(sendStart);
+
+    stats.samples = samples + applied.samples;
+    stats.bytesSent = peer_->bytesSent() - sent0;
+    stats.bytesReceived = peer_->bytesReceived() - received0;
+    stats.commWaitSeconds = commSeconds;  // hand-offs only: nothing here waits for a peer
+    stats.extra = {{"messages_applied", applied.messages},
+                   {"staleness_mean", applied.messages > 0 ? double(applied.stalenessSum) / double(applied.messages) : 0.0},
+                   {"staleness_max", applied.stalenessMax},
+                   {"peers_live", int64_t(peer_->livePeers().size())}};
+    return stats;
+  }
+
+  void synchronize() override { applyArrived(); }
+
+  void finish() override {
+    gossip::PeerReport report;
+    report.steps = steps_;
+    report.bytesSent = peer_->bytesSent();
+    report.bytesReceived = peer_->bytesReceived();
+    report.messagesApplied = messagesApplied_;
+    report.stalenessSum = stalenessSum_;
+    report.stalenessMax = stalenessMax_;
+    report.peersLost = int64_t(c_.cluster.worldSize - 1) - int64_t(peer_->livePeers().size());
+    peer_->finish(report);
+  }
+
+  MetricFields report() override {
+    const int n = c_.cluster.worldSize;
+    const auto peers = peer_->counters();
+    std::vector<int64_t> steps(size_t(n), -1), sent(size_t(n), -1), got(size_t(n), -1), applied(size_t(n), -1),
+        staleSum(size_t(n), -1), staleMax(size_t(n), -1), sentTo(size_t(n), 0), receivedFrom(size_t(n), 0), lost;
+    // This peer's own numbers at index `rank`; the others' from their DONE.
+    const int me = c_.cluster.rank;
+    steps[size_t(me)] = steps_;
+    sent[size_t(me)] = peer_->bytesSent();
+    got[size_t(me)] = peer_->bytesReceived();
+    applied[size_t(me)] = messagesApplied_;
+    staleSum[size_t(me)] = stalenessSum_;
+    staleMax[size_t(me)] = stalenessMax_;
+    for (int r = 0; r < n; ++r) {
+      const auto& p = peers[size_t(r)];
+      sentTo[size_t(r)] = p.bytesSent;
+      receivedFrom[size_t(r)] = p.bytesReceived;
+      if (r == me) continue;
+      if (p.lost || !p.report) {
+        lost.push_back(r);
+        continue;
+      }
+      steps[size_t(r)] = p.report->steps;
+      sent[size_t(r)] = p.report->bytesSent;
+      got[size_t(r)] = p.report->bytesReceived;
+      applied[size_t(r)] = p.report->messagesApplied;
+      staleSum[size_t(r)] = p.report->stalenessSum;
+      staleMax[size_t(r)] = p.report->stalenessMax;
+    }
+    std::vector<int64_t> fromMessages, fromStaleMax;
+    for (const auto& r : received_) {
+      fromMessages.push_back(r.messages);
+      fromStaleMax.push_back(r.stalenessMax);
+    }
+    std::vector<int64_t> histogram = histogram_;
+    while (histogram.size() > 1 && histogram.back() == 0) histogram.pop_back();
+    if (!lost.empty()) {
+      std::string list;
+      for (auto r : lost) list += (list.empty() ? "" : ", ") + std::to_string(r);
+      std::fprintf(stderr,
+                   "cohort: warning: worker %s stopped before the end; the others finished without it (its numbers "
+                   "are -1 in the done event)\n",
+                   list.c_str());
+    }
+    return {{"gossip_peers", int64_t(fanout_)},
+            {"codec", c_.codec},
+            {"staleness_mean", messagesApplied_ > 0 ? double(stalenessSum_) / double(messagesApplied_) : 0.0},
+            {"staleness_max", stalenessMax_},
+            {"staleness_histogram", histogram},
+            {"messages_applied", messagesApplied_},
+            {"updates_folded", version_},
+            {"unauthenticated", peer_->refusedStreams()},
+            {"messages_from_peer", fromMessages},
+            {"staleness_max_from_peer", fromStaleMax},
+            {"bytes_sent_to_peer", sentTo},
+            {"bytes_received_from_peer", receivedFrom},
+            {"peer_steps", steps},
+            {"peer_bytes_sent", sent},
+            {"peer_bytes_received", got},
+            {"peer_messages_applied", applied},
+            {"peer_staleness_sum", staleSum},
+            {"peer_staleness_max", staleMax},
+            {"workers_lost", lost}};
+  }
+
+ private:
+  struct Applied {
+    int64_t messages = 0;
+    int64_t samples = 0;
+    int64_t stalenessSum = 0;
+    int64_t stalenessMax = 0;
+  };
+
+  // Adds what the other peers sent since the last call to the parameters.
+  Applied applyArrived() {
+    Applied a;
+    const gossip::Drained d = peer_->drain(arrived_);
+    if (d.messages == 0) return a;
+    {
+      torch::NoGradGuard noGrad;
+      size_t at = 0;
+      for (auto& p : params_) {
+        float* data = p.data_ptr<float>();
+        const size_t n = size_t(p.numel());
+        for (size_t i = 0; i < n; ++i) data[i] += arrived_[at + i];
+        at += n;
+      }
+    }
+    std::fill(arrived_.begin(), arrived_.end(), 0.0f);
+    for (const auto& m : d.metas) {
+      const int64_t tau = std::max<int64_t>(0, version_ - m.version);
+      a.stalenessSum += tau;
+      a.stalenessMax = std::max(a.stalenessMax, tau);
+      ++histogram_[std::min<size_t>(size_t(tau), kHistogramBins - 1)];
+      Received& from = received_[m.sender];
+      ++from.messages;
+      from.stalenessSum += tau;
+      from.stalenessMax = std::max(from.stalenessMax, tau);
+    }
+    a.messages = d.messages;
+    a.samples = d.samples;
+    version_ += d.steps;
+    messagesApplied_ += d.messages;
+    stalenessSum_ += a.stalenessSum;
+    stalenessMax_ = std::max(stalenessMax_, a.stalenessMax);
+    return a;
+  }
+
+  void copyOut(std::vector<float>& flat) const {
+    size_t at = 0;
+    for (const auto& p : params_) {
+      std::memcpy(flat.data() + at, p.data_ptr<float>(), size_t(p.numel()) * sizeof(float));
+      at += size_t(p.numel());
+    }
+  }
+
+  void copyIn(const std::vector<float>& flat) {
+    torch::NoGradGuard noGrad;
+    size_t at = 0;
+    for (auto& p : params_) {
+      std::memcpy(p.data_ptr<float>(), flat.data() + at, size_t(p.numel()) * sizeof(float));
+      at += size_t(p.numel());
+    }
+  }
+
+  GossipContext c_;
+  std::mt19937_64 rng_;
+  int fanout_ = 1;
+  torch::nn::Sequential model_{nullptr};
+  torch::optim::Optimizer* optimizer_ = nullptr;
+  std::vector<torch::Tensor> params_;
+  size_t numel_ = 0;
+  std::vector<float> before_, update_, arrived_;  // flat, in parameter order
+  std::unique_ptr<Rendezvous> rendezvous_;        // kept: the chief hosts the store for the others
+  std::unique_ptr<gossip::Peer> peer_;
+  int64_t steps_ = 0;    // this peer's own steps
+  int64_t version_ = 0;  // steps folded into this replica, own and received
+  int64_t messagesApplied_ = 0;
+  int64_t stalenessSum_ = 0;
+  int64_t stalenessMax_ = 0;
+  std::vector<int64_t> histogram_;
+  std::vector<Received> received_;  // by sender rank
+};
+
+}  // namespace
+
+std::unique_ptr<Strategy> makeGossipStrategy(GossipContext context) {
+  return std::make_unique<GossipStrategy>(std::move(context));
+}
+
+}  // namespace cohort

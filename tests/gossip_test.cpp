@@ -1,0 +1,112 @@
+// Gossip with real processes on 127.0.0.1: a peer killed midway stops no one and the chief's
+// model still learns; a slowed peer makes no one wait.
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+#include <algorithm>
+
+namespace cohort {
+namespace {
+
+std::string train() { return test::cohortBinary() + " train --threads 1 --progress off --strategy gossip"; }
+
+// Shell lines that wait (up to 60 s) until the metrics file has a step event for `step`.
+std::string waitForStep(const std::string& metrics, int step) {
+  return "for i in $(seq 600); do grep -q '\"step\":" + std::to_string(step) + ",' " + metrics +
+         " 2>/dev/null && break; sleep 0.1; done\n";
+}
+
+// Three peers on Fashion-MNIST; peer 2 is SIGKILLed after the chief's 60th step. The other two
+// finish their 300 steps, the chief names the lost peer and its model reaches the bound.
+TEST(GossipMultiproc, APeerKilledMidwayStopsNoOneAndTheModelLearns) {
+  test::TempDir dir;
+  test::TfJob job(3, 0);
+  const std::string flags =
+      " --model mlp --data fashion-mnist --batch 64 --optimizer momentum --lr 0.01 --timeout 20 --auth-token g0ss1p";
+  const std::string metrics = dir.file("m.jsonl");
+  test::writeFile(dir.file("run.sh"),
+                  job.tfConfig("worker", 1) + " " + train() + flags + " --steps 100000 > " + dir.file("victim.log") +
+                      " 2>&1 &\nvictim=$!\n" + job.tfConfig("worker", 0) + " " + train() + flags + " --steps 300 > " +
+                      dir.file("worker.log") + " 2>&1 &\nworker=$!\n" + job.tfConfig("chief", 0) + " " + train() +
+                      flags + " --steps 300 --metrics " + metrics + " > " + dir.file("chief.log") +
+                      " 2>&1 &\nchief=$!\n" + waitForStep(metrics, 60) +
+                      "kill -9 $victim\nwait $chief\nc=$?\nwait $worker\nw=$?\necho chief=$c worker=$w\n");
+  auto r = test::runCommand("sh " + dir.file("run.sh"), 200);
+  const std::string chiefLog = test::readFile(dir.file("chief.log"));
+  const std::string logs = r.output + chiefLog + test::readFile(dir.file("worker.log")) +
+                           test::readFile(dir.file("victim.log"));
+  EXPECT_NE(r.output.find("chief=0 worker=0"), std::string::npos) << logs;
+  auto done = test::lastEvent(metrics, "done");
+  ASSERT_FALSE(done.is_null()) << logs;
+  EXPECT_EQ(done["steps"], 300);
+  EXPECT_GE(done["test_accuracy"].get<double>(), 0.75) << done.dump();
+  ASSERT_EQ(done["workers_lost"].size(), 1u) << done.dump();
+  EXPECT_EQ(done["workers_lost"][0], 2);
+  EXPECT_EQ(done["peer_steps"][1], 300) << done.dump();
+  EXPECT_EQ(done["peer_steps"][2], -1) << done.dump();
+  EXPECT_GT(done["peer_bytes_sent"][1].get<int64_t>(), 0);
+  EXPECT_GT(done["bytes_received_from_peer"][1].get<int64_t>(), 0);
+  EXPECT_GT(done["bytes_received_from_peer"][2].get<int64_t>(), 0) << "peer 2 sent nothing before it died";
+  EXPECT_EQ(done["unauthenticated"], 0);
+  EXPECT_NE(chiefLog.find("gossip peer 2 is lost"), std::string::npos) << chiefLog;
+  EXPECT_NE(chiefLog.find("worker 2 stopped before the end"), std::string::npos) << chiefLog;
+  auto step = test::lastEvent(metrics, "step");
+  EXPECT_EQ(step["peers_live"], 1) << step.dump();
+  EXPECT_TRUE(step.contains("staleness_mean")) << step.dump();
+}
+
+// Peer 2 sleeps 0.15 s in every step. Nobody waits for it during training: the chief's 40 steps
+// end long before the slow peer's 40 sleeps could (6 s); at the end every update of every peer
+// has reached the chief's replica.
+TEST(GossipMultiproc, ASlowPeerMakesNoOneWait) {
+  test::TempDir dir;
+  const std::string metrics = dir.file("m.jsonl");
+  auto r = test::runCommand(test::cohortBinary() + " launch -n 3 --port " + std::to_string(test::freePort()) +
+                                " -- " + train() + " --model mlp --data synthetic:3000 --batch 16 --steps 40" +
+                                " --gossip-peers 1 --test-slow-worker 2:0.15 --metrics " + metrics,
+                            200);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  auto done = test::lastEvent(metrics, "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["workers_lost"].size(), 0u) << done.dump();
+  EXPECT_EQ(done["gossip_peers"], 1);
+  EXPECT_EQ(done["peer_steps"], (nlohmann::json{40, 40, 40})) << done.dump();
+  auto last = test::lastEvent(metrics, "step");
+  EXPECT_EQ(last["step"], 40);
+  EXPECT_LT(last["wall_s"].get<double>(), 40 * 0.15) << "the chief's steps waited for the slow peer";
+  EXPECT_EQ(done["updates_folded"], 3 * 40) << done.dump();
+  int64_t histogramTotal = 0;
+  for (auto& c : done["staleness_histogram"]) histogramTotal += c.get<int64_t>();
+  EXPECT_EQ(histogramTotal, done["messages_applied"].get<int64_t>());
+  EXPECT_EQ(done["messages_from_peer"][1].get<int64_t>() + done["messages_from_peer"][2].get<int64_t>(),
+            done["messages_applied"].get<int64_t>());
+}
+
+// --codec for gossip: after 3 uncompressed warm-up steps every update is a threshold message,
+// far smaller than the 2.7 MB of float32 an uncompressed mlp update takes, and the model still
+// learns.
+TEST(GossipMultiproc, CompressedUpdatesAfterTheWarmUp) {
+  test::TempDir dir;
+  const std::string metrics = dir.file("m.jsonl");
+  auto r = test::runCommand(test::cohortBinary() + " launch -n 3 --port " + std::to_string(test::freePort()) +
+                                " -- " + train() + " --model mlp --data synthetic:3000 --batch 16 --steps 40" +
+                                " --codec threshold:0.002 --codec-warmup-steps 3 --metrics " + metrics,
+                            200);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  auto done = test::lastEvent(metrics, "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["codec"], "threshold:0.002") << done.dump();
+  EXPECT_EQ(done["updates_folded"], 3 * 40) << done.dump();
+  EXPECT_GE(done["test_accuracy"].get<double>(), 0.9) << done.dump();
+  // At most 3 warm-up messages per destination at full size; the 37 compressed steps after them
+  // together must not weigh as much as 8 uncompressed ones.
+  const int64_t raw = 669706 * 4;  // the mlp's parameters, float32
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_LT(done["peer_bytes_sent"][rank].get<int64_t>(), 2 * (3 + 8) * raw) << "rank " << rank << ": "
+                                                                                 << done.dump();
+  }
+}
+
+}  // namespace
+}  // namespace cohort
