@@ -18,9 +18,11 @@ configure: $(BUILD)/build.ninja
 build: setup configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-# Every test: unit, multiproc and slow.
+# Every test: the unit tests two at a time, then the multi-process and slow ones one at a time
+# (each of those already runs several processes on the machine's cores).
 test: build
-	cd $(BUILD) && ctest --output-on-failure --timeout 900
+	cd $(BUILD) && ctest --output-on-failure --timeout 900 -L unit -j 2
+	cd $(BUILD) && ctest --output-on-failure --timeout 900 -LE unit
 
 test-unit: build
 	cd $(BUILD) && ctest --output-on-failure -L unit
