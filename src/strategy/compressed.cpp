@@ -38,33 +38,27 @@ CommWork CompressedSum::start(size_t id, torch::Tensor flat) {
                InvalidArgument, "CompressedSum: buffer ", id, " must be a contiguous float32 tensor of ",
                encoders_[id].length(), " elements");
   const int n = comm_->worldSize();
+  // Runs one Communicator call and adds the bytes it counted to this sum's.
+  auto counted = [&](auto&& call) {
+    const CommCounters before = comm_->counters();
+    auto result = call();
+    const CommCounters after = comm_->counters();
+    bytesSent_ += after.bytesSent - before.bytesSent;
+    bytesReceived_ += after.bytesReceived - before.bytesReceived;
+    return result;
+  };
   switch (spec_.kind) {
-    case CodecKind::None: {
-      const CommCounters before = comm_->counters();
-      CommWork work = comm_->allreduceAsync(flat);
-      const CommCounters after = comm_->counters();
-      bytesSent_ += after.bytesSent - before.bytesSent;
-      bytesReceived_ += after.bytesReceived - before.bytesReceived;
-      return work;
-    }
+    case CodecKind::None:
+      return counted([&] { return comm_->allreduceAsync(flat); });
     case CodecKind::Fp16: {
       torch::Tensor& half = wire16_[id];
       compress::floatsToHalf(floats(flat), bits16(half));
-      const CommCounters before = comm_->counters();
-      CommWork work = comm_->allreduceAsync(half);
-      const CommCounters after = comm_->counters();
-      bytesSent_ += after.bytesSent - before.bytesSent;
-      bytesReceived_ += after.bytesReceived - before.bytesReceived;
-      return work;
+      return counted([&] { return comm_->allreduceAsync(half); });
     }
     case CodecKind::Bf16: {
       torch::Tensor& bf = wire16_[id];
       compress::floatsToBf16(floats(flat), bits16(bf));
-      const CommCounters before = comm_->counters();
-      std::vector<torch::Tensor> all = comm_->allgather(bf);
-      const CommCounters after = comm_->counters();
-      bytesSent_ += after.bytesSent - before.bytesSent;
-      bytesReceived_ += after.bytesReceived - before.bytesReceived;
+      std::vector<torch::Tensor> all = counted([&] { return comm_->allgather(bf); });
       flat.zero_();
       std::vector<float> tmp(size_t(flat.numel()));
       float* out = flat.data_ptr<float>();
