@@ -16,10 +16,7 @@ namespace {
 using test::loadParameters;
 using test::maxDifference;
 
-std::string launch(int n, int shards = 0) {
-  return test::cohortBinary() + " launch -n " + std::to_string(n) + (shards > 0 ? " --ps " + std::to_string(shards) : "") +
-         " --port " + std::to_string(test::freePort()) + " -- " + test::cohortBinary() + " train";
-}
+std::string launch(int n, int shards = 0) { return test::launchPrefix(n, shards) + test::cohortBinary() + " train"; }
 
 struct RunMetrics {
   std::vector<double> losses;

@@ -19,9 +19,7 @@ using test::maxDifference;
 
 nlohmann::json doneEvent(const std::string& metrics) { return test::lastEvent(metrics, "done"); }
 
-std::string launch(int n) {
-  return test::cohortBinary() + " launch -n " + std::to_string(n) + " --port " + std::to_string(test::freePort()) + " -- ";
-}
+std::string launch(int n) { return test::launchPrefix(n); }
 
 // The data and optimizer of the equivalence runs: plain SGD, no momentum, a few steps.
 const std::string kCommon = " --model mlp --data synthetic:1200 --optimizer sgd --lr 0.1 --steps 6 --threads 1 --progress off";

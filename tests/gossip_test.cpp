@@ -62,8 +62,7 @@ TEST(GossipMultiproc, APeerKilledMidwayStopsNoOneAndTheModelLearns) {
 TEST(GossipMultiproc, ASlowPeerMakesNoOneWait) {
   test::TempDir dir;
   const std::string metrics = dir.file("m.jsonl");
-  auto r = test::runCommand(test::cohortBinary() + " launch -n 3 --port " + std::to_string(test::freePort()) +
-                                " -- " + train() + " --model mlp --data synthetic:3000 --batch 16 --steps 40" +
+  auto r = test::runCommand(test::launchPrefix(3) + train() + " --model mlp --data synthetic:3000 --batch 16 --steps 40" +
                                 " --gossip-peers 1 --test-slow-worker 2:0.15 --metrics " + metrics,
                             200);
   ASSERT_EQ(r.exitCode, 0) << r.output;
@@ -89,8 +88,7 @@ TEST(GossipMultiproc, ASlowPeerMakesNoOneWait) {
 TEST(GossipMultiproc, CompressedUpdatesAfterTheWarmUp) {
   test::TempDir dir;
   const std::string metrics = dir.file("m.jsonl");
-  auto r = test::runCommand(test::cohortBinary() + " launch -n 3 --port " + std::to_string(test::freePort()) +
-                                " -- " + train() + " --model mlp --data synthetic:3000 --batch 16 --steps 40" +
+  auto r = test::runCommand(test::launchPrefix(3) + train() + " --model mlp --data synthetic:3000 --batch 16 --steps 40" +
                                 " --codec threshold:0.002 --codec-warmup-steps 3 --metrics " + metrics,
                             200);
   ASSERT_EQ(r.exitCode, 0) << r.output;

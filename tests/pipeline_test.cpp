@@ -17,10 +17,7 @@ namespace {
 
 using test::maxDifference;
 
-std::string launch(int n) {
-  return test::cohortBinary() + " launch -n " + std::to_string(n) + " --port " + std::to_string(test::freePort()) +
-         " -- ";
-}
+std::string launch(int n) { return test::launchPrefix(n); }
 
 // Plain SGD, a few steps, one thread per process: the equivalence runs.
 const std::string kCommon =

@@ -18,10 +18,7 @@ namespace {
 using test::loadParameters;
 using test::maxDifference;
 
-std::string launch(int n, int shards = 0) {
-  return test::cohortBinary() + " launch -n " + std::to_string(n) + (shards > 0 ? " --ps " + std::to_string(shards) : "") +
-         " --port " + std::to_string(test::freePort()) + " -- ";
-}
+std::string launch(int n, int shards = 0) { return test::launchPrefix(n, shards); }
 
 std::string train() { return test::cohortBinary() + " train --threads 1 --progress off"; }
 

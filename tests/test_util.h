@@ -75,6 +75,12 @@ inline int freePort() {
 inline std::string cohortBinary() { return COHORT_BINARY; }
 inline std::string sourceDir() { return COHORT_SOURCE_DIR; }
 
+// "cohort launch -n N [--ps M] --port P -- ": the prefix of a local job on a free port.
+inline std::string launchPrefix(int workers, int shards = 0) {
+  return cohortBinary() + " launch -n " + std::to_string(workers) +
+         (shards > 0 ? " --ps " + std::to_string(shards) : "") + " --port " + std::to_string(freePort()) + " -- ";
+}
+
 inline std::string readFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream s;
