@@ -49,6 +49,9 @@ class Communicator;
 // Who keeps checkpoints, and where.
 struct CheckpointPlan {
   bool writes = false;  // this process reads and writes checkpoints
+  // The scheme keeps the training state itself (ps: the shards checkpoint the parameters and the
+  // workers' clocks): the Trainer writes and reads no checkpoints.
+  bool keptByScheme = false;
   std::string subdir;   // under --checkpoint-dir; "" for the directory itself
   // The processes that restore from the same checkpoint; its rank 0 (a writer) reads it and sends
   // it to the others on --resume. Null: the job's communicator, if any.

@@ -221,6 +221,13 @@ class PsStrategy final : public Strategy {
 
   std::optional<int64_t> resumeStep() const override { return resumeStep_; }
 
+  // The shards checkpoint the parameters and every worker's clock.
+  CheckpointPlan checkpointPlan() const override {
+    CheckpointPlan plan;
+    plan.keptByScheme = true;
+    return plan;
+  }
+
   // Ends this worker's conversation with the shards: the non-chief workers pull the final
   // parameters and say Done; the chief first waits for the others, then pulls, reads the shards'
   // record for its report, and says Done last. After this nothing is asked of the shards, so a

@@ -342,8 +342,8 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   COHORT_CHECK(s.sampler->samplesPerRank() > 0, InvalidArgument, "the training set is empty");
   // The chief (pipeline: each stage of replica 0) reads and writes checkpoints; under ps the
   // shards checkpoint the parameters.
-  const bool serverCheckpoints = o.strategy.name == "ps";
   s.checkpointPlan = s.strategy->checkpointPlan();
+  const bool serverCheckpoints = s.checkpointPlan.keptByScheme;
   if (!o.checkpointDir.empty() && s.checkpointPlan.writes && !serverCheckpoints) {
     const std::string dir =
         s.checkpointPlan.subdir.empty() ? o.checkpointDir : o.checkpointDir + "/" + s.checkpointPlan.subdir;
@@ -377,7 +377,7 @@ TrainResult Trainer::run() {
   const int64_t perEpoch = s.sampler->batchesPerEpoch(o.batch);
   const int64_t totalSteps = o.steps > 0 ? o.steps : o.epochs * perEpoch;
   const LossFn loss = crossEntropy;
-  const bool serverCheckpoints = o.strategy.name == "ps";
+  const bool serverCheckpoints = s.checkpointPlan.keptByScheme;
 
   Progress::Style style = Progress::Style::kOff;
   if (chief) {
