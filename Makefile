@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all setup configure build test test-unit demo bench clean
+.PHONY: all setup configure build build-demo test test-unit demo bench clean install
 
 all: build
 
@@ -18,6 +18,11 @@ configure: $(BUILD)/build.ninja
 build: setup configure
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The library and the binary the demo runs, nothing else (tests, fuzz targets and benchmarks are
+# built by `make test` and `make bench`).
+build-demo: setup configure
+	cmake --build $(BUILD) -j $(JOBS) --target cohort_cli
+
 # Every test: the unit tests two at a time, then the multi-process and slow ones one at a time
 # (each of those already runs several processes on the machine's cores).
 test: build
@@ -28,11 +33,16 @@ test-unit: build
 	cd $(BUILD) && ctest --output-on-failure -L unit
 
 # The main job.
-demo: build
+demo: build-demo
 	bash scripts/demo.sh $(BUILD)
 
 bench: build
 	bash bench/run_all.sh $(BUILD)
+
+# Headers, libcohort, the cohort binary and the CMake package under PREFIX (default /usr/local).
+PREFIX ?= /usr/local
+install: build-demo
+	cmake --install $(BUILD) --prefix $(PREFIX)
 
 clean:
 	rm -rf $(BUILD)

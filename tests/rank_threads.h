@@ -4,6 +4,7 @@
 
 #include <cohort/communicator.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -14,7 +15,8 @@
 namespace cohort::test {
 
 // Runs body on `world` threads, one rank each, and rethrows the first failure.
-inline void onRanks(int world, const std::function<void(std::shared_ptr<Communicator>)>& body) {
+inline void onRanks(int world, const std::function<void(std::shared_ptr<Communicator>)>& body,
+                    std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
   const int port = freePort();
   std::vector<std::thread> threads;
   std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
@@ -25,7 +27,7 @@ inline void onRanks(int world, const std::function<void(std::shared_ptr<Communic
         spec.rank = r;
         spec.worldSize = world;
         spec.master = {"127.0.0.1", port};
-        body(Communicator::connect(spec, {.timeout = std::chrono::seconds(30)}));
+        body(Communicator::connect(spec, {.timeout = timeout}));
       } catch (...) {
         errors[size_t(r)] = std::current_exception();
       }

@@ -1,6 +1,6 @@
 #include <cohort/checkpoint.h>
 #include <cohort/error.h>
-#include <cohort/trainer.h>
+#include "train/trainer.h"
 
 #include <nlohmann/json.hpp>
 

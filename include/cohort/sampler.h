@@ -37,4 +37,26 @@ class ShardSampler {
   SamplerOptions options_;
 };
 
+class Job;
+
+// The library's sampler for a user's own loop: rank r of the job's W workers gets its ShardSampler
+// shard of the index range [0, datasetSize), reshuffled every epoch from (seed, epoch), the same
+// on every rank, so that no two ranks train on one example in an epoch.
+//
+//   cohort::DistributedSampler sampler(dataset.size(), job, /*seed=*/1);
+//   for (int64_t epoch = 0; epoch < epochs; ++epoch)
+//     for (int64_t i : sampler.indices(epoch)) ...
+class DistributedSampler {
+ public:
+  // Throws InvalidArgument when the data set has fewer examples than the job has workers.
+  DistributedSampler(int64_t datasetSize, const Job& job, uint64_t seed = 0, bool shuffle = true);
+
+  std::vector<int64_t> indices(int64_t epoch) const { return sampler_.epochIndices(epoch); }
+  int64_t size() const { return sampler_.samplesPerRank(); }  // the same on every rank
+  int64_t batches(int64_t batchSize) const { return sampler_.batchesPerEpoch(batchSize); }
+
+ private:
+  ShardSampler sampler_;
+};
+
 }  // namespace cohort

@@ -1,6 +1,6 @@
 #include <cohort/cluster.h>
 #include <cohort/error.h>
-#include <cohort/trainer.h>
+#include "train/trainer.h"
 
 #include "ps/service.h"
 
@@ -106,15 +106,15 @@ Run addTrainCommand(CLI::App& app) {
       ->check(CLI::IsMember({"local", "allreduce", "average", "ps", "gossip", "pipeline"}))
       ->capture_default_str();
   auto* dp = "Data parallelism";
-  train->add_option("--bucket-mb", o.strategy.bucketMb, "allreduce: gradient bucket size in MB")
+  train->add_option("--bucket-mb", o.strategy.allreduce.bucketMb, "allreduce: gradient bucket size in MB")
       ->group(dp)->capture_default_str();
-  train->add_option("--first-bucket-mb", o.strategy.firstBucketMb,
+  train->add_option("--first-bucket-mb", o.strategy.allreduce.firstBucketMb,
                     "allreduce: size of the first bucket, launched earliest")->group(dp)->capture_default_str();
-  train->add_flag("--no-overlap{false}", o.strategy.overlap,
+  train->add_flag("--no-overlap{false}", o.strategy.allreduce.overlap,
                   "allreduce: launch every allreduce after backward instead of during it")->group(dp);
-  train->add_option("--period", o.strategy.period, "average: average the parameters every K steps")
+  train->add_option("--period", o.strategy.average.period, "average: average the parameters every K steps")
       ->group(dp)->capture_default_str();
-  train->add_flag("--average-optimizer-state", o.strategy.averageOptimizerState,
+  train->add_flag("--average-optimizer-state", o.strategy.average.averageOptimizerState,
                   "average: average momentum / Adam state too")->group(dp);
 
   auto* mp = "Model parallelism (--strategy pipeline; cohort launch -n STAGES*REPLICAS)";

@@ -1,4 +1,5 @@
 #include <cohort/error.h>
+#include <cohort/job.h>
 #include <cohort/sampler.h>
 
 #include <numeric>
@@ -35,5 +36,23 @@ std::vector<int64_t> ShardSampler::epochIndices(int64_t epoch) const {
   }
   return mine;
 }
+
+}  // namespace cohort
+
+namespace cohort {
+
+namespace {
+
+ShardSampler makeShard(int64_t datasetSize, const Job& job, uint64_t seed, bool shuffle) {
+  COHORT_CHECK(datasetSize >= job.worldSize(), InvalidArgument, "DistributedSampler: ", datasetSize,
+               " examples cannot be shared among ", job.worldSize(), " workers");
+  return ShardSampler(
+      {.datasetSize = datasetSize, .rank = job.rank(), .worldSize = job.worldSize(), .seed = seed, .shuffle = shuffle});
+}
+
+}  // namespace
+
+DistributedSampler::DistributedSampler(int64_t datasetSize, const Job& job, uint64_t seed, bool shuffle)
+    : sampler_(makeShard(datasetSize, job, seed, shuffle)) {}
 
 }  // namespace cohort

@@ -1,12 +1,15 @@
+// The one place that maps --strategy to a scheme.
 #include <cohort/communicator.h>
 #include <cohort/error.h>
-#include <cohort/strategy.h>
 
 #include "compress/codec.h"
 #include "strategy/allreduce.h"
 #include "strategy/average.h"
+#include "strategy/gossip.h"
 #include "strategy/local.h"
 #include "strategy/pipeline.h"
+#include "strategy/ps.h"
+#include "strategy/strategy.h"
 
 namespace cohort {
 
@@ -21,31 +24,49 @@ void checkCodecOptions(const StrategyOptions& options) {
                options.codecWarmupSteps);
 }
 
-std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, std::shared_ptr<Communicator> comm) {
+std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job& job) {
   checkCodecOptions(options);
-  const compress::CodecSpec codec = compress::CodecSpec::parse(options.codec);
-  if (options.name == "local") return std::make_unique<LocalStrategy>();
-  if (options.name == "allreduce") {
-    return std::make_unique<AllreduceStrategy>(
-        std::move(comm), AllreduceOptions{.bucketMb = options.bucketMb,
-                                          .firstBucketMb = options.firstBucketMb,
-                                          .overlap = options.overlap,
-                                          .codec = codec,
-                                          .codecWarmupSteps = options.codecWarmupSteps});
+  const std::string& name = options.name;
+  if (name == "local") {
+    COHORT_CHECK(job.worldSize() == 1, InvalidArgument, "--strategy local trains in one process, but this is ",
+                 describe(job.cluster()), ": choose a distributed --strategy (allreduce, average, ps, gossip, pipeline)");
+    return std::make_unique<LocalStrategy>();
   }
-  if (options.name == "average") {
-    return std::make_unique<AverageStrategy>(
-        std::move(comm), AverageOptions{.period = options.period,
-                                        .averageOptimizerState = options.averageOptimizerState,
-                                        .codec = codec,
-                                        .codecWarmupSteps = options.codecWarmupSteps});
+  if (name == "ps") {
+    // Workers meet at the parameter servers, not in a Gloo group: a lost worker stops no one else.
+    ParameterServerOptions ps = options.ps;
+    ps.codec = options.codec;
+    ps.codecWarmupSteps = options.codecWarmupSteps;
+    return makePsStrategy(job, std::move(ps));
   }
-  if (options.name == "pipeline") {
-    return std::make_unique<PipelineStrategy>(std::move(comm), options.pipeline, options.checkpointDir, options.resume);
+  if (name == "gossip") {
+    // Peers talk over sockets of their own (gossip/peer.h): a Gloo group would make one dead peer
+    // everyone's failure.
+    COHORT_CHECK(!options.resume, InvalidArgument,
+                 "--resume does not apply to --strategy gossip: the replicas differ and only the chief's is "
+                 "checkpointed; start a new run (from --save-model's file with --model FILE.pt, for instance)");
+    GossipOptions gossip = options.gossip;
+    gossip.codec = options.codec;
+    gossip.codecWarmupSteps = options.codecWarmupSteps;
+    return makeGossipStrategy(job, std::move(gossip));
   }
-  // ps and gossip need no Gloo group: the Trainer builds them (makePsStrategy, makeGossipStrategy).
-  throw InvalidArgument("unknown strategy '" + options.name +
-                        "': expected local, allreduce, average, ps, gossip or pipeline");
+  if (name == "allreduce") {
+    DataParallelOptions dp = options.allreduce;
+    dp.codec = options.codec;
+    dp.codecWarmupSteps = options.codecWarmupSteps;
+    return std::make_unique<AllreduceStrategy>(job.communicator(), std::move(dp));
+  }
+  if (name == "average") {
+    AveragingOptions average = options.average;
+    average.codec = options.codec;
+    average.codecWarmupSteps = options.codecWarmupSteps;
+    return std::make_unique<AverageStrategy>(job.communicator(), std::move(average));
+  }
+  if (name == "pipeline") {
+    return std::make_unique<PipelineStrategy>(job.communicator(), options.pipeline, options.checkpointDir,
+                                              options.resume);
+  }
+  throw InvalidArgument("unknown strategy '" + name + "': expected local, allreduce, average, ps, gossip or pipeline");
 }
 
 }  // namespace cohort

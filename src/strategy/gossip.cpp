@@ -1,6 +1,7 @@
 #include "strategy/gossip.h"
 
 #include "gossip/peer.h"
+#include "schemes/model_sync.h"
 #include "strategy/local.h"
 
 #include <cohort/error.h>
@@ -20,6 +21,12 @@ namespace cohort {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+struct GossipContext {
+  GossipOptions options;
+  ClusterSpec cluster;  // rank, world size, and the rendezvous store's address
+  double timeoutSeconds = 60;
+};
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -53,33 +60,30 @@ struct Received {
   int64_t stalenessMax = 0;
 };
 
-class GossipStrategy final : public Strategy {
- public:
-  explicit GossipStrategy(GossipContext c) : c_(std::move(c)), rng_(c_.seed * 7919 + uint64_t(c_.cluster.rank)) {
+}  // namespace
+
+struct Gossip::Impl {
+  explicit Impl(GossipContext c) : c_(std::move(c)), rng_(c_.options.seed * 7919 + uint64_t(c_.cluster.rank)) {
     const int others = c_.cluster.worldSize - 1;
     COHORT_CHECK(c_.cluster.worldSize >= 2, InvalidArgument,
                  "--strategy gossip needs at least 2 workers: run it under `cohort launch -n N` (or another launcher)");
     COHORT_CHECK(c_.options.peers >= 0 && c_.options.peers <= others, InvalidArgument,
                  "--gossip-peers must be in 0..", others, " (0: all ", others, " other peers), got ", c_.options.peers);
-    COHORT_CHECK(c_.codecWarmupSteps >= 0, InvalidArgument, "--codec-warmup-steps must not be negative");
+    COHORT_CHECK(c_.options.codecWarmupSteps >= 0, InvalidArgument, "--codec-warmup-steps must not be negative");
     fanout_ = c_.options.peers == 0 ? others : c_.options.peers;
     received_.resize(size_t(c_.cluster.worldSize));
     histogram_.assign(kHistogramBins, 0);
   }
 
-  std::string name() const override { return "gossip"; }
-  ReplicaInfo replica() const override { return {c_.cluster.rank, c_.cluster.worldSize}; }
-
-  void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override {
-    model_ = model;
-    optimizer_ = &optimizer;
-    params_ = model->parameters();
+  void attach(torch::nn::Module& model) {
     numel_ = 0;
-    for (const auto& item : model->named_parameters()) {
-      COHORT_CHECK(item.value().scalar_type() == torch::kFloat32 && item.value().is_contiguous(), InvalidArgument,
-                   "parameter ", item.key(), " is not a contiguous float32 tensor: gossip sends float32 updates");
-      numel_ += size_t(item.value().numel());
+    for (const auto& [name, p] : uniqueParameters(model)) {
+      COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous(), InvalidArgument,
+                   "parameter ", name, " is not a contiguous float32 tensor: gossip sends float32 updates");
+      numel_ += size_t(p.numel());
+      params_.push_back(p);
     }
+    COHORT_CHECK(numel_ > 0, InvalidArgument, "cohort::Gossip: the module has no parameters; there is nothing to send");
     before_.assign(numel_, 0.0f);
     update_.assign(numel_, 0.0f);
     arrived_.assign(numel_, 0.0f);
@@ -87,7 +91,7 @@ class GossipStrategy final : public Strategy {
     const ClusterSpec& cl = c_.cluster;
     const auto timeout = std::chrono::milliseconds(int64_t(c_.timeoutSeconds * 1000));
     rendezvous_ = Rendezvous::connect(cl, timeout);
-    std::string token = c_.authToken;
+    std::string token = c_.options.authToken;
     if (token.empty()) {
       // No shared secret given: a random one for this job, so streams are at least bound to it.
       if (cl.isChief()) rendezvous_->set("cohort/gossip/job", randomToken());
@@ -111,8 +115,8 @@ class GossipStrategy final : public Strategy {
                                                                .bindHost = bind,
                                                                .timeoutSeconds = c_.timeoutSeconds,
                                                                .numel = numel_,
-                                                               .codec = c_.codec,
-                                                               .codecWarmupSteps = c_.codecWarmupSteps});
+                                                               .codec = c_.options.codec,
+                                                               .codecWarmupSteps = c_.options.codecWarmupSteps});
     rendezvous_->set("cohort/gossip/addr/" + std::to_string(cl.rank),
                      HostPort{advertise, peer_->address().port}.str());
     // Every replica starts from the chief's parameters (TorchScript models are not seeded alike).
@@ -133,48 +137,46 @@ class GossipStrategy final : public Strategy {
                                        : parseHostPort(rendezvous_->get("cohort/gossip/addr/" + std::to_string(r))));
     }
     peer_->connect(addresses);
+    copyOut(before_);
   }
 
-  StepStats step(const Batch& batch, const LossFn& loss) override {
-    StepStats stats;
+  GossipStep step(int64_t samples) {
+    COHORT_CHECK(!finished_, InvalidArgument, "cohort::Gossip::step() after finish()");
+    GossipStep stats;
     const auto start = Clock::now();
     const int64_t sent0 = peer_->bytesSent(), received0 = peer_->bytesReceived();
-    const Applied applied = applyArrived();
-    double commSeconds = secondsSince(start);
-
-    const auto computeStart = Clock::now();
-    copyOut(before_);
-    stats.loss = forwardBackwardStep(model_, *optimizer_, batch, loss).item<double>();
-    // The update is what this step's optimizer did to the parameters.
+    // The update is what the optimizer did to the parameters since the last call.
     copyOut(update_);
     for (size_t i = 0; i < numel_; ++i) update_[i] -= before_[i];
     ++steps_;
     ++version_;
-    stats.computeSeconds = secondsSince(computeStart);
-
-    const auto sendStart = Clock::now();
     std::vector<int> live = peer_->livePeers();
     std::shuffle(live.begin(), live.end(), rng_);
     live.resize(std::min(live.size(), size_t(fanout_)));
-    const int64_t samples = batch.inputs.size(0);
     peer_->publish(update_, gossip::UpdateMeta{.version = version_, .step = steps_, .steps = 1, .samples = samples},
                    live);
-    commSeconds += secondsSince(sendStart);
+    const Applied applied = applyArrived();
+    copyOut(before_);
 
     stats.samples = samples + applied.samples;
     stats.bytesSent = peer_->bytesSent() - sent0;
     stats.bytesReceived = peer_->bytesReceived() - received0;
-    stats.commWaitSeconds = commSeconds;  // hand-offs only: nothing here waits for a peer
-    stats.extra = {{"messages_applied", applied.messages},
-                   {"staleness_mean", applied.messages > 0 ? double(applied.stalenessSum) / double(applied.messages) : 0.0},
-                   {"staleness_max", applied.stalenessMax},
-                   {"peers_live", int64_t(peer_->livePeers().size())}};
+    stats.commWaitSeconds = secondsSince(start);  // hand-offs only: nothing here waits for a peer
+    stats.messagesApplied = applied.messages;
+    stats.stalenessMean = applied.messages > 0 ? double(applied.stalenessSum) / double(applied.messages) : 0.0;
+    stats.stalenessMax = applied.stalenessMax;
+    stats.peersLive = int64_t(peer_->livePeers().size());
     return stats;
   }
 
-  void synchronize() override { applyArrived(); }
+  void synchronize() {
+    applyArrived();
+    copyOut(before_);
+  }
 
-  void finish() override {
+  void finish() {
+    COHORT_CHECK(!finished_, InvalidArgument, "cohort::Gossip::finish() called twice");
+    finished_ = true;
     gossip::PeerReport report;
     report.steps = steps_;
     report.bytesSent = peer_->bytesSent();
@@ -186,7 +188,7 @@ class GossipStrategy final : public Strategy {
     peer_->finish(report);
   }
 
-  MetricFields report() override {
+  MetricFields report() {
     const int n = c_.cluster.worldSize;
     const auto peers = peer_->counters();
     std::vector<int64_t> steps(size_t(n), -1), sent(size_t(n), -1), got(size_t(n), -1), applied(size_t(n), -1),
@@ -231,7 +233,7 @@ class GossipStrategy final : public Strategy {
                    list.c_str());
     }
     return {{"gossip_peers", int64_t(fanout_)},
-            {"codec", c_.codec},
+            {"codec", c_.options.codec},
             {"staleness_mean", messagesApplied_ > 0 ? double(stalenessSum_) / double(messagesApplied_) : 0.0},
             {"staleness_max", stalenessMax_},
             {"staleness_histogram", histogram},
@@ -251,7 +253,6 @@ class GossipStrategy final : public Strategy {
             {"workers_lost", lost}};
   }
 
- private:
   struct Applied {
     int64_t messages = 0;
     int64_t samples = 0;
@@ -314,10 +315,9 @@ class GossipStrategy final : public Strategy {
   GossipContext c_;
   std::mt19937_64 rng_;
   int fanout_ = 1;
-  torch::nn::Sequential model_{nullptr};
-  torch::optim::Optimizer* optimizer_ = nullptr;
   std::vector<torch::Tensor> params_;
   size_t numel_ = 0;
+  bool finished_ = false;
   std::vector<float> before_, update_, arrived_;  // flat, in parameter order
   std::unique_ptr<Rendezvous> rendezvous_;        // kept: the chief hosts the store for the others
   std::unique_ptr<gossip::Peer> peer_;
@@ -330,10 +330,68 @@ class GossipStrategy final : public Strategy {
   std::vector<Received> received_;  // by sender rank
 };
 
+Gossip::Gossip(const Job& job, torch::nn::Module& module, GossipOptions options) {
+  impl_ = std::make_unique<Impl>(GossipContext{.options = std::move(options),
+                                               .cluster = job.cluster(),
+                                               .timeoutSeconds = double(job.timeout().count()) / 1000.0});
+  impl_->attach(module);
+}
+
+Gossip::~Gossip() = default;
+GossipStep Gossip::step(int64_t samples) { return impl_->step(samples); }
+void Gossip::synchronize() { impl_->synchronize(); }
+void Gossip::finish() { impl_->finish(); }
+MetricFields Gossip::report() { return impl_->report(); }
+
+namespace {
+
+// `--strategy gossip`: the CLI's adapter over the handle.
+class GossipStrategy final : public Strategy {
+ public:
+  GossipStrategy(Job job, GossipOptions options) : job_(std::move(job)), options_(std::move(options)) {}
+
+  std::string name() const override { return "gossip"; }
+  ReplicaInfo replica() const override { return {job_.rank(), job_.worldSize()}; }
+
+  void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override {
+    model_ = model;
+    optimizer_ = &optimizer;
+    gossip_ = std::make_unique<Gossip>(job_, *model, options_);
+  }
+
+  StepStats step(const Batch& batch, const LossFn& loss) override {
+    const auto start = Clock::now();
+    StepStats stats;
+    stats.loss = forwardBackwardStep(model_, *optimizer_, batch, loss).item<double>();
+    stats.computeSeconds = secondsSince(start);
+    const GossipStep g = gossip_->step(batch.inputs.size(0));
+    stats.samples = g.samples;
+    stats.bytesSent = g.bytesSent;
+    stats.bytesReceived = g.bytesReceived;
+    stats.commWaitSeconds = g.commWaitSeconds;
+    stats.extra = {{"messages_applied", g.messagesApplied},
+                   {"staleness_mean", g.stalenessMean},
+                   {"staleness_max", g.stalenessMax},
+                   {"peers_live", g.peersLive}};
+    return stats;
+  }
+
+  void synchronize() override { gossip_->synchronize(); }
+  void finish() override { gossip_->finish(); }
+  MetricFields report() override { return gossip_->report(); }
+
+ private:
+  Job job_;
+  GossipOptions options_;
+  torch::nn::Sequential model_{nullptr};
+  torch::optim::Optimizer* optimizer_ = nullptr;
+  std::unique_ptr<Gossip> gossip_;
+};
+
 }  // namespace
 
-std::unique_ptr<Strategy> makeGossipStrategy(GossipContext context) {
-  return std::make_unique<GossipStrategy>(std::move(context));
+std::unique_ptr<Strategy> makeGossipStrategy(const Job& job, GossipOptions options) {
+  return std::make_unique<GossipStrategy>(job, std::move(options));
 }
 
 }  // namespace cohort

@@ -18,24 +18,16 @@
 // peer made, and a dead peer costs nothing but its missing numbers.
 #pragma once
 
-#include <cohort/cluster.h>
-#include <cohort/strategy.h>
+#include <cohort/gossip.h>
+#include <cohort/job.h>
+
+#include "strategy/strategy.h"
 
 #include <memory>
-#include <string>
 
 namespace cohort {
 
-struct GossipContext {
-  StrategyOptions::Gossip options;
-  std::string codec = "none";    // --codec, for the updates
-  int64_t codecWarmupSteps = 0;  // steps 1..W send them uncompressed
-  ClusterSpec cluster;  // rank, world size, and the rendezvous store's address
-  double timeoutSeconds = 60;
-  std::string authToken;  // empty: a random one the chief publishes in the rendezvous store
-  uint64_t seed = 0;      // for the choice of peers
-};
-
-std::unique_ptr<Strategy> makeGossipStrategy(GossipContext context);
+// `--strategy gossip`: the CLI's adapter over the library's Gossip handle (include/cohort/gossip.h).
+std::unique_ptr<Strategy> makeGossipStrategy(const Job& job, GossipOptions options);
 
 }  // namespace cohort

@@ -8,10 +8,6 @@
 
 namespace cohort {
 
-void clearGradients(torch::nn::Module& model) {
-  for (auto& p : model.parameters()) p.mutable_grad().reset();
-}
-
 torch::Tensor forwardBackwardStep(torch::nn::Sequential& model, torch::optim::Optimizer& optimizer,
                                   const Batch& batch, const LossFn& loss) {
   clearGradients(*model);

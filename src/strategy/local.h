@@ -1,7 +1,8 @@
 // The single-process scheme: forward, backward, optimizer step, no exchange.
 #pragma once
 
-#include <cohort/strategy.h>
+#include "schemes/model_sync.h"
+#include "strategy/strategy.h"
 
 namespace cohort {
 
@@ -17,10 +18,6 @@ class LocalStrategy final : public Strategy {
   torch::nn::Sequential model_{nullptr};
   torch::optim::Optimizer* optimizer_ = nullptr;
 };
-
-// Drops every parameter's gradient, so the next backward writes it fresh instead of adding to
-// zeros (saves a fill and an add per tensor).
-void clearGradients(torch::nn::Module& model);
 
 // One step with no exchange: clear gradients, forward, loss, backward, optimizer step.
 // Returns the loss.

@@ -2,7 +2,7 @@
 
 #include <cohort/error.h>
 
-#include "strategy/allreduce.h"
+#include "schemes/model_sync.h"
 #include "strategy/local.h"
 
 #include <torch/torch.h>

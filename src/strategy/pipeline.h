@@ -18,7 +18,7 @@
 #pragma once
 
 #include <cohort/communicator.h>
-#include <cohort/strategy.h>
+#include "strategy/strategy.h"
 
 #include "strategy/pipeline_plan.h"
 
@@ -36,6 +36,7 @@ class PipelineStrategy final : public Strategy {
   PipelineStrategy(std::shared_ptr<Communicator> comm, Options options, std::string checkpointDir, bool resume);
 
   std::string name() const override { return "pipeline"; }
+  std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override { return {comm_->rank(), comm_->worldSize()}; }
 
   torch::nn::Sequential localModel(torch::nn::Sequential model, const Batch& sample) override;

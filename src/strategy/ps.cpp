@@ -1,8 +1,11 @@
 #include "strategy/ps.h"
 
 #include "compress/codec.h"
+#include "ps/client.h"
 #include "ps/layout.h"
+#include "ps/service.h"
 #include "ps/wire.h"
+#include "schemes/model_sync.h"
 #include "strategy/local.h"
 
 #include <cohort/error.h>
@@ -19,6 +22,15 @@ namespace cohort {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// What the worker side needs to know beyond the options.
+struct PsContext {
+  ParameterServerOptions options;
+  int rank = 0;
+  int workers = 1;
+  std::vector<std::string> shards;  // host:port of every shard
+  double timeoutSeconds = 60;
+};
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -50,9 +62,10 @@ void forEachShard(size_t shards, F f) {
   if (first) std::rethrow_exception(first);
 }
 
-class PsStrategy final : public Strategy {
- public:
-  explicit PsStrategy(PsContext c) : c_(std::move(c)) {
+}  // namespace
+
+struct ParameterServerClient::Impl {
+  explicit Impl(PsContext c) : c_(std::move(c)) {
     COHORT_CHECK(!c_.shards.empty(), InvalidArgument,
                  "--strategy ps needs parameter servers: run it under `cohort launch --ps M`, with a TF_CONFIG "
                  "that lists a \"ps\" job, or give --ps-hosts HOST:PORT,...");
@@ -76,11 +89,9 @@ class PsStrategy final : public Strategy {
     COHORT_CHECK(o.push == "gradients" || o.push == "updates", InvalidArgument, "unknown --push '", o.push,
                  "': expected gradients or updates");
     COHORT_CHECK(o.warmupSteps >= 0, InvalidArgument, "--warmup-steps must not be negative");
-    codec_ = compress::CodecSpec::parse(c_.codec);
+    codec_ = compress::CodecSpec::parse(c_.options.codec);
     for (size_t i = 0; i < c_.shards.size(); ++i) {
-      if (c_.connect) {
-        clients_.push_back(c_.connect(i));
-      } else {
+      {
         clients_.push_back(ps::makeGrpcClient(
             c_.shards[i], ps::ClientOptions{.authToken = o.authToken, .tlsCaFile = o.tlsCa,
                                             .timeoutSeconds = c_.timeoutSeconds}));
@@ -90,20 +101,18 @@ class PsStrategy final : public Strategy {
     ps::keepFreedMemory();
   }
 
-  std::string name() const override { return "ps"; }
-  ReplicaInfo replica() const override { return {c_.rank, c_.workers}; }
-
-  void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override {
-    model_ = model;
-    optimizer_ = &optimizer;
-    params_ = model->parameters();
+  void attach(torch::nn::Module& model, torch::optim::Optimizer* optimizer) {
+    COHORT_CHECK(c_.options.push != "updates" || optimizer != nullptr, InvalidArgument,
+                 "cohort::ParameterServerClient: push = updates runs the worker's own optimizer: pass it");
     std::vector<ps::ParamInfo> infos;
-    const auto named = model->named_parameters();
-    for (const auto& item : named) {
-      COHORT_CHECK(item.value().scalar_type() == torch::kFloat32 && item.value().is_contiguous(), InvalidArgument,
-                   "parameter ", item.key(), " is not a contiguous float32 tensor: the parameter server holds float32");
-      infos.push_back({item.key(), uint64_t(item.value().numel())});
+    for (const auto& [name, p] : uniqueParameters(model)) {
+      COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous(), InvalidArgument,
+                   "parameter ", name, " is not a contiguous float32 tensor: the parameter server holds float32");
+      infos.push_back({name, uint64_t(p.numel())});
+      params_.push_back(p);
     }
+    COHORT_CHECK(!params_.empty(), InvalidArgument,
+                 "cohort::ParameterServerClient: the module has no parameters; there is nothing to serve");
     pieces_ = ps::planLayout(infos, int(c_.shards.size()));
     specs_.assign(c_.shards.size(), {});
     shardPieces_.assign(c_.shards.size(), {});
@@ -125,7 +134,8 @@ class PsStrategy final : public Strategy {
     }
     if (c_.rank == 0) initShards();
     pullAll(/*initial=*/true);
-    if (c_.resume) {
+    snapshot();
+    if (c_.options.resume) {
       ps::wire::StatsReply reply = statsOf(0);
       if (c_.rank < reply.clocks_size()) {
         resumeStep_ = reply.clocks(c_.rank);
@@ -134,39 +144,37 @@ class PsStrategy final : public Strategy {
     }
   }
 
-  StepStats step(const Batch& batch, const LossFn& loss) override {
-    StepStats stats;
-    const auto start = Clock::now();
-    std::vector<torch::Tensor> before;
-    torch::Tensor out;
-    if (c_.options.push == "updates") {
-      for (const auto& p : params_) before.push_back(p.detach().clone());
-      out = forwardBackwardStep(model_, *optimizer_, batch, loss);
+  // The parameters as last pulled, for push = updates: the change since is what is pushed.
+  void snapshot() {
+    if (c_.options.push != "updates") return;
+    torch::NoGradGuard noGrad;
+    if (before_.empty()) {
+      for (const auto& p : params_) before_.push_back(p.detach().clone());
     } else {
-      clearGradients(*model_);
-      out = loss(model_->forward(batch.inputs), batch.targets);
-      out.backward();
+      for (size_t i = 0; i < params_.size(); ++i) before_[i].copy_(params_[i]);
     }
-    stats.loss = out.item<double>();
+  }
+
+  ParameterServerStep push(int64_t samples) {
+    COHORT_CHECK(!finished_, InvalidArgument, "cohort::ParameterServerClient::step() after finish()");
+    ParameterServerStep stats;
     // What goes to the shards: the gradients, or the change the local optimizer made.
     std::vector<torch::Tensor> send;
     {
       torch::NoGradGuard noGrad;
       for (size_t i = 0; i < params_.size(); ++i) {
         if (c_.options.push == "updates") {
-          send.push_back((params_[i].detach() - before[i]).contiguous());
+          send.push_back((params_[i].detach() - before_[i]).contiguous());
         } else {
           const auto& g = params_[i].grad();
           send.push_back(g.defined() ? g.contiguous() : torch::zeros_like(params_[i]));
         }
       }
     }
-    stats.computeSeconds = secondsSince(start);
-
     const auto commStart = Clock::now();
     std::vector<ps::wire::PushReply> replies(clients_.size());
     std::vector<int64_t> sent(clients_.size(), 0);
-    const bool compress = !encoders_.empty() && steps_ >= c_.codecWarmupSteps;
+    const bool compress = !encoders_.empty() && steps_ >= c_.options.codecWarmupSteps;
     messages_.resize(clients_.size());
     forEachShard(clients_.size(), [&](size_t s) {
       ps::wire::PushRequest request;
@@ -174,7 +182,7 @@ class PsStrategy final : public Strategy {
       request.set_worker(uint32_t(c_.rank));
       request.set_pulled_version(versions_[s]);
       request.set_clock(clock_);
-      request.set_samples(batch.inputs.size(0));
+      request.set_samples(samples);
       request.set_want_values(true);
       if (compress) {
         // The shard's pieces side by side, through this shard's encoder (and its residual).
@@ -196,6 +204,7 @@ class PsStrategy final : public Strategy {
       check(clients_[s]->push(request, &replies[s]), c_.shards[s], "Push");
       load(s, replies[s].version(), replies[s].values());
     });
+    snapshot();
     stats.commWaitSeconds = secondsSince(commStart);
     ++clock_;
     ++steps_;
@@ -207,33 +216,30 @@ class PsStrategy final : public Strategy {
       stats.bytesSent += sent[s];
       stats.bytesReceived += payloadBytes(replies[s].values());
     }
-    stats.extra = {{"staleness", first.staleness()},
-                   {"applied", first.applied()},
-                   {"server_wait_s", first.wait_s()}};
-    if (!first.applied()) stats.extra.emplace_back("dropped", first.dropped());
+    stats.staleness = int64_t(first.staleness());
+    stats.applied = first.applied();
+    stats.serverWaitSeconds = first.wait_s();
+    if (!first.applied()) stats.dropped = first.dropped();
     return stats;
   }
 
   // After finish() the shards may be gone: the parameters then are the last ones pulled.
-  void synchronize() override {
-    if (!finished_) pullAll();
+  void synchronize() {
+    if (!finished_) {
+      pullAll();
+      snapshot();
+    }
   }
 
-  std::optional<int64_t> resumeStep() const override { return resumeStep_; }
-
-  // The shards checkpoint the parameters and every worker's clock.
-  CheckpointPlan checkpointPlan() const override {
-    CheckpointPlan plan;
-    plan.keptByScheme = true;
-    return plan;
-  }
+  std::optional<int64_t> resumeStep() const { return resumeStep_; }
 
   // Ends this worker's conversation with the shards: the non-chief workers pull the final
   // parameters and say Done; the chief first waits for the others, then pulls, reads the shards'
   // record for its report, and says Done last. After this nothing is asked of the shards, so a
   // final evaluation that takes longer than the timeout cannot make a shard count the chief lost
   // and leave before the chief's questions.
-  void finish() override {
+  void finish() {
+    COHORT_CHECK(!finished_, InvalidArgument, "cohort::ParameterServerClient::finish() called twice");
     if (c_.rank != 0) {
       pullAll();
       finished_ = true;
@@ -257,7 +263,7 @@ class PsStrategy final : public Strategy {
     sayDone();
   }
 
-  MetricFields report() override {
+  MetricFields report() {
     if (!lostWorkers_.empty()) {
       std::string list;
       for (auto w : lostWorkers_) list += (list.empty() ? "" : ", ") + std::to_string(w);
@@ -267,7 +273,6 @@ class PsStrategy final : public Strategy {
     return report_;
   }
 
- private:
   MetricFields gatherReport() {
     MetricFields fields;
     std::vector<int64_t> histogram, pushed, pulled, lostWorkers;
@@ -349,7 +354,7 @@ class PsStrategy final : public Strategy {
       ps::wire::InitRequest request;
       request.set_protocol(ps::kProtocolVersion);
       request.set_worker(0);
-      request.set_resume(c_.resume);
+      request.set_resume(c_.options.resume);
       auto* p = request.mutable_policy();
       const auto& o = c_.options;
       p->set_mode(o.mode);
@@ -361,10 +366,10 @@ class PsStrategy final : public Strategy {
       p->set_max_staleness(o.maxStaleness);
       p->set_warmup_steps(o.warmupSteps);
       p->set_push(o.push);
-      p->set_optimizer(c_.optimizer);
-      p->set_lr(c_.lr);
-      p->set_momentum(c_.momentum);
-      p->set_checkpoint_every(c_.checkpointEvery);
+      p->set_optimizer(c_.options.optimizer);
+      p->set_lr(c_.options.lr);
+      p->set_momentum(c_.options.momentum);
+      p->set_checkpoint_every(c_.options.checkpointEvery);
       p->set_timeout_s(c_.timeoutSeconds);
       for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
         const ps::Piece& piece = *shardPieces_[s][k];
@@ -410,9 +415,8 @@ class PsStrategy final : public Strategy {
 
   PsContext c_;
   std::vector<std::unique_ptr<ps::ShardClient>> clients_;
-  torch::nn::Sequential model_{nullptr};
-  torch::optim::Optimizer* optimizer_ = nullptr;
   std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> before_;  // push = updates: the parameters as last pulled
   std::vector<ps::Piece> pieces_;
   std::vector<std::vector<ps::wire::PieceSpec>> specs_;     // per shard, in key order
   std::vector<std::vector<const ps::Piece*>> shardPieces_;  // the same pieces
@@ -431,8 +435,111 @@ class PsStrategy final : public Strategy {
   std::vector<int64_t> lostWorkers_;
 };
 
+ParameterServerClient::ParameterServerClient(const Job& job, torch::nn::Module& module,
+                                             torch::optim::Optimizer* optimizer, ParameterServerOptions options) {
+  PsContext c;
+  c.rank = job.rank();
+  c.workers = job.worldSize();
+  c.timeoutSeconds = double(job.timeout().count()) / 1000.0;
+  c.shards = options.hosts;
+  if (c.shards.empty()) {
+    for (const auto& h : job.cluster().parameterServers) c.shards.push_back(h.str());
+  }
+  c.options = std::move(options);
+  impl_ = std::make_unique<Impl>(std::move(c));
+  impl_->attach(module, optimizer);
+}
+
+ParameterServerClient::~ParameterServerClient() = default;
+ParameterServerStep ParameterServerClient::step(int64_t samples) { return impl_->push(samples); }
+void ParameterServerClient::synchronize() { impl_->synchronize(); }
+void ParameterServerClient::finish() { impl_->finish(); }
+std::optional<int64_t> ParameterServerClient::resumeStep() const { return impl_->resumeStep(); }
+MetricFields ParameterServerClient::report() { return impl_->report(); }
+
+int serveParameterServerShard(const Job& job, const ParameterServerOptions& options, const std::string& checkpointDir) {
+  const ClusterSpec& cluster = job.cluster();
+  COHORT_CHECK(cluster.role == Role::kParameterServer, InvalidArgument,
+               "serveParameterServerShard: this process is not a ps task (", describe(cluster), ")");
+  COHORT_CHECK(size_t(cluster.rank) < cluster.parameterServers.size(), InvalidArgument,
+               "this ps task has no address in the cluster spec (TF_CONFIG's \"ps\" list)");
+  ps::ServerOptions server;
+  server.address = cluster.parameterServers[size_t(cluster.rank)].str();
+  server.authToken = options.authToken;
+  server.tlsCertFile = options.tlsCert;
+  server.tlsKeyFile = options.tlsKey;
+  server.shard.name = "ps " + std::to_string(cluster.rank);
+  if (!checkpointDir.empty()) server.shard.checkpointDir = checkpointDir + "/ps-" + std::to_string(cluster.rank);
+  if (options.authToken.empty()) {
+    std::fprintf(stderr, "cohort ps: warning: no auth token: this shard accepts requests from anyone who can reach it\n");
+  }
+  return ps::runShardServer(server);
+}
+
+namespace {
+
+// `--strategy ps`: the CLI's adapter over the handle.
+class PsStrategy final : public Strategy {
+ public:
+  PsStrategy(Job job, ParameterServerOptions options) : job_(std::move(job)), options_(std::move(options)) {}
+
+  std::string name() const override { return "ps"; }
+  ReplicaInfo replica() const override { return {job_.rank(), job_.worldSize()}; }
+
+  void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override {
+    model_ = model;
+    optimizer_ = &optimizer;
+    client_ = std::make_unique<ParameterServerClient>(job_, *model, &optimizer, options_);
+  }
+
+  StepStats step(const Batch& batch, const LossFn& loss) override {
+    const auto start = Clock::now();
+    torch::Tensor out;
+    if (options_.push == "updates") {
+      out = forwardBackwardStep(model_, *optimizer_, batch, loss);
+    } else {
+      clearGradients(*model_);
+      out = loss(model_->forward(batch.inputs), batch.targets);
+      out.backward();
+    }
+    StepStats stats;
+    stats.loss = out.item<double>();
+    stats.computeSeconds = secondsSince(start);
+    const ParameterServerStep pushed = client_->step(batch.inputs.size(0));
+    stats.samples = pushed.samples;
+    stats.bytesSent = pushed.bytesSent;
+    stats.bytesReceived = pushed.bytesReceived;
+    stats.commWaitSeconds = pushed.commWaitSeconds;
+    stats.extra = {{"staleness", pushed.staleness},
+                   {"applied", pushed.applied},
+                   {"server_wait_s", pushed.serverWaitSeconds}};
+    if (!pushed.applied) stats.extra.emplace_back("dropped", pushed.dropped);
+    return stats;
+  }
+
+  void synchronize() override { client_->synchronize(); }
+  std::optional<int64_t> resumeStep() const override { return client_->resumeStep(); }
+  // The shards checkpoint the parameters and every worker's clock.
+  CheckpointPlan checkpointPlan() const override {
+    CheckpointPlan plan;
+    plan.keptByScheme = true;
+    return plan;
+  }
+  void finish() override { client_->finish(); }
+  MetricFields report() override { return client_->report(); }
+
+ private:
+  Job job_;
+  ParameterServerOptions options_;
+  torch::nn::Sequential model_{nullptr};
+  torch::optim::Optimizer* optimizer_ = nullptr;
+  std::unique_ptr<ParameterServerClient> client_;
+};
+
 }  // namespace
 
-std::unique_ptr<Strategy> makePsStrategy(PsContext context) { return std::make_unique<PsStrategy>(std::move(context)); }
+std::unique_ptr<Strategy> makePsStrategy(const Job& job, ParameterServerOptions options) {
+  return std::make_unique<PsStrategy>(job, std::move(options));
+}
 
 }  // namespace cohort

@@ -2,13 +2,12 @@
 #include <cohort/cluster.h>
 #include <cohort/communicator.h>
 #include <cohort/error.h>
+#include <cohort/job.h>
 #include <cohort/metrics.h>
 #include <cohort/models.h>
 #include <cohort/sampler.h>
-#include <cohort/trainer.h>
+#include "train/trainer.h"
 
-#include "strategy/gossip.h"
-#include "strategy/ps.h"
 #include "train/progress.h"
 #include "train/threads.h"
 
@@ -246,6 +245,7 @@ struct Trainer::State {
     const Dataset& test = data.test;
     const int64_t n = test.size();
     double lossSum = 0;
+    double metricSum = 0;  // with options.evaluate
     int64_t correct = 0;
     std::vector<int64_t> idx;
     for (int64_t start = 0; start < n; start += kEvalBatch) {
@@ -255,6 +255,12 @@ struct Trainer::State {
       Batch batch = makeBatch(test, idx);
       auto out = strategy->infer(model, batch.inputs);
       if (!out.defined()) continue;  // the chief has the outputs
+      if (options.evaluate) {
+        const auto [loss, metric] = options.evaluate(out, batch.targets);
+        lossSum += loss;
+        metricSum += metric;
+        continue;
+      }
       lossSum += torch::nn::functional::cross_entropy(
                      out, batch.targets,
                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
@@ -262,7 +268,7 @@ struct Trainer::State {
       correct += out.argmax(1).eq(batch.targets).sum().item<int64_t>();
     }
     model->train();
-    return {double(correct) / double(n), lossSum / double(n)};
+    return {(double(correct) + metricSum) / double(n), lossSum / double(n)};
   }
 };
 
@@ -277,52 +283,21 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   s.cluster = resolveClusterFromEnvironment();
   COHORT_CHECK(s.cluster.role == Role::kWorker, InvalidArgument, "this process is not a worker (",
                describe(s.cluster), "): cohort train runs workers only");
-  if (o.strategy.name == "ps") {
-    // Workers meet at the parameter servers, not in a Gloo group: a lost worker stops no one else.
-    PsContext ps;
-    ps.options = o.strategy.ps;
-    ps.rank = s.cluster.rank;
-    ps.workers = s.cluster.worldSize;
-    ps.optimizer = o.optimizer;
-    ps.lr = o.lr;
-    ps.momentum = o.momentum;
-    ps.timeoutSeconds = o.timeoutSeconds;
-    ps.checkpointEvery = o.checkpointEvery;
-    ps.resume = o.resume;
-    ps.codec = o.strategy.codec;
-    ps.codecWarmupSteps = o.strategy.codecWarmupSteps;
-    ps.shards = o.strategy.ps.hosts;
-    if (ps.shards.empty()) {
-      for (const auto& h : s.cluster.parameterServers) ps.shards.push_back(h.str());
-    }
-    s.strategy = makePsStrategy(std::move(ps));
-  } else if (o.strategy.name == "gossip") {
-    // Peers talk over their own sockets (gossip/peer.h): a Gloo group would make one dead peer
-    // everyone's failure.
-    COHORT_CHECK(!o.resume, InvalidArgument,
-                 "--resume does not apply to --strategy gossip: the replicas differ and only the chief's is "
-                 "checkpointed; start a new run (from --save-model's file with --model FILE.pt, for instance)");
-    s.strategy = makeGossipStrategy(GossipContext{.options = o.strategy.gossip,
-                                                  .codec = o.strategy.codec,
-                                                  .codecWarmupSteps = o.strategy.codecWarmupSteps,
-                                                  .cluster = s.cluster,
-                                                  .timeoutSeconds = o.timeoutSeconds,
-                                                  .authToken = o.strategy.ps.authToken,
-                                                  .seed = o.seed});
-  } else if (isDistributed(o.strategy.name)) {
-    s.comm = Communicator::connect(
-        s.cluster, CommOptions{.timeout = std::chrono::milliseconds(int64_t(o.timeoutSeconds * 1000))});
-  } else {
-    COHORT_CHECK(s.cluster.worldSize == 1, InvalidArgument, "--strategy ", o.strategy.name,
-                 " trains in one process, but this is ", describe(s.cluster),
-                 ": choose a distributed --strategy (allreduce, average)");
-  }
-  if (!s.strategy) {
-    StrategyOptions so = o.strategy;
-    so.checkpointDir = o.checkpointDir;
-    so.resume = o.resume;
-    s.strategy = makeStrategy(so, s.comm);
-  }
+  // The scheme is the factory's business; the Trainer gives it the run's options it needs.
+  StrategyOptions so = o.strategy;
+  so.checkpointDir = o.checkpointDir;
+  so.resume = o.resume;
+  so.ps.optimizer = o.optimizer;
+  so.ps.lr = o.lr;
+  so.ps.momentum = o.momentum;
+  so.ps.checkpointEvery = o.checkpointEvery;
+  so.ps.resume = o.resume;
+  so.gossip.authToken = o.strategy.ps.authToken;
+  so.gossip.seed = o.seed;
+  const Job job =
+      Job::fromSpec(s.cluster, {.timeout = std::chrono::milliseconds(int64_t(o.timeoutSeconds * 1000))});
+  s.strategy = makeStrategy(so, job);
+  s.comm = s.strategy->communicator();
   s.replica = s.strategy->replica();
   s.data = loadData(o.data, o.seed);
   s.model = makeModel(o.model, {s.data.channels(), s.data.height(), s.data.width(), s.data.classes});
@@ -376,7 +351,7 @@ TrainResult Trainer::run() {
   const bool chief = s.replica.isChief();
   const int64_t perEpoch = s.sampler->batchesPerEpoch(o.batch);
   const int64_t totalSteps = o.steps > 0 ? o.steps : o.epochs * perEpoch;
-  const LossFn loss = crossEntropy;
+  const LossFn loss = o.loss ? o.loss : LossFn(crossEntropy);
   const bool serverCheckpoints = s.checkpointPlan.keptByScheme;
 
   Progress::Style style = Progress::Style::kOff;

@@ -1,4 +1,4 @@
-#include "strategy/compressed.h"
+#include "schemes/compressed.h"
 
 #include <cohort/error.h>
 

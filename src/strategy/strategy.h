@@ -4,7 +4,12 @@
 #pragma once
 
 #include <cohort/data.h>
+#include <cohort/averaging.h>
+#include <cohort/data_parallel.h>
+#include <cohort/gossip.h>
+#include <cohort/job.h>
 #include <cohort/metrics.h>
+#include <cohort/parameter_server.h>
 
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
@@ -64,6 +69,9 @@ class Strategy {
 
   virtual std::string name() const = 0;
   virtual ReplicaInfo replica() const = 0;
+  // The job's communicator when the scheme formed one (the Trainer broadcasts checkpoints and the
+  // stop decision through it); null for ps, gossip and a single process.
+  virtual std::shared_ptr<Communicator> communicator() const { return nullptr; }
 
   // The hooks below tell the Trainer how this scheme maps processes onto the model and the data;
   // the defaults are data parallelism's: every process holds the whole model, reads its own
@@ -114,7 +122,7 @@ class Strategy {
   virtual MetricFields report() { return {}; }
 };
 
-// Options of every scheme; each strategy reads the ones it needs.
+// What `cohort train` asks for: the scheme, and each scheme's options.
 struct StrategyOptions {
   std::string name = "local";  // local | allreduce | average | ps | gossip | pipeline
   // The Trainer's, for schemes that keep records next to its checkpoints (pipeline: the manifest).
@@ -124,29 +132,13 @@ struct StrategyOptions {
   // src/compress/codec.h), and the steps trained uncompressed first.
   std::string codec = "none";
   int64_t codecWarmupSteps = 0;
-  // allreduce
-  double bucketMb = 25.0;
-  double firstBucketMb = 1.0;
-  bool overlap = true;
-  // average
-  int64_t period = 1;
-  bool averageOptimizerState = false;
-  // ps (see ps/shard.h for what each does)
-  struct Ps {
-    std::string mode = "async";  // sync | async | softsync | ssp
-    int backupWorkers = 0;
-    int softsync = 1;
-    int stalenessBound = 3;
-    std::string stalenessLr = "none";  // none | inverse
-    int64_t maxStaleness = -1;         // < 0: no bound
-    int64_t warmupSteps = 0;
-    std::string push = "gradients";  // gradients | updates
-    std::vector<std::string> hosts;  // shard addresses; empty: from the cluster spec
-    std::string authToken;
-    std::string tlsCa;    // PEM roots for TLS to the shards
-    std::string tlsCert;  // when this process serves a shard
-    std::string tlsKey;
-  } ps;
+  // Each scheme's options, beside its handle in include/cohort/ (codec fields there are filled
+  // from the two above by the factory).
+  DataParallelOptions allreduce{.buffers = DataParallelOptions::Buffers::kOnRequest};
+  AveragingOptions average;
+  // ps (include/cohort/parameter_server.h); the shards' optimizer, checkpoints and codec are
+  // filled from the run's options by the Trainer.
+  ParameterServerOptions ps;
   // pipeline (see strategy/pipeline.h)
   struct Pipeline {
     int stages = 2;
@@ -155,18 +147,18 @@ struct StrategyOptions {
     std::string schedule = "1f1b";   // gpipe | 1f1b
     std::string partition = "auto";  // auto | L1,L2,... (layers per stage)
   } pipeline;
-  // gossip (see strategy/gossip.h)
-  struct Gossip {
-    int peers = 0;  // send to this many random peers per step; 0: all
-  } gossip;
+  // gossip (include/cohort/gossip.h); codec, secret and seed are filled by the Trainer.
+  GossipOptions gossip;
   // Test hook for every scheme: worker slowRank sleeps slowSeconds in every step.
   int slowRank = -1;
   double slowSeconds = 0;
 };
 
-// `comm` is the job's communicator, null for a single process. Throws InvalidArgument for an
-// unknown scheme, or one that cannot run with this communicator.
-std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, std::shared_ptr<Communicator> comm);
+// The one place that maps a scheme's name to its Strategy. The schemes that form a Gloo group
+// (allreduce, average, pipeline) connect the job's communicator (a collective); ps and gossip
+// talk over sockets of their own. Throws InvalidArgument for an unknown scheme, or one that cannot
+// run in this job (a single-process scheme in a job of several workers, and the reverse).
+std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job& job);
 
 // Whether the scheme exchanges anything between processes (and so needs a communicator).
 bool isDistributed(const std::string& strategyName);

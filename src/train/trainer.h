@@ -1,9 +1,11 @@
 // The training loop: data, epochs, evaluation, checkpoints, metrics and progress.
 #pragma once
 
-#include <cohort/strategy.h>
+#include "strategy/strategy.h"
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <optional>
 #include <string>
 
@@ -33,6 +35,12 @@ struct TrainOptions {
   ProgressMode progress = ProgressMode::kAuto;
   double progressIntervalSeconds = 5.0;  // for kLines
   StrategyOptions strategy;
+  // The training loss; empty: cross-entropy.
+  LossFn loss;
+  // Evaluation of one test batch: the sums over its examples of the loss and of the metric. The
+  // reported test loss and accuracy are these sums over the test set divided by its size. Empty:
+  // cross-entropy and accuracy (the argmax equals the label).
+  std::function<std::pair<double, double>(const torch::Tensor& output, const torch::Tensor& target)> evaluate;
 };
 
 // Throws InvalidArgument naming the first option that is out of range.

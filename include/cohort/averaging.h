@@ -1,0 +1,75 @@
+// Parameter averaging (local SGD; DL4J's ParameterAveraging) for any torch::nn::Module: every rank
+// runs its own optimizer on its own batches, and every `period` steps the parameters and buffers
+// (and on request the optimizer's state: SGD's momentum buffers, Adam's moments) are averaged.
+//
+//   cohort::ParameterAveraging avg(job, *net, &optimizer, {.period = 8});  // broadcasts rank 0's
+//   for (...) {
+//     optimizer.zero_grad(); loss.backward(); optimizer.step();
+//     avg.step();                 // averages on every 8th call
+//   }
+//   avg.synchronize();            // before evaluating or saving: averages what is pending
+//
+// With a codec, what travels is each rank's change since the last average, through the codec
+// (with its residual); buffers and optimizer state travel uncompressed.
+//
+// Contract: every rank calls step() and synchronize() equally often (they are collectives of the
+// job's workers), from the training thread. Errors are cohort::Error subclasses; every wait is
+// bounded by the job's timeout.
+#pragma once
+
+#include <cohort/job.h>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace cohort {
+
+struct AveragingOptions {
+  int64_t period = 1;                  // steps between averages
+  bool averageOptimizerState = false;  // needs the optimizer (SGD or Adam)
+  std::string codec = "none";          // what the parameter changes travel as (any --codec)
+  int64_t codecWarmupSteps = 0;        // averages during the first steps travel uncompressed
+};
+
+struct AveragingStats {
+  int64_t steps = 0;     // calls to step()
+  int64_t averages = 0;  // averages taken
+  int64_t bytesSent = 0;
+  int64_t bytesReceived = 0;
+  double commWaitSeconds = 0.0;
+};
+
+class ParameterAveraging {
+ public:
+  // Broadcasts rank 0's parameters and buffers (a collective). `optimizer` may be null unless
+  // averageOptimizerState is set. Throws InvalidArgument for a module without parameters, models
+  // that differ across ranks, a period below 1, or a codec that does not parse.
+  ParameterAveraging(const Job& job, torch::nn::Module& module, torch::optim::Optimizer* optimizer = nullptr,
+                     AveragingOptions options = {});
+  ~ParameterAveraging();
+  ParameterAveraging(const ParameterAveraging&) = delete;
+  ParameterAveraging& operator=(const ParameterAveraging&) = delete;
+
+  // After the optimizer's step: counts it, and averages on every period-th call. Returns whether
+  // it averaged.
+  bool step();
+  // Averages now if any step was taken since the last average (before evaluation, checkpoints).
+  void synchronize();
+
+  AveragingStats stats() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// The optimizer's per-parameter state tensors (momentum buffers; Adam's exp_avg and exp_avg_sq),
+// in parameter order, so that all ranks list them alike.
+std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer);
+
+}  // namespace cohort

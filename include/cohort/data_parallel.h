@@ -1,0 +1,114 @@
+// Synchronous data parallelism for any torch::nn::Module: PyTorch's DistributedDataParallel for
+// libtorch's C++ frontend.
+//
+//   cohort::DataParallel dp(job, *net, {.codec = "fp16"});   // broadcasts rank 0's model
+//   for (auto& batch : batches) {
+//     optimizer.zero_grad();
+//     auto loss = criterion(net->forward(batch.data), batch.target);
+//     loss.backward();          // gradients are averaged over the ranks while backward runs
+//     optimizer.step();         // every rank applies the same averaged gradient
+//   }
+//
+// How: a hook on every parameter copies its gradient, scaled by 1/N, into a bucket (buckets hold
+// parameters in reverse order, roughly the order backward produces them; the first is small so
+// that communication starts early); a full bucket's allreduce is launched at once and overlaps the
+// rest of backward. At the end of backward (an autograd final callback) the buckets are waited
+// for and each parameter's .grad becomes the average. Parameters that got no gradient on this
+// rank contribute zeros, so unused parameters never hang a step.
+//
+// Contract, as for c10d's ProcessGroup:
+//   - Every rank constructs the handle over the same model (names, shapes, dtypes are checked;
+//     the first difference is named) and runs the same number of synchronized backward passes.
+//     Ranks with fewer batches run their loop inside join().
+//   - backward() and the handle's methods are called from one thread at a time (the training
+//     thread); the handle must outlive every backward pass that started while it existed.
+//   - Destroying the handle removes its hooks: the model then trains on alone.
+// Every wait is bounded by the job's timeout; a lost rank ends backward() with a CommError or
+// TimeoutError naming it. Errors are cohort::Error subclasses.
+#pragma once
+
+#include <cohort/job.h>
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace cohort {
+
+struct DataParallelOptions {
+  double bucketMb = 25.0;      // cap of every bucket but the first
+  double firstBucketMb = 1.0;  // a small first bucket starts communication early (as DDP's)
+  bool overlap = true;         // false: every bucket's allreduce after backward
+  // The communication hook: what the gradients travel as. Any --codec: none, fp16, bf16,
+  // topk:RATIO, threshold:TAU, onebit (the sparse ones keep a residual per bucket).
+  std::string codec = "none";
+  int64_t codecWarmupSteps = 0;  // the first synchronized steps travel uncompressed
+  // Buffers (BatchNorm's running statistics) change on every rank in forward. kEveryStep averages
+  // them at the end of every synchronized backward (one small allreduce); kOnRequest only in
+  // synchronizeBuffers().
+  enum class Buffers { kEveryStep, kOnRequest };
+  Buffers buffers = Buffers::kEveryStep;
+};
+
+// Counters since the handle was made.
+struct DataParallelStats {
+  int64_t syncSteps = 0;         // backward passes whose gradients were averaged
+  int64_t shadowSteps = 0;       // steps this rank joined in for others after its loop (join())
+  int64_t bytesSent = 0;         // gradient payload, as the codec put it on the wire
+  int64_t bytesReceived = 0;
+  double commWaitSeconds = 0.0;  // time backward's end waited for communication (not hidden)
+  size_t buckets = 0;
+};
+
+class DataParallel {
+ public:
+  // Broadcasts rank 0's parameters and buffers to every rank and hooks the parameters. A collective
+  // of the job's workers. Throws InvalidArgument for a module without trainable parameters, with
+  // parameters that are not float32, that differ across ranks, or for a codec that does not parse.
+  DataParallel(const Job& job, torch::nn::Module& module, DataParallelOptions options = {});
+  ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  // While the returned guard lives, backward() accumulates gradients locally without
+  // communicating (gradient accumulation: k-1 micro-steps under noSync, the k-th outside it, then
+  // the optimizer step, equals one step on k times the batch).
+  class NoSync {
+   public:
+    ~NoSync();
+    NoSync(NoSync&& other) noexcept;
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    friend class DataParallel;
+    explicit NoSync(int* depth);
+    int* depth_;
+  };
+  [[nodiscard]] NoSync noSync();
+
+  // Uneven inputs (PyTorch's Join): runs `loop` (this rank's training loop); when it returns, this
+  // rank keeps joining the others' gradient averages with zeros until every rank's loop has
+  // returned, and the average is taken over the ranks still training. Every rank calls join(),
+  // each with its own loop. Without it, a rank that runs out of batches leaves the others waiting
+  // until the timeout. Calling join() inside join() throws InvalidArgument.
+  void join(const std::function<void()>& loop);
+
+  // Averages the floating-point buffers over the ranks now (a collective).
+  void synchronizeBuffers();
+
+  DataParallelStats stats() const;
+  int rank() const;
+  int worldSize() const;
+
+  struct Impl;  // opaque: defined in src/schemes/data_parallel.cpp
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace cohort

@@ -1,0 +1,74 @@
+// Decentralized asynchronous SGD without a server (Strom 2015) for a user's own loop: every
+// worker trains its own replica on its shard, sends the change its optimizer step made to K other
+// workers without waiting, and adds the changes it receives.
+//
+//   cohort::Gossip gossip(job, *net, {.peers = 1});   // every replica starts from the chief's
+//   for (...) {
+//     optimizer.zero_grad(); loss.backward(); optimizer.step();
+//     gossip.step(batchSize);      // publish this step's change, add what has arrived
+//   }
+//   gossip.finish();               // send what is left, wait (at most the timeout) for the others
+//
+// Peers meet through a TCPStore at the chief's address; each listens on a socket of its own. A
+// dead peer is logged once and left behind; no step ever waits for another peer. Contract: the
+// same model on every worker; calls from the training thread; finish() once, on every worker.
+#pragma once
+
+#include <cohort/job.h>
+#include <cohort/metrics.h>
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace cohort {
+
+struct GossipOptions {
+  int peers = 0;                 // send each step's change to this many random live peers; 0: all
+  std::string codec = "none";    // what the changes travel as (any --codec)
+  int64_t codecWarmupSteps = 0;  // the first steps travel uncompressed
+  std::string authToken;         // the job's secret; empty: a random one the chief publishes
+  uint64_t seed = 0;             // the choice of peers
+};
+
+struct GossipStep {
+  int64_t samples = 0;  // this step's examples plus those behind the updates applied
+  int64_t bytesSent = 0;
+  int64_t bytesReceived = 0;
+  double commWaitSeconds = 0.0;  // hand-offs only: nothing waits for a peer
+  int64_t messagesApplied = 0;
+  double stalenessMean = 0.0;
+  int64_t stalenessMax = 0;
+  int64_t peersLive = 0;
+};
+
+class Gossip {
+ public:
+  // Joins the other workers (a collective through the chief's store), copies the chief's
+  // parameters. Throws InvalidArgument for fewer than 2 workers, bad options or a model that
+  // differs from the chief's.
+  Gossip(const Job& job, torch::nn::Module& module, GossipOptions options = {});
+  ~Gossip();
+  Gossip(const Gossip&) = delete;
+  Gossip& operator=(const Gossip&) = delete;
+
+  // After optimizer.step(): publishes the change since the last call, then adds the updates that
+  // have arrived. `samples`: this step's batch size.
+  GossipStep step(int64_t samples);
+  // Adds what has arrived, without waiting (before evaluating).
+  void synchronize();
+  // Sends what is left and DONE; waits until every other peer finished or is lost (at most the
+  // job's timeout).
+  void finish();
+  // The chief's report after finish(): per-peer steps, bytes, staleness, lost peers.
+  MetricFields report();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace cohort

@@ -1,0 +1,60 @@
+// The job this process belongs to: its role, its rank among the workers, and the communicator
+// that connects the workers. Made once per process, usually from the environment a launcher left
+// behind (TF_CONFIG, torchrun's variables, OpenMPI's, Slurm's; none of them: one process alone).
+//
+//   auto job = cohort::Job::fromEnvironment();
+//   if (job.isChief()) ...;
+//
+// A Job is a cheap handle: copies share the same communicator. Making one has no global side
+// effects (no threads set, no seed, no allocator tuning); that is the caller's business.
+#pragma once
+
+#include <cohort/cluster.h>
+
+#include <chrono>
+#include <memory>
+
+namespace cohort {
+
+class Communicator;
+
+struct JobOptions {
+  // Every wait on another process (rendezvous, collectives, servers) ends after this long with a
+  // cohort::TimeoutError naming who did not answer.
+  std::chrono::milliseconds timeout{60000};
+};
+
+class Job {
+ public:
+  // Resolves the cluster from the process environment (resolveClusterFromEnvironment). Nothing is
+  // connected yet: communicator() joins the workers' group on first use. Throws InvalidArgument
+  // when the environment is inconsistent.
+  static Job fromEnvironment(const JobOptions& options = {});
+  // A job from an explicit spec (tests, launchers of one's own).
+  static Job fromSpec(const ClusterSpec& spec, const JobOptions& options = {});
+  // A job around a communicator that is already connected (ranks as threads in tests; a
+  // sub-group of a larger job).
+  static Job fromCommunicator(std::shared_ptr<Communicator> comm);
+  // One process alone: rank 0 of 1.
+  static Job single();
+
+  const ClusterSpec& cluster() const;
+  Role role() const { return cluster().role; }
+  int rank() const;
+  int worldSize() const;
+  bool isChief() const { return role() == Role::kWorker && rank() == 0; }
+  std::chrono::milliseconds timeout() const;
+
+  // The workers' communicator (c10d Gloo over the chief's TCPStore). Connects on the first call,
+  // which is therefore collective: every worker must make it (the data-parallel and averaging
+  // handles do). Null for a single process. Throws InvalidArgument for a process that is not a
+  // worker, CommError / TimeoutError when the other workers do not come.
+  std::shared_ptr<Communicator> communicator() const;
+
+ private:
+  struct State;
+  explicit Job(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace cohort

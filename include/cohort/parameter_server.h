@@ -1,0 +1,116 @@
+// The parameter-server client for a user's own loop (DistBelief, TensorFlow's
+// ParameterServerStrategy): the model's parameters live on M shards (`cohort ps`, or the ps tasks
+// of `cohort launch --ps M` / TF_CONFIG); each worker computes a gradient on its batch and pushes
+// it, the shards apply the optimizer under the chosen policy, and the reply brings the parameters
+// back (the next step's pull rides on this step's push).
+//
+//   cohort::ParameterServerClient ps(job, *net, nullptr, {.mode = "async", .lr = 0.05});
+//   for (...) {
+//     net->zero_grad();
+//     criterion(net->forward(x), y).backward();
+//     ps.step(x.size(0));        // push the gradient, pull the parameters (instead of opt.step())
+//   }
+//   ps.finish();                 // every worker, at the end: pull the final parameters, say Done
+//
+// With push = "updates" the worker runs its own optimizer (pass it) and calls step() after
+// optimizer.step(): the change its optimizer made is pushed and added on the shards.
+//
+// Contract: the chief (rank 0) initializes the shards with its parameters; every worker's model
+// must have the same parameters (names, shapes; float32). Calls come from the training thread.
+// Every call to a shard is bounded by the job's timeout (UNAVAILABLE is retried with back-off
+// until then, which is how a worker rides out a shard restart). Errors are cohort::Error
+// subclasses: InvalidArgument for options and models that do not fit, CommError/TimeoutError for
+// shards that do not answer.
+#pragma once
+
+#include <cohort/job.h>
+#include <cohort/metrics.h>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cohort {
+
+struct ParameterServerOptions {
+  // The update policy on the shards (see docs/ARCHITECTURE.md "The parameter server").
+  std::string mode = "async";  // sync | async | softsync | ssp
+  int backupWorkers = 0;       // sync: the step closes after N - b gradients
+  int softsync = 1;            // softsync: gradients averaged per update
+  int stalenessBound = 3;      // ssp: the largest clock gap
+  std::string stalenessLr = "none";  // none | inverse (lr / staleness)
+  int64_t maxStaleness = -1;         // drop gradients staler than this; < 0: keep all
+  int64_t warmupSteps = 0;           // workers other than 0 wait until version W
+  std::string push = "gradients";    // gradients | updates
+  // The shards' optimizer (gradients mode).
+  std::string optimizer = "sgd";  // sgd | momentum | adam
+  double lr = 0.01;
+  double momentum = 0.9;
+  // Where the shards are: host:port each; empty: the job's cluster spec ("ps" tasks).
+  std::vector<std::string> hosts;
+  std::string authToken;  // the job's secret (cohort launch sets COHORT_AUTH_TOKEN)
+  std::string tlsCa;      // PEM roots for TLS to the shards
+  std::string tlsCert;    // when this process serves a shard
+  std::string tlsKey;
+  int64_t checkpointEvery = 0;  // shard versions between shard checkpoints
+  bool resume = false;          // continue from the shards' checkpoints
+  std::string codec = "none";   // what pushes travel as (any --codec)
+  int64_t codecWarmupSteps = 0;
+};
+
+// One push and pull.
+struct ParameterServerStep {
+  int64_t samples = 0;  // examples trained on by the job since the previous step (shard 0's count)
+  int64_t bytesSent = 0;
+  int64_t bytesReceived = 0;
+  double commWaitSeconds = 0.0;
+  int64_t staleness = 0;  // of this push, on shard 0
+  bool applied = true;    // false: dropped (see dropped)
+  std::string dropped;    // why: late, stale, warmup, duplicate
+  double serverWaitSeconds = 0.0;
+};
+
+class ParameterServerClient {
+ public:
+  // Connects to the shards; the chief initializes them (or, with resume, has them keep their
+  // checkpointed state); every worker pulls the initial parameters into the model.
+  ParameterServerClient(const Job& job, torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+                        ParameterServerOptions options);
+  ~ParameterServerClient();
+  ParameterServerClient(const ParameterServerClient&) = delete;
+  ParameterServerClient& operator=(const ParameterServerClient&) = delete;
+
+  // After backward (gradients) or after optimizer.step() (updates): pushes to every shard and
+  // writes the parameters they send back into the model. `samples`: this step's batch size.
+  ParameterServerStep step(int64_t samples);
+  // Pulls the current parameters (before evaluating); no-op after finish().
+  void synchronize();
+  // The end of this worker's work: pulls the final parameters and says Done. The chief first
+  // waits for the other workers (at most twice the timeout). Call it once, on every worker.
+  void finish();
+  // With resume: the step this worker had reached (its clock on the shards).
+  std::optional<int64_t> resumeStep() const;
+  // The chief's report after finish(): staleness histogram, drops, bytes per shard, lost workers.
+  MetricFields report();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// For a process whose role is ps (TF_CONFIG's "ps" tasks; `cohort launch --ps M` runs the same
+// command on the shards, as TensorFlow does): serves this task's shard at its address in the
+// cluster spec until every worker has said Done or is lost, then returns the exit status (0: all
+// done). The policy and optimizer come from the chief's Init. `checkpointDir` (optional): the
+// shard checkpoints there and resumes from it when restarted. Throws InvalidArgument when this
+// process is not a ps task or has no address.
+int serveParameterServerShard(const Job& job, const ParameterServerOptions& options,
+                              const std::string& checkpointDir = "");
+
+}  // namespace cohort

@@ -1,0 +1,179 @@
+#include <cohort/averaging.h>
+#include <cohort/communicator.h>
+#include <cohort/error.h>
+
+#include "compress/codec.h"
+#include "schemes/compressed.h"
+#include "schemes/model_sync.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+
+namespace cohort {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+constexpr const char* kWho = "cohort::ParameterAveraging";
+
+}  // namespace
+
+std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer) {
+  std::vector<torch::Tensor> out;
+  auto& state = optimizer.state();
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      auto it = state.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      if (it == state.end()) {
+        // No state yet (the parameter never had a gradient here): a zero placeholder of the
+        // kind the optimizer keeps, so that every rank packs the same tensors.
+        if (auto* sgd = dynamic_cast<torch::optim::SGD*>(&optimizer)) {
+          const auto& o = static_cast<const torch::optim::SGDOptions&>(sgd->defaults());
+          if (o.momentum() != 0) out.push_back(torch::zeros_like(p));
+        } else if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
+          out.push_back(torch::zeros_like(p));
+          out.push_back(torch::zeros_like(p));
+        }
+        continue;
+      }
+      if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+        out.push_back(sgd->momentum_buffer());
+      } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+        out.push_back(adam->exp_avg());
+        out.push_back(adam->exp_avg_sq());
+      }
+    }
+  }
+  return out;
+}
+
+struct ParameterAveraging::Impl {
+  std::shared_ptr<Communicator> comm;  // null for a single process
+  torch::nn::Module* module = nullptr;
+  torch::optim::Optimizer* optimizer = nullptr;
+  AveragingOptions options;
+  compress::CodecSpec codec;
+  std::vector<torch::Tensor> params;
+  int64_t sinceAverage = 0;
+  std::unique_ptr<CompressedSum> compressed;  // when a codec is set
+  torch::Tensor anchor;                       // the parameters after the last average, flat
+  torch::Tensor delta;                        // scratch: this replica's change, flat
+  AveragingStats stats;
+
+  void averageChanges() {
+    torch::NoGradGuard noGrad;
+    int64_t offset = 0;
+    for (auto& p : params) {
+      delta.narrow(0, offset, p.numel()).copy_(p.detach().reshape({-1}));
+      offset += p.numel();
+    }
+    delta.sub_(anchor).mul_(1.0 / comm->worldSize());
+    const int64_t sent = compressed->bytesSent(), received = compressed->bytesReceived();
+    CommWork work = compressed->start(0, delta);
+    if (work.valid()) work.wait();
+    compressed->finish(0, delta);
+    // The codec's count: its messages' real sizes.
+    stats.bytesSent += compressed->bytesSent() - sent;
+    stats.bytesReceived += compressed->bytesReceived() - received;
+    anchor.add_(delta);
+    offset = 0;
+    for (auto& p : params) {
+      p.detach().copy_(anchor.narrow(0, offset, p.numel()).view_as(p));
+      offset += p.numel();
+    }
+  }
+
+  void average() {
+    const auto start = Clock::now();
+    std::vector<torch::Tensor> tensors;    // averaged uncompressed
+    std::vector<torch::Tensor> counted;    // of those, the ones the communicator's count covers
+    if (compressed && stats.steps > options.codecWarmupSteps) {
+      averageChanges();
+    } else {
+      for (auto& p : params) tensors.push_back(p);
+      if (compressed) {  // the warm-up: average uncompressed, and start the changes from here
+        averageCounted(tensors);
+        tensors.clear();
+        torch::NoGradGuard noGrad;
+        int64_t offset = 0;
+        for (auto& p : params) {
+          anchor.narrow(0, offset, p.numel()).copy_(p.detach().reshape({-1}));
+          offset += p.numel();
+        }
+      }
+    }
+    for (auto& b : module->buffers()) tensors.push_back(b);
+    if (options.averageOptimizerState) {
+      for (auto& t : optimizerStateTensors(*optimizer)) tensors.push_back(t);
+    }
+    averageCounted(tensors);
+    sinceAverage = 0;
+    ++stats.averages;
+    stats.commWaitSeconds += secondsSince(start);
+  }
+
+  void averageCounted(const std::vector<torch::Tensor>& tensors) {
+    const CommCounters before = comm->counters();
+    averageInPlace(*comm, tensors);
+    const CommCounters after = comm->counters();
+    stats.bytesSent += after.bytesSent - before.bytesSent;
+    stats.bytesReceived += after.bytesReceived - before.bytesReceived;
+  }
+};
+
+ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+                                       AveragingOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  COHORT_CHECK(options.period >= 1, InvalidArgument, kWho, ": period must be at least 1, got ", options.period);
+  COHORT_CHECK(options.codecWarmupSteps >= 0, InvalidArgument, kWho, ": codecWarmupSteps must be at least 0, got ",
+               options.codecWarmupSteps);
+  COHORT_CHECK(!options.averageOptimizerState || optimizer != nullptr, InvalidArgument, kWho,
+               ": averageOptimizerState needs the optimizer: pass it to the constructor");
+  s.codec = compress::CodecSpec::parse(options.codec);
+  s.options = std::move(options);
+  s.module = &module;
+  s.optimizer = optimizer;
+  for (auto& [name, p] : uniqueParameters(module)) {
+    COHORT_CHECK(p.scalar_type() == torch::kFloat32, InvalidArgument, kWho, ": parameter ", name, " is ", p.dtype(),
+                 "; ParameterAveraging averages float32 parameters");
+    s.params.push_back(p);
+  }
+  COHORT_CHECK(!s.params.empty(), InvalidArgument, kWho, ": the module has no parameters; there is nothing to average");
+  s.comm = job.communicator();
+  if (s.comm == nullptr) return;
+  checkSameModel(*s.comm, module, kWho);
+  broadcastModel(*s.comm, module);
+  if (s.codec.kind != compress::CodecKind::None) {
+    torch::NoGradGuard noGrad;
+    std::vector<torch::Tensor> flat;
+    for (auto& p : s.params) flat.push_back(p.detach().reshape({-1}));
+    s.anchor = torch::cat(flat);
+    s.delta = torch::empty_like(s.anchor);
+    s.compressed = std::make_unique<CompressedSum>(s.comm, s.codec, std::vector<int64_t>{s.anchor.numel()});
+  }
+}
+
+ParameterAveraging::~ParameterAveraging() = default;
+
+bool ParameterAveraging::step() {
+  Impl& s = *impl_;
+  ++s.stats.steps;
+  if (s.comm == nullptr) return false;
+  if (++s.sinceAverage < s.options.period) return false;
+  s.average();
+  return true;
+}
+
+void ParameterAveraging::synchronize() {
+  Impl& s = *impl_;
+  if (s.comm != nullptr && s.sinceAverage > 0) s.average();
+}
+
+AveragingStats ParameterAveraging::stats() const { return impl_->stats; }
+
+}  // namespace cohort

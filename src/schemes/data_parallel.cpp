@@ -1,0 +1,357 @@
+#include <cohort/communicator.h>
+#include <cohort/data_parallel.h>
+#include <cohort/error.h>
+
+#include "compress/codec.h"
+#include "schemes/compressed.h"
+#include "schemes/model_sync.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <exception>
+
+namespace cohort {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+constexpr const char* kWho = "cohort::DataParallel";
+
+}  // namespace
+
+struct DataParallel::Impl {
+  struct Bucket {
+    torch::Tensor flat;                // the bucket's gradients, side by side
+    std::vector<size_t> params;        // indices into params
+    std::vector<torch::Tensor> views;  // views of flat, shaped like each parameter
+    // What each parameter's .grad becomes: tensors over the same memory as `views` that are not
+    // autograd views, since libtorch 1.13's Optimizer::zero_grad() detaches .grad in place, which
+    // a view refuses. Each keeps `flat` alive, so a .grad outlives the handle safely.
+    std::vector<torch::Tensor> grads;
+    std::vector<bool> filled;
+    size_t pending = 0;  // gradients still to come this step
+    CommWork work;
+  };
+
+  // Constant after construction.
+  std::shared_ptr<Communicator> comm;  // null for a single process: nothing is hooked
+  torch::nn::Module* module = nullptr;
+  DataParallelOptions options;
+  std::vector<std::string> names;
+  std::vector<torch::Tensor> params;
+  std::vector<unsigned> hookHandles;
+  std::vector<std::pair<size_t, size_t>> slotOf;  // param -> (bucket, index in bucket)
+
+  // The training thread's state.
+  std::vector<Bucket> buckets;
+  std::unique_ptr<CompressedSum> compressed;  // with options.codec
+  std::unique_ptr<CompressedSum> plain;       // during the codec warm-up
+  size_t nextToLaunch = 0;
+  bool inBackward = false;  // a synchronized backward is under way (its final callback is queued)
+  bool joining = false;     // inside join()
+  int noSyncDepth = 0;
+  double scale = 1.0;
+  std::string broken;  // set when a communication failed: the group is unusable
+  CompressedSum* current = nullptr;  // the exchange of the step under way, and its byte counts at its start
+  int64_t sentAtStart = 0;
+  int64_t receivedAtStart = 0;
+  DataParallelStats stats;
+
+  CompressedSum& exchange() {
+    return stats.syncSteps + stats.shadowSteps < options.codecWarmupSteps ? *plain : *compressed;
+  }
+
+  void checkUsable() const {
+    COHORT_CHECK(broken.empty(), CommError, kWho, " cannot synchronize after an earlier failure (", broken,
+                 "); the job's communicator is unusable");
+  }
+
+  void buildBuckets() {
+    slotOf.resize(params.size());
+    std::vector<std::vector<size_t>> groups(1);
+    int64_t bytes = 0;
+    for (size_t k = params.size(); k-- > 0;) {
+      const int64_t size = params[k].numel() * int64_t(params[k].element_size());
+      const double capMb = groups.size() == 1 ? options.firstBucketMb : options.bucketMb;
+      if (!groups.back().empty() && double(bytes + size) > capMb * 1024 * 1024) {
+        groups.emplace_back();
+        bytes = 0;
+      }
+      groups.back().push_back(k);
+      bytes += size;
+    }
+    std::vector<int64_t> sizes;
+    for (auto& group : groups) {
+      Bucket bucket;
+      int64_t numel = 0;
+      for (size_t k : group) numel += params[k].numel();
+      bucket.flat = torch::zeros({numel}, torch::TensorOptions().dtype(torch::kFloat32));
+      int64_t offset = 0;
+      for (size_t k : group) {
+        slotOf[k] = {buckets.size(), bucket.params.size()};
+        bucket.params.push_back(k);
+        bucket.views.push_back(bucket.flat.narrow(0, offset, params[k].numel()).view_as(params[k]));
+        bucket.grads.push_back(torch::from_blob(bucket.flat.data_ptr<float>() + offset, params[k].sizes(),
+                                                [keep = bucket.flat](void*) {}, torch::kFloat32));
+        offset += params[k].numel();
+      }
+      bucket.filled.assign(group.size(), false);
+      sizes.push_back(numel);
+      buckets.push_back(std::move(bucket));
+    }
+    stats.buckets = buckets.size();
+    const auto spec = compress::CodecSpec::parse(options.codec);
+    compressed = std::make_unique<CompressedSum>(comm, spec, sizes);
+    plain = std::make_unique<CompressedSum>(comm, compress::CodecSpec{}, sizes);
+  }
+
+  // The ranks still training (join()): a one-integer allreduce at the start of every synchronized
+  // step, matched by the shadow rounds of the ranks that have finished.
+  int64_t activeRanks(int64_t mine) {
+    auto flag = torch::tensor({mine}, torch::kInt64);
+    comm->allreduce(flag);
+    return flag.item<int64_t>();
+  }
+
+  void beginSync() {
+    checkUsable();
+    inBackward = true;
+    for (auto& bucket : buckets) {
+      bucket.pending = bucket.params.size();
+      bucket.filled.assign(bucket.params.size(), false);
+      bucket.work = CommWork();
+    }
+    nextToLaunch = 0;
+    scale = 1.0 / comm->worldSize();
+    startCounting();
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { endSync(); });
+    if (joining) {
+      const int64_t active = guard([&] { return activeRanks(1); });
+      scale = 1.0 / double(std::max<int64_t>(1, active));
+    }
+  }
+
+  void onGradient(size_t k, const torch::Tensor& grad) {
+    if (noSyncDepth > 0 || comm == nullptr) return;
+    if (!inBackward) beginSync();
+    COHORT_CHECK(!grad.is_sparse(), InvalidArgument, kWho, ": parameter ", names[k],
+                 " got a sparse gradient; sparse gradients are not supported by DataParallel yet: make the "
+                 "embedding dense (sparse=false)");
+    auto [b, i] = slotOf[k];
+    Bucket& bucket = buckets[b];
+    torch::NoGradGuard noGrad;
+    // What this rank contributes is its .grad after this backward: what earlier backward passes
+    // (under noSync, or without zero_grad) left there plus this one's gradient.
+    const torch::Tensor& existing = params[k].grad();
+    if (existing.defined()) {
+      torch::add_out(bucket.views[i], existing, grad).mul_(scale);
+    } else {
+      torch::mul_out(bucket.views[i], grad, scale);
+    }
+    // Autograd would add this gradient into .grad after the hook; with .grad dropped it keeps the
+    // gradient as .grad instead, and the bucket (possibly .grad itself) stays ours.
+    params[k].mutable_grad().reset();
+    if (!bucket.filled[i]) {
+      bucket.filled[i] = true;
+      --bucket.pending;
+    }
+    if (options.overlap) guard([&] { launchReady(/*inBackward=*/true); });
+  }
+
+  void launchReady(bool duringBackward) {
+    CompressedSum& sum = exchange();
+    // bf16 and the sparse codecs exchange synchronously: not from inside backward.
+    const bool async = sum.spec().kind == compress::CodecKind::None || sum.spec().kind == compress::CodecKind::Fp16;
+    if (duringBackward && !async) return;
+    while (nextToLaunch < buckets.size() && buckets[nextToLaunch].pending == 0) {
+      Bucket& bucket = buckets[nextToLaunch];
+      bucket.work = sum.start(nextToLaunch, bucket.flat);
+      ++nextToLaunch;
+    }
+  }
+
+  // The autograd final callback of a synchronized backward.
+  void endSync() {
+    inBackward = false;
+    guard([&] {
+      torch::NoGradGuard noGrad;
+      // Parameters that got no gradient: what their .grad holds (averaged like any), else zeros.
+      for (auto& bucket : buckets) {
+        for (size_t i = 0; i < bucket.params.size(); ++i) {
+          if (bucket.filled[i]) continue;
+          const torch::Tensor& existing = params[bucket.params[i]].grad();
+          if (existing.defined()) {
+            torch::mul_out(bucket.views[i], existing, scale);
+          } else {
+            bucket.views[i].zero_();
+          }
+          bucket.filled[i] = true;
+        }
+        bucket.pending = 0;
+      }
+      const auto waitStart = Clock::now();
+      exchangeAll();
+      stats.commWaitSeconds += secondsSince(waitStart);
+      for (auto& bucket : buckets) {
+        for (size_t i = 0; i < bucket.params.size(); ++i) params[bucket.params[i]].mutable_grad() = bucket.grads[i];
+      }
+      if (options.buffers == DataParallelOptions::Buffers::kEveryStep) averageInPlace(*comm, module->buffers());
+      ++stats.syncSteps;
+    });
+  }
+
+  void startCounting() {
+    current = &exchange();
+    sentAtStart = current->bytesSent();
+    receivedAtStart = current->bytesReceived();
+  }
+
+  // Launches what is left, waits for every bucket and writes the sums into the buckets.
+  void exchangeAll() {
+    CompressedSum& sum = exchange();
+    launchReady(/*duringBackward=*/false);
+    for (auto& bucket : buckets) {
+      if (bucket.work.valid()) bucket.work.wait();
+    }
+    for (size_t b = 0; b < buckets.size(); ++b) sum.finish(b, buckets[b].flat);
+    stats.bytesSent += sum.bytesSent() - sentAtStart;
+    stats.bytesReceived += sum.bytesReceived() - receivedAtStart;
+  }
+
+  // After this rank's loop in join(): takes part with zeros in the others' steps until all are done.
+  void shadowUntilAllJoined() {
+    guard([&] {
+      torch::NoGradGuard noGrad;
+      while (activeRanks(0) > 0) {
+        for (auto& bucket : buckets) {
+          bucket.flat.zero_();
+          bucket.pending = 0;
+          bucket.work = CommWork();
+        }
+        nextToLaunch = 0;
+        startCounting();
+        exchangeAll();
+        if (options.buffers == DataParallelOptions::Buffers::kEveryStep) averageInPlace(*comm, module->buffers());
+        ++stats.shadowSteps;
+      }
+      // The ranks that joined early skipped the optimizer steps of the others: every replica
+      // takes the model of the rank that trained longest (the lowest such rank), as DDP's Join
+      // does. Optimizer state (momentum) stays each rank's own.
+      auto steps = comm->allgather(torch::tensor({stats.syncSteps}, torch::kInt64));
+      int root = 0;
+      for (size_t r = 1; r < steps.size(); ++r) {
+        if (steps[r].item<int64_t>() > steps[size_t(root)].item<int64_t>()) root = int(r);
+      }
+      broadcastModel(*comm, *module, root);
+    });
+  }
+
+  // Runs f; a communication failure makes the handle unusable and gains the hint about uneven
+  // inputs, since that is the usual cause of a rank that stopped answering in a training loop.
+  template <typename F>
+  auto guard(F&& f) -> decltype(f()) {
+    try {
+      return f();
+    } catch (const TimeoutError& e) {
+      broken = e.what();
+      throw TimeoutError(std::string(kWho) + ": " + e.what() + hint());
+    } catch (const CommError& e) {
+      broken = e.what();
+      throw CommError(std::string(kWho) + ": " + e.what() + hint());
+    }
+  }
+
+  std::string hint() const {
+    return joining ? "" : " (if the ranks have different numbers of batches, run each rank's loop inside "
+                          "DataParallel::join())";
+  }
+};
+
+DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParallelOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  COHORT_CHECK(options.bucketMb > 0, InvalidArgument, kWho, ": bucketMb must be positive, got ", options.bucketMb);
+  COHORT_CHECK(options.firstBucketMb > 0, InvalidArgument, kWho, ": firstBucketMb must be positive, got ",
+               options.firstBucketMb);
+  COHORT_CHECK(options.codecWarmupSteps >= 0, InvalidArgument, kWho, ": codecWarmupSteps must be at least 0, got ",
+               options.codecWarmupSteps);
+  compress::CodecSpec::parse(options.codec);  // throws InvalidArgument naming the accepted forms
+  s.options = std::move(options);
+  s.module = &module;
+  for (auto& [name, p] : uniqueParameters(module)) {
+    if (!p.requires_grad()) continue;
+    COHORT_CHECK(p.scalar_type() == torch::kFloat32, InvalidArgument, kWho, ": parameter ", name, " is ", p.dtype(),
+                 "; DataParallel averages float32 parameters");
+    COHORT_CHECK(p.device().is_cpu(), InvalidArgument, kWho, ": parameter ", name, " is on ", p.device(),
+                 "; cohort runs on the CPU");
+    s.names.push_back(name);
+    s.params.push_back(p);
+  }
+  COHORT_CHECK(!s.params.empty(), InvalidArgument, kWho,
+               ": the module has no parameters that require gradients; there is nothing to average");
+  s.comm = job.communicator();
+  if (s.comm == nullptr) return;  // one process: nothing to exchange, nothing hooked
+  checkSameModel(*s.comm, module, kWho);
+  broadcastModel(*s.comm, module);
+  s.buildBuckets();
+  Impl* impl = impl_.get();
+  for (size_t k = 0; k < s.params.size(); ++k) {
+    s.hookHandles.push_back(s.params[k].register_hook([impl, k](torch::Tensor grad) { impl->onGradient(k, grad); }));
+  }
+}
+
+DataParallel::~DataParallel() {
+  for (size_t k = 0; k < impl_->hookHandles.size(); ++k) impl_->params[k].remove_hook(impl_->hookHandles[k]);
+}
+
+DataParallel::NoSync::NoSync(int* depth) : depth_(depth) { ++*depth_; }
+DataParallel::NoSync::NoSync(NoSync&& other) noexcept : depth_(other.depth_) { other.depth_ = nullptr; }
+DataParallel::NoSync::~NoSync() {
+  if (depth_ != nullptr) --*depth_;
+}
+
+DataParallel::NoSync DataParallel::noSync() {
+  COHORT_CHECK(!impl_->inBackward, InvalidArgument, kWho, "::noSync() called during a backward pass");
+  return NoSync(&impl_->noSyncDepth);
+}
+
+void DataParallel::join(const std::function<void()>& loop) {
+  Impl& s = *impl_;
+  COHORT_CHECK(!s.joining, InvalidArgument, kWho, "::join() called inside join(): call it once around the loop");
+  COHORT_CHECK(s.noSyncDepth == 0, InvalidArgument, kWho,
+               "::join() called under noSync(): end the noSync scope first (a rank that joins must be synchronized)");
+  s.joining = true;
+  try {
+    loop();
+  } catch (...) {
+    s.joining = false;
+    throw;
+  }
+  if (s.comm != nullptr) {
+    try {
+      s.shadowUntilAllJoined();
+    } catch (...) {
+      s.joining = false;
+      throw;
+    }
+  }
+  s.joining = false;
+}
+
+void DataParallel::synchronizeBuffers() {
+  Impl& s = *impl_;
+  if (s.comm == nullptr) return;
+  s.checkUsable();
+  s.guard([&] { averageInPlace(*s.comm, s.module->buffers()); });
+}
+
+DataParallelStats DataParallel::stats() const { return impl_->stats; }
+int DataParallel::rank() const { return impl_->comm ? impl_->comm->rank() : 0; }
+int DataParallel::worldSize() const { return impl_->comm ? impl_->comm->worldSize() : 1; }
+
+}  // namespace cohort

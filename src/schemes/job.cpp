@@ -1,0 +1,56 @@
+#include <cohort/communicator.h>
+#include <cohort/error.h>
+#include <cohort/job.h>
+
+#include <mutex>
+
+namespace cohort {
+
+struct Job::State {
+  ClusterSpec spec;
+  JobOptions options;
+  std::mutex mutex;
+  std::shared_ptr<Communicator> comm;  // GUARDED_BY(mutex); connected on first use
+  bool given = false;                  // comm came from fromCommunicator()
+};
+
+Job Job::fromEnvironment(const JobOptions& options) { return fromSpec(resolveClusterFromEnvironment(), options); }
+
+Job Job::fromSpec(const ClusterSpec& spec, const JobOptions& options) {
+  COHORT_CHECK(options.timeout.count() > 0, InvalidArgument, "JobOptions::timeout must be positive, got ",
+               options.timeout.count(), " ms");
+  auto state = std::make_shared<State>();
+  state->spec = spec;
+  state->options = options;
+  return Job(std::move(state));
+}
+
+Job Job::fromCommunicator(std::shared_ptr<Communicator> comm) {
+  COHORT_CHECK(comm != nullptr, InvalidArgument, "Job::fromCommunicator needs a communicator, got null");
+  auto state = std::make_shared<State>();
+  state->spec.rank = comm->rank();
+  state->spec.worldSize = comm->worldSize();
+  state->spec.source = "communicator";
+  state->options.timeout = comm->options().timeout;
+  state->comm = std::move(comm);
+  state->given = true;
+  return Job(std::move(state));
+}
+
+Job Job::single() { return fromSpec(ClusterSpec{}); }
+
+const ClusterSpec& Job::cluster() const { return state_->spec; }
+int Job::rank() const { return state_->spec.rank; }
+int Job::worldSize() const { return state_->spec.worldSize; }
+std::chrono::milliseconds Job::timeout() const { return state_->options.timeout; }
+
+std::shared_ptr<Communicator> Job::communicator() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (state_->comm || state_->spec.worldSize <= 1) return state_->comm;
+  COHORT_CHECK(state_->spec.role == Role::kWorker, InvalidArgument, "this process is not a worker (",
+               describe(state_->spec), "): only workers join the workers' communicator");
+  state_->comm = Communicator::connect(state_->spec, CommOptions{.timeout = state_->options.timeout});
+  return state_->comm;
+}
+
+}  // namespace cohort

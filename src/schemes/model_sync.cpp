@@ -1,0 +1,143 @@
+#include "schemes/model_sync.h"
+
+#include <cohort/error.h>
+
+#include <torch/torch.h>
+
+#include <map>
+#include <sstream>
+#include <unordered_set>
+
+namespace cohort {
+
+void exchangePacked(const std::vector<torch::Tensor>& tensors,
+                    const std::function<void(torch::Tensor& packed)>& exchange) {
+  torch::NoGradGuard noGrad;
+  std::map<c10::ScalarType, std::vector<torch::Tensor>> byType;
+  for (const auto& t : tensors) byType[t.scalar_type()].push_back(t);
+  for (auto& [type, group] : byType) {
+    std::vector<torch::Tensor> flat;
+    for (auto& t : group) flat.push_back(t.reshape({-1}));
+    auto packed = torch::cat(flat);
+    exchange(packed);
+    int64_t offset = 0;
+    for (auto& t : group) {
+      t.copy_(packed.narrow(0, offset, t.numel()).view_as(t));
+      offset += t.numel();
+    }
+  }
+}
+
+void averageInPlace(Communicator& comm, const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> floating;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.is_floating_point()) floating.push_back(t);
+  }
+  if (floating.empty()) return;
+  exchangePacked(floating, [&](torch::Tensor& packed) {
+    comm.allreduce(packed);
+    packed.div_(comm.worldSize());
+  });
+}
+
+void broadcastModel(Communicator& comm, torch::nn::Module& model, int root) {
+  std::vector<torch::Tensor> tensors;
+  for (auto& [name, p] : uniqueParameters(model)) tensors.push_back(p);
+  for (auto& b : model.buffers()) {
+    if (b.defined()) tensors.push_back(b);  // may be int64, e.g. BatchNorm's count
+  }
+  if (tensors.empty()) return;
+  exchangePacked(tensors, [&](torch::Tensor& packed) { comm.broadcast(packed, root); });
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> uniqueParameters(torch::nn::Module& model) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    if (!item.value().defined()) continue;
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
+  }
+  return out;
+}
+
+namespace {
+
+// One line per tensor: "param fc.weight float [10, 64]".
+std::vector<std::string> describeModel(torch::nn::Module& model) {
+  std::vector<std::string> lines;
+  auto line = [](const char* kind, const std::string& name, const torch::Tensor& t) {
+    std::ostringstream out;
+    out << kind << " " << name << " " << t.dtype() << " " << t.sizes();
+    return out.str();
+  };
+  for (const auto& [name, p] : uniqueParameters(model)) lines.push_back(line("parameter", name, p));
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) {
+    if (item.value().defined()) lines.push_back(line("buffer", item.key(), item.value()));
+  }
+  return lines;
+}
+
+std::vector<uint8_t> join(const std::vector<std::string>& lines) {
+  std::string all;
+  for (const auto& l : lines) all += l + "\n";
+  return {all.begin(), all.end()};
+}
+
+std::vector<std::string> split(const std::vector<uint8_t>& bytes) {
+  std::vector<std::string> lines;
+  std::string cur;
+  for (uint8_t c : bytes) {
+    if (c == '\n') {
+      lines.push_back(cur);
+      cur.clear();
+    } else {
+      cur.push_back(char(c));
+    }
+  }
+  return lines;
+}
+
+// FNV-1a of the description, as a signed 64-bit value for an int64 tensor.
+int64_t fingerprint(const std::vector<uint8_t>& bytes) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint8_t c : bytes) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return int64_t(h);
+}
+
+}  // namespace
+
+void checkSameModel(Communicator& comm, torch::nn::Module& model, const std::string& who) {
+  const std::vector<std::string> mine = describeModel(model);
+  const std::vector<uint8_t> bytes = join(mine);
+  auto all = comm.allgather(torch::tensor({fingerprint(bytes), int64_t(mine.size())}, torch::kInt64));
+  const int64_t reference = all[0][0].item<int64_t>();
+  int other = -1;
+  for (size_t r = 1; r < all.size(); ++r) {
+    if (all[r][0].item<int64_t>() != reference) {
+      other = int(r);
+      break;
+    }
+  }
+  if (other < 0) return;
+  // Every rank learns both sides, so every rank throws the same message instead of hanging.
+  const auto first = split(comm.broadcastBytes(bytes, 0));
+  const auto second = split(comm.broadcastBytes(bytes, other));
+  size_t i = 0;
+  while (i < first.size() && i < second.size() && first[i] == second[i]) ++i;
+  std::ostringstream out;
+  out << who << ": the ranks' models differ: rank 0 has " << first.size() << " tensors, rank " << other << " has "
+      << second.size() << "; first difference at tensor " << i << ": rank 0 has "
+      << (i < first.size() ? first[i] : "nothing") << ", rank " << other << " has "
+      << (i < second.size() ? second[i] : "nothing")
+      << " (every rank must build the same model before the handle is made)";
+  throw InvalidArgument(out.str());
+}
+
+void clearGradients(torch::nn::Module& model) {
+  for (auto& p : model.parameters()) p.mutable_grad().reset();
+}
+
+}  // namespace cohort

@@ -1,0 +1,43 @@
+// Helpers every scheme uses to keep replicas alike: packing tensors into one flat buffer per
+// dtype for a single collective, averaging and broadcasting a model, and checking that every rank
+// holds the same parameters before anything is exchanged.
+//
+// Contract: each function is a collective of `comm` (or of the group given): every rank calls it,
+// in the same order, with tensors of the same count, dtypes and shapes.
+#pragma once
+
+#include <cohort/communicator.h>
+
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace cohort {
+
+// Packs the tensors into one flat tensor per dtype, lets `exchange` change it in place (one
+// collective per dtype instead of one per tensor), and copies the result back into the tensors.
+void exchangePacked(const std::vector<torch::Tensor>& tensors,
+                    const std::function<void(torch::Tensor& packed)>& exchange);
+
+// Averages the floating-point tensors over the ranks in place (others are left alone).
+void averageInPlace(Communicator& comm, const std::vector<torch::Tensor>& tensors);
+
+// Makes every replica hold `root`'s parameters and buffers.
+void broadcastModel(Communicator& comm, torch::nn::Module& model, int root = 0);
+
+// The module's parameters, each tensor once (a parameter registered under two names, as tied
+// weights are, is listed at its first name).
+std::vector<std::pair<std::string, torch::Tensor>> uniqueParameters(torch::nn::Module& model);
+
+// Throws InvalidArgument on every rank when the ranks' modules differ in their parameters or
+// buffers (count, names, dtypes, shapes), naming the first difference and the ranks that hold
+// each side. Costs two small collectives, and two broadcasts when there is a difference.
+void checkSameModel(Communicator& comm, torch::nn::Module& model, const std::string& who);
+
+// Drops every parameter's gradient (set to none), so the next backward writes it fresh instead
+// of adding to zeros.
+void clearGradients(torch::nn::Module& model);
+
+}  // namespace cohort

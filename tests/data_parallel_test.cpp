@@ -1,0 +1,364 @@
+// The library's DataParallel handle over a model that is not a Sequential (a residual network
+// with a shared layer and a nested block), ranks as threads over a TCPStore on 127.0.0.1.
+#include <cohort/cohort.h>
+
+#include <torch/torch.h>
+
+#include "rank_threads.h"
+
+namespace cohort {
+namespace {
+
+using test::onRanks;
+
+// Nested submodule, skip connection, a layer applied twice (shared parameters), and an optional
+// branch that some steps skip (parameters unused in those steps).
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() : fc(register_module("fc", torch::nn::Linear(8, 8))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x + torch::tanh(fc->forward(x)); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Block);
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool batchNorm = false)
+      : in(register_module("in", torch::nn::Linear(4, 8))),
+        block(register_module("block", Block())),
+        side(register_module("side", torch::nn::Linear(8, 8))),
+        out(register_module("out", torch::nn::Linear(8, 3))) {
+    if (batchNorm) bn = register_module("bn", torch::nn::BatchNorm1d(8));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool useSide = true) {
+    auto h = torch::relu(in->forward(x));
+    if (bn) h = bn->forward(h);
+    h = block->forward(block->forward(h));  // the same block twice
+    if (useSide) h = h + side->forward(h);
+    return out->forward(h);
+  }
+  torch::nn::Linear in, side, out;
+  Block block;
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(Net);
+
+torch::Tensor lossOf(const torch::Tensor& out, const torch::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); }
+
+struct Data {
+  torch::Tensor x, y;
+};
+
+// A fixed data set of n examples.
+Data makeData(int64_t n) {
+  torch::manual_seed(7);
+  return {torch::randn({n, 4}), torch::randint(0, 3, {n}, torch::kInt64)};
+}
+
+// Rank r of w takes examples r, r+w, ... of the batch [start, start + w*b).
+Data shard(const Data& d, int64_t start, int64_t b, int r, int w) {
+  auto idx = torch::arange(start + r, start + int64_t(w) * b, w, torch::kInt64);
+  return {d.x.index_select(0, idx), d.y.index_select(0, idx)};
+}
+
+std::vector<torch::Tensor> snapshot(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void expectClose(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, double tol = 1e-5) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(a[i], b[i], tol, tol)) << "tensor " << i << " differs by "
+                                                       << (a[i] - b[i]).abs().max().item<float>();
+  }
+}
+
+void expectEqual(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "tensor " << i;
+}
+
+// The initial parameters of every run, made once on the test's thread: ranks are threads that
+// share torch's default generator, so seeding inside them would race.
+std::vector<torch::Tensor> initialParameters() {
+  torch::manual_seed(1);
+  Net net;
+  return snapshot(*net);
+}
+
+void load(torch::nn::Module& m, const std::vector<torch::Tensor>& values) {
+  torch::NoGradGuard noGrad;
+  auto params = m.parameters();
+  for (size_t i = 0; i < params.size(); ++i) params[i].copy_(values[i]);
+}
+
+// The reference: one process, batch w*b, plain SGD.
+std::vector<torch::Tensor> singleProcess(const Data& d, int steps, int64_t bigBatch) {
+  Net net;
+  load(*net, initialParameters());
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    auto part = shard(d, s * bigBatch, bigBatch, 0, 1);
+    lossOf(net->forward(part.x), part.y).backward();
+    opt.step();
+  }
+  return snapshot(*net);
+}
+
+class DataParallelEquivalence : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+// N ranks x batch b equal one process x batch N*b: the user's own loop, with zero_grad().
+TEST_P(DataParallelEquivalence, RanksEqualOneProcessWithTheCombinedBatch) {
+  const auto [world, overlap] = GetParam();
+  const int64_t b = 6;
+  const int steps = 4;
+  const Data d = makeData(int64_t(world) * b * steps);
+  const auto reference = singleProcess(d, steps, int64_t(world) * b);
+  const auto init = initialParameters();
+  std::vector<std::vector<torch::Tensor>> finals(static_cast<size_t>(world));
+  onRanks(world, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    Net net;  // random: the handle broadcasts rank 0's
+    if (r == 0) load(*net, init);
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    DataParallel dp(Job::fromCommunicator(comm), *net, {.bucketMb = 0.0005, .firstBucketMb = 0.0002, .overlap = overlap});
+    EXPECT_GT(dp.stats().buckets, 1u);
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      auto part = shard(d, s * world * b, b, r, world);
+      lossOf(net->forward(part.x), part.y).backward();
+      opt.step();
+    }
+    EXPECT_EQ(dp.stats().syncSteps, steps);
+    EXPECT_GT(dp.stats().bytesSent, 0);
+    finals[size_t(r)] = snapshot(*net);
+  });
+  for (int r = 0; r < world; ++r) expectClose(finals[size_t(r)], reference);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldsAndOverlap, DataParallelEquivalence,
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool()));
+
+// k micro-steps, k-1 of them under noSync, equal one step on k times the batch.
+TEST(DataParallel, NoSyncAccumulatesLikeOneLargerBatch) {
+  const int world = 2, k = 3, steps = 2;
+  const int64_t b = 4;
+  const Data d = makeData(int64_t(world) * b * k * steps);
+  const auto reference = singleProcess(d, steps, int64_t(world) * b * k);
+  const auto init = initialParameters();
+  std::vector<std::vector<torch::Tensor>> finals(world);
+  onRanks(world, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    Net net;
+    load(*net, init);
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    DataParallel dp(Job::fromCommunicator(comm), *net);
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      // This rank's k*b examples of the combined batch, in k micro-batches of b.
+      auto mine = shard(d, int64_t(s) * world * b * k, b * k, r, world);
+      for (int j = 0; j < k; ++j) {
+        auto x = mine.x.narrow(0, j * b, b);
+        auto y = mine.y.narrow(0, j * b, b);
+        if (j < k - 1) {
+          auto scope = dp.noSync();
+          (lossOf(net->forward(x), y) / k).backward();
+        } else {
+          (lossOf(net->forward(x), y) / k).backward();
+        }
+      }
+      opt.step();
+    }
+    EXPECT_EQ(dp.stats().syncSteps, steps);
+    finals[size_t(r)] = snapshot(*net);
+  });
+  for (int r = 0; r < world; ++r) expectClose(finals[size_t(r)], reference);
+}
+
+// Different data on each rank, momentum, a branch rank 1 skips every other step, BatchNorm
+// buffers and an fp16 or sparse codec: the replicas end bit-identical, buffers included.
+class DataParallelReplicas : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DataParallelReplicas, EndBitIdenticalWithMomentumUnusedParametersAndBuffers) {
+  const std::string codec = GetParam();
+  std::vector<std::vector<torch::Tensor>> finals(2), buffers(2);
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    torch::manual_seed(10 + r);
+    Net net(/*batchNorm=*/true);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    DataParallel dp(Job::fromCommunicator(comm), *net, {.codec = codec});
+    for (int s = 0; s < 6; ++s) {
+      opt.zero_grad();
+      auto x = torch::randn({8, 4});  // seeded per rank: different data
+      auto y = torch::randint(0, 3, {8}, torch::kInt64);
+      const bool useSide = !(r == 1 && s % 2 == 0);
+      lossOf(net->forward(x, useSide), y).backward();
+      opt.step();
+    }
+    finals[size_t(r)] = snapshot(*net);
+    for (auto& b : net->buffers()) buffers[size_t(r)].push_back(b.clone());
+  });
+  expectEqual(finals[0], finals[1]);
+  expectEqual(buffers[0], buffers[1]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, DataParallelReplicas, ::testing::Values("none", "fp16", "topk:0.3", "onebit"));
+
+// Rank 1 has fewer batches. Inside join() the run ends and the replicas agree; the shadow steps
+// are counted.
+TEST(DataParallel, JoinLetsRanksWithFewerBatchesFinish) {
+  std::vector<std::vector<torch::Tensor>> finals(3);
+  std::vector<DataParallelStats> stats(3);
+  onRanks(3, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    torch::manual_seed(1);
+    Net net;
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    DataParallel dp(Job::fromCommunicator(comm), *net);
+    const int batches = 5 - 2 * r;  // 5, 3, 1
+    dp.join([&] {
+      for (int s = 0; s < batches; ++s) {
+        opt.zero_grad();
+        lossOf(net->forward(torch::randn({4, 4})), torch::randint(0, 3, {4}, torch::kInt64)).backward();
+        opt.step();
+      }
+    });
+    finals[size_t(r)] = snapshot(*net);
+    stats[size_t(r)] = dp.stats();
+  });
+  expectEqual(finals[0], finals[1]);
+  expectEqual(finals[0], finals[2]);
+  EXPECT_EQ(stats[0].syncSteps, 5);
+  EXPECT_EQ(stats[0].shadowSteps, 0);
+  EXPECT_EQ(stats[1].syncSteps, 3);
+  EXPECT_EQ(stats[1].shadowSteps, 2);
+  EXPECT_EQ(stats[2].shadowSteps, 4);
+}
+
+// Without join(), a rank that stops early makes the others' backward fail with the documented
+// error, naming the remedy, well within the timeout.
+TEST(DataParallel, UnevenInputsWithoutJoinFailWithAClearError) {
+  std::string error;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(onRanks(
+                   2,
+                   [&](std::shared_ptr<Communicator> comm) {
+                     const int r = comm->rank();
+                     torch::manual_seed(1);
+                     Net net;
+                     torch::optim::SGD opt(net->parameters(), 0.1);
+                     DataParallel dp(Job::fromCommunicator(comm), *net);
+                     const int batches = r == 0 ? 4 : 1;
+                     for (int s = 0; s < batches; ++s) {
+                       opt.zero_grad();
+                       try {
+                         lossOf(net->forward(torch::randn({4, 4})), torch::randint(0, 3, {4}, torch::kInt64)).backward();
+                       } catch (const CommError& e) {
+                         error = e.what();
+                         throw;
+                       }
+                       opt.step();
+                     }
+                   },
+                   std::chrono::seconds(5)),
+               CommError);
+  EXPECT_NE(error.find("DataParallel::join()"), std::string::npos) << error;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
+}
+
+// Destroying the handle removes its hooks: the model then trains alone, with its local gradient.
+TEST(DataParallel, DestroyedHandleLeavesAModelThatTrainsAlone) {
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    torch::manual_seed(1);
+    Net net;
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    auto x = torch::full({4, 4}, 0.5f + float(r));
+    auto y = torch::zeros({4}, torch::kInt64);
+    {
+      DataParallel dp(Job::fromCommunicator(comm), *net);
+      for (int s = 0; s < 2; ++s) {
+        opt.zero_grad();
+        lossOf(net->forward(x), y).backward();
+        opt.step();
+      }
+    }
+    for (int s = 0; s < 2; ++s) {
+      opt.zero_grad();
+      lossOf(net->forward(x), y).backward();
+      // The gradient is this rank's own: recompute it on a copy and compare.
+      Net copy;
+      {
+        torch::NoGradGuard g;
+        auto src = net->parameters();
+        auto dst = copy->parameters();
+        for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+      }
+      lossOf(copy->forward(x), y).backward();
+      auto mine = net->parameters();
+      auto ref = copy->parameters();
+      for (size_t i = 0; i < mine.size(); ++i) EXPECT_TRUE(torch::allclose(mine[i].grad(), ref[i].grad())) << i;
+      opt.step();
+    }
+  });
+}
+
+TEST(DataParallel, SingleProcessJobChangesNothing) {
+  torch::manual_seed(1);
+  Net net;
+  DataParallel dp(Job::single(), *net);
+  auto x = torch::randn({4, 4});
+  auto y = torch::zeros({4}, torch::kInt64);
+  lossOf(net->forward(x), y).backward();
+  EXPECT_EQ(dp.stats().syncSteps, 0);
+  EXPECT_EQ(dp.worldSize(), 1);
+  for (auto& p : net->parameters()) EXPECT_TRUE(p.grad().defined());
+}
+
+TEST(DataParallel, RefusesBadInputWithClearErrors) {
+  struct Empty : torch::nn::Module {};
+  Empty empty;
+  try {
+    DataParallel dp(Job::single(), empty);
+    FAIL() << "no error for a module without parameters";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("no parameters"), std::string::npos) << e.what();
+  }
+  Net net;
+  try {
+    DataParallel dp(Job::single(), *net, {.codec = "zip"});
+    FAIL() << "no error for an unknown codec";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("fp16"), std::string::npos) << e.what();
+  }
+  DataParallel dp(Job::single(), *net);
+  try {
+    dp.join([&] { dp.join([] {}); });
+    FAIL() << "no error for join inside join";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("join"), std::string::npos) << e.what();
+  }
+}
+
+// Models that differ across ranks are refused on every rank, naming the first difference.
+TEST(DataParallel, DifferentModelsAcrossRanksAreNamed) {
+  std::vector<std::string> errors(2);
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    torch::nn::Sequential net(torch::nn::Linear(4, 8), torch::nn::Linear(8, r == 0 ? 3 : 5));
+    try {
+      DataParallel dp(Job::fromCommunicator(comm), *net);
+    } catch (const InvalidArgument& e) {
+      errors[size_t(r)] = e.what();
+    }
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("rank 1 has parameter 1.weight"), std::string::npos) << e;
+    EXPECT_NE(e.find("[5, 8]"), std::string::npos) << e;
+  }
+}
+
+}  // namespace
+}  // namespace cohort
