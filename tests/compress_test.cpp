@@ -5,11 +5,14 @@
 #include <gtest/gtest.h>
 #include <zstd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <span>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -292,6 +295,135 @@ TEST(Codec, HalfConversionSaturatesAndRoundsToNearestEven) {
   EXPECT_EQ(bf16ToFloat(floatToBf16(std::numeric_limits<float>::max())), 0x1.fep127f);
   EXPECT_EQ(bf16ToFloat(floatToBf16(1.0f + 0x1p-8f)), 1.0f);  // tie to even
   EXPECT_EQ(bf16ToFloat(floatToBf16(3.0f)), 3.0f);
+}
+
+// ---- the Fast path against the Reference path ------------------------------------------------
+
+// Runs f with the codecs on `path`, then puts Fast back.
+template <typename F>
+auto onPath(CodecPath path, F&& f) {
+  setCodecPath(path);
+  struct Restore {
+    ~Restore() { setCodecPath(CodecPath::Fast); }
+  } restore;
+  return f();
+}
+
+std::vector<uint32_t> bitsOf(std::span<const float> values) {
+  std::vector<uint32_t> bits;
+  for (float v : values) bits.push_back(std::bit_cast<uint32_t>(v));
+  return bits;
+}
+
+// Floats where a conversion can go wrong, each with both signs.
+std::vector<float> adversarialFloats() {
+  const std::vector<uint32_t> patterns = {
+      0x00000000, 0x00000001, 0x007fffff, 0x00800000,  // zero, float subnormals
+      0x33000000, 0x33000001, 0x337fffff, 0x33800000,  // 2^-25 (a tie to zero), around 2^-24
+      0x387fc000, 0x387fe000, 0x387fffff, 0x38800000,  // the top of fp16's subnormals, 2^-14
+      0x3f801000, 0x3f803000, 0x3f800fff, 0x3f801001,  // 1 + half an fp16 ulp: ties to even, near ties
+      0x3f808000, 0x3f818000, 0x3f807fff, 0x3f808001,  // 1 + half a bf16 ulp: ties to even, near ties
+      0x477fe000, 0x477fefff, 0x477ff000, 0x477ff001,  // 65504, 65519.99, 65520 (saturates), above
+      0x47800000, 0x7f7f7fff, 0x7f7f8000, 0x7f7fffff,  // 65536, bf16's overflow boundary, FLT_MAX
+      0x7f800000, 0x7f800001, 0x7f801000, 0x7fa00000,  // inf, signalling NaNs (payload low, high)
+      0x7fc00000, 0x7fc00001, 0x7fffe000, 0x7fffffff,  // quiet NaNs
+  };
+  std::vector<float> out;
+  for (uint32_t p : patterns) {
+    out.push_back(std::bit_cast<float>(p));
+    out.push_back(std::bit_cast<float>(p | 0x80000000u));
+  }
+  for (uint32_t k = 0; k <= 2048; k += 7) out.push_back((float(k) + 0.5f) * 0x1p-24f);  // subnormal ties
+  return out;
+}
+
+// Adversarial values among random bit patterns and gaussian ones, shuffled.
+std::vector<float> mixedFloats(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<float> v = adversarialFloats();
+  const auto g = gaussian(n / 2, seed + 1, 1e-3f);
+  v.insert(v.end(), g.begin(), g.end());
+  while (v.size() < n) v.push_back(std::bit_cast<float>(uint32_t(rng())));
+  std::shuffle(v.begin(), v.end(), rng);
+  v.resize(n);
+  return v;
+}
+
+TEST(CodecPaths, TheVectorConversionsRunOnThisMachine) {
+  // Otherwise the comparisons below would compare the scalar code with itself.
+  ASSERT_TRUE(vectorConversions()) << "this CPU lacks AVX2 or F16C: the vector conversions cannot be tested here";
+}
+
+TEST(CodecPaths, ConversionsAreBitIdentical) {
+  const auto values = mixedFloats(20011, 21);
+  // Every offset and a length that is not a multiple of 8: unaligned starts and scalar tails.
+  for (size_t offset = 0; offset < 9; ++offset) {
+    const std::span<const float> in(values.data() + offset, values.size() - 2 * offset);
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(bf16 ? "bf16" : "fp16");
+      auto encode = [&] {
+        std::vector<uint16_t> out(in.size());
+        bf16 ? floatsToBf16(in, out) : floatsToHalf(in, out);
+        return out;
+      };
+      const auto fast = onPath(CodecPath::Fast, encode);
+      const auto reference = onPath(CodecPath::Reference, encode);
+      for (size_t i = 0; i < in.size(); ++i) {
+        ASSERT_EQ(fast[i], bf16 ? floatToBf16(in[i]) : floatToHalf(in[i]))
+            << "offset " << offset << " input 0x" << std::hex << std::bit_cast<uint32_t>(in[i]);
+      }
+      ASSERT_EQ(fast, reference);
+    }
+  }
+  // Every 16-bit pattern back to float, signalling NaNs included.
+  std::vector<uint16_t> all(0x10000 + 5);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = uint16_t(i);
+  for (bool bf16 : {false, true}) {
+    auto decode = [&] {
+      std::vector<float> out(all.size());
+      bf16 ? bf16ToFloats(all, out) : halfToFloats(all, out);
+      return bitsOf(out);
+    };
+    const auto fast = onPath(CodecPath::Fast, decode);
+    ASSERT_EQ(fast, onPath(CodecPath::Reference, decode));
+    for (size_t i = 0; i < all.size(); ++i) {
+      ASSERT_EQ(fast[i], std::bit_cast<uint32_t>(bf16 ? bf16ToFloat(all[i]) : halfToFloat(all[i]))) << i;
+    }
+  }
+}
+
+// Encoders and decodeAdd of every codec give the same messages, residuals and sums on both paths,
+// over several steps (so that residuals carry over) of adversarial and gaussian inputs.
+TEST(CodecPaths, EncodersAndDecodersAreBitIdentical) {
+  const char* codecs[] = {"none",           "fp16",          "bf16",    "topk:0.1",  "topk:0.001", "topk:1",
+                          "threshold:0.5", "threshold:0.001", "onebit", "topk:0.3"};
+  for (size_t n : {size_t(0), size_t(1), size_t(7), size_t(100), size_t(5003), size_t(70001)}) {
+    for (const char* text : codecs) {
+      SCOPED_TRACE(std::string(text) + " n=" + std::to_string(n));
+      auto run = [&] {
+        Encoder enc(CodecSpec::parse(text), n);
+        std::vector<std::vector<uint8_t>> messages;
+        std::vector<std::vector<uint32_t>> residuals, sums;
+        for (int step = 0; step < 6; ++step) {
+          // Steps 0 and 3 carry the adversarial values, the others gaussian ones of varied scale.
+          const auto input = step % 3 == 0 ? mixedFloats(n, uint32_t(step)) : gaussian(n, 50 + step, step * 0.01f);
+          messages.push_back(enc.encode(input));
+          residuals.push_back(bitsOf(enc.residual()));
+          std::vector<float> out = gaussian(n, 90 + step);
+          decodeAdd(messages.back(), out, step % 2 ? 1.0f : -0.375f);
+          sums.push_back(bitsOf(out));
+        }
+        return std::tuple(messages, residuals, sums);
+      };
+      const auto [fastMessages, fastResiduals, fastSums] = onPath(CodecPath::Fast, run);
+      const auto [refMessages, refResiduals, refSums] = onPath(CodecPath::Reference, run);
+      for (size_t step = 0; step < fastMessages.size(); ++step) {
+        ASSERT_EQ(fastMessages[step], refMessages[step]) << "step " << step;
+        ASSERT_EQ(fastResiduals[step], refResiduals[step]) << "step " << step;
+        ASSERT_EQ(fastSums[step], refSums[step]) << "step " << step;
+      }
+    }
+  }
 }
 
 // ---- malformed messages ------------------------------------------------------------------------

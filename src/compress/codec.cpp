@@ -2,6 +2,8 @@
 // Layout and arithmetic are documented in docs/ARCHITECTURE.md ("Compression").
 #include "compress/codec.h"
 
+#include "compress/convert.h"
+
 #include <zstd.h>
 
 #include <algorithm>
@@ -354,71 +356,6 @@ std::string CodecSpec::text() const {
   }
 }
 
-// ---- 16-bit conversions ------------------------------------------------------------------------
-
-uint16_t floatToHalf(float value) {
-  const uint32_t x = std::bit_cast<uint32_t>(value);
-  const uint16_t sign = uint16_t((x >> 16) & 0x8000);
-  const uint32_t ax = x & 0x7fffffff;
-  if (ax > 0x7f800000) return sign | 0x7e00;  // NaN
-  if (ax == 0x7f800000) return sign | 0x7c00;
-  if (ax >= 0x477ff000) return sign | 0x7bff;  // >= 65520 would round to infinity: saturate
-  if (ax < 0x38800000) {
-    // Below 2^-14: a multiple of the subnormal step 2^-24, in integers (gradients have many such
-    // entries, and a libm rounding call per entry is slow). ax = m * 2^(e - 150), so the number of
-    // steps is m * 2^(e - 126): m shifted right by 126 - e, rounded to nearest even.
-    const uint32_t e = ax >> 23;
-    if (e < 102) return sign;  // below 2^-25 (or exactly it: a tie, to even): zero
-    const uint32_t m = (ax & 0x7fffff) | 0x800000;
-    const uint32_t shift = 126 - e;  // 14..24
-    uint32_t q = m >> shift;
-    const uint32_t rest = m & ((1u << shift) - 1);
-    const uint32_t half = 1u << (shift - 1);
-    q += (rest > half || (rest == half && (q & 1))) ? 1 : 0;
-    return sign | uint16_t(q);
-  }
-  uint32_t v = ax - (112u << 23);  // exponent bias 127 -> 15
-  v += 0xfff + ((v >> 13) & 1);    // round to nearest even; a carry moves into the exponent
-  return sign | uint16_t(v >> 13);
-}
-
-float halfToFloat(uint16_t bits) {
-  const uint32_t sign = uint32_t(bits & 0x8000) << 16;
-  const uint32_t exponent = (bits >> 10) & 0x1f;
-  const uint32_t mantissa = bits & 0x3ff;
-  if (exponent == 0) {
-    const float v = float(mantissa) * 0x1p-24f;
-    return sign ? -v : v;
-  }
-  if (exponent == 31) return std::bit_cast<float>(sign | 0x7f800000 | (mantissa << 13));
-  return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
-}
-
-uint16_t floatToBf16(float value) {
-  const uint32_t x = std::bit_cast<uint32_t>(value);
-  const uint32_t ax = x & 0x7fffffff;
-  if (ax > 0x7f800000) return uint16_t(x >> 16) | 0x40;  // NaN, kept quiet
-  if (ax == 0x7f800000) return uint16_t(x >> 16);
-  const uint32_t rounded = x + 0x7fff + ((x >> 16) & 1);
-  if ((rounded & 0x7f800000) == 0x7f800000) return uint16_t((x >> 16) & 0x8000) | 0x7f7f;  // saturate
-  return uint16_t(rounded >> 16);
-}
-
-float bf16ToFloat(uint16_t bits) { return std::bit_cast<float>(uint32_t(bits) << 16); }
-
-void floatsToHalf(std::span<const float> in, std::span<uint16_t> out) {
-  for (size_t i = 0; i < in.size(); ++i) out[i] = floatToHalf(in[i]);
-}
-void halfToFloats(std::span<const uint16_t> in, std::span<float> out) {
-  for (size_t i = 0; i < in.size(); ++i) out[i] = halfToFloat(in[i]);
-}
-void floatsToBf16(std::span<const float> in, std::span<uint16_t> out) {
-  for (size_t i = 0; i < in.size(); ++i) out[i] = floatToBf16(in[i]);
-}
-void bf16ToFloats(std::span<const uint16_t> in, std::span<float> out) {
-  for (size_t i = 0; i < in.size(); ++i) out[i] = bf16ToFloat(in[i]);
-}
-
 // ---- decoding ----------------------------------------------------------------------------------
 
 MessageInfo peekMessage(std::span<const uint8_t> message) { return parseHeader(message).info; }
@@ -438,14 +375,11 @@ void decodeAdd(std::span<const uint8_t> message, std::span<float> out, float sca
       }
       return;
     case CodecKind::Fp16:
-    case CodecKind::Bf16: {
-      const bool half = p.info.kind == CodecKind::Fp16;
-      for (size_t i = 0; i < length; ++i) {
-        const uint16_t bits = uint16_t(p.body[2 * i] | p.body[2 * i + 1] << 8);
-        out[i] += scale * (half ? halfToFloat(bits) : bf16ToFloat(bits));
-      }
+      convert::addHalf(p.body, out.data(), length, scale);
       return;
-    }
+    case CodecKind::Bf16:
+      convert::addBf16(p.body, out.data(), length, scale);
+      return;
     case CodecKind::TopK:
     case CodecKind::Threshold: {
       const std::vector<uint8_t> body = inflate(p);
@@ -535,11 +469,10 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
       putHeader(message, spec_.kind, n, 0.0f, uint32_t(2 * n));
       message.resize(kHeaderBytes + 2 * n);
       uint8_t* out = message.data() + kHeaderBytes;
-      const bool half = spec_.kind == CodecKind::Fp16;
-      for (size_t i = 0; i < n; ++i) {
-        const uint16_t bits = half ? floatToHalf(input[i]) : floatToBf16(input[i]);
-        out[2 * i] = uint8_t(bits);
-        out[2 * i + 1] = uint8_t(bits >> 8);
+      if (spec_.kind == CodecKind::Fp16) {
+        convert::toHalf(input.data(), out, n);
+      } else {
+        convert::toBf16(input.data(), out, n);
       }
       return;
     }
