@@ -13,18 +13,10 @@
 #include "compress/convert.h"
 
 #include "compress/codec.h"
+#include "compress/path.h"
 
-#include <atomic>
 #include <bit>
-#include <cstdlib>
 #include <cstring>
-#include <string_view>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define COHORT_HAVE_AVX2_KERNELS 1
-#define COHORT_AVX2 __attribute__((target("avx2,f16c")))
-#endif
 
 namespace cohort::compress {
 
@@ -32,27 +24,6 @@ namespace cohort::compress {
 static_assert(std::endian::native == std::endian::little, "the codec conversions assume a little-endian host");
 
 namespace {
-
-CodecPath pathFromEnvironment() {
-  const char* value = std::getenv("COHORT_CODEC_PATH");
-  if (value == nullptr || std::string_view(value) == "fast") return CodecPath::Fast;
-  if (std::string_view(value) == "reference") return CodecPath::Reference;
-  throw InvalidArgument("COHORT_CODEC_PATH=" + std::string(value) + ": accepted values are fast and reference");
-}
-
-std::atomic<CodecPath>& pathSetting() {
-  static std::atomic<CodecPath> path{pathFromEnvironment()};
-  return path;
-}
-
-bool cpuHasAvx2F16c() {
-#if defined(COHORT_HAVE_AVX2_KERNELS)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
 
 uint16_t load16(const void* base, size_t i) {
   uint16_t bits;
@@ -62,14 +33,6 @@ uint16_t load16(const void* base, size_t i) {
 void store16(void* base, size_t i, uint16_t bits) { std::memcpy(static_cast<uint8_t*>(base) + 2 * i, &bits, 2); }
 
 }  // namespace
-
-CodecPath codecPath() { return pathSetting().load(std::memory_order_relaxed); }
-void setCodecPath(CodecPath path) { pathSetting().store(path, std::memory_order_relaxed); }
-
-bool vectorConversions() {
-  static const bool has = cpuHasAvx2F16c();
-  return has;
-}
 
 // ---- the definition: scalar ---------------------------------------------------------------------
 
@@ -240,46 +203,44 @@ COHORT_AVX2 void fromAvx2(const void* in, float* out, size_t n, float scale) {
 
 namespace convert {
 
-bool useVector() { return codecPath() == CodecPath::Fast && vectorConversions(); }
-
 void toHalf(const float* in, void* out, size_t n) {
 #if defined(COHORT_HAVE_AVX2_KERNELS)
-  if (useVector()) return toHalfAvx2(in, out, n);
+  if (useAvx2()) return toHalfAvx2(in, out, n);
 #endif
   for (size_t i = 0; i < n; ++i) store16(out, i, floatToHalf(in[i]));
 }
 
 void toBf16(const float* in, void* out, size_t n) {
 #if defined(COHORT_HAVE_AVX2_KERNELS)
-  if (useVector()) return toBf16Avx2(in, out, n);
+  if (useAvx2()) return toBf16Avx2(in, out, n);
 #endif
   for (size_t i = 0; i < n; ++i) store16(out, i, floatToBf16(in[i]));
 }
 
 void fromHalf(const void* in, float* out, size_t n) {
 #if defined(COHORT_HAVE_AVX2_KERNELS)
-  if (useVector()) return fromAvx2<false, true>(in, out, n, 1.0f);
+  if (useAvx2()) return fromAvx2<false, true>(in, out, n, 1.0f);
 #endif
   for (size_t i = 0; i < n; ++i) out[i] = halfToFloat(load16(in, i));
 }
 
 void fromBf16(const void* in, float* out, size_t n) {
 #if defined(COHORT_HAVE_AVX2_KERNELS)
-  if (useVector()) return fromAvx2<false, false>(in, out, n, 1.0f);
+  if (useAvx2()) return fromAvx2<false, false>(in, out, n, 1.0f);
 #endif
   for (size_t i = 0; i < n; ++i) out[i] = bf16ToFloat(load16(in, i));
 }
 
 void addHalf(const void* in, float* out, size_t n, float scale) {
 #if defined(COHORT_HAVE_AVX2_KERNELS)
-  if (useVector()) return fromAvx2<true, true>(in, out, n, scale);
+  if (useAvx2()) return fromAvx2<true, true>(in, out, n, scale);
 #endif
   for (size_t i = 0; i < n; ++i) out[i] += scale * halfToFloat(load16(in, i));
 }
 
 void addBf16(const void* in, float* out, size_t n, float scale) {
 #if defined(COHORT_HAVE_AVX2_KERNELS)
-  if (useVector()) return fromAvx2<true, false>(in, out, n, scale);
+  if (useAvx2()) return fromAvx2<true, false>(in, out, n, scale);
 #endif
   for (size_t i = 0; i < n; ++i) out[i] += scale * bf16ToFloat(load16(in, i));
 }

@@ -1,6 +1,6 @@
 // The 16-bit conversions behind the dense codecs and the span functions of codec.h, on raw
 // buffers of any alignment: the scalar code (the reference) and AVX2/F16C kernels, chosen per call
-// by codecPath() and the CPU. Internal to src/compress.
+// by useAvx2() (path.h). Internal to src/compress.
 #pragma once
 
 #include <cstddef>
@@ -18,8 +18,5 @@ void fromBf16(const void* in, float* out, size_t n);
 // out[i] += scale * (the float of in[i]): one multiplication and one addition, both rounded.
 void addHalf(const void* in, float* out, size_t n, float scale);
 void addBf16(const void* in, float* out, size_t n, float scale);
-
-// Whether this call would run the AVX2 kernels: the Fast path on a CPU that has them.
-bool useVector();
 
 }  // namespace cohort::compress::convert

@@ -1,0 +1,48 @@
+// The process-wide choice between the Fast and Reference paths, and the CPU check.
+#include "compress/path.h"
+
+#include "compress/codec.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+
+namespace cohort::compress {
+
+namespace {
+
+CodecPath pathFromEnvironment() {
+  const char* value = std::getenv("COHORT_CODEC_PATH");
+  if (value == nullptr || std::string_view(value) == "fast") return CodecPath::Fast;
+  if (std::string_view(value) == "reference") return CodecPath::Reference;
+  throw InvalidArgument("COHORT_CODEC_PATH=" + std::string(value) + ": accepted values are fast and reference");
+}
+
+std::atomic<CodecPath>& pathSetting() {
+  static std::atomic<CodecPath> path{pathFromEnvironment()};
+  return path;
+}
+
+bool cpuHasAvx2F16c() {
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+CodecPath codecPath() { return pathSetting().load(std::memory_order_relaxed); }
+void setCodecPath(CodecPath path) { pathSetting().store(path, std::memory_order_relaxed); }
+
+bool vectorConversions() {
+  static const bool has = cpuHasAvx2F16c();
+  return has;
+}
+
+bool useAvx2() { return codecPath() == CodecPath::Fast && vectorConversions(); }
+
+}  // namespace cohort::compress
