@@ -9,6 +9,7 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -39,75 +40,260 @@ void putHeader(std::vector<uint8_t>& out, CodecKind kind, uint64_t length, float
   putU32(out, bodyBytes);
 }
 
+// For each 8-bit mask, the gaps between its consecutive set bits as bytes, lowest first.
+constexpr std::array<uint64_t, 256> kGaps = [] {
+  std::array<uint64_t, 256> gaps{};
+  for (unsigned mask = 1; mask < 256; ++mask) {
+    unsigned previous = unsigned(__builtin_ctz(mask));
+    unsigned byte = 0;
+    for (unsigned j = previous + 1; j < 8; ++j) {
+      if ((mask >> j) & 1) {
+        gaps[mask] |= uint64_t(j - previous) << (8 * byte++);
+        previous = j;
+      }
+    }
+  }
+  return gaps;
+}();
+
 // A sparse list: strictly increasing indices, each either a "sign entry" (decoded as +-magnitude,
 // the codec's parameter) or a "value entry" (an explicit float). Laid out as
 //   u32 n | n varints: the first index, then the difference to the previous one (>= 1)
 //   | value-entry bitmap | sign bitmap | the value entries' floats, in index order.
-// Entries are added in index order; the varints go straight into the body, the bitmaps and floats
-// wait beside it until finish() appends them.
+// Entries are added in index order through a Cursor: the varints go straight into the body, the
+// bitmaps' bits gather in 64-bit words, and finish() appends bitmaps and floats.
 class ListWriter {
  public:
+  // Where the list stands. The encoding loops hold it by value, so that the compiler keeps it in
+  // registers: a varint's byte store through a member pointer could alias any member.
+  struct Cursor {
+    uint8_t* next = nullptr;  // where the next varint goes
+    uint8_t* end = nullptr;   // the end of the room reserved in the body
+    uint32_t previous = 0;    // the last index added (0 before the first: its varint is the index)
+    uint32_t count = 0;
+    uint64_t valueBits = 0;  // the bitmaps' words for the entries since the last multiple of 64
+    uint64_t negativeBits = 0;
+  };
+
   // Starts a list at the end of body, which must outlive the list.
-  void begin(std::vector<uint8_t>& body) {
+  Cursor begin(std::vector<uint8_t>& body) {
     body_ = &body;
     countAt_ = body.size();
-    used_ = countAt_ + 4;
-    count_ = 0;
-    previous_ = 0;
-    isValue_.clear();
-    negative_.clear();
+    valueWords_.clear();
+    negativeWords_.clear();
     values_.clear();
+    body.resize(countAt_ + 4);
+    Cursor c;
+    c.next = c.end = body.data() + body.size();
+    return c;
   }
-  void addSign(size_t index, bool negative) {
-    add(index);
-    if (negative) negative_.back() |= uint8_t(1u << ((count_ - 1) % 8));
+  // Room for the varints of `entries` more entries (at most 5 bytes each).
+  Cursor reserve(Cursor c, size_t entries) {
+    if (size_t(c.end - c.next) < 5 * entries) [[unlikely]] {
+      const Room room = grow(c.next, 5 * entries);
+      c.next = room.next;
+      c.end = room.end;
+    }
+    return c;
   }
-  void addValue(size_t index, float value) {
-    add(index);
-    isValue_.back() |= uint8_t(1u << ((count_ - 1) % 8));
+  void addSign(Cursor& c, size_t index, bool negative) {
+    putVarint(c, index);
+    c.negativeBits |= uint64_t(negative) << (c.count % 64);
+    advance(c);
+  }
+  // Sign entries at base + j for every bit j of mask (8 bits, not 0), negative where negatives
+  // has bit j: the same bytes and bits as addSign for each, without a branch per entry.
+  void addSigns(Cursor& c, size_t base, unsigned mask, unsigned negatives) {
+    const unsigned first = unsigned(__builtin_ctz(mask));
+    putVarint(c, base + first);
+    // The gaps between the block's entries are below 8: one varint byte each, from a table.
+    const unsigned count = unsigned(__builtin_popcount(mask));
+    std::memcpy(c.next, &kGaps[mask], 8);
+    c.next += count - 1;
+    c.previous = uint32_t(base + 31 - unsigned(__builtin_clz(mask)));
+    uint64_t bits = 0;  // negatives of the masked lanes, side by side
+    unsigned at = 0;
+    negatives &= mask;
+    for (unsigned j = 0; j < 8; ++j) {
+      bits |= uint64_t((negatives >> j) & 1) << at;
+      at += (mask >> j) & 1;
+    }
+    const unsigned used = c.count % 64;
+    c.negativeBits |= bits << used;
+    c.count += count;
+    if (used + count >= 64) {
+      valueWords_.push_back(c.valueBits);
+      negativeWords_.push_back(c.negativeBits);
+      c.valueBits = 0;
+      c.negativeBits = bits >> (64 - used);  // used > 56 here
+    }
+  }
+  void addValue(Cursor& c, size_t index, float value) {
+    putVarint(c, index);
+    c.valueBits |= uint64_t(1) << (c.count % 64);
     values_.push_back(value);
+    advance(c);
   }
-  size_t count() const { return count_; }
-  void finish() {
+  void finish(Cursor c) {
+    if (c.count % 64 != 0) {
+      valueWords_.push_back(c.valueBits);
+      negativeWords_.push_back(c.negativeBits);
+    }
     std::vector<uint8_t>& body = *body_;
-    body.resize(used_);
-    for (int i = 0; i < 4; ++i) body[countAt_ + size_t(i)] = uint8_t(count_ >> (8 * i));
-    body.insert(body.end(), isValue_.begin(), isValue_.end());
-    body.insert(body.end(), negative_.begin(), negative_.end());
+    body.resize(size_t(c.next - body.data()));
+    for (int i = 0; i < 4; ++i) body[countAt_ + size_t(i)] = uint8_t(c.count >> (8 * i));
+    // Little-endian words: entry j's bit is bit j % 8 of byte j / 8, as in the layout.
+    const size_t bitmap = bitmapBytes(c.count);
+    for (const auto* words : {&valueWords_, &negativeWords_}) {
+      const auto* bytes = reinterpret_cast<const uint8_t*>(words->data());
+      body.insert(body.end(), bytes, bytes + bitmap);
+    }
     const size_t floatsAt = body.size();
     body.resize(floatsAt + 4 * values_.size());
     if (!values_.empty()) std::memcpy(body.data() + floatsAt, values_.data(), 4 * values_.size());
   }
 
  private:
-  void add(size_t index) {
-    uint32_t v = count_ == 0 ? uint32_t(index) : uint32_t(index) - previous_;
-    previous_ = uint32_t(index);
-    std::vector<uint8_t>& body = *body_;
-    if (body.size() < used_ + 5) body.resize(std::max(2 * body.size(), used_ + 4096));
-    uint8_t* p = body.data() + used_;
+  static void putVarint(Cursor& c, size_t index) {
+    uint32_t v = uint32_t(index) - c.previous;
+    c.previous = uint32_t(index);
     while (v >= 0x80) {
-      *p++ = uint8_t(v | 0x80);
+      *c.next++ = uint8_t(v | 0x80);
       v >>= 7;
     }
-    *p++ = uint8_t(v);
-    used_ = size_t(p - body.data());
-    if (count_ % 8 == 0) {
-      isValue_.push_back(0);
-      negative_.push_back(0);
+    *c.next++ = uint8_t(v);
+  }
+  void advance(Cursor& c) {
+    if (++c.count % 64 == 0) {
+      valueWords_.push_back(c.valueBits);
+      negativeWords_.push_back(c.negativeBits);
+      c.valueBits = c.negativeBits = 0;
     }
-    ++count_;
+  }
+  struct Room {
+    uint8_t* next;
+    uint8_t* end;
+  };
+  // Two pointers come back in registers, where a whole Cursor would go through memory.
+  [[gnu::noinline]] Room grow(uint8_t* next, size_t bytes) {
+    std::vector<uint8_t>& body = *body_;
+    const size_t used = size_t(next - body.data());
+    body.resize(std::max(2 * body.size(), used + bytes + 4096));
+    return {body.data() + used, body.data() + body.size()};
   }
 
   std::vector<uint8_t>* body_ = nullptr;
   size_t countAt_ = 0;  // where the u32 n goes
-  size_t used_ = 0;     // body bytes written so far
-  size_t count_ = 0;
-  uint32_t previous_ = 0;
-  std::vector<uint8_t> isValue_;
-  std::vector<uint8_t> negative_;
+  std::vector<uint64_t> valueWords_;
+  std::vector<uint64_t> negativeWords_;
   std::vector<float> values_;
 };
+using Cursor = ListWriter::Cursor;
+
+// acc[i] = residual[i] + input[i], in place.
+void accumulate(std::span<const float> input, float* residual) {
+  for (size_t i = 0; i < input.size(); ++i) residual[i] += input[i];
+}
+
+// ---- threshold -----------------------------------------------------------------------------------
+//
+// tau has at most 8 significant bits, tau = m * 2^q with m < 2^8, so for tau <= |acc| < 2^16 tau
+// both acc and tau are multiples of ulp(acc) and acc -+ tau (smaller than |acc|) is exact: a sign
+// entry. Beyond that, r = fl(acc -+ tau) lies within a factor 2 of acc, so acc - r is exact
+// (Sterbenz) and is sent as a value entry: +-tau up to acc's rounding, so that the step stays as
+// small as Strom's however large the residual has grown. Only when tau is below half an ulp of acc
+// (|acc| > 2^24 tau, r == acc) is acc sent whole; non-finite acc too.
+
+// What threshold sends for an entry whose acc a has !(|a| < tau) (|a| >= tau, or NaN): a sign entry
+// (+-tau) or a value entry, and the residual it keeps.
+struct ThresholdEntry {
+  bool isValue;
+  float value;
+  float residual;
+};
+inline ThresholdEntry thresholdEntry(float a, float tau) {
+  if (std::isnan(a)) return {true, a, 0.0f};
+  const float r = a < 0.0f ? a + tau : a - tau;
+  if (std::fabs(a) < tau * 65536.0f) return {false, 0.0f, r};
+  if (std::isfinite(a) && r != a) return {true, a - r, r};
+  return {true, a, 0.0f};
+}
+inline void addThresholdEntry(ListWriter& list, Cursor& c, size_t i, float a, float tau, float* residual) {
+  const ThresholdEntry e = thresholdEntry(a, tau);
+  if (e.isValue) {
+    list.addValue(c, i, e.value);
+  } else {
+    list.addSign(c, i, a < 0.0f);
+  }
+  residual[i] = e.residual;
+}
+
+// The reference: acc is already in place.
+void encodeThreshold(float* acc, size_t n, float tau, ListWriter& list, Cursor& c) {
+  for (size_t i = 0; i < n; ++i) {
+    if (std::fabs(acc[i]) < tau) continue;
+    c = list.reserve(c, 1);
+    addThresholdEntry(list, c, i, acc[i], tau, acc);
+  }
+}
+
+// The same in one pass that also forms acc = residual + input, from entry `from` on.
+void encodeThresholdFused(std::span<const float> input, float* residual, float tau, ListWriter& list, Cursor& c,
+                          size_t from = 0) {
+  for (size_t i = from; i < input.size(); ++i) {
+    const float a = residual[i] + input[i];
+    residual[i] = a;
+    if (std::fabs(a) < tau) continue;
+    c = list.reserve(c, 1);
+    addThresholdEntry(list, c, i, a, tau, residual);
+  }
+}
+
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+// encodeThresholdFused, 8 entries at a time: the sums, the test against tau and the sign entries'
+// residuals in vector lanes, so that the branches are per 8 entries (a fraction of the entries
+// passes tau at random: a branch per entry would be mispredicted at that rate). Entries beyond
+// 2^16 tau and NaN go through thresholdEntry.
+COHORT_AVX2 void encodeThresholdAvx2(std::span<const float> input, float* residual, float tau, ListWriter& list,
+                                     Cursor& cursor) {
+  Cursor c = cursor;
+  const __m256 tauV = _mm256_set1_ps(tau);
+  const __m256 limit = _mm256_set1_ps(tau * 65536.0f);
+  const __m256 absMask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  size_t i = 0;
+  for (; i + 8 <= input.size(); i += 8) {
+    const __m256 a = _mm256_add_ps(_mm256_loadu_ps(residual + i), _mm256_loadu_ps(input.data() + i));
+    const __m256 m = _mm256_and_ps(a, absMask);
+    const __m256 passes = _mm256_cmp_ps(m, tauV, _CMP_NLT_UQ);  // !(|a| < tau): NaN too
+    const unsigned send = unsigned(_mm256_movemask_ps(passes));
+    if (send == 0) {
+      _mm256_storeu_ps(residual + i, a);
+      continue;
+    }
+    const __m256 negative = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 r = _mm256_blendv_ps(_mm256_sub_ps(a, tauV), _mm256_add_ps(a, tauV), negative);
+    const __m256 signEntry = _mm256_and_ps(passes, _mm256_cmp_ps(m, limit, _CMP_LT_OQ));
+    _mm256_storeu_ps(residual + i, _mm256_blendv_ps(a, r, signEntry));
+    const unsigned signs = unsigned(_mm256_movemask_ps(signEntry));
+    const unsigned negatives = unsigned(_mm256_movemask_ps(negative));
+    c = list.reserve(c, 8);
+    if (send == signs) {
+      list.addSigns(c, i, signs, negatives);
+      continue;
+    }
+    for (unsigned bits = send; bits != 0; bits &= bits - 1) {
+      const unsigned j = unsigned(__builtin_ctz(bits));
+      if ((signs >> j) & 1) {
+        list.addSign(c, i + j, (negatives >> j) & 1);
+      } else {
+        addThresholdEntry(list, c, i + j, residual[i + j], tau, residual);
+      }
+    }
+  }
+  encodeThresholdFused(input, residual, tau, list, c, i);
+  cursor = c;
+}
+#endif
 
 }  // namespace
 
@@ -168,9 +354,11 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
     default: break;
   }
 
-  // Error feedback: the residual becomes acc = input + residual, and then acc - sent.
+  // Error feedback: the residual becomes acc = input + residual, and then acc - sent. The Fast
+  // path adds input in the same pass that reads acc (threshold, topk) or sums it (onebit).
   float* acc = residual_.data();
-  for (size_t i = 0; i < n; ++i) acc[i] += input[i];
+  const bool fused = codecPath() == CodecPath::Fast && spec_.kind == CodecKind::Threshold;
+  if (!fused) accumulate(input, acc);
   std::vector<uint8_t>& body = scratch_->body;
   body.clear();
   ListWriter& list = scratch_->list;
@@ -195,7 +383,7 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
       if (std::isfinite(acc[i]) && std::fabs(acc[i]) > kth) ++above;
     }
     size_t ties = k > above ? k - above : 0;
-    list.begin(body);
+    Cursor c = list.begin(body);
     for (size_t i = 0; i < n; ++i) {
       const float a = acc[i];
       const float m = std::fabs(a);
@@ -205,47 +393,27 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
         --ties;
       }
       if (send) {
-        list.addValue(i, a);
+        c = list.reserve(c, 1);
+        list.addValue(c, i, a);
         acc[i] = 0.0f;
       }
     }
-    list.finish();
-    lastSent_ = list.count();
+    list.finish(c);
+    lastSent_ = c.count;
   } else if (spec_.kind == CodecKind::Threshold) {
-    const float tau = spec_.tau;
-    param = tau;
-    // tau has at most 8 significant bits, tau = m * 2^q with m < 2^8, so for tau <= |acc| < 2^16 tau
-    // both acc and tau are multiples of ulp(acc) and acc -+ tau (smaller than |acc|) is exact: a
-    // sign entry. Beyond that, r = fl(acc -+ tau) lies within a factor 2 of acc, so acc - r is
-    // exact (Sterbenz) and is sent as a value entry: +-tau up to acc's rounding, so that the step
-    // stays as small as Strom's however large the residual has grown. Only when tau is below
-    // half an ulp of acc (|acc| > 2^24 tau, r == acc) is acc sent whole; non-finite acc too.
-    const float limit = tau * 65536.0f;
-    list.begin(body);
-    for (size_t i = 0; i < n; ++i) {
-      const float a = acc[i];
-      const float m = std::fabs(a);
-      if (!(m >= tau)) {
-        if (!std::isfinite(a)) {  // NaN
-          list.addValue(i, a);
-          acc[i] = 0.0f;
-        }
-        continue;
-      }
-      const float r = a < 0.0f ? a + tau : a - tau;
-      if (m < limit) {
-        list.addSign(i, a < 0.0f);
-        acc[i] = r;
-      } else if (std::isfinite(a) && r != a) {
-        list.addValue(i, a - r);
-        acc[i] = r;
-      } else {
-        list.addValue(i, a);
-        acc[i] = 0.0f;
-      }
+    param = spec_.tau;
+    Cursor c = list.begin(body);
+    if (!fused) {
+      encodeThreshold(acc, n, spec_.tau, list, c);
+    } else if (useAvx2()) {
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+      encodeThresholdAvx2(input, acc, spec_.tau, list, c);
+#endif
+    } else {
+      encodeThresholdFused(input, acc, spec_.tau, list, c);
     }
-    list.finish();
-    lastSent_ = list.count();
+    list.finish(c);
+    lastSent_ = c.count;
   } else {  // OneBit
     // One scale per sign, the mean |acc| of the entries of that sign; zero counts as positive.
     double sumPos = 0, sumNeg = 0;
@@ -268,11 +436,12 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
     putF32(body, negative);
     const size_t bitmapAt = body.size();
     body.resize(bitmapAt + bitmapBytes(n), 0);
-    list.begin(body);
+    Cursor c = list.begin(body);
     for (size_t i = 0; i < n; ++i) {
       const float a = acc[i];
       if (!std::isfinite(a)) {
-        list.addValue(i, a);
+        c = list.reserve(c, 1);
+        list.addValue(c, i, a);
         acc[i] = 0.0f;
       } else if (a < 0.0f) {
         body[bitmapAt + i / 8] |= uint8_t(1u << (i % 8));
@@ -281,7 +450,7 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
         acc[i] = a - positive;
       }
     }
-    list.finish();
+    list.finish(c);
   }
 
   COHORT_CHECK(body.size() <= std::numeric_limits<uint32_t>::max(), InvalidArgument, "a ", kindName(spec_.kind),
