@@ -295,6 +295,113 @@ COHORT_AVX2 void encodeThresholdAvx2(std::span<const float> input, float* residu
 }
 #endif
 
+// ---- onebit ---------------------------------------------------------------------------------------
+
+// One scale per sign, the mean |acc| of the finite entries of that sign; zero counts as positive.
+// The means of finite floats are finite floats.
+struct OneBitScales {
+  float positive = 0.0f;
+  float negative = 0.0f;
+};
+
+// The sums run in double, entry by entry in index order, on both paths: the same roundings.
+struct OneBitSums {
+  double positive = 0, negative = 0;
+  size_t nPositive = 0, nNegative = 0;
+
+  OneBitScales scales() const {
+    return {nPositive ? float(positive / double(nPositive)) : 0.0f,
+            nNegative ? float(negative / double(nNegative)) : 0.0f};
+  }
+};
+
+// The reference: acc is already in place.
+OneBitScales oneBitScales(const float* acc, size_t n) {
+  OneBitSums sums;
+  for (size_t i = 0; i < n; ++i) {
+    const float a = acc[i];
+    if (!std::isfinite(a)) continue;
+    if (a < 0.0f) {
+      sums.negative -= a;
+      ++sums.nNegative;
+    } else {
+      sums.positive += a;
+      ++sums.nPositive;
+    }
+  }
+  return sums.scales();
+}
+
+// The same in the pass that forms acc = residual + input. Without a branch on the sign (random in
+// a gradient): the other sum gets +0.0, which leaves it unchanged (a sum of +0.0 and non-negative
+// terms is never -0.0), and non-finite entries give +0.0 to both.
+OneBitScales oneBitScalesFused(std::span<const float> input, float* residual) {
+  OneBitSums sums;
+  for (size_t i = 0; i < input.size(); ++i) {
+    const float a = residual[i] + input[i];
+    residual[i] = a;
+    const uint32_t bits = std::bit_cast<uint32_t>(a);
+    const uint32_t finite = (bits & 0x7f800000u) != 0x7f800000u;
+    const uint32_t negative = finite & (a < 0.0f);
+    const uint32_t positive = finite & !negative;
+    sums.positive += double(std::bit_cast<float>(bits & (0u - positive)));
+    sums.negative -= double(std::bit_cast<float>(bits & (0u - negative)));
+    sums.nPositive += positive;
+    sums.nNegative += negative;
+  }
+  return sums.scales();
+}
+
+// The sign bitmap (in body at bitmapAt, zeroed) and acc := acc -+ scale, for entries [from, n);
+// non-finite entries are escapes: value entries in the list, residual 0.
+void oneBitSigns(float* acc, size_t from, size_t n, OneBitScales scales, std::vector<uint8_t>& body,
+                 size_t bitmapAt, ListWriter& list, Cursor& c) {
+  for (size_t i = from; i < n; ++i) {
+    const float a = acc[i];
+    if (!std::isfinite(a)) {
+      c = list.reserve(c, 1);
+      list.addValue(c, i, a);
+      acc[i] = 0.0f;
+    } else if (a < 0.0f) {
+      body[bitmapAt + i / 8] |= uint8_t(1u << (i % 8));
+      acc[i] = a + scales.negative;
+    } else {
+      acc[i] = a - scales.positive;
+    }
+  }
+}
+
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+// oneBitSigns, 8 entries (one bitmap byte) at a time.
+COHORT_AVX2 void oneBitSignsAvx2(float* acc, size_t n, OneBitScales scales, std::vector<uint8_t>& body,
+                                 size_t bitmapAt, ListWriter& list, Cursor& c) {
+  const __m256 positive = _mm256_set1_ps(scales.positive);
+  const __m256 negative = _mm256_set1_ps(scales.negative);
+  const __m256 absMask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 infinity = _mm256_castsi256_ps(_mm256_set1_epi32(0x7f800000));
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(acc + i);
+    const __m256 finite = _mm256_cmp_ps(_mm256_and_ps(a, absMask), infinity, _CMP_LT_OQ);
+    const __m256 isNegative = _mm256_and_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ), finite);
+    body[bitmapAt + i / 8] = uint8_t(_mm256_movemask_ps(isNegative));
+    const __m256 r = _mm256_blendv_ps(_mm256_sub_ps(a, positive), _mm256_add_ps(a, negative), isNegative);
+    _mm256_storeu_ps(acc + i, r);
+    if (const unsigned escapes = ~unsigned(_mm256_movemask_ps(finite)) & 0xffu) {
+      alignas(32) float values[8];
+      _mm256_store_ps(values, a);
+      c = list.reserve(c, 8);
+      for (unsigned bits = escapes; bits != 0; bits &= bits - 1) {
+        const unsigned j = unsigned(__builtin_ctz(bits));
+        list.addValue(c, i + j, values[j]);
+        acc[i + j] = 0.0f;
+      }
+    }
+  }
+  oneBitSigns(acc, i, n, scales, body, bitmapAt, list, c);
+}
+#endif
+
 }  // namespace
 
 struct Encoder::Scratch {
@@ -357,7 +464,7 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
   // Error feedback: the residual becomes acc = input + residual, and then acc - sent. The Fast
   // path adds input in the same pass that reads acc (threshold, topk) or sums it (onebit).
   float* acc = residual_.data();
-  const bool fused = codecPath() == CodecPath::Fast && spec_.kind == CodecKind::Threshold;
+  const bool fused = codecPath() == CodecPath::Fast && spec_.kind != CodecKind::TopK;
   if (!fused) accumulate(input, acc);
   std::vector<uint8_t>& body = scratch_->body;
   body.clear();
@@ -415,40 +522,18 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
     list.finish(c);
     lastSent_ = c.count;
   } else {  // OneBit
-    // One scale per sign, the mean |acc| of the entries of that sign; zero counts as positive.
-    double sumPos = 0, sumNeg = 0;
-    size_t nPos = 0, nNeg = 0;
-    for (size_t i = 0; i < n; ++i) {
-      const float a = acc[i];
-      if (!std::isfinite(a)) continue;
-      if (a < 0.0f) {
-        sumNeg -= a;
-        ++nNeg;
-      } else {
-        sumPos += a;
-        ++nPos;
-      }
-    }
-    const float positive = nPos ? float(sumPos / double(nPos)) : 0.0f;
-    const float negative = nNeg ? float(sumNeg / double(nNeg)) : 0.0f;
-    // The means of finite floats are finite floats.
-    putF32(body, positive);
-    putF32(body, negative);
+    const OneBitScales scales = fused ? oneBitScalesFused(input, acc) : oneBitScales(acc, n);
+    putF32(body, scales.positive);
+    putF32(body, scales.negative);
     const size_t bitmapAt = body.size();
     body.resize(bitmapAt + bitmapBytes(n), 0);
     Cursor c = list.begin(body);
-    for (size_t i = 0; i < n; ++i) {
-      const float a = acc[i];
-      if (!std::isfinite(a)) {
-        c = list.reserve(c, 1);
-        list.addValue(c, i, a);
-        acc[i] = 0.0f;
-      } else if (a < 0.0f) {
-        body[bitmapAt + i / 8] |= uint8_t(1u << (i % 8));
-        acc[i] = a + negative;
-      } else {
-        acc[i] = a - positive;
-      }
+    if (fused && useAvx2()) {
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+      oneBitSignsAvx2(acc, n, scales, body, bitmapAt, list, c);
+#endif
+    } else {
+      oneBitSigns(acc, 0, n, scales, body, bitmapAt, list, c);
     }
     list.finish(c);
   }
