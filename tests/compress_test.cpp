@@ -1,6 +1,7 @@
 // The codecs on their own (src/compress): round trips, exact residual bookkeeping, edge values,
 // and every kind of malformed message. Torch-free: the binary builds in seconds.
 #include "compress/codec.h"
+#include "compress/path.h"
 
 #include <gtest/gtest.h>
 #include <zstd.h>
@@ -422,6 +423,101 @@ TEST(CodecPaths, EncodersAndDecodersAreBitIdentical) {
         ASSERT_EQ(fastResiduals[step], refResiduals[step]) << "step " << step;
         ASSERT_EQ(fastSums[step], refSums[step]) << "step " << step;
       }
+    }
+  }
+}
+
+// Runs f with the Fast path's tuning set to `tuning`, then puts the defaults back.
+template <typename F>
+auto withTuning(FastPathTuning tuning, F&& f) {
+  setFastPathTuning(tuning);
+  struct Restore {
+    ~Restore() { setFastPathTuning({}); }
+  } restore;
+  return f();
+}
+
+// Inputs that stress topk's sampled threshold: heavy ties, mostly zeros, non-finite entries, a
+// few huge entries in one stretch, and plain gaussians.
+std::vector<float> topkInput(int shape, size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto v = gaussian(n, seed, 1e-3f);
+  switch (shape) {
+    case 0: break;
+    case 1:  // five values only: long runs of ties at every rank
+      for (auto& x : v) x = float(int(rng() % 5) - 2) * 0.25f;
+      break;
+    case 2:  // 99.5% zeros
+      for (auto& x : v) x = rng() % 200 == 0 ? x : 0.0f;
+      break;
+    case 3:  // NaN and infinities among the values
+      for (size_t i = 0; i < n; i += 97) v[i] = i % 3 == 0 ? NAN : i % 3 == 1 ? INFINITY : -INFINITY;
+      break;
+    case 4:  // the largest entries all in one stretch
+      for (size_t i = n / 3; i < n / 3 + n / 50; ++i) v[i] *= 1000.0f;
+      break;
+  }
+  return v;
+}
+
+// The sampled threshold only narrows the candidates: the same entries as the full selection, so
+// exactly k of the finite ones (fewer only when fewer are nonzero), whatever the sample says.
+TEST(CodecPaths, SampledTopKSendsWhatTheFullSelectionSends) {
+  const std::vector<FastPathTuning> tunings = {
+      {},                                               // the default
+      {.topkSampleSigmas = -1e9},                       // the estimate far too high: always the rescan
+      {.topkSampleSigmas = 30, .topkMinSampledLength = 0},  // sampled however short, far too low
+  };
+  for (size_t tuning = 0; tuning < tunings.size(); ++tuning) {
+    for (int shape = 0; shape < 5; ++shape) {
+      for (double ratio : {1e-6, 0.001, 0.01, 0.3, 1.0}) {
+        for (size_t n : {size_t(33), size_t(40000)}) {
+          SCOPED_TRACE("tuning " + std::to_string(tuning) + " shape " + std::to_string(shape) + " ratio " +
+                       std::to_string(ratio) + " n " + std::to_string(n));
+          const CodecSpec spec{.kind = CodecKind::TopK, .ratio = ratio};
+          auto run = [&] {
+            Encoder enc(spec, n);
+            std::vector<std::vector<uint8_t>> messages;
+            std::vector<size_t> sent;
+            for (int step = 0; step < 3; ++step) {
+              messages.push_back(enc.encode(topkInput(shape, n, uint32_t(7 * step + shape))));
+              sent.push_back(enc.lastSent());
+            }
+            return std::pair(messages, sent);
+          };
+          const auto fast = withTuning(tunings[tuning], [&] { return onPath(CodecPath::Fast, run); });
+          const auto reference = onPath(CodecPath::Reference, run);
+          ASSERT_EQ(fast.first, reference.first);
+          ASSERT_EQ(fast.second, reference.second);
+          // The count on the first step, from the input alone.
+          const auto input = topkInput(shape, n, uint32_t(shape));
+          size_t finite = 0, nonzero = 0;
+          for (float x : input) {
+            finite += std::isfinite(x);
+            nonzero += std::isfinite(x) && x != 0.0f;
+          }
+          const size_t k = size_t(std::ceil(ratio * double(finite)));
+          EXPECT_EQ(fast.second[0], std::min(k, nonzero) + (n - finite));
+        }
+      }
+    }
+  }
+}
+
+// sent + residual == acc, bit for bit, on the sampled path too (buffers long enough to sample).
+TEST(CodecPaths, SampledTopKKeepsTheResidualExact) {
+  const size_t n = 60000;
+  Encoder enc(CodecSpec::parse("topk:0.01"), n);
+  std::vector<float> residual(n, 0.0f);
+  for (int step = 0; step < 20; ++step) {
+    const auto input = gaussian(n, 300 + step, step % 4 == 0 ? 1.0f : 1e-3f);
+    const auto sent = decode(enc.encode(input), n);
+    EXPECT_EQ(enc.lastSent(), n / 100);
+    for (size_t i = 0; i < n; ++i) {
+      const float acc = residual[i] + input[i];
+      ASSERT_EQ(double(sent[i]) + double(enc.residual()[i]), double(acc)) << "step " << step << " entry " << i;
+      ASSERT_TRUE(sent[i] == 0.0f || enc.residual()[i] == 0.0f);
+      residual[i] = enc.residual()[i];
     }
   }
 }

@@ -24,6 +24,9 @@ std::atomic<CodecPath>& pathSetting() {
   return path;
 }
 
+std::atomic<double> topkSampleSigmas{FastPathTuning{}.topkSampleSigmas};
+std::atomic<size_t> topkMinSampledLength{FastPathTuning{}.topkMinSampledLength};
+
 bool cpuHasAvx2F16c() {
 #if defined(COHORT_HAVE_AVX2_KERNELS)
   __builtin_cpu_init();
@@ -44,5 +47,15 @@ bool vectorConversions() {
 }
 
 bool useAvx2() { return codecPath() == CodecPath::Fast && vectorConversions(); }
+
+FastPathTuning fastPathTuning() {
+  return {.topkSampleSigmas = topkSampleSigmas.load(std::memory_order_relaxed),
+          .topkMinSampledLength = topkMinSampledLength.load(std::memory_order_relaxed)};
+}
+
+void setFastPathTuning(FastPathTuning tuning) {
+  topkSampleSigmas.store(tuning.topkSampleSigmas, std::memory_order_relaxed);
+  topkMinSampledLength.store(tuning.topkMinSampledLength, std::memory_order_relaxed);
+}
 
 }  // namespace cohort::compress
