@@ -4,6 +4,7 @@
 
 #include "compress/convert.h"
 #include "compress/format.h"
+#include "compress/path.h"
 
 #include <zstd.h>
 
@@ -28,6 +29,7 @@ class Reader {
   Reader(const uint8_t* data, size_t size, const char* what) : p_(data), end_(data + size), what_(what) {}
 
   size_t left() const { return size_t(end_ - p_); }
+  const uint8_t* position() const { return p_; }
   const uint8_t* take(size_t n) {
     if (n > left()) malformed(std::string(what_) + " is truncated");
     const uint8_t* at = p_;
@@ -74,18 +76,46 @@ void checkPadding(const uint8_t* bitmap, uint64_t bits, const char* what) {
   }
 }
 
-struct Entry {
-  uint32_t index;
-  bool isValue;
-  bool negative;
-  float value;  // for value entries
+// A sparse list inside a body, checked (every rule of the layout), read in place.
+struct ListView {
+  uint32_t count = 0;
+  const uint8_t* varints = nullptr;
+  const uint8_t* isValue = nullptr;   // bitmap
+  const uint8_t* negative = nullptr;  // bitmap
+  const uint8_t* values = nullptr;    // one little-endian f32 per value entry, in index order
+
+  // f(index, isValue, negative, value bits) for each entry, in index order. Only on a checked list.
+  template <typename F>
+  void forEach(F&& f) const {
+    const uint8_t* p = varints;
+    const uint8_t* value = values;
+    uint32_t index = 0;
+    for (uint32_t i = 0; i < count; ++i) {
+      uint32_t delta = 0;
+      for (int shift = 0;; shift += 7) {
+        const uint8_t b = *p++;
+        delta |= uint32_t(b & 0x7f) << shift;
+        if (!(b & 0x80)) break;
+      }
+      index += delta;  // the first varint is the index itself
+      const bool isValueEntry = bitAt(isValue, i);
+      uint32_t bits = 0;
+      if (isValueEntry) {
+        std::memcpy(&bits, value, 4);
+        value += 4;
+      }
+      f(index, isValueEntry, bitAt(negative, i), bits);
+    }
+  }
 };
 
 // Reads and checks a sparse list for a buffer of `length` entries.
-std::vector<Entry> readList(Reader& in, uint64_t length, bool signEntriesAllowed) {
+ListView readList(Reader& in, uint64_t length, bool signEntriesAllowed) {
+  ListView list;
   const uint32_t n = in.u32();
   if (n > length) malformed("the list has " + std::to_string(n) + " entries for a length of " + std::to_string(length));
-  std::vector<Entry> entries(n);
+  list.count = n;
+  list.varints = in.position();
   uint64_t prev = 0;
   for (uint32_t i = 0; i < n; ++i) {
     const uint32_t delta = in.varint();
@@ -94,23 +124,54 @@ std::vector<Entry> readList(Reader& in, uint64_t length, bool signEntriesAllowed
     if (index >= length) {
       malformed("index " + std::to_string(index) + " is out of range for a length of " + std::to_string(length));
     }
-    entries[i].index = uint32_t(index);
     prev = index;
   }
-  const uint8_t* isValue = in.take(bitmapBytes(n));
-  const uint8_t* negative = in.take(bitmapBytes(n));
-  checkPadding(isValue, n, "the value-entry bitmap");
-  checkPadding(negative, n, "the sign bitmap");
-  for (uint32_t i = 0; i < n; ++i) {
-    entries[i].isValue = bitAt(isValue, i);
-    entries[i].negative = bitAt(negative, i);
-    if (entries[i].isValue && entries[i].negative) malformed("a value entry has its sign bit set");
-    if (!entries[i].isValue && !signEntriesAllowed) malformed("this codec's list has a sign entry");
+  const size_t bitmap = bitmapBytes(n);
+  list.isValue = in.take(bitmap);
+  list.negative = in.take(bitmap);
+  checkPadding(list.isValue, n, "the value-entry bitmap");
+  checkPadding(list.negative, n, "the sign bitmap");
+  size_t values = 0;
+  for (size_t b = 0; b < bitmap; ++b) {
+    if (list.isValue[b] & list.negative[b]) malformed("a value entry has its sign bit set");
+    // The padding bits are zero (checked above): a full last byte is what a full list has.
+    const uint8_t full = b + 1 < bitmap || n % 8 == 0 ? 0xff : uint8_t((1u << (n % 8)) - 1);
+    if (!signEntriesAllowed && list.isValue[b] != full) malformed("this codec's list has a sign entry");
+    values += size_t(std::popcount(list.isValue[b]));
   }
-  for (auto& e : entries) {
-    if (e.isValue) e.value = in.f32();
+  list.values = in.take(4 * values);
+  return list;
+}
+
+// out[i] += (sign bit i ? minus : plus) for i in [from, to).
+void addOneBitSignsScalar(const uint8_t* signs, size_t from, size_t to, float plus, float minus, float* out) {
+  for (size_t i = from; i < to; ++i) out[i] += bitAt(signs, i) ? minus : plus;
+}
+
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+// The same, a bitmap byte (8 entries) at a time where the range allows.
+COHORT_AVX2 void addOneBitSignsAvx2(const uint8_t* signs, size_t from, size_t to, float plus, float minus,
+                                    float* out) {
+  const size_t blocksFrom = std::min(to, (from + 7) / 8 * 8);
+  addOneBitSignsScalar(signs, from, blocksFrom, plus, minus, out);
+  const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 plusV = _mm256_set1_ps(plus);
+  const __m256 minusV = _mm256_set1_ps(minus);
+  size_t i = blocksFrom;
+  for (; i + 8 <= to; i += 8) {
+    const __m256i byte = _mm256_set1_epi32(signs[i / 8]);
+    const __m256 negative = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(byte, lanes), lanes));
+    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_blendv_ps(plusV, minusV, negative)));
   }
-  return entries;
+  addOneBitSignsScalar(signs, i, to, plus, minus, out);
+}
+#endif
+
+void addOneBitSigns(const uint8_t* signs, size_t from, size_t to, float plus, float minus, float* out) {
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+  if (useAvx2()) return addOneBitSignsAvx2(signs, from, to, plus, minus, out);
+#endif
+  addOneBitSignsScalar(signs, from, to, plus, minus, out);
 }
 
 size_t elementBytes(CodecKind kind) {
@@ -305,11 +366,14 @@ void decodeAdd(std::span<const uint8_t> message, std::span<float> out, float sca
     case CodecKind::Threshold: {
       const std::vector<uint8_t> body = inflate(p);
       Reader in(body.data(), body.size(), "the body");
-      const std::vector<Entry> entries = readList(in, length, p.info.kind == CodecKind::Threshold);
+      const ListView list = readList(in, length, p.info.kind == CodecKind::Threshold);
       in.expectEnd();
-      for (const Entry& e : entries) {
-        out[e.index] += scale * (e.isValue ? e.value : e.negative ? -p.info.param : p.info.param);
-      }
+      // A sign entry is +-param: param's bits with the sign bit flipped, chosen without a branch.
+      const uint32_t param = std::bit_cast<uint32_t>(p.info.param);
+      list.forEach([&](uint32_t index, bool isValue, bool negative, uint32_t value) {
+        const uint32_t bits = isValue ? value : param ^ (uint32_t(negative) << 31);
+        out[index] += scale * std::bit_cast<float>(bits);
+      });
       return;
     }
     case CodecKind::OneBit: {
@@ -322,19 +386,20 @@ void decodeAdd(std::span<const uint8_t> message, std::span<float> out, float sca
       }
       const uint8_t* signs = in.take(bitmapBytes(length));
       checkPadding(signs, length, "the sign bitmap");
-      const std::vector<Entry> escapes = readList(in, length, false);
+      const ListView escapes = readList(in, length, false);
       in.expectEnd();
-      for (const Entry& e : escapes) {
-        if (bitAt(signs, e.index)) malformed("an escaped entry has its sign bit set");
-      }
-      size_t next = 0;
-      for (size_t i = 0; i < length; ++i) {
-        if (next < escapes.size() && escapes[next].index == i) {
-          out[i] += scale * escapes[next++].value;
-        } else {
-          out[i] += scale * (bitAt(signs, i) ? -negative : positive);
-        }
-      }
+      escapes.forEach([&](uint32_t index, bool, bool, uint32_t) {
+        if (bitAt(signs, index)) malformed("an escaped entry has its sign bit set");
+      });
+      const float plus = scale * positive;
+      const float minus = scale * -negative;
+      size_t next = 0;  // the entries between escapes take their sign's scale
+      escapes.forEach([&](uint32_t index, bool, bool, uint32_t value) {
+        addOneBitSigns(signs, next, index, plus, minus, out.data());
+        out[index] += scale * std::bit_cast<float>(value);
+        next = index + 1;
+      });
+      addOneBitSigns(signs, next, length, plus, minus, out.data());
       return;
     }
   }
