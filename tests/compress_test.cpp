@@ -522,6 +522,30 @@ TEST(CodecPaths, SampledTopKKeepsTheResidualExact) {
   }
 }
 
+// onebit's scales are means of sums in double; the Fast path sums in eight lanes and keeps the
+// result only when it provably rounds to the same float as the reference's sequential sum. Here
+// the means sit exactly between two floats (a tie: the lanes cannot decide, so the reference sums
+// run) or the sums lose low bits in different places.
+TEST(CodecPaths, OneBitScalesMatchTheSequentialSums) {
+  const float next = std::nextafter(1.0f, 2.0f);
+  std::vector<std::vector<float>> inputs;
+  inputs.push_back({});
+  for (int i = 0; i < 64; ++i) inputs.back().push_back(i % 4 == 0 ? 1.0f : i % 4 == 1 ? next : i % 4 == 2 ? -1.0f : -next);
+  inputs.push_back(std::vector<float>(1001, 1.0f));
+  inputs.back()[0] = 1e16f;  // the sequential sum rounds every 1 that follows away, the lanes keep them
+  inputs.back()[500] = -3e15f;
+  inputs.push_back(gaussian(100003, 5, 1e-3f));
+  for (size_t i = 0; i < inputs.back().size(); i += 3) inputs.back()[i] *= 1e6f;
+  for (const auto& input : inputs) {
+    auto run = [&] {
+      Encoder enc(CodecSpec::parse("onebit"), input.size());
+      auto message = enc.encode(input);
+      return std::pair(message, bitsOf(enc.residual()));
+    };
+    EXPECT_EQ(onPath(CodecPath::Fast, run), onPath(CodecPath::Reference, run)) << input.size();
+  }
+}
+
 // ---- malformed messages ------------------------------------------------------------------------
 
 void expectMalformed(const std::vector<uint8_t>& message, size_t n, const std::string& words) {
