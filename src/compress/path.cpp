@@ -3,6 +3,10 @@
 
 #include "compress/codec.h"
 
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+#include <cpuid.h>
+#endif
+
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -29,8 +33,11 @@ std::atomic<size_t> topkMinSampledLength{FastPathTuning{}.topkMinSampledLength};
 
 bool cpuHasAvx2F16c() {
 #if defined(COHORT_HAVE_AVX2_KERNELS)
+  // __builtin_cpu_supports("avx2") includes the OS's support for the AVX registers; clang 14 knows
+  // no "f16c" there, so that bit comes from CPUID leaf 1 directly.
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __builtin_cpu_supports("avx2") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
 #else
   return false;
 #endif
