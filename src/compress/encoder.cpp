@@ -16,6 +16,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <ranges>
 
 namespace cohort::compress {
 
@@ -516,25 +517,21 @@ size_t topKCount(double ratio, size_t finite) {
   return finite == 0 ? 0 : std::clamp<size_t>(size_t(std::ceil(ratio * double(finite))), 1, finite);
 }
 
-// The reference: acc is already in place; a selection over every finite |acc|.
-void encodeTopK(float* acc, size_t n, double ratio, std::vector<float>& mags, ListWriter& list, Cursor& c) {
-  mags.clear();
-  for (size_t i = 0; i < n; ++i) {
-    if (std::isfinite(acc[i])) mags.push_back(std::fabs(acc[i]));
-  }
+// Sends the k largest finite |acc| among the entries `indices` (increasing), ties in index order,
+// zeros never, and every non-finite one; mags holds the finite |acc| of exactly those entries.
+template <typename Indices>
+void sendLargest(float* acc, const Indices& indices, std::vector<float>& mags, size_t k, ListWriter& list,
+                 Cursor& c) {
   const size_t finite = mags.size();
-  const size_t k = topKCount(ratio, finite);
   float kth = 0.0f;
   if (k > 0 && k < finite) {
     std::nth_element(mags.begin(), mags.begin() + (finite - k), mags.end());
     kth = mags[finite - k];
   }
   size_t above = 0;  // entries strictly above kth are all sent; ties fill up to k in index order
-  for (size_t i = 0; i < n; ++i) {
-    if (std::isfinite(acc[i]) && std::fabs(acc[i]) > kth) ++above;
-  }
+  for (float m : mags) above += m > kth;
   size_t ties = k > above ? k - above : 0;
-  for (size_t i = 0; i < n; ++i) {
+  for (const size_t i : indices) {
     const float a = acc[i];
     const float m = std::fabs(a);
     bool send = !std::isfinite(a) || m > kth;
@@ -548,6 +545,15 @@ void encodeTopK(float* acc, size_t n, double ratio, std::vector<float>& mags, Li
       acc[i] = 0.0f;
     }
   }
+}
+
+// The reference: acc is already in place; a selection over every entry.
+void encodeTopK(float* acc, size_t n, double ratio, std::vector<float>& mags, ListWriter& list, Cursor& c) {
+  mags.clear();
+  for (size_t i = 0; i < n; ++i) {
+    if (std::isfinite(acc[i])) mags.push_back(std::fabs(acc[i]));
+  }
+  sendLargest(acc, std::views::iota(size_t(0), n), mags, topKCount(ratio, mags.size()), list, c);
 }
 
 // The estimate of t from 1/256 of the entries (at least 4096), one drawn from each stretch of the
@@ -646,30 +652,8 @@ void encodeTopKSampled(std::span<const float> input, float* residual, double rat
     collectCandidates(input, acc, t, false, candidates);
     gather();
   }
-  // As in encodeTopK, over the candidates: they hold every entry with |acc| >= the k-th largest.
-  const size_t finite = mags.size();
-  float kth = 0.0f;
-  if (k > 0 && k < finite) {
-    std::nth_element(mags.begin(), mags.begin() + (finite - k), mags.end());
-    kth = mags[finite - k];
-  }
-  size_t above = 0;
-  for (float m : mags) above += m > kth;
-  size_t ties = k > above ? k - above : 0;
-  for (uint32_t i : candidates) {
-    const float a = acc[i];
-    const float m = std::fabs(a);
-    bool send = !std::isfinite(a) || m > kth;
-    if (!send && m == kth && m > 0.0f && ties > 0) {
-      send = true;
-      --ties;
-    }
-    if (send) {
-      c = list.reserve(c, 1);
-      list.addValue(c, i, a);
-      acc[i] = 0.0f;
-    }
-  }
+  // The candidates hold every entry with |acc| >= the k-th largest of all.
+  sendLargest(acc, candidates, mags, k, list, c);
 }
 
 }  // namespace
