@@ -153,22 +153,16 @@ COHORT_AVX2 inline __m256 floatOfBf16x8(__m128i h) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-COHORT_AVX2 void toHalfAvx2(const float* in, void* out, size_t n) {
+// out[i] = binary16 (Half) or bfloat16 of in[i].
+template <bool Half>
+COHORT_AVX2 void toAvx2(const float* in, void* out, size_t n) {
   auto* o = static_cast<uint8_t*>(out);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * i), halfOf8(_mm256_loadu_ps(in + i)));
+    const __m256 v = _mm256_loadu_ps(in + i);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * i), Half ? halfOf8(v) : bf16Of8(v));
   }
-  for (; i < n; ++i) store16(out, i, floatToHalf(in[i]));
-}
-
-COHORT_AVX2 void toBf16Avx2(const float* in, void* out, size_t n) {
-  auto* o = static_cast<uint8_t*>(out);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * i), bf16Of8(_mm256_loadu_ps(in + i)));
-  }
-  for (; i < n; ++i) store16(out, i, floatToBf16(in[i]));
+  for (; i < n; ++i) store16(out, i, Half ? floatToHalf(in[i]) : floatToBf16(in[i]));
 }
 
 // out[i] = f(in[i]) (Add false) or out[i] += scale * f(in[i]) (Add true).
@@ -205,14 +199,14 @@ namespace convert {
 
 void toHalf(const float* in, void* out, size_t n) {
 #if defined(COHORT_HAVE_AVX2_KERNELS)
-  if (useAvx2()) return toHalfAvx2(in, out, n);
+  if (useAvx2()) return toAvx2<true>(in, out, n);
 #endif
   for (size_t i = 0; i < n; ++i) store16(out, i, floatToHalf(in[i]));
 }
 
 void toBf16(const float* in, void* out, size_t n) {
 #if defined(COHORT_HAVE_AVX2_KERNELS)
-  if (useAvx2()) return toBf16Avx2(in, out, n);
+  if (useAvx2()) return toAvx2<false>(in, out, n);
 #endif
   for (size_t i = 0; i < n; ++i) store16(out, i, floatToBf16(in[i]));
 }

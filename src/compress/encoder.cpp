@@ -312,6 +312,16 @@ struct OneBitSums {
   double positive = 0, negative = 0;
   size_t nPositive = 0, nNegative = 0;
 
+  void add(float a) {
+    if (!std::isfinite(a)) return;
+    if (a < 0.0f) {
+      negative -= a;
+      ++nNegative;
+    } else {
+      positive += a;
+      ++nPositive;
+    }
+  }
   OneBitScales scales() const {
     return {nPositive ? float(positive / double(nPositive)) : 0.0f,
             nNegative ? float(negative / double(nNegative)) : 0.0f};
@@ -321,17 +331,7 @@ struct OneBitSums {
 // The reference: acc is already in place.
 OneBitScales oneBitScales(const float* acc, size_t n) {
   OneBitSums sums;
-  for (size_t i = 0; i < n; ++i) {
-    const float a = acc[i];
-    if (!std::isfinite(a)) continue;
-    if (a < 0.0f) {
-      sums.negative -= a;
-      ++sums.nNegative;
-    } else {
-      sums.positive += a;
-      ++sums.nPositive;
-    }
-  }
+  for (size_t i = 0; i < n; ++i) sums.add(acc[i]);
   return sums.scales();
 }
 
@@ -412,16 +412,8 @@ COHORT_AVX2 OneBitScales oneBitScalesAvx2(std::span<const float> input, float* r
   sums.nPositive = nPositive;
   sums.nNegative = nNegative;
   for (; i < n; ++i) {
-    const float a = residual[i] + input[i];
-    residual[i] = a;
-    if (!std::isfinite(a)) continue;
-    if (a < 0.0f) {
-      sums.negative -= a;
-      ++sums.nNegative;
-    } else {
-      sums.positive += a;
-      ++sums.nPositive;
-    }
+    residual[i] += input[i];
+    sums.add(residual[i]);
   }
   const std::optional<float> positiveMean = decidedMean(sums.positive, sums.nPositive);
   const std::optional<float> negativeMean = decidedMean(sums.negative, sums.nNegative);
