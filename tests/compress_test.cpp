@@ -9,7 +9,9 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <span>
@@ -300,14 +302,37 @@ TEST(Codec, HalfConversionSaturatesAndRoundsToNearestEven) {
 
 // ---- the Fast path against the Reference path ------------------------------------------------
 
-// Runs f with the codecs on `path`, then puts Fast back.
+// Runs f with the codecs on `path`, then puts back the path that was set (so that the whole suite
+// can also run under COHORT_CODEC_PATH=reference).
 template <typename F>
 auto onPath(CodecPath path, F&& f) {
-  setCodecPath(path);
   struct Restore {
-    ~Restore() { setCodecPath(CodecPath::Fast); }
+    CodecPath before = codecPath();
+    ~Restore() { setCodecPath(before); }
   } restore;
+  setCodecPath(path);
   return f();
+}
+
+// What COHORT_CODEC_PATH selects; run in every run of the suite (where the variable is usually
+// unset: Fast), and in child processes by TheEnvironmentChoosesThePath.
+TEST(CodecPaths, PathFromTheEnvironment) {
+  const char* value = std::getenv("COHORT_CODEC_PATH");
+  const std::string text = value ? value : "fast";
+  if (text == "fast" || text == "reference") {
+    EXPECT_EQ(codecPath(), text == "fast" ? CodecPath::Fast : CodecPath::Reference);
+  } else {
+    EXPECT_THROW(codecPath(), InvalidArgument);
+  }
+}
+
+TEST(CodecPaths, TheEnvironmentChoosesThePath) {
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe");
+  for (const char* value : {"reference", "fast", "scalar"}) {
+    const std::string command = "COHORT_CODEC_PATH=" + std::string(value) + " " + self +
+                                " --gtest_filter=CodecPaths.PathFromTheEnvironment > /dev/null";
+    EXPECT_EQ(std::system(command.c_str()), 0) << command;
+  }
 }
 
 std::vector<uint32_t> bitsOf(std::span<const float> values) {
@@ -427,13 +452,14 @@ TEST(CodecPaths, EncodersAndDecodersAreBitIdentical) {
   }
 }
 
-// Runs f with the Fast path's tuning set to `tuning`, then puts the defaults back.
+// Runs f with the Fast path's tuning set to `tuning`, then puts back what was set.
 template <typename F>
 auto withTuning(FastPathTuning tuning, F&& f) {
-  setFastPathTuning(tuning);
   struct Restore {
-    ~Restore() { setFastPathTuning({}); }
+    FastPathTuning before = fastPathTuning();
+    ~Restore() { setFastPathTuning(before); }
   } restore;
+  setFastPathTuning(tuning);
   return f();
 }
 
