@@ -4,10 +4,15 @@
 
 #include "compress/codec.h"
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
 namespace cohort::compress {
+
+// The encoder writes and the decoder reads the little-endian layout (bitmap words, floats, 16-bit
+// values) with the host's byte order.
+static_assert(std::endian::native == std::endian::little, "the codec messages assume a little-endian host");
 
 inline constexpr uint8_t kMagic[4] = {'C', 'O', 'C', 'M'};
 inline constexpr uint8_t kVersion = 1;
