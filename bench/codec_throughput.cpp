@@ -6,8 +6,9 @@
 // The buffer has the cnn's gradient size by default (1,111,946 floats), filled with normal values
 // of standard deviation S (1e-3: the scale of the cnn's gradients). Four such buffers are encoded
 // in turn by one encoder, so that its residual evolves as in training rather than growing in one
-// direction. Each repetition times one call; the table gives the median over R repetitions and
-// the spread (lowest and highest GB/s).
+// direction. Each repetition times one call on each path (Fast, then Reference, which must write
+// the same message); the table gives the median over R repetitions and the spread (lowest and
+// highest GB/s), and the ratio of the two paths' medians.
 #include "compress/codec.h"
 
 #include <algorithm>
@@ -94,30 +95,56 @@ int main(int argc, char** argv) {
   }
   std::vector<float> out(o.length, 0.0f);
 
-  std::printf("length %zu floats (%.2f MB), sigma %g, %d repetitions; GB/s of float32 input, median (low-high)\n\n",
-              o.length, 4e-6 * double(o.length), double(o.sigma), o.reps);
-  std::printf("| codec | encode GB/s | decode GB/s | entries sent | message bytes |\n|---|---:|---:|---:|---:|\n");
+  std::printf("length %zu floats (%.2f MB), sigma %g, %d repetitions, vector conversions: %s\n", o.length,
+              4e-6 * double(o.length), double(o.sigma), o.reps, vectorConversions() ? "yes" : "no");
+  std::printf("GB/s of float32 input per core, median (lowest-highest); fast: the default path, reference:\n"
+              "COHORT_CODEC_PATH=reference (scalar conversions, unfused passes, full topk selection), timed\n"
+              "alternately in the same repetitions; x: fast median / reference median\n\n");
+  std::printf("| codec | encode fast | encode reference | x | decode fast | decode reference | x | entries sent |"
+              " message bytes |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
 
   std::vector<double> copy;
   for (int r = 0; r < o.reps; ++r) {
     copy.push_back(timeOnce([&] { std::memcpy(out.data(), inputs[size_t(r) % 4].data(), 4 * o.length); }));
   }
-  std::printf("| memcpy | %s | | | |\n", cell(rateOf(copy, o.length)).c_str());
+  std::printf("| memcpy | %s | | | | | | | |\n", cell(rateOf(copy, o.length)).c_str());
 
   for (const std::string& text : o.codecs) {
-    Encoder enc(CodecSpec::parse(text), o.length);
-    std::vector<uint8_t> message;
-    for (int warm = 0; warm < 4; ++warm) enc.encode(inputs[size_t(warm)], message);
-    std::vector<double> encodes, decodes;
+    // One encoder per path: their residuals stay equal, since both paths compute the same bits.
+    struct Run {
+      CodecPath path;
+      Encoder encoder;
+      std::vector<uint8_t> message;
+      std::vector<double> encodes, decodes;
+    };
+    const CodecSpec spec = CodecSpec::parse(text);
+    Run runs[2] = {{CodecPath::Fast, Encoder(spec, o.length), {}, {}, {}},
+                   {CodecPath::Reference, Encoder(spec, o.length), {}, {}, {}}};
     double sent = 0, bytes = 0;
-    for (int r = 0; r < o.reps; ++r) {
-      encodes.push_back(timeOnce([&] { enc.encode(inputs[size_t(r) % 4], message); }));
-      sent += double(enc.lastSent());
-      bytes += double(message.size());
-      decodes.push_back(timeOnce([&] { decodeAdd(message, out); }));
+    for (int r = -4; r < o.reps; ++r) {  // 4 warm-up steps
+      const std::vector<float>& input = inputs[size_t(r + 4) % 4];
+      for (Run& run : runs) {
+        setCodecPath(run.path);
+        const double encode = timeOnce([&] { run.encoder.encode(input, run.message); });
+        const double decode = timeOnce([&] { decodeAdd(run.message, out); });
+        if (r < 0) continue;
+        run.encodes.push_back(encode);
+        run.decodes.push_back(decode);
+      }
+      setCodecPath(CodecPath::Fast);
+      if (runs[0].message != runs[1].message) {
+        std::fprintf(stderr, "codec_throughput: %s: the fast and reference messages differ\n", text.c_str());
+        return 1;
+      }
+      if (r < 0) continue;
+      sent += double(runs[0].encoder.lastSent());
+      bytes += double(runs[0].message.size());
     }
-    std::printf("| %s | %s | %s | %.0f | %.0f |\n", text.c_str(), cell(rateOf(encodes, o.length)).c_str(),
-                cell(rateOf(decodes, o.length)).c_str(), sent / o.reps, bytes / o.reps);
+    const Rate encodeFast = rateOf(runs[0].encodes, o.length), encodeRef = rateOf(runs[1].encodes, o.length);
+    const Rate decodeFast = rateOf(runs[0].decodes, o.length), decodeRef = rateOf(runs[1].decodes, o.length);
+    std::printf("| %s | %s | %s | %.1f | %s | %s | %.1f | %.0f | %.0f |\n", text.c_str(), cell(encodeFast).c_str(),
+                cell(encodeRef).c_str(), encodeFast.median / encodeRef.median, cell(decodeFast).c_str(),
+                cell(decodeRef).c_str(), decodeFast.median / decodeRef.median, sent / o.reps, bytes / o.reps);
   }
   return 0;
 }
