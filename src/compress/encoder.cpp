@@ -16,7 +16,6 @@
 #include <functional>
 #include <limits>
 #include <optional>
-#include <ranges>
 
 namespace cohort::compress {
 
@@ -509,10 +508,11 @@ size_t topKCount(double ratio, size_t finite) {
   return finite == 0 ? 0 : std::clamp<size_t>(size_t(std::ceil(ratio * double(finite))), 1, finite);
 }
 
-// Sends the k largest finite |acc| among the entries `indices` (increasing), ties in index order,
-// zeros never, and every non-finite one; mags holds the finite |acc| of exactly those entries.
-template <typename Indices>
-void sendLargest(float* acc, const Indices& indices, std::vector<float>& mags, size_t k, ListWriter& list,
+// Sends the k largest finite |acc| among the entries indexAt(0), ..., indexAt(count - 1)
+// (increasing), ties in index order, zeros never, and every non-finite one; mags holds the finite
+// |acc| of exactly those entries.
+template <typename IndexAt>
+void sendLargest(float* acc, size_t count, IndexAt indexAt, std::vector<float>& mags, size_t k, ListWriter& list,
                  Cursor& c) {
   const size_t finite = mags.size();
   float kth = 0.0f;
@@ -523,7 +523,8 @@ void sendLargest(float* acc, const Indices& indices, std::vector<float>& mags, s
   size_t above = 0;  // entries strictly above kth are all sent; ties fill up to k in index order
   for (float m : mags) above += m > kth;
   size_t ties = k > above ? k - above : 0;
-  for (const size_t i : indices) {
+  for (size_t position = 0; position < count; ++position) {
+    const size_t i = indexAt(position);
     const float a = acc[i];
     const float m = std::fabs(a);
     bool send = !std::isfinite(a) || m > kth;
@@ -545,7 +546,7 @@ void encodeTopK(float* acc, size_t n, double ratio, std::vector<float>& mags, Li
   for (size_t i = 0; i < n; ++i) {
     if (std::isfinite(acc[i])) mags.push_back(std::fabs(acc[i]));
   }
-  sendLargest(acc, std::views::iota(size_t(0), n), mags, topKCount(ratio, mags.size()), list, c);
+  sendLargest(acc, n, [](size_t position) { return position; }, mags, topKCount(ratio, mags.size()), list, c);
 }
 
 // The estimate of t from 1/256 of the entries (at least 4096), one drawn from each stretch of the
@@ -645,7 +646,8 @@ void encodeTopKSampled(std::span<const float> input, float* residual, double rat
     gather();
   }
   // The candidates hold every entry with |acc| >= the k-th largest of all.
-  sendLargest(acc, candidates, mags, k, list, c);
+  sendLargest(acc, candidates.size(), [&](size_t position) { return size_t(candidates[position]); }, mags, k, list,
+              c);
 }
 
 }  // namespace
