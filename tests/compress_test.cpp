@@ -1,15 +1,21 @@
 // The codecs on their own (src/compress): round trips, exact residual bookkeeping, edge values,
 // and every kind of malformed message. Torch-free: the binary builds in seconds.
 #include "compress/codec.h"
+#include "compress/path.h"
 
 #include <gtest/gtest.h>
 #include <zstd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <random>
+#include <span>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -292,6 +298,278 @@ TEST(Codec, HalfConversionSaturatesAndRoundsToNearestEven) {
   EXPECT_EQ(bf16ToFloat(floatToBf16(std::numeric_limits<float>::max())), 0x1.fep127f);
   EXPECT_EQ(bf16ToFloat(floatToBf16(1.0f + 0x1p-8f)), 1.0f);  // tie to even
   EXPECT_EQ(bf16ToFloat(floatToBf16(3.0f)), 3.0f);
+}
+
+// ---- the Fast path against the Reference path ------------------------------------------------
+
+// Runs f with the codecs on `path`, then puts back the path that was set (so that the whole suite
+// can also run under COHORT_CODEC_PATH=reference).
+template <typename F>
+auto onPath(CodecPath path, F&& f) {
+  struct Restore {
+    CodecPath before = codecPath();
+    ~Restore() { setCodecPath(before); }
+  } restore;
+  setCodecPath(path);
+  return f();
+}
+
+// What COHORT_CODEC_PATH selects; run in every run of the suite (where the variable is usually
+// unset: Fast), and in child processes by TheEnvironmentChoosesThePath.
+TEST(CodecPaths, PathFromTheEnvironment) {
+  const char* value = std::getenv("COHORT_CODEC_PATH");
+  const std::string text = value ? value : "fast";
+  if (text == "fast" || text == "reference") {
+    EXPECT_EQ(codecPath(), text == "fast" ? CodecPath::Fast : CodecPath::Reference);
+  } else {
+    EXPECT_THROW(codecPath(), InvalidArgument);
+  }
+}
+
+TEST(CodecPaths, TheEnvironmentChoosesThePath) {
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe");
+  for (const char* value : {"reference", "fast", "scalar"}) {
+    const std::string command = "COHORT_CODEC_PATH=" + std::string(value) + " " + self +
+                                " --gtest_filter=CodecPaths.PathFromTheEnvironment > /dev/null";
+    EXPECT_EQ(std::system(command.c_str()), 0) << command;
+  }
+}
+
+std::vector<uint32_t> bitsOf(std::span<const float> values) {
+  std::vector<uint32_t> bits;
+  for (float v : values) bits.push_back(std::bit_cast<uint32_t>(v));
+  return bits;
+}
+
+// Floats where a conversion can go wrong, each with both signs.
+std::vector<float> adversarialFloats() {
+  const std::vector<uint32_t> patterns = {
+      0x00000000, 0x00000001, 0x007fffff, 0x00800000,  // zero, float subnormals
+      0x33000000, 0x33000001, 0x337fffff, 0x33800000,  // 2^-25 (a tie to zero), around 2^-24
+      0x387fc000, 0x387fe000, 0x387fffff, 0x38800000,  // the top of fp16's subnormals, 2^-14
+      0x3f801000, 0x3f803000, 0x3f800fff, 0x3f801001,  // 1 + half an fp16 ulp: ties to even, near ties
+      0x3f808000, 0x3f818000, 0x3f807fff, 0x3f808001,  // 1 + half a bf16 ulp: ties to even, near ties
+      0x477fe000, 0x477fefff, 0x477ff000, 0x477ff001,  // 65504, 65519.99, 65520 (saturates), above
+      0x47800000, 0x7f7f7fff, 0x7f7f8000, 0x7f7fffff,  // 65536, bf16's overflow boundary, FLT_MAX
+      0x7f800000, 0x7f800001, 0x7f801000, 0x7fa00000,  // inf, signalling NaNs (payload low, high)
+      0x7fc00000, 0x7fc00001, 0x7fffe000, 0x7fffffff,  // quiet NaNs
+  };
+  std::vector<float> out;
+  for (uint32_t p : patterns) {
+    out.push_back(std::bit_cast<float>(p));
+    out.push_back(std::bit_cast<float>(p | 0x80000000u));
+  }
+  for (uint32_t k = 0; k <= 2048; k += 7) out.push_back((float(k) + 0.5f) * 0x1p-24f);  // subnormal ties
+  return out;
+}
+
+// Adversarial values among random bit patterns and gaussian ones, shuffled.
+std::vector<float> mixedFloats(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<float> v = adversarialFloats();
+  const auto g = gaussian(n / 2, seed + 1, 1e-3f);
+  v.insert(v.end(), g.begin(), g.end());
+  while (v.size() < n) v.push_back(std::bit_cast<float>(uint32_t(rng())));
+  std::shuffle(v.begin(), v.end(), rng);
+  v.resize(n);
+  return v;
+}
+
+TEST(CodecPaths, TheVectorConversionsRunOnThisMachine) {
+  // Otherwise the comparisons below would compare the scalar code with itself.
+  ASSERT_TRUE(vectorConversions()) << "this CPU lacks AVX2 or F16C: the vector conversions cannot be tested here";
+}
+
+TEST(CodecPaths, ConversionsAreBitIdentical) {
+  const auto values = mixedFloats(20011, 21);
+  // Every offset and a length that is not a multiple of 8: unaligned starts and scalar tails.
+  for (size_t offset = 0; offset < 9; ++offset) {
+    const std::span<const float> in(values.data() + offset, values.size() - 2 * offset);
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(bf16 ? "bf16" : "fp16");
+      auto encode = [&] {
+        std::vector<uint16_t> out(in.size());
+        bf16 ? floatsToBf16(in, out) : floatsToHalf(in, out);
+        return out;
+      };
+      const auto fast = onPath(CodecPath::Fast, encode);
+      const auto reference = onPath(CodecPath::Reference, encode);
+      for (size_t i = 0; i < in.size(); ++i) {
+        ASSERT_EQ(fast[i], bf16 ? floatToBf16(in[i]) : floatToHalf(in[i]))
+            << "offset " << offset << " input 0x" << std::hex << std::bit_cast<uint32_t>(in[i]);
+      }
+      ASSERT_EQ(fast, reference);
+    }
+  }
+  // Every 16-bit pattern back to float, signalling NaNs included.
+  std::vector<uint16_t> all(0x10000 + 5);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = uint16_t(i);
+  for (bool bf16 : {false, true}) {
+    auto decode = [&] {
+      std::vector<float> out(all.size());
+      bf16 ? bf16ToFloats(all, out) : halfToFloats(all, out);
+      return bitsOf(out);
+    };
+    const auto fast = onPath(CodecPath::Fast, decode);
+    ASSERT_EQ(fast, onPath(CodecPath::Reference, decode));
+    for (size_t i = 0; i < all.size(); ++i) {
+      ASSERT_EQ(fast[i], std::bit_cast<uint32_t>(bf16 ? bf16ToFloat(all[i]) : halfToFloat(all[i]))) << i;
+    }
+  }
+}
+
+// Encoders and decodeAdd of every codec give the same messages, residuals and sums on both paths,
+// over several steps (so that residuals carry over) of adversarial and gaussian inputs.
+TEST(CodecPaths, EncodersAndDecodersAreBitIdentical) {
+  const char* codecs[] = {"none",           "fp16",          "bf16",    "topk:0.1",  "topk:0.001", "topk:1",
+                          "threshold:0.5", "threshold:0.001", "onebit", "topk:0.3"};
+  for (size_t n : {size_t(0), size_t(1), size_t(7), size_t(100), size_t(5003), size_t(70001)}) {
+    for (const char* text : codecs) {
+      SCOPED_TRACE(std::string(text) + " n=" + std::to_string(n));
+      auto run = [&] {
+        Encoder enc(CodecSpec::parse(text), n);
+        std::vector<std::vector<uint8_t>> messages;
+        std::vector<std::vector<uint32_t>> residuals, sums;
+        for (int step = 0; step < 6; ++step) {
+          // Steps 0 and 3 carry the adversarial values, the others gaussian ones of varied scale.
+          const auto input = step % 3 == 0 ? mixedFloats(n, uint32_t(step)) : gaussian(n, 50 + step, step * 0.01f);
+          messages.push_back(enc.encode(input));
+          residuals.push_back(bitsOf(enc.residual()));
+          std::vector<float> out = gaussian(n, 90 + step);
+          decodeAdd(messages.back(), out, step % 2 ? 1.0f : -0.375f);
+          sums.push_back(bitsOf(out));
+        }
+        return std::tuple(messages, residuals, sums);
+      };
+      const auto [fastMessages, fastResiduals, fastSums] = onPath(CodecPath::Fast, run);
+      const auto [refMessages, refResiduals, refSums] = onPath(CodecPath::Reference, run);
+      for (size_t step = 0; step < fastMessages.size(); ++step) {
+        ASSERT_EQ(fastMessages[step], refMessages[step]) << "step " << step;
+        ASSERT_EQ(fastResiduals[step], refResiduals[step]) << "step " << step;
+        ASSERT_EQ(fastSums[step], refSums[step]) << "step " << step;
+      }
+    }
+  }
+}
+
+// Runs f with the Fast path's tuning set to `tuning`, then puts back what was set.
+template <typename F>
+auto withTuning(FastPathTuning tuning, F&& f) {
+  struct Restore {
+    FastPathTuning before = fastPathTuning();
+    ~Restore() { setFastPathTuning(before); }
+  } restore;
+  setFastPathTuning(tuning);
+  return f();
+}
+
+// Inputs that stress topk's sampled threshold: heavy ties, mostly zeros, non-finite entries, a
+// few huge entries in one stretch, and plain gaussians.
+std::vector<float> topkInput(int shape, size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto v = gaussian(n, seed, 1e-3f);
+  switch (shape) {
+    case 0: break;
+    case 1:  // five values only: long runs of ties at every rank
+      for (auto& x : v) x = float(int(rng() % 5) - 2) * 0.25f;
+      break;
+    case 2:  // 99.5% zeros
+      for (auto& x : v) x = rng() % 200 == 0 ? x : 0.0f;
+      break;
+    case 3:  // NaN and infinities among the values
+      for (size_t i = 0; i < n; i += 97) v[i] = i % 3 == 0 ? NAN : i % 3 == 1 ? INFINITY : -INFINITY;
+      break;
+    case 4:  // the largest entries all in one stretch
+      for (size_t i = n / 3; i < n / 3 + n / 50; ++i) v[i] *= 1000.0f;
+      break;
+  }
+  return v;
+}
+
+// The sampled threshold only narrows the candidates: the same entries as the full selection, so
+// exactly k of the finite ones (fewer only when fewer are nonzero), whatever the sample says.
+TEST(CodecPaths, SampledTopKSendsWhatTheFullSelectionSends) {
+  const std::vector<FastPathTuning> tunings = {
+      {},                                               // the default
+      {.topkSampleSigmas = -1e9},                       // the estimate far too high: always the rescan
+      {.topkSampleSigmas = 30, .topkMinSampledLength = 0},  // sampled however short, far too low
+  };
+  for (size_t tuning = 0; tuning < tunings.size(); ++tuning) {
+    for (int shape = 0; shape < 5; ++shape) {
+      for (double ratio : {1e-6, 0.001, 0.01, 0.3, 1.0}) {
+        for (size_t n : {size_t(33), size_t(40000)}) {
+          SCOPED_TRACE("tuning " + std::to_string(tuning) + " shape " + std::to_string(shape) + " ratio " +
+                       std::to_string(ratio) + " n " + std::to_string(n));
+          const CodecSpec spec{.kind = CodecKind::TopK, .ratio = ratio};
+          auto run = [&] {
+            Encoder enc(spec, n);
+            std::vector<std::vector<uint8_t>> messages;
+            std::vector<size_t> sent;
+            for (int step = 0; step < 3; ++step) {
+              messages.push_back(enc.encode(topkInput(shape, n, uint32_t(7 * step + shape))));
+              sent.push_back(enc.lastSent());
+            }
+            return std::pair(messages, sent);
+          };
+          const auto fast = withTuning(tunings[tuning], [&] { return onPath(CodecPath::Fast, run); });
+          const auto reference = onPath(CodecPath::Reference, run);
+          ASSERT_EQ(fast.first, reference.first);
+          ASSERT_EQ(fast.second, reference.second);
+          // The count on the first step, from the input alone.
+          const auto input = topkInput(shape, n, uint32_t(shape));
+          size_t finite = 0, nonzero = 0;
+          for (float x : input) {
+            finite += std::isfinite(x);
+            nonzero += std::isfinite(x) && x != 0.0f;
+          }
+          const size_t k = size_t(std::ceil(ratio * double(finite)));
+          EXPECT_EQ(fast.second[0], std::min(k, nonzero) + (n - finite));
+        }
+      }
+    }
+  }
+}
+
+// sent + residual == acc, bit for bit, on the sampled path too (buffers long enough to sample).
+TEST(CodecPaths, SampledTopKKeepsTheResidualExact) {
+  const size_t n = 60000;
+  Encoder enc(CodecSpec::parse("topk:0.01"), n);
+  std::vector<float> residual(n, 0.0f);
+  for (int step = 0; step < 20; ++step) {
+    const auto input = gaussian(n, 300 + step, step % 4 == 0 ? 1.0f : 1e-3f);
+    const auto sent = decode(enc.encode(input), n);
+    EXPECT_EQ(enc.lastSent(), n / 100);
+    for (size_t i = 0; i < n; ++i) {
+      const float acc = residual[i] + input[i];
+      ASSERT_EQ(double(sent[i]) + double(enc.residual()[i]), double(acc)) << "step " << step << " entry " << i;
+      ASSERT_TRUE(sent[i] == 0.0f || enc.residual()[i] == 0.0f);
+      residual[i] = enc.residual()[i];
+    }
+  }
+}
+
+// onebit's scales are means of sums in double; the Fast path sums in eight lanes and keeps the
+// result only when it provably rounds to the same float as the reference's sequential sum. Here
+// the means sit exactly between two floats (a tie: the lanes cannot decide, so the reference sums
+// run) or the sums lose low bits in different places.
+TEST(CodecPaths, OneBitScalesMatchTheSequentialSums) {
+  const float next = std::nextafter(1.0f, 2.0f);
+  std::vector<std::vector<float>> inputs;
+  inputs.push_back({});
+  for (int i = 0; i < 64; ++i) inputs.back().push_back(i % 4 == 0 ? 1.0f : i % 4 == 1 ? next : i % 4 == 2 ? -1.0f : -next);
+  inputs.push_back(std::vector<float>(1001, 1.0f));
+  inputs.back()[0] = 1e16f;  // the sequential sum rounds every 1 that follows away, the lanes keep them
+  inputs.back()[500] = -3e15f;
+  inputs.push_back(gaussian(100003, 5, 1e-3f));
+  for (size_t i = 0; i < inputs.back().size(); i += 3) inputs.back()[i] *= 1e6f;
+  for (const auto& input : inputs) {
+    auto run = [&] {
+      Encoder enc(CodecSpec::parse("onebit"), input.size());
+      auto message = enc.encode(input);
+      return std::pair(message, bitsOf(enc.residual()));
+    };
+    EXPECT_EQ(onPath(CodecPath::Fast, run), onPath(CodecPath::Reference, run)) << input.size();
+  }
 }
 
 // ---- malformed messages ------------------------------------------------------------------------

@@ -1,6 +1,10 @@
-// The codecs: message layout, encoders with their residual, and the hostile-input decoder.
-// Layout and arithmetic are documented in docs/ARCHITECTURE.md ("Compression").
+// The codec spec, the message header and the hostile-input decoder (the encoders are in
+// encoder.cpp). Layout and arithmetic are documented in docs/ARCHITECTURE.md ("Compression").
 #include "compress/codec.h"
+
+#include "compress/convert.h"
+#include "compress/format.h"
+#include "compress/path.h"
 
 #include <zstd.h>
 
@@ -14,89 +18,9 @@ namespace cohort::compress {
 
 namespace {
 
-constexpr uint8_t kMagic[4] = {'C', 'O', 'C', 'M'};
-constexpr uint8_t kVersion = 1;
-constexpr int kZstdLevel = 1;
-
 [[noreturn]] void malformed(const std::string& why) {
   throw MalformedMessage("malformed codec message: " + why);
 }
-
-size_t bitmapBytes(uint64_t bits) { return size_t((bits + 7) / 8); }
-
-// ---- writing -----------------------------------------------------------------------------------
-
-void putU32(std::vector<uint8_t>& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
-void putU64(std::vector<uint8_t>& out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
-void putF32(std::vector<uint8_t>& out, float v) { putU32(out, std::bit_cast<uint32_t>(v)); }
-void putVarint(std::vector<uint8_t>& out, uint32_t v) {
-  while (v >= 0x80) {
-    out.push_back(uint8_t(v | 0x80));
-    v >>= 7;
-  }
-  out.push_back(uint8_t(v));
-}
-
-void putHeader(std::vector<uint8_t>& out, CodecKind kind, uint64_t length, float param, uint32_t bodyBytes) {
-  out.insert(out.end(), kMagic, kMagic + 4);
-  out.push_back(kVersion);
-  out.push_back(uint8_t(kind));
-  out.push_back(0);
-  out.push_back(0);
-  putU64(out, length);
-  putF32(out, param);
-  putU32(out, bodyBytes);
-}
-
-// A sparse list: strictly increasing indices, each either a "sign entry" (decoded as +-magnitude,
-// the codec's parameter) or a "value entry" (an explicit float).
-struct ListWriter {
-  std::vector<uint32_t> indices;
-  std::vector<uint8_t> isValue;
-  std::vector<uint8_t> negative;
-  std::vector<float> values;
-
-  void clear() {
-    indices.clear();
-    isValue.clear();
-    negative.clear();
-    values.clear();
-  }
-  void addSign(size_t index, bool neg) {
-    indices.push_back(uint32_t(index));
-    isValue.push_back(0);
-    negative.push_back(neg);
-  }
-  void addValue(size_t index, float value) {
-    indices.push_back(uint32_t(index));
-    isValue.push_back(1);
-    negative.push_back(0);
-    values.push_back(value);
-  }
-  // u32 n | n varints: the first index, then the difference to the previous one (>= 1)
-  // | value-entry bitmap | sign bitmap | the value entries' floats, in index order.
-  void write(std::vector<uint8_t>& out) const {
-    const size_t n = indices.size();
-    putU32(out, uint32_t(n));
-    uint32_t prev = 0;
-    for (size_t i = 0; i < n; ++i) {
-      putVarint(out, i == 0 ? indices[0] : indices[i] - prev);
-      prev = indices[i];
-    }
-    for (const auto* bits : {&isValue, &negative}) {
-      const size_t start = out.size();
-      out.resize(start + bitmapBytes(n), 0);
-      for (size_t i = 0; i < n; ++i) {
-        if ((*bits)[i]) out[start + i / 8] |= uint8_t(1u << (i % 8));
-      }
-    }
-    for (float v : values) putF32(out, v);
-  }
-};
 
 // ---- reading -----------------------------------------------------------------------------------
 
@@ -105,6 +29,7 @@ class Reader {
   Reader(const uint8_t* data, size_t size, const char* what) : p_(data), end_(data + size), what_(what) {}
 
   size_t left() const { return size_t(end_ - p_); }
+  const uint8_t* position() const { return p_; }
   const uint8_t* take(size_t n) {
     if (n > left()) malformed(std::string(what_) + " is truncated");
     const uint8_t* at = p_;
@@ -151,18 +76,46 @@ void checkPadding(const uint8_t* bitmap, uint64_t bits, const char* what) {
   }
 }
 
-struct Entry {
-  uint32_t index;
-  bool isValue;
-  bool negative;
-  float value;  // for value entries
+// A sparse list inside a body, checked (every rule of the layout), read in place.
+struct ListView {
+  uint32_t count = 0;
+  const uint8_t* varints = nullptr;
+  const uint8_t* isValue = nullptr;   // bitmap
+  const uint8_t* negative = nullptr;  // bitmap
+  const uint8_t* values = nullptr;    // one little-endian f32 per value entry, in index order
+
+  // f(index, isValue, negative, value bits) for each entry, in index order. Only on a checked list.
+  template <typename F>
+  void forEach(F&& f) const {
+    const uint8_t* p = varints;
+    const uint8_t* value = values;
+    uint32_t index = 0;
+    for (uint32_t i = 0; i < count; ++i) {
+      uint32_t delta = 0;
+      for (int shift = 0;; shift += 7) {
+        const uint8_t b = *p++;
+        delta |= uint32_t(b & 0x7f) << shift;
+        if (!(b & 0x80)) break;
+      }
+      index += delta;  // the first varint is the index itself
+      const bool isValueEntry = bitAt(isValue, i);
+      uint32_t bits = 0;
+      if (isValueEntry) {
+        std::memcpy(&bits, value, 4);
+        value += 4;
+      }
+      f(index, isValueEntry, bitAt(negative, i), bits);
+    }
+  }
 };
 
 // Reads and checks a sparse list for a buffer of `length` entries.
-std::vector<Entry> readList(Reader& in, uint64_t length, bool signEntriesAllowed) {
+ListView readList(Reader& in, uint64_t length, bool signEntriesAllowed) {
+  ListView list;
   const uint32_t n = in.u32();
   if (n > length) malformed("the list has " + std::to_string(n) + " entries for a length of " + std::to_string(length));
-  std::vector<Entry> entries(n);
+  list.count = n;
+  list.varints = in.position();
   uint64_t prev = 0;
   for (uint32_t i = 0; i < n; ++i) {
     const uint32_t delta = in.varint();
@@ -171,23 +124,54 @@ std::vector<Entry> readList(Reader& in, uint64_t length, bool signEntriesAllowed
     if (index >= length) {
       malformed("index " + std::to_string(index) + " is out of range for a length of " + std::to_string(length));
     }
-    entries[i].index = uint32_t(index);
     prev = index;
   }
-  const uint8_t* isValue = in.take(bitmapBytes(n));
-  const uint8_t* negative = in.take(bitmapBytes(n));
-  checkPadding(isValue, n, "the value-entry bitmap");
-  checkPadding(negative, n, "the sign bitmap");
-  for (uint32_t i = 0; i < n; ++i) {
-    entries[i].isValue = bitAt(isValue, i);
-    entries[i].negative = bitAt(negative, i);
-    if (entries[i].isValue && entries[i].negative) malformed("a value entry has its sign bit set");
-    if (!entries[i].isValue && !signEntriesAllowed) malformed("this codec's list has a sign entry");
+  const size_t bitmap = bitmapBytes(n);
+  list.isValue = in.take(bitmap);
+  list.negative = in.take(bitmap);
+  checkPadding(list.isValue, n, "the value-entry bitmap");
+  checkPadding(list.negative, n, "the sign bitmap");
+  size_t values = 0;
+  for (size_t b = 0; b < bitmap; ++b) {
+    if (list.isValue[b] & list.negative[b]) malformed("a value entry has its sign bit set");
+    // The padding bits are zero (checked above): a full last byte is what a full list has.
+    const uint8_t full = b + 1 < bitmap || n % 8 == 0 ? 0xff : uint8_t((1u << (n % 8)) - 1);
+    if (!signEntriesAllowed && list.isValue[b] != full) malformed("this codec's list has a sign entry");
+    values += size_t(std::popcount(list.isValue[b]));
   }
-  for (auto& e : entries) {
-    if (e.isValue) e.value = in.f32();
+  list.values = in.take(4 * values);
+  return list;
+}
+
+// out[i] += (sign bit i ? minus : plus) for i in [from, to).
+void addOneBitSignsScalar(const uint8_t* signs, size_t from, size_t to, float plus, float minus, float* out) {
+  for (size_t i = from; i < to; ++i) out[i] += bitAt(signs, i) ? minus : plus;
+}
+
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+// The same, a bitmap byte (8 entries) at a time where the range allows.
+COHORT_AVX2 void addOneBitSignsAvx2(const uint8_t* signs, size_t from, size_t to, float plus, float minus,
+                                    float* out) {
+  const size_t blocksFrom = std::min(to, (from + 7) / 8 * 8);
+  addOneBitSignsScalar(signs, from, blocksFrom, plus, minus, out);
+  const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 plusV = _mm256_set1_ps(plus);
+  const __m256 minusV = _mm256_set1_ps(minus);
+  size_t i = blocksFrom;
+  for (; i + 8 <= to; i += 8) {
+    const __m256i byte = _mm256_set1_epi32(signs[i / 8]);
+    const __m256 negative = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(byte, lanes), lanes));
+    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_blendv_ps(plusV, minusV, negative)));
   }
-  return entries;
+  addOneBitSignsScalar(signs, i, to, plus, minus, out);
+}
+#endif
+
+void addOneBitSigns(const uint8_t* signs, size_t from, size_t to, float plus, float minus, float* out) {
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+  if (useAvx2()) return addOneBitSignsAvx2(signs, from, to, plus, minus, out);
+#endif
+  addOneBitSignsScalar(signs, from, to, plus, minus, out);
 }
 
 size_t elementBytes(CodecKind kind) {
@@ -280,6 +264,8 @@ std::vector<uint8_t> inflate(const Parsed& p) {
   return body;
 }
 
+}  // namespace
+
 const char* kindName(CodecKind kind) {
   switch (kind) {
     case CodecKind::None: return "none";
@@ -291,8 +277,6 @@ const char* kindName(CodecKind kind) {
   }
   return "?";
 }
-
-}  // namespace
 
 // ---- spec --------------------------------------------------------------------------------------
 
@@ -354,71 +338,6 @@ std::string CodecSpec::text() const {
   }
 }
 
-// ---- 16-bit conversions ------------------------------------------------------------------------
-
-uint16_t floatToHalf(float value) {
-  const uint32_t x = std::bit_cast<uint32_t>(value);
-  const uint16_t sign = uint16_t((x >> 16) & 0x8000);
-  const uint32_t ax = x & 0x7fffffff;
-  if (ax > 0x7f800000) return sign | 0x7e00;  // NaN
-  if (ax == 0x7f800000) return sign | 0x7c00;
-  if (ax >= 0x477ff000) return sign | 0x7bff;  // >= 65520 would round to infinity: saturate
-  if (ax < 0x38800000) {
-    // Below 2^-14: a multiple of the subnormal step 2^-24, in integers (gradients have many such
-    // entries, and a libm rounding call per entry is slow). ax = m * 2^(e - 150), so the number of
-    // steps is m * 2^(e - 126): m shifted right by 126 - e, rounded to nearest even.
-    const uint32_t e = ax >> 23;
-    if (e < 102) return sign;  // below 2^-25 (or exactly it: a tie, to even): zero
-    const uint32_t m = (ax & 0x7fffff) | 0x800000;
-    const uint32_t shift = 126 - e;  // 14..24
-    uint32_t q = m >> shift;
-    const uint32_t rest = m & ((1u << shift) - 1);
-    const uint32_t half = 1u << (shift - 1);
-    q += (rest > half || (rest == half && (q & 1))) ? 1 : 0;
-    return sign | uint16_t(q);
-  }
-  uint32_t v = ax - (112u << 23);  // exponent bias 127 -> 15
-  v += 0xfff + ((v >> 13) & 1);    // round to nearest even; a carry moves into the exponent
-  return sign | uint16_t(v >> 13);
-}
-
-float halfToFloat(uint16_t bits) {
-  const uint32_t sign = uint32_t(bits & 0x8000) << 16;
-  const uint32_t exponent = (bits >> 10) & 0x1f;
-  const uint32_t mantissa = bits & 0x3ff;
-  if (exponent == 0) {
-    const float v = float(mantissa) * 0x1p-24f;
-    return sign ? -v : v;
-  }
-  if (exponent == 31) return std::bit_cast<float>(sign | 0x7f800000 | (mantissa << 13));
-  return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
-}
-
-uint16_t floatToBf16(float value) {
-  const uint32_t x = std::bit_cast<uint32_t>(value);
-  const uint32_t ax = x & 0x7fffffff;
-  if (ax > 0x7f800000) return uint16_t(x >> 16) | 0x40;  // NaN, kept quiet
-  if (ax == 0x7f800000) return uint16_t(x >> 16);
-  const uint32_t rounded = x + 0x7fff + ((x >> 16) & 1);
-  if ((rounded & 0x7f800000) == 0x7f800000) return uint16_t((x >> 16) & 0x8000) | 0x7f7f;  // saturate
-  return uint16_t(rounded >> 16);
-}
-
-float bf16ToFloat(uint16_t bits) { return std::bit_cast<float>(uint32_t(bits) << 16); }
-
-void floatsToHalf(std::span<const float> in, std::span<uint16_t> out) {
-  for (size_t i = 0; i < in.size(); ++i) out[i] = floatToHalf(in[i]);
-}
-void halfToFloats(std::span<const uint16_t> in, std::span<float> out) {
-  for (size_t i = 0; i < in.size(); ++i) out[i] = halfToFloat(in[i]);
-}
-void floatsToBf16(std::span<const float> in, std::span<uint16_t> out) {
-  for (size_t i = 0; i < in.size(); ++i) out[i] = floatToBf16(in[i]);
-}
-void bf16ToFloats(std::span<const uint16_t> in, std::span<float> out) {
-  for (size_t i = 0; i < in.size(); ++i) out[i] = bf16ToFloat(in[i]);
-}
-
 // ---- decoding ----------------------------------------------------------------------------------
 
 MessageInfo peekMessage(std::span<const uint8_t> message) { return parseHeader(message).info; }
@@ -438,23 +357,23 @@ void decodeAdd(std::span<const uint8_t> message, std::span<float> out, float sca
       }
       return;
     case CodecKind::Fp16:
-    case CodecKind::Bf16: {
-      const bool half = p.info.kind == CodecKind::Fp16;
-      for (size_t i = 0; i < length; ++i) {
-        const uint16_t bits = uint16_t(p.body[2 * i] | p.body[2 * i + 1] << 8);
-        out[i] += scale * (half ? halfToFloat(bits) : bf16ToFloat(bits));
-      }
+      convert::addHalf(p.body, out.data(), length, scale);
       return;
-    }
+    case CodecKind::Bf16:
+      convert::addBf16(p.body, out.data(), length, scale);
+      return;
     case CodecKind::TopK:
     case CodecKind::Threshold: {
       const std::vector<uint8_t> body = inflate(p);
       Reader in(body.data(), body.size(), "the body");
-      const std::vector<Entry> entries = readList(in, length, p.info.kind == CodecKind::Threshold);
+      const ListView list = readList(in, length, p.info.kind == CodecKind::Threshold);
       in.expectEnd();
-      for (const Entry& e : entries) {
-        out[e.index] += scale * (e.isValue ? e.value : e.negative ? -p.info.param : p.info.param);
-      }
+      // A sign entry is +-param: param's bits with the sign bit flipped, chosen without a branch.
+      const uint32_t param = std::bit_cast<uint32_t>(p.info.param);
+      list.forEach([&](uint32_t index, bool isValue, bool negative, uint32_t value) {
+        const uint32_t bits = isValue ? value : param ^ (uint32_t(negative) << 31);
+        out[index] += scale * std::bit_cast<float>(bits);
+      });
       return;
     }
     case CodecKind::OneBit: {
@@ -467,209 +386,23 @@ void decodeAdd(std::span<const uint8_t> message, std::span<float> out, float sca
       }
       const uint8_t* signs = in.take(bitmapBytes(length));
       checkPadding(signs, length, "the sign bitmap");
-      const std::vector<Entry> escapes = readList(in, length, false);
+      const ListView escapes = readList(in, length, false);
       in.expectEnd();
-      for (const Entry& e : escapes) {
-        if (bitAt(signs, e.index)) malformed("an escaped entry has its sign bit set");
-      }
-      size_t next = 0;
-      for (size_t i = 0; i < length; ++i) {
-        if (next < escapes.size() && escapes[next].index == i) {
-          out[i] += scale * escapes[next++].value;
-        } else {
-          out[i] += scale * (bitAt(signs, i) ? -negative : positive);
-        }
-      }
+      escapes.forEach([&](uint32_t index, bool, bool, uint32_t) {
+        if (bitAt(signs, index)) malformed("an escaped entry has its sign bit set");
+      });
+      const float plus = scale * positive;
+      const float minus = scale * -negative;
+      size_t next = 0;  // the entries between escapes take their sign's scale
+      escapes.forEach([&](uint32_t index, bool, bool, uint32_t value) {
+        addOneBitSigns(signs, next, index, plus, minus, out.data());
+        out[index] += scale * std::bit_cast<float>(value);
+        next = index + 1;
+      });
+      addOneBitSigns(signs, next, length, plus, minus, out.data());
       return;
     }
   }
-}
-
-// ---- encoding ----------------------------------------------------------------------------------
-
-struct Encoder::Scratch {
-  struct CctxDeleter {
-    void operator()(ZSTD_CCtx* c) const { ZSTD_freeCCtx(c); }
-  };
-  std::unique_ptr<ZSTD_CCtx, CctxDeleter> cctx{ZSTD_createCCtx()};
-  std::vector<uint8_t> body;
-  std::vector<float> magnitudes;
-  std::vector<uint8_t> signs;
-  ListWriter list;
-};
-
-Encoder::Encoder(CodecSpec spec, size_t length)
-    : spec_(spec), length_(length), scratch_(std::make_unique<Scratch>()) {
-  COHORT_CHECK(length <= kMaxLength, InvalidArgument, "a codec buffer of ", length, " floats is beyond the limit of ",
-               kMaxLength);
-  if (spec_.errorFeedback()) residual_.assign(length, 0.0f);
-}
-Encoder::~Encoder() = default;
-Encoder::Encoder(Encoder&&) noexcept = default;
-Encoder& Encoder::operator=(Encoder&&) noexcept = default;
-
-void Encoder::resetResidual() { std::fill(residual_.begin(), residual_.end(), 0.0f); }
-
-std::vector<uint8_t> Encoder::encode(std::span<const float> input) {
-  std::vector<uint8_t> message;
-  encode(input, message);
-  return message;
-}
-
-void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message) {
-  COHORT_CHECK_EQ(input.size(), length_, InvalidArgument, "the input to the ", kindName(spec_.kind),
-                  " encoder has the wrong length");
-  message.clear();
-  const size_t n = length_;
-  lastSent_ = n;
-  float param = 0.0f;
-  switch (spec_.kind) {
-    case CodecKind::None:
-      message.reserve(kHeaderBytes + 4 * n);
-      putHeader(message, spec_.kind, n, 0.0f, uint32_t(4 * n));
-      message.resize(kHeaderBytes + 4 * n);
-      if (n > 0) std::memcpy(message.data() + kHeaderBytes, input.data(), 4 * n);
-      return;
-    case CodecKind::Fp16:
-    case CodecKind::Bf16: {
-      putHeader(message, spec_.kind, n, 0.0f, uint32_t(2 * n));
-      message.resize(kHeaderBytes + 2 * n);
-      uint8_t* out = message.data() + kHeaderBytes;
-      const bool half = spec_.kind == CodecKind::Fp16;
-      for (size_t i = 0; i < n; ++i) {
-        const uint16_t bits = half ? floatToHalf(input[i]) : floatToBf16(input[i]);
-        out[2 * i] = uint8_t(bits);
-        out[2 * i + 1] = uint8_t(bits >> 8);
-      }
-      return;
-    }
-    default: break;
-  }
-
-  // Error feedback: the residual becomes acc = input + residual, and then acc - sent.
-  float* acc = residual_.data();
-  for (size_t i = 0; i < n; ++i) acc[i] += input[i];
-  std::vector<uint8_t>& body = scratch_->body;
-  body.clear();
-  ListWriter& list = scratch_->list;
-  list.clear();
-
-  if (spec_.kind == CodecKind::TopK) {
-    param = float(spec_.ratio);
-    // The k largest finite |acc| are sent as they are (residual 0: exact); non-finite entries too.
-    std::vector<float>& mags = scratch_->magnitudes;
-    mags.clear();
-    for (size_t i = 0; i < n; ++i) {
-      if (std::isfinite(acc[i])) mags.push_back(std::fabs(acc[i]));
-    }
-    const size_t finite = mags.size();
-    const size_t k = finite == 0 ? 0 : std::clamp<size_t>(size_t(std::ceil(spec_.ratio * double(finite))), 1, finite);
-    float kth = 0.0f;
-    if (k > 0 && k < finite) {
-      std::nth_element(mags.begin(), mags.begin() + (finite - k), mags.end());
-      kth = mags[finite - k];
-    }
-    size_t above = 0;  // entries strictly above kth are all sent; ties fill up to k in index order
-    for (size_t i = 0; i < n; ++i) {
-      if (std::isfinite(acc[i]) && std::fabs(acc[i]) > kth) ++above;
-    }
-    size_t ties = k > above ? k - above : 0;
-    for (size_t i = 0; i < n; ++i) {
-      const float a = acc[i];
-      const float m = std::fabs(a);
-      bool send = !std::isfinite(a) || m > kth;
-      if (!send && m == kth && m > 0.0f && ties > 0) {
-        send = true;
-        --ties;
-      }
-      if (send) {
-        list.addValue(i, a);
-        acc[i] = 0.0f;
-      }
-    }
-    list.write(body);
-    lastSent_ = list.indices.size();
-  } else if (spec_.kind == CodecKind::Threshold) {
-    const float tau = spec_.tau;
-    param = tau;
-    // tau has at most 8 significant bits, tau = m * 2^q with m < 2^8, so for tau <= |acc| < 2^16 tau
-    // both acc and tau are multiples of ulp(acc) and acc -+ tau (smaller than |acc|) is exact: a
-    // sign entry. Beyond that, r = fl(acc -+ tau) lies within a factor 2 of acc, so acc - r is
-    // exact (Sterbenz) and is sent as a value entry: +-tau up to acc's rounding, so that the step
-    // stays as small as Strom's however large the residual has grown. Only when tau is below
-    // half an ulp of acc (|acc| > 2^24 tau, r == acc) is acc sent whole; non-finite acc too.
-    const float limit = tau * 65536.0f;
-    for (size_t i = 0; i < n; ++i) {
-      const float a = acc[i];
-      const float m = std::fabs(a);
-      if (!(m >= tau)) {
-        if (!std::isfinite(a)) {  // NaN
-          list.addValue(i, a);
-          acc[i] = 0.0f;
-        }
-        continue;
-      }
-      const float r = a < 0.0f ? a + tau : a - tau;
-      if (m < limit) {
-        list.addSign(i, a < 0.0f);
-        acc[i] = r;
-      } else if (std::isfinite(a) && r != a) {
-        list.addValue(i, a - r);
-        acc[i] = r;
-      } else {
-        list.addValue(i, a);
-        acc[i] = 0.0f;
-      }
-    }
-    list.write(body);
-    lastSent_ = list.indices.size();
-  } else {  // OneBit
-    // One scale per sign, the mean |acc| of the entries of that sign; zero counts as positive.
-    double sumPos = 0, sumNeg = 0;
-    size_t nPos = 0, nNeg = 0;
-    for (size_t i = 0; i < n; ++i) {
-      const float a = acc[i];
-      if (!std::isfinite(a)) continue;
-      if (a < 0.0f) {
-        sumNeg -= a;
-        ++nNeg;
-      } else {
-        sumPos += a;
-        ++nPos;
-      }
-    }
-    const float positive = nPos ? float(sumPos / double(nPos)) : 0.0f;
-    const float negative = nNeg ? float(sumNeg / double(nNeg)) : 0.0f;
-    // The means of finite floats are finite floats.
-    putF32(body, positive);
-    putF32(body, negative);
-    const size_t bitmapAt = body.size();
-    body.resize(bitmapAt + bitmapBytes(n), 0);
-    for (size_t i = 0; i < n; ++i) {
-      const float a = acc[i];
-      if (!std::isfinite(a)) {
-        list.addValue(i, a);
-        acc[i] = 0.0f;
-      } else if (a < 0.0f) {
-        body[bitmapAt + i / 8] |= uint8_t(1u << (i % 8));
-        acc[i] = a + negative;
-      } else {
-        acc[i] = a - positive;
-      }
-    }
-    list.write(body);
-  }
-
-  COHORT_CHECK(body.size() <= std::numeric_limits<uint32_t>::max(), InvalidArgument, "a ", kindName(spec_.kind),
-               " message body of ", body.size(), " bytes is too large; use a smaller buffer");
-  const size_t bound = ZSTD_compressBound(body.size());
-  putHeader(message, spec_.kind, n, param, uint32_t(body.size()));
-  message.resize(kHeaderBytes + bound);
-  const size_t got = ZSTD_compressCCtx(scratch_->cctx.get(), message.data() + kHeaderBytes, bound, body.data(),
-                                       body.size(), kZstdLevel);
-  COHORT_CHECK(!ZSTD_isError(got), InvalidArgument, "zstd failed to compress a codec message: ",
-               ZSTD_getErrorName(got));
-  message.resize(kHeaderBytes + got);
 }
 
 }  // namespace cohort::compress

@@ -110,12 +110,25 @@ class Encoder {
   size_t lastSent_ = 0;
 };
 
+// How the codecs compute, process-wide. Fast, the default: AVX2 and F16C conversions where the CPU
+// has them (checked at run time; scalar otherwise), one fused pass over input and residual, topk's
+// selection narrowed by a sampled threshold. Reference: the plain scalar code, one step at a time,
+// kept as the definition that Fast is tested against. Both give the same messages, residuals and
+// decoded values, bit for bit (a NaN added to a NaN may keep either payload). The environment
+// variable COHORT_CODEC_PATH=reference starts a process on Reference.
+enum class CodecPath : uint8_t { Fast, Reference };
+CodecPath codecPath();
+void setCodecPath(CodecPath path);
+// Whether Fast converts with AVX2 and F16C on this CPU.
+bool vectorConversions();
+
 // IEEE binary16 and bfloat16 conversions, round to nearest even. Finite floats beyond the target's
 // range saturate to its largest finite value; infinities stay infinite, NaN stays NaN.
 uint16_t floatToHalf(float value);
 float halfToFloat(uint16_t bits);
 uint16_t floatToBf16(float value);
 float bf16ToFloat(uint16_t bits);
+// The span forms follow codecPath(); out.size() must be in.size().
 void floatsToHalf(std::span<const float> in, std::span<uint16_t> out);
 void halfToFloats(std::span<const uint16_t> in, std::span<float> out);
 void floatsToBf16(std::span<const float> in, std::span<uint16_t> out);
