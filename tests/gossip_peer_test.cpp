@@ -5,19 +5,14 @@
 #include "gossip/peer.h"
 #include "gossip/wire.h"
 
+#include "hostile.h"
+
 #include <cohort/error.h>
 
 #include <gtest/gtest.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
-#include <filesystem>
 #include <limits>
 #include <memory>
 #include <random>
@@ -320,77 +315,22 @@ TEST(GossipPeer, AnUnknownCodecIsRefused) {
 
 // ---- Strangers on the port ----
 
-int openDescriptors() {
-  int n = 0;
-  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
-  return n;
-}
+using test::openDescriptors;
+using test::waitForDescriptors;
 
-// Polls (bounded) until the descriptor count is back to `level`; returns the last count.
-int waitForDescriptors(int level, std::chrono::seconds limit) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  int n = openDescriptors();
-  while (n != level && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a poll of a count, not a hand-off
-    n = openDescriptors();
-  }
-  return n;
-}
-
-// A raw TCP connection to a peer's port, as a stranger (or a test playing a peer) makes one.
-class Raw {
+// A raw connection that reads gossip frames.
+class Raw : public test::RawConnection {
  public:
-  explicit Raw(int port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(uint16_t(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  }
-  ~Raw() { close(); }
-  Raw(const Raw&) = delete;
-  Raw& operator=(const Raw&) = delete;
-  bool connected() const { return connected_; }
-  void close() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-  void send(std::span<const uint8_t> bytes) { (void)::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL); }
+  using RawConnection::RawConnection;
   // One frame within `limit`; nullopt at EOF, on a reset, or when nothing complete came.
   std::optional<std::pair<FrameHeader, std::vector<uint8_t>>> frame(std::chrono::seconds limit = std::chrono::seconds(10)) {
     std::array<uint8_t, kHeaderBytes> header{};
-    if (!readAll(header, limit)) return std::nullopt;
+    if (!read(header, limit)) return std::nullopt;
     const FrameHeader h = parseHeader(header, 1 << 20);
     std::vector<uint8_t> body(h.length);
-    if (!readAll(body, limit)) return std::nullopt;
+    if (!read(body, limit)) return std::nullopt;
     return std::pair{h, body};
   }
-  // True when the other end closed the connection (EOF or reset) within `limit`.
-  bool closedByPeer(std::chrono::seconds limit = std::chrono::seconds(10)) {
-    uint8_t byte = 0;
-    pollfd pfd{fd_, POLLIN, 0};
-    if (::poll(&pfd, 1, int(std::chrono::milliseconds(limit).count())) <= 0) return false;
-    return ::recv(fd_, &byte, 1, 0) <= 0;
-  }
-  int fd() const { return fd_; }
-
- private:
-  bool readAll(std::span<uint8_t> out, std::chrono::seconds limit) {
-    const auto deadline = std::chrono::steady_clock::now() + limit;
-    size_t got = 0;
-    while (got < out.size()) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      pollfd pfd{fd_, POLLIN, 0};
-      if (left.count() <= 0 || ::poll(&pfd, 1, int(left.count())) <= 0) return false;
-      const ssize_t r = ::recv(fd_, out.data() + got, out.size() - got, 0);
-      if (r <= 0) return false;
-      got += size_t(r);
-    }
-    return true;
-  }
-  int fd_ = -1;
-  bool connected_ = false;
 };
 
 // Plays rank `as` of `world` against the peer at `port`: the whole handshake with `secret`.
