@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   cmake ninja-build ccache g++ make pkg-config
   libtorch-dev libopenblas0-pthread libgloo-dev
-  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  libgrpc++-dev libprotobuf-dev libssl-dev protobuf-compiler protobuf-compiler-grpc
   libcli11-dev nlohmann-json3-dev libspdlog-dev zlib1g-dev libzstd-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev openssl

@@ -1,40 +1,77 @@
-// The gossip transport without torch: the frame format, and peers as objects in one process
-// talking over real sockets on 127.0.0.1 (accumulation for peers not chosen, a wrong token, a
-// peer that disappears).
+// The gossip transport without torch: the frame format and the handshake's proofs, and peers as
+// objects in one process talking over real sockets on 127.0.0.1 (accumulation for peers not
+// chosen, a wrong token, a peer that disappears, and strangers on the port).
 #include "compress/codec.h"
 #include "gossip/peer.h"
 #include "gossip/wire.h"
+
+#include "hostile.h"
 
 #include <cohort/error.h>
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <limits>
 #include <memory>
+#include <random>
 #include <thread>
 
 namespace cohort::gossip {
 namespace {
 
+Transcript someTranscript() {
+  Transcript t{.connector = 2, .acceptor = 0, .worldSize = 3};
+  t.acceptorNonce.fill(7);
+  t.connectorNonce.fill(9);
+  return t;
+}
+
 TEST(GossipWire, FramesRoundTrip) {
-  const auto hello = helloFrame({kProtocol, 2, 3, "s3cret"});
+  const Transcript t = someTranscript();
+  const auto hello = helloFrame({kProtocol, 2, 3, t.connectorNonce, connectorProof("s3cret", t)});
   const FrameHeader h = parseHeader(std::span<const uint8_t, kHeaderBytes>(hello.data(), kHeaderBytes), 1024);
   EXPECT_EQ(h.type, FrameType::kHello);
   ASSERT_EQ(h.length, hello.size() - kHeaderBytes);
+  ASSERT_LE(h.length, kMaxHandshakeBody);
   const Hello back = parseHello(std::span(hello).subspan(kHeaderBytes));
   EXPECT_EQ(back.rank, 2u);
   EXPECT_EQ(back.worldSize, 3u);
-  EXPECT_EQ(back.token, "s3cret");
+  EXPECT_EQ(back.nonce, t.connectorNonce);
+  EXPECT_TRUE(sameProof(back.proof, connectorProof("s3cret", t)));
+  // The secret is not on the wire, and each proof is bound to its role, transcript and secret.
+  EXPECT_EQ(std::search(hello.begin(), hello.end(), std::begin("s3cret"), std::end("s3cret") - 1), hello.end());
+  EXPECT_FALSE(sameProof(connectorProof("s3cret", t), acceptorProof("s3cret", t)));
+  EXPECT_FALSE(sameProof(connectorProof("s3cret", t), connectorProof("s3creT", t)));
+  Transcript other = t;
+  other.acceptorNonce[31] ^= 1;
+  EXPECT_FALSE(sameProof(connectorProof("s3cret", t), connectorProof("s3cret", other)));
+  other = t;
+  std::swap(other.connector, other.acceptor);
+  EXPECT_FALSE(sameProof(connectorProof("s3cret", t), connectorProof("s3cret", other)));
+  EXPECT_NE(freshNonce(), freshNonce());
 
+  const auto challenge = challengeFrame({kProtocol, 0, 3, t.acceptorNonce});
+  const Challenge c = parseChallenge(std::span(challenge).subspan(kHeaderBytes));
+  EXPECT_EQ(c.rank, 0u);
+  EXPECT_EQ(c.nonce, t.acceptorNonce);
+  const auto accept = acceptFrame(acceptorProof("s3cret", t));
+  EXPECT_TRUE(sameProof(parseAccept(std::span(accept).subspan(kHeaderBytes)), acceptorProof("s3cret", t)));
+  const auto refuse = refuseFrame(RefuseReason::kDuplicate);
+  EXPECT_EQ(parseRefuse(std::span(refuse).subspan(kHeaderBytes)), RefuseReason::kDuplicate);
+
+  FrameSealer sender(sessionKey("s3cret", t)), receiver(sessionKey("s3cret", t));
   std::vector<uint8_t> update;
   beginUpdateFrame({.sender = 1, .encoding = Encoding::kCodec, .version = 41, .step = 17, .steps = 3, .samples = 96,
                     .numel = 5},
                    update);
   update.insert(update.end(), {9, 8, 7});
-  finishUpdateFrame(update);
-  const FrameHeader uh = parseHeader(std::span<const uint8_t, kHeaderBytes>(update.data(), kHeaderBytes), 1024);
-  ASSERT_EQ(uh.length, kUpdateHeaderBytes + 3);
-  const auto body = std::span(update).subspan(kHeaderBytes);
+  sender.seal(update);
+  const std::span<const uint8_t, kHeaderBytes> uheader(update.data(), kHeaderBytes);
+  const FrameHeader uh = parseHeader(uheader, 1024);
+  ASSERT_EQ(uh.length, kUpdateHeaderBytes + 3 + kTagBytes);
+  const auto body = receiver.open(uheader, std::span(update).subspan(kHeaderBytes));
   const UpdateMeta m = parseUpdate(body);
   EXPECT_EQ(m.sender, 1u);
   EXPECT_EQ(m.encoding, Encoding::kCodec);
@@ -45,15 +82,18 @@ TEST(GossipWire, FramesRoundTrip) {
   EXPECT_EQ(m.numel, 5u);
   EXPECT_EQ(body.subspan(kUpdateHeaderBytes).size(), 3u);
 
-  const auto done = doneFrame({.steps = 7, .bytesSent = -1, .stalenessMax = 1LL << 40});
-  const PeerReport r = parseDone(std::span(done).subspan(kHeaderBytes));
+  auto done = doneFrame({.steps = 7, .bytesSent = -1, .stalenessMax = 1LL << 40});
+  sender.seal(done);
+  const PeerReport r = parseDone(receiver.open(std::span<const uint8_t, kHeaderBytes>(done.data(), kHeaderBytes),
+                                               std::span(done).subspan(kHeaderBytes)));
   EXPECT_EQ(r.steps, 7);
   EXPECT_EQ(r.bytesSent, -1);
   EXPECT_EQ(r.stalenessMax, 1LL << 40);
 }
 
 TEST(GossipWire, MalformedFramesAreRejected) {
-  auto hello = helloFrame({kProtocol, 1, 2, "t"});
+  const Transcript t = someTranscript();
+  auto hello = helloFrame({kProtocol, 1, 2, t.connectorNonce, {}});
   auto header = [](std::vector<uint8_t>& f) { return std::span<const uint8_t, kHeaderBytes>(f.data(), kHeaderBytes); };
   EXPECT_THROW(parseHeader(header(hello), 4), InvalidArgument);  // longer than the limit
   auto badMagic = hello;
@@ -62,21 +102,56 @@ TEST(GossipWire, MalformedFramesAreRejected) {
   auto badType = hello;
   badType[4] = 9;
   EXPECT_THROW(parseHeader(header(badType), 1024), InvalidArgument);
+  auto huge = hello;
+  huge[8] = huge[9] = huge[10] = huge[11] = 0xff;  // 4 GiB announced before any proof
+  EXPECT_THROW(parseHeader(header(huge), kMaxHandshakeBody), InvalidArgument);
   const auto body = std::span(hello).subspan(kHeaderBytes);
   for (size_t n = 0; n < body.size(); ++n) EXPECT_THROW(parseHello(body.first(n)), InvalidArgument) << n;
+  std::vector<uint8_t> longer(body.begin(), body.end());
+  longer.push_back(0);
+  EXPECT_THROW(parseHello(longer), InvalidArgument);
+  auto oldProtocol = hello;
+  oldProtocol[kHeaderBytes] = 1;
+  EXPECT_THROW(parseHello(std::span(oldProtocol).subspan(kHeaderBytes)), InvalidArgument);
+  const auto refuse = refuseFrame(RefuseReason::kBusy);
+  auto badReason = refuse;
+  badReason[kHeaderBytes] = 77;
+  EXPECT_THROW(parseRefuse(std::span(badReason).subspan(kHeaderBytes)), InvalidArgument);
+
+  FrameSealer sender(sessionKey("k", t));
   std::vector<uint8_t> update;
   beginUpdateFrame({.sender = 1, .steps = 1, .numel = 1}, update);
-  finishUpdateFrame(update);
-  const auto ub = std::span(update).subspan(kHeaderBytes);
-  for (size_t n = 0; n < kUpdateHeaderBytes; ++n) EXPECT_THROW(parseUpdate(ub.first(n)), InvalidArgument) << n;
+  sender.seal(update);
+  {
+    FrameSealer receiver(sessionKey("k", t));
+    const auto ub = receiver.open(header(update), std::span(update).subspan(kHeaderBytes));
+    for (size_t n = 0; n < kUpdateHeaderBytes; ++n) EXPECT_THROW(parseUpdate(ub.first(n)), InvalidArgument) << n;
+    EXPECT_THROW(parseDone(ub), InvalidArgument);
+    // The same frame again (a replay) carries the wrong number.
+    EXPECT_THROW(receiver.open(header(update), std::span(update).subspan(kHeaderBytes)), InvalidArgument);
+  }
+  for (size_t i : {size_t(0), kHeaderBytes + 3, update.size() - 1}) {
+    auto altered = update;
+    altered[i] ^= 0x10;
+    FrameSealer receiver(sessionKey("k", t));
+    EXPECT_THROW(receiver.open(header(altered), std::span(altered).subspan(kHeaderBytes)), InvalidArgument) << i;
+  }
+  {
+    FrameSealer otherSession(sessionKey("other secret", t));
+    EXPECT_THROW(otherSession.open(header(update), std::span(update).subspan(kHeaderBytes)), InvalidArgument);
+  }
   std::vector<uint8_t> zeroSteps;
   beginUpdateFrame({.sender = 1, .steps = 0, .numel = 1}, zeroSteps);
-  finishUpdateFrame(zeroSteps);
   EXPECT_THROW(parseUpdate(std::span(zeroSteps).subspan(kHeaderBytes)), InvalidArgument);
-  EXPECT_THROW(parseDone(std::span(update).subspan(kHeaderBytes)), InvalidArgument);
-  EXPECT_TRUE(sameToken("abc", "abc"));
-  EXPECT_FALSE(sameToken("abc", "abd"));
-  EXPECT_FALSE(sameToken("abc", "abcd"));
+}
+
+TEST(GossipWire, PeerAddressesAreParsedOrRefusedCleanly) {
+  EXPECT_EQ(parsePeerAddress("127.0.0.1:4711"), (HostPort{"127.0.0.1", 4711}));
+  EXPECT_EQ(parsePeerAddress("[::1]:80"), (HostPort{"::1", 80}));
+  for (const char* bad : {"", "host", ":12", "host:", "host:x1", "host:12x", "host:0", "host:65536",
+                          "host:99999999999999999999", "host:-5"}) {
+    EXPECT_THROW(parsePeerAddress(bad), InvalidArgument) << bad;
+  }
 }
 
 // n peers on 127.0.0.1, connected to each other.
@@ -236,6 +311,243 @@ TEST(GossipPeer, UpdatesTravelThroughTheCodecAfterTheWarmUp) {
 
 TEST(GossipPeer, AnUnknownCodecIsRefused) {
   EXPECT_THROW(Peer(PeerOptions{.rank = 0, .worldSize = 2, .numel = 3, .codec = "zip"}), InvalidArgument);
+}
+
+// ---- Strangers on the port ----
+
+using test::openDescriptors;
+using test::waitForDescriptors;
+
+// A raw connection that reads gossip frames.
+class Raw : public test::RawConnection {
+ public:
+  using RawConnection::RawConnection;
+  // One frame within `limit`; nullopt at EOF, on a reset, or when nothing complete came.
+  std::optional<std::pair<FrameHeader, std::vector<uint8_t>>> frame(std::chrono::seconds limit = std::chrono::seconds(10)) {
+    std::array<uint8_t, kHeaderBytes> header{};
+    if (!read(header, limit)) return std::nullopt;
+    const FrameHeader h = parseHeader(header, 1 << 20);
+    std::vector<uint8_t> body(h.length);
+    if (!read(body, limit)) return std::nullopt;
+    return std::pair{h, body};
+  }
+};
+
+// Plays rank `as` of `world` against the peer at `port`: the whole handshake with `secret`.
+// Returns the session key when the peer accepted, else the REFUSE reason it sent.
+struct Handshook {
+  std::optional<Proof> key;
+  std::optional<RefuseReason> refused;
+};
+Handshook handshake(Raw& raw, uint32_t as, uint32_t world, const std::string& secret) {
+  Handshook out;
+  const auto challenge = raw.frame();
+  if (!challenge || challenge->first.type != FrameType::kChallenge) return out;
+  const Challenge c = parseChallenge(challenge->second);
+  const Transcript t{as, c.rank, world, c.nonce, freshNonce()};
+  raw.send(helloFrame({kProtocol, as, world, t.connectorNonce, connectorProof(secret, t)}));
+  const auto answer = raw.frame();
+  if (!answer) return out;
+  if (answer->first.type == FrameType::kRefuse) {
+    out.refused = parseRefuse(answer->second);
+  } else if (answer->first.type == FrameType::kAccept &&
+             sameProof(parseAccept(answer->second), acceptorProof(secret, t))) {
+    out.key = sessionKey(secret, t);
+  }
+  return out;
+}
+
+std::vector<uint8_t> sealedUpdate(FrameSealer& sealer, uint32_t sender, const std::vector<float>& values) {
+  std::vector<uint8_t> frame, message;
+  beginUpdateFrame({.sender = sender, .version = 1, .step = 1, .steps = 1, .samples = 1, .numel = values.size()},
+                   frame);
+  compress::Encoder(compress::CodecSpec{}, values.size()).encode(values, message);
+  frame.insert(frame.end(), message.begin(), message.end());
+  sealer.seal(frame);
+  return frame;
+}
+
+// Every kind of stranger at once on both peers' ports, while they exchange updates: each is
+// refused (its socket closed at once, or at the handshake deadline for one that says nothing),
+// the exchange ends with the undisturbed result, warnings stay few, and the descriptors come back.
+TEST(GossipPeer, StrangersAreRefusedAndTheExchangeCompletes) {
+  const size_t numel = 1000;
+  const int before = openDescriptors();
+  auto peers = makePeers(2, numel, 3.0);  // a 3 s handshake deadline for the silent ones
+  std::mt19937 rng(19);
+  testing::internal::CaptureStderr();
+  std::vector<std::unique_ptr<Raw>> silent;
+  int refusedAtOnce = 0, attacks = 0;
+  for (auto& peer : peers) {
+    const int port = peer->address().port;
+    for (int i = 0; i < 4; ++i) silent.push_back(std::make_unique<Raw>(port));  // half-open: never a byte
+    auto expectClosed = [&](Raw& raw, const char* what) {
+      ++attacks;
+      const bool closed = raw.closedByPeer();
+      EXPECT_TRUE(closed) << what;
+      refusedAtOnce += closed ? 1 : 0;
+    };
+    {  // random bytes
+      Raw raw(port);
+      std::vector<uint8_t> junk(200);
+      for (auto& b : junk) b = uint8_t(rng());
+      raw.send(junk);
+      ASSERT_TRUE(raw.frame().has_value());  // the CHALLENGE
+      expectClosed(raw, "random bytes");
+    }
+    {  // a valid header announcing 4 GiB before any proof
+      Raw raw(port);
+      auto frame = helloFrame({});
+      frame[8] = frame[9] = frame[10] = frame[11] = 0xff;
+      raw.send(std::span(frame).first(kHeaderBytes));
+      ASSERT_TRUE(raw.frame().has_value());
+      expectClosed(raw, "oversized length prefix");
+    }
+    {  // the wrong secret
+      Raw raw(port);
+      const Handshook h = handshake(raw, 1 - uint32_t(&peer - &peers[0]), 2, "not the secret");
+      EXPECT_FALSE(h.key.has_value());
+      EXPECT_EQ(h.refused, RefuseReason::kWrongSecret);
+      expectClosed(raw, "wrong secret");
+    }
+    {  // rank 0x80000000, which a signed comparison would let through
+      Raw raw(port);
+      const Handshook h = handshake(raw, 0x80000000u, 2, "tok");
+      EXPECT_EQ(h.refused, RefuseReason::kBadRank);
+      expectClosed(raw, "rank 0x80000000");
+    }
+    for (int i = 0; i < 150; ++i) {  // a burst of garbage connections
+      Raw raw(port);
+      const uint8_t junk[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13};
+      raw.send(junk);
+      ++attacks;
+    }
+  }
+  // The exchange, with the strangers still on the ports.
+  const std::vector<int> all{0, 1};
+  for (int s = 1; s <= 3; ++s) {
+    std::vector<float> update(numel, float(s));
+    for (auto& p : peers) p->publish(update, meta(s), all);
+  }
+  finishAll(peers);
+  for (auto& p : peers) {
+    std::vector<float> into(numel, 0.0f);
+    const Drained d = p->drain(into);
+    EXPECT_EQ(d.steps, 3);
+    EXPECT_EQ(into, std::vector<float>(numel, 6.0f));
+    EXPECT_TRUE(p->livePeers().size() == 1) << "a stranger cost a real peer";
+    EXPECT_GE(p->refusedStreams(), 154);
+  }
+  EXPECT_EQ(refusedAtOnce, 8);
+  for (auto& raw : silent) {
+    ASSERT_TRUE(raw->frame().has_value());  // the CHALLENGE, then the deadline closes it
+    EXPECT_TRUE(raw->closedByPeer(std::chrono::seconds(10))) << "a silent connection was kept";
+  }
+  silent.clear();
+  const std::string log = testing::internal::GetCapturedStderr();
+  const auto lines = std::count(log.begin(), log.end(), '\n');
+  EXPECT_LE(lines, 20) << "warnings are not rate-limited:\n" << log.substr(0, 2000);
+  EXPECT_NE(log.find("left out of the log"), std::string::npos) << log.substr(0, 2000);
+  peers.clear();
+  EXPECT_EQ(waitForDescriptors(before, std::chrono::seconds(10)), before);
+  (void)attacks;
+}
+
+// A test that knows the secret plays ranks 1 and 2 of 3 against a real rank 0: a second stream
+// for a rank that has one is refused; a non-finite update, or a frame with a wrong tag, drops
+// the sender as malformed without touching the inbox.
+TEST(GossipPeer, DuplicateStreamsAndPoisonedFramesAreRefused) {
+  const size_t numel = 4;
+  Peer peer(PeerOptions{.rank = 0, .worldSize = 3, .token = "tok", .timeoutSeconds = 5, .numel = numel});
+  const int port = peer.address().port;
+  const int before = openDescriptors();
+  testing::internal::CaptureStderr();
+  {
+    Raw first(port), second(port), third(port);
+    const Handshook one = handshake(first, 1, 3, "tok");
+    ASSERT_TRUE(one.key.has_value());
+    const Handshook dup = handshake(second, 1, 3, "tok");
+    EXPECT_FALSE(dup.key.has_value());
+    EXPECT_EQ(dup.refused, RefuseReason::kDuplicate);
+    EXPECT_TRUE(second.closedByPeer());
+
+    FrameSealer sealer(*one.key);
+    first.send(sealedUpdate(sealer, 1, {1, 2, 3, 4}));  // a good one first
+    first.send(sealedUpdate(sealer, 1, {1, std::numeric_limits<float>::quiet_NaN(), 3, 4}));
+    EXPECT_TRUE(first.closedByPeer()) << "the NaN update did not drop the stream";
+
+    const Handshook two = handshake(third, 2, 3, "tok");
+    ASSERT_TRUE(two.key.has_value());
+    FrameSealer other(*two.key);
+    auto tampered = sealedUpdate(other, 2, {5, 5, 5, 5});
+    tampered[kHeaderBytes + kUpdateHeaderBytes + 20] ^= 1;
+    third.send(tampered);
+    EXPECT_TRUE(third.closedByPeer()) << "the tampered frame did not drop the stream";
+  }
+  const auto counters = peer.counters();
+  EXPECT_TRUE(counters[1].lost);
+  EXPECT_TRUE(counters[2].lost);
+  EXPECT_EQ(peer.refusedStreams(), 1);
+  std::vector<float> into(numel, 0.0f);
+  const Drained d = peer.drain(into);
+  EXPECT_EQ(d.messages, 1);
+  EXPECT_EQ(into, (std::vector<float>{1, 2, 3, 4}));  // the good update only
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("NaN"), std::string::npos) << log;
+  EXPECT_NE(log.find("wrong tag"), std::string::npos) << log;
+  EXPECT_EQ(waitForDescriptors(before, std::chrono::seconds(10)), before);
+}
+
+// A forged address: the peer connects to a stranger who does not know the secret. It learns no
+// secret (only a proof bound to its own nonce), refuses the stranger's answer, and sends nothing.
+TEST(GossipPeer, AForgedAddressGetsNoSecretAndNoUpdates) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  Peer peer(PeerOptions{.rank = 0, .worldSize = 2, .token = "the-job-secret", .timeoutSeconds = 5, .numel = 2});
+  testing::internal::CaptureStderr();
+  peer.connect({peer.address(), HostPort{"127.0.0.1", ntohs(addr.sin_port)}});
+  pollfd pfd{listener, POLLIN, 0};
+  ASSERT_EQ(::poll(&pfd, 1, 10000), 1);
+  const int fd = ::accept(listener, nullptr, nullptr);
+  ASSERT_GE(fd, 0);
+  Nonce nonce{};
+  nonce.fill(1);
+  const auto challenge = challengeFrame({kProtocol, 1, 2, nonce});
+  ASSERT_EQ(::send(fd, challenge.data(), challenge.size(), MSG_NOSIGNAL), ssize_t(challenge.size()));
+  std::vector<uint8_t> got(200);
+  size_t n = 0;
+  while (n < kHeaderBytes + 76) {
+    pollfd in{fd, POLLIN, 0};
+    ASSERT_EQ(::poll(&in, 1, 10000), 1);
+    const ssize_t r = ::recv(fd, got.data() + n, got.size() - n, 0);
+    ASSERT_GT(r, 0);
+    n += size_t(r);
+  }
+  const std::string secret = "the-job-secret";
+  EXPECT_EQ(std::search(got.begin(), got.begin() + std::ptrdiff_t(n), secret.begin(), secret.end()),
+            got.begin() + std::ptrdiff_t(n));
+  const auto forged = acceptFrame(Proof{});  // the stranger cannot make the acceptor's proof
+  ::send(fd, forged.data(), forged.size(), MSG_NOSIGNAL);
+  const std::vector<int> toOne{1};
+  peer.publish(std::vector<float>{1, 2}, meta(1), toOne);
+  // The peer closes the connection without sending anything more.
+  uint8_t byte = 0;
+  pollfd in{fd, POLLIN, 0};
+  ASSERT_EQ(::poll(&in, 1, 10000), 1);
+  EXPECT_EQ(::recv(fd, &byte, 1, 0), 0) << "the peer sent something to a stranger";
+  ::close(fd);
+  ::close(listener);
+  peer.finish(PeerReport{});
+  EXPECT_TRUE(peer.counters()[1].lost);
+  EXPECT_EQ(peer.counters()[1].messagesSent, 0);
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("did not prove the job's secret"), std::string::npos) << log;
 }
 
 }  // namespace

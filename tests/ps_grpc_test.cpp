@@ -5,10 +5,13 @@
 #include "ps/service.h"
 #include "ps/wire.h"
 
+#include "hostile.h"
 #include "test_util.h"
 
 #include <cohort/error.h>
 
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -18,6 +21,7 @@
 #include <future>
 #include <limits>
 #include <mutex>
+#include <random>
 #include <thread>
 
 namespace cohort::ps {
@@ -191,7 +195,10 @@ TEST(PsGrpcTest, AuthTokenIsRequiredAndCounted) {
   EXPECT_EQ(pullAll(*right), (std::vector<float>{1, 2, 3, -1, 4}));
   const auto log = server.log();
   ASSERT_EQ(log.size(), 2u);
-  EXPECT_NE(log[0].find("refused a request from ipv4:127.0.0.1:"), std::string::npos) << log[0];
+  // Refused on its metadata, before the body (gRPC's local credentials on loopback), where the
+  // caller's address is not known.
+  ASSERT_TRUE(server.server->checksTokenBeforeBody());
+  EXPECT_NE(log[0].find("refused a request from a local caller"), std::string::npos) << log[0];
   EXPECT_NE(log[0].find("no auth token"), std::string::npos) << log[0];
   EXPECT_NE(log[1].find("wrong auth token"), std::string::npos) << log[1];
 }
@@ -455,6 +462,98 @@ TEST(PsGrpcTest, CompressedPushesApplyAndBadOnesAreRefused) {
   refused(both, "both values and a compressed message");
   EXPECT_EQ(pullAll(*client), (std::vector<float>{0.75f, 1.75f, 2.75f, -0.75f, 4})) << "a refused push changed the shard";
   EXPECT_EQ(statsOf(*client).rejected(), 4);
+}
+
+// A stranger's 512 MB push with a wrong token costs the shard its headers: the token is checked
+// on the call's metadata and the stream is closed before its body is read. The client sends one
+// 1 MB block 512 times over (its memory stays small), and the process's peak resident size, reset
+// before the call, must stay far below the push.
+TEST(PsGrpcTest, AWrongTokenPushIsRefusedBeforeItsBodyIsRead) {
+  TestServer server(ServerOptions{.authToken = "s3cret"});
+  ASSERT_TRUE(server.server->checksTokenBeforeBody());
+  auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
+  expectInit(*right);
+
+  constexpr size_t kBlock = 1 << 20, kBlocks = 512;
+  static const std::vector<char> block(kBlock, 'x');
+  std::vector<grpc::Slice> slices(kBlocks, grpc::Slice(block.data(), block.size(), grpc::Slice::STATIC_SLICE));
+  const grpc::ByteBuffer request(slices.data(), slices.size());
+  ASSERT_EQ(request.Length(), kBlock * kBlocks);
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(-1);
+  grpc::GenericStub stub(grpc::CreateCustomChannel(server.address(), grpc::InsecureChannelCredentials(), args));
+
+  ASSERT_TRUE(test::resetPeakMemory()) << "cannot reset VmHWM through /proc/self/clear_refs";
+  const int64_t rssBefore = test::statusBytes("VmRSS");
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer wrong");
+  context.set_deadline(std::chrono::system_clock::now() + 60s);
+  grpc::CompletionQueue queue;
+  auto call = stub.PrepareUnaryCall(&context, "/cohort.ps.wire.ParameterServer/Push", request, &queue);
+  call->StartCall();
+  grpc::ByteBuffer reply;
+  grpc::Status status;
+  call->Finish(&reply, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  ASSERT_EQ(queue.AsyncNext(&tag, &ok, std::chrono::system_clock::now() + 90s), grpc::CompletionQueue::GOT_EVENT);
+  const int64_t peak = test::statusBytes("VmHWM");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+  EXPECT_LT(peak - rssBefore, int64_t(96) << 20) << "peak " << (peak >> 20) << " MB, before " << (rssBefore >> 20)
+                                                  << " MB: the 512 MB body was read";
+  std::fprintf(stderr, "wrong-token 512 MB push: peak RSS grew by %.1f MB\n", double(peak - rssBefore) / (1 << 20));
+  queue.Shutdown();
+  while (queue.Next(&tag, &ok)) {
+  }
+  EXPECT_EQ(statsOf(*right).unauthenticated(), 1);
+  EXPECT_EQ(pullAll(*right), (std::vector<float>{1, 2, 3, -1, 4}));
+}
+
+// Strangers on a shard's port: random bytes, an HTTP/2 preface followed by a frame announcing
+// 16 MB, a burst of garbage connections and connections that say nothing. The shard closes them,
+// keeps serving (a push and a pull give the undisturbed result), and when it is gone the
+// process's descriptors are back at their level before it started.
+TEST(PsGrpcTest, StrangersOnTheShardPortAreDroppedAndItKeepsServing) {
+  const int before = test::openDescriptors();
+  {
+    TestServer server(ServerOptions{.authToken = "s3cret"});
+    const int port = server.server->port();
+    auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
+    expectInit(*right);
+    std::mt19937 rng(19);
+    std::vector<std::unique_ptr<test::RawConnection>> silent;
+    for (int i = 0; i < 3; ++i) silent.push_back(std::make_unique<test::RawConnection>(port));
+    {
+      test::RawConnection raw(port);
+      std::vector<uint8_t> junk(4096);
+      for (auto& b : junk) b = uint8_t(rng());
+      raw.send(junk);
+      EXPECT_TRUE(raw.closedByPeer()) << "random bytes";
+    }
+    {
+      test::RawConnection raw(port);
+      const std::string preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+      raw.send(std::span(reinterpret_cast<const uint8_t*>(preface.data()), preface.size()));
+      const uint8_t hugeData[] = {0xff, 0xff, 0xff, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01};  // DATA, 16 MB, stream 1
+      raw.send(hugeData);
+      EXPECT_TRUE(raw.closedByPeer()) << "oversized frame";
+    }
+    for (int i = 0; i < 100; ++i) {
+      test::RawConnection raw(port);
+      const uint8_t junk[] = {'G', 'E', 'T', ' ', '/', '\r', '\n', '\r', '\n'};
+      raw.send(junk);
+    }
+    wire::PushReply pushed;
+    auto push = pushOf({{1, 1, 1}, {1, 1}});
+    push.set_want_values(true);
+    ASSERT_TRUE(right->push(push, &pushed).ok());
+    EXPECT_EQ(pullAll(*right), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
+    EXPECT_EQ(statsOf(*right).applied(), 1);
+    // A connection that never speaks is closed by the server's handshake deadline.
+    EXPECT_TRUE(silent[0]->closedByPeer(std::chrono::seconds(20))) << "a silent connection was kept";
+    silent.clear();
+  }
+  EXPECT_EQ(test::waitForDescriptors(before, std::chrono::seconds(10)), before);
 }
 
 }  // namespace

@@ -204,7 +204,9 @@ Run addTrainCommand(CLI::App& app) {
       COHORT_CHECK(size_t(cluster.rank) < cluster.parameterServers.size(), InvalidArgument,
                    "this ps task has no address in TF_CONFIG");
       ps::ServerOptions server;
-      server.address = HostPort{"0.0.0.0", cluster.parameterServers[size_t(cluster.rank)].port}.str();
+      // The address TF_CONFIG gives this task, not every interface: on one machine (cohort launch)
+      // that is loopback, where strangers on the network cannot reach the shard at all.
+      server.address = cluster.parameterServers[size_t(cluster.rank)].str();
       server.authToken = p.authToken;
       server.tlsCertFile = p.tlsCert;
       server.tlsKeyFile = p.tlsKey;

@@ -1,5 +1,6 @@
 #include "gossip/peer.h"
 
+#include "base/thread_annotations.h"
 #include "compress/codec.h"
 
 #include <cohort/error.h>
@@ -16,11 +17,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
-#include <condition_variable>
+#include <cmath>
 #include <cstring>
-#include <mutex>
 #include <thread>
+#include <utility>
 
 namespace cohort::gossip {
 
@@ -30,9 +32,43 @@ using Clock = std::chrono::steady_clock;
 
 // How often blocked threads look at the stop flag.
 constexpr int kTickMs = 100;
-constexpr uint32_t kMaxHelloBody = 64 * 1024;
+// accept() failing for want of descriptors or memory: pause accepting this long, doubling.
+constexpr auto kFirstAcceptPause = std::chrono::milliseconds(50);
+constexpr auto kMaxAcceptPause = std::chrono::milliseconds(1000);
+
+Clock::duration secondsToDuration(double seconds) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
 
 void warn(const std::string& message) { std::fprintf(stderr, "cohort: warning: %s\n", message.c_str()); }
+
+// At most one warning a second; the next one printed says how many were left out. For what
+// strangers cause (refused connections, accept failures), which they can cause by the thousand.
+class WarningLimiter {
+ public:
+  void warn(const std::string& message) EXCLUDES(mu_) {
+    int64_t leftOut = 0;
+    {
+      MutexLock lock(mu_);
+      const auto now = Clock::now();
+      if (printed_ && now - last_ < std::chrono::seconds(1)) {
+        ++leftOut_;
+        return;
+      }
+      printed_ = true;
+      last_ = now;
+      leftOut = std::exchange(leftOut_, 0);
+    }
+    gossip::warn(leftOut == 0 ? message
+                              : message + " (" + std::to_string(leftOut) + " more like it left out of the log)");
+  }
+
+ private:
+  Mutex mu_;
+  bool printed_ GUARDED_BY(mu_) = false;
+  Clock::time_point last_ GUARDED_BY(mu_);
+  int64_t leftOut_ GUARDED_BY(mu_) = 0;
+};
 
 enum class Read { kOk, kEof, kStopped, kTimeout, kError };
 
@@ -72,6 +108,13 @@ std::string writeAll(int fd, const uint8_t* p, size_t n) {
   return "";
 }
 
+// A handshake frame to a socket that was just accepted (non-blocking): its buffer is empty, so
+// a few dozen bytes go at once or the connection is already gone.
+bool sendSmall(int fd, const std::vector<uint8_t>& frame) {
+  const ssize_t w = ::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  return w == ssize_t(frame.size());
+}
+
 void setTimeout(int fd, int option, double seconds) {
   timeval tv{};
   tv.tv_sec = time_t(seconds);
@@ -79,61 +122,122 @@ void setTimeout(int fd, int option, double seconds) {
   ::setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv));
 }
 
+// HostPort::str() lives in comm/ (with torch); this layer formats its own.
+std::string text(const HostPort& a) {
+  const bool v6 = a.host.find(':') != std::string::npos;
+  return (v6 ? "[" + a.host + "]" : a.host) + ":" + std::to_string(a.port);
+}
+
+std::string describe(const sockaddr_storage& addr) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (addr.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&addr);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+    port = ntohs(in->sin_port);
+  } else if (addr.ss_family == AF_INET6) {
+    const auto* in = reinterpret_cast<const sockaddr_in6*>(&addr);
+    ::inet_ntop(AF_INET6, &in->sin6_addr, host, sizeof(host));
+    port = ntohs(in->sin6_port);
+  }
+  return text(HostPort{host, port});
+}
+
+const char* frameName(FrameType t) {
+  switch (t) {
+    case FrameType::kHello: return "HELLO";
+    case FrameType::kUpdate: return "UPDATE";
+    case FrameType::kDone: return "DONE";
+    case FrameType::kChallenge: return "CHALLENGE";
+    case FrameType::kAccept: return "ACCEPT";
+    case FrameType::kRefuse: return "REFUSE";
+  }
+  return "unknown";
+}
+
+// A connection accepted but not yet authenticated. The acceptor thread alone touches these.
+struct Handshake {
+  int fd = -1;
+  std::string from;  // host:port, for the log
+  Clock::time_point deadline;
+  Nonce nonce{};     // sent in our CHALLENGE
+  std::array<uint8_t, kHeaderBytes + kMaxHandshakeBody> buffer{};
+  size_t got = 0;
+};
+
 }  // namespace
+
+HostPort parsePeerAddress(const std::string& text) {
+  const size_t colon = text.rfind(':');
+  COHORT_CHECK(colon != std::string::npos && colon > 0, InvalidArgument, "gossip: bad peer address '", text,
+               "': expected host:port");
+  std::string host = text.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  const std::string portText = text.substr(colon + 1);
+  int port = 0;
+  const auto [end, error] = std::from_chars(portText.data(), portText.data() + portText.size(), port);
+  COHORT_CHECK(!portText.empty() && error == std::errc() && end == portText.data() + portText.size() && port >= 1 &&
+                   port <= 65535,
+               InvalidArgument, "gossip: bad peer address '", text, "': the port must be a number in 1..65535");
+  return {host, port};
+}
 
 struct Peer::Impl {
   // One per destination. The training thread fills `pending`; the sender thread swaps it out.
   struct Outbox {
-    std::mutex mutex;
-    std::condition_variable cv;
-    std::vector<float> pending;  // GUARDED_BY(mutex)
-    UpdateMeta meta;             // GUARDED_BY(mutex): sums over what is pending
-    bool hasPending = false;     // GUARDED_BY(mutex)
-    bool ready = false;          // GUARDED_BY(mutex): chosen by publish(), send now
-    bool finishing = false;      // GUARDED_BY(mutex)
-    PeerReport report;           // GUARDED_BY(mutex): for DONE
+    Mutex mutex;
+    CondVar cv;
+    std::vector<float> pending GUARDED_BY(mutex);
+    UpdateMeta meta GUARDED_BY(mutex);  // sums over what is pending
+    bool hasPending GUARDED_BY(mutex) = false;
+    bool ready GUARDED_BY(mutex) = false;  // chosen by publish(), send now
+    bool finishing GUARDED_BY(mutex) = false;
+    PeerReport report GUARDED_BY(mutex);  // for DONE
     std::atomic<bool> dead{false};
     std::atomic<bool> closed{false};  // the sender thread ended (DONE sent, or gave up)
     std::thread thread;
   };
 
+  // Constant after construction.
   PeerOptions options;
   compress::CodecSpec codec;
-  uint32_t maxBody = 0;
+  uint32_t maxBody = 0;  // of a frame after the handshake
   int listenFd = -1;
   int port = 0;
+  std::vector<std::unique_ptr<Outbox>> outboxes;  // by rank; null for this peer (threads start in connect())
+
   std::atomic<bool> stopping{false};
   std::thread acceptor;
+  WarningLimiter strangers;  // warnings about connections that are not (yet) peers
 
-  // Constant after construction (their threads start in connect()).
-  std::vector<std::unique_ptr<Outbox>> outboxes;  // by rank; null for this peer
+  Mutex readersMutex;
+  std::vector<std::thread> readers GUARDED_BY(readersMutex);  // one per authenticated stream
 
-  std::mutex readersMutex;
-  std::vector<std::thread> readers;  // GUARDED_BY(readersMutex)
-  std::vector<int> readerFds;        // GUARDED_BY(readersMutex)
+  Mutex inboxMutex;
+  std::vector<float> inbox GUARDED_BY(inboxMutex);
+  Drained received GUARDED_BY(inboxMutex);
 
-  std::mutex inboxMutex;
-  std::vector<float> inbox;     // GUARDED_BY(inboxMutex)
-  Drained received;             // GUARDED_BY(inboxMutex)
-
-  mutable std::mutex stateMutex;
-  std::condition_variable stateCv;
-  std::vector<PeerCounters> peers;  // GUARDED_BY(stateMutex), by rank
-  int64_t refused = 0;              // GUARDED_BY(stateMutex)
+  mutable Mutex stateMutex;
+  CondVar stateCv;
+  std::vector<PeerCounters> peers GUARDED_BY(stateMutex);  // by rank
+  std::vector<bool> streamTaken GUARDED_BY(stateMutex);    // by rank: an incoming stream was accepted
+  int64_t refused GUARDED_BY(stateMutex) = 0;
 
   explicit Impl(PeerOptions o) : options(std::move(o)), codec(compress::CodecSpec::parse(options.codec)) {
     // The largest message a codec makes is an index and a value per entry, plus headers.
-    const uint64_t limit = kUpdateHeaderBytes + 3 * uint64_t(options.numel) * sizeof(float) + 4096;
+    const uint64_t limit = kUpdateHeaderBytes + 3 * uint64_t(options.numel) * sizeof(float) + 4096 + kTagBytes;
     COHORT_CHECK(limit <= UINT32_MAX, InvalidArgument, "a model of ", options.numel,
                  " parameters is too large for gossip frames (4 GiB at most)");
-    maxBody = std::max<uint32_t>(uint32_t(limit), kMaxHelloBody);
+    maxBody = uint32_t(limit);
     inbox.assign(options.numel, 0.0f);
     peers.resize(size_t(options.worldSize));
+    streamTaken.assign(size_t(options.worldSize), false);
     // Made here, not in connect(): a reader may mark a peer lost before connect() runs.
     outboxes.resize(size_t(options.worldSize));
     for (int r = 0; r < options.worldSize; ++r) {
       if (r == options.rank) continue;
       outboxes[size_t(r)] = std::make_unique<Outbox>();
+      MutexLock lock(outboxes[size_t(r)]->mutex);
       outboxes[size_t(r)]->pending.assign(options.numel, 0.0f);
     }
   }
@@ -141,9 +245,9 @@ struct Peer::Impl {
   std::string who(int r) const { return "gossip peer " + std::to_string(r); }
 
   // Logs once; the peer is dropped from sending and from what finish() waits for.
-  void markLost(int r, const std::string& why) {
+  void markLost(int r, const std::string& why) EXCLUDES(stateMutex) {
     {
-      std::lock_guard<std::mutex> lock(stateMutex);
+      MutexLock lock(stateMutex);
       PeerCounters& p = peers[size_t(r)];
       if (p.lost || p.finished) return;
       p.lost = true;
@@ -151,9 +255,9 @@ struct Peer::Impl {
     warn(who(r) + " is lost (" + why + "); training goes on without it");
     if (auto& box = outboxes[size_t(r)]) {
       box->dead = true;
-      box->cv.notify_all();
+      box->cv.notifyAll();
     }
-    stateCv.notify_all();
+    stateCv.notifyAll();
   }
 
   void listen() {
@@ -165,13 +269,15 @@ struct Peer::Impl {
     const int rc = ::getaddrinfo(options.bindHost.c_str(), "0", &hints, &found);
     COHORT_CHECK(rc == 0 && found != nullptr, CommError, "gossip: cannot resolve ", options.bindHost, ": ",
                  ::gai_strerror(rc));
-    listenFd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    listenFd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     const int one = 1;
     ::setsockopt(listenFd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     const bool ok = listenFd >= 0 && ::bind(listenFd, found->ai_addr, found->ai_addrlen) == 0 &&
                     ::listen(listenFd, 64) == 0;
+    const int error = errno;
     ::freeaddrinfo(found);
-    COHORT_CHECK(ok, CommError, "gossip: cannot listen on ", options.bindHost, ": ", std::strerror(errno));
+    if (!ok && listenFd >= 0) ::close(listenFd);
+    COHORT_CHECK(ok, CommError, "gossip: cannot listen on ", options.bindHost, ": ", std::strerror(error));
     sockaddr_storage addr{};
     socklen_t len = sizeof(addr);
     ::getsockname(listenFd, reinterpret_cast<sockaddr*>(&addr), &len);
@@ -180,183 +286,427 @@ struct Peer::Impl {
     acceptor = std::thread([this] { acceptLoop(); });
   }
 
-  void acceptLoop() {
-    while (!stopping.load()) {
-      pollfd pfd{listenFd, POLLIN, 0};
-      if (::poll(&pfd, 1, kTickMs) <= 0) continue;
-      const int fd = ::accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) continue;
-      std::lock_guard<std::mutex> lock(readersMutex);
-      readerFds.push_back(fd);
-      readers.emplace_back([this, fd] { readLoop(fd); });
-    }
-  }
-
-  void refuse(int fd, const std::string& why) {
+  // Closes a connection that is not a peer's stream, at once; `reason` is sent first when there is one.
+  void refuse(int fd, const std::string& from, const std::string& why, std::optional<RefuseReason> reason)
+      EXCLUDES(stateMutex) {
+    if (reason) sendSmall(fd, refuseFrame(*reason));
+    ::close(fd);
     {
-      std::lock_guard<std::mutex> lock(stateMutex);
+      MutexLock lock(stateMutex);
       ++refused;
     }
+    strangers.warn("gossip: refused a connection from " + from + ": " + why);
+  }
+
+  // The acceptor thread: accepts connections and runs every handshake, without blocking on any.
+  void acceptLoop() {
+    std::vector<Handshake> pending;  // oldest first
+    auto pause = kFirstAcceptPause;
+    Clock::time_point pausedUntil{};
+    std::vector<pollfd> fds;
+    while (!stopping.load()) {
+      try {
+        const auto now = Clock::now();
+        const bool accepting = now >= pausedUntil;
+        fds.assign(1, pollfd{accepting ? listenFd : -1, POLLIN, 0});  // poll ignores a negative fd
+        auto wake = now + std::chrono::milliseconds(kTickMs);
+        if (!accepting) wake = std::min(wake, pausedUntil);
+        for (const auto& h : pending) {
+          fds.push_back(pollfd{h.fd, POLLIN, 0});
+          wake = std::min(wake, h.deadline);
+        }
+        const auto waitMs = std::chrono::ceil<std::chrono::milliseconds>(std::max(wake - now, Clock::duration(0)));
+        if (::poll(fds.data(), fds.size(), int(waitMs.count())) < 0 && errno != EINTR) {
+          throw CommError(std::string("gossip: poll failed: ") + std::strerror(errno));
+        }
+        const auto later = Clock::now();
+        // Backwards, so that erasing keeps the earlier entries in step with fds.
+        for (size_t i = pending.size(); i-- > 0;) {
+          Handshake& h = pending[i];
+          bool over = false;
+          if (fds[i + 1].revents != 0) {
+            over = advance(h);
+          } else if (later >= h.deadline) {
+            refuse(h.fd, h.from, "no handshake within the time allowed", std::nullopt);
+            over = true;
+          }
+          if (over) pending.erase(pending.begin() + std::ptrdiff_t(i));
+        }
+        if (accepting && (fds[0].revents & POLLIN) != 0) acceptOne(pending, pause, pausedUntil);
+      } catch (const std::exception& e) {
+        strangers.warn(std::string("gossip: the acceptor hit an error, it goes on: ") + e.what());
+      } catch (...) {
+        strangers.warn("gossip: the acceptor hit an unknown error, it goes on");
+      }
+    }
+    for (const auto& h : pending) ::close(h.fd);
+  }
+
+  void acceptOne(std::vector<Handshake>& pending, std::chrono::milliseconds& pause, Clock::time_point& pausedUntil) {
     sockaddr_storage addr{};
     socklen_t len = sizeof(addr);
-    char host[INET6_ADDRSTRLEN] = "?";
-    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0 && addr.ss_family == AF_INET) {
-      ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&addr)->sin_addr, host, sizeof(host));
+    const int fd = ::accept4(listenFd, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        // The connection stays in the backlog; trying again at once would spin.
+        strangers.warn(std::string("gossip: cannot accept a connection (") + std::strerror(errno) +
+                       "); accepting again in " + std::to_string(pause.count()) + " ms");
+        pausedUntil = Clock::now() + pause;
+        pause = std::min(pause * 2, kMaxAcceptPause);
+      }
+      return;  // EAGAIN, ECONNABORTED, EINTR: nothing to do
     }
-    warn(std::string("gossip: refused a connection from ") + host + ": " + why);
-    ::shutdown(fd, SHUT_RDWR);  // the sender sees it at once; the descriptor is closed with the peer
+    pause = kFirstAcceptPause;
+    if (int(pending.size()) >= kMaxPendingHandshakes) {
+      Handshake& oldest = pending.front();
+      refuse(oldest.fd, oldest.from, "too many handshakes at once, the oldest is dropped", RefuseReason::kBusy);
+      pending.erase(pending.begin());
+    }
+    Handshake h;
+    h.fd = fd;
+    h.from = describe(addr);
+    h.deadline = Clock::now() + secondsToDuration(std::min(options.timeoutSeconds, kHandshakeSeconds));
+    h.nonce = freshNonce();
+    if (!sendSmall(fd, challengeFrame({kProtocol, uint32_t(options.rank), uint32_t(options.worldSize), h.nonce}))) {
+      ::close(fd);
+      return;
+    }
+    pending.push_back(std::move(h));
   }
 
-  // One incoming stream: HELLO, then UPDATEs, then DONE.
-  void readLoop(int fd) {
+  // Reads what has arrived on a handshake; true when it is over (a stream, or refused).
+  bool advance(Handshake& h) {
+    try {
+      size_t want = kHeaderBytes;
+      FrameHeader header;
+      if (h.got >= kHeaderBytes) {
+        header = parseHeader(std::span<const uint8_t, kHeaderBytes>(h.buffer.data(), kHeaderBytes), kMaxHandshakeBody);
+        want += header.length;
+      }
+      const ssize_t r = ::recv(h.fd, h.buffer.data() + h.got, want - h.got, MSG_DONTWAIT);
+      if (r == 0) {
+        refuse(h.fd, h.from, "it closed the connection during the handshake", std::nullopt);
+        return true;
+      }
+      if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
+        refuse(h.fd, h.from, std::string("reading its handshake failed: ") + std::strerror(errno), std::nullopt);
+        return true;
+      }
+      h.got += size_t(r);
+      if (h.got == kHeaderBytes) {
+        header = parseHeader(std::span<const uint8_t, kHeaderBytes>(h.buffer.data(), kHeaderBytes), kMaxHandshakeBody);
+        COHORT_CHECK(header.type == FrameType::kHello, InvalidArgument, "its first frame is ",
+                     frameName(header.type), ", not HELLO");
+        if (header.length > 0) return false;
+      }
+      if (h.got < kHeaderBytes) return false;
+      header = parseHeader(std::span<const uint8_t, kHeaderBytes>(h.buffer.data(), kHeaderBytes), kMaxHandshakeBody);
+      if (h.got < kHeaderBytes + header.length) return false;
+      COHORT_CHECK(header.type == FrameType::kHello, InvalidArgument, "its first frame is ", frameName(header.type),
+                   ", not HELLO");
+      welcome(h, parseHello(std::span<const uint8_t>(h.buffer).subspan(kHeaderBytes, header.length)));
+    } catch (const std::exception& e) {
+      refuse(h.fd, h.from, std::string("a malformed handshake: ") + e.what(), std::nullopt);
+    }
+    return true;
+  }
+
+  // A complete HELLO: refuses it, or makes the connection that rank's stream.
+  void welcome(const Handshake& h, const Hello& hello) EXCLUDES(stateMutex, readersMutex) {
+    const auto world = uint32_t(options.worldSize);
+    // Unsigned: a rank of 0x80000000 must not pass as a negative int.
+    if (hello.worldSize != world || hello.rank >= world || hello.rank == uint32_t(options.rank)) {
+      refuse(h.fd, h.from,
+             "HELLO from rank " + std::to_string(hello.rank) + " of " + std::to_string(hello.worldSize) +
+                 " does not fit this job of " + std::to_string(options.worldSize),
+             RefuseReason::kBadRank);
+      return;
+    }
+    const Transcript t{hello.rank, uint32_t(options.rank), world, h.nonce, hello.nonce};
+    if (!sameProof(hello.proof, connectorProof(options.token, t))) {
+      refuse(h.fd, h.from,
+             "it did not prove the job's secret (every peer must have the job's --auth-token / COHORT_AUTH_TOKEN)",
+             RefuseReason::kWrongSecret);
+      return;
+    }
+    const int from = int(hello.rank);
+    // Only this thread sets streamTaken, so it cannot change between here and the set below.
+    bool taken = false;
+    {
+      MutexLock lock(stateMutex);
+      taken = streamTaken[size_t(from)];
+    }
+    if (taken) {
+      refuse(h.fd, h.from, "a second stream claiming rank " + std::to_string(from) + ", which has one",
+             RefuseReason::kDuplicate);
+      return;
+    }
+    if (!sendSmall(h.fd, acceptFrame(acceptorProof(options.token, t)))) {
+      refuse(h.fd, h.from, "it went away before the handshake ended", std::nullopt);
+      return;
+    }
+    {
+      MutexLock lock(stateMutex);
+      streamTaken[size_t(from)] = true;
+      peers[size_t(from)].bytesReceived += int64_t(h.got);  // the HELLO
+    }
+    const Proof key = sessionKey(options.token, t);
+    MutexLock lock(readersMutex);
+    readers.emplace_back([this, fd = h.fd, from, key] { readLoop(fd, from, key); });
+  }
+
+  // One authenticated incoming stream until its DONE, its end, or a malformed frame. Closes fd.
+  void readLoop(int fd, int from, Proof key) {
+    try {
+      readFrames(fd, from, key);
+    } catch (const std::exception& e) {
+      markLost(from, std::string("it sent a malformed frame: ") + e.what());
+    } catch (...) {
+      markLost(from, "reading from it failed");
+    }
+    ::close(fd);
+  }
+
+  void readFrames(int fd, int from, const Proof& key) {
+    FrameSealer sealer(key);
     std::array<uint8_t, kHeaderBytes> header{};
     std::vector<uint8_t> body;
-    auto frame = [&](std::optional<Clock::time_point> deadline, FrameHeader& h) -> Read {
-      Read r = readExact(fd, header.data(), header.size(), stopping, deadline);
-      if (r != Read::kOk) return r;
-      h = parseHeader(header, maxBody);
-      body.resize(h.length);
-      return readExact(fd, body.data(), body.size(), stopping, deadline);
-    };
-    int from = -1;
-    try {
+    std::vector<float> decoded;  // each update on its own, checked before it joins the inbox
+    while (true) {
+      Read r = readExact(fd, header.data(), header.size(), stopping, std::nullopt);
       FrameHeader h;
-      const Read first = frame(Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                  std::chrono::duration<double>(options.timeoutSeconds)), h);
-      if (first != Read::kOk) {
-        if (first != Read::kStopped) refuse(fd, "no HELLO within the timeout");
+      if (r == Read::kOk) {
+        h = parseHeader(header, maxBody);
+        body.resize(h.length);
+        r = readExact(fd, body.data(), body.size(), stopping, std::nullopt);
+      }
+      if (r == Read::kStopped) return;
+      if (r != Read::kOk) {
+        markLost(from, r == Read::kEof ? "its connection closed before it finished" : "reading from it failed");
         return;
       }
-      COHORT_CHECK(h.type == FrameType::kHello, InvalidArgument, "the first frame is not HELLO");
-      const Hello hello = parseHello(body);
-      if (!sameToken(hello.token, options.token)) {
-        refuse(fd, "wrong auth token (every peer must have the job's --auth-token / COHORT_AUTH_TOKEN)");
-        return;
-      }
-      COHORT_CHECK(int(hello.worldSize) == options.worldSize && int(hello.rank) < options.worldSize &&
-                       int(hello.rank) != options.rank,
-                   InvalidArgument, "HELLO from rank ", hello.rank, " of ", hello.worldSize, " does not fit this job of ",
-                   options.worldSize);
-      from = int(hello.rank);
-      {
-        std::lock_guard<std::mutex> lock(stateMutex);
-        peers[size_t(from)].bytesReceived += int64_t(kHeaderBytes + body.size());
-      }
-      while (true) {
-        const Read r = frame(std::nullopt, h);
-        if (r == Read::kStopped) return;
-        if (r != Read::kOk) {
-          markLost(from, r == Read::kEof ? "its connection closed before it finished" : "reading from it failed");
-          return;
-        }
-        if (h.type == FrameType::kDone) {
-          const PeerReport report = parseDone(body);
-          {
-            std::lock_guard<std::mutex> lock(stateMutex);
-            PeerCounters& p = peers[size_t(from)];
-            p.bytesReceived += int64_t(kHeaderBytes + body.size());
-            p.report = report;
-            if (!p.lost) p.finished = true;
-          }
-          stateCv.notify_all();
-          return;
-        }
-        COHORT_CHECK(h.type == FrameType::kUpdate, InvalidArgument, "a second HELLO on one stream");
-        const UpdateMeta meta = parseUpdate(body);
-        COHORT_CHECK(int(meta.sender) == from && meta.numel == options.numel, InvalidArgument, "an UPDATE from ",
-                     meta.sender, " of ", meta.numel, " floats on the stream of peer ", from, " (expected ",
-                     options.numel, ")");
-        // Codec messages describe themselves; decodeAdd checks the whole message before it adds.
-        const std::span<const uint8_t> message = std::span<const uint8_t>(body).subspan(kUpdateHeaderBytes);
+      const std::span<const uint8_t> content = sealer.open(header, body);
+      const auto frameBytes = int64_t(kHeaderBytes + body.size());
+      if (h.type == FrameType::kDone) {
+        const PeerReport report = parseDone(content);
         {
-          std::lock_guard<std::mutex> lock(inboxMutex);
-          compress::decodeAdd(message, inbox, 1.0f);
-          received.steps += meta.steps;
-          received.samples += meta.samples;
-          ++received.messages;
-          received.metas.push_back(meta);
+          MutexLock lock(stateMutex);
+          PeerCounters& p = peers[size_t(from)];
+          p.bytesReceived += frameBytes;
+          p.report = report;
+          if (!p.lost) p.finished = true;
         }
-        std::lock_guard<std::mutex> lock(stateMutex);
-        PeerCounters& p = peers[size_t(from)];
-        p.bytesReceived += int64_t(kHeaderBytes + body.size());
-        ++p.messagesReceived;
+        stateCv.notifyAll();
+        return;
       }
-    } catch (const Error& e) {
-      if (from < 0) {
-        refuse(fd, e.what());
-      } else {
-        markLost(from, std::string("it sent a malformed frame: ") + e.what());
+      COHORT_CHECK(h.type == FrameType::kUpdate, InvalidArgument, "a ", frameName(h.type),
+                   " frame after the handshake");
+      const UpdateMeta meta = parseUpdate(content);
+      COHORT_CHECK(meta.sender == uint32_t(from) && meta.numel == options.numel, InvalidArgument, "an UPDATE from ",
+                   meta.sender, " of ", meta.numel, " floats on the stream of peer ", from, " (expected ",
+                   options.numel, ")");
+      // Codec messages describe themselves; decodeAdd checks the whole message before it adds.
+      decoded.assign(options.numel, 0.0f);
+      compress::decodeAdd(content.subspan(kUpdateHeaderBytes), decoded, 1.0f);
+      // As the shards refuse non-finite pushes: one NaN would poison this replica for good.
+      const auto bad = std::find_if(decoded.begin(), decoded.end(), [](float v) { return !std::isfinite(v); });
+      COHORT_CHECK(bad == decoded.end(), InvalidArgument, "an update holding ", std::isnan(*bad) ? "NaN" : "Inf",
+                   " at element ", bad - decoded.begin());
+      {
+        MutexLock lock(inboxMutex);
+        float* in = inbox.data();
+        for (size_t i = 0; i < decoded.size(); ++i) in[i] += decoded[i];
+        received.steps += meta.steps;
+        received.samples += meta.samples;
+        ++received.messages;
+        received.metas.push_back(meta);
       }
+      MutexLock lock(stateMutex);
+      PeerCounters& p = peers[size_t(from)];
+      p.bytesReceived += frameBytes;
+      ++p.messagesReceived;
     }
   }
 
-  int dial(int r, const HostPort& to) {
-    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                             std::chrono::duration<double>(options.timeoutSeconds));
+  // One connection attempt; -1 (and `error`) when it failed.
+  int connectOnce(const HostPort& to, std::string& error) {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
     hints.ai_flags = AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    const int rc = ::getaddrinfo(to.host.c_str(), std::to_string(to.port).c_str(), &hints, &found);
+    if (rc != 0 || found == nullptr) {
+      error = ::gai_strerror(rc);
+      return -1;
+    }
+    const int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    bool ok = fd >= 0;
+    if (ok) {
+      setTimeout(fd, SO_SNDTIMEO, options.timeoutSeconds);  // bounds connect() too
+      ok = ::connect(fd, found->ai_addr, found->ai_addrlen) == 0;
+    }
+    error = std::strerror(errno);
+    ::freeaddrinfo(found);
+    if (!ok) {
+      if (fd >= 0) ::close(fd);
+      return -1;
+    }
+    const int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    return fd;
+  }
+
+  enum class Attempt { kOk, kRetry, kGiveUp };
+
+  // Reads one handshake frame (at most kMaxHandshakeBody) into body; kRetry when the connection
+  // ended or the deadline passed.
+  Attempt readHandshakeFrame(int fd, Clock::time_point deadline, FrameHeader& h, std::vector<uint8_t>& body,
+                             std::string& error) {
+    std::array<uint8_t, kHeaderBytes> header{};
+    Read r = readExact(fd, header.data(), header.size(), stopping, deadline);
+    if (r == Read::kOk) {
+      h = parseHeader(header, kMaxHandshakeBody);
+      body.resize(h.length);
+      r = readExact(fd, body.data(), body.size(), stopping, deadline);
+    }
+    if (r == Read::kOk) return Attempt::kOk;
+    error = r == Read::kTimeout ? "its handshake timed out" : "it closed the connection during the handshake";
+    return Attempt::kRetry;
+  }
+
+  // The connector's half of the handshake (gossip/wire.h) with the peer of rank r.
+  Attempt handshake(int fd, int r, const HostPort& to, Proof& key, std::string& error) {
+    const auto deadline = Clock::now() + secondsToDuration(std::min(options.timeoutSeconds, kHandshakeSeconds));
+    const std::string at = " at " + text(to);
+    FrameHeader h;
+    std::vector<uint8_t> body;
+    try {
+      if (Attempt a = readHandshakeFrame(fd, deadline, h, body, error); a != Attempt::kOk) return a;
+      COHORT_CHECK(h.type == FrameType::kChallenge, InvalidArgument, "it sent ", frameName(h.type),
+                   " instead of CHALLENGE");
+      const Challenge challenge = parseChallenge(body);
+      if (challenge.rank != uint32_t(r) || challenge.worldSize != uint32_t(options.worldSize)) {
+        error = "the peer" + at + " says it is rank " + std::to_string(challenge.rank) + " of " +
+                std::to_string(challenge.worldSize) + ": a stale or forged address";
+        return Attempt::kGiveUp;
+      }
+      const Transcript t{uint32_t(options.rank), uint32_t(r), uint32_t(options.worldSize), challenge.nonce,
+                         freshNonce()};
+      const auto hello = helloFrame({kProtocol, t.connector, t.worldSize, t.connectorNonce,
+                                     connectorProof(options.token, t)});
+      if (std::string failed = writeAll(fd, hello.data(), hello.size()); !failed.empty()) {
+        error = failed;
+        return Attempt::kRetry;
+      }
+      if (Attempt a = readHandshakeFrame(fd, deadline, h, body, error); a != Attempt::kOk) return a;
+      if (h.type == FrameType::kRefuse) {
+        switch (parseRefuse(body)) {
+          case RefuseReason::kBusy:
+            error = "it was too busy with other handshakes";
+            return Attempt::kRetry;
+          case RefuseReason::kWrongSecret:
+            error = "it refused our proof of the secret (every peer must have the job's --auth-token)";
+            return Attempt::kGiveUp;
+          case RefuseReason::kDuplicate:
+            error = "it already has a stream from this rank";
+            return Attempt::kGiveUp;
+          case RefuseReason::kBadRank:
+            error = "it says rank " + std::to_string(options.rank) + " of " + std::to_string(options.worldSize) +
+                    " does not fit its job";
+            return Attempt::kGiveUp;
+        }
+      }
+      COHORT_CHECK(h.type == FrameType::kAccept, InvalidArgument, "it sent ", frameName(h.type),
+                   " instead of ACCEPT");
+      if (!sameProof(parseAccept(body), acceptorProof(options.token, t))) {
+        error = "the peer" + at + " did not prove the job's secret: a forged address, or another --auth-token";
+        return Attempt::kGiveUp;
+      }
+      key = sessionKey(options.token, t);
+      MutexLock lock(stateMutex);
+      peers[size_t(r)].bytesSent += int64_t(hello.size());
+      return Attempt::kOk;
+    } catch (const InvalidArgument& e) {
+      error = "the peer" + at + " broke the handshake: " + e.what();
+      return Attempt::kGiveUp;
+    }
+  }
+
+  // Connects to rank r and runs the handshake, retrying (back-off 20 ms to 1 s) for the timeout:
+  // its address is published only once it listens, and a flood of strangers may evict a
+  // handshake. Returns -1 when the peer was marked lost instead (or the peer is stopping).
+  int openStream(int r, const HostPort& to, Proof& key) {
+    const auto deadline = Clock::now() + secondsToDuration(options.timeoutSeconds);
     std::string error = "no attempt";
     auto pause = std::chrono::milliseconds(20);
     while (!stopping.load() && Clock::now() < deadline) {
-      addrinfo* found = nullptr;
-      const int rc = ::getaddrinfo(to.host.c_str(), std::to_string(to.port).c_str(), &hints, &found);
-      if (rc == 0 && found != nullptr) {
-        const int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        setTimeout(fd, SO_SNDTIMEO, options.timeoutSeconds);  // bounds connect() too
-        const bool ok = ::connect(fd, found->ai_addr, found->ai_addrlen) == 0;
-        error = std::strerror(errno);
-        ::freeaddrinfo(found);
-        if (ok) {
-          const int one = 1;
-          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-          return fd;
-        }
+      const int fd = connectOnce(to, error);
+      if (fd >= 0) {
+        const Attempt a = handshake(fd, r, to, key, error);
+        if (a == Attempt::kOk) return fd;
         ::close(fd);
-      } else {
-        error = ::gai_strerror(rc);
+        if (a == Attempt::kGiveUp) {
+          markLost(r, error);
+          return -1;
+        }
       }
-      // A peer that has published its address is listening already; this only rides out a
-      // transient failure.
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(1000));
     }
-    if (stopping.load()) return -1;
-    markLost(r, "cannot connect to " + to.host + ":" + std::to_string(to.port) + ": " + error);
+    if (!stopping.load()) markLost(r, "cannot open a stream to " + text(to) + ": " + error);
     return -1;
   }
 
-  void sendLoop(int r, HostPort to) {
+  void sendLoop(int r, const HostPort& to) {
     Outbox& box = *outboxes[size_t(r)];
-    const int fd = dial(r, to);
+    int fd = -1;
+    try {
+      Proof key{};
+      fd = openStream(r, to, key);
+      if (fd >= 0) sendFrames(fd, r, box, key);
+    } catch (const std::exception& e) {
+      markLost(r, std::string("sending to it failed: ") + e.what());
+    } catch (...) {
+      markLost(r, "sending to it failed");
+    }
+    if (fd >= 0) ::close(fd);
+    box.closed = true;
+    stateCv.notifyAll();
+  }
+
+  void sendFrames(int fd, int r, Outbox& box, const Proof& key) {
+    FrameSealer sealer(key);
     std::vector<float> sending(options.numel);
-    std::vector<uint8_t> frame, scratch;
+    std::vector<uint8_t> frame, message;
     // One encoder per destination: its residual is what this peer has not yet sent to that one.
     compress::Encoder encoder(codec, options.numel);
     compress::Encoder rawEncoder(compress::CodecSpec{}, options.numel);  // warm-up steps
-    auto send = [&](const std::vector<uint8_t>& bytes, bool isUpdate) {
+    auto send = [&](std::vector<uint8_t>& bytes, bool isUpdate) {
+      sealer.seal(bytes);
       const std::string failed = writeAll(fd, bytes.data(), bytes.size());
       if (!failed.empty()) {
         markLost(r, failed);
         return false;
       }
-      std::lock_guard<std::mutex> lock(stateMutex);
+      MutexLock lock(stateMutex);
       peers[size_t(r)].bytesSent += int64_t(bytes.size());
       if (isUpdate) ++peers[size_t(r)].messagesSent;
       return true;
     };
-    bool ok = fd >= 0 && send(helloFrame({kProtocol, uint32_t(options.rank), uint32_t(options.worldSize), options.token}),
-                              false);
+    bool ok = true;
     while (ok && !stopping.load() && !box.dead.load()) {
       UpdateMeta meta;
       bool finishing = false;
       PeerReport report;
       {
-        std::unique_lock<std::mutex> lock(box.mutex);
-        box.cv.wait_for(lock, std::chrono::milliseconds(kTickMs), [&] {
+        MutexLock lock(box.mutex);
+        const auto wake = [&] {
+          box.mutex.assertHeld();
           return (box.ready && box.hasPending) || box.finishing || stopping.load() || box.dead.load();
-        });
+        };
+        if (!wake()) box.cv.waitFor(box.mutex, std::chrono::milliseconds(kTickMs));
         if (stopping.load() || box.dead.load()) break;
         if (box.hasPending && (box.ready || box.finishing)) {
           std::swap(sending, box.pending);
@@ -374,21 +724,16 @@ struct Peer::Impl {
                             ? Encoding::kRaw
                             : Encoding::kCodec;
         beginUpdateFrame(meta, frame);
-        std::vector<uint8_t>& message = scratch;
         (meta.encoding == Encoding::kRaw ? rawEncoder : encoder).encode(sending, message);
         frame.insert(frame.end(), message.begin(), message.end());
-        finishUpdateFrame(frame);
         ok = send(frame, true);
       }
       if (ok && finishing) {
-        ok = send(doneFrame(report), false);
-        if (ok) ::shutdown(fd, SHUT_WR);
+        auto done = doneFrame(report);
+        if (send(done, false)) ::shutdown(fd, SHUT_WR);
         break;
       }
     }
-    if (fd >= 0) ::close(fd);
-    box.closed = true;
-    stateCv.notify_all();
   }
 };
 
@@ -403,19 +748,18 @@ Peer::~Peer() {
   Impl& m = *impl_;
   m.stopping = true;
   for (auto& box : m.outboxes) {
-    if (box) box->cv.notify_all();
+    if (box) box->cv.notifyAll();
   }
-  if (m.acceptor.joinable()) m.acceptor.join();
+  if (m.acceptor.joinable()) m.acceptor.join();  // no reader starts after this
   for (auto& box : m.outboxes) {
     if (box && box->thread.joinable()) box->thread.join();
   }
   std::vector<std::thread> readers;
   {
-    std::lock_guard<std::mutex> lock(m.readersMutex);
+    MutexLock lock(m.readersMutex);
     readers.swap(m.readers);
   }
-  for (auto& t : readers) t.join();
-  for (int fd : m.readerFds) ::close(fd);
+  for (auto& t : readers) t.join();  // each closes its own stream
   if (m.listenFd >= 0) ::close(m.listenFd);
 }
 
@@ -440,7 +784,7 @@ void Peer::publish(std::span<const float> update, const UpdateMeta& meta, std::s
     if (!box || box->dead.load() || box->closed.load()) continue;
     const bool chosen = std::find(to.begin(), to.end(), r) != to.end();
     {
-      std::lock_guard<std::mutex> lock(box->mutex);
+      MutexLock lock(box->mutex);
       if (!box->hasPending) {
         std::copy(update.begin(), update.end(), box->pending.begin());
         box->meta = meta;
@@ -459,7 +803,7 @@ void Peer::publish(std::span<const float> update, const UpdateMeta& meta, std::s
       box->meta.samples += meta.samples;
       box->ready = box->ready || chosen;
     }
-    if (chosen) box->cv.notify_one();
+    if (chosen) box->cv.notifyOne();
   }
 }
 
@@ -467,7 +811,7 @@ Drained Peer::drain(std::vector<float>& into) {
   Impl& m = *impl_;
   COHORT_CHECK(into.size() == m.options.numel, InvalidArgument, "gossip: drain into ", into.size(), " floats, expected ",
                m.options.numel);
-  std::lock_guard<std::mutex> lock(m.inboxMutex);
+  MutexLock lock(m.inboxMutex);
   std::swap(into, m.inbox);
   Drained out = std::move(m.received);
   m.received = Drained{};
@@ -479,37 +823,38 @@ void Peer::finish(const PeerReport& report) {
   for (auto& box : m.outboxes) {
     if (!box) continue;
     {
-      std::lock_guard<std::mutex> lock(box->mutex);
+      MutexLock lock(box->mutex);
       box->finishing = true;
       box->report = report;
     }
-    box->cv.notify_one();
+    box->cv.notifyOne();
   }
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(m.options.timeoutSeconds));
+  const auto deadline = Clock::now() + secondsToDuration(m.options.timeoutSeconds);
   auto settled = [&](int r) {
+    m.stateMutex.assertHeld();
     const PeerCounters& p = m.peers[size_t(r)];
     const auto& box = m.outboxes[size_t(r)];
     return p.lost || (p.finished && (!box || box->closed.load()));
   };
-  std::unique_lock<std::mutex> lock(m.stateMutex);
   std::vector<int> late;
-  while (true) {
-    late.clear();
-    for (int r = 0; r < m.options.worldSize; ++r) {
-      if (r != m.options.rank && !settled(r)) late.push_back(r);
+  {
+    MutexLock lock(m.stateMutex);
+    while (true) {
+      late.clear();
+      for (int r = 0; r < m.options.worldSize; ++r) {
+        if (r != m.options.rank && !settled(r)) late.push_back(r);
+      }
+      if (late.empty() || Clock::now() >= deadline) break;
+      m.stateCv.waitFor(m.stateMutex, std::chrono::milliseconds(kTickMs));
     }
-    if (late.empty() || Clock::now() >= deadline) break;
-    m.stateCv.wait_for(lock, std::chrono::milliseconds(kTickMs));
   }
-  lock.unlock();
   for (int r : late) {
     m.markLost(r, "it did not finish within " + std::to_string(int(m.options.timeoutSeconds)) + " s of this peer");
   }
 }
 
 std::vector<int> Peer::livePeers() const {
-  std::lock_guard<std::mutex> lock(impl_->stateMutex);
+  MutexLock lock(impl_->stateMutex);
   std::vector<int> out;
   for (int r = 0; r < impl_->options.worldSize; ++r) {
     if (r != impl_->options.rank && !impl_->peers[size_t(r)].lost) out.push_back(r);
@@ -518,26 +863,26 @@ std::vector<int> Peer::livePeers() const {
 }
 
 std::vector<PeerCounters> Peer::counters() const {
-  std::lock_guard<std::mutex> lock(impl_->stateMutex);
+  MutexLock lock(impl_->stateMutex);
   return impl_->peers;
 }
 
 int64_t Peer::bytesSent() const {
-  std::lock_guard<std::mutex> lock(impl_->stateMutex);
+  MutexLock lock(impl_->stateMutex);
   int64_t n = 0;
   for (const auto& p : impl_->peers) n += p.bytesSent;
   return n;
 }
 
 int64_t Peer::bytesReceived() const {
-  std::lock_guard<std::mutex> lock(impl_->stateMutex);
+  MutexLock lock(impl_->stateMutex);
   int64_t n = 0;
   for (const auto& p : impl_->peers) n += p.bytesReceived;
   return n;
 }
 
 int64_t Peer::refusedStreams() const {
-  std::lock_guard<std::mutex> lock(impl_->stateMutex);
+  MutexLock lock(impl_->stateMutex);
   return impl_->refused;
 }
 

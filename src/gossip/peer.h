@@ -8,8 +8,18 @@
 //   dropped, a slow link just carries fewer, larger sums.
 // - Receiver threads (one per incoming stream) decode each UPDATE into an inbox buffer as it
 //   arrives; drain() swaps that buffer out in O(1) and the caller adds it to its parameters.
-// - A peer whose stream fails (a send error, EOF before its DONE, a send timeout) is logged once
-//   and dropped; training goes on. finish() is the one place that waits, with a deadline.
+// - A peer whose stream fails (a send error, EOF before its DONE, a send timeout, a malformed or
+//   non-finite update) is logged once and dropped; training goes on. finish() is the one place
+//   that waits, with a deadline.
+//
+// Strangers on the port (gossip/wire.h says what the handshake proves): the acceptor thread runs
+// every handshake itself, without a thread or more than a 268-byte buffer per connection, at most
+// kMaxPendingHandshakes at once (a new one beyond that evicts the oldest, so a flood cannot lock
+// the real peers out for longer than it lasts), each for at most kHandshakeSeconds. A refused
+// socket is closed at once. One authenticated stream per rank: a second one claiming a rank that
+// has (or had) a stream is refused. accept() backs off when descriptors run out, and warnings
+// about strangers are rate-limited (one a second, with a count of those left out). Every thread
+// body catches everything: a failure is a lost peer or a refused connection, never a crash.
 #pragma once
 
 #include "gossip/wire.h"
@@ -28,7 +38,7 @@ namespace cohort::gossip {
 struct PeerOptions {
   int rank = 0;
   int worldSize = 1;
-  std::string token;                  // every stream's HELLO must carry it
+  std::string token;                  // the job's secret: every stream's handshake must prove it
   std::string bindHost = "127.0.0.1";  // where to listen (port chosen by the kernel)
   double timeoutSeconds = 60;         // connect, each send, and finish()
   size_t numel = 0;                   // floats in an update
@@ -54,6 +64,15 @@ struct PeerCounters {
   bool finished = false;        // its DONE arrived
   std::optional<PeerReport> report;  // from its DONE
 };
+
+// At most this many handshakes run at once; the oldest is evicted for a new one.
+constexpr int kMaxPendingHandshakes = 64;
+// A connection has this long (or the peer's timeout, if shorter) to complete its handshake.
+constexpr double kHandshakeSeconds = 10;
+
+// "host:port" or "[v6]:port" as peers publish it; throws InvalidArgument naming the text when it
+// is not one (no port, a port outside 1..65535, trailing garbage).
+HostPort parsePeerAddress(const std::string& text);
 
 class Peer {
  public:
@@ -87,7 +106,9 @@ class Peer {
   std::vector<PeerCounters> counters() const;
   int64_t bytesSent() const;
   int64_t bytesReceived() const;
-  int64_t refusedStreams() const;  // connections refused for a wrong token or protocol
+  // Connections refused: a wrong proof, protocol or rank, a duplicate rank, a malformed or late
+  // handshake, or evicted by a flood.
+  int64_t refusedStreams() const;
 
   struct Impl;
 

@@ -1,7 +1,10 @@
 #include "gossip/wire.h"
 
+#include "base/crypto.h"
+
 #include <cohort/error.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace cohort::gossip {
@@ -60,26 +63,15 @@ FrameHeader parseHeader(std::span<const uint8_t, kHeaderBytes> bytes, uint32_t m
   COHORT_CHECK(magic == kMagic, InvalidArgument, "not a gossip frame (magic ", magic,
                "): is another program talking to this port?");
   const auto type = r.get<uint8_t>();
-  COHORT_CHECK(type >= 1 && type <= 3, InvalidArgument, "unknown gossip frame type ", int(type));
+  COHORT_CHECK(type >= 1 && type <= 6, InvalidArgument, "unknown gossip frame type ", int(type));
   r.get<uint8_t>();
   r.get<uint16_t>();
   FrameHeader h;
   h.type = FrameType(type);
   h.length = r.get<uint32_t>();
   COHORT_CHECK(h.length <= maxBody, InvalidArgument, "gossip frame of ", h.length, " bytes exceeds the limit of ",
-               maxBody, " for this model");
+               maxBody, " bytes here");
   return h;
-}
-
-std::vector<uint8_t> helloFrame(const Hello& hello) {
-  auto frame = withHeader(FrameType::kHello);
-  put<uint32_t>(frame, hello.protocol);
-  put<uint32_t>(frame, hello.rank);
-  put<uint32_t>(frame, hello.worldSize);
-  put<uint32_t>(frame, uint32_t(hello.token.size()));
-  frame.insert(frame.end(), hello.token.begin(), hello.token.end());
-  setLength(frame);
-  return frame;
 }
 
 std::vector<uint8_t> doneFrame(const PeerReport& p) {
@@ -101,23 +93,6 @@ void beginUpdateFrame(const UpdateMeta& m, std::vector<uint8_t>& frame) {
   put<int64_t>(frame, m.steps);
   put<int64_t>(frame, m.samples);
   put<uint64_t>(frame, m.numel);
-}
-
-void finishUpdateFrame(std::vector<uint8_t>& frame) { setLength(frame); }
-
-Hello parseHello(std::span<const uint8_t> body) {
-  Reader r(body, "HELLO");
-  Hello h;
-  h.protocol = r.get<uint32_t>();
-  COHORT_CHECK(h.protocol == kProtocol, InvalidArgument, "gossip protocol ", h.protocol, " (this build speaks ",
-               kProtocol, "): run the same cohort binary on every peer");
-  h.rank = r.get<uint32_t>();
-  h.worldSize = r.get<uint32_t>();
-  const auto n = r.get<uint32_t>();
-  COHORT_CHECK(r.rest().size() == n, InvalidArgument, "gossip HELLO token of ", n, " bytes in a body with ",
-               r.rest().size(), " left");
-  h.token.assign(reinterpret_cast<const char*>(r.rest().data()), n);
-  return h;
 }
 
 PeerReport parseDone(std::span<const uint8_t> body) {
@@ -148,15 +123,177 @@ UpdateMeta parseUpdate(std::span<const uint8_t> body) {
   return m;
 }
 
-bool sameToken(const std::string& a, const std::string& b) {
-  unsigned diff = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::max(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char x = i < a.size() ? a[i] : 0;
-    const unsigned char y = i < b.size() ? b[i] : 0;
-    diff |= unsigned(x ^ y);
-  }
-  return diff == 0;
+namespace {
+
+template <size_t N>
+void putBytes(std::vector<uint8_t>& out, const std::array<uint8_t, N>& bytes) {
+  out.insert(out.end(), bytes.begin(), bytes.end());
+}
+
+template <size_t N>
+std::array<uint8_t, N> getBytes(Reader& r) {
+  std::array<uint8_t, N> out{};
+  for (auto& b : out) b = r.get<uint8_t>();
+  return out;
+}
+
+void checkProtocol(uint32_t protocol) {
+  COHORT_CHECK(protocol == kProtocol, InvalidArgument, "gossip protocol ", protocol, " (this build speaks ",
+               kProtocol, "): run the same cohort binary on every peer");
+}
+
+void checkConsumed(const Reader& r, std::span<const uint8_t> body, const char* what) {
+  COHORT_CHECK(r.at() == body.size(), InvalidArgument, "gossip ", what, " frame of ", body.size(),
+               " bytes, expected ", r.at());
+}
+
+// label | protocol | connector | acceptor | world size | acceptor nonce | connector nonce
+Proof transcriptMac(const std::string& secret, std::string_view label, const Transcript& t) {
+  std::vector<uint8_t> bytes;
+  put<uint32_t>(bytes, kProtocol);
+  put<uint32_t>(bytes, t.connector);
+  put<uint32_t>(bytes, t.acceptor);
+  put<uint32_t>(bytes, t.worldSize);
+  putBytes(bytes, t.acceptorNonce);
+  putBytes(bytes, t.connectorNonce);
+  crypto::HmacSha256 mac(secret);
+  mac.update(label).update(std::string_view("\0", 1)).update(bytes);
+  return mac.final();
+}
+
+}  // namespace
+
+std::vector<uint8_t> challengeFrame(const Challenge& c) {
+  auto frame = withHeader(FrameType::kChallenge);
+  put<uint32_t>(frame, c.protocol);
+  put<uint32_t>(frame, c.rank);
+  put<uint32_t>(frame, c.worldSize);
+  putBytes(frame, c.nonce);
+  setLength(frame);
+  return frame;
+}
+
+std::vector<uint8_t> helloFrame(const Hello& h) {
+  auto frame = withHeader(FrameType::kHello);
+  put<uint32_t>(frame, h.protocol);
+  put<uint32_t>(frame, h.rank);
+  put<uint32_t>(frame, h.worldSize);
+  putBytes(frame, h.nonce);
+  putBytes(frame, h.proof);
+  setLength(frame);
+  return frame;
+}
+
+std::vector<uint8_t> acceptFrame(const Proof& proof) {
+  auto frame = withHeader(FrameType::kAccept);
+  putBytes(frame, proof);
+  setLength(frame);
+  return frame;
+}
+
+std::vector<uint8_t> refuseFrame(RefuseReason reason) {
+  auto frame = withHeader(FrameType::kRefuse);
+  put<uint32_t>(frame, uint32_t(reason));
+  setLength(frame);
+  return frame;
+}
+
+Challenge parseChallenge(std::span<const uint8_t> body) {
+  Reader r(body, "CHALLENGE");
+  Challenge c;
+  c.protocol = r.get<uint32_t>();
+  checkProtocol(c.protocol);
+  c.rank = r.get<uint32_t>();
+  c.worldSize = r.get<uint32_t>();
+  c.nonce = getBytes<kNonceBytes>(r);
+  checkConsumed(r, body, "CHALLENGE");
+  return c;
+}
+
+Hello parseHello(std::span<const uint8_t> body) {
+  Reader r(body, "HELLO");
+  Hello h;
+  h.protocol = r.get<uint32_t>();
+  checkProtocol(h.protocol);
+  h.rank = r.get<uint32_t>();
+  h.worldSize = r.get<uint32_t>();
+  h.nonce = getBytes<kNonceBytes>(r);
+  h.proof = getBytes<kProofBytes>(r);
+  checkConsumed(r, body, "HELLO");
+  return h;
+}
+
+Proof parseAccept(std::span<const uint8_t> body) {
+  Reader r(body, "ACCEPT");
+  const Proof p = getBytes<kProofBytes>(r);
+  checkConsumed(r, body, "ACCEPT");
+  return p;
+}
+
+RefuseReason parseRefuse(std::span<const uint8_t> body) {
+  Reader r(body, "REFUSE");
+  const auto reason = r.get<uint32_t>();
+  checkConsumed(r, body, "REFUSE");
+  COHORT_CHECK(reason >= 1 && reason <= 4, InvalidArgument, "gossip REFUSE with unknown reason ", reason);
+  return RefuseReason(reason);
+}
+
+Proof connectorProof(const std::string& secret, const Transcript& t) {
+  return transcriptMac(secret, "cohort gossip connector", t);
+}
+
+Proof acceptorProof(const std::string& secret, const Transcript& t) {
+  return transcriptMac(secret, "cohort gossip acceptor", t);
+}
+
+Proof sessionKey(const std::string& secret, const Transcript& t) {
+  return transcriptMac(secret, "cohort gossip session", t);
+}
+
+Nonce freshNonce() {
+  Nonce n{};
+  crypto::randomBytes(n);
+  return n;
+}
+
+bool sameProof(const Proof& a, const Proof& b) { return crypto::equalConstantTime(a, b); }
+
+struct FrameSealer::State {
+  explicit State(const Proof& key) : mac(std::span<const uint8_t>(key)) {}
+  crypto::HmacSha256 mac;
+};
+
+FrameSealer::FrameSealer(const Proof& sessionKey) : state_(std::make_unique<State>(sessionKey)) {}
+
+FrameSealer::~FrameSealer() = default;
+
+std::array<uint8_t, kTagBytes> FrameSealer::tag(std::span<const uint8_t> header, std::span<const uint8_t> body) {
+  std::vector<uint8_t> number;
+  put<uint64_t>(number, next_++);
+  const crypto::Digest d = state_->mac.update(number).update(header).update(body).final();
+  std::array<uint8_t, kTagBytes> out{};
+  std::copy_n(d.begin(), kTagBytes, out.begin());
+  return out;
+}
+
+void FrameSealer::seal(std::vector<uint8_t>& frame) {
+  COHORT_CHECK(frame.size() >= kHeaderBytes, InvalidArgument, "a gossip frame without a header");
+  frame.resize(frame.size() + kTagBytes);  // the length covers the tag
+  setLength(frame);
+  const auto t = tag(std::span(frame).first(kHeaderBytes),
+                     std::span(frame).subspan(kHeaderBytes, frame.size() - kHeaderBytes - kTagBytes));
+  std::copy(t.begin(), t.end(), frame.end() - kTagBytes);
+}
+
+std::span<const uint8_t> FrameSealer::open(std::span<const uint8_t, kHeaderBytes> header,
+                                           std::span<const uint8_t> body) {
+  COHORT_CHECK(body.size() >= kTagBytes, InvalidArgument, "gossip frame of ", body.size(),
+               " bytes has no room for its tag");
+  const auto content = body.first(body.size() - kTagBytes);
+  const auto expected = tag(header, content);
+  COHORT_CHECK(crypto::equalConstantTime(expected, body.last(kTagBytes)), InvalidArgument,
+               "gossip frame with a wrong tag: altered, replayed or out of order");
+  return content;
 }
 
 }  // namespace cohort::gossip

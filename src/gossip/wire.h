@@ -1,20 +1,40 @@
 // The gossip wire format: length-prefixed frames on a TCP stream, one stream per (sender,
-// receiver) pair, written only by the sender. Torch-free, and pure functions, so the framing is
-// unit-tested without sockets.
+// receiver) pair, written only by the sender after a handshake in both directions. Torch-free,
+// and pure functions, so the framing and the proofs are unit-tested without sockets.
 //
-//   frame  = magic u32 "CGSP" | type u8 | 3 zero bytes | body length u32 | body
-//   HELLO  = protocol u32 | sender rank u32 | world size u32 | token length u32 | token
-//   UPDATE = sender u32 | encoding u32 (0 uncompressed, 1 the job's codec) | version i64 | step i64
-//            | steps i64 | samples i64 | numel u64 | codec message (compress/codec.h, self-describing)
-//   DONE   = the sender's PeerReport (8 i64)
-// Integers are little-endian. The first frame on a stream must be HELLO with the job's token;
-// anything else closes the stream. DONE is the last frame: the sender finished and everything it
-// sent before is on the stream.
+//   frame     = magic u32 "CGSP" | type u8 | 3 zero bytes | body length u32 | body
+//   CHALLENGE = protocol u32 | acceptor rank u32 | world size u32 | acceptor nonce (32)
+//   HELLO     = protocol u32 | connector rank u32 | world size u32 | connector nonce (32) | proof (32)
+//   ACCEPT    = proof (32)
+//   REFUSE    = reason u32
+//   UPDATE    = sender u32 | encoding u32 (0 uncompressed, 1 the job's codec) | version i64 | step i64
+//               | steps i64 | samples i64 | numel u64 | codec message (compress/codec.h) | tag (16)
+//   DONE      = the sender's PeerReport (8 i64) | tag (16)
+// Integers are little-endian.
+//
+// The handshake proves the job's secret without sending it. The acceptor (the receiving end)
+// speaks first: CHALLENGE with a fresh random nonce. The connector answers HELLO: its own nonce
+// and HMAC-SHA256(secret, "connector" | the transcript), where the transcript is protocol,
+// connector rank, acceptor rank, world size and both nonces. The acceptor checks it in constant
+// time and answers ACCEPT, HMAC(secret, "acceptor" | transcript), which the connector checks in
+// turn; or REFUSE with a reason, and closes. Both ends then key every later frame's tag with
+// HMAC(secret, "session" | transcript): the first 16 bytes of HMAC(session key, frame number u64 |
+// header | body without the tag). Before ACCEPT a frame's body is at most kMaxHandshakeBody.
+//
+// What this holds against a stranger who can connect to a peer's port, forge the address a peer
+// connects to, and read the traffic, but does not know the secret: the secret never crosses the
+// wire (a dictionary attack on the recorded proofs is its only use, so the secret must be random:
+// `cohort launch` makes 128 bits); a recorded HELLO or ACCEPT fails against a fresh nonce (no
+// replay); a proof harvested at a forged address names that connection's nonces and direction
+// and opens nothing else; a stranger who relays a live handshake between two real peers sees the
+// updates go by (no encryption) but cannot insert, change, reorder or replay a frame (the tags),
+// only drop the stream, which the peers see as a lost peer.
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -23,11 +43,19 @@
 namespace cohort::gossip {
 
 constexpr uint32_t kMagic = 0x50534743;  // "CGSP"
-constexpr uint32_t kProtocol = 1;
+constexpr uint32_t kProtocol = 2;
 constexpr size_t kHeaderBytes = 12;
 constexpr size_t kUpdateHeaderBytes = 48;
+constexpr size_t kNonceBytes = 32;
+constexpr size_t kProofBytes = 32;
+constexpr size_t kTagBytes = 16;
+// The largest body a peer reads before the other end proved the secret (HELLO is 76 bytes).
+constexpr uint32_t kMaxHandshakeBody = 256;
 
-enum class FrameType : uint8_t { kHello = 1, kUpdate = 2, kDone = 3 };
+enum class FrameType : uint8_t { kHello = 1, kUpdate = 2, kDone = 3, kChallenge = 4, kAccept = 5, kRefuse = 6 };
+
+using Nonce = std::array<uint8_t, kNonceBytes>;
+using Proof = std::array<uint8_t, kProofBytes>;
 
 struct FrameHeader {
   FrameType type = FrameType::kHello;
@@ -38,12 +66,42 @@ struct FrameHeader {
 // longer than maxBody.
 FrameHeader parseHeader(std::span<const uint8_t, kHeaderBytes> bytes, uint32_t maxBody);
 
+// The acceptor's first frame.
+struct Challenge {
+  uint32_t protocol = kProtocol;
+  uint32_t rank = 0;  // the acceptor's
+  uint32_t worldSize = 0;
+  Nonce nonce{};
+};
+
+// The connector's answer.
 struct Hello {
   uint32_t protocol = kProtocol;
-  uint32_t rank = 0;
+  uint32_t rank = 0;  // the connector's
   uint32_t worldSize = 0;
-  std::string token;
+  Nonce nonce{};
+  Proof proof{};
 };
+
+// Why an acceptor refused a stream, sent before it closes. Unauthenticated, so only advice: the
+// connector gives up on kWrongSecret, kDuplicate and kBadRank, and tries again on kBusy.
+enum class RefuseReason : uint32_t { kWrongSecret = 1, kDuplicate = 2, kBadRank = 3, kBusy = 4 };
+
+// Everything both ends' proofs and the session key are bound to.
+struct Transcript {
+  uint32_t connector = 0;
+  uint32_t acceptor = 0;
+  uint32_t worldSize = 0;
+  Nonce acceptorNonce{};
+  Nonce connectorNonce{};
+};
+
+Proof connectorProof(const std::string& secret, const Transcript& t);
+Proof acceptorProof(const std::string& secret, const Transcript& t);
+Proof sessionKey(const std::string& secret, const Transcript& t);
+// A fresh nonce from the kernel's random source.
+Nonce freshNonce();
+bool sameProof(const Proof& a, const Proof& b);
 
 // How an UPDATE's payload is encoded.
 enum class Encoding : uint32_t { kRaw = 0, kCodec = 1 };
@@ -72,20 +130,46 @@ struct PeerReport {
   int64_t dropped = 0;  // unused slot kept at zero; the format has room for one more counter
 };
 
+// The tags of one stream's frames after the handshake: keyed by the session key, numbered from 0
+// in the order the frames are written (so read), one object per end.
+class FrameSealer {
+ public:
+  explicit FrameSealer(const Proof& sessionKey);
+  ~FrameSealer();
+  FrameSealer(const FrameSealer&) = delete;
+  FrameSealer& operator=(const FrameSealer&) = delete;
+
+  // Writes the body length (the tag included) into frame's header and appends the tag.
+  void seal(std::vector<uint8_t>& frame);
+  // Checks the tag at the end of body (header: the frame's 12 bytes); returns the body without
+  // it. Throws InvalidArgument when the tag is missing or wrong.
+  std::span<const uint8_t> open(std::span<const uint8_t, kHeaderBytes> header, std::span<const uint8_t> body);
+
+ private:
+  std::array<uint8_t, kTagBytes> tag(std::span<const uint8_t> header, std::span<const uint8_t> body);
+  struct State;
+  std::unique_ptr<State> state_;
+  uint64_t next_ = 0;
+};
+
+// Handshake frames, complete with their length.
+std::vector<uint8_t> challengeFrame(const Challenge& challenge);
 std::vector<uint8_t> helloFrame(const Hello& hello);
+std::vector<uint8_t> acceptFrame(const Proof& proof);
+std::vector<uint8_t> refuseFrame(RefuseReason reason);
+// DONE and UPDATE without their tag: the caller seals them.
 std::vector<uint8_t> doneFrame(const PeerReport& report);
 // The frame with its header and meta; the caller appends the codec message to `frame` after
-// this, then calls finishUpdateFrame to write the body length.
+// this, then seals it.
 void beginUpdateFrame(const UpdateMeta& meta, std::vector<uint8_t>& frame);
-void finishUpdateFrame(std::vector<uint8_t>& frame);
 
 // Body parsers; throw InvalidArgument naming what is wrong (never reading past body).
+Challenge parseChallenge(std::span<const uint8_t> body);
 Hello parseHello(std::span<const uint8_t> body);
+Proof parseAccept(std::span<const uint8_t> body);
+RefuseReason parseRefuse(std::span<const uint8_t> body);
 PeerReport parseDone(std::span<const uint8_t> body);
 // The meta, and the codec message is body.subspan(kUpdateHeaderBytes).
 UpdateMeta parseUpdate(std::span<const uint8_t> body);
-
-// Compares two tokens in time independent of where they differ.
-bool sameToken(const std::string& a, const std::string& b);
 
 }  // namespace cohort::gossip

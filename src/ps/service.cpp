@@ -7,6 +7,9 @@
 #include "ps.grpc.pb.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/security/auth_metadata_processor.h>
+
+#include <malloc.h>
 
 #include <atomic>
 #include <csignal>
@@ -25,6 +28,8 @@ using Clock = std::chrono::system_clock;
 
 // How long shutdown lets calls in flight finish before cancelling them.
 constexpr auto kShutdownGrace = std::chrono::milliseconds(500);
+// How long a connection may take to finish gRPC's handshake.
+constexpr int kHandshakeTimeoutMs = 10'000;
 // How often runShardServer looks for a signal.
 constexpr auto kPoll = std::chrono::milliseconds(250);
 
@@ -37,15 +42,6 @@ std::string readPem(const std::string& path, const char* flag) {
   return text.str();
 }
 
-std::shared_ptr<grpc::ServerCredentials> serverCredentials(const ServerOptions& o) {
-  COHORT_CHECK(o.tlsCertFile.empty() == o.tlsKeyFile.empty(), InvalidArgument,
-               "TLS needs both --tls-cert and --tls-key, got only ", o.tlsCertFile.empty() ? "--tls-key" : "--tls-cert");
-  if (o.tlsCertFile.empty()) return grpc::InsecureServerCredentials();
-  grpc::SslServerCredentialsOptions ssl;
-  ssl.pem_key_cert_pairs.push_back({readPem(o.tlsKeyFile, "--tls-key"), readPem(o.tlsCertFile, "--tls-cert")});
-  return grpc::SslServerCredentials(ssl);
-}
-
 // Compares in time that depends only on the length of `expected`, so that a caller cannot find
 // the token byte by byte by timing refusals.
 bool sameSecret(std::string_view given, std::string_view expected) {
@@ -56,6 +52,111 @@ bool sameSecret(std::string_view given, std::string_view expected) {
   return diff == 0;
 }
 
+bool isLoopbackAddress(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  const std::string host = colon == std::string::npos ? address : address.substr(0, colon);
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "[::1]";
+}
+
+// What the service does with a caller that has not shown the token: counts it, logs it
+// (rate-limited: a misconfigured worker retrying, or a scanner, must not flood the log), and asks
+// for the memory its request took back from the heap.
+class Refusals {
+ public:
+  Refusals(std::shared_ptr<Shard> shard, std::string name, std::function<void(const std::string&)> log)
+      : shard_(std::move(shard)), name_(std::move(name)), log_(std::move(log)) {}
+
+  grpc::Status refuse(const std::string& peer, bool missing) {
+    shard_->countUnauthenticated();
+    const int64_t n = ++refused_;
+    if (n <= 10 || n % 100 == 0) {
+      log("refused a request from " + peer + ": " + (missing ? "no" : "wrong") + " auth token (" +
+          std::to_string(n) + " refused so far)");
+    }
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or wrong auth token: pass the job's --auth-token");
+  }
+
+  const std::string& name() const { return name_; }
+
+  void log(const std::string& message) const {
+    if (log_) {
+      log_(message);
+    } else {
+      std::fprintf(stderr, "cohort %s: %s\n", name_.c_str(), message.c_str());
+    }
+  }
+
+  // A large request that was refused was read into the heap, which keepFreedMemory() keeps from
+  // shrinking; the next call (or runShardServer's loop) gives those pages back.
+  void wantTrim() { trim_ = true; }
+  void trimIfWanted() {
+    if (trim_.exchange(false)) ::malloc_trim(0);
+  }
+
+ private:
+  const std::shared_ptr<Shard> shard_;
+  const std::string name_;
+  const std::function<void(const std::string&)> log_;
+  std::atomic<int64_t> refused_{0};
+  std::atomic<bool> trim_{false};
+};
+
+// Checks the token on a call's metadata, before gRPC reads the request's body: a stranger's
+// 512 MB push costs the shard its headers, not 512 MB. gRPC runs it only under credentials with
+// a security handshake (TLS, or its "local" credentials on loopback); plaintext on another
+// interface is checked in the handler, after the read.
+class TokenCheck final : public grpc::AuthMetadataProcessor {
+ public:
+  TokenCheck(std::string expected, std::shared_ptr<Refusals> refusals)
+      : expected_(std::move(expected)), refusals_(std::move(refusals)) {}
+
+  bool IsBlocking() const override { return false; }  // a comparison: run it on gRPC's thread
+
+  grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext* context, OutputMetadata* consumed,
+                       OutputMetadata* response) override {
+    const auto found = metadata.find("authorization");
+    if (found != metadata.end() &&
+        sameSecret(std::string_view(found->second.data(), found->second.size()), expected_)) {
+      return grpc::Status::OK;
+    }
+    // gRPC does not tell a processor the caller's address; the transport is what it knows.
+    std::string peer = "a caller";
+    if (context != nullptr) {
+      for (const auto& value : context->FindPropertyValues(GRPC_TRANSPORT_SECURITY_TYPE_PROPERTY_NAME)) {
+        peer = "a " + std::string(value.data(), value.size()) + " caller";
+      }
+    }
+    return refusals_->refuse(peer, found == metadata.end());
+  }
+
+ private:
+  const std::string expected_;
+  const std::shared_ptr<Refusals> refusals_;
+};
+
+// TLS when the flags say so; else gRPC's local credentials on a loopback address (plaintext on
+// the wire, but with the security handshake that lets TokenCheck run before a body is read);
+// else plaintext. Sets `early` when TokenCheck is installed.
+std::shared_ptr<grpc::ServerCredentials> serverCredentials(const ServerOptions& o, const std::string& expected,
+                                                           const std::shared_ptr<Refusals>& refusals, bool& early) {
+  COHORT_CHECK(o.tlsCertFile.empty() == o.tlsKeyFile.empty(), InvalidArgument,
+               "TLS needs both --tls-cert and --tls-key, got only ", o.tlsCertFile.empty() ? "--tls-key" : "--tls-cert");
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  if (!o.tlsCertFile.empty()) {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({readPem(o.tlsKeyFile, "--tls-key"), readPem(o.tlsCertFile, "--tls-cert")});
+    credentials = grpc::SslServerCredentials(ssl);
+  } else if (isLoopbackAddress(o.address)) {
+    credentials = grpc::experimental::LocalServerCredentials(LOCAL_TCP);
+  } else {
+    early = false;
+    return grpc::InsecureServerCredentials();  // gRPC aborts on a processor for these
+  }
+  early = !expected.empty();
+  if (early) credentials->SetAuthMetadataProcessor(std::make_shared<TokenCheck>(expected, refusals));
+  return credentials;
+}
+
 grpc::Status toGrpc(const Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(s.code), s.message);
@@ -63,11 +164,8 @@ grpc::Status toGrpc(const Status& s) {
 
 class Service final : public wire::ParameterServer::Service {
  public:
-  Service(std::shared_ptr<Shard> shard, const ServerOptions& options)
-      : shard_(std::move(shard)),
-        expected_(options.authToken.empty() ? "" : "Bearer " + options.authToken),
-        name_(options.shard.name),
-        log_(options.shard.log) {}
+  Service(std::shared_ptr<Shard> shard, std::string expected, std::shared_ptr<Refusals> refusals)
+      : shard_(std::move(shard)), expected_(std::move(expected)), refusals_(std::move(refusals)) {}
 
   grpc::Status Init(grpc::ServerContext* c, const wire::InitRequest* q, wire::InitReply* r) override {
     return handle(c, [&] { return shard_->init(*q, r); });
@@ -88,12 +186,19 @@ class Service final : public wire::ParameterServer::Service {
  private:
   template <typename Call>
   grpc::Status handle(grpc::ServerContext* context, const Call& call) {
-    if (!authorized(*context)) return refuse(*context);
+    refusals_->trimIfWanted();
+    // Again here: where TokenCheck runs this always passes; where it cannot (plaintext off
+    // loopback), this is the check, after gRPC has read the body.
+    if (!authorized(*context)) {
+      refusals_->wantTrim();
+      return refusals_->refuse(context->peer(), context->client_metadata().count("authorization") == 0);
+    }
     try {
       return toGrpc(call());
     } catch (const std::exception& e) {
       // Out of memory for a large Init, say: the caller gets the reason, the shard stays up.
-      return grpc::Status(grpc::StatusCode::INTERNAL, std::string("ps shard ") + name_ + ": " + e.what());
+      refusals_->wantTrim();
+      return grpc::Status(grpc::StatusCode::INTERNAL, "ps shard " + refusals_->name() + ": " + e.what());
     }
   }
 
@@ -105,31 +210,9 @@ class Service final : public wire::ParameterServer::Service {
     return sameSecret(std::string_view(found->second.data(), found->second.size()), expected_);
   }
 
-  grpc::Status refuse(const grpc::ServerContext& context) {
-    shard_->countUnauthenticated();
-    // Rate-limited: a misconfigured worker retrying, or a scanner, must not flood the log.
-    const int64_t n = ++refused_;
-    if (n <= 10 || n % 100 == 0) {
-      const bool missing = context.client_metadata().count("authorization") == 0;
-      log("refused a request from " + context.peer() + ": " + (missing ? "no" : "wrong") + " auth token (" +
-          std::to_string(n) + " refused so far)");
-    }
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or wrong auth token: pass the job's --auth-token");
-  }
-
-  void log(const std::string& message) const {
-    if (log_) {
-      log_(message);
-    } else {
-      std::fprintf(stderr, "cohort %s: %s\n", name_.c_str(), message.c_str());
-    }
-  }
-
   const std::shared_ptr<Shard> shard_;
   const std::string expected_;  // "Bearer TOKEN"; empty: no token required
-  const std::string name_;
-  const std::function<void(const std::string&)> log_;
-  std::atomic<int64_t> refused_{0};
+  const std::shared_ptr<Refusals> refusals_;
 };
 
 // The signal runShardServer was asked to stop by; 0 while none.
@@ -170,16 +253,28 @@ std::string withPort(const std::string& address, int port) {
 
 struct ShardServer::Impl {
   std::shared_ptr<Shard> shard;
+  std::shared_ptr<Refusals> refusals;
   std::unique_ptr<Service> service;
+  bool tokenBeforeBody = false;
   std::unique_ptr<grpc::Server> server;
   int port = 0;
   std::once_flag stopped;
 };
 
 ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()) {
-  const auto credentials = serverCredentials(options);  // first: a bad flag fails before any work
+  const std::string expected = options.authToken.empty() ? "" : "Bearer " + options.authToken;
+  // TLS files first: a bad flag fails before any work.
+  COHORT_CHECK(options.tlsCertFile.empty() == options.tlsKeyFile.empty(), InvalidArgument,
+               "TLS needs both --tls-cert and --tls-key, got only ",
+               options.tlsCertFile.empty() ? "--tls-key" : "--tls-cert");
+  if (!options.tlsCertFile.empty()) {
+    readPem(options.tlsKeyFile, "--tls-key");
+    readPem(options.tlsCertFile, "--tls-cert");
+  }
   impl_->shard = std::make_shared<Shard>(options.shard);
-  impl_->service = std::make_unique<Service>(impl_->shard, options);
+  impl_->refusals = std::make_shared<Refusals>(impl_->shard, options.shard.name, options.shard.log);
+  const auto credentials = serverCredentials(options, expected, impl_->refusals, impl_->tokenBeforeBody);
+  impl_->service = std::make_unique<Service>(impl_->shard, expected, impl_->refusals);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.address, credentials, &impl_->port);
   // A push or pull carries a shard's whole slice of the model: tens of MB.
@@ -187,6 +282,8 @@ ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()
   builder.SetMaxSendMessageSize(-1);
   // gRPC sets SO_REUSEPORT by default: a second shard on a taken port would silently share it.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // A connection that never completes its handshake is closed after this (gRPC's default: 120 s).
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeTimeoutMs);
   // Large frames and a deep window: tens of MB per call in 16 KB frames cost more than the copy.
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kHttp2MaxFrame);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kHttp2Window);
@@ -201,6 +298,10 @@ ShardServer::~ShardServer() { shutdown(); }
 int ShardServer::port() const { return impl_->port; }
 
 std::shared_ptr<Shard> ShardServer::shard() const { return impl_->shard; }
+
+bool ShardServer::checksTokenBeforeBody() const { return impl_->tokenBeforeBody; }
+
+void ShardServer::trimFreedMemory() { impl_->refusals->trimIfWanted(); }
 
 void ShardServer::shutdown() {
   // gRPC waits for running handlers even past the deadline; Shard::stop lets held pushes go.
@@ -218,7 +319,14 @@ int runShardServer(const ServerOptions& options) {
   const std::shared_ptr<Shard> shard = server.shard();
   std::printf("cohort ps: listening on %s\n", withPort(options.address, server.port()).c_str());
   std::fflush(stdout);
+  if (!options.authToken.empty() && !server.checksTokenBeforeBody()) {
+    std::fprintf(stderr,
+                 "cohort ps: warning: plaintext on %s: the auth token travels in clear and is checked only after a "
+                 "request's body was read; serve TLS (--tls-cert/--tls-key) off loopback\n",
+                 options.address.c_str());
+  }
   for (;;) {
+    server.trimFreedMemory();
     if (const auto failure = shard->waitFinished(kPoll)) {
       std::fprintf(stderr, "cohort ps: error: %s\n", failure->c_str());
       server.shutdown();

@@ -10,7 +10,7 @@
 namespace cohort::ps {
 
 struct ServerOptions {
-  std::string address = "0.0.0.0:0";  // host:port to listen on; port 0 picks a free one
+  std::string address = "127.0.0.1:0";  // host:port to listen on; port 0 picks a free one
   std::string authToken;    // every call must carry it (metadata "authorization: Bearer TOKEN")
   std::string tlsCertFile;  // with tlsKeyFile: serve TLS instead of plaintext
   std::string tlsKeyFile;
@@ -29,6 +29,12 @@ class ShardServer {
   int port() const;
   std::shared_ptr<Shard> shard() const;
   void shutdown();
+  // True when the token is checked on a call's metadata before gRPC reads its body: with TLS, or
+  // plaintext on a loopback address (gRPC's local credentials). False for plaintext elsewhere.
+  bool checksTokenBeforeBody() const;
+  // Gives the heap pages a refused large request took back to the system (malloc_trim), if a
+  // request was refused since the last time. runShardServer calls it every 250 ms.
+  void trimFreedMemory();
 
  private:
   struct Impl;

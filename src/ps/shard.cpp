@@ -92,7 +92,7 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
   if (Status s = checkPieces(pieces, kMaxElements); !s.ok()) return s;
   if (Status s = checkTensors(request.values(), pieces, true, "Init"); !s.ok()) return s;
 
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (request.resume() && !initialized_ && store_ && !store_->list().empty()) {
     // Starting afresh would delete them: refuse, and let the user decide.
     return Status::error(Code::kFailedPrecondition,
@@ -168,7 +168,7 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
   initialized_ = true;
   initSinceStart_ = true;
   ++generation_;  // pushes held under the old state see it and give up
-  changed_.notify_all();
+  changed_.notifyAll();
   reply->set_version(version_);
   reply->set_resumed(false);
   for (size_t i = 0; i < workers_.size(); ++i) reply->add_clocks(0);
@@ -186,7 +186,7 @@ void Shard::fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* o
 
 Status Shard::pull(const wire::PullRequest& request, wire::PullReply* reply) {
   if (Status s = checkProtocol(request.protocol()); !s.ok()) return s;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!initialized_ || (request.initial() && !initSinceStart_)) return notInitialized();
   if (Status s = checkWorker(request.worker()); !s.ok()) return s;
   if (failure_) return Status::error(Code::kAborted, *failure_);
@@ -220,7 +220,7 @@ void Shard::applyLocked(const Parts& parts, float scale) {
     at += g.size();
   }
   ++version_;
-  changed_.notify_all();
+  changed_.notifyAll();
   maybeCheckpointLocked();
 }
 
@@ -250,7 +250,7 @@ void Shard::markLostLocked(Clock::time_point now) {
     w.lost = true;
     log("worker " + std::to_string(i) + " is lost: nothing from it for " + seconds(policy_.timeout_s()) +
         " (at its step " + std::to_string(w.clock) + ")");
-    changed_.notify_all();
+    changed_.notifyAll();
   }
 }
 
@@ -285,14 +285,14 @@ void Shard::finishIfAllDoneLocked() {
   if (!allOver || !anyDone) return;
   finished_ = true;
   checkpointLocked();
-  changed_.notify_all();
+  changed_.notifyAll();
 }
 
 Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
   const auto arrived = Clock::now();
   std::vector<wire::PieceSpec> pieces;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     // The protocol first: a worker of another version must hear so, not retry "not initialized".
     Status s = checkProtocol(request.protocol());
     if (s.ok() && !initialized_) return notInitialized();
@@ -329,7 +329,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     }
   }
 
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (valid.ok() && (request.clock() < 0 || request.clock() > kMaxClock)) {
     valid = Status::error(Code::kInvalidArgument, "push: clock " + std::to_string(request.clock()) + " is out of range");
   }
@@ -346,7 +346,10 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
   const uint32_t id = request.worker();
   // Never a reference across a wait: an Init while the push is held may replace workers_.
   const uint64_t generation = generation_;
-  auto me = [&]() -> Worker& { return workers_[id]; };
+  auto me = [&]() -> Worker& {
+    mu_.assertHeld();
+    return workers_[id];
+  };
   auto reinitialized = [&]() {
     return Status::error(Code::kAborted, "the shard was re-initialized by a new Init while this push was held");
   };
@@ -376,10 +379,14 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
   const auto limit = std::chrono::duration<double>(policy_.timeout_s());
   const bool sync = policy_.mode() == "sync";
   const uint64_t pulled = std::min<uint64_t>(request.pulled_version(), version_);  // a restarted shard is behind
-  auto tau = [&]() { return int64_t(version_ - std::min<uint64_t>(pulled, version_)); };
+  auto tau = [&]() {
+    mu_.assertHeld();
+    return int64_t(version_ - std::min<uint64_t>(pulled, version_));
+  };
   std::string dropped;
 
   auto finishReply = [&](bool applied) {
+    mu_.assertHeld();
     me().clock += 1;
     me().lastSeen = Clock::now();
     if (policy_.mode() == "ssp") recordClockGapLocked();
@@ -391,7 +398,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     reply->set_wait_s(held);
     stats_.set_wait_s(stats_.wait_s() + held);
     if (request.want_values()) fillValuesLocked(reply->mutable_values());
-    changed_.notify_all();
+    changed_.notifyAll();
     return Status::Ok();
   };
 
@@ -410,6 +417,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     noteStalenessLocked(0);
     stats_.set_applied(stats_.applied() + 1);
     auto closeIfReady = [&]() {
+      mu_.assertHeld();
       int live = 0;
       for (const auto& w : workers_) live += (!w.done && !w.lost) ? 1 : 0;
       const int needed = std::max(1, std::min(int(policy_.workers() - policy_.backup_workers()), live));
@@ -418,7 +426,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     };
     closeIfReady();
     while (version_ == step && !failure_) {
-      changed_.wait_for(lock, kTick);
+      changed_.waitFor(mu_, kTick);
       if (generation_ != generation) return reinitialized();
       const auto now = Clock::now();
       // Workers held in this step are alive: they are waiting on us.
@@ -435,7 +443,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
                    seconds(policy_.timeout_s()) +
                    ": it is lost, and sync mode needs every worker (--backup-workers K lets the others go on)";
         log(*failure_);
-        changed_.notify_all();
+        changed_.notifyAll();
         break;
       }
       closeIfReady();
@@ -453,7 +461,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     auto progress = Clock::now();
     uint64_t seen = version_;
     while (version_ < uint64_t(policy_.warmup_steps()) && !failure_) {
-      changed_.wait_for(lock, kTick);
+      changed_.waitFor(mu_, kTick);
       if (generation_ != generation) return reinitialized();
       const auto now = Clock::now();
       me().lastSeen = now;
@@ -499,7 +507,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
       me().lastSeen = now;
       markLostLocked(now);
       if (me().clock - slowestClockLocked() <= bound) break;
-      changed_.wait_for(lock, kTick);
+      changed_.waitFor(mu_, kTick);
       if (generation_ != generation) return reinitialized();
     }
     me().held = false;
@@ -511,14 +519,14 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
 
 Status Shard::done(const wire::DoneRequest& request, wire::DoneReply* reply) {
   if (Status s = checkProtocol(request.protocol()); !s.ok()) return s;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!initialized_) return notInitialized();
   if (Status s = checkWorker(request.worker()); !s.ok()) return s;
   Worker& w = workers_[request.worker()];
   w.done = true;
   w.lost = false;
   w.lastSeen = Clock::now();
-  changed_.notify_all();
+  changed_.notifyAll();
   finishIfAllDoneLocked();
   reply->set_all_done(finished_);
   return Status::Ok();
@@ -526,7 +534,7 @@ Status Shard::done(const wire::DoneRequest& request, wire::DoneReply* reply) {
 
 Status Shard::stats(const wire::StatsRequest& request, wire::StatsReply* reply) {
   if (Status s = checkProtocol(request.protocol()); !s.ok()) return s;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (request.has_worker() && request.worker() < workers_.size()) {
     Worker& w = workers_[request.worker()];  // waiting on the others, not lost
     w.lastSeen = Clock::now();
@@ -546,12 +554,12 @@ Status Shard::stats(const wire::StatsRequest& request, wire::StatsReply* reply) 
 }
 
 void Shard::countUnauthenticated() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   stats_.set_unauthenticated(stats_.unauthenticated() + 1);
 }
 
 std::optional<std::string> Shard::waitFinished(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const auto until = Clock::now() + timeout;
   while (!finished_ && !failure_) {
     if (initialized_) {
@@ -559,7 +567,7 @@ std::optional<std::string> Shard::waitFinished(std::chrono::milliseconds timeout
       finishIfAllDoneLocked();
       if (finished_) break;
     }
-    if (changed_.wait_until(lock, std::min(until, Clock::now() + kTick)) == std::cv_status::timeout &&
+    if (changed_.waitUntil(mu_, std::min(until, Clock::now() + kTick)) == std::cv_status::timeout &&
         Clock::now() >= until) {
       break;
     }
@@ -568,18 +576,18 @@ std::optional<std::string> Shard::waitFinished(std::chrono::milliseconds timeout
 }
 
 bool Shard::finished() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return finished_;
 }
 
 void Shard::stop(const std::string& reason) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!failure_) failure_ = reason;
-  changed_.notify_all();
+  changed_.notifyAll();
 }
 
 void Shard::checkpoint() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   checkpointLocked();
 }
 
@@ -655,7 +663,7 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
   if (c.clocks_size() != int(c.policy().workers())) return corrupt("its worker clocks do not match its policy");
   optimizer->steps() = c.optimizer_steps();
 
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   policy_ = c.policy();
   pieces_.assign(pieces.begin(), pieces.end());
   values_.resize(size_t(total));

@@ -22,14 +22,13 @@
 // (averaged, under sync and softsync) updates to the values.
 #pragma once
 
+#include "base/thread_annotations.h"
 #include "ps/status.h"
 #include "ps.pb.h"
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -83,22 +82,22 @@ class Shard {
 
  private:
   struct Worker;
-  Status checkWorker(uint32_t worker) const;
+  Status checkWorker(uint32_t worker) const REQUIRES(mu_);
   // A push's values, one run per piece in the shard's order (views into the request).
   using Parts = std::vector<std::span<const float>>;
-  void applyLocked(const Parts& parts, float scale);
-  void accumulateLocked(const Parts& parts, float scale);
-  void applyPendingLocked();
-  void noteStalenessLocked(int64_t tau);
-  void fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out);
-  void markLostLocked(std::chrono::steady_clock::time_point now);
-  int64_t slowestClockLocked() const;
-  void maybeCheckpointLocked();
-  void checkpointLocked();
+  void applyLocked(const Parts& parts, float scale) REQUIRES(mu_);
+  void accumulateLocked(const Parts& parts, float scale) REQUIRES(mu_);
+  void applyPendingLocked() REQUIRES(mu_);
+  void noteStalenessLocked(int64_t tau) REQUIRES(mu_);
+  void fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out) REQUIRES(mu_);
+  void markLostLocked(std::chrono::steady_clock::time_point now) REQUIRES(mu_);
+  int64_t slowestClockLocked() const REQUIRES(mu_);
+  void maybeCheckpointLocked() REQUIRES(mu_);
+  void checkpointLocked() REQUIRES(mu_);
   bool loadCheckpoint();
   bool restoreFrom(const std::string& path, const std::vector<uint8_t>& bytes);
-  void recordClockGapLocked();
-  void finishIfAllDoneLocked();
+  void recordClockGapLocked() REQUIRES(mu_);
+  void finishIfAllDoneLocked() REQUIRES(mu_);
   void log(const std::string& message) const;
 
   // Constant after construction.
@@ -106,26 +105,26 @@ class Shard {
   std::unique_ptr<CheckpointStore> store_;
 
   // Everything below is guarded by mu_ (held pushes wait on changed_, which releases it).
-  mutable std::mutex mu_;
-  std::condition_variable changed_;
-  bool initialized_ = false;
-  bool initSinceStart_ = false;  // an Init came since this process started (not only a restore)
-  uint64_t generation_ = 0;      // bumped by every Init: a held push under an older one gives up
-  wire::Policy policy_;
-  std::vector<wire::PieceSpec> pieces_;
-  std::vector<float> values_;
-  std::unique_ptr<ServerOptimizer> optimizer_;
-  uint64_t version_ = 0;
-  std::vector<Worker> workers_;
+  mutable Mutex mu_;
+  CondVar changed_;
+  bool initialized_ GUARDED_BY(mu_) = false;
+  bool initSinceStart_ GUARDED_BY(mu_) = false;  // an Init came since this process started (not only a restore)
+  uint64_t generation_ GUARDED_BY(mu_) = 0;      // bumped by every Init: a held push under an older one gives up
+  wire::Policy policy_ GUARDED_BY(mu_);
+  std::vector<wire::PieceSpec> pieces_ GUARDED_BY(mu_);
+  std::vector<float> values_ GUARDED_BY(mu_);
+  std::unique_ptr<ServerOptimizer> optimizer_ GUARDED_BY(mu_);
+  uint64_t version_ GUARDED_BY(mu_) = 0;
+  std::vector<Worker> workers_ GUARDED_BY(mu_);
   // sync and softsync: the step being gathered
-  std::vector<float> pending_;
-  int pendingCount_ = 0;
-  std::vector<bool> pendingFrom_;
-  std::optional<std::string> failure_;
-  bool finished_ = false;
-  uint64_t lastCheckpointVersion_ = 0;
-  wire::StatsReply stats_;
-  double stalenessSum_ = 0;
+  std::vector<float> pending_ GUARDED_BY(mu_);
+  int pendingCount_ GUARDED_BY(mu_) = 0;
+  std::vector<bool> pendingFrom_ GUARDED_BY(mu_);
+  std::optional<std::string> failure_ GUARDED_BY(mu_);
+  bool finished_ GUARDED_BY(mu_) = false;
+  uint64_t lastCheckpointVersion_ GUARDED_BY(mu_) = 0;
+  wire::StatsReply stats_ GUARDED_BY(mu_);
+  double stalenessSum_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace cohort::ps

@@ -1,0 +1,79 @@
+#include "base/crypto.h"
+
+#include <cohort/error.h>
+
+#include <openssl/core_names.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/params.h>
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace cohort::crypto {
+
+namespace {
+
+// Fetched once: looking the algorithm up is far dearer than a MAC of a short message.
+EVP_MAC* hmacAlgorithm() {
+  static EVP_MAC* const mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+  COHORT_CHECK(mac != nullptr, Error, "OpenSSL has no HMAC: is libcrypto complete?");
+  return mac;
+}
+
+}  // namespace
+
+struct HmacSha256::State {
+  EVP_MAC_CTX* ctx = nullptr;
+  ~State() { EVP_MAC_CTX_free(ctx); }
+};
+
+HmacSha256::HmacSha256(std::span<const uint8_t> key) : state_(std::make_unique<State>()) {
+  state_->ctx = EVP_MAC_CTX_new(hmacAlgorithm());
+  char digest[] = "SHA256";
+  const OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest, 0),
+                               OSSL_PARAM_construct_end()};
+  COHORT_CHECK(state_->ctx != nullptr && EVP_MAC_init(state_->ctx, key.data(), key.size(), params) == 1, Error,
+               "OpenSSL could not start an HMAC-SHA256");
+}
+
+HmacSha256::HmacSha256(std::string_view key)
+    : HmacSha256(std::span(reinterpret_cast<const uint8_t*>(key.data()), key.size())) {}
+
+HmacSha256::~HmacSha256() = default;
+
+HmacSha256& HmacSha256::update(std::span<const uint8_t> bytes) {
+  COHORT_CHECK(EVP_MAC_update(state_->ctx, bytes.data(), bytes.size()) == 1, Error, "OpenSSL HMAC update failed");
+  return *this;
+}
+
+HmacSha256& HmacSha256::update(std::string_view text) {
+  return update(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+
+Digest HmacSha256::final() {
+  Digest out{};
+  size_t written = 0;
+  COHORT_CHECK(EVP_MAC_final(state_->ctx, out.data(), &written, out.size()) == 1 && written == out.size(), Error,
+               "OpenSSL HMAC final failed");
+  // The same key again, for the next message (a null key keeps the one given at construction).
+  COHORT_CHECK(EVP_MAC_init(state_->ctx, nullptr, 0, nullptr) == 1, Error, "OpenSSL HMAC restart failed");
+  return out;
+}
+
+void randomBytes(std::span<uint8_t> out) {
+  size_t got = 0;
+  while (got < out.size()) {
+    const ssize_t n = ::getrandom(out.data() + got, out.size() - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    COHORT_CHECK(n > 0, Error, "getrandom failed: ", std::strerror(errno));
+    got += size_t(n);
+  }
+}
+
+bool equalConstantTime(std::span<const uint8_t> a, std::span<const uint8_t> b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+}  // namespace cohort::crypto

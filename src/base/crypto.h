@@ -1,0 +1,43 @@
+// The few cryptographic pieces cohort's transports need, over OpenSSL's libcrypto (kept out of
+// every header): HMAC-SHA256, random bytes from the kernel, and a comparison whose time does not
+// depend on where two secrets differ. Torch-free, in cohort_base.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+
+namespace cohort::crypto {
+
+using Digest = std::array<uint8_t, 32>;
+
+// HMAC-SHA256 with a fixed key, fed in parts. One object computes any number of MACs: final()
+// returns one and starts the next under the same key. Not thread-safe; one per stream.
+class HmacSha256 {
+ public:
+  explicit HmacSha256(std::span<const uint8_t> key);
+  explicit HmacSha256(std::string_view key);
+  ~HmacSha256();
+  HmacSha256(const HmacSha256&) = delete;
+  HmacSha256& operator=(const HmacSha256&) = delete;
+
+  HmacSha256& update(std::span<const uint8_t> bytes);
+  HmacSha256& update(std::string_view text);
+  Digest final();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// Fills `out` from the kernel's random source (getrandom); throws Error when it cannot.
+void randomBytes(std::span<uint8_t> out);
+
+// True when a and b hold the same bytes; for equal sizes the time taken does not depend on the
+// contents.
+bool equalConstantTime(std::span<const uint8_t> a, std::span<const uint8_t> b);
+
+}  // namespace cohort::crypto

@@ -1,0 +1,116 @@
+// Tools for tests that play strangers on a listening port (torch-free): raw TCP connections,
+// the process's open descriptors, and its peak memory.
+#pragma once
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <span>
+#include <string>
+#include <thread>
+
+namespace cohort::test {
+
+inline int openDescriptors() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+// Polls (bounded) until the descriptor count is back to `level`; returns the last count. Closing
+// a socket on the far side of a connection is asynchronous, so this is a poll of a count, not a
+// hand-off between threads.
+inline int waitForDescriptors(int level, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int n = openDescriptors();
+  while (n != level && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    n = openDescriptors();
+  }
+  return n;
+}
+
+// A field of /proc/self/status in bytes ("VmRSS", "VmHWM"); -1 when it is missing.
+inline int64_t statusBytes(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
+  }
+  return -1;
+}
+
+// Resets VmHWM (the peak resident size) to the current size; false when the kernel refuses.
+inline bool resetPeakMemory() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return out.good();
+}
+
+// A raw TCP connection to 127.0.0.1:port.
+class RawConnection {
+ public:
+  explicit RawConnection(int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(uint16_t(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }
+  ~RawConnection() { close(); }
+  RawConnection(const RawConnection&) = delete;
+  RawConnection& operator=(const RawConnection&) = delete;
+
+  bool connected() const { return connected_; }
+  int fd() const { return fd_; }
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+  void send(std::span<const uint8_t> bytes) { (void)::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL); }
+
+  // Fills `out` within `limit`; false at EOF, on a reset, or when not all of it came.
+  bool read(std::span<uint8_t> out, std::chrono::seconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    size_t got = 0;
+    while (got < out.size()) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      pollfd pfd{fd_, POLLIN, 0};
+      if (left.count() <= 0 || ::poll(&pfd, 1, int(left.count())) <= 0) return false;
+      const ssize_t r = ::recv(fd_, out.data() + got, out.size() - got, 0);
+      if (r <= 0) return false;
+      got += size_t(r);
+    }
+    return true;
+  }
+
+  // True when the other end closed the connection (EOF or reset) within `limit`; whatever it
+  // sent before is skipped.
+  bool closedByPeer(std::chrono::seconds limit = std::chrono::seconds(10)) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    uint8_t buffer[4096];
+    while (true) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      pollfd pfd{fd_, POLLIN, 0};
+      if (left.count() <= 0 || ::poll(&pfd, 1, int(left.count())) <= 0) return false;
+      if (::recv(fd_, buffer, sizeof(buffer), 0) <= 0) return true;
+    }
+  }
+
+ private:
+  int fd_ = -1;
+  bool connected_ = false;
+};
+
+}  // namespace cohort::test
