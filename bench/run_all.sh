@@ -6,6 +6,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 /usr/bin/python3 "$here/single_process.py" --build "$build"
 /usr/bin/python3 "$here/accuracy.py" --build "$build"
 /usr/bin/python3 "$here/dataparallel.py" --build "$build"
+/usr/bin/python3 "$here/library.py" --build "$build"
 /usr/bin/python3 "$here/ps.py" --build "$build"
 /usr/bin/python3 "$here/pipeline.py" --build "$build"
 /usr/bin/python3 "$here/gossip.py" --build "$build"

@@ -218,9 +218,14 @@ TEST(GossipPeer, AWrongTokenIsRefused) {
   std::vector<std::thread> finishing;
   for (auto& p : peers) finishing.emplace_back([&p] { p->finish(PeerReport{}); });
   for (auto& t : finishing) t.join();
-  EXPECT_EQ(peers[0]->refusedStreams(), 1);
-  EXPECT_EQ(peers[1]->refusedStreams(), 1);
+  // Each side refuses the other's stream if that handshake ends before it finishes; a side may
+  // finish first (the other is lost as soon as its own outgoing stream was refused) and close its
+  // port, so under load only one refusal may be counted (seen: peer 1 with 0).
+  EXPECT_GE(peers[0]->refusedStreams() + peers[1]->refusedStreams(), 1);
+  EXPECT_LE(peers[0]->refusedStreams(), 1);
+  EXPECT_LE(peers[1]->refusedStreams(), 1);
   EXPECT_TRUE(peers[0]->counters()[1].lost);
+  EXPECT_TRUE(peers[1]->counters()[0].lost);
   EXPECT_FALSE(peers[0]->counters()[1].finished);
 }
 

@@ -107,13 +107,15 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return info.param.name; });
 
 // sync --backup-workers 1 with worker 1 slowed on purpose: the chief's steps close without it
-// (it is never held for the slow worker's 0.4 s) and the slow worker's late gradients are dropped.
-// The chief is slowed a little too, so that its steps overlap the slow worker's whatever the
-// start-up order.
+// (it is never held for the slow worker's 0.5 s) and the slow worker's late gradients are dropped.
+// The chief is slowed too (30 x 0.25 s), so that its steps overlap the slow worker's whatever the
+// start-up order: the slow worker's first pull can come up to ~2 s after the chief's Init (the
+// client's back-off while the shard is not initialized), and with the chief at 0.1 s per step that
+// was sometimes after the chief's last step (then nothing is late).
 TEST(PsModesSync, BackupWorkersDoNotWaitForTheSlowWorker) {
   test::TempDir dir;
   auto r = test::runCommand(launch(2, 1) + train() + " --model mlp --data synthetic:4000 --steps 30 --batch 16" +
-                                " --strategy ps --ps-mode sync --backup-workers 1 --test-slow-worker 0:0.1,1:0.4 --metrics " +
+                                " --strategy ps --ps-mode sync --backup-workers 1 --test-slow-worker 0:0.25,1:0.5 --metrics " +
                                 dir.file("m.jsonl"), 180);
   ASSERT_EQ(r.exitCode, 0) << r.output;
   std::vector<double> held;

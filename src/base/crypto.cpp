@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <vector>
 
 namespace cohort::crypto {
 
@@ -70,6 +71,18 @@ void randomBytes(std::span<uint8_t> out) {
     COHORT_CHECK(n > 0, Error, "getrandom failed: ", std::strerror(errno));
     got += size_t(n);
   }
+}
+
+std::string randomToken(size_t bytes) {
+  std::vector<uint8_t> raw(bytes);
+  randomBytes(raw);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string token;
+  for (uint8_t b : raw) {
+    token.push_back(kHex[b >> 4]);
+    token.push_back(kHex[b & 15]);
+  }
+  return token;
 }
 
 bool equalConstantTime(std::span<const uint8_t> a, std::span<const uint8_t> b) {

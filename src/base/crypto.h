@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 
 namespace cohort::crypto {
@@ -35,6 +36,9 @@ class HmacSha256 {
 
 // Fills `out` from the kernel's random source (getrandom); throws Error when it cannot.
 void randomBytes(std::span<uint8_t> out);
+
+// A fresh secret: `bytes` random bytes (getrandom) as lowercase hex.
+std::string randomToken(size_t bytes = 16);
 
 // True when a and b hold the same bytes; for equal sizes the time taken does not depend on the
 // contents.

@@ -1,5 +1,7 @@
 #include "cli/launch.h"
 
+#include "base/crypto.h"
+
 #include <cohort/error.h>
 
 #include <fcntl.h>
@@ -207,7 +209,7 @@ class Launcher {
     installSignalHandlers();
     std::vector<std::string> shared = sharedChildEnv(options_.processes);
     // Every job gets a secret: ps shards and gossip peers refuse calls without it.
-    if (!hasEnv("COHORT_AUTH_TOKEN")) shared.push_back("COHORT_AUTH_TOKEN=" + randomToken());
+    if (!hasEnv("COHORT_AUTH_TOKEN")) shared.push_back("COHORT_AUTH_TOKEN=" + crypto::randomToken());
     children_.resize(size_t(options_.processes + options_.parameterServers));
     for (int i = 0; i < int(children_.size()); ++i) start(i, shared);
     while (running_ > 0) {
@@ -270,17 +272,6 @@ class Launcher {
     signalPipeRead_ = signalPipeWrite = -1;
   }
 
-  // A secret for the job's parameter servers, so that only its own workers can talk to them.
-  static std::string randomToken() {
-    std::random_device device;
-    std::string token;
-    for (int i = 0; i < 4; ++i) {
-      char part[9];
-      std::snprintf(part, sizeof(part), "%08x", unsigned(device()));
-      token += part;
-    }
-    return token;
-  }
 
   // The job's TF_CONFIG (--ps M): rank 0 is the chief at the rendezvous port, the other workers
   // and the shards get ports of their own.

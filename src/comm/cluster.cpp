@@ -1,4 +1,6 @@
 #include <cohort/cluster.h>
+
+#include "base/host_port.h"
 #include <cohort/error.h>
 
 #include <nlohmann/json.hpp>

@@ -1,5 +1,7 @@
 #include "gossip/peer.h"
 
+#include "base/host_port.h"
+
 #include "base/thread_annotations.h"
 #include "compress/codec.h"
 
@@ -168,18 +170,10 @@ struct Handshake {
 }  // namespace
 
 HostPort parsePeerAddress(const std::string& text) {
-  const size_t colon = text.rfind(':');
-  COHORT_CHECK(colon != std::string::npos && colon > 0, InvalidArgument, "gossip: bad peer address '", text,
-               "': expected host:port");
-  std::string host = text.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  const std::string portText = text.substr(colon + 1);
-  int port = 0;
-  const auto [end, error] = std::from_chars(portText.data(), portText.data() + portText.size(), port);
-  COHORT_CHECK(!portText.empty() && error == std::errc() && end == portText.data() + portText.size() && port >= 1 &&
-                   port <= 65535,
-               InvalidArgument, "gossip: bad peer address '", text, "': the port must be a number in 1..65535");
-  return {host, port};
+  std::optional<HostPort> parsed = parseHostPort(text);
+  COHORT_CHECK(parsed.has_value(), InvalidArgument, "gossip: bad peer address '", text,
+               "': expected host:port or [v6 host]:port with a port in 1..65535");
+  return *parsed;
 }
 
 struct Peer::Impl {

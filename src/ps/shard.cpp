@@ -1,3 +1,4 @@
+#include "base/clock.h"
 #include "ps/shard.h"
 
 #include "ps/optimizer.h"
@@ -15,8 +16,6 @@ namespace cohort::ps {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 // The staleness histogram's last bucket counts every tau at or above it.
 constexpr int64_t kHistogramBuckets = 64;
 // Model size one shard accepts (elements): 8 GiB of float32.
@@ -25,8 +24,6 @@ constexpr uint64_t kMaxElements = uint64_t(1) << 31;
 constexpr int64_t kMaxClock = int64_t(1) << 50;
 // How often a held push looks again for lost workers.
 constexpr auto kTick = std::chrono::milliseconds(100);
-
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // "60 s", "0.5 s": a timeout as the user gave it.
 std::string seconds(double s) {

@@ -2,6 +2,7 @@
 #include <cohort/communicator.h>
 #include <cohort/error.h>
 
+#include "base/clock.h"
 #include "compress/codec.h"
 #include "schemes/compressed.h"
 #include "schemes/model_sync.h"
@@ -13,10 +14,6 @@
 namespace cohort {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 constexpr const char* kWho = "cohort::ParameterAveraging";
 

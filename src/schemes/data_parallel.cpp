@@ -2,6 +2,7 @@
 #include <cohort/data_parallel.h>
 #include <cohort/error.h>
 
+#include "base/clock.h"
 #include "compress/codec.h"
 #include "schemes/compressed.h"
 #include "schemes/model_sync.h"
@@ -15,10 +16,6 @@
 namespace cohort {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 constexpr const char* kWho = "cohort::DataParallel";
 

@@ -1,3 +1,5 @@
+#include "base/clock.h"
+#include "base/crypto.h"
 #include "strategy/gossip.h"
 
 #include "gossip/peer.h"
@@ -20,38 +22,17 @@ namespace cohort {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 struct GossipContext {
   GossipOptions options;
   ClusterSpec cluster;  // rank, world size, and the rendezvous store's address
   double timeoutSeconds = 60;
 };
 
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
 constexpr size_t kHistogramBins = 64;  // staleness >= 63 counts in the last bin
 
 bool isLoopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1"; }
 
-HostPort parseHostPort(const std::string& text) {
-  const size_t colon = text.rfind(':');
-  COHORT_CHECK(colon != std::string::npos, CommError, "gossip: bad address '", text, "' in the rendezvous store");
-  std::string host = text.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-  return {host, std::stoi(text.substr(colon + 1))};
-}
 
-std::string randomToken() {
-  std::random_device device;
-  std::string token;
-  for (int i = 0; i < 4; ++i) {
-    char part[9];
-    std::snprintf(part, sizeof(part), "%08x", device());
-    token += part;
-  }
-  return token;
-}
 
 // Per sender: what this replica applied from it.
 struct Received {
@@ -94,7 +75,7 @@ struct Gossip::Impl {
     std::string token = c_.options.authToken;
     if (token.empty()) {
       // No shared secret given: a random one for this job, so streams are at least bound to it.
-      if (cl.isChief()) rendezvous_->set("cohort/gossip/job", randomToken());
+      if (cl.isChief()) rendezvous_->set("cohort/gossip/job", crypto::randomToken());
       token = rendezvous_->get("cohort/gossip/job");
     }
     // Where to listen, and the address to publish: the cluster spec's, loopback on one machine,
@@ -134,7 +115,7 @@ struct Gossip::Impl {
     std::vector<HostPort> addresses;
     for (int r = 0; r < cl.worldSize; ++r) {
       addresses.push_back(r == cl.rank ? peer_->address()
-                                       : parseHostPort(rendezvous_->get("cohort/gossip/addr/" + std::to_string(r))));
+                                       : gossip::parsePeerAddress(rendezvous_->get("cohort/gossip/addr/" + std::to_string(r))));
     }
     peer_->connect(addresses);
     copyOut(before_);

@@ -1,3 +1,4 @@
+#include "base/clock.h"
 #include "strategy/pipeline.h"
 
 #include <cohort/error.h>
@@ -18,10 +19,6 @@
 namespace cohort {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Tags of the point-to-point messages: 2i for micro-batch i's activations, 2i+1 for its
 // gradients; the others above any micro-batch's.

@@ -1,3 +1,4 @@
+#include "base/clock.h"
 #include "strategy/ps.h"
 
 #include "compress/codec.h"
@@ -21,8 +22,6 @@ namespace cohort {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 // What the worker side needs to know beyond the options.
 struct PsContext {
   ParameterServerOptions options;
@@ -31,8 +30,6 @@ struct PsContext {
   std::vector<std::string> shards;  // host:port of every shard
   double timeoutSeconds = 60;
 };
-
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 void check(const ps::Status& s, const std::string& shard, const char* call) {
   if (s.ok()) return;
@@ -158,6 +155,12 @@ struct ParameterServerClient::Impl {
   ParameterServerStep push(int64_t samples) {
     COHORT_CHECK(!finished_, InvalidArgument, "cohort::ParameterServerClient::step() after finish()");
     ParameterServerStep stats;
+    if (c_.options.push != "updates") {
+      bool any = false;
+      for (const auto& p : params_) any = any || p.grad().defined();
+      COHORT_CHECK(any, InvalidArgument,
+                   "cohort::ParameterServerClient::step() before backward(): no parameter has a gradient to push");
+    }
     // What goes to the shards: the gradients, or the change the local optimizer made.
     std::vector<torch::Tensor> send;
     {

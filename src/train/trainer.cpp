@@ -6,6 +6,7 @@
 #include <cohort/metrics.h>
 #include <cohort/models.h>
 #include <cohort/sampler.h>
+#include "base/clock.h"
 #include "train/trainer.h"
 
 #include "train/progress.h"
@@ -22,12 +23,6 @@
 namespace cohort {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double secondsSince(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
 
 // Steps at the start of a run that the throughput figure leaves out (allocator and JIT warm-up).
 constexpr int64_t kWarmupSteps = 5;

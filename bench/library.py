@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""cohort as a library, measured against the command line and against PyTorch.
+
+    /usr/bin/python3 bench/library.py [--build build] [--runs 5] [--sections train,resnet]
+
+train:  the cnn, 2 workers x 1 thread, batch 64: `cohort train --strategy allreduce` against the
+        same loop written by a user with the library (bench/library_loop.cpp), with the gradients
+        dropped as the CLI does and with optimizer.zero_grad(). Target: library / train >= 0.98.
+resnet: examples/library/resnet_ddp.cpp (a ResNet with BatchNorm and skip connections, the user's
+        own loop, cohort::DataParallel) against its Python twin under PyTorch DDP
+        (bench/resnet_ddp.py), 2 workers x 1 thread, batch 32. Target: cohort / PyTorch >= 1.10.
+Runs alternate within each section; medians, the spread (min-max) and the ratio of medians.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, done_event, machine, median, run, single_thread_env  # noqa: E402
+
+
+def json_line(stdout):
+    for line in stdout.splitlines():
+        if "samples_per_s" in line:
+            return json.loads(line.split("] ", 1)[-1])
+    raise RuntimeError(stdout)
+
+
+def cohort_train(build, tmp, steps):
+    metrics = os.path.join(tmp, "m.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cohort = os.path.join(build, "cohort")
+    run([cohort, "launch", "-n", "2", "--", cohort, "train", "--strategy", "allreduce", "--model", "cnn",
+         "--batch", "64", "--threads", "1", "--optimizer", "momentum", "--lr", "0.01", "--progress", "off",
+         "--steps", str(steps), "--metrics", metrics], env=single_thread_env())
+    return done_event(metrics)["samples_per_s"]
+
+
+def library_loop(build, steps, zero_grad):
+    cmd = [os.path.join(build, "cohort"), "launch", "-n", "2", "--", os.path.join(build, "bench", "library_loop"),
+           "--steps", str(steps)] + (["--zero-grad"] if zero_grad else [])
+    proc, _ = run(cmd, env=single_thread_env())
+    return json_line(proc.stdout)["samples_per_s"]
+
+
+def resnet_cohort(build, steps):
+    proc, _ = run([os.path.join(build, "cohort"), "launch", "-n", "2", "--", os.path.join(build, "bench", "resnet_ddp"),
+                   "--steps", str(steps), "--batch", "32"], env=single_thread_env())
+    m = re.search(r"([0-9.]+) samples/s", proc.stdout)
+    if not m:
+        raise RuntimeError(proc.stdout)
+    return float(m.group(1))
+
+
+def resnet_pytorch(build, steps):
+    proc, _ = run([os.path.join(build, "cohort"), "launch", "-n", "2", "--", sys.executable,
+                   os.path.join(ROOT, "bench", "resnet_ddp.py"), "--steps", str(steps), "--batch", "32"],
+                  env=single_thread_env())
+    return json_line(proc.stdout)["samples_per_s"]
+
+
+def summary(name, values):
+    return f"{name:<32} median {median(values):8.1f} samples/s  (min {min(values):.1f}, max {max(values):.1f}, n={len(values)})"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--build", default=os.path.join(ROOT, "build"))
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--sections", default="train,resnet")
+    args = p.parse_args()
+    sections = args.sections.split(",")
+    print(machine())
+    with tempfile.TemporaryDirectory() as tmp:
+        if "train" in sections:
+            rates = {"cohort train": [], "library (grads dropped)": [], "library (zero_grad)": []}
+            for _ in range(args.runs):
+                rates["cohort train"].append(cohort_train(args.build, tmp, 300))
+                rates["library (grads dropped)"].append(library_loop(args.build, 300, False))
+                rates["library (zero_grad)"].append(library_loop(args.build, 300, True))
+            print("\n[train] cnn, 2 workers x 1 thread, batch 64, 300 steps")
+            for name, values in rates.items():
+                print(summary(name, values))
+            base = median(rates["cohort train"])
+            for name in ("library (grads dropped)", "library (zero_grad)"):
+                print(f"ratio {name} / cohort train: {median(rates[name]) / base:.3f}")
+        if "resnet" in sections:
+            rates = {"cohort DataParallel (C++)": [], "PyTorch DDP (Python)": []}
+            for _ in range(args.runs):
+                rates["cohort DataParallel (C++)"].append(resnet_cohort(args.build, 80))
+                rates["PyTorch DDP (Python)"].append(resnet_pytorch(args.build, 80))
+            print("\n[resnet] examples/library ResNet, 2 workers x 1 thread, batch 32, 80 steps")
+            for name, values in rates.items():
+                print(summary(name, values))
+            print(f"ratio cohort / PyTorch DDP: "
+                  f"{median(rates['cohort DataParallel (C++)']) / median(rates['PyTorch DDP (Python)']):.3f}")
+
+
+if __name__ == "__main__":
+    main()
