@@ -61,6 +61,11 @@ struct ParameterServerOptions {
   bool resume = false;          // continue from the shards' checkpoints
   std::string codec = "none";   // what pushes travel as (any --codec)
   int64_t codecWarmupSteps = 0;
+  // Pushes and pulls allocate and free buffers of tens of MB every step, which glibc serves from
+  // fresh mmaps (a page fault per page, twice a step). true: tune glibc (mallopt) to keep freed
+  // memory in the heap. A process-wide setting, so the library makes it only when asked;
+  // `cohort train` asks.
+  bool keepFreedMemory = false;
 };
 
 // One push and pull.

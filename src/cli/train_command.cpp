@@ -1,5 +1,7 @@
 #include <cohort/cluster.h>
 #include <cohort/error.h>
+#include <cohort/job.h>
+#include <cohort/parameter_server.h>
 #include "train/trainer.h"
 
 #include "ps/service.h"
@@ -200,20 +202,9 @@ Run addTrainCommand(CLI::App& app) {
       }
     }
     // Under TF_CONFIG (cohort launch --ps) the same command runs on the shards: serve one.
-    if (cluster.role == Role::kParameterServer) {
-      COHORT_CHECK(size_t(cluster.rank) < cluster.parameterServers.size(), InvalidArgument,
-                   "this ps task has no address in TF_CONFIG");
-      ps::ServerOptions server;
-      // The address TF_CONFIG gives this task, not every interface: on one machine (cohort launch)
-      // that is loopback, where strangers on the network cannot reach the shard at all.
-      server.address = cluster.parameterServers[size_t(cluster.rank)].str();
-      server.authToken = p.authToken;
-      server.tlsCertFile = p.tlsCert;
-      server.tlsKeyFile = p.tlsKey;
-      server.shard.name = "ps " + std::to_string(cluster.rank);
-      if (!o.checkpointDir.empty()) server.shard.checkpointDir = o.checkpointDir + "/ps-" + std::to_string(cluster.rank);
-      return serveShard(server);
-    }
+    // It binds the address TF_CONFIG gives this task, not every interface: on one machine (cohort
+    // launch) that is loopback, where strangers on the network cannot reach the shard at all.
+    if (cluster.role == Role::kParameterServer) return serveParameterServerShard(Job::fromSpec(cluster), p, o.checkpointDir);
     static const std::map<std::string, ProgressMode> kModes{{"auto", ProgressMode::kAuto},
                                                            {"bar", ProgressMode::kBar},
                                                            {"lines", ProgressMode::kLines},

@@ -1,7 +1,7 @@
 #include <cohort/cluster.h>
+#include <cohort/error.h>
 
 #include "base/host_port.h"
-#include <cohort/error.h>
 
 #include <nlohmann/json.hpp>
 
@@ -93,28 +93,6 @@ std::string bareHost(const std::string& host) {
   return host;
 }
 
-// "host:port" or "[v6]:port"; nullopt when there is no host or no port in 1..65535.
-std::optional<HostPort> parseHostPort(const std::string& text) {
-  std::string host;
-  std::string port;
-  if (!text.empty() && text.front() == '[') {
-    const size_t close = text.find("]:");
-    if (close == std::string::npos) return std::nullopt;
-    host = text.substr(1, close - 1);
-    port = text.substr(close + 2);
-  } else {
-    const size_t colon = text.rfind(':');
-    if (colon == std::string::npos) return std::nullopt;
-    host = text.substr(0, colon);
-    port = text.substr(colon + 1);
-    if (host.find(':') != std::string::npos) return std::nullopt;  // IPv6 needs brackets
-  }
-  if (host.empty() || port.empty() || port.size() > 5) return std::nullopt;
-  int value = 0;
-  const auto [ptr, ec] = std::from_chars(port.data(), port.data() + port.size(), value);
-  if (ec != std::errc() || ptr != port.data() + port.size() || !validPort(value)) return std::nullopt;
-  return HostPort{host, value};
-}
 
 HostPort masterFrom(const Env& env, const std::string& host) {
   return HostPort{bareHost(host), portVar(env, "MASTER_PORT")};

@@ -37,6 +37,7 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
     ParameterServerOptions ps = options.ps;
     ps.codec = options.codec;
     ps.codecWarmupSteps = options.codecWarmupSteps;
+    ps.keepFreedMemory = true;  // the CLI owns its process
     return makePsStrategy(job, std::move(ps));
   }
   if (name == "gossip") {

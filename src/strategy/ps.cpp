@@ -95,7 +95,7 @@ struct ParameterServerClient::Impl {
       }
     }
     versions_.assign(c_.shards.size(), 0);
-    ps::keepFreedMemory();
+    if (c_.options.keepFreedMemory) ps::keepFreedMemory();  // process-wide: only when asked
   }
 
   void attach(torch::nn::Module& model, torch::optim::Optimizer* optimizer) {
