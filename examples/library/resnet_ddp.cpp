@@ -38,8 +38,11 @@ int main(int argc, char** argv) try {
   }
   if (job.isChief()) {                                                        // [cohort]
     const double rate = trainSeconds > 0 ? double((step - 5) * args.batch * job.worldSize()) / trainSeconds : 0;
-    std::printf("done: %lld steps, test accuracy %.4f, %.1f samples/s (%d workers)\n", (long long)step,
-                testAccuracy(net, data.test), rate, job.worldSize());
+    const auto comm = dp.stats();
+    std::printf("done: %lld steps, test accuracy %.4f, %.1f samples/s (%d workers), waited %.2f s for "
+                "communication, sent %.1f MB\n",
+                (long long)step, testAccuracy(net, data.test), rate, job.worldSize(), comm.commWaitSeconds,
+                double(comm.bytesSent) / 1e6);
   }
   return 0;
 } catch (const std::exception& e) {
