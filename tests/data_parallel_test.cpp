@@ -234,7 +234,45 @@ TEST(DataParallel, JoinLetsRanksWithFewerBatchesFinish) {
   EXPECT_EQ(stats[0].shadowSteps, 0);
   EXPECT_EQ(stats[1].syncSteps, 3);
   EXPECT_EQ(stats[1].shadowSteps, 2);
+  EXPECT_EQ(stats[2].syncSteps, 1);
   EXPECT_EQ(stats[2].shadowSteps, 4);
+}
+
+// A backward that fails part-way (after some buckets went out) leaves this rank's collectives out
+// of step with the others': the handle refuses to go on, naming why, instead of pairing them
+// wrongly; the other rank's step fails rather than hangs.
+TEST(DataParallel, ABackwardThatFailsPartWayMakesTheHandleRefuseToGoOn) {
+  std::vector<std::string> errors(2);
+  const auto start = std::chrono::steady_clock::now();
+  onRanks(
+      2,
+      [&](std::shared_ptr<Communicator> comm) {
+        const int r = comm->rank();
+        Net net;
+        DataParallel dp(Job::fromCommunicator(comm), *net, {.bucketMb = 0.0005, .firstBucketMb = 0.0002});
+        auto x = torch::randn({4, 4});
+        auto y = torch::zeros({4}, torch::kInt64);
+        try {
+          auto h = torch::relu(net->in->forward(x));
+          if (r == 0) h.register_hook([](torch::Tensor) -> torch::Tensor { throw std::runtime_error("boom"); });
+          auto out = net->out->forward(net->side->forward(net->block->forward(h)));
+          lossOf(out, y).backward();
+        } catch (const std::exception& e) {
+          errors[size_t(r)] = e.what();
+        }
+        if (r == 0) {
+          try {
+            lossOf(net->forward(x), y).backward();
+            errors[0] = "the second backward was let through";
+          } catch (const CommError& e) {
+            errors[0] = e.what();
+          }
+        }
+      },
+      std::chrono::seconds(5));
+  EXPECT_NE(errors[0].find("failed part-way"), std::string::npos) << errors[0];
+  EXPECT_FALSE(errors[1].empty()) << "rank 1's step went through although rank 0 never sent its buckets";
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
 }
 
 // Without join(), a rank that stops early makes the others' backward fail with the documented

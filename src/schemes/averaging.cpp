@@ -27,11 +27,13 @@ std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimi
       auto it = state.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
       if (it == state.end()) {
         // No state yet (the parameter never had a gradient here): a zero placeholder of the
-        // kind the optimizer keeps, so that every rank packs the same tensors.
-        if (auto* sgd = dynamic_cast<torch::optim::SGD*>(&optimizer)) {
-          const auto& o = static_cast<const torch::optim::SGDOptions&>(sgd->defaults());
+        // kind the optimizer keeps for this parameter's group, so that every rank packs the same
+        // tensors.
+        if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
+          const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
           if (o.momentum() != 0) out.push_back(torch::zeros_like(p));
-        } else if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
+        } else if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr ||
+                   dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
           out.push_back(torch::zeros_like(p));
           out.push_back(torch::zeros_like(p));
         }
@@ -42,6 +44,9 @@ std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimi
       } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
         out.push_back(adam->exp_avg());
         out.push_back(adam->exp_avg_sq());
+      } else if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
+        out.push_back(adamw->exp_avg());
+        out.push_back(adamw->exp_avg_sq());
       }
     }
   }
@@ -131,6 +136,11 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
                options.codecWarmupSteps);
   COHORT_CHECK(!options.averageOptimizerState || optimizer != nullptr, InvalidArgument, kWho,
                ": averageOptimizerState needs the optimizer: pass it to the constructor");
+  COHORT_CHECK(!options.averageOptimizerState || dynamic_cast<torch::optim::SGD*>(optimizer) != nullptr ||
+                   dynamic_cast<torch::optim::Adam*>(optimizer) != nullptr ||
+                   dynamic_cast<torch::optim::AdamW*>(optimizer) != nullptr,
+               InvalidArgument, kWho, ": averageOptimizerState knows SGD, Adam and AdamW; this optimizer's state "
+               "would not be averaged");
   s.codec = compress::CodecSpec::parse(options.codec);
   s.options = std::move(options);
   s.module = &module;

@@ -22,6 +22,21 @@ constexpr const char* kWho = "cohort::DataParallel";
 }  // namespace
 
 struct DataParallel::Impl {
+  // Notices a synchronized backward whose final callback never ran (see beginSync).
+  struct Sentinel {
+    explicit Sentinel(Impl* i) : impl(i) {}
+    ~Sentinel() {
+      if (ran) return;
+      impl->inBackward = false;
+      if (impl->broken.empty()) {
+        impl->broken = "a synchronized backward failed part-way on this rank, so its collectives are out of step "
+                       "with the other ranks'";
+      }
+    }
+    Impl* impl;
+    bool ran = false;
+  };
+
   struct Bucket {
     torch::Tensor flat;                // the bucket's gradients, side by side
     std::vector<size_t> params;        // indices into params
@@ -52,6 +67,7 @@ struct DataParallel::Impl {
   bool inBackward = false;  // a synchronized backward is under way (its final callback is queued)
   bool joining = false;     // inside join()
   int noSyncDepth = 0;
+  int64_t syncStepsAtJoin = 0;  // stats.syncSteps when join() began
   double scale = 1.0;
   std::string broken;  // set when a communication failed: the group is unusable
   CompressedSum* current = nullptr;  // the exchange of the step under way, and its byte counts at its start
@@ -126,7 +142,14 @@ struct DataParallel::Impl {
     nextToLaunch = 0;
     scale = 1.0 / comm->worldSize();
     startCounting();
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { endSync(); });
+    // libtorch runs no final callback when backward fails part-way; the sentinel, destroyed with
+    // the failed pass's graph task, then marks the handle unusable: this rank's collectives are
+    // out of step with the others', and going on would pair them wrongly.
+    auto sentinel = std::make_shared<Sentinel>(this);
+    torch::autograd::Engine::get_default_engine().queue_callback([sentinel] {
+      sentinel->ran = true;
+      sentinel->impl->endSync();
+    });
     if (joining) {
       const int64_t active = guard([&] { return activeRanks(1); });
       scale = 1.0 / double(std::max<int64_t>(1, active));
@@ -135,10 +158,11 @@ struct DataParallel::Impl {
 
   void onGradient(size_t k, const torch::Tensor& grad) {
     if (noSyncDepth > 0 || comm == nullptr) return;
-    if (!inBackward) beginSync();
+    checkUsable();
     COHORT_CHECK(!grad.is_sparse(), InvalidArgument, kWho, ": parameter ", names[k],
                  " got a sparse gradient; sparse gradients are not supported by DataParallel yet: make the "
                  "embedding dense (sparse=false)");
+    if (!inBackward) beginSync();
     auto [b, i] = slotOf[k];
     Bucket& bucket = buckets[b];
     torch::NoGradGuard noGrad;
@@ -239,7 +263,7 @@ struct DataParallel::Impl {
       // The ranks that joined early skipped the optimizer steps of the others: every replica
       // takes the model of the rank that trained longest (the lowest such rank), as DDP's Join
       // does. Optimizer state (momentum) stays each rank's own.
-      auto steps = comm->allgather(torch::tensor({stats.syncSteps}, torch::kInt64));
+      auto steps = comm->allgather(torch::tensor({stats.syncSteps - syncStepsAtJoin}, torch::kInt64));
       int root = 0;
       for (size_t r = 1; r < steps.size(); ++r) {
         if (steps[r].item<int64_t>() > steps[size_t(root)].item<int64_t>()) root = int(r);
@@ -293,7 +317,10 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
                ": the module has no parameters that require gradients; there is nothing to average");
   s.comm = job.communicator();
   if (s.comm == nullptr) return;  // one process: nothing to exchange, nothing hooked
-  checkSameModel(*s.comm, module, kWho);
+  checkSameModel(*s.comm, module, kWho,
+                 detail::concat("options codec=", s.options.codec, " codecWarmupSteps=", s.options.codecWarmupSteps,
+                                " bucketMb=", s.options.bucketMb, " firstBucketMb=", s.options.firstBucketMb,
+                                " overlap=", s.options.overlap, " buffers=", int(s.options.buffers)));
   broadcastModel(*s.comm, module);
   s.buildBuckets();
   Impl* impl = impl_.get();
@@ -323,6 +350,7 @@ void DataParallel::join(const std::function<void()>& loop) {
   COHORT_CHECK(s.noSyncDepth == 0, InvalidArgument, kWho,
                "::join() called under noSync(): end the noSync scope first (a rank that joins must be synchronized)");
   s.joining = true;
+  s.syncStepsAtJoin = s.stats.syncSteps;
   try {
     loop();
   } catch (...) {
@@ -343,6 +371,9 @@ void DataParallel::join(const std::function<void()>& loop) {
 void DataParallel::synchronizeBuffers() {
   Impl& s = *impl_;
   if (s.comm == nullptr) return;
+  COHORT_CHECK(!s.joining, InvalidArgument, kWho,
+               "::synchronizeBuffers() inside join(): the ranks that have joined cannot take part in it; call it "
+               "after join() returns");
   s.checkUsable();
   s.guard([&] { averageInPlace(*s.comm, s.module->buffers()); });
 }

@@ -70,7 +70,9 @@ std::vector<std::string> describeModel(torch::nn::Module& model) {
     out << kind << " " << name << " " << t.dtype() << " " << t.sizes();
     return out.str();
   };
-  for (const auto& [name, p] : uniqueParameters(model)) lines.push_back(line("parameter", name, p));
+  for (const auto& [name, p] : uniqueParameters(model)) {
+    lines.push_back(line(p.requires_grad() ? "parameter" : "frozen parameter", name, p));
+  }
   for (const auto& item : model.named_buffers(/*recurse=*/true)) {
     if (item.value().defined()) lines.push_back(line("buffer", item.key(), item.value()));
   }
@@ -109,8 +111,9 @@ int64_t fingerprint(const std::vector<uint8_t>& bytes) {
 
 }  // namespace
 
-void checkSameModel(Communicator& comm, torch::nn::Module& model, const std::string& who) {
-  const std::vector<std::string> mine = describeModel(model);
+void checkSameModel(Communicator& comm, torch::nn::Module& model, const std::string& who, const std::string& extra) {
+  std::vector<std::string> mine = describeModel(model);
+  if (!extra.empty()) mine.push_back(extra);
   const std::vector<uint8_t> bytes = join(mine);
   auto all = comm.allgather(torch::tensor({fingerprint(bytes), int64_t(mine.size())}, torch::kInt64));
   const int64_t reference = all[0][0].item<int64_t>();
@@ -128,7 +131,7 @@ void checkSameModel(Communicator& comm, torch::nn::Module& model, const std::str
   size_t i = 0;
   while (i < first.size() && i < second.size() && first[i] == second[i]) ++i;
   std::ostringstream out;
-  out << who << ": the ranks' models differ: rank 0 has " << first.size() << " tensors, rank " << other << " has "
+  out << who << ": the ranks' models or options differ: rank 0 has " << first.size() << " tensors, rank " << other << " has "
       << second.size() << "; first difference at tensor " << i << ": rank 0 has "
       << (i < first.size() ? first[i] : "nothing") << ", rank " << other << " has "
       << (i < second.size() ? second[i] : "nothing")

@@ -32,9 +32,11 @@ void broadcastModel(Communicator& comm, torch::nn::Module& model, int root = 0);
 std::vector<std::pair<std::string, torch::Tensor>> uniqueParameters(torch::nn::Module& model);
 
 // Throws InvalidArgument on every rank when the ranks' modules differ in their parameters or
-// buffers (count, names, dtypes, shapes), naming the first difference and the ranks that hold
+// buffers (count, names, dtypes, shapes, which parameters are trainable), naming the first difference and the ranks that hold
 // each side. Costs two small collectives, and two broadcasts when there is a difference.
-void checkSameModel(Communicator& comm, torch::nn::Module& model, const std::string& who);
+// `extra`: more that must agree (a handle's options), compared as one more line.
+void checkSameModel(Communicator& comm, torch::nn::Module& model, const std::string& who,
+                    const std::string& extra = "");
 
 // Drops every parameter's gradient (set to none), so the next backward writes it fresh instead
 // of adding to zeros.

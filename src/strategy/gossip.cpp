@@ -150,10 +150,9 @@ struct Gossip::Impl {
     return stats;
   }
 
-  void synchronize() {
-    applyArrived();
-    copyOut(before_);
-  }
+  // Adds what has arrived; a local change made since the last step() stays unpublished until the
+  // next one (applyArrived moves before_ along with the parameters).
+  void synchronize() { applyArrived(); }
 
   void finish() {
     COHORT_CHECK(!finished_, InvalidArgument, "cohort::Gossip::finish() called twice");
@@ -252,7 +251,10 @@ struct Gossip::Impl {
       for (auto& p : params_) {
         float* data = p.data_ptr<float>();
         const size_t n = size_t(p.numel());
-        for (size_t i = 0; i < n; ++i) data[i] += arrived_[at + i];
+        for (size_t i = 0; i < n; ++i) {
+          data[i] += arrived_[at + i];
+          before_[at + i] += arrived_[at + i];  // received, not this replica's own change
+        }
         at += n;
       }
     }
