@@ -17,6 +17,8 @@ namespace {
 
 constexpr const char* kWho = "cohort::ParameterAveraging";
 
+std::span<float> flat(torch::Tensor& t) { return {t.data_ptr<float>(), size_t(t.numel())}; }
+
 }  // namespace
 
 std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer) {
@@ -68,11 +70,7 @@ struct ParameterAveraging::Impl {
 
   void averageChanges() {
     torch::NoGradGuard noGrad;
-    int64_t offset = 0;
-    for (auto& p : params) {
-      delta.narrow(0, offset, p.numel()).copy_(p.detach().reshape({-1}));
-      offset += p.numel();
-    }
+    flattenParameters(params, flat(delta));
     delta.sub_(anchor).mul_(1.0 / comm->worldSize());
     const int64_t sent = compressed->bytesSent(), received = compressed->bytesReceived();
     CommWork work = compressed->start(0, delta);
@@ -82,11 +80,7 @@ struct ParameterAveraging::Impl {
     stats.bytesSent += compressed->bytesSent() - sent;
     stats.bytesReceived += compressed->bytesReceived() - received;
     anchor.add_(delta);
-    offset = 0;
-    for (auto& p : params) {
-      p.detach().copy_(anchor.narrow(0, offset, p.numel()).view_as(p));
-      offset += p.numel();
-    }
+    unflattenParameters(params, flat(anchor));
   }
 
   void average() {
@@ -100,12 +94,7 @@ struct ParameterAveraging::Impl {
       if (compressed) {  // the warm-up: average uncompressed, and start the changes from here
         averageCounted(tensors);
         tensors.clear();
-        torch::NoGradGuard noGrad;
-        int64_t offset = 0;
-        for (auto& p : params) {
-          anchor.narrow(0, offset, p.numel()).copy_(p.detach().reshape({-1}));
-          offset += p.numel();
-        }
+        flattenParameters(params, flat(anchor));
       }
     }
     for (auto& b : module->buffers()) tensors.push_back(b);
@@ -146,8 +135,9 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
   s.module = &module;
   s.optimizer = optimizer;
   for (auto& [name, p] : uniqueParameters(module)) {
-    COHORT_CHECK(p.scalar_type() == torch::kFloat32, InvalidArgument, kWho, ": parameter ", name, " is ", p.dtype(),
-                 "; ParameterAveraging averages float32 parameters");
+    COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous(), InvalidArgument, kWho, ": parameter ",
+                 name, " is ", p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
+                 "; ParameterAveraging averages contiguous float32 parameters");
     s.params.push_back(p);
   }
   COHORT_CHECK(!s.params.empty(), InvalidArgument, kWho, ": the module has no parameters; there is nothing to average");

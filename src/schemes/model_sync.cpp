@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <cstring>
 #include <map>
 #include <sstream>
 #include <unordered_set>
@@ -137,6 +138,38 @@ void checkSameModel(Communicator& comm, torch::nn::Module& model, const std::str
       << (i < second.size() ? second[i] : "nothing")
       << " (every rank must build the same model before the handle is made)";
   throw InvalidArgument(out.str());
+}
+
+namespace {
+
+size_t totalNumel(const std::vector<torch::Tensor>& params) {
+  size_t n = 0;
+  for (const auto& p : params) n += size_t(p.numel());
+  return n;
+}
+
+}  // namespace
+
+void flattenParameters(const std::vector<torch::Tensor>& params, std::span<float> flat) {
+  COHORT_CHECK_EQ(flat.size(), totalNumel(params), Error, "flattenParameters: the flat buffer's size");
+  size_t at = 0;
+  for (const auto& p : params) {
+    std::memcpy(flat.data() + at, p.data_ptr<float>(), size_t(p.numel()) * sizeof(float));
+    at += size_t(p.numel());
+  }
+}
+
+void unflattenParameters(const std::vector<torch::Tensor>& params, std::span<const float> flat) {
+  COHORT_CHECK_EQ(flat.size(), totalNumel(params), Error, "unflattenParameters: the flat buffer's size");
+  torch::NoGradGuard noGrad;
+  size_t at = 0;
+  for (const auto& p : params) {
+    // Through copy_, not memcpy: the parameter's version counter moves, so autograd notices a
+    // graph that saved the old values.
+    auto source = torch::from_blob(const_cast<float*>(flat.data() + at), p.sizes(), torch::kFloat32);
+    p.detach().copy_(source);
+    at += size_t(p.numel());
+  }
 }
 
 void clearGradients(torch::nn::Module& model) {

@@ -11,6 +11,7 @@
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,11 @@ std::vector<std::pair<std::string, torch::Tensor>> uniqueParameters(torch::nn::M
 // `extra`: more that must agree (a handle's options), compared as one more line.
 void checkSameModel(Communicator& comm, torch::nn::Module& model, const std::string& who,
                     const std::string& extra = "");
+
+// The parameters (contiguous float32) side by side in one flat buffer, in the given order, and
+// back; `flat` holds exactly their total count (checked). Not collectives.
+void flattenParameters(const std::vector<torch::Tensor>& params, std::span<float> flat);
+void unflattenParameters(const std::vector<torch::Tensor>& params, std::span<const float> flat);
 
 // Drops every parameter's gradient (set to none), so the next backward writes it fresh instead
 // of adding to zeros.

@@ -278,22 +278,8 @@ struct Gossip::Impl {
     return a;
   }
 
-  void copyOut(std::vector<float>& flat) const {
-    size_t at = 0;
-    for (const auto& p : params_) {
-      std::memcpy(flat.data() + at, p.data_ptr<float>(), size_t(p.numel()) * sizeof(float));
-      at += size_t(p.numel());
-    }
-  }
-
-  void copyIn(const std::vector<float>& flat) {
-    torch::NoGradGuard noGrad;
-    size_t at = 0;
-    for (auto& p : params_) {
-      std::memcpy(p.data_ptr<float>(), flat.data() + at, size_t(p.numel()) * sizeof(float));
-      at += size_t(p.numel());
-    }
-  }
+  void copyOut(std::vector<float>& flat) const { flattenParameters(params_, flat); }
+  void copyIn(const std::vector<float>& flat) { unflattenParameters(params_, flat); }
 
   GossipContext c_;
   std::mt19937_64 rng_;
