@@ -4,6 +4,7 @@ set -euo pipefail
 build=${1:-build}
 here=$(cd "$(dirname "$0")" && pwd)
 /usr/bin/python3 "$here/single_process.py" --build "$build"
+"$build/bench/codec_throughput" --reps 31
 /usr/bin/python3 "$here/accuracy.py" --build "$build"
 /usr/bin/python3 "$here/dataparallel.py" --build "$build"
 /usr/bin/python3 "$here/library.py" --build "$build"
