@@ -428,6 +428,13 @@ TEST(GossipPeer, StrangersAreRefusedAndTheExchangeCompletes) {
       ++attacks;
     }
   }
+  // Each peer's acceptor works through the strangers at its own pace; finishing stops it, so wait
+  // (at most 20 s) until it has refused all 154 before the exchange and the finish. Without this
+  // wait the count depended on how far the acceptor had got (seen: 122).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (auto& p : peers) {
+    while (p->refusedStreams() < 154 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  }
   // The exchange, with the strangers still on the ports.
   const std::vector<int> all{0, 1};
   for (int s = 1; s <= 3; ++s) {
