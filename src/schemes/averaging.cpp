@@ -85,8 +85,7 @@ struct ParameterAveraging::Impl {
 
   void average() {
     const auto start = Clock::now();
-    std::vector<torch::Tensor> tensors;    // averaged uncompressed
-    std::vector<torch::Tensor> counted;    // of those, the ones the communicator's count covers
+    std::vector<torch::Tensor> tensors;  // averaged uncompressed
     if (compressed && stats.steps > options.codecWarmupSteps) {
       averageChanges();
     } else {

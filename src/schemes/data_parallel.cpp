@@ -40,11 +40,11 @@ struct DataParallel::Impl {
   struct Bucket {
     torch::Tensor flat;                // the bucket's gradients, side by side
     std::vector<size_t> params;        // indices into params
-    std::vector<torch::Tensor> views;  // views of flat, shaped like each parameter
-    // What each parameter's .grad becomes: tensors over the same memory as `views` that are not
-    // autograd views, since libtorch 1.13's Optimizer::zero_grad() detaches .grad in place, which
-    // a view refuses. Each keeps `flat` alive, so a .grad outlives the handle safely.
-    std::vector<torch::Tensor> grads;
+    // Each parameter's slot of `flat`, shaped like it; the hooks write there and it becomes the
+    // parameter's .grad. Made with from_blob, not as autograd views of `flat`: libtorch 1.13's
+    // Optimizer::zero_grad() detaches .grad in place, which a view refuses. Each keeps `flat`
+    // alive, so a .grad outlives the handle safely.
+    std::vector<torch::Tensor> slots;
     std::vector<bool> filled;
     size_t pending = 0;  // gradients still to come this step
     CommWork work;
@@ -70,8 +70,7 @@ struct DataParallel::Impl {
   int64_t syncStepsAtJoin = 0;  // stats.syncSteps when join() began
   double scale = 1.0;
   std::string broken;  // set when a communication failed: the group is unusable
-  CompressedSum* current = nullptr;  // the exchange of the step under way, and its byte counts at its start
-  int64_t sentAtStart = 0;
+  int64_t sentAtStart = 0;  // the step's exchange's byte counts when the step began
   int64_t receivedAtStart = 0;
   DataParallelStats stats;
 
@@ -108,8 +107,7 @@ struct DataParallel::Impl {
       for (size_t k : group) {
         slotOf[k] = {buckets.size(), bucket.params.size()};
         bucket.params.push_back(k);
-        bucket.views.push_back(bucket.flat.narrow(0, offset, params[k].numel()).view_as(params[k]));
-        bucket.grads.push_back(torch::from_blob(bucket.flat.data_ptr<float>() + offset, params[k].sizes(),
+        bucket.slots.push_back(torch::from_blob(bucket.flat.data_ptr<float>() + offset, params[k].sizes(),
                                                 [keep = bucket.flat](void*) {}, torch::kFloat32));
         offset += params[k].numel();
       }
@@ -132,7 +130,6 @@ struct DataParallel::Impl {
   }
 
   void beginSync() {
-    checkUsable();
     inBackward = true;
     for (auto& bucket : buckets) {
       bucket.pending = bucket.params.size();
@@ -170,9 +167,9 @@ struct DataParallel::Impl {
     // (under noSync, or without zero_grad) left there plus this one's gradient.
     const torch::Tensor& existing = params[k].grad();
     if (existing.defined()) {
-      torch::add_out(bucket.views[i], existing, grad).mul_(scale);
+      torch::add_out(bucket.slots[i], existing, grad).mul_(scale);
     } else {
-      torch::mul_out(bucket.views[i], grad, scale);
+      torch::mul_out(bucket.slots[i], grad, scale);
     }
     // Autograd would add this gradient into .grad after the hook; with .grad dropped it keeps the
     // gradient as .grad instead, and the bucket (possibly .grad itself) stays ours.
@@ -207,9 +204,9 @@ struct DataParallel::Impl {
           if (bucket.filled[i]) continue;
           const torch::Tensor& existing = params[bucket.params[i]].grad();
           if (existing.defined()) {
-            torch::mul_out(bucket.views[i], existing, scale);
+            torch::mul_out(bucket.slots[i], existing, scale);
           } else {
-            bucket.views[i].zero_();
+            bucket.slots[i].zero_();
           }
           bucket.filled[i] = true;
         }
@@ -219,7 +216,7 @@ struct DataParallel::Impl {
       exchangeAll();
       stats.commWaitSeconds += secondsSince(waitStart);
       for (auto& bucket : buckets) {
-        for (size_t i = 0; i < bucket.params.size(); ++i) params[bucket.params[i]].mutable_grad() = bucket.grads[i];
+        for (size_t i = 0; i < bucket.params.size(); ++i) params[bucket.params[i]].mutable_grad() = bucket.slots[i];
       }
       if (options.buffers == DataParallelOptions::Buffers::kEveryStep) averageInPlace(*comm, module->buffers());
       ++stats.syncSteps;
@@ -227,9 +224,8 @@ struct DataParallel::Impl {
   }
 
   void startCounting() {
-    current = &exchange();
-    sentAtStart = current->bytesSent();
-    receivedAtStart = current->bytesReceived();
+    sentAtStart = exchange().bytesSent();
+    receivedAtStart = exchange().bytesReceived();
   }
 
   // Launches what is left, waits for every bucket and writes the sums into the buckets.

@@ -13,8 +13,6 @@
 
 namespace cohort {
 
-bool isDistributed(const std::string& name) { return name != "local"; }
-
 void checkCodecOptions(const StrategyOptions& options) {
   const compress::CodecSpec codec = compress::CodecSpec::parse(options.codec);
   COHORT_CHECK(codec.kind == compress::CodecKind::None || options.name != "local", InvalidArgument, "--codec ",

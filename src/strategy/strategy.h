@@ -160,9 +160,6 @@ struct StrategyOptions {
 // run in this job (a single-process scheme in a job of several workers, and the reverse).
 std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job& job);
 
-// Whether the scheme exchanges anything between processes (and so needs a communicator).
-bool isDistributed(const std::string& strategyName);
-
 // Throws InvalidArgument when --codec or --codec-warmup-steps is malformed or does not fit the
 // scheme; the message names the accepted codecs.
 void checkCodecOptions(const StrategyOptions& options);
