@@ -3,7 +3,9 @@
 #include "compress/codec.h"
 #include "ps/client.h"
 #include "ps/service.h"
+#include "ps/call_auth.h"
 #include "ps/wire.h"
+#include "ps.grpc.pb.h"
 
 #include "hostile.h"
 #include "test_util.h"
@@ -199,8 +201,55 @@ TEST(PsGrpcTest, AuthTokenIsRequiredAndCounted) {
   // caller's address is not known.
   ASSERT_TRUE(server.server->checksTokenBeforeBody());
   EXPECT_NE(log[0].find("refused a request from a local caller"), std::string::npos) << log[0];
-  EXPECT_NE(log[0].find("no auth token"), std::string::npos) << log[0];
-  EXPECT_NE(log[1].find("wrong auth token"), std::string::npos) << log[1];
+  EXPECT_NE(log[0].find("no proof of the job's secret"), std::string::npos) << log[0];
+  EXPECT_NE(log[1].find("a wrong proof"), std::string::npos) << log[1];
+}
+
+// Calls prove the secret without carrying it: a header seen on the wire opens nothing twice, and
+// an old one (recorded earlier) not at all.
+TEST(PsGrpcTest, ACallProofIsGoodOnceAndOnlyFresh) {
+  CallVerifier verifier("s3cret", std::chrono::seconds(120));
+  const int64_t now = 1'800'000'000'000;
+  const std::string nonce(32, 'a');
+  const std::string proof = callProof("s3cret", now, nonce);
+  EXPECT_EQ(proof.find("s3cret"), std::string::npos);
+  EXPECT_EQ(verifier.check(proof, now + 5), ProofCheck::kOk);
+  EXPECT_EQ(verifier.check(proof, now + 10), ProofCheck::kReplayed);
+  EXPECT_EQ(verifier.check(callProof("s3cret", now - 61'000, std::string(32, 'b')), now), ProofCheck::kStale);
+  EXPECT_EQ(verifier.check(callProof("other", now, std::string(32, 'c')), now), ProofCheck::kWrong);
+  EXPECT_EQ(verifier.check("Bearer s3cret", now), ProofCheck::kMalformed);
+  EXPECT_EQ(verifier.check("", now), ProofCheck::kMissing);
+  std::string tampered = callProof("s3cret", now, std::string(32, 'd'));
+  tampered[tampered.size() - 1] ^= 1;
+  EXPECT_EQ(verifier.check(tampered, now), ProofCheck::kWrong);
+  // Nonces leave the replay set with the window, and their proofs are stale by then.
+  EXPECT_EQ(verifier.check(callProof("s3cret", now + 200'000, std::string(32, 'e')), now + 200'000), ProofCheck::kOk);
+  EXPECT_EQ(verifier.check(proof, now + 200'000), ProofCheck::kStale);
+}
+
+TEST(PsGrpcTest, AReplayedCallIsRefusedByTheShard) {
+  TestServer server(ServerOptions{.authToken = "s3cret"});
+  auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
+  expectInit(*right);
+  auto stub = wire::ParameterServer::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  const std::string recorded = makeCallProof("s3cret");
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", recorded);
+    wire::StatsReply reply;
+    const grpc::Status status = stub->Stats(&context, withProtocol<wire::StatsRequest>(), &reply);
+    EXPECT_EQ(status.ok(), attempt == 0) << attempt << ": " << status.error_message();
+  }
+  EXPECT_EQ(statsOf(*right).unauthenticated(), 1);
+}
+
+TEST(PsGrpcTest, AShardOffLoopbackNeedsASecret) {
+  try {
+    ShardServer shard(ServerOptions{.address = "0.0.0.0:0"});
+    FAIL() << "a shard on every interface started without a secret";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("needs the job's secret"), std::string::npos) << e.what();
+  }
 }
 
 TEST(PsGrpcTest, TlsWithTheRightCaWorksAndPlaintextDoesNot) {
@@ -486,7 +535,7 @@ TEST(PsGrpcTest, AWrongTokenPushIsRefusedBeforeItsBodyIsRead) {
   ASSERT_TRUE(test::resetPeakMemory()) << "cannot reset VmHWM through /proc/self/clear_refs";
   const int64_t rssBefore = test::statusBytes("VmRSS");
   grpc::ClientContext context;
-  context.AddMetadata("authorization", "Bearer wrong");
+  context.AddMetadata("authorization", callProof("wrong", 1, std::string(32, '0')));
   context.set_deadline(std::chrono::system_clock::now() + 60s);
   grpc::CompletionQueue queue;
   auto call = stub.PrepareUnaryCall(&context, "/cohort.ps.wire.ParameterServer/Push", request, &queue);

@@ -1,4 +1,5 @@
 #include "ps/client.h"
+#include "ps/call_auth.h"
 
 #include "ps/shard.h"
 
@@ -135,7 +136,8 @@ class GrpcClient : public ShardClient {
       context.set_deadline(std::chrono::system_clock::now() +
                            std::chrono::duration_cast<std::chrono::system_clock::duration>(2 * timeout) +
                            std::chrono::seconds(5));
-      if (!options_.authToken.empty()) context.AddMetadata("authorization", "Bearer " + options_.authToken);
+      // A fresh proof per attempt: a shard takes each once.
+      if (!options_.authToken.empty()) context.AddMetadata("authorization", makeCallProof(options_.authToken));
       const grpc::Status status = (stub_.get()->*method)(&context, request, reply);
       if (status.ok()) return Status::Ok();
       const auto code = Code(status.error_code());

@@ -29,7 +29,7 @@ class ShardClient {
 };
 
 struct ClientOptions {
-  std::string authToken;      // sent with every call; empty: none
+  std::string authToken;      // every call proves it (ps/call_auth.h), never sends it; empty: none
   std::string tlsCaFile;      // PEM roots that sign the servers' certificates; empty: plaintext
   double timeoutSeconds = 60; // how long an unreachable shard is retried; a call's deadline is 2x + 5 s
   bool quiet = false;         // no line on stderr when a call starts retrying

@@ -1,4 +1,5 @@
 #include "ps/service.h"
+#include "ps/call_auth.h"
 
 #include "ps/client.h"
 
@@ -42,16 +43,6 @@ std::string readPem(const std::string& path, const char* flag) {
   return text.str();
 }
 
-// Compares in time that depends only on the length of `expected`, so that a caller cannot find
-// the token byte by byte by timing refusals.
-bool sameSecret(std::string_view given, std::string_view expected) {
-  unsigned char diff = given.size() == expected.size() ? 0 : 1;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    diff |= static_cast<unsigned char>((i < given.size() ? given[i] : 0) ^ expected[i]);
-  }
-  return diff == 0;
-}
-
 bool isLoopbackAddress(const std::string& address) {
   const size_t colon = address.rfind(':');
   const std::string host = colon == std::string::npos ? address : address.substr(0, colon);
@@ -66,14 +57,14 @@ class Refusals {
   Refusals(std::shared_ptr<Shard> shard, std::string name, std::function<void(const std::string&)> log)
       : shard_(std::move(shard)), name_(std::move(name)), log_(std::move(log)) {}
 
-  grpc::Status refuse(const std::string& peer, bool missing) {
+  grpc::Status refuse(const std::string& peer, ProofCheck why) {
     shard_->countUnauthenticated();
     const int64_t n = ++refused_;
     if (n <= 10 || n % 100 == 0) {
-      log("refused a request from " + peer + ": " + (missing ? "no" : "wrong") + " auth token (" +
-          std::to_string(n) + " refused so far)");
+      log("refused a request from " + peer + ": " + describe(why) + " (" + std::to_string(n) + " refused so far)");
     }
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or wrong auth token: pass the job's --auth-token");
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        std::string(describe(why)) + ": every process of the job needs the same --auth-token");
   }
 
   const std::string& name() const { return name_; }
@@ -107,18 +98,17 @@ class Refusals {
 // interface is checked in the handler, after the read.
 class TokenCheck final : public grpc::AuthMetadataProcessor {
  public:
-  TokenCheck(std::string expected, std::shared_ptr<Refusals> refusals)
-      : expected_(std::move(expected)), refusals_(std::move(refusals)) {}
+  TokenCheck(std::shared_ptr<CallVerifier> verifier, std::shared_ptr<Refusals> refusals)
+      : verifier_(std::move(verifier)), refusals_(std::move(refusals)) {}
 
-  bool IsBlocking() const override { return false; }  // a comparison: run it on gRPC's thread
+  bool IsBlocking() const override { return false; }  // an HMAC and a set lookup: run it on gRPC's thread
 
   grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext* context, OutputMetadata* consumed,
                        OutputMetadata* response) override {
     const auto found = metadata.find("authorization");
-    if (found != metadata.end() &&
-        sameSecret(std::string_view(found->second.data(), found->second.size()), expected_)) {
-      return grpc::Status::OK;
-    }
+    const ProofCheck result = verifier_->check(
+        found == metadata.end() ? std::string_view() : std::string_view(found->second.data(), found->second.size()));
+    if (result == ProofCheck::kOk) return grpc::Status::OK;
     // gRPC does not tell a processor the caller's address; the transport is what it knows.
     std::string peer = "a caller";
     if (context != nullptr) {
@@ -126,18 +116,19 @@ class TokenCheck final : public grpc::AuthMetadataProcessor {
         peer = "a " + std::string(value.data(), value.size()) + " caller";
       }
     }
-    return refusals_->refuse(peer, found == metadata.end());
+    return refusals_->refuse(peer, result);
   }
 
  private:
-  const std::string expected_;
+  const std::shared_ptr<CallVerifier> verifier_;
   const std::shared_ptr<Refusals> refusals_;
 };
 
 // TLS when the flags say so; else gRPC's local credentials on a loopback address (plaintext on
 // the wire, but with the security handshake that lets TokenCheck run before a body is read);
 // else plaintext. Sets `early` when TokenCheck is installed.
-std::shared_ptr<grpc::ServerCredentials> serverCredentials(const ServerOptions& o, const std::string& expected,
+std::shared_ptr<grpc::ServerCredentials> serverCredentials(const ServerOptions& o,
+                                                           const std::shared_ptr<CallVerifier>& verifier,
                                                            const std::shared_ptr<Refusals>& refusals, bool& early) {
   COHORT_CHECK(o.tlsCertFile.empty() == o.tlsKeyFile.empty(), InvalidArgument,
                "TLS needs both --tls-cert and --tls-key, got only ", o.tlsCertFile.empty() ? "--tls-key" : "--tls-cert");
@@ -152,8 +143,8 @@ std::shared_ptr<grpc::ServerCredentials> serverCredentials(const ServerOptions& 
     early = false;
     return grpc::InsecureServerCredentials();  // gRPC aborts on a processor for these
   }
-  early = !expected.empty();
-  if (early) credentials->SetAuthMetadataProcessor(std::make_shared<TokenCheck>(expected, refusals));
+  early = verifier != nullptr;
+  if (early) credentials->SetAuthMetadataProcessor(std::make_shared<TokenCheck>(verifier, refusals));
   return credentials;
 }
 
@@ -164,8 +155,10 @@ grpc::Status toGrpc(const Status& s) {
 
 class Service final : public wire::ParameterServer::Service {
  public:
-  Service(std::shared_ptr<Shard> shard, std::string expected, std::shared_ptr<Refusals> refusals)
-      : shard_(std::move(shard)), expected_(std::move(expected)), refusals_(std::move(refusals)) {}
+  // `verifier` when the handler must check the proof itself (TokenCheck could not run); null
+  // when there is no secret or TokenCheck already took the proof (it is good once only).
+  Service(std::shared_ptr<Shard> shard, std::shared_ptr<CallVerifier> verifier, std::shared_ptr<Refusals> refusals)
+      : shard_(std::move(shard)), verifier_(std::move(verifier)), refusals_(std::move(refusals)) {}
 
   grpc::Status Init(grpc::ServerContext* c, const wire::InitRequest* q, wire::InitReply* r) override {
     return handle(c, [&] { return shard_->init(*q, r); });
@@ -187,11 +180,11 @@ class Service final : public wire::ParameterServer::Service {
   template <typename Call>
   grpc::Status handle(grpc::ServerContext* context, const Call& call) {
     refusals_->trimIfWanted();
-    // Again here: where TokenCheck runs this always passes; where it cannot (plaintext off
-    // loopback), this is the check, after gRPC has read the body.
-    if (!authorized(*context)) {
+    // Where TokenCheck cannot run (plaintext off loopback), this is the check, after gRPC has
+    // read the body.
+    if (const ProofCheck result = authorized(*context); result != ProofCheck::kOk) {
       refusals_->wantTrim();
-      return refusals_->refuse(context->peer(), context->client_metadata().count("authorization") == 0);
+      return refusals_->refuse(context->peer(), result);
     }
     try {
       return toGrpc(call());
@@ -202,16 +195,16 @@ class Service final : public wire::ParameterServer::Service {
     }
   }
 
-  bool authorized(const grpc::ServerContext& context) const {
-    if (expected_.empty()) return true;
+  ProofCheck authorized(const grpc::ServerContext& context) const {
+    if (verifier_ == nullptr) return ProofCheck::kOk;
     const auto& metadata = context.client_metadata();
     const auto found = metadata.find("authorization");
-    if (found == metadata.end()) return false;
-    return sameSecret(std::string_view(found->second.data(), found->second.size()), expected_);
+    if (found == metadata.end()) return ProofCheck::kMissing;
+    return verifier_->check(std::string_view(found->second.data(), found->second.size()));
   }
 
   const std::shared_ptr<Shard> shard_;
-  const std::string expected_;  // "Bearer TOKEN"; empty: no token required
+  const std::shared_ptr<CallVerifier> verifier_;
   const std::shared_ptr<Refusals> refusals_;
 };
 
@@ -262,7 +255,11 @@ struct ShardServer::Impl {
 };
 
 ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()) {
-  const std::string expected = options.authToken.empty() ? "" : "Bearer " + options.authToken;
+  COHORT_CHECK(!options.authToken.empty() || isLoopbackAddress(options.address), InvalidArgument,
+               "a parameter-server shard on ", options.address, " (not loopback) needs the job's secret, or anyone who "
+               "reaches it could pull and push: give --auth-token / --auth-token-file / $COHORT_AUTH_TOKEN (the same "
+               "random value on every process), or listen on 127.0.0.1");
+  const auto verifier = options.authToken.empty() ? nullptr : std::make_shared<CallVerifier>(options.authToken);
   // TLS files first: a bad flag fails before any work.
   COHORT_CHECK(options.tlsCertFile.empty() == options.tlsKeyFile.empty(), InvalidArgument,
                "TLS needs both --tls-cert and --tls-key, got only ",
@@ -273,8 +270,8 @@ ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()
   }
   impl_->shard = std::make_shared<Shard>(options.shard);
   impl_->refusals = std::make_shared<Refusals>(impl_->shard, options.shard.name, options.shard.log);
-  const auto credentials = serverCredentials(options, expected, impl_->refusals, impl_->tokenBeforeBody);
-  impl_->service = std::make_unique<Service>(impl_->shard, expected, impl_->refusals);
+  const auto credentials = serverCredentials(options, verifier, impl_->refusals, impl_->tokenBeforeBody);
+  impl_->service = std::make_unique<Service>(impl_->shard, impl_->tokenBeforeBody ? nullptr : verifier, impl_->refusals);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.address, credentials, &impl_->port);
   // A push or pull carries a shard's whole slice of the model: tens of MB.
@@ -321,8 +318,9 @@ int runShardServer(const ServerOptions& options) {
   std::fflush(stdout);
   if (!options.authToken.empty() && !server.checksTokenBeforeBody()) {
     std::fprintf(stderr,
-                 "cohort ps: warning: plaintext on %s: the auth token travels in clear and is checked only after a "
-                 "request's body was read; serve TLS (--tls-cert/--tls-key) off loopback\n",
+                 "cohort ps: warning: plaintext on %s: calls prove the secret without sending it, but their bodies "
+                 "travel unprotected and are read before the proof is checked; serve TLS (--tls-cert/--tls-key) off "
+                 "loopback\n",
                  options.address.c_str());
   }
   for (;;) {

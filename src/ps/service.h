@@ -11,7 +11,7 @@ namespace cohort::ps {
 
 struct ServerOptions {
   std::string address = "127.0.0.1:0";  // host:port to listen on; port 0 picks a free one
-  std::string authToken;    // every call must carry it (metadata "authorization: Bearer TOKEN")
+  std::string authToken;    // every call must prove it (ps/call_auth.h); required off loopback
   std::string tlsCertFile;  // with tlsKeyFile: serve TLS instead of plaintext
   std::string tlsKeyFile;
   ShardOptions shard;

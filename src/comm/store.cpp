@@ -1,0 +1,889 @@
+#include "comm/store.h"
+
+#include "base/crypto.h"
+#include "base/thread_annotations.h"
+
+#include <cohort/error.h>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <thread>
+
+namespace cohort::store {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint32_t kMagic = 0x31545343;  // "CST1"
+constexpr uint32_t kFlagSecret = 1;
+constexpr size_t kNonceBytes = 32;
+constexpr size_t kProofBytes = 32;
+constexpr size_t kChallengeBytes = 8 + kNonceBytes;
+constexpr size_t kHelloBytes = kNonceBytes + kProofBytes;
+constexpr size_t kAnswerBytes = 1 + kProofBytes;
+constexpr size_t kTagBytes = 16;
+constexpr size_t kMaxKeyBytes = 4096;
+constexpr size_t kMaxKeys = 4096;
+constexpr size_t kReadChunk = size_t(1) << 20;
+
+enum class Op : uint8_t { kSet = 1, kGet = 2, kAdd = 3, kCheck = 4, kWait = 5, kDelete = 6, kNumKeys = 7 };
+enum class Status : uint8_t { kOk = 0, kTimedOut = 1, kRefused = 2 };
+enum Direction : uint8_t { kToServer = 1, kToClient = 2 };
+
+// ---- sockets ------------------------------------------------------------------------------
+
+enum class Io { kOk, kClosed, kTimeout, kError };
+
+int remainingMs(Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return int(std::clamp<int64_t>(left, 0, 1'000'000'000));
+}
+
+Io waitFor(int fd, short events, Clock::time_point deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    const int n = ::poll(&p, 1, remainingMs(deadline));
+    if (n > 0) return (p.revents & (events | POLLHUP | POLLERR)) ? Io::kOk : Io::kError;
+    if (n == 0) return Io::kTimeout;
+    if (errno != EINTR) return Io::kError;
+  }
+}
+
+Io readFull(int fd, void* out, size_t n, Clock::time_point deadline) {
+  auto* p = static_cast<uint8_t*>(out);
+  while (n > 0) {
+    if (const Io w = waitFor(fd, POLLIN, deadline); w != Io::kOk) return w;
+    const ssize_t got = ::recv(fd, p, n, 0);
+    if (got == 0) return Io::kClosed;
+    if (got < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return Io::kError;
+    }
+    p += got;
+    n -= size_t(got);
+  }
+  return Io::kOk;
+}
+
+Io writeFull(int fd, const void* data, size_t n, Clock::time_point deadline) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (n > 0) {
+    if (const Io w = waitFor(fd, POLLOUT, deadline); w != Io::kOk) return w;
+    const ssize_t sent = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return Io::kError;
+    }
+    p += sent;
+    n -= size_t(sent);
+  }
+  return Io::kOk;
+}
+
+const char* describe(Io io) {
+  switch (io) {
+    case Io::kOk: return "ok";
+    case Io::kClosed: return "the connection was closed";
+    case Io::kTimeout: return "no answer in time";
+    case Io::kError: return "a socket error";
+  }
+  return "?";
+}
+
+void putU32(std::vector<uint8_t>& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(uint8_t(v >> (8 * i)));
+}
+void putU64(std::vector<uint8_t>& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(uint8_t(v >> (8 * i)));
+}
+void putString(std::vector<uint8_t>& out, const std::string& s) {
+  putU32(out, uint32_t(s.size()));
+  out.insert(out.end(), s.begin(), s.end());
+}
+
+// Reads fields out of a body; any read past the end marks it bad instead of throwing.
+class Reader {
+ public:
+  explicit Reader(const std::vector<uint8_t>& body) : body_(body) {}
+  uint64_t u(size_t bytes) {
+    if (bytes > body_.size() - at_) return fail();
+    uint64_t v = 0;
+    for (size_t i = 0; i < bytes; ++i) v |= uint64_t(body_[at_ + i]) << (8 * i);
+    at_ += bytes;
+    return v;
+  }
+  std::string string() {
+    const uint64_t n = u(4);
+    if (!ok_ || n > kMaxKeyBytes || n > body_.size() - at_) {
+      fail();
+      return {};
+    }
+    std::string s(body_.begin() + long(at_), body_.begin() + long(at_ + n));
+    at_ += n;
+    return s;
+  }
+  std::vector<uint8_t> rest() {
+    std::vector<uint8_t> out(body_.begin() + long(at_), body_.end());
+    at_ = body_.size();
+    return out;
+  }
+  bool ok() const { return ok_; }
+  bool done() const { return ok_ && at_ == body_.size(); }
+
+ private:
+  uint64_t fail() {
+    ok_ = false;
+    at_ = body_.size();
+    return 0;
+  }
+  const std::vector<uint8_t>& body_;
+  size_t at_ = 0;
+  bool ok_ = true;
+};
+
+// ---- the handshake and the frames -----------------------------------------------------------
+
+crypto::Digest proof(const std::string& secret, std::string_view label, const uint8_t* serverNonce,
+                     const uint8_t* clientNonce) {
+  crypto::HmacSha256 mac(secret);
+  mac.update(label);
+  mac.update(std::span<const uint8_t>(serverNonce, kNonceBytes));
+  mac.update(std::span<const uint8_t>(clientNonce, kNonceBytes));
+  return mac.final();
+}
+
+// Seals and opens the frames of one connection after the handshake (nothing without a secret).
+class Sealer {
+ public:
+  Sealer() = default;
+  Sealer(const std::string& secret, const uint8_t* serverNonce, const uint8_t* clientNonce) {
+    const crypto::Digest key = proof(secret, "cohort-store session", serverNonce, clientNonce);
+    mac_ = std::make_unique<crypto::HmacSha256>(std::span<const uint8_t>(key.data(), key.size()));
+  }
+  bool sealed() const { return mac_ != nullptr; }
+
+  std::array<uint8_t, kTagBytes> tag(Direction direction, uint64_t frame, const std::vector<uint8_t>& body) {
+    std::vector<uint8_t> head;
+    head.push_back(uint8_t(direction));
+    putU64(head, frame);
+    putU32(head, uint32_t(body.size()));
+    mac_->update(std::span<const uint8_t>(head));
+    mac_->update(std::span<const uint8_t>(body));
+    const crypto::Digest d = mac_->final();
+    std::array<uint8_t, kTagBytes> out{};
+    std::copy_n(d.begin(), kTagBytes, out.begin());
+    return out;
+  }
+
+ private:
+  std::unique_ptr<crypto::HmacSha256> mac_;
+};
+
+// One side of a connection after the handshake: length-prefixed, tagged frames.
+struct Channel {
+  int fd = -1;
+  Sealer sealer;
+  Direction sends = kToServer;
+  uint64_t sent = 0, received = 0;
+  size_t maxBody = 0;
+
+  Io send(const std::vector<uint8_t>& body, Clock::time_point deadline) {
+    std::vector<uint8_t> frame;
+    frame.reserve(4 + body.size() + kTagBytes);
+    putU32(frame, uint32_t(body.size()));
+    frame.insert(frame.end(), body.begin(), body.end());
+    if (sealer.sealed()) {
+      const auto t = sealer.tag(sends, sent, body);
+      frame.insert(frame.end(), t.begin(), t.end());
+    }
+    ++sent;
+    return writeFull(fd, frame.data(), frame.size(), deadline);
+  }
+
+  // kError also for a frame that is too long or whose tag is wrong (`bad` is set then).
+  Io receive(std::vector<uint8_t>& body, Clock::time_point deadline, bool& bad) {
+    bad = false;
+    uint8_t head[4];
+    if (const Io r = readFull(fd, head, 4, deadline); r != Io::kOk) return r;
+    const uint32_t n = uint32_t(head[0]) | uint32_t(head[1]) << 8 | uint32_t(head[2]) << 16 | uint32_t(head[3]) << 24;
+    if (n > maxBody) {
+      bad = true;
+      return Io::kError;
+    }
+    // Grow as bytes arrive: the length is the peer's claim.
+    body.clear();
+    while (body.size() < n) {
+      const size_t part = std::min(kReadChunk, size_t(n) - body.size());
+      const size_t at = body.size();
+      body.resize(at + part);
+      if (const Io r = readFull(fd, body.data() + at, part, deadline); r != Io::kOk) return r;
+    }
+    if (sealer.sealed()) {
+      std::array<uint8_t, kTagBytes> got{};
+      if (const Io r = readFull(fd, got.data(), kTagBytes, deadline); r != Io::kOk) return r;
+      const Direction from = sends == kToServer ? kToClient : kToServer;
+      const auto want = sealer.tag(from, received, body);
+      if (!crypto::equalConstantTime(got, want)) {
+        bad = true;
+        return Io::kError;
+      }
+    }
+    ++received;
+    return Io::kOk;
+  }
+};
+
+// "host:port", "[host]:port" for IPv6 (cluster.h's HostPort::str, which lives in libcohort).
+std::string joinHostPort(const std::string& host, int port) {
+  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+void setNoDelay(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+std::string addressText(const sockaddr* sa) {
+  char host[INET6_ADDRSTRLEN] = {};
+  if (sa->sa_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(sa)->sin_addr, host, sizeof(host));
+  } else if (sa->sa_family == AF_INET6) {
+    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr, host, sizeof(host));
+  }
+  return host;
+}
+
+bool isLiteralAddress(const std::string& host) {
+  in6_addr a6{};
+  in_addr a4{};
+  return ::inet_pton(AF_INET, host.c_str(), &a4) == 1 || ::inet_pton(AF_INET6, host.c_str(), &a6) == 1;
+}
+
+bool isLoopbackAddress(const sockaddr* sa) {
+  if (sa->sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(sa)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (sa->sa_family == AF_INET6) return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr);
+  return false;
+}
+
+}  // namespace
+
+bool isLoopbackHost(const std::string& host) {
+  if (host == "localhost" || host == "::1" || host == "[::1]") return true;
+  in_addr a4{};
+  return ::inet_pton(AF_INET, host.c_str(), &a4) == 1 && (ntohl(a4.s_addr) >> 24) == 127;
+}
+
+// ---- the server -------------------------------------------------------------------------------
+
+struct Server::Impl {
+  ServerOptions options;
+  int listenFd = -1;
+  int wakeFd = -1;  // an eventfd: written once to stop the accept loop
+  int port = 0;
+  std::string bound;
+  std::thread acceptor;
+  std::atomic<bool> stopping{false};
+
+  Mutex mu;
+  CondVar changed;  // a key was set or added, or the server is stopping
+  std::map<std::string, std::vector<uint8_t>> data GUARDED_BY(mu);
+  struct Connection {
+    int fd = -1;
+    std::thread thread;
+    Clock::time_point started;
+    bool proven = false;   // it proved the secret (or there is none)
+    bool evicted = false;  // shut down to make room for a newer unproven connection
+    bool finished = false;
+  };
+  std::map<uint64_t, Connection> connections GUARDED_BY(mu);
+  uint64_t nextConnection GUARDED_BY(mu) = 0;
+  int pending GUARDED_BY(mu) = 0;  // connections that have not proved the secret yet
+  ServerStats counts GUARDED_BY(mu);
+  Clock::time_point lastWarning GUARDED_BY(mu){};
+
+  ~Impl() {
+    stopping = true;
+    if (wakeFd >= 0) {
+      const uint64_t one = 1;
+      [[maybe_unused]] ssize_t w = ::write(wakeFd, &one, sizeof(one));
+    }
+    if (acceptor.joinable()) acceptor.join();
+    std::map<uint64_t, Connection> left;
+    {
+      MutexLock lock(mu);
+      for (auto& [id, c] : connections) {
+        if (c.fd >= 0) ::shutdown(c.fd, SHUT_RDWR);
+      }
+      changed.notifyAll();
+      left.swap(connections);
+    }
+    for (auto& [id, c] : left) {
+      if (c.thread.joinable()) c.thread.join();
+    }
+    if (listenFd >= 0) ::close(listenFd);
+    if (wakeFd >= 0) ::close(wakeFd);
+  }
+
+  void warn(const std::string& message) EXCLUDES(mu) {
+    {
+      MutexLock lock(mu);
+      const auto now = Clock::now();
+      if (now - lastWarning < std::chrono::seconds(1)) return;
+      lastWarning = now;
+    }
+    std::cerr << "cohort: warning: rendezvous store at " << bound << ": " << message << "\n";
+  }
+
+  // Joins the threads of connections that have ended.
+  void reap() EXCLUDES(mu) {
+    std::vector<std::thread> done;
+    {
+      MutexLock lock(mu);
+      for (auto it = connections.begin(); it != connections.end();) {
+        if (it->second.finished) {
+          done.push_back(std::move(it->second.thread));
+          it = connections.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& t : done) t.join();
+  }
+
+  void acceptLoop() {
+    while (!stopping) {
+      pollfd fds[2] = {{listenFd, POLLIN, 0}, {wakeFd, POLLIN, 0}};
+      const int n = ::poll(fds, 2, 1000);
+      reap();
+      if (n <= 0 || stopping || (fds[1].revents & POLLIN)) continue;
+      const int fd = ::accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          warn(std::string("cannot accept a connection: ") + std::strerror(errno) + "; backing off");
+          pollfd wake{wakeFd, POLLIN, 0};
+          ::poll(&wake, 1, 100);
+        }
+        continue;
+      }
+      setNoDelay(fd);
+      MutexLock lock(mu);
+      if (int(connections.size()) >= options.maxConnections) {
+        ++counts.dropped;
+        ::close(fd);
+        continue;
+      }
+      if (pending >= options.maxPendingHandshakes) evictOldestUnproven();
+      ++pending;
+      const uint64_t id = nextConnection++;
+      Connection& c = connections[id];
+      c.fd = fd;
+      c.started = Clock::now();
+      c.thread = std::thread([this, id, fd] { serve(id, fd); });
+    }
+  }
+
+  // A flood of silent connections must not lock the job's own processes out: the oldest unproven
+  // one makes room (it has had the most time to prove the secret).
+  void evictOldestUnproven() REQUIRES(mu) {
+    Connection* oldest = nullptr;
+    for (auto& [id, c] : connections) {
+      if (!c.proven && !c.evicted && !c.finished && (oldest == nullptr || c.started < oldest->started)) oldest = &c;
+    }
+    if (oldest == nullptr) return;
+    oldest->evicted = true;
+    ++counts.dropped;
+    ::shutdown(oldest->fd, SHUT_RDWR);
+  }
+
+  // Runs one connection: the handshake, then requests until it closes.
+  void serve(uint64_t id, int fd) {
+    try {
+      handshakeAndServe(id, fd);
+    } catch (const std::exception& e) {
+      warn(std::string("a connection failed: ") + e.what());
+    }
+    ::shutdown(fd, SHUT_RDWR);
+    MutexLock lock(mu);
+    ::close(fd);
+    if (auto it = connections.find(id); it != connections.end()) {
+      if (!it->second.proven) --pending;
+      it->second.fd = -1;
+      it->second.finished = true;
+    }
+  }
+
+  void handshakeAndServe(uint64_t id, int fd) {
+    const auto handshakeDeadline = Clock::now() + options.handshakeTimeout;
+    std::array<uint8_t, kNonceBytes> serverNonce{};
+    crypto::randomBytes(serverNonce);
+    std::vector<uint8_t> challenge;
+    putU32(challenge, kMagic);
+    putU32(challenge, options.secret.empty() ? 0 : kFlagSecret);
+    challenge.insert(challenge.end(), serverNonce.begin(), serverNonce.end());
+    if (writeFull(fd, challenge.data(), challenge.size(), handshakeDeadline) != Io::kOk) return refuse();
+
+    Channel channel;
+    channel.fd = fd;
+    channel.sends = kToClient;
+    channel.maxBody = options.maxValueBytes + 2 * kMaxKeyBytes + 64;
+    if (!options.secret.empty()) {
+      std::array<uint8_t, kHelloBytes> hello{};
+      if (readFull(fd, hello.data(), hello.size(), handshakeDeadline) != Io::kOk) return refuse();
+      const uint8_t* clientNonce = hello.data();
+      const crypto::Digest want = proof(options.secret, "cohort-store client", serverNonce.data(), clientNonce);
+      std::array<uint8_t, kAnswerBytes> answer{};
+      if (!crypto::equalConstantTime(std::span<const uint8_t>(hello.data() + kNonceBytes, kProofBytes), want)) {
+        writeFull(fd, answer.data(), answer.size(), handshakeDeadline);  // 0: refused
+        return refuse();
+      }
+      answer[0] = 1;
+      const crypto::Digest mine = proof(options.secret, "cohort-store server", serverNonce.data(), clientNonce);
+      std::copy(mine.begin(), mine.end(), answer.begin() + 1);
+      if (writeFull(fd, answer.data(), answer.size(), handshakeDeadline) != Io::kOk) return refuse();
+      channel.sealer = Sealer(options.secret, serverNonce.data(), clientNonce);
+    }
+    {
+      MutexLock lock(mu);
+      --pending;
+      ++counts.accepted;
+      connections[id].proven = true;
+    }
+    // No deadline between requests: a proven client may stay quiet for the whole job.
+    const auto forever = Clock::now() + std::chrono::hours(24 * 365);
+    std::vector<uint8_t> body;
+    while (!stopping) {
+      bool bad = false;
+      const Io r = channel.receive(body, forever, bad);
+      if (r != Io::kOk) {
+        if (bad) countMalformed("a frame too long or with a wrong tag");
+        return;
+      }
+      std::vector<uint8_t> reply;
+      if (!handle(body, reply)) {
+        countMalformed("a malformed request");
+        return;
+      }
+      if (channel.send(reply, Clock::now() + options.handshakeTimeout * 6) != Io::kOk) return;
+    }
+  }
+
+  void refuse() EXCLUDES(mu) {
+    {
+      MutexLock lock(mu);
+      ++counts.refused;
+    }
+    warn("refused a connection that did not prove the job's secret");
+  }
+
+  void countMalformed(const std::string& what) EXCLUDES(mu) {
+    {
+      MutexLock lock(mu);
+      ++counts.malformed;
+    }
+    warn("closed a connection after " + what);
+  }
+
+  // Waits until every key is present, the deadline passes, or the server stops.
+  bool waitKeys(const std::vector<std::string>& keys, Clock::time_point deadline) REQUIRES(mu) {
+    for (;;) {
+      const bool all = std::all_of(keys.begin(), keys.end(), [&](const std::string& k) {
+        mu.assertHeld();
+        return data.count(k) > 0;
+      });
+      if (all) return true;
+      if (stopping || Clock::now() >= deadline) return false;
+      changed.waitUntil(mu, std::min(deadline, Clock::now() + std::chrono::milliseconds(500)));
+    }
+  }
+
+  // Fills the reply; false for a malformed request.
+  bool handle(const std::vector<uint8_t>& body, std::vector<uint8_t>& reply) EXCLUDES(mu) {
+    Reader in(body);
+    const auto op = Op(in.u(1));
+    if (!in.ok()) return false;
+    auto timeoutOf = [](uint64_t ms) {
+      return Clock::now() + std::chrono::milliseconds(int64_t(std::min<uint64_t>(ms, 365ull * 24 * 3600 * 1000)));
+    };
+    MutexLock lock(mu);
+    switch (op) {
+      case Op::kSet: {
+        std::string key = in.string();
+        if (!in.ok()) return false;
+        data[std::move(key)] = in.rest();
+        changed.notifyAll();
+        reply.push_back(uint8_t(Status::kOk));
+        return true;
+      }
+      case Op::kGet: {
+        const uint64_t ms = in.u(8);
+        const std::string key = in.string();
+        if (!in.done()) return false;
+        if (!waitKeys({key}, timeoutOf(ms))) {
+          reply.push_back(uint8_t(Status::kTimedOut));
+          return true;
+        }
+        reply.push_back(uint8_t(Status::kOk));
+        const auto& value = data[key];
+        reply.insert(reply.end(), value.begin(), value.end());
+        return true;
+      }
+      case Op::kAdd: {
+        const auto delta = int64_t(in.u(8));
+        const std::string key = in.string();
+        if (!in.done()) return false;
+        auto& value = data[key];
+        int64_t now = 0;
+        if (!value.empty()) {
+          try {
+            now = std::stoll(std::string(value.begin(), value.end()));
+          } catch (const std::exception&) {
+            now = 0;
+          }
+        }
+        now += delta;
+        const std::string text = std::to_string(now);
+        value.assign(text.begin(), text.end());
+        changed.notifyAll();
+        reply.push_back(uint8_t(Status::kOk));
+        putU64(reply, uint64_t(now));
+        return true;
+      }
+      case Op::kCheck:
+      case Op::kWait: {
+        const uint64_t ms = op == Op::kWait ? in.u(8) : 0;
+        const uint64_t n = in.u(4);
+        if (!in.ok() || n > kMaxKeys) return false;
+        std::vector<std::string> keys;
+        for (uint64_t i = 0; i < n; ++i) keys.push_back(in.string());
+        if (!in.done()) return false;
+        const bool all = waitKeys(keys, op == Op::kWait ? timeoutOf(ms) : Clock::now());
+        if (op == Op::kWait) {
+          reply.push_back(uint8_t(all ? Status::kOk : Status::kTimedOut));
+        } else {
+          reply.push_back(uint8_t(Status::kOk));
+          reply.push_back(all ? 1 : 0);
+        }
+        return true;
+      }
+      case Op::kDelete: {
+        const std::string key = in.string();
+        if (!in.done()) return false;
+        reply.push_back(uint8_t(Status::kOk));
+        reply.push_back(data.erase(key) > 0 ? 1 : 0);
+        return true;
+      }
+      case Op::kNumKeys: {
+        if (!in.done()) return false;
+        reply.push_back(uint8_t(Status::kOk));
+        putU64(reply, uint64_t(data.size()));
+        return true;
+      }
+    }
+    return false;
+  }
+};
+
+Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Server::~Server() = default;
+
+std::unique_ptr<Server> Server::start(const ServerOptions& options) {
+  COHORT_CHECK(options.port >= 0 && options.port <= 65535, InvalidArgument, "the rendezvous store's port must be in 0..65535, got ",
+               options.port);
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  const std::string where = joinHostPort(options.host, options.port);
+
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (const int rc = ::getaddrinfo(options.host.c_str(), nullptr, &hints, &found); rc != 0 || found == nullptr) {
+    throw CommError("the rendezvous store cannot listen on " + where + ": " + ::gai_strerror(rc) +
+                    ": MASTER_ADDR must name this machine (the chief)");
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(found, &::freeaddrinfo);
+  // A name (not an address) that resolves to loopback, such as a Debian host name in /etc/hosts
+  // (127.0.1.1), is still how other machines reach this one: listen everywhere then.
+  const bool nameToLoopback = !isLiteralAddress(options.host) && !isLoopbackHost(options.host) &&
+                              isLoopbackAddress(found->ai_addr);
+
+  int lastErrno = 0;
+  for (int attempt = 0; attempt < 2 && impl->listenFd < 0; ++attempt) {
+    const bool everywhere = nameToLoopback || attempt == 1;
+    for (addrinfo* ai = found; ai != nullptr && impl->listenFd < 0; ai = ai->ai_next) {
+      sockaddr_storage addr{};
+      std::memcpy(&addr, ai->ai_addr, ai->ai_addrlen);
+      if (everywhere) {
+        if (ai->ai_family == AF_INET) reinterpret_cast<sockaddr_in*>(&addr)->sin_addr.s_addr = htonl(INADDR_ANY);
+        if (ai->ai_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&addr)->sin6_addr = in6addr_any;
+      }
+      if (ai->ai_family == AF_INET) reinterpret_cast<sockaddr_in*>(&addr)->sin_port = htons(uint16_t(options.port));
+      if (ai->ai_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port = htons(uint16_t(options.port));
+      const int fd = ::socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd < 0) {
+        lastErrno = errno;
+        continue;
+      }
+      int one = 1;
+      ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+      if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), ai->ai_addrlen) != 0 || ::listen(fd, 1024) != 0) {
+        lastErrno = errno;
+        ::close(fd);
+        continue;
+      }
+      impl->listenFd = fd;
+      sockaddr_storage local{};
+      socklen_t len = sizeof(local);
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len);
+      impl->port = ntohs(local.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&local)->sin6_port
+                                                     : reinterpret_cast<sockaddr_in*>(&local)->sin_port);
+      impl->bound = joinHostPort(addressText(reinterpret_cast<sockaddr*>(&local)), impl->port);
+      if (everywhere && !nameToLoopback) {
+        std::cerr << "cohort: warning: MASTER_ADDR " << options.host
+                  << " is not an address of this machine; the rendezvous store listens on every interface\n";
+      }
+    }
+    if (impl->listenFd >= 0 || lastErrno != EADDRNOTAVAIL) break;
+  }
+  if (impl->listenFd < 0) {
+    throw CommError("the rendezvous store cannot listen on " + where + ": " + std::strerror(lastErrno) +
+                    (lastErrno == EADDRINUSE ? ": another job uses the port; set MASTER_PORT to a free one" : ""));
+  }
+  impl->wakeFd = ::eventfd(0, EFD_CLOEXEC);
+  COHORT_CHECK(impl->wakeFd >= 0, CommError, "the rendezvous store cannot make an eventfd: ", std::strerror(errno));
+  Impl* raw = impl.get();
+  impl->acceptor = std::thread([raw] { raw->acceptLoop(); });
+  return std::unique_ptr<Server>(new Server(std::move(impl)));
+}
+
+int Server::port() const { return impl_->port; }
+std::string Server::boundAddress() const { return impl_->bound; }
+
+ServerStats Server::stats() const {
+  MutexLock lock(impl_->mu);
+  ServerStats s = impl_->counts;
+  s.open = 0;
+  for (const auto& [id, c] : impl_->connections) s.open += c.finished ? 0 : 1;
+  return s;
+}
+
+// ---- the client -------------------------------------------------------------------------------
+
+struct Client::Impl {
+  std::string where;
+  std::chrono::milliseconds timeout{};
+  Mutex mu;
+  Channel channel GUARDED_BY(mu);
+  bool broken GUARDED_BY(mu) = false;
+
+  ~Impl() {
+    MutexLock lock(mu);
+    if (channel.fd >= 0) ::close(channel.fd);
+  }
+
+  // Sends one request and reads its reply; `wait` is how long the server may hold it.
+  std::vector<uint8_t> call(const std::vector<uint8_t>& request, std::chrono::milliseconds wait, const std::string& what)
+      EXCLUDES(mu) {
+    MutexLock lock(mu);
+    COHORT_CHECK(!broken, CommError, "rendezvous store at ", where, ": the connection was lost earlier; cannot ", what);
+    const auto deadline = Clock::now() + timeout + wait;
+    Io r = channel.send(request, deadline);
+    std::vector<uint8_t> reply;
+    bool bad = false;
+    if (r == Io::kOk) r = channel.receive(reply, deadline, bad);
+    if (r != Io::kOk || reply.empty() || reply[0] == uint8_t(Status::kRefused)) {
+      broken = true;
+      const std::string why = bad ? "a reply failed its authentication tag" : reply.empty() ? describe(r) : "refused";
+      if (r == Io::kTimeout) {
+        throw TimeoutError("rendezvous store at " + where + ": " + what + ": no answer within " +
+                           std::to_string((timeout + wait).count() / 1000) + " s: is the chief alive?");
+      }
+      throw CommError("rendezvous store at " + where + ": " + what + " failed: " + why +
+                      ": the chief (which hosts the store) may have ended");
+    }
+    return reply;
+  }
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+std::unique_ptr<Client> Client::connect(const std::string& host, int port, const std::string& secret,
+                                        std::chrono::milliseconds timeout) {
+  auto impl = std::make_unique<Impl>();
+  impl->where = joinHostPort(host, port);
+  impl->timeout = timeout;
+  const auto deadline = Clock::now() + timeout;
+  std::string lastError = "nothing listens there";
+  auto backoff = std::chrono::milliseconds(20);
+  for (;;) {
+    int fd = -1;
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    const std::string service = std::to_string(port);
+    if (const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc == 0) {
+      for (addrinfo* ai = found; ai != nullptr && fd < 0; ai = ai->ai_next) {
+        fd = ::socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (fd < 0) continue;
+        int rcc = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
+        if (rcc != 0 && errno == EINPROGRESS && waitFor(fd, POLLOUT, deadline) == Io::kOk) {
+          int err = 0;
+          socklen_t len = sizeof(err);
+          ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+          rcc = err == 0 ? 0 : -1;
+          errno = err;
+        }
+        if (rcc != 0) {
+          lastError = std::strerror(errno);
+          ::close(fd);
+          fd = -1;
+        }
+      }
+      ::freeaddrinfo(found);
+    } else {
+      lastError = ::gai_strerror(rc);
+    }
+    if (fd >= 0) {
+      setNoDelay(fd);
+      impl->channel.fd = fd;
+      break;
+    }
+    if (Clock::now() + backoff >= deadline) {
+      throw TimeoutError("cannot reach the job's rendezvous store at " + impl->where + " within " +
+                         std::to_string(timeout.count() / 1000) + " s (" + lastError +
+                         "): check that the chief runs and that MASTER_ADDR/MASTER_PORT name it");
+    }
+    std::this_thread::sleep_for(backoff);  // nothing listens yet: the chief may still be starting
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+  }
+
+  const int fd = impl->channel.fd;
+  auto fail = [&](const std::string& why) -> std::unique_ptr<Client> {
+    throw CommError("the rendezvous store at " + impl->where + " " + why);
+  };
+  std::array<uint8_t, kChallengeBytes> challenge{};
+  if (const Io r = readFull(fd, challenge.data(), challenge.size(), deadline); r != Io::kOk) {
+    return fail(std::string("did not greet: ") + describe(r) + ": is that port the chief's store?");
+  }
+  std::vector<uint8_t> copy(challenge.begin(), challenge.end());
+  Reader head(copy);
+  const uint64_t magic = head.u(4), flags = head.u(4);
+  if (magic != kMagic) return fail("is not a cohort store (another program, or another version of cohort, on that port)");
+  const uint8_t* serverNonce = challenge.data() + 8;
+  if ((flags & kFlagSecret) == 0 && !secret.empty()) {
+    return fail("runs without a secret but this process has one: give every process of the job the same "
+                "COHORT_AUTH_TOKEN (cohort launch does)");
+  }
+  if ((flags & kFlagSecret) != 0) {
+    if (secret.empty()) {
+      return fail("needs the job's secret: set COHORT_AUTH_TOKEN (or --auth-token) to the chief's on every process");
+    }
+    std::array<uint8_t, kHelloBytes> hello{};
+    crypto::randomBytes(std::span<uint8_t>(hello.data(), kNonceBytes));
+    const crypto::Digest mine = proof(secret, "cohort-store client", serverNonce, hello.data());
+    std::copy(mine.begin(), mine.end(), hello.begin() + kNonceBytes);
+    std::array<uint8_t, kAnswerBytes> answer{};
+    if (writeFull(fd, hello.data(), hello.size(), deadline) != Io::kOk ||
+        readFull(fd, answer.data(), answer.size(), deadline) != Io::kOk || answer[0] != 1) {
+      return fail("refused this process's proof of the secret: every process of the job needs the same COHORT_AUTH_TOKEN");
+    }
+    const crypto::Digest want = proof(secret, "cohort-store server", serverNonce, hello.data());
+    if (!crypto::equalConstantTime(std::span<const uint8_t>(answer.data() + 1, kProofBytes), want)) {
+      return fail("did not prove the job's secret: a forged store, or another COHORT_AUTH_TOKEN");
+    }
+    impl->channel.sealer = Sealer(secret, serverNonce, hello.data());
+  }
+  impl->channel.sends = kToServer;
+  impl->channel.maxBody = size_t(1) << 31;
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+void Client::set(const std::string& key, const std::vector<uint8_t>& value) {
+  COHORT_CHECK(key.size() <= kMaxKeyBytes, InvalidArgument, "store key longer than ", kMaxKeyBytes, " bytes");
+  std::vector<uint8_t> request;
+  request.reserve(1 + 4 + key.size() + value.size());
+  request.push_back(uint8_t(Op::kSet));
+  putString(request, key);
+  request.insert(request.end(), value.begin(), value.end());
+  impl_->call(request, std::chrono::milliseconds(0), "setting " + key);
+}
+
+std::optional<std::vector<uint8_t>> Client::get(const std::string& key, std::chrono::milliseconds timeout) {
+  std::vector<uint8_t> request{uint8_t(Op::kGet)};
+  putU64(request, uint64_t(std::max<int64_t>(timeout.count(), 0)));
+  putString(request, key);
+  std::vector<uint8_t> reply = impl_->call(request, timeout, "reading " + key);
+  if (reply[0] == uint8_t(Status::kTimedOut)) return std::nullopt;
+  reply.erase(reply.begin());
+  return reply;
+}
+
+int64_t Client::add(const std::string& key, int64_t delta) {
+  std::vector<uint8_t> request{uint8_t(Op::kAdd)};
+  putU64(request, uint64_t(delta));
+  putString(request, key);
+  const std::vector<uint8_t> reply = impl_->call(request, std::chrono::milliseconds(0), "adding to " + key);
+  Reader in(reply);
+  in.u(1);
+  const auto v = int64_t(in.u(8));
+  COHORT_CHECK(in.done(), CommError, "rendezvous store at ", impl_->where, ": a malformed answer to add");
+  return v;
+}
+
+bool Client::check(const std::vector<std::string>& keys) {
+  std::vector<uint8_t> request{uint8_t(Op::kCheck)};
+  putU32(request, uint32_t(keys.size()));
+  for (const auto& k : keys) putString(request, k);
+  const std::vector<uint8_t> reply = impl_->call(request, std::chrono::milliseconds(0), "checking keys");
+  return reply.size() == 2 && reply[1] == 1;
+}
+
+bool Client::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  std::vector<uint8_t> request{uint8_t(Op::kWait)};
+  putU64(request, uint64_t(std::max<int64_t>(timeout.count(), 0)));
+  putU32(request, uint32_t(keys.size()));
+  for (const auto& k : keys) putString(request, k);
+  const std::vector<uint8_t> reply = impl_->call(request, timeout, "waiting for keys");
+  return reply[0] == uint8_t(Status::kOk);
+}
+
+bool Client::remove(const std::string& key) {
+  std::vector<uint8_t> request{uint8_t(Op::kDelete)};
+  putString(request, key);
+  const std::vector<uint8_t> reply = impl_->call(request, std::chrono::milliseconds(0), "deleting " + key);
+  return reply.size() == 2 && reply[1] == 1;
+}
+
+int64_t Client::numKeys() {
+  const std::vector<uint8_t> reply =
+      impl_->call(std::vector<uint8_t>{uint8_t(Op::kNumKeys)}, std::chrono::milliseconds(0), "counting keys");
+  Reader in(reply);
+  in.u(1);
+  return int64_t(in.u(8));
+}
+
+std::chrono::milliseconds Client::timeout() const { return impl_->timeout; }
+std::string Client::where() const { return impl_->where; }
+
+}  // namespace cohort::store
