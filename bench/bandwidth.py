@@ -84,7 +84,9 @@ def run_job(args, tmp, scheme, codec):
     metrics = os.path.join(tmp, "m.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    base = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
+    # The namespaces' addresses are not loopback: shards there need the job's secret.
+    base = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0",
+                COHORT_AUTH_TOKEN=os.urandom(16).hex())
     for k in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]:
         base.pop(k, None)
     procs = []

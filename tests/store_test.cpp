@@ -225,3 +225,48 @@ TEST(Store, LoopbackNames) {
 
 }  // namespace
 }  // namespace cohort::store
+
+namespace cohort::crypto {
+namespace {
+
+std::string hexOf(std::span<const uint8_t> bytes) {
+  std::string out;
+  char buf[3];
+  for (uint8_t b : bytes) {
+    std::snprintf(buf, sizeof(buf), "%02x", b);
+    out += buf;
+  }
+  return out;
+}
+
+// RFC 4231 test case 2, and NIST's GCM test case 1 (zero key and nonce, nothing to tag).
+TEST(Crypto, KnownAnswers) {
+  HmacSha256 hmac{std::string_view("Jefe")};
+  hmac.update(std::string_view("what do ya want "));
+  hmac.update(std::string_view("for nothing?"));
+  EXPECT_EQ(hexOf(hmac.final()), "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  const std::array<uint8_t, 16> zeroKey{};
+  const std::array<uint8_t, 12> zeroNonce{};
+  Gmac gmac(zeroKey);
+  EXPECT_EQ(hexOf(gmac.tag(zeroNonce, {})), "58e2fccefa7e3061367f1d57a4e7455a");
+}
+
+TEST(Crypto, GmacDependsOnEveryByteAndNotOnHowTheyAreCut) {
+  std::array<uint8_t, 16> key{};
+  randomBytes(key);
+  Gmac gmac(key);
+  std::vector<uint8_t> data(100'000);
+  randomBytes(data);
+  std::array<uint8_t, 12> nonce{};
+  const auto whole = gmac.tag(nonce, {data});
+  const std::span<const uint8_t> all(data);
+  EXPECT_EQ(gmac.tag(nonce, {all.first(12), all.subspan(12)}), whole);
+  data[54'321] ^= 1;
+  EXPECT_NE(gmac.tag(nonce, {data}), whole);
+  data[54'321] ^= 1;
+  nonce[0] = 1;
+  EXPECT_NE(gmac.tag(nonce, {data}), whole);
+}
+
+}  // namespace
+}  // namespace cohort::crypto

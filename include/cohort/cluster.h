@@ -44,6 +44,9 @@ struct ClusterSpec {
   std::vector<HostPort> workers;           // worker addresses when known (TF_CONFIG), chief first
   std::vector<HostPort> parameterServers;  // ps shard addresses (TF_CONFIG "ps")
   std::string source = "single";           // "TF_CONFIG", "torchrun", "OpenMPI", "Slurm" or "single"
+  // The job's shared secret ($COHORT_AUTH_TOKEN, which `cohort launch` makes): the rendezvous
+  // store, the gossip peers and the shards admit only processes that prove it. Empty: none.
+  std::string secret;
 
   bool isChief() const { return role == Role::kWorker && rank == 0; }
 };

@@ -1,5 +1,5 @@
 // Collective and point-to-point communication between the workers of one job, over c10d's
-// ProcessGroupGloo, with a rendezvous through a c10d TCPStore hosted by the chief.
+// ProcessGroupGloo, with a rendezvous through the store the chief hosts (src/comm/store.h).
 //
 // Contract (as for c10d's ProcessGroup): every collective must be called by all ranks, in the
 // same order. Every wait has a timeout (CommOptions::timeout); when a peer dies, the error names

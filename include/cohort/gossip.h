@@ -9,7 +9,7 @@
 //   }
 //   gossip.finish();               // send what is left, wait (at most the timeout) for the others
 //
-// Peers meet through a TCPStore at the chief's address; each listens on a socket of its own. A
+// Peers meet through the rendezvous store at the chief's address; each listens on a socket of its own. A
 // dead peer is logged once and left behind; no step ever waits for another peer. Contract: the
 // same model on every worker; calls from the training thread; finish() once, on every worker.
 #pragma once

@@ -45,7 +45,7 @@ class Job {
   bool isChief() const { return role() == Role::kWorker && rank() == 0; }
   std::chrono::milliseconds timeout() const;
 
-  // The workers' communicator (c10d Gloo over the chief's TCPStore). Connects on the first call,
+  // The workers' communicator (c10d Gloo over the chief's rendezvous store). Connects on the first call,
   // which is therefore collective: every worker must make it (the data-parallel and averaging
   // handles do). Null for a single process. Throws InvalidArgument for a process that is not a
   // worker, CommError / TimeoutError when the other workers do not come.

@@ -1,4 +1,4 @@
-// A small key-value exchange among the workers of a job, through the c10d TCPStore that the chief
+// A small key-value exchange among the workers of a job, through the rendezvous store that the chief
 // hosts at the cluster's master address: for schemes whose peers talk over their own sockets
 // (gossip) and need each other's addresses, without forming a Gloo group.
 #pragma once

@@ -9,6 +9,7 @@
 #include "cli/commands.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <algorithm>
 #include <map>
 
@@ -182,6 +183,9 @@ Run addTrainCommand(CLI::App& app) {
     checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
     auto& p = o.strategy.ps;
     p.authToken = resolveAuthToken(p.authToken, psFlags->authTokenFile);
+    // The job's secret is also the rendezvous store's, which the cluster spec carries from
+    // $COHORT_AUTH_TOKEN: a secret given as a flag goes there too.
+    if (!p.authToken.empty()) ::setenv("COHORT_AUTH_TOKEN", p.authToken.c_str(), 1);
     p.hosts.clear();
     p.hosts = splitList(psFlags->hosts);
     // RANK:SECONDS,...: the entry for this worker's rank, if any.

@@ -475,8 +475,9 @@ std::string HostPort::str() const {
   return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
-ClusterSpec resolveCluster(const EnvLookup& lookup) {
-  const Env env(lookup);
+namespace {
+
+ClusterSpec resolveRoles(const Env& env) {
   if (std::optional<std::string> tfConfig = env.get("TF_CONFIG")) {
     ClusterSpec spec = fromTfConfig(*tfConfig);
     checkTorchrunAgreesWithTfConfig(env, spec);
@@ -492,6 +493,15 @@ ClusterSpec resolveCluster(const EnvLookup& lookup) {
   // SLURM_PROCID is 0 for every rank.
   if (env.has("SLURM_PROCID") || env.has("SLURM_NTASKS")) return fromSlurm(env);
   return ClusterSpec{};
+}
+
+}  // namespace
+
+ClusterSpec resolveCluster(const EnvLookup& lookup) {
+  const Env env(lookup);
+  ClusterSpec spec = resolveRoles(env);
+  spec.secret = env.get("COHORT_AUTH_TOKEN").value_or("");
+  return spec;
 }
 
 ClusterSpec resolveClusterFromEnvironment() {

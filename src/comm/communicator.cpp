@@ -1,9 +1,11 @@
+#include "comm/store.h"
+
 #include <cohort/communicator.h>
 #include <cohort/error.h>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -27,15 +29,46 @@ std::string firstLine(const std::string& s) { return s.substr(0, s.find('\n')); 
 
 std::string heartbeatKey(int rank) { return "cohort/heartbeat/" + std::to_string(rank); }
 
-bool isLoopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0; }
-
 std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& masterHost) {
-  if (isLoopback(masterHost)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  if (store::isLoopbackHost(masterHost)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
   }
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
+
+// c10d's Store over cohort's own (comm/store.h), which authenticates its clients: what Gloo's
+// group formation reads from it is what the job's own processes wrote. Failures are thrown as
+// c10d's errors are (std::runtime_error with a message), and caught by Communicator::connect.
+class AuthenticatedStore : public c10d::Store {
+ public:
+  AuthenticatedStore(std::unique_ptr<store::Client> client, std::chrono::milliseconds timeout)
+      : c10d::Store(timeout), client_(std::move(client)) {}
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override { client_->set(key, value); }
+  std::vector<uint8_t> get(const std::string& key) override {
+    std::optional<std::vector<uint8_t>> value = client_->get(key, timeout_);
+    if (!value) {
+      throw TimeoutError("rendezvous store at " + client_->where() + ": " + key + " did not appear within " +
+                         std::to_string(timeout_.count() / 1000) + " s (timed out)");
+    }
+    return std::move(*value);
+  }
+  int64_t add(const std::string& key, int64_t value) override { return client_->add(key, value); }
+  bool deleteKey(const std::string& key) override { return client_->remove(key); }
+  bool check(const std::vector<std::string>& keys) override { return client_->check(keys); }
+  int64_t getNumKeys() override { return client_->numKeys(); }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    if (!client_->wait(keys, timeout)) {
+      throw TimeoutError("rendezvous store at " + client_->where() + ": keys did not appear within " +
+                         std::to_string(timeout.count() / 1000) + " s (timed out)");
+    }
+  }
+
+ private:
+  std::unique_ptr<store::Client> client_;
+};
 
 int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
 
@@ -51,13 +84,13 @@ struct Communicator::Impl {
   std::function<std::string(int)> rankName;  // of the whole job's; set before any operation
   CommOptions options;
   HostPort master;
-  c10::intrusive_ptr<c10d::TCPStore> store;
+  std::shared_ptr<store::Server> storeServer;  // the chief's; shared with its sub-groups
+  c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
 
-  // The heartbeat has its own store connection: c10d's store client is not meant to be shared
-  // between threads, and the group's connection must never wait behind a heartbeat.
-  std::mutex heartbeatMutex;
-  c10::intrusive_ptr<c10d::TCPStore> heartbeatStore;  // GUARDED_BY(heartbeatMutex)
+  // The heartbeat has its own store connection: the group's connection must never wait behind a
+  // heartbeat, nor a heartbeat behind a key Gloo waits for.
+  std::unique_ptr<store::Client> heartbeatStore;
   std::thread heartbeat;
   std::mutex stopMutex;
   std::condition_variable stopCv;
@@ -87,7 +120,6 @@ struct Communicator::Impl {
         if (stopCv.wait_for(lock, kHeartbeatPeriod, [&] { return stopping; })) return;
       }
       try {
-        std::lock_guard<std::mutex> lock(heartbeatMutex);
         heartbeatStore->add(heartbeatKey(rank), 1);
       } catch (const std::exception&) {
         return;  // the store (the chief) is gone; the next operation reports it
@@ -99,7 +131,6 @@ struct Communicator::Impl {
   std::optional<std::vector<int64_t>> readHeartbeats() {
     std::vector<int64_t> out(size_t(size), 0);
     try {
-      std::lock_guard<std::mutex> lock(heartbeatMutex);
       for (int r = 0; r < size; ++r) out[size_t(r)] = heartbeatStore->add(heartbeatKey(r), 0);
     } catch (const std::exception&) {
       return std::nullopt;
@@ -190,20 +221,17 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
   impl->master = spec.master;
   const std::string where = spec.master.host + ":" + std::to_string(spec.master.port);
   try {
-    c10d::TCPStoreOptions storeOptions;
-    storeOptions.port = uint16_t(spec.master.port);
-    storeOptions.isServer = spec.rank == 0;
-    storeOptions.numWorkers = size_t(spec.worldSize);
-    storeOptions.waitWorkers = true;
-    storeOptions.timeout = options.timeout;
-    impl->store = c10::make_intrusive<c10d::TCPStore>(spec.master.host, storeOptions);
-
-    c10d::TCPStoreOptions beatOptions = storeOptions;
-    beatOptions.isServer = false;
-    beatOptions.numWorkers = c10::nullopt;
-    beatOptions.waitWorkers = false;
-    impl->heartbeatStore = c10::make_intrusive<c10d::TCPStore>(spec.master.host, beatOptions);
+    if (spec.rank == 0) {
+      impl->storeServer = store::Server::start(
+          store::ServerOptions{.host = spec.master.host, .port = spec.master.port, .secret = spec.secret});
+    }
+    impl->store = c10::make_intrusive<AuthenticatedStore>(
+        store::Client::connect(spec.master.host, spec.master.port, spec.secret, options.timeout), options.timeout);
+    impl->heartbeatStore = store::Client::connect(spec.master.host, spec.master.port, spec.secret, options.timeout);
     impl->heartbeatStore->add(heartbeatKey(spec.rank), 1);
+  } catch (const Error& e) {
+    throw CommError("rank " + std::to_string(spec.rank) + ": rendezvous with the chief at " + where +
+                    " failed: " + firstLine(e.what()));
   } catch (const std::exception& e) {
     throw CommError("rank " + std::to_string(spec.rank) + ": rendezvous with the chief at " + where +
                     " failed: " + firstLine(e.what()) + ": check that all " + std::to_string(spec.worldSize) +

@@ -732,6 +732,7 @@ std::unique_ptr<Client> Client::connect(const std::string& host, int port, const
   auto impl = std::make_unique<Impl>();
   impl->where = joinHostPort(host, port);
   impl->timeout = timeout;
+  MutexLock lock(impl->mu);  // nobody else sees impl yet; this keeps the analysis exact
   const auto deadline = Clock::now() + timeout;
   std::string lastError = "nothing listens there";
   auto backoff = std::chrono::milliseconds(20);

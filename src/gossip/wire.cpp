@@ -259,8 +259,10 @@ Nonce freshNonce() {
 bool sameProof(const Proof& a, const Proof& b) { return crypto::equalConstantTime(a, b); }
 
 struct FrameSealer::State {
-  explicit State(const Proof& key) : mac(std::span<const uint8_t>(key)) {}
-  crypto::HmacSha256 mac;
+  // AES-128-GMAC under the first 16 bytes of the session key: the frames are bulk (a whole
+  // model's update), and GHASH tags them several times faster than HMAC-SHA256 would.
+  explicit State(const Proof& key) : mac(std::span<const uint8_t, 16>(key.data(), 16)) {}
+  crypto::Gmac mac;
 };
 
 FrameSealer::FrameSealer(const Proof& sessionKey) : state_(std::make_unique<State>(sessionKey)) {}
@@ -268,12 +270,12 @@ FrameSealer::FrameSealer(const Proof& sessionKey) : state_(std::make_unique<Stat
 FrameSealer::~FrameSealer() = default;
 
 std::array<uint8_t, kTagBytes> FrameSealer::tag(std::span<const uint8_t> header, std::span<const uint8_t> body) {
-  std::vector<uint8_t> number;
-  put<uint64_t>(number, next_++);
-  const crypto::Digest d = state_->mac.update(number).update(header).update(body).final();
-  std::array<uint8_t, kTagBytes> out{};
-  std::copy_n(d.begin(), kTagBytes, out.begin());
-  return out;
+  // The nonce is the frame's number: unique under this session's key, and a replayed or
+  // reordered frame is checked under another number.
+  std::array<uint8_t, 12> nonce{};
+  const uint64_t number = next_++;
+  for (int i = 0; i < 8; ++i) nonce[size_t(i)] = uint8_t(number >> (8 * i));
+  return state_->mac.tag(nonce, {header, body});
 }
 
 void FrameSealer::seal(std::vector<uint8_t>& frame) {

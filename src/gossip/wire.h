@@ -18,8 +18,8 @@
 // connector rank, acceptor rank, world size and both nonces. The acceptor checks it in constant
 // time and answers ACCEPT, HMAC(secret, "acceptor" | transcript), which the connector checks in
 // turn; or REFUSE with a reason, and closes. Both ends then key every later frame's tag with
-// HMAC(secret, "session" | transcript): the first 16 bytes of HMAC(session key, frame number u64 |
-// header | body without the tag). Before ACCEPT a frame's body is at most kMaxHandshakeBody.
+// HMAC(secret, "session" | transcript): AES-128-GMAC under its first 16 bytes, with the frame's
+// number (u64, then 4 zero bytes) as the nonce, over header | body without the tag. Before ACCEPT a frame's body is at most kMaxHandshakeBody.
 //
 // What this holds against a stranger who can connect to a peer's port, forge the address a peer
 // connects to, and read the traffic, but does not know the secret: the secret never crosses the
@@ -43,7 +43,7 @@
 namespace cohort::gossip {
 
 constexpr uint32_t kMagic = 0x50534743;  // "CGSP"
-constexpr uint32_t kProtocol = 2;
+constexpr uint32_t kProtocol = 3;  // 3: frame tags are AES-GMAC
 constexpr size_t kHeaderBytes = 12;
 constexpr size_t kUpdateHeaderBytes = 48;
 constexpr size_t kNonceBytes = 32;

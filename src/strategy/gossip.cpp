@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -71,10 +72,15 @@ struct Gossip::Impl {
 
     const ClusterSpec& cl = c_.cluster;
     const auto timeout = std::chrono::milliseconds(int64_t(c_.timeoutSeconds * 1000));
+    std::string token = c_.options.authToken.empty() ? cl.secret : c_.options.authToken;
+    // No shared secret: only on loopback, where the store and the peers are this machine's.
+    COHORT_CHECK(!token.empty() || isLoopback(cl.master.host), InvalidArgument,
+                 "gossip between machines needs the job's secret, or any host that reaches the store could "
+                 "join: set COHORT_AUTH_TOKEN (or --auth-token) to the same random value on every process "
+                 "(cohort launch makes one)");
     rendezvous_ = Rendezvous::connect(cl, timeout);
-    std::string token = c_.options.authToken;
     if (token.empty()) {
-      // No shared secret given: a random one for this job, so streams are at least bound to it.
+      // A random one for this job that the chief publishes, so streams are at least bound to it.
       if (cl.isChief()) rendezvous_->set("cohort/gossip/job", crypto::randomToken());
       token = rendezvous_->get("cohort/gossip/job");
     }
@@ -110,6 +116,8 @@ struct Gossip::Impl {
       COHORT_CHECK(init.size() == numel_ * sizeof(float), CommError, "gossip: the chief's model has ",
                    init.size() / sizeof(float), " parameters, this one ", numel_, ": run the same model everywhere");
       std::memcpy(before_.data(), init.data(), init.size());
+      COHORT_CHECK(std::all_of(before_.begin(), before_.end(), [](float v) { return std::isfinite(v); }), CommError,
+                   "gossip: the chief's initial parameters hold a NaN or Inf: refusing to start from them");
       copyIn(before_);
     }
     std::vector<HostPort> addresses;
