@@ -254,7 +254,7 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
   int64_t stepOpen = 0;   // sync: the step being collected
   int inStep = 0;         // sync: pushes counted for stepOpen; softsync: pushes since the last version
   std::vector<int64_t> clock(N, 0), pulled(N, 0), stepOf(N, 0);
-  std::vector<double> computeStart(N, 0), pushArrived(N, 0), myCompute(N, 0), myQueue(N, 0);
+  std::vector<double> computeStart(N, 0), pushArrived(N, 0), myCompute(N, 0), myQueue(N, 0), myServerQueue(N, 0);
   std::vector<int> held;                  // sync: waiting for the step to close; ssp: over the bound
   std::multiset<int64_t> clocks(clock.begin(), clock.end());
 
@@ -280,12 +280,13 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
       const double own = pushWire + pullWire + 2 * d.a + encode;
       t.compute += myCompute[w];
       t.comm += own + myQueue[w];
-      t.server += cpu;
-      t.wait += std::max(0.0, cycle - myCompute[w] - own - myQueue[w] - cpu);
+      t.server += cpu + myServerQueue[w];
+      t.wait += std::max(0.0, cycle - myCompute[w] - own - myQueue[w] - cpu - myServerQueue[w]);
       t.steps += 1;
       t.bytes += push;
     }
     myQueue[w] = 0;
+    myServerQueue[w] = 0;
     events.push({done, Replied, w});
   };
   auto sspReleasable = [&](int w) { return clock[w] - *clocks.begin() <= s.staleness; };
@@ -302,6 +303,7 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
       const double arrival = std::max(sendStart + pushWire, free) + d.a;
       myQueue[w] += arrival - (sendStart + pushWire + d.a);
       const double done = std::max(cpuFree, arrival) + cpu;
+      myServerQueue[w] += done - cpu - arrival;
       cpuFree = done;
       pushArrived[w] = done;
       events.push({done, Applied, w});
@@ -539,7 +541,9 @@ Prediction simulateWorkers(const Scenario& s, int workers) {
   if (s.scheme == Scheme::Ps) {
     // Throughput from the simulated clock; per-worker step figures from the counted steps.
     const double steps = std::max(1.0, t.steps);
-    p.stepSeconds = workers * s.batch / std::max(p.samplesPerSecond, 1e-300);
+    // async: one worker's cycle; sync: one update, which takes N - b gradients.
+    const int perUpdate = s.psMode == PsMode::Sync ? workers - s.backupWorkers : workers;
+    p.stepSeconds = perUpdate * s.batch / std::max(p.samplesPerSecond, 1e-300);
     p.computeSeconds = t.compute / steps;
     p.commSeconds = t.comm / steps;
     p.waitSeconds = t.wait / steps;

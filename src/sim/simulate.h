@@ -65,11 +65,11 @@ void checkSetup(const Scenario& setup, int workers);
 struct Prediction {
   int workers = 0;
   double samplesPerSecond = 0;
-  double speedup = 0;      // against one worker of the same setup (pipeline: one replica of S stages)
+  double speedup = 0;      // against one worker training alone (its compute only)
   double stepSeconds = 0;  // per step of one worker
   // Where a step's time goes, per worker on average: its own compute, communication not hidden
   // (transfers, queueing on links, codec CPU), waiting for others (stragglers, held pushes), and
-  // the shards' CPU on its pushes.
+  // the shards' CPU on its pushes (with their queue for that CPU).
   double computeSeconds = 0, commSeconds = 0, waitSeconds = 0, serverSeconds = 0;
   double bytesPerStep = 0;  // sent by one worker per step
   double staleness = 0;     // ps: mean versions between a worker's pull and its push being applied
