@@ -397,7 +397,7 @@ int runSimulate(const Flags& f) {
       sim::Scenario s = base;
       s.scheme = schemeOf(strategy);
       s.codec = codec == "none" ? "none" : compress::CodecSpec::parse(codec).text();
-      curves.push_back({curveName(strategy, f, s.codec), sim::sweep(s, workers)});
+      curves.push_back({curveName(strategy, f, codec), sim::sweep(s, workers)});
     }
   }
   if (f.json) {

@@ -25,18 +25,22 @@ std::string escape(const std::string& text) {
 }  // namespace
 
 std::string svgPlot(const std::vector<Curve>& curves, const std::string& title) {
-  constexpr double width = 760, height = 520, left = 70, right = 220, top = 40, bottom = 60;
-  double maxWorkers = 2, maxSpeedup = 2;
+  constexpr double width = 820, height = 520, left = 70, right = 280, top = 40, bottom = 60;
+  double maxWorkers = 2, maxSpeedup = 2, minSpeedup = 1;
   for (const Curve& c : curves) {
     for (const Prediction& p : c.points) {
       maxWorkers = std::max(maxWorkers, double(p.workers));
       maxSpeedup = std::max(maxSpeedup, p.speedup);
+      if (p.speedup > 0) minSpeedup = std::min(minSpeedup, p.speedup);
     }
   }
   const double maxAxis = std::pow(10, std::ceil(std::log10(std::max(maxWorkers, maxSpeedup))));
+  // Speed-ups below 1 (a slow link) get decades of their own below the x axis's 1.
+  const double minAxis = std::pow(10, std::floor(std::log10(std::max(minSpeedup, 1e-3))));
   auto x = [&](double v) { return left + (width - left - right) * std::log10(std::max(v, 1.0)) / std::log10(maxAxis); };
   auto y = [&](double v) {
-    return height - bottom - (height - top - bottom) * std::log10(std::max(v, 1.0)) / std::log10(maxAxis);
+    const double span = std::log10(maxAxis) - std::log10(minAxis);
+    return height - bottom - (height - top - bottom) * (std::log10(std::max(v, minAxis)) - std::log10(minAxis)) / span;
   };
   std::ostringstream out;
   char buf[256];
@@ -48,13 +52,15 @@ std::string svgPlot(const std::vector<Curve>& curves, const std::string& title) 
   for (double v = 1; v <= maxAxis * 1.0001; v *= 10) {
     std::snprintf(buf, sizeof buf,
                   "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
-                  "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n",
-                  x(v), y(1), x(v), y(maxAxis), x(1), y(v), x(maxAxis), y(v));
+                  "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%g</text>\n",
+                  x(v), y(minAxis), x(v), y(maxAxis), x(v), height - bottom + 18, v);
     out << buf;
+  }
+  for (double v = minAxis; v <= maxAxis * 1.0001; v *= 10) {
     std::snprintf(buf, sizeof buf,
-                  "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%g</text>"
+                  "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
                   "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%g</text>\n",
-                  x(v), height - bottom + 18, v, left - 6, y(v) + 4, v);
+                  x(1), y(v), x(maxAxis), y(v), left - 6, y(v) + 4, v);
     out << buf;
   }
   out << "<text x=\"" << (left + width - right) / 2 << "\" y=\"" << height - 18
