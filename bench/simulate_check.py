@@ -3,7 +3,7 @@
 `tc tbf`-limited links (bench/bandwidth.py's set-up), each beside the simulator's prediction for
 the same configuration.
 
-    python3 bench/simulate_check.py [--build build] [--rates 100mbit,1gbit] [--workers 2,3,4] [--steps 30]
+    /usr/bin/python3 bench/simulate_check.py [--build build] [--rates 100mbit,1gbit] [--workers 2,3,4] [--steps 30]
                                     [--calibration FILE] [--runs 1]          # as root
 
 First `cohort simulate --calibrate` measures this machine (model cnn, batch 64, 1 thread), unless
@@ -23,7 +23,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bandwidth import create, destroy, ns_name, set_rate  # noqa: E402
-from common import ROOT, done_event, machine, median  # noqa: E402
+from common import ROOT, done_event, machine, median, wait_all  # noqa: E402
 
 CONFIGS = [("allreduce", "none", 0), ("allreduce", "threshold:0.001", 0), ("ps", "none", 1), ("ps", "none", 2)]
 
@@ -60,18 +60,7 @@ def run_job(args, tmp, scheme, codec, workers, shards):
             cmd = train_flags(args, metrics) + ["--strategy", "ps", "--ps-mode", "async", "--codec", codec]
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns_name(ns)] + cmd, env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs, failed = [], False
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            failed = True
-        outputs.append(out)
-        failed = failed or p.returncode != 0
-    if failed:
-        raise RuntimeError(f"{scheme} --codec {codec} x{workers} failed:\n" + "\n".join(outputs))
+    wait_all(procs, f"{scheme} --codec {codec} x{workers}", timeout=900)
     return done_event(metrics)["samples_per_s"]
 
 
