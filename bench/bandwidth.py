@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, done_event, machine, median  # noqa: E402
+from common import ROOT, done_event, machine, median, wait_all  # noqa: E402
 
 TAG = f"cbw{os.getpid() % 100000}"
 HUB = f"{TAG}-hub"
@@ -105,19 +105,7 @@ def run_job(args, tmp, scheme, codec):
             cmd = train_flags(args, metrics) + ["--strategy", "ps", "--ps-mode", "async", "--codec", codec]
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns_name(ns)] + cmd, env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    failed = False
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=1800)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            failed = True
-        outputs.append(out)
-        failed = failed or p.returncode != 0
-    if failed:
-        raise RuntimeError(f"{scheme} --codec {codec} failed:\n" + "\n".join(outputs))
+    wait_all(procs, f"{scheme} --codec {codec}")
     return done_event(metrics)
 
 

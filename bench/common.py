@@ -78,6 +78,23 @@ def run(cmd, env=None, timeout=1800):
     return proc, time.time() - started
 
 
+def wait_all(procs, what, timeout=1800):
+    """Waits for every process (killing those past the timeout); raises RuntimeError with their
+    output when any failed."""
+    outputs, failed = [], False
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            failed = True
+        outputs.append(out)
+        failed = failed or p.returncode != 0
+    if failed:
+        raise RuntimeError(f"{what} failed:\n" + "\n".join(outputs))
+
+
 def single_thread_env():
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")

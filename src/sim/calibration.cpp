@@ -1,0 +1,158 @@
+#include "sim/calibration.h"
+
+#include <cohort/error.h>
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <sstream>
+
+namespace cohort::sim {
+
+using nlohmann::json;
+
+const CodecCost& Calibration::codec(const std::string& name) const {
+  for (const CodecCost& c : codecs) {
+    if (c.codec == name) return c;
+  }
+  std::string known;
+  for (const CodecCost& c : codecs) known += (known.empty() ? "" : ", ") + c.codec;
+  throw InvalidArgument("--codec " + name + ": the calibration has no measurement of it (measured: " + known +
+                        "); run cohort simulate --calibrate --codecs ...,"  + name);
+}
+
+namespace {
+
+void requirePositive(double value, const char* field, const std::string& where) {
+  if (!(value > 0)) throw InvalidArgument(where + ": field \"" + field + "\" must be > 0, got " + std::to_string(value));
+}
+
+void requireNonNegative(double value, const char* field, const std::string& where) {
+  if (!(value >= 0)) throw InvalidArgument(where + ": field \"" + field + "\" must be >= 0, got " + std::to_string(value));
+}
+
+template <typename T>
+T field(const json& j, const char* name, const std::string& where) {
+  if (!j.contains(name)) throw InvalidArgument(where + ": field \"" + std::string(name) + "\" is missing");
+  try {
+    return j.at(name).get<T>();
+  } catch (const json::exception&) {
+    throw InvalidArgument(where + ": field \"" + std::string(name) + "\" has the wrong type");
+  }
+}
+
+}  // namespace
+
+void validate(const Calibration& c, const std::string& where) {
+  if (c.version != kCalibrationVersion) {
+    throw InvalidArgument(where + ": field \"version\" is " + std::to_string(c.version) + ", this cohort reads version " +
+                          std::to_string(kCalibrationVersion) + "; run cohort simulate --calibrate again");
+  }
+  requirePositive(c.batch, "batch", where);
+  requirePositive(c.computeSecondsPerExample, "compute_seconds_per_example", where);
+  if (!(c.backwardFraction >= 0 && c.backwardFraction <= 1)) {
+    throw InvalidArgument(where + ": field \"backward_fraction\" must be in [0, 1]");
+  }
+  requirePositive(c.parameterBytes, "parameter_bytes", where);
+  requirePositive(c.parameterCount, "parameter_count", where);
+  requirePositive(c.layers, "layers", where);
+  if (!(c.gradientDensity > 0 && c.gradientDensity <= 1)) {
+    throw InvalidArgument(where + ": field \"gradient_density\" must be in (0, 1]");
+  }
+  requireNonNegative(c.stepTimeSigma, "step_time_sigma", where);
+  requireNonNegative(c.latencySeconds, "latency_seconds", where);
+  requireNonNegative(c.secondsPerByte, "seconds_per_byte", where);
+  requireNonNegative(c.reduceSecondsPerByte, "reduce_seconds_per_byte", where);
+  requireNonNegative(c.shardSecondsPerByte, "shard_seconds_per_byte", where);
+  for (const CodecCost& k : c.codecs) {
+    requireNonNegative(k.encodeSecondsPerByte, "codecs[].encode_seconds_per_byte", where);
+    requireNonNegative(k.decodeSecondsPerByte, "codecs[].decode_seconds_per_byte", where);
+    requirePositive(k.sentFraction, "codecs[].sent_fraction", where);
+  }
+}
+
+std::string toJson(const Calibration& c) {
+  json codecs = json::array();
+  for (const CodecCost& k : c.codecs) {
+    codecs.push_back({{"codec", k.codec},
+                      {"encode_seconds_per_byte", k.encodeSecondsPerByte},
+                      {"decode_seconds_per_byte", k.decodeSecondsPerByte},
+                      {"sent_fraction", k.sentFraction}});
+  }
+  json j = {{"version", c.version},
+            {"machine", c.machine},
+            {"date", c.date},
+            {"model", c.model},
+            {"batch", c.batch},
+            {"compute_seconds_per_example", c.computeSecondsPerExample},
+            {"backward_fraction", c.backwardFraction},
+            {"parameter_bytes", c.parameterBytes},
+            {"parameter_count", c.parameterCount},
+            {"layers", c.layers},
+            {"gradient_density", c.gradientDensity},
+            {"step_time_sigma", c.stepTimeSigma},
+            {"latency_seconds", c.latencySeconds},
+            {"seconds_per_byte", c.secondsPerByte},
+            {"reduce_seconds_per_byte", c.reduceSecondsPerByte},
+            {"shard_seconds_per_byte", c.shardSecondsPerByte},
+            {"codecs", codecs}};
+  return j.dump(2) + "\n";
+}
+
+Calibration fromJson(const std::string& text, const std::string& where) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw InvalidArgument(where + ": not JSON (" + std::string(e.what()) + ")");
+  }
+  if (!j.is_object()) throw InvalidArgument(where + ": not a calibration (expected a JSON object)");
+  Calibration c;
+  c.version = field<int>(j, "version", where);
+  if (c.version != kCalibrationVersion) validate(c, where);  // names the version before anything else
+  c.machine = field<std::string>(j, "machine", where);
+  c.date = field<std::string>(j, "date", where);
+  c.model = field<std::string>(j, "model", where);
+  c.batch = field<int>(j, "batch", where);
+  c.computeSecondsPerExample = field<double>(j, "compute_seconds_per_example", where);
+  c.backwardFraction = field<double>(j, "backward_fraction", where);
+  c.parameterBytes = field<double>(j, "parameter_bytes", where);
+  c.parameterCount = field<double>(j, "parameter_count", where);
+  c.layers = field<int>(j, "layers", where);
+  c.gradientDensity = field<double>(j, "gradient_density", where);
+  c.stepTimeSigma = field<double>(j, "step_time_sigma", where);
+  c.latencySeconds = field<double>(j, "latency_seconds", where);
+  c.secondsPerByte = field<double>(j, "seconds_per_byte", where);
+  c.reduceSecondsPerByte = field<double>(j, "reduce_seconds_per_byte", where);
+  c.shardSecondsPerByte = field<double>(j, "shard_seconds_per_byte", where);
+  for (const json& k : field<json>(j, "codecs", where)) {
+    const std::string w = where + " codecs[]";
+    c.codecs.push_back({.codec = field<std::string>(k, "codec", w),
+                        .encodeSecondsPerByte = field<double>(k, "encode_seconds_per_byte", w),
+                        .decodeSecondsPerByte = field<double>(k, "decode_seconds_per_byte", w),
+                        .sentFraction = field<double>(k, "sent_fraction", w)});
+  }
+  validate(c, where);
+  return c;
+}
+
+Calibration loadCalibration(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw InvalidArgument("--calibration " + path + ": cannot read it (run cohort simulate --calibrate first)");
+  std::stringstream text;
+  text << in.rdbuf();
+  return fromJson(text.str(), path);
+}
+
+void saveCalibration(const Calibration& calibration, const std::string& path) {
+  validate(calibration, "the measured calibration");
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << toJson(calibration);
+    if (!out) throw IoError("cannot write " + tmp);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw IoError("cannot rename " + tmp + " to " + path);
+}
+
+}  // namespace cohort::sim

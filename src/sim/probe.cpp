@@ -1,0 +1,149 @@
+#include "sim/probe.h"
+
+#include <cohort/error.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+namespace cohort::sim {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Clock::time_point after(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Reads or writes exactly n bytes, waiting at most until `deadline` for each chunk.
+bool transfer(int fd, char* data, size_t n, bool write, Clock::time_point deadline) {
+  size_t done = 0;
+  while (done < n) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{fd, short(write ? POLLOUT : POLLIN), 0};
+    const int ready = ::poll(&p, 1, int(left));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) return false;
+    const ssize_t got = write ? ::send(fd, data + done, n - done, MSG_NOSIGNAL) : ::recv(fd, data + done, n - done, 0);
+    if (got < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (got <= 0) return false;
+    done += size_t(got);
+  }
+  return true;
+}
+
+constexpr size_t kBulk = 16 << 20;
+constexpr int kPings = 2000;
+constexpr int kBulkRounds = 7;
+
+// The peer: answers every ping with one byte, then for each bulk round reads kBulk bytes and
+// answers with one byte.
+[[noreturn]] void peer(int listener, double timeoutSeconds) {
+  const Clock::time_point deadline = after(timeoutSeconds);
+  pollfd p{listener, POLLIN, 0};
+  if (::poll(&p, 1, int(timeoutSeconds * 1000)) <= 0) ::_exit(1);
+  const int fd = ::accept(listener, nullptr, nullptr);
+  if (fd < 0) ::_exit(1);
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  char byte = 0;
+  for (int i = 0; i < kPings; ++i) {
+    if (!transfer(fd, &byte, 1, false, deadline) || !transfer(fd, &byte, 1, true, deadline)) ::_exit(1);
+  }
+  std::vector<char> buffer(kBulk);
+  for (int i = 0; i < kBulkRounds; ++i) {
+    if (!transfer(fd, buffer.data(), kBulk, false, deadline) || !transfer(fd, &byte, 1, true, deadline)) ::_exit(1);
+  }
+  ::close(fd);
+  ::_exit(0);
+}
+
+}  // namespace
+
+LinkProbe probeLoopback(double timeoutSeconds) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  COHORT_CHECK(listener >= 0, CommError, "calibration: socket() failed: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  if (::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(listener, 1) != 0 ||
+      ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    ::close(listener);
+    throw CommError(std::string("calibration: cannot listen on 127.0.0.1: ") + std::strerror(errno));
+  }
+  const pid_t child = ::fork();
+  if (child < 0) {
+    ::close(listener);
+    throw CommError(std::string("calibration: fork() failed: ") + std::strerror(errno));
+  }
+  if (child == 0) peer(listener, timeoutSeconds);
+  ::close(listener);
+
+  LinkProbe probe;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  bool ok = fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  int one = 1;
+  if (ok) ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  const Clock::time_point deadline = after(timeoutSeconds);
+  std::vector<double> rtt;
+  char byte = 1;
+  for (int i = 0; ok && i < kPings; ++i) {
+    const auto t0 = Clock::now();
+    ok = transfer(fd, &byte, 1, true, deadline) && transfer(fd, &byte, 1, false, deadline);
+    rtt.push_back(seconds(t0, Clock::now()));
+  }
+  std::vector<char> buffer(kBulk, 1);
+  std::vector<double> bulk;
+  for (int i = 0; ok && i < kBulkRounds; ++i) {
+    const auto t0 = Clock::now();
+    ok = transfer(fd, buffer.data(), kBulk, true, deadline) && transfer(fd, &byte, 1, false, deadline);
+    bulk.push_back(seconds(t0, Clock::now()));
+  }
+  if (fd >= 0) ::close(fd);
+  int status = 0;
+  if (!ok) ::kill(child, SIGKILL);
+  ::waitpid(child, &status, 0);
+  COHORT_CHECK(ok && WIFEXITED(status) && WEXITSTATUS(status) == 0, CommError,
+               "calibration: the loopback peer process did not answer within ", timeoutSeconds, " s");
+  probe.latencySeconds = median(rtt) / 2;
+  probe.secondsPerByte = std::max(0.0, (median(bulk) - 2 * probe.latencySeconds) / double(kBulk));
+  return probe;
+}
+
+double probeReduce(double bytes) {
+  const size_t n = size_t(bytes / sizeof(float));
+  std::vector<float> out(n, 1.0f), in(n, 0.5f);
+  std::vector<double> passes;
+  for (int r = 0; r < 9; ++r) {
+    const auto t0 = Clock::now();
+    for (size_t i = 0; i < n; ++i) out[i] += in[i];
+    passes.push_back(seconds(t0, Clock::now()));
+  }
+  volatile float sink = out[n / 2];
+  (void)sink;
+  return median(passes) / double(n * sizeof(float));
+}
+
+}  // namespace cohort::sim

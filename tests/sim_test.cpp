@@ -1,0 +1,368 @@
+// `cohort simulate`: every cost formula against hand-computed cases, the event simulation against
+// the closed forms where they are exact (no stragglers), its straggler, backup-worker and
+// staleness behaviour, the calibration file, and the command's bad input.
+#include "sim/calibration.h"
+#include "sim/cost.h"
+#include "sim/simulate.h"
+
+#include "test_util.h"
+
+#include <cohort/error.h>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace cohort::sim {
+namespace {
+
+constexpr double kMiB = 1048576.0;
+// A link's rate counts Ethernet frames: 1514 bytes on the wire per 1448 of TCP payload.
+constexpr double kFrame = 1514.0 / 1448.0;
+constexpr double kB = kFrame / 1e8;  // seconds per payload byte at the tests' 1e8 bytes/s
+
+// A calibration whose link costs are all in --bandwidth / --latency-us (no kernel CPU), so the
+// closed forms can be written with the test's own numbers.
+Calibration plain() {
+  Calibration c;
+  c.machine = "test";
+  c.date = "2026-11-23";
+  c.model = "test";
+  c.batch = 64;
+  c.computeSecondsPerExample = 1e-3;
+  c.backwardFraction = 0.5;
+  c.parameterCount = 1e6;
+  c.parameterBytes = 4e6;
+  c.layers = 8;
+  c.gradientDensity = 1;
+  c.latencySeconds = 0;
+  c.secondsPerByte = 0;
+  c.reduceSecondsPerByte = 1e-10;
+  c.shardSecondsPerByte = 0;
+  c.codecs = {{.codec = "fp16", .encodeSecondsPerByte = 1e-10, .decodeSecondsPerByte = 1e-10, .sentFraction = 0.5},
+              {.codec = "threshold:0.001", .encodeSecondsPerByte = 1e-9, .decodeSecondsPerByte = 5e-10,
+               .sentFraction = 0.05}};
+  return c;
+}
+
+Scenario scenarioOf(Scheme scheme) {
+  Scenario s;
+  s.calibration = plain();
+  s.scheme = scheme;
+  s.network.bandwidth = 1e8;   // 800 Mbit/s
+  s.network.latency = 50e-6;
+  s.batch = 64;
+  s.steps = 40;
+  return s;
+}
+
+TEST(SimCost, RingAllreduce) {
+  // 2 (p-1) a + 2 (p-1)/p n b + (p-1)/p n g with p=4, n=1e6, a=1e-5, b=1e-8, g=1e-9:
+  // 6e-5 + 0.015 + 7.5e-4.
+  EXPECT_NEAR(ringAllreduceSeconds(4, 1e6, 1e-5, 1e-8, 1e-9), 0.01581, 1e-12);
+  EXPECT_EQ(ringAllreduceSeconds(1, 1e6, 1e-5, 1e-8, 1e-9), 0.0);
+  // p=2: 2a + n b + n/2 g.
+  EXPECT_NEAR(ringAllreduceSeconds(2, 1000, 1, 0.01, 0.002), 2 + 10 + 1, 1e-12);
+}
+
+TEST(SimCost, HalvingDoubling) {
+  // p=8 (a power of two): 2 lg p a + 2 (7/8) n b + (7/8) n g = 6e-4 + 0.014 + 7e-4.
+  EXPECT_NEAR(halvingDoublingSeconds(8, 8e6, 1e-4, 1e-9, 1e-10), 0.0153, 1e-12);
+  // p=6: p'=4 (2 rounds): 4e-4 + 0.012 + 6e-4, plus the fold (a + n b + n g) = 1e-4 + 8e-3 + 8e-4
+  // and the unfold (a + n b) = 1e-4 + 8e-3.
+  EXPECT_NEAR(halvingDoublingSeconds(6, 8e6, 1e-4, 1e-9, 1e-10), 0.013 + 0.0089 + 0.0081, 1e-12);
+  // Fewer latency terms than the ring at many ranks, the same bandwidth term at powers of two.
+  EXPECT_LT(halvingDoublingSeconds(1024, 4e6, 1e-4, 1e-9, 0), ringAllreduceSeconds(1024, 4e6, 1e-4, 1e-9, 0));
+}
+
+TEST(SimCost, AllgatherAndParameterServer) {
+  EXPECT_NEAR(ringAllgatherSeconds(5, 1000, 1e-3, 1e-6), 4 * (1e-3 + 1e-3), 1e-15);
+  // max(M / B_worker, N M / (k B_server)): the worker's link when few workers, the shards' when many.
+  EXPECT_NEAR(psTransferSeconds(10, 2, 4e6, 1e8, 1e9), 0.04, 1e-15);
+  EXPECT_NEAR(psTransferSeconds(100, 2, 4e6, 1e8, 1e9), 0.2, 1e-15);
+  EXPECT_NEAR(psTransferSeconds(100, 20, 4e6, 1e8, 1e9), 0.04, 1e-15);
+}
+
+TEST(SimCost, Pipeline) {
+  EXPECT_NEAR(pipelineBubble(4, 12), 3.0 / 15, 1e-15);
+  EXPECT_EQ(pipelineBubble(1, 8), 0.0);
+  // slot 1.2 / 48 = 0.025, 15 slots = 0.375, plus 2 (S-1) (a + act b) = 6 (1e-4 + 1e-3).
+  EXPECT_NEAR(pipelineStepSeconds(4, 12, 1.2, 1000, 1e-4, 1e-6), 0.375 + 0.0066, 1e-12);
+}
+
+TEST(SimCost, BucketsAndOverlap) {
+  EXPECT_EQ(bucketSizes(10 * kMiB, 1 * kMiB, 4 * kMiB), (std::vector<double>{kMiB, 4 * kMiB, 4 * kMiB, kMiB}));
+  EXPECT_EQ(bucketSizes(kMiB / 2, 1 * kMiB, 4 * kMiB), (std::vector<double>{kMiB / 2}));
+  // Four equal buckets ready at 1, 2, 3, 4 s of a 4 s backward. At 2 s each the chain runs
+  // 1-3, 3-5, 5-7, 7-9: 5 s after backward. At 0.5 s each every bucket is done before the next is
+  // ready: only the last one's 0.5 s shows.
+  const std::vector<double> four{1, 1, 1, 1};
+  EXPECT_NEAR(exposedAfterBackward(four, 4.0, [](double) { return 2.0; }), 5.0, 1e-12);
+  EXPECT_NEAR(exposedAfterBackward(four, 4.0, [](double) { return 0.5; }), 0.5, 1e-12);
+}
+
+TEST(SimEvents, AllreduceWithoutStragglersIsTheClosedForm) {
+  Scenario s = scenarioOf(Scheme::Allreduce);
+  s.overlap = false;
+  const double c = 64 * 1e-3;
+  for (int p : {2, 3, 8, 100}) {
+    const double a = 50e-6, b = kB, g = 1e-10;
+    const double step = c + ringAllreduceSeconds(p, 4e6, a, b, g);
+    const Prediction got = simulateWorkers(s, p);
+    EXPECT_NEAR(got.stepSeconds, step, 1e-12 * step) << p;
+    EXPECT_NEAR(got.samplesPerSecond, p * 64 / step, 1e-9 * p * 64 / step) << p;
+    EXPECT_NEAR(got.waitSeconds, 0.0, 1e-15);
+    EXPECT_NEAR(got.bytesPerStep, 2.0 * (p - 1) / p * 4e6, 1e-6);
+  }
+  // Overlapped: the exposed part after the backward half of the step.
+  s.overlap = true;
+  s.bucketMb = 1;
+  s.firstBucketMb = 1;
+  const std::vector<double> buckets = bucketSizes(4e6, kMiB, kMiB);
+  const double exposed = exposedAfterBackward(buckets, 0.5 * c, [](double x) {
+    return ringAllreduceSeconds(4, x, 50e-6, kB, 1e-10);
+  });
+  EXPECT_NEAR(simulateWorkers(s, 4).stepSeconds, c + exposed, 1e-12);
+  // Halving-doubling.
+  s.overlap = false;
+  s.algorithm = Algorithm::HalvingDoubling;
+  EXPECT_NEAR(simulateWorkers(s, 6).stepSeconds, c + halvingDoublingSeconds(6, 4e6, 50e-6, kB, 1e-10), 1e-12);
+}
+
+TEST(SimEvents, SparseCodecIsEncodeAllgatherDecode) {
+  Scenario s = scenarioOf(Scheme::Allreduce);
+  s.codec = "threshold:0.001";
+  const int p = 4;
+  const double n = 4e6;
+  const double step = 64e-3 + n * 1e-9 + ringAllgatherSeconds(p, 0.05 * n, 50e-6, kB) + (p - 1) * n * 5e-10;
+  EXPECT_NEAR(simulateWorkers(s, p).stepSeconds, step, 1e-12);
+}
+
+TEST(SimEvents, AveragingEveryKSteps) {
+  Scenario s = scenarioOf(Scheme::Average);
+  s.period = 5;
+  const double perStep = 64e-3 + ringAllreduceSeconds(8, 4e6, 50e-6, kB, 1e-10) / 5;
+  EXPECT_NEAR(simulateWorkers(s, 8).stepSeconds, perStep, 1e-12);
+}
+
+TEST(SimEvents, SyncParameterServerWithoutStragglersIsTheClosedForm) {
+  Scenario s = scenarioOf(Scheme::Ps);
+  s.psMode = PsMode::Sync;
+  s.network.serverBandwidth = 4e8;
+  for (int shards : {1, 2}) {
+    for (int p : {1, 2, 4, 16, 64}) {
+      s.shards = shards;
+      // compute, then every push in (worker link or the shards' links), then every reply out, one
+      // latency each way: exact while the worker links are the bottleneck (N M / (k Bs) <= M / Bw).
+      const double step = 64e-3 + psTransferSeconds(p, shards, 4e6, 1e8 / kFrame, 4e8 / kFrame) * 2 + 2 * 50e-6;
+      const Prediction got = simulateWorkers(s, p);
+      const double rate = p * 64 / step;
+      if (p * 0.01 / shards <= 0.04) {
+        EXPECT_NEAR(got.samplesPerSecond, rate, 1e-9 * rate) << p << " workers " << shards;
+      } else {
+        // Shard-bound: the replies leave one after another, so the first workers start their next
+        // step early and their pushes no longer all queue at once. The closed form is then a
+        // bound: no faster than the shards' links carry N pushes, no slower than the closed form.
+        EXPECT_GE(got.samplesPerSecond, rate * (1 - 1e-9)) << p << " workers " << shards;
+        EXPECT_LE(got.samplesPerSecond, 64 / (0.01 * kFrame / shards)) << p << " workers " << shards;
+      }
+    }
+  }
+  // The shards' CPU, when it is the slowest resource: N pushes of n/k bytes each.
+  s.shards = 1;
+  s.network.bandwidth = 0;
+  s.network.serverBandwidth = 0;
+  s.calibration.shardSecondsPerByte = 1e-9;
+  const int p = 8;
+  const double step = 64e-3 + p * 4e6 * 1e-9 + 2 * 50e-6;
+  EXPECT_NEAR(simulateWorkers(s, p).samplesPerSecond, p * 64 / step, 1e-9 * p * 64 / step);
+}
+
+TEST(SimEvents, AsyncStalenessIsTheOtherWorkersPushes) {
+  Scenario s = scenarioOf(Scheme::Ps);
+  s.psMode = PsMode::Async;
+  s.steps = 200;
+  // One worker: compute, push, reply; nothing stale.
+  const Prediction one = simulateWorkers(s, 1);
+  EXPECT_NEAR(one.samplesPerSecond, 64 / (64e-3 + 2 * 4e6 * kB + 2 * 50e-6), 1e-6);
+  EXPECT_EQ(one.staleness, 0.0);
+  // N workers that never wait for each other see the other N-1 pushes between pull and push.
+  for (int p : {4, 10}) {
+    const Prediction got = simulateWorkers(s, p);
+    EXPECT_NEAR(got.staleness, p - 1, 0.05) << p;
+  }
+}
+
+TEST(SimEvents, StragglersBackupWorkersAndBoundedStaleness) {
+  Scenario s = scenarioOf(Scheme::Ps);
+  s.network.bandwidth = 0;  // compute-bound: the stragglers are what matters
+  s.steps = 300;
+  s.tail = Tail::parse("pareto:1.5:0.1");
+  s.psMode = PsMode::Sync;
+  const Prediction sync = simulateWorkers(s, 50);
+  s.backupWorkers = 4;
+  const Prediction backup = simulateWorkers(s, 50);
+  s.backupWorkers = 0;
+  s.psMode = PsMode::Async;
+  const Prediction async = simulateWorkers(s, 50);
+  s.psMode = PsMode::Ssp;
+  s.staleness = 1000;
+  const Prediction looseSsp = simulateWorkers(s, 50);
+  s.staleness = 0;
+  const Prediction tightSsp = simulateWorkers(s, 50);
+  // Synchronous steps wait for the slowest of 50 draws; 4 spare workers cut the step time;
+  // asynchronous workers never wait.
+  EXPECT_GT(sync.waitSeconds, 0.5 * sync.computeSeconds);
+  EXPECT_LT(backup.stepSeconds, 0.8 * sync.stepSeconds);
+  EXPECT_GT(async.samplesPerSecond, sync.samplesPerSecond * 1.2);
+  EXPECT_NEAR(looseSsp.samplesPerSecond, async.samplesPerSecond, 1e-9 * async.samplesPerSecond);
+  EXPECT_LT(tightSsp.samplesPerSecond, async.samplesPerSecond);
+  EXPECT_EQ(sync.staleness, 0.0);
+
+  // The same in synchronous allreduce: the waiting shows as wait, and grows with the workers.
+  Scenario a = scenarioOf(Scheme::Allreduce);
+  a.tail = Tail::parse("lognormal:0.3");
+  a.steps = 200;
+  const Prediction few = simulateWorkers(a, 4), many = simulateWorkers(a, 256);
+  EXPECT_GT(few.waitSeconds, 0.0);
+  EXPECT_GT(many.waitSeconds, 2 * few.waitSeconds);
+}
+
+TEST(SimEvents, SharedCoresSlowComputeWithMoreRanksThanCores) {
+  Scenario s = scenarioOf(Scheme::Allreduce);
+  s.network.bandwidth = 0;
+  s.cores = 2;
+  s.overlap = false;
+  const double c = 64e-3;
+  EXPECT_NEAR(simulateWorkers(s, 2).stepSeconds, c + ringAllreduceSeconds(2, 4e6, 50e-6, 0, 1e-10), 1e-12);
+  EXPECT_NEAR(simulateWorkers(s, 4).stepSeconds, 2 * c + ringAllreduceSeconds(4, 4e6, 50e-6, 0, 1e-10), 1e-12);
+}
+
+TEST(SimEvents, SweepAndKnee) {
+  Scenario s = scenarioOf(Scheme::Allreduce);
+  s.network.latency = 2e-3;  // the latency term 2 (p-1) a eventually dominates
+  s.overlap = false;
+  const std::vector<Prediction> points = sweep(s, defaultWorkerCounts());
+  ASSERT_EQ(points.front().workers, 1);
+  EXPECT_NEAR(points.front().speedup, 1.0, 1e-12);
+  EXPECT_EQ(points.back().workers, 1000);
+  const Knee knee = findKnee(points);
+  // p / (A + B p) saturates: each added worker adds less and less.
+  EXPECT_GT(knee.stopsPaying, 1);
+  EXPECT_LT(knee.stopsPaying, 1000);
+  EXPECT_GT(knee.halfEfficiency, 1);
+  const std::string svg = svgPlot({{"allreduce", points}}, "t");
+  EXPECT_NE(svg.find("<svg"), std::string::npos);
+  EXPECT_NE(svg.find("<polyline"), std::string::npos);
+  EXPECT_NE(svg.find("linear"), std::string::npos);
+}
+
+TEST(SimCalibration, RoundTripAndErrorsNameTheField) {
+  const Calibration c = plain();
+  const Calibration back = fromJson(toJson(c), "x.json");
+  EXPECT_EQ(back.computeSecondsPerExample, c.computeSecondsPerExample);
+  EXPECT_EQ(back.codecs.size(), 2u);
+  EXPECT_EQ(back.codecs[1].codec, "threshold:0.001");
+  auto expectError = [](const std::string& text, const std::string& field) {
+    try {
+      fromJson(text, "x.json");
+      ADD_FAILURE() << "accepted " << field;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  std::string other = toJson(c);
+  other.replace(other.find("\"version\": 1"), 12, "\"version\": 2");
+  expectError(other, "\"version\"");
+  std::string negative = toJson(c);
+  negative.replace(negative.find("\"compute_seconds_per_example\": "), 31, "\"compute_seconds_per_example\": -");
+  expectError(negative, "compute_seconds_per_example");
+  expectError("{\"version\": 1}", "\"machine\"");
+  expectError("[1]", "JSON object");
+}
+
+TEST(SimSetup, BadInputNamesTheOption) {
+  auto expectError = [](Scenario s, int workers, const std::string& flag) {
+    try {
+      simulateWorkers(s, workers);
+      ADD_FAILURE() << "accepted " << flag;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(flag), std::string::npos) << e.what();
+    }
+  };
+  Scenario s = scenarioOf(Scheme::Ps);
+  s.network.bandwidth = -1;
+  expectError(s, 2, "--bandwidth");
+  s = scenarioOf(Scheme::Ps);
+  s.shards = 2000000;
+  expectError(s, 2, "--shards");
+  s = scenarioOf(Scheme::Pipeline);
+  s.stages = 9;
+  expectError(s, 9, "--stages");
+  s = scenarioOf(Scheme::Allreduce);
+  s.codec = "onebit";
+  expectError(s, 2, "--codec onebit");
+}
+
+// The arithmetic of a prediction from the calibration recorded on the 2-core VM (committed under
+// tests/data/): 2 workers on 2 cores at 100 Mbit/s, allreduce without overlap, is the recorded
+// compute plus the ring formula with the recorded a, b, g.
+TEST(SimCalibration, RecordedCalibrationFile) {
+  const Calibration c = loadCalibration(std::string(COHORT_SOURCE_DIR) + "/tests/data/calibration_cnn.json");
+  EXPECT_EQ(c.model, "cnn");
+  Scenario s;
+  s.calibration = c;
+  s.network.bandwidth = 100e6 / 8;
+  s.overlap = false;
+  s.cores = 2;
+  s.batch = 64;
+  s.steps = 20;
+  const double b = 8 * kFrame / 100e6 + c.secondsPerByte;
+  const double step = 64 * c.computeSecondsPerExample +
+                      ringAllreduceSeconds(2, c.parameterBytes, c.latencySeconds, b, c.reduceSecondsPerByte);
+  const Prediction got = simulateWorkers(s, 2);
+  EXPECT_NEAR(got.stepSeconds, step, 1e-12);
+  EXPECT_NEAR(got.samplesPerSecond, 128 / step, 1e-9);
+}
+
+TEST(SimCommand, BadInputIsOneLineNamingTheField) {
+  test::TempDir dir;
+  const std::string cal = std::string(COHORT_SOURCE_DIR) + "/tests/data/calibration_cnn.json";
+  auto expectError = [&](const std::string& args, const std::string& field) {
+    const test::CommandResult r = test::runCommand(test::cohortBinary() + " simulate --calibration " + cal + " " + args, 60);
+    EXPECT_EQ(r.exitCode, 2) << args << ": " << r.output;
+    EXPECT_EQ(test::lines(r.output).size(), 1u) << r.output;
+    EXPECT_NE(r.output.find("cohort: error: "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(field), std::string::npos) << r.output;
+  };
+  expectError("--bandwidth 0", "--bandwidth");
+  expectError("--bandwidth=-5mbit", "--bandwidth");
+  expectError("--strategy ps --shards 5000000", "--shards");
+  expectError("--strategy pipeline --stages 40 --workers 40", "--stages");
+  std::string text = test::readFile(cal);
+  text.replace(text.find("\"version\": 1"), 12, "\"version\": 7");
+  test::writeFile(dir.file("old.json"), text);
+  const test::CommandResult r =
+      test::runCommand(test::cohortBinary() + " simulate --calibration " + dir.file("old.json"), 60);
+  EXPECT_EQ(r.exitCode, 2) << r.output;
+  EXPECT_NE(r.output.find("\"version\""), std::string::npos) << r.output;
+
+  // And a good run: the table, the JSON lines, the plot.
+  const test::CommandResult ok = test::runCommand(test::cohortBinary() + " simulate --calibration " + cal +
+                                                      " --strategy allreduce,ps --workers 1..1000 --json --plot " +
+                                                      dir.file("p.svg"),
+                                                  60);
+  ASSERT_EQ(ok.exitCode, 0) << ok.output;
+  int rows = 0, knees = 0;
+  for (const std::string& line : test::lines(ok.output)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("event")) ++knees;
+    else ++rows;
+  }
+  EXPECT_EQ(knees, 2);
+  EXPECT_GE(rows, 2 * 15);
+  EXPECT_NE(test::readFile(dir.file("p.svg")).find("<svg"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace cohort::sim
