@@ -17,6 +17,7 @@
 #include "ps/wire.h"
 #include "schemes/model_sync.h"
 #include "train/lazy_optimizer.h"
+#include "train/trainer.h"
 
 #include "rank_threads.h"
 #include "test_util.h"
@@ -239,6 +240,38 @@ TEST(LazyOptimizer, UntouchedRowsAndTheirStateStayAsTheyAre) {
       EXPECT_EQ(slot[2], 0.0f) << name;
       EXPECT_EQ(slot[3], 0.0f) << name;
     }
+  }
+}
+
+// The Trainer on a sparse model: the lazy optimizer's state is in its checkpoints, so a resumed
+// run ends with the same parameters as an uninterrupted one.
+TEST(SparseTrainer, ResumeReachesTheSameParametersAsAnUninterruptedRun) {
+  for (const char* optimizer : {"adam", "adagrad"}) {
+    TrainOptions full;
+    full.model = "embed:rows=300,dim=4,hidden=8";
+    full.data = "synthetic-bags:240,300";
+    full.batch = 16;
+    full.threads = 1;
+    full.seed = 3;
+    full.progress = ProgressMode::kOff;
+    full.optimizer = optimizer;
+    full.lr = 0.05;
+    full.steps = 20;
+    Trainer uninterrupted(full);
+    const TrainResult u = uninterrupted.run();
+    EXPECT_GT(u.testAccuracy, 0.0);
+    test::TempDir dir;
+    TrainOptions first = full;
+    first.steps = 12;
+    first.checkpointDir = dir.path();
+    Trainer(first).run();
+    TrainOptions second = full;
+    second.checkpointDir = dir.path();
+    second.resume = true;
+    Trainer resumed(second);
+    EXPECT_EQ(resumed.run().steps, 20);
+    auto a = uninterrupted.model(), b = resumed.model();
+    expectSameParameters(a, b, optimizer);
   }
 }
 
