@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace cohort {
 
@@ -14,11 +16,17 @@ struct InputShape {
   int64_t height = 28;
   int64_t width = 28;
   int64_t classes = 10;
+  // Bag-of-ids data (DataSplits::featureRows): ids are below this; 0 for images.
+  int64_t featureRows = 0;
+  std::string featureRowsSource;  // where the largest id is, for the error when the table is smaller
 };
 
 // spec: "mlp" (784-512-512-10), "cnn" (the seeds' Keras network), "lstm" (image rows as a
 // sequence, hidden 128), or a path ending in .pt: a TorchScript module made with
 // torch.jit.script(...).save(path). A scripted nn.Sequential becomes one layer per child.
+// For bags of feature ids: "embed[:KEY=VALUE,...]", an embedding table pooled over each bag
+// (nn::EmbeddingBag with sparse gradients) and an MLP: rows (default 1000000), dim (32), pool
+// (sum | mean; sum), hidden (64), sparse (1 | 0: the same model with a dense gradient).
 // Parameters are initialized from torch's default generator: seed it first.
 torch::nn::Sequential makeModel(const std::string& spec, const InputShape& shape);
 
@@ -26,5 +34,10 @@ torch::nn::Sequential makeModel(const std::string& spec, const InputShape& shape
 torch::nn::Sequential loadScriptedModel(const std::string& path);
 
 int64_t parameterCount(const torch::nn::Module& model);
+
+// The sparse embedding tables `model` reads `inputs` through, each with the rows that a forward
+// pass of `inputs` reads (sorted, distinct). Empty for a model without one. (A built-in embed
+// model with sparse gradients: its table and the batch's ids.)
+std::vector<std::pair<torch::Tensor, torch::Tensor>> rowsRead(torch::nn::Sequential& model, const torch::Tensor& inputs);
 
 }  // namespace cohort

@@ -48,7 +48,7 @@ struct ParameterServerOptions {
   int64_t warmupSteps = 0;           // workers other than 0 wait until version W
   std::string push = "gradients";    // gradients | updates
   // The shards' optimizer (gradients mode).
-  std::string optimizer = "sgd";  // sgd | momentum | adam
+  std::string optimizer = "sgd";  // sgd | momentum | adam | adagrad (row-sparse tables: lazy)
   double lr = 0.01;
   double momentum = 0.9;
   // Where the shards are: host:port each; empty: the job's cluster spec ("ps" tasks).
@@ -93,6 +93,12 @@ class ParameterServerClient {
   // After backward (gradients) or after optimizer.step() (updates): pushes to every shard and
   // writes the parameters they send back into the model. `samples`: this step's batch size.
   ParameterServerStep step(int64_t samples);
+  // Sparse embedding tables (nn::Embedding / nn::EmbeddingBag with sparse(true)) travel by rows:
+  // a push carries the rows the gradient touched, and the shards hold each table partitioned by
+  // rows. Before step(), name the rows of `table` the *next* step will read: the push then asks
+  // for those rows back, after its update, instead of the whole table (the next step's pull rides
+  // on this push). A step without them brings back every row.
+  void prefetchRows(const torch::Tensor& table, const torch::Tensor& rows);
   // Pulls the current parameters (before evaluating); no-op after finish().
   void synchronize();
   // The end of this worker's work: pulls the final parameters and says Done. The chief first

@@ -78,14 +78,14 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--config", "Read options from a TOML file: keys are the long flag names "
                                 "(batch = 32, eval-every = 100); the command line overrides them");
 
-  train->add_option("--model", o.model, "mlp, cnn, lstm, or a TorchScript file FILE.pt")
+  train->add_option("--model", o.model, "mlp, cnn, lstm, embed[:rows=N,dim=D,pool=sum|mean,hidden=H,sparse=1|0] (bags of ids), or a TorchScript file FILE.pt")
       ->capture_default_str();
-  train->add_option("--data", o.data, "fashion-mnist, mnist:DIR or synthetic[:N]")->capture_default_str();
+  train->add_option("--data", o.data, "fashion-mnist, mnist:DIR, synthetic[:N], libsvm:TRAIN[,TEST] or synthetic-bags[:N[,ROWS]] (bags of ids)")->capture_default_str();
   train->add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str();
   train->add_option("--steps", o.steps, "Steps to train in all (overrides --epochs)");
   train->add_option("--batch", o.batch, "Batch size per worker (pipeline: per replica)")->capture_default_str();
   train->add_option("--lr", o.lr, "Learning rate")->capture_default_str();
-  train->add_option("--optimizer", o.optimizer, "sgd, momentum or adam")->capture_default_str();
+  train->add_option("--optimizer", o.optimizer, "sgd, momentum, adam or adagrad (lazy on sparse embedding rows)")->capture_default_str();
   train->add_option("--momentum", o.momentum, "Momentum of the momentum optimizer")->capture_default_str();
   train->add_option("--threads", o.threads, "Intra-op threads (0: all cores)")->capture_default_str();
   train->add_option("--seed", o.seed, "Seed for initialization and data order")->capture_default_str();

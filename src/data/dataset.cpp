@@ -1,6 +1,7 @@
 #include <cohort/data.h>
 #include <cohort/error.h>
 #include <cohort/idx.h>
+#include "data/bags.h"
 
 #include <torch/torch.h>
 
@@ -108,11 +109,16 @@ DataSplits loadData(const std::string& spec, uint64_t seed) {
     splits.classes = 10;
     return splits;
   }
+  if (spec.rfind("libsvm:", 0) == 0 || spec == "synthetic-bags" || spec.rfind("synthetic-bags:", 0) == 0) {
+    return loadBagSpec(spec, seed);
+  }
   throw InvalidArgument("unknown data set '" + spec +
-                        "': expected fashion-mnist, mnist:DIR or synthetic[:N]");
+                        "': expected fashion-mnist, mnist:DIR, synthetic[:N], libsvm:TRAIN[,TEST] or "
+                        "synthetic-bags[:N[,ROWS]]");
 }
 
 Batch makeBatch(const Dataset& data, std::span<const int64_t> indices) {
+  if (data.bags()) return makeBagBatch(data, indices);
   auto index = torch::from_blob(const_cast<int64_t*>(indices.data()),
                                 {int64_t(indices.size())}, torch::kInt64);
   Batch batch;

@@ -1,3 +1,4 @@
+#include <cohort/data.h>
 #include <cohort/error.h>
 #include <cohort/models.h>
 
@@ -55,6 +56,65 @@ nn::Sequential makeLstm(const InputShape& s) {
                         nn::Linear(kHidden, s.classes));
 }
 
+// Bags of ids, [B, L] int64 padded with kBagPadding, pooled over an embedding table: the ids
+// and each bag's offset go to nn::EmbeddingBag, whose gradient (with sparse) is the touched rows.
+struct BagEmbeddingImpl : nn::Module {
+  BagEmbeddingImpl(int64_t rows, int64_t dim, bool mean, bool sparse)
+      : bag(register_module("bag", nn::EmbeddingBag(nn::EmbeddingBagOptions(rows, dim)
+                                                        .mode(mean ? nn::EmbeddingBagMode(torch::kMean) : nn::EmbeddingBagMode(torch::kSum))
+                                                        .sparse(sparse)))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    COHORT_CHECK(x.scalar_type() == torch::kInt64 && x.dim() == 2, InvalidArgument,
+                 "the embed model reads bags of feature ids ([B, L] int64); use --data libsvm:FILE or synthetic-bags");
+    const auto mask = x.ne(kBagPadding);
+    const auto counts = mask.sum(1);
+    return bag->forward(x.masked_select(mask), counts.cumsum(0) - counts);
+  }
+  nn::EmbeddingBag bag;
+};
+TORCH_MODULE(BagEmbedding);
+
+nn::Sequential makeEmbed(const std::string& spec, const InputShape& s) {
+  int64_t rows = 1000000, dim = 32, hidden = 64;
+  bool mean = false, sparse = true;
+  const std::string usage = "--model embed[:rows=N,dim=D,pool=sum|mean,hidden=H,sparse=1|0]";
+  std::string rest = spec.size() > 6 ? spec.substr(6) : "";
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    const std::string item = rest.substr(0, comma);
+    rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+    const size_t eq = item.find('=');
+    COHORT_CHECK(eq != std::string::npos, InvalidArgument, usage, ": '", item, "' is not KEY=VALUE");
+    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    if (key == "pool") {
+      COHORT_CHECK(value == "sum" || value == "mean", InvalidArgument, usage, ": pool is sum or mean, got ", value);
+      mean = value == "mean";
+      continue;
+    }
+    int64_t n = 0;
+    try {
+      size_t used = 0;
+      n = std::stoll(value, &used);
+      COHORT_CHECK(used == value.size(), InvalidArgument, "");
+    } catch (const std::exception&) {
+      throw InvalidArgument(usage + ": " + key + " needs a whole number, got '" + value + "'");
+    }
+    if (key == "rows") rows = n;
+    else if (key == "dim") dim = n;
+    else if (key == "hidden") hidden = n;
+    else if (key == "sparse") sparse = n != 0;
+    else throw InvalidArgument(usage + ": unknown key '" + key + "'");
+    COHORT_CHECK(n > 0 || key == "sparse", InvalidArgument, usage, ": ", key, " must be positive, got ", n);
+  }
+  COHORT_CHECK(s.featureRows > 0, InvalidArgument,
+               "--model embed reads bags of feature ids: use --data libsvm:FILE or --data synthetic-bags");
+  COHORT_CHECK(s.featureRows <= rows, InvalidArgument, s.featureRowsSource, ": feature id ", s.featureRows - 1,
+               " is beyond the model's table of ", rows, " rows: use --model embed:rows=", s.featureRows,
+               " (or more)");
+  return nn::Sequential(BagEmbedding(rows, dim, mean, sparse), nn::Linear(dim, hidden), nn::ReLU(),
+                        nn::Linear(hidden, s.classes));
+}
+
 bool endsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
@@ -62,17 +122,28 @@ bool endsWith(const std::string& s, const std::string& suffix) {
 }  // namespace
 
 torch::nn::Sequential makeModel(const std::string& spec, const InputShape& shape) {
+  if (spec == "embed" || spec.rfind("embed:", 0) == 0) return makeEmbed(spec, shape);
+  COHORT_CHECK(shape.featureRows == 0 || endsWith(spec, ".pt") || spec.find('/') != std::string::npos,
+               InvalidArgument, "--model ", spec, " reads images, but the data are bags of feature ids: use --model embed");
   if (spec == "mlp") return makeMlp(shape);
   if (spec == "cnn") return makeCnn(shape);
   if (spec == "lstm") return makeLstm(shape);
   if (endsWith(spec, ".pt") || spec.find('/') != std::string::npos) return loadScriptedModel(spec);
-  throw InvalidArgument("unknown model '" + spec + "': expected mlp, cnn, lstm or a TorchScript file FILE.pt");
+  throw InvalidArgument("unknown model '" + spec + "': expected mlp, cnn, lstm, embed or a TorchScript file FILE.pt");
 }
 
 int64_t parameterCount(const torch::nn::Module& model) {
   int64_t n = 0;
   for (const auto& p : model.parameters()) n += p.numel();
   return n;
+}
+
+std::vector<std::pair<torch::Tensor, torch::Tensor>> rowsRead(torch::nn::Sequential& model, const torch::Tensor& inputs) {
+  if (model->size() == 0) return {};
+  const auto* embed = model[0]->as<BagEmbeddingImpl>();
+  if (embed == nullptr || !embed->bag->options.sparse()) return {};
+  const auto ids = inputs.masked_select(inputs.ne(kBagPadding));
+  return {{embed->bag->weight, std::get<0>(torch::_unique(ids, /*sorted=*/true))}};
 }
 
 }  // namespace cohort

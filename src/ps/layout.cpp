@@ -27,12 +27,16 @@ std::vector<Piece> planLayout(std::span<const ParamInfo> params, int shards) {
   std::vector<Piece> pieces;
   for (size_t i : order) {
     const ParamInfo& p = params[i];
-    const uint64_t chunks = (p.numel + share - 1) / share;
+    COHORT_CHECK(p.rowDim == 0 || p.numel % p.rowDim == 0, InvalidArgument, "parameter ", p.name, " of ", p.numel,
+                 " elements is not whole rows of ", p.rowDim);
+    const uint64_t chunk = p.rowDim == 0 ? share : std::max<uint64_t>(1, share / p.rowDim) * p.rowDim;
+    const uint64_t chunks = (p.numel + chunk - 1) / chunk;
     for (uint64_t c = 0; c < chunks; ++c) {
       Piece piece;
       piece.param = i;
-      piece.offset = c * share;
-      piece.numel = std::min(share, p.numel - piece.offset);
+      piece.offset = c * chunk;
+      piece.numel = std::min(chunk, p.numel - piece.offset);
+      piece.rowDim = p.rowDim;
       piece.shard = leastLoaded();
       piece.name = chunks == 1 ? p.name
                                : p.name + "[" + std::to_string(piece.offset) + ":" +

@@ -1,6 +1,7 @@
 // Which shard holds which part of which parameter. Shards are balanced by bytes: parameters are
 // placed largest first on the least-loaded shard, and one larger than an even share (or than
-// kMaxPieceElements) is cut into chunks of at most that, spread the same way.
+// kMaxPieceElements) is cut into chunks of at most that, spread the same way. A row-sparse table is
+// cut into chunks of whole rows (a table is thus partitioned by rows over the shards).
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,9 @@ constexpr uint64_t kMaxPieceElements = uint64_t(4) << 20;
 struct ParamInfo {
   std::string name;
   uint64_t numel = 0;
+  // > 0: a row-sparse table (an embedding) of rows this wide: it is cut on row boundaries only,
+  // so that each piece is whole rows and travels by rows.
+  uint64_t rowDim = 0;
 };
 
 struct Piece {
@@ -27,6 +31,7 @@ struct Piece {
   uint64_t offset = 0;  // first element of the parameter this piece holds
   uint64_t numel = 0;
   std::string name;     // "fc1.weight" or "fc1.weight[0:1000]"
+  uint64_t rowDim = 0;  // the parameter's, when row-sparse: the piece holds rows offset/rowDim ...
 };
 
 // Throws InvalidArgument when shards < 1 or a parameter is empty.

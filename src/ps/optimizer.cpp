@@ -10,20 +10,22 @@ namespace {
 constexpr double kBeta1 = 0.9;
 constexpr double kBeta2 = 0.999;
 constexpr double kEps = 1e-8;
+constexpr double kAdagradEps = 1e-10;
 }  // namespace
 
 ServerOptimizer::ServerOptimizer(std::string name, double lr, double momentum, size_t size)
     : name_(std::move(name)), lr_(lr), momentum_(momentum) {
-  if (name_ == "sgd") return;
-  if (name_ == "momentum") {
-    slots_.assign(1, std::vector<float>(size, 0.0f));
-    return;
-  }
-  if (name_ == "adam") {
-    slots_.assign(2, std::vector<float>(size, 0.0f));
-    return;
-  }
-  throw InvalidArgument("unknown optimizer '" + name_ + "': expected sgd, momentum or adam");
+  const int slots = slotCount(name_);
+  COHORT_CHECK(slots >= 0, InvalidArgument, "unknown optimizer '", name_,
+               "': expected sgd, momentum, adam or adagrad");
+  slots_.assign(size_t(slots), std::vector<float>(size, 0.0f));
+}
+
+int ServerOptimizer::slotCount(const std::string& name) {
+  if (name == "sgd") return 0;
+  if (name == "momentum" || name == "adagrad") return 1;
+  if (name == "adam") return 2;
+  return -1;
 }
 
 void ServerOptimizer::applyPart(size_t offset, std::span<float> p, std::span<const float> g, float scale) {
@@ -43,6 +45,17 @@ void ServerOptimizer::applyPart(size_t offset, std::span<float> p, std::span<con
       for (size_t i = 0; i < n; ++i) b[i] = m * b[i] + scale * g[i];
     }
     for (size_t i = 0; i < n; ++i) p[i] -= lr * b[i];
+    return;
+  }
+  if (name_ == "adagrad") {
+    // torch::optim::Adagrad (lr_decay 0, initial accumulator 0): s += g^2; p -= lr g / (sqrt(s) + eps)
+    float* sum = slots_[0].data() + offset;
+    const float eps = float(kAdagradEps);
+    for (size_t i = 0; i < n; ++i) {
+      const float gi = scale * g[i];
+      sum[i] += gi * gi;
+      p[i] -= lr * gi / (std::sqrt(sum[i]) + eps);
+    }
     return;
   }
   // adam, as torch::optim::Adam (no weight decay, no amsgrad)

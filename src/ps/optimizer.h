@@ -1,7 +1,12 @@
 // The optimizers a shard runs on its flat values, with torch::optim's semantics so that a
 // parameter server with plain SGD matches allreduce training: sgd (p -= lr g), momentum
 // (b = m b + g, the first step b = g; p -= lr b), adam (torch's defaults: betas 0.9 / 0.999,
-// eps 1e-8, bias correction).
+// eps 1e-8, bias correction), adagrad (torch's defaults: s += g^2; p -= lr g / (sqrt(s) + 1e-10)).
+//
+// Lazy (row-sparse) updates: a step that touches only some rows of a table is beginStep() and
+// then applyPart() on each touched row alone. The state of untouched rows is left as it is (no
+// momentum decay, no Adam moment decay), as TensorFlow's LazyAdam and torch's SparseAdam do;
+// Adam's bias correction counts every step of the optimizer.
 #pragma once
 
 #include <cstdint>
@@ -27,9 +32,13 @@ class ServerOptimizer {
   void beginStep() { ++steps_; }
   void applyPart(size_t offset, std::span<float> values, std::span<const float> g, float scale);
 
+  // Per-element state vectors the optimizer `name` keeps (sgd 0, momentum and adagrad 1, adam 2);
+  // -1 for an unknown name.
+  static int slotCount(const std::string& name);
+
   const std::string& name() const { return name_; }
   void setLr(double lr) { lr_ = lr; }
-  // The optimizer's per-element state (momentum: 1 slot, adam: 2) and step count, for checkpoints.
+  // The optimizer's per-element state (momentum, adagrad: 1 slot, adam: 2) and step count, for checkpoints.
   std::vector<std::vector<float>>& slots() { return slots_; }
   int64_t& steps() { return steps_; }
 
@@ -37,6 +46,7 @@ class ServerOptimizer {
   std::string name_;
   double lr_;
   double momentum_;
+  // Per element, as many as the optimizer needs (slotCount).
   std::vector<std::vector<float>> slots_;
   int64_t steps_ = 0;
 };

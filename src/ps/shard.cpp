@@ -44,7 +44,8 @@ Status notInitialized() {
 bool samePieces(const std::vector<wire::PieceSpec>& a, const google::protobuf::RepeatedPtrField<wire::PieceSpec>& b) {
   if (a.size() != size_t(b.size())) return false;
   for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].key() != b.Get(int(i)).key() || a[i].numel() != b.Get(int(i)).numel()) return false;
+    const auto& q = b.Get(int(i));
+    if (a[i].key() != q.key() || a[i].numel() != q.numel() || a[i].row_dim() != q.row_dim()) return false;
   }
   return true;
 }
@@ -132,10 +133,8 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
   if (store_) {
     uint64_t total = 0;
     for (const auto& p : pieces) total += p.numel();
-    const uint64_t slots = request.policy().push() == "updates"       ? 0
-                           : request.policy().optimizer() == "adam"     ? 2
-                           : request.policy().optimizer() == "momentum" ? 1
-                                                                        : 0;
+    const uint64_t slots =
+        request.policy().push() == "updates" ? 0 : uint64_t(ServerOptimizer::slotCount(request.policy().optimizer()));
     if ((1 + slots) * total * sizeof(float) > kMaxCheckpointBytes) {
       return Status::error(Code::kInvalidArgument,
                            "this shard's part of the model (" + std::to_string(total) +
@@ -152,6 +151,8 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
   lastCheckpointVersion_ = 0;
   workers_.assign(policy_.workers(), Worker{});
   pending_.assign(values_.size(), 0.0f);
+  pendingMarked_.assign(pieces_.size(), {});
+  pendingRows_.assign(pieces_.size(), {});
   pendingCount_ = 0;
   pendingFrom_.assign(policy_.workers(), false);
   failure_.reset();
@@ -181,6 +182,33 @@ void Shard::fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* o
   stats_.set_bytes_pulled(stats_.bytes_pulled() + int64_t(values_.size() * sizeof(float)));
 }
 
+// A push's reply: every piece, or (row-sparse) the dense pieces and the rows asked for.
+void Shard::fillReplyLocked(const wire::PushRequest& request, wire::PushReply* reply) {
+  if (!request.row_sparse() || request.want_all_rows()) {
+    fillValuesLocked(reply->mutable_values());
+    return;
+  }
+  size_t at = 0;
+  int64_t bytes = 0;
+  for (const auto& p : pieces_) {
+    if (p.row_dim() == 0) {
+      setTensor(reply->add_values(), p, values_.data() + at);
+      bytes += int64_t(p.numel() * sizeof(float));
+    } else {
+      const uint64_t count = p.numel() / p.row_dim();
+      for (const auto& want : request.want_rows()) {
+        // Checked against the pieces before the lock; an Init since may have changed them.
+        if (want.key() != p.key() || (want.rows_size() > 0 && want.rows(want.rows_size() - 1) >= count)) continue;
+        wire::Rows* rows = reply->add_rows();
+        setRows(rows, p, std::span<const uint32_t>(want.rows().data(), size_t(want.rows_size())), values_.data() + at);
+        bytes += int64_t(rows->ByteSizeLong());
+      }
+    }
+    at += size_t(p.numel());
+  }
+  stats_.set_bytes_pulled(stats_.bytes_pulled() + bytes);
+}
+
 Status Shard::pull(const wire::PullRequest& request, wire::PullReply* reply) {
   if (Status s = checkProtocol(request.protocol()); !s.ok()) return s;
   MutexLock lock(mu_);
@@ -207,14 +235,25 @@ void Shard::applyLocked(const Parts& parts, float scale) {
   const bool updates = policy_.push() == "updates";
   if (!updates) optimizer_->beginStep();
   size_t at = 0;
-  for (const auto& g : parts) {
-    std::span<float> v(values_.data() + at, g.size());
+  // A row-sparse part updates its rows alone: untouched rows and their optimizer state are left
+  // as they are (lazy updates).
+  auto apply = [&](size_t offset, std::span<const float> g) {
+    std::span<float> v(values_.data() + offset, g.size());
     if (updates) {
       for (size_t i = 0; i < g.size(); ++i) v[i] += scale * g[i];
     } else {
-      optimizer_->applyPart(at, v, g, scale);
+      optimizer_->applyPart(offset, v, g, scale);
     }
-    at += g.size();
+  };
+  for (const Part& part : parts) {
+    if (part.rowDim == 0) {
+      apply(at, part.values);
+    } else {
+      for (size_t i = 0; i < part.rows.size(); ++i) {
+        apply(at + size_t(part.rows[i]) * part.rowDim, part.values.subspan(i * part.rowDim, part.rowDim));
+      }
+    }
+    at += part.numel;
   }
   ++version_;
   changed_.notifyAll();
@@ -223,18 +262,67 @@ void Shard::applyLocked(const Parts& parts, float scale) {
 
 void Shard::accumulateLocked(const Parts& parts, float scale) {
   size_t at = 0;
-  for (const auto& g : parts) {
-    float* p = pending_.data() + at;
-    for (size_t i = 0; i < g.size(); ++i) p[i] += scale * g[i];
-    at += g.size();
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const Part& part = parts[k];
+    if (part.rowDim == 0) {
+      float* p = pending_.data() + at;
+      for (size_t i = 0; i < part.values.size(); ++i) p[i] += scale * part.values[i];
+    } else {
+      if (pendingMarked_[k].empty()) pendingMarked_[k].assign(part.numel / part.rowDim, 0);
+      for (size_t i = 0; i < part.rows.size(); ++i) {
+        const uint32_t r = part.rows[i];
+        float* p = pending_.data() + at + size_t(r) * part.rowDim;
+        const float* g = part.values.data() + i * part.rowDim;
+        for (size_t j = 0; j < part.rowDim; ++j) p[j] += scale * g[j];
+        if (!pendingMarked_[k][r]) {
+          pendingMarked_[k][r] = 1;
+          pendingRows_[k].push_back(r);
+        }
+      }
+    }
+    at += part.numel;
   }
   pendingCount_ += 1;
 }
 
 // Applies the average of the gathered gradients (sync, softsync) and starts a new gathering.
 void Shard::applyPendingLocked() {
-  applyLocked(Parts{std::span<const float>(pending_)}, 1.0f / float(pendingCount_));
-  std::fill(pending_.begin(), pending_.end(), 0.0f);
+  Parts parts;
+  std::vector<std::vector<float>> gathered(pieces_.size());
+  size_t at = 0;
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    const size_t numel = size_t(pieces_[k].numel());
+    const size_t dim = size_t(pieces_[k].row_dim());
+    if (dim == 0) {
+      parts.push_back({.values = std::span<const float>(pending_).subspan(at, numel), .numel = numel});
+    } else {
+      // The touched rows, in increasing order, gathered side by side.
+      std::vector<uint32_t>& rows = pendingRows_[k];
+      std::sort(rows.begin(), rows.end());
+      gathered[k].resize(rows.size() * dim);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        std::memcpy(gathered[k].data() + i * dim, pending_.data() + at + size_t(rows[i]) * dim, dim * sizeof(float));
+      }
+      parts.push_back({.values = gathered[k], .rows = rows, .numel = numel, .rowDim = dim});
+    }
+    at += numel;
+  }
+  applyLocked(parts, 1.0f / float(pendingCount_));
+  at = 0;
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    const size_t numel = size_t(pieces_[k].numel());
+    const size_t dim = size_t(pieces_[k].row_dim());
+    if (dim == 0) {
+      std::fill_n(pending_.begin() + ptrdiff_t(at), numel, 0.0f);
+    } else {
+      for (uint32_t r : pendingRows_[k]) {
+        std::fill_n(pending_.begin() + ptrdiff_t(at + size_t(r) * dim), dim, 0.0f);
+        pendingMarked_[k][r] = 0;
+      }
+      pendingRows_[k].clear();
+    }
+    at += numel;
+  }
   pendingCount_ = 0;
   std::fill(pendingFrom_.begin(), pendingFrom_.end(), false);
 }
@@ -302,29 +390,60 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     pieces = pieces_;
   }
   // Checked and decoded outside the lock: a large push does not stall the others.
+  // A row-sparse push: values (or compressed) hold the dense pieces only; rows the others' rows.
+  const bool rowSparse = request.row_sparse();
+  std::vector<wire::PieceSpec> densePieces;
+  for (const auto& p : pieces) {
+    if (!rowSparse || p.row_dim() == 0) densePieces.push_back(p);
+  }
   const bool compressed = !request.compressed().empty();
   Status valid = compressed && request.values_size() > 0
                      ? Status::error(Code::kInvalidArgument, "push: carries both values and a compressed message")
+                 : !rowSparse && (request.rows_size() > 0 || request.want_rows_size() > 0)
+                     ? Status::error(Code::kInvalidArgument, "push: carries rows but is not row_sparse")
                  : compressed ? Status::Ok()
-                              : checkTensors(request.values(), pieces, true, "push");
-  Parts grad;
+                              : checkTensors(request.values(), densePieces, true, "push");
+  if (valid.ok() && rowSparse) valid = checkRows(request.rows(), pieces, true, true, "push");
+  if (valid.ok() && rowSparse) valid = checkRows(request.want_rows(), pieces, false, false, "push (rows asked for)");
+  std::vector<std::span<const float>> dense;
   std::vector<std::vector<float>> copies(size_t(request.values_size()));  // for misaligned data only
   std::vector<float> decoded;                                             // a compressed push
-  size_t gradSize = 0;
-  if (valid.ok() && compressed) valid = decodeCompressed(request.compressed(), pieces, true, "push", decoded);
+  if (valid.ok() && compressed) valid = decodeCompressed(request.compressed(), densePieces, true, "push", decoded);
   if (valid.ok() && compressed) {
     size_t offset = 0;
-    for (const auto& p : pieces) {
-      grad.push_back(std::span<const float>(decoded).subspan(offset, size_t(p.numel())));
+    for (const auto& p : densePieces) {
+      dense.push_back(std::span<const float>(decoded).subspan(offset, size_t(p.numel())));
       offset += size_t(p.numel());
     }
-    gradSize = offset;
   } else if (valid.ok()) {
-    for (int i = 0; i < request.values_size(); ++i) {
-      grad.push_back(floatsOf(request.values(i), copies[size_t(i)]));
-      gradSize += grad.back().size();
+    for (int i = 0; i < request.values_size(); ++i) dense.push_back(floatsOf(request.values(i), copies[size_t(i)]));
+  }
+  Parts grad;
+  std::vector<std::vector<float>> rowValues(size_t(request.rows_size()));
+  size_t gradSize = 0;
+  if (valid.ok()) {
+    size_t nextDense = 0;
+    for (const auto& p : pieces) {
+      Part part{.numel = size_t(p.numel())};
+      if (!rowSparse || p.row_dim() == 0) {
+        part.values = dense[nextDense++];
+      } else {
+        part.rowDim = size_t(p.row_dim());
+        for (int i = 0; i < request.rows_size(); ++i) {
+          const wire::Rows& r = request.rows(i);
+          if (r.key() != p.key()) continue;
+          rowFloats(r, rowValues[size_t(i)]);
+          part.values = rowValues[size_t(i)];
+          part.rows = std::span<const uint32_t>(r.rows().data(), size_t(r.rows_size()));
+        }
+      }
+      grad.push_back(part);
+      gradSize += part.numel;
     }
   }
+  int64_t pushedBytes = compressed ? int64_t(request.compressed().size()) : 0;
+  for (const auto& t : request.values()) pushedBytes += int64_t(t.data().size());
+  for (const auto& r : request.rows()) pushedBytes += int64_t(r.ByteSizeLong());
 
   MutexLock lock(mu_);
   if (valid.ok() && (request.clock() < 0 || request.clock() > kMaxClock)) {
@@ -363,13 +482,12 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     reply->set_dropped("duplicate");
     reply->set_version(version_);
     reply->set_samples_total(stats_.samples_total());
-    if (request.want_values()) fillValuesLocked(reply->mutable_values());
+    if (request.want_values()) fillReplyLocked(request, reply);
     return Status::Ok();
   }
   // A shard restored from a checkpoint is behind the workers: their count is the true one.
   me().clock = request.clock();
-  stats_.set_bytes_pushed(stats_.bytes_pushed() +
-                          (compressed ? int64_t(request.compressed().size()) : int64_t(gradSize * sizeof(float))));
+  stats_.set_bytes_pushed(stats_.bytes_pushed() + pushedBytes);
   // Saturating: a hostile `samples` must not overflow the total (found by fuzz/push_fuzz.cpp).
   stats_.set_samples_total(stats_.samples_total() +
                            std::clamp<int64_t>(request.samples(), 0, INT64_MAX - stats_.samples_total()));
@@ -394,7 +512,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     const double held = secondsSince(arrived);
     reply->set_wait_s(held);
     stats_.set_wait_s(stats_.wait_s() + held);
-    if (request.want_values()) fillValuesLocked(reply->mutable_values());
+    if (request.want_values()) fillReplyLocked(request, reply);
     changed_.notifyAll();
     return Status::Ok();
   };
@@ -671,6 +789,8 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
   workers_.assign(policy_.workers(), Worker{});
   for (size_t i = 0; i < workers_.size(); ++i) workers_[i].clock = c.clocks(int(i));
   pending_.assign(values_.size(), 0.0f);
+  pendingMarked_.assign(pieces_.size(), {});
+  pendingRows_.assign(pieces_.size(), {});
   pendingCount_ = 0;
   pendingFrom_.assign(policy_.workers(), false);
   stats_ = c.stats();

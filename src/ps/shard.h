@@ -83,10 +83,18 @@ class Shard {
  private:
   struct Worker;
   Status checkWorker(uint32_t worker) const REQUIRES(mu_);
-  // A push's values, one run per piece in the shard's order (views into the request).
-  using Parts = std::vector<std::span<const float>>;
+  // A push's values for one piece, in the shard's order (views into the request or a scratch
+  // buffer): the whole piece (rows empty), or some of its rows, values side by side (row-sparse).
+  struct Part {
+    std::span<const float> values;
+    std::span<const uint32_t> rows;
+    size_t numel = 0;    // the piece's elements
+    size_t rowDim = 0;   // > 0: values are `rows` rows of this width
+  };
+  using Parts = std::vector<Part>;
   void applyLocked(const Parts& parts, float scale) REQUIRES(mu_);
   void accumulateLocked(const Parts& parts, float scale) REQUIRES(mu_);
+  void fillReplyLocked(const wire::PushRequest& request, wire::PushReply* reply) REQUIRES(mu_);
   void applyPendingLocked() REQUIRES(mu_);
   void noteStalenessLocked(int64_t tau) REQUIRES(mu_);
   void fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out) REQUIRES(mu_);
@@ -118,6 +126,10 @@ class Shard {
   std::vector<Worker> workers_ GUARDED_BY(mu_);
   // sync and softsync: the step being gathered
   std::vector<float> pending_ GUARDED_BY(mu_);
+  // Row-sparse pieces under sync and softsync: per piece, the rows pending_ holds (marked, and
+  // listed in arrival order), so that a step applies and clears those rows alone.
+  std::vector<std::vector<uint8_t>> pendingMarked_ GUARDED_BY(mu_);
+  std::vector<std::vector<uint32_t>> pendingRows_ GUARDED_BY(mu_);
   int pendingCount_ GUARDED_BY(mu_) = 0;
   std::vector<bool> pendingFrom_ GUARDED_BY(mu_);
   std::optional<std::string> failure_ GUARDED_BY(mu_);

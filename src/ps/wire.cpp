@@ -132,6 +132,104 @@ Status decodeCompressed(const std::string& message, std::span<const wire::PieceS
   return Status::Ok();
 }
 
+namespace {
+
+size_t rowsWidth(wire::DType dtype) {
+  switch (dtype) {
+    case wire::FLOAT32: return 4;
+    case wire::FLOAT16:
+    case wire::BFLOAT16: return 2;
+    default: return 0;
+  }
+}
+
+}  // namespace
+
+Status checkRows(const google::protobuf::RepeatedPtrField<wire::Rows>& rows, std::span<const wire::PieceSpec> pieces,
+                 bool withData, bool finiteOnly, const char* what) {
+  const std::string w = what;
+  std::unordered_set<uint32_t> seen;
+  std::vector<float> scratch;
+  for (const wire::Rows& r : rows) {
+    const wire::PieceSpec* piece = nullptr;
+    for (const auto& p : pieces) {
+      if (p.key() == r.key()) piece = &p;
+    }
+    if (piece == nullptr) return invalid(w + ": rows of unknown key " + std::to_string(r.key()));
+    if (piece->row_dim() == 0) return invalid(w + ": rows of " + piece->name() + ", which is not row-sparse");
+    if (!seen.insert(r.key()).second) return invalid(w + ": rows of " + piece->name() + " appear twice");
+    const uint64_t count = piece->numel() / piece->row_dim();
+    for (int i = 0; i < r.rows_size(); ++i) {
+      if (r.rows(i) >= count) {
+        return invalid(w + ": " + piece->name() + " has " + std::to_string(count) + " rows, got row " +
+                       std::to_string(r.rows(i)));
+      }
+      if (i > 0 && r.rows(i) <= r.rows(i - 1)) {
+        return invalid(w + ": the rows of " + piece->name() + " are not strictly increasing at row " +
+                       std::to_string(r.rows(i)));
+      }
+    }
+    if (!withData) {
+      if (!r.data().empty() || r.dtype() != wire::DTYPE_UNSPECIFIED) {
+        return invalid(w + ": a request for rows of " + piece->name() + " carries values");
+      }
+      continue;
+    }
+    const size_t width = rowsWidth(r.dtype());
+    if (width == 0) {
+      const std::string name = wire::DType_Name(r.dtype());
+      return invalid(w + ": rows of " + piece->name() + " have dtype " + (name.empty() ? std::to_string(r.dtype()) : name) +
+                     ", expected FLOAT32, FLOAT16 or BFLOAT16");
+    }
+    const uint64_t expected = uint64_t(r.rows_size()) * piece->row_dim() * width;
+    if (r.data().size() != expected) {
+      return invalid(w + ": " + std::to_string(r.rows_size()) + " rows of " + piece->name() + " carry " +
+                     std::to_string(r.data().size()) + " bytes, expected " + std::to_string(expected));
+    }
+    if (finiteOnly) {
+      rowFloats(r, scratch);
+      for (size_t j = 0; j < scratch.size(); ++j) {
+        if (!std::isfinite(scratch[j])) {
+          return invalid(w + ": row " + std::to_string(r.rows(int(j / piece->row_dim()))) + " of " + piece->name() +
+                         " holds " + (std::isnan(scratch[j]) ? "NaN" : "Inf"));
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+void rowFloats(const wire::Rows& rows, std::vector<float>& out) {
+  const std::string& data = rows.data();
+  if (rows.dtype() == wire::FLOAT32) {
+    out.resize(data.size() / sizeof(float));
+    std::memcpy(out.data(), data.data(), out.size() * sizeof(float));
+    return;
+  }
+  std::vector<uint16_t> bits(data.size() / sizeof(uint16_t));
+  std::memcpy(bits.data(), data.data(), bits.size() * sizeof(uint16_t));
+  out.resize(bits.size());
+  if (rows.dtype() == wire::FLOAT16) {
+    compress::halfToFloats(bits, out);
+  } else {
+    compress::bf16ToFloats(bits, out);
+  }
+}
+
+void setRows(wire::Rows* rows, const wire::PieceSpec& piece, std::span<const uint32_t> which, const float* pieceValues) {
+  rows->set_key(piece.key());
+  rows->set_dtype(wire::FLOAT32);
+  rows->mutable_rows()->Add(which.begin(), which.end());
+  const size_t dim = size_t(piece.row_dim());
+  std::string* data = rows->mutable_data();
+  data->resize(which.size() * dim * sizeof(float));
+  char* out = data->data();
+  for (uint32_t r : which) {
+    std::memcpy(out, pieceValues + size_t(r) * dim, dim * sizeof(float));
+    out += dim * sizeof(float);
+  }
+}
+
 void setTensor(wire::Tensor* tensor, const wire::PieceSpec& piece, const float* values) {
   tensor->set_key(piece.key());
   tensor->set_numel(piece.numel());
@@ -146,6 +244,10 @@ Status checkPieces(std::span<const wire::PieceSpec> pieces, uint64_t maxElements
   for (const auto& p : pieces) {
     if (!keys.insert(p.key()).second) return invalid("Init: key " + std::to_string(p.key()) + " appears twice");
     if (p.numel() == 0) return invalid("Init: piece " + p.name() + " is empty");
+    if (p.row_dim() > 0 && (p.numel() % p.row_dim() != 0 || p.numel() / p.row_dim() > UINT32_MAX)) {
+      return invalid("Init: piece " + p.name() + " of " + std::to_string(p.numel()) + " elements is not whole rows of " +
+                     std::to_string(p.row_dim()));
+    }
     if (p.numel() > maxElements - total) {
       return invalid("Init: the pieces hold more than " + std::to_string(maxElements) + " elements");
     }
@@ -174,8 +276,8 @@ Status checkPolicy(const wire::Policy& p) {
   if (p.push() != "gradients" && p.push() != "updates") {
     return invalid("Init: unknown push '" + p.push() + "': expected gradients or updates");
   }
-  if (p.optimizer() != "sgd" && p.optimizer() != "momentum" && p.optimizer() != "adam") {
-    return invalid("Init: unknown optimizer '" + p.optimizer() + "': expected sgd, momentum or adam");
+  if (p.optimizer() != "sgd" && p.optimizer() != "momentum" && p.optimizer() != "adam" && p.optimizer() != "adagrad") {
+    return invalid("Init: unknown optimizer '" + p.optimizer() + "': expected sgd, momentum, adam or adagrad");
   }
   if (!(p.lr() > 0) || !std::isfinite(p.lr())) return invalid("Init: lr must be positive");
   if (!(p.momentum() >= 0 && p.momentum() < 1)) return invalid("Init: momentum must be in [0, 1)");

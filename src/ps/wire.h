@@ -38,6 +38,21 @@ std::span<const float> floatsOf(const wire::Tensor& tensor, std::vector<float>& 
 Status decodeCompressed(const std::string& message, std::span<const wire::PieceSpec> pieces, bool finiteOnly,
                         const char* what, std::vector<float>& out);
 
+// The rows of row-sparse pieces (PieceSpec.row_dim > 0) in a push (withData) or a request for
+// rows (!withData): each entry names a row-sparse piece of `pieces` at most once, its rows are
+// strictly increasing and inside the piece, and (withData) its data holds exactly that many rows
+// of FLOAT32, FLOAT16 or BFLOAT16 values, finite when finiteOnly; without data, no data and no
+// dtype. The error names the first problem.
+Status checkRows(const google::protobuf::RepeatedPtrField<wire::Rows>& rows, std::span<const wire::PieceSpec> pieces,
+                 bool withData, bool finiteOnly, const char* what);
+
+// The values of rows checked by checkRows, as floats, into out (resized).
+void rowFloats(const wire::Rows& rows, std::vector<float>& out);
+
+// Sets rows to the given rows of piece, their values taken from `pieceValues` (the piece's numel
+// floats), as FLOAT32.
+void setRows(wire::Rows* rows, const wire::PieceSpec& piece, std::span<const uint32_t> which, const float* pieceValues);
+
 // A tensor for piece with `values` (numel floats) as its data.
 void setTensor(wire::Tensor* tensor, const wire::PieceSpec& piece, const float* values);
 

@@ -6,6 +6,7 @@
 #include "compress/codec.h"
 #include "schemes/compressed.h"
 #include "schemes/model_sync.h"
+#include "schemes/rows.h"
 
 #include <torch/torch.h>
 
@@ -66,7 +67,24 @@ struct ParameterAveraging::Impl {
   std::unique_ptr<CompressedSum> compressed;  // when a codec is set
   torch::Tensor anchor;                       // the parameters after the last average, flat
   torch::Tensor delta;                        // scratch: this replica's change, flat
+  // Sparse embedding tables (row-sparse gradients) are averaged by rows: only the rows that
+  // changed on some replica since the last average travel (averageRows).
+  std::vector<torch::Tensor> tables;
+  std::vector<torch::Tensor> tableAnchors;  // each table after the last average
   AveragingStats stats;
+
+  // table := anchor + the mean over the replicas of their change since the last average, where
+  // each replica sends only the rows it changed (ids and the rows' changes).
+  void averageRows(torch::Tensor& table, torch::Tensor& anchor, bool useCodec) {
+    torch::NoGradGuard noGrad;
+    const torch::Tensor ids = table.ne(anchor).any(1).nonzero().select(1, 0).contiguous();
+    const torch::Tensor change = (table.index_select(0, ids) - anchor.index_select(0, ids)).div_(comm->worldSize());
+    SummedRows sum = allreduceRows(*comm, ids, change, useCodec ? codec : compress::CodecSpec{});
+    stats.bytesSent += sum.bytesSent;
+    stats.bytesReceived += sum.bytesReceived;
+    anchor.index_add_(0, sum.ids, sum.values);
+    table.index_copy_(0, sum.ids, anchor.index_select(0, sum.ids));
+  }
 
   void averageChanges() {
     torch::NoGradGuard noGrad;
@@ -95,6 +113,9 @@ struct ParameterAveraging::Impl {
         tensors.clear();
         flattenParameters(params, flat(anchor));
       }
+    }
+    for (size_t t = 0; t < tables.size(); ++t) {
+      averageRows(tables[t], tableAnchors[t], codec.kind != compress::CodecKind::None && stats.steps > options.codecWarmupSteps);
     }
     for (auto& b : module->buffers()) tensors.push_back(b);
     if (options.averageOptimizerState) {
@@ -137,14 +158,19 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
     COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous(), InvalidArgument, kWho, ": parameter ",
                  name, " is ", p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
                  "; ParameterAveraging averages contiguous float32 parameters");
-    s.params.push_back(p);
+    if (p.dim() == 2 && hasRowSparseGradient(module, p)) {
+      s.tables.push_back(p);
+    } else {
+      s.params.push_back(p);
+    }
   }
-  COHORT_CHECK(!s.params.empty(), InvalidArgument, kWho, ": the module has no parameters; there is nothing to average");
+  COHORT_CHECK(!s.params.empty() || !s.tables.empty(), InvalidArgument, kWho, ": the module has no parameters; there is nothing to average");
   s.comm = job.communicator();
   if (s.comm == nullptr) return;
   checkSameModel(*s.comm, module, kWho);
   broadcastModel(*s.comm, module);
-  if (s.codec.kind != compress::CodecKind::None) {
+  for (auto& t : s.tables) s.tableAnchors.push_back(t.detach().clone());
+  if (s.codec.kind != compress::CodecKind::None && !s.params.empty()) {
     torch::NoGradGuard noGrad;
     std::vector<torch::Tensor> flat;
     for (auto& p : s.params) flat.push_back(p.detach().reshape({-1}));

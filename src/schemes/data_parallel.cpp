@@ -6,6 +6,7 @@
 #include "compress/codec.h"
 #include "schemes/compressed.h"
 #include "schemes/model_sync.h"
+#include "schemes/rows.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/torch.h>
@@ -58,6 +59,9 @@ struct DataParallel::Impl {
   std::vector<torch::Tensor> params;
   std::vector<unsigned> hookHandles;
   std::vector<std::pair<size_t, size_t>> slotOf;  // param -> (bucket, index in bucket)
+  // Row-sparse parameters (sparse embedding tables) skip the buckets: after them, each one's
+  // gradient is exchanged as rows (exchangeRows).
+  std::vector<bool> rowSparse;
 
   // The training thread's state.
   std::vector<Bucket> buckets;
@@ -69,6 +73,7 @@ struct DataParallel::Impl {
   int noSyncDepth = 0;
   int64_t syncStepsAtJoin = 0;  // stats.syncSteps when join() began
   double scale = 1.0;
+  std::vector<torch::Tensor> sparseGrads;  // per parameter: this step's row-sparse gradient (or undefined)
   std::string broken;  // set when a communication failed: the group is unusable
   int64_t sentAtStart = 0;  // the step's exchange's byte counts when the step began
   int64_t receivedAtStart = 0;
@@ -88,6 +93,7 @@ struct DataParallel::Impl {
     std::vector<std::vector<size_t>> groups(1);
     int64_t bytes = 0;
     for (size_t k = params.size(); k-- > 0;) {
+      if (rowSparse[k]) continue;
       const int64_t size = params[k].numel() * int64_t(params[k].element_size());
       const double capMb = groups.size() == 1 ? options.firstBucketMb : options.bucketMb;
       if (!groups.back().empty() && double(bytes + size) > capMb * 1024 * 1024) {
@@ -97,6 +103,7 @@ struct DataParallel::Impl {
       groups.back().push_back(k);
       bytes += size;
     }
+    if (groups.back().empty()) groups.pop_back();  // every parameter is row-sparse
     std::vector<int64_t> sizes;
     for (auto& group : groups) {
       Bucket bucket;
@@ -137,6 +144,7 @@ struct DataParallel::Impl {
       bucket.work = CommWork();
     }
     nextToLaunch = 0;
+    for (auto& g : sparseGrads) g = torch::Tensor();
     scale = 1.0 / comm->worldSize();
     startCounting();
     // libtorch runs no final callback when backward fails part-way; the sentinel, destroyed with
@@ -156,10 +164,17 @@ struct DataParallel::Impl {
   void onGradient(size_t k, const torch::Tensor& grad) {
     if (noSyncDepth > 0 || comm == nullptr) return;
     checkUsable();
-    COHORT_CHECK(!grad.is_sparse(), InvalidArgument, kWho, ": parameter ", names[k],
-                 " got a sparse gradient; sparse gradients are not supported by DataParallel yet: make the "
-                 "embedding dense (sparse=false)");
+    COHORT_CHECK(!grad.is_sparse() || rowSparse[k], InvalidArgument, kWho, ": parameter ", names[k],
+                 " got a sparse gradient, but it is not the weight of an nn::Embedding or nn::EmbeddingBag made "
+                 "with sparse(true), the row-sparse parameters DataParallel knows");
     if (!inBackward) beginSync();
+    if (rowSparse[k]) {
+      torch::NoGradGuard noGrad;
+      const torch::Tensor& existing = params[k].grad();
+      sparseGrads[k] = existing.defined() ? existing + grad : grad;
+      params[k].mutable_grad().reset();
+      return;
+    }
     auto [b, i] = slotOf[k];
     Bucket& bucket = buckets[b];
     torch::NoGradGuard noGrad;
@@ -212,11 +227,19 @@ struct DataParallel::Impl {
         }
         bucket.pending = 0;
       }
+      for (size_t k = 0; k < params.size(); ++k) {
+        if (rowSparse[k] && !sparseGrads[k].defined() && params[k].grad().defined()) {
+          sparseGrads[k] = params[k].grad();  // scaled in exchangeRows
+        }
+      }
       const auto waitStart = Clock::now();
       exchangeAll();
       stats.commWaitSeconds += secondsSince(waitStart);
       for (auto& bucket : buckets) {
         for (size_t i = 0; i < bucket.params.size(); ++i) params[bucket.params[i]].mutable_grad() = bucket.slots[i];
+      }
+      for (size_t k = 0; k < params.size(); ++k) {
+        if (rowSparse[k]) params[k].mutable_grad() = sparseGrads[k];
       }
       if (options.buffers == DataParallelOptions::Buffers::kEveryStep) averageInPlace(*comm, module->buffers());
       ++stats.syncSteps;
@@ -238,6 +261,27 @@ struct DataParallel::Impl {
     for (size_t b = 0; b < buckets.size(); ++b) sum.finish(b, buckets[b].flat);
     stats.bytesSent += sum.bytesSent() - sentAtStart;
     stats.bytesReceived += sum.bytesReceived() - receivedAtStart;
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (rowSparse[k]) exchangeRows(k, sum.spec());
+    }
+  }
+
+  // The row-sparse gradient of parameter k (what this rank has, scaled; none: no rows) becomes
+  // the sum over the ranks, exchanged as rows (allreduceRows: an allgather of row ids and rows,
+  // as c10d does for sparse tensors); fp16 and bf16 apply to the rows' values.
+  void exchangeRows(size_t k, const compress::CodecSpec& codec) {
+    torch::NoGradGuard noGrad;
+    const int64_t dim = params[k].size(1);
+    torch::Tensor ids = torch::empty({0}, torch::kInt64);
+    torch::Tensor rows = torch::empty({0, dim}, torch::kFloat32);
+    if (sparseGrads[k].defined()) {
+      std::tie(ids, rows) = gradientRows(sparseGrads[k]);
+      rows = rows.mul(scale);
+    }
+    SummedRows sum = allreduceRows(*comm, ids, rows, codec);
+    stats.bytesSent += sum.bytesSent;
+    stats.bytesReceived += sum.bytesReceived;
+    sparseGrads[k] = torch::sparse_coo_tensor(sum.ids.unsqueeze(0), sum.values, params[k].sizes())._coalesced_(true);
   }
 
   // After this rank's loop in join(): takes part with zeros in the others' steps until all are done.
@@ -251,6 +295,7 @@ struct DataParallel::Impl {
           bucket.work = CommWork();
         }
         nextToLaunch = 0;
+        for (auto& g : sparseGrads) g = torch::Tensor();
         startCounting();
         exchangeAll();
         if (options.buffers == DataParallelOptions::Buffers::kEveryStep) averageInPlace(*comm, module->buffers());
@@ -308,7 +353,9 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
                  "; cohort runs on the CPU");
     s.names.push_back(name);
     s.params.push_back(p);
+    s.rowSparse.push_back(p.dim() == 2 && hasRowSparseGradient(module, p));
   }
+  s.sparseGrads.resize(s.params.size());
   COHORT_CHECK(!s.params.empty(), InvalidArgument, kWho,
                ": the module has no parameters that require gradients; there is nothing to average");
   s.comm = job.communicator();

@@ -176,4 +176,22 @@ void clearGradients(torch::nn::Module& model) {
   for (auto& p : model.parameters()) p.mutable_grad().reset();
 }
 
+bool hasRowSparseGradient(torch::nn::Module& model, const torch::Tensor& param) {
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    if (const auto* bag = m->as<torch::nn::EmbeddingBagImpl>()) {
+      if (bag->options.sparse() && bag->weight.is_same(param)) return true;
+    }
+    if (const auto* emb = m->as<torch::nn::EmbeddingImpl>()) {
+      if (emb->options.sparse() && emb->weight.is_same(param)) return true;
+    }
+  }
+  return false;
+}
+
+std::pair<torch::Tensor, torch::Tensor> gradientRows(const torch::Tensor& grad) {
+  torch::NoGradGuard noGrad;
+  const torch::Tensor sparse = grad.is_sparse() ? grad.coalesce() : grad.to_sparse(1);
+  return {sparse.indices().select(0, 0).contiguous(), sparse.values().contiguous()};
+}
+
 }  // namespace cohort

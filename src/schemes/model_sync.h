@@ -44,6 +44,14 @@ void checkSameModel(Communicator& comm, torch::nn::Module& model, const std::str
 void flattenParameters(const std::vector<torch::Tensor>& params, std::span<float> flat);
 void unflattenParameters(const std::vector<torch::Tensor>& params, std::span<const float> flat);
 
+// Whether backward gives `param` a row-sparse gradient (a sparse COO tensor of whole rows): it is
+// the weight of an nn::Embedding or nn::EmbeddingBag made with sparse(true) inside `model`.
+bool hasRowSparseGradient(torch::nn::Module& model, const torch::Tensor& param);
+
+// A row-sparse gradient as (sorted, distinct rows, their values [rows, dim]), duplicates summed;
+// a dense gradient of a table is read the same way (its rows that are not all zero).
+std::pair<torch::Tensor, torch::Tensor> gradientRows(const torch::Tensor& grad);
+
 // Drops every parameter's gradient (set to none), so the next backward writes it fresh instead
 // of adding to zeros.
 void clearGradients(torch::nn::Module& model);

@@ -10,6 +10,7 @@
 #include "strategy/local.h"
 
 #include <cohort/error.h>
+#include <cohort/models.h>
 
 #include <torch/torch.h>
 
@@ -105,9 +106,16 @@ struct ParameterServerClient::Impl {
     for (const auto& [name, p] : uniqueParameters(model)) {
       COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous(), InvalidArgument,
                    "parameter ", name, " is not a contiguous float32 tensor: the parameter server holds float32");
-      infos.push_back({name, uint64_t(p.numel())});
+      const bool rowSparse = p.dim() == 2 && hasRowSparseGradient(model, p);
+      infos.push_back({name, uint64_t(p.numel()), rowSparse ? uint64_t(p.size(1)) : 0});
       params_.push_back(p);
+      rowSparse_.push_back(rowSparse);
+      anyRowSparse_ = anyRowSparse_ || rowSparse;
     }
+    COHORT_CHECK(!anyRowSparse_ || c_.options.push == "gradients", InvalidArgument,
+                 "--push updates is not supported for a model with a sparse embedding table (its rows travel as "
+                 "gradients): use --push gradients");
+    nextRows_.assign(params_.size(), torch::Tensor());
     COHORT_CHECK(!params_.empty(), InvalidArgument,
                  "cohort::ParameterServerClient: the module has no parameters; there is nothing to serve");
     pieces_ = ps::planLayout(infos, int(c_.shards.size()));
@@ -118,14 +126,21 @@ struct ParameterServerClient::Impl {
       spec.set_key(p.key);
       spec.set_name(p.name);
       spec.set_numel(p.numel);
+      spec.set_row_dim(p.rowDim);
       specs_[size_t(p.shard)].push_back(spec);
       shardPieces_[size_t(p.shard)].push_back(&p);
+      // Row-sparse pushes carry the dense pieces as values and the tables' pieces as rows.
+      if (!anyRowSparse_ || p.rowDim == 0) {
+        denseSpecs_.resize(c_.shards.size());
+        denseSpecs_[size_t(p.shard)].push_back(spec);
+      }
     }
+    denseSpecs_.resize(c_.shards.size());
     if (codec_.kind != compress::CodecKind::None) {
-      for (const auto& pieces : specs_) {
+      for (const auto& pieces : denseSpecs_) {
         size_t total = 0;
         for (const auto& spec : pieces) total += size_t(spec.numel());
-        encoders_.emplace_back(codec_, total);
+        encoders_.emplace_back(codec_, std::max<size_t>(total, 1));
         flat_.emplace_back(total);
       }
     }
@@ -161,12 +176,19 @@ struct ParameterServerClient::Impl {
       COHORT_CHECK(any, InvalidArgument,
                    "cohort::ParameterServerClient::step() before backward(): no parameter has a gradient to push");
     }
-    // What goes to the shards: the gradients, or the change the local optimizer made.
+    // What goes to the shards: the gradients, or the change the local optimizer made; a
+    // row-sparse table's gradient as its touched rows.
     std::vector<torch::Tensor> send;
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> rows(params_.size());
     {
       torch::NoGradGuard noGrad;
       for (size_t i = 0; i < params_.size(); ++i) {
-        if (c_.options.push == "updates") {
+        if (rowSparse_[i]) {
+          const auto& g = params_[i].grad();
+          rows[i] = g.defined() ? gradientRows(g)
+                                : std::pair{torch::empty({0}, torch::kInt64), torch::empty({0, params_[i].size(1)})};
+          send.emplace_back();
+        } else if (c_.options.push == "updates") {
           send.push_back((params_[i].detach() - before_[i]).contiguous());
         } else {
           const auto& g = params_[i].grad();
@@ -178,6 +200,9 @@ struct ParameterServerClient::Impl {
     std::vector<ps::wire::PushReply> replies(clients_.size());
     std::vector<int64_t> sent(clients_.size(), 0);
     const bool compress = !encoders_.empty() && steps_ >= c_.options.codecWarmupSteps;
+    // The next step's rows, when every table's are known; otherwise the reply brings every row.
+    bool wantRows = anyRowSparse_;
+    for (size_t i = 0; i < params_.size(); ++i) wantRows = wantRows && (!rowSparse_[i] || nextRows_[i].defined());
     messages_.resize(clients_.size());
     forEachShard(clients_.size(), [&](size_t s) {
       ps::wire::PushRequest request;
@@ -187,10 +212,13 @@ struct ParameterServerClient::Impl {
       request.set_clock(clock_);
       request.set_samples(samples);
       request.set_want_values(true);
-      if (compress) {
-        // The shard's pieces side by side, through this shard's encoder (and its residual).
+      request.set_row_sparse(anyRowSparse_);
+      request.set_want_all_rows(anyRowSparse_ && !wantRows);
+      if (compress && !denseSpecs_[s].empty()) {
+        // The shard's dense pieces side by side, through this shard's encoder (and its residual).
         float* flat = flat_[s].data();
         for (const ps::Piece* p : shardPieces_[s]) {
+          if (anyRowSparse_ && p->rowDim > 0) continue;
           std::memcpy(flat, send[p->param].data_ptr<float>() + p->offset, p->numel * sizeof(float));
           flat += p->numel;
         }
@@ -200,13 +228,38 @@ struct ParameterServerClient::Impl {
       } else {
         for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
           const ps::Piece& p = *shardPieces_[s][k];
+          if (anyRowSparse_ && p.rowDim > 0) continue;
           ps::setTensor(request.add_values(), specs_[s][k], send[p.param].data_ptr<float>() + p.offset);
         }
         sent[s] = payloadBytes(request.values());
       }
+      for (size_t k = 0; anyRowSparse_ && k < shardPieces_[s].size(); ++k) {
+        const ps::Piece& p = *shardPieces_[s][k];
+        if (p.rowDim == 0) continue;
+        const auto [begin, end] = rowRange(rows[p.param].first, p);
+        if (end > begin) {
+          ps::wire::Rows* r = request.add_rows();
+          setPushedRows(r, p, rows[p.param].first, rows[p.param].second, begin, end, compress);
+          sent[s] += int64_t(r->ByteSizeLong());
+        }
+        if (wantRows) {
+          const auto [from, to] = rowRange(nextRows_[p.param], p);
+          ps::wire::Rows* want = request.add_want_rows();
+          want->set_key(p.key);
+          const int64_t* ids = nextRows_[p.param].data_ptr<int64_t>();
+          const int64_t first = int64_t(p.offset / p.rowDim);
+          for (int64_t j = from; j < to; ++j) want->add_rows(uint32_t(ids[j] - first));
+          sent[s] += int64_t(want->ByteSizeLong());
+        }
+      }
       check(clients_[s]->push(request, &replies[s]), c_.shards[s], "Push");
-      load(s, replies[s].version(), replies[s].values());
+      if (anyRowSparse_ && wantRows) {
+        loadRows(s, replies[s].version(), replies[s].values(), replies[s].rows());
+      } else {
+        load(s, replies[s].version(), replies[s].values());
+      }
     });
+    for (auto& next : nextRows_) next = torch::Tensor();
     snapshot();
     stats.commWaitSeconds = secondsSince(commStart);
     ++clock_;
@@ -218,6 +271,7 @@ struct ParameterServerClient::Impl {
     for (size_t s = 0; s < replies.size(); ++s) {
       stats.bytesSent += sent[s];
       stats.bytesReceived += payloadBytes(replies[s].values());
+      for (const auto& r : replies[s].rows()) stats.bytesReceived += int64_t(r.ByteSizeLong());
     }
     stats.staleness = int64_t(first.staleness());
     stats.applied = first.applied();
@@ -401,6 +455,84 @@ struct ParameterServerClient::Impl {
     });
   }
 
+  // The positions [begin, end) in sorted global row ids that fall in piece p.
+  static std::pair<int64_t, int64_t> rowRange(const torch::Tensor& ids, const ps::Piece& p) {
+    const int64_t* data = ids.data_ptr<int64_t>();
+    const int64_t n = ids.numel();
+    const int64_t first = int64_t(p.offset / p.rowDim);
+    const int64_t last = first + int64_t(p.numel / p.rowDim);
+    return {std::lower_bound(data, data + n, first) - data, std::lower_bound(data, data + n, last) - data};
+  }
+
+  // The rows [begin, end) of a table's gradient rows that fall in piece p, as the piece's local
+  // rows; their values as float32, or through the 16-bit codec (fp16, bf16) when it applies.
+  void setPushedRows(ps::wire::Rows* out, const ps::Piece& p, const torch::Tensor& ids, const torch::Tensor& values,
+                     int64_t begin, int64_t end, bool compress) const {
+    out->set_key(p.key);
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const int64_t first = int64_t(p.offset / p.rowDim);
+    for (int64_t j = begin; j < end; ++j) out->add_rows(uint32_t(id[j] - first));
+    const size_t count = size_t(end - begin) * p.rowDim;
+    const std::span<const float> v(values.data_ptr<float>() + size_t(begin) * p.rowDim, count);
+    if (compress && codec_.sixteenBit()) {
+      std::vector<uint16_t> bits(count);
+      if (codec_.kind == compress::CodecKind::Fp16) {
+        compress::floatsToHalf(v, bits);
+        out->set_dtype(ps::wire::FLOAT16);
+      } else {
+        compress::floatsToBf16(v, bits);
+        out->set_dtype(ps::wire::BFLOAT16);
+      }
+      out->set_data(reinterpret_cast<const char*>(bits.data()), count * sizeof(uint16_t));
+      return;
+    }
+    out->set_dtype(ps::wire::FLOAT32);
+    out->set_data(reinterpret_cast<const char*>(v.data()), count * sizeof(float));
+  }
+
+  // A row-sparse reply: shard s's dense pieces in values, the rows asked for in rows.
+  void loadRows(size_t s, uint64_t version, const google::protobuf::RepeatedPtrField<ps::wire::Tensor>& values,
+                const google::protobuf::RepeatedPtrField<ps::wire::Rows>& rows) {
+    check(ps::checkTensors(values, denseSpecs_[s], false, "reply"), c_.shards[s], "Push");
+    check(ps::checkRows(rows, specs_[s], true, false, "reply"), c_.shards[s], "Push");
+    torch::NoGradGuard noGrad;
+    int next = 0;
+    std::vector<float> scratch;
+    for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
+      const ps::Piece& p = *shardPieces_[s][k];
+      float* param = params_[p.param].data_ptr<float>() + p.offset;
+      if (p.rowDim == 0) {
+        std::memcpy(param, values.Get(next++).data().data(), p.numel * sizeof(float));
+        continue;
+      }
+      for (const auto& r : rows) {
+        if (r.key() != p.key) continue;
+        ps::rowFloats(r, scratch);
+        for (int j = 0; j < r.rows_size(); ++j) {
+          std::memcpy(param + size_t(r.rows(j)) * p.rowDim, scratch.data() + size_t(j) * p.rowDim,
+                      p.rowDim * sizeof(float));
+        }
+      }
+    }
+    versions_[s] = version;
+  }
+
+  // The rows of table `param` the next step reads (sorted, distinct global row ids).
+  void prefetchRows(const torch::Tensor& param, const torch::Tensor& ids) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].is_same(param)) continue;
+      COHORT_CHECK(rowSparse_[i], InvalidArgument,
+                   "cohort::ParameterServerClient::prefetchRows: the parameter is not a sparse embedding table");
+      torch::Tensor rows = std::get<0>(torch::_unique(ids.reshape({-1}).to(torch::kInt64), /*sorted=*/true));
+      COHORT_CHECK(rows.numel() == 0 || (rows[0].item<int64_t>() >= 0 && rows[-1].item<int64_t>() < param.size(0)),
+                   InvalidArgument, "cohort::ParameterServerClient::prefetchRows: row ids outside the table of ",
+                   param.size(0), " rows");
+      nextRows_[i] = rows.contiguous();
+      return;
+    }
+    throw InvalidArgument("cohort::ParameterServerClient::prefetchRows: the tensor is not a parameter of the module");
+  }
+
   // Copies shard s's values into the parameters.
   void load(size_t s, uint64_t version, const google::protobuf::RepeatedPtrField<ps::wire::Tensor>& values) {
     if (values.empty()) return;
@@ -423,6 +555,10 @@ struct ParameterServerClient::Impl {
   std::vector<ps::Piece> pieces_;
   std::vector<std::vector<ps::wire::PieceSpec>> specs_;     // per shard, in key order
   std::vector<std::vector<const ps::Piece*>> shardPieces_;  // the same pieces
+  std::vector<std::vector<ps::wire::PieceSpec>> denseSpecs_;  // per shard: what pushes carry as values
+  std::vector<bool> rowSparse_;     // per parameter: a table whose gradient is row-sparse
+  bool anyRowSparse_ = false;       // pushes are row_sparse
+  std::vector<torch::Tensor> nextRows_;  // per table: the rows the next step reads (prefetchRows)
   std::vector<uint64_t> versions_;  // per shard: the version the parameters were pulled at
   int64_t clock_ = 0;               // steps this worker has pushed
   compress::CodecSpec codec_;
@@ -455,6 +591,9 @@ ParameterServerClient::ParameterServerClient(const Job& job, torch::nn::Module& 
 
 ParameterServerClient::~ParameterServerClient() = default;
 ParameterServerStep ParameterServerClient::step(int64_t samples) { return impl_->push(samples); }
+void ParameterServerClient::prefetchRows(const torch::Tensor& table, const torch::Tensor& rows) {
+  impl_->prefetchRows(table, rows);
+}
 void ParameterServerClient::synchronize() { impl_->synchronize(); }
 void ParameterServerClient::finish() { impl_->finish(); }
 std::optional<int64_t> ParameterServerClient::resumeStep() const { return impl_->resumeStep(); }
@@ -518,6 +657,12 @@ class PsStrategy final : public Strategy {
                    {"server_wait_s", pushed.serverWaitSeconds}};
     if (!pushed.applied) stats.extra.emplace_back("dropped", pushed.dropped);
     return stats;
+  }
+
+  // A sparse model's next batch: its rows come back with this step's push.
+  bool readsAhead() const override { return true; }
+  void upcoming(const Batch& next) override {
+    for (const auto& [table, rows] : rowsRead(model_, next.inputs)) client_->prefetchRows(table, rows);
   }
 
   void synchronize() override { client_->synchronize(); }

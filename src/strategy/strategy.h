@@ -107,6 +107,11 @@ class Strategy {
   // One step on this replica's batch: forward, backward, and this scheme's exchange.
   virtual StepStats step(const Batch& batch, const LossFn& loss) = 0;
 
+  // Schemes that fetch a sparse model's rows ahead (ps) say so; the Trainer then calls
+  // upcoming() with the batch of the next step (when there is one) before each step().
+  virtual bool readsAhead() const { return false; }
+  virtual void upcoming(const Batch& next) {}
+
   // Brings the local model to the state to evaluate or checkpoint.
   virtual void synchronize() = 0;
 

@@ -9,6 +9,8 @@
 #include "base/clock.h"
 #include "train/trainer.h"
 
+#include "schemes/model_sync.h"
+#include "train/lazy_optimizer.h"
 #include "train/progress.h"
 #include "train/threads.h"
 
@@ -28,8 +30,12 @@ namespace {
 constexpr int64_t kWarmupSteps = 5;
 constexpr int64_t kEvalBatch = 1000;
 
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o,
-                                                       const std::vector<torch::Tensor>& params) {
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o, torch::nn::Module& model) {
+  const std::vector<torch::Tensor> params = model.parameters();
+  for (const auto& p : params) {
+    // A sparse embedding table: updates by rows, lazily (train/lazy_optimizer.h).
+    if (hasRowSparseGradient(model, p)) return std::make_unique<LazyOptimizer>(params, o.optimizer, o.lr, o.momentum);
+  }
   if (o.optimizer == "sgd") {
     return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(o.lr));
   }
@@ -39,7 +45,10 @@ std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o,
   if (o.optimizer == "adam") {
     return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(o.lr));
   }
-  throw InvalidArgument("unknown optimizer '" + o.optimizer + "': expected sgd, momentum or adam");
+  if (o.optimizer == "adagrad") {
+    return std::make_unique<torch::optim::Adagrad>(params, torch::optim::AdagradOptions(o.lr));
+  }
+  throw InvalidArgument("unknown optimizer '" + o.optimizer + "': expected sgd, momentum, adam or adagrad");
 }
 
 torch::Tensor crossEntropy(const torch::Tensor& output, const torch::Tensor& target) {
@@ -88,8 +97,8 @@ void validate(const TrainOptions& o) {
   COHORT_CHECK(o.momentum >= 0 && o.momentum < 1, InvalidArgument, "--momentum must be in [0, 1), got ",
                o.momentum);
   COHORT_CHECK(o.timeoutSeconds > 0, InvalidArgument, "--timeout must be positive, got ", o.timeoutSeconds);
-  COHORT_CHECK(o.optimizer == "sgd" || o.optimizer == "momentum" || o.optimizer == "adam",
-               InvalidArgument, "unknown optimizer '", o.optimizer, "': expected sgd, momentum or adam");
+  COHORT_CHECK(o.optimizer == "sgd" || o.optimizer == "momentum" || o.optimizer == "adam" || o.optimizer == "adagrad",
+               InvalidArgument, "unknown optimizer '", o.optimizer, "': expected sgd, momentum, adam or adagrad");
 }
 
 struct Trainer::State {
@@ -295,7 +304,16 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   s.comm = s.strategy->communicator();
   s.replica = s.strategy->replica();
   s.data = loadData(o.data, o.seed);
-  s.model = makeModel(o.model, {s.data.channels(), s.data.height(), s.data.width(), s.data.classes});
+  if (s.data.bags()) {
+    s.model = makeModel(o.model, {.channels = 1, .height = 1, .width = 1, .classes = s.data.classes,
+                                  .featureRows = s.data.featureRows, .featureRowsSource = s.data.featureRowsSource});
+    if (s.replica.isChief() && s.data.attainableAccuracy >= 0) {
+      std::fprintf(stderr, "cohort: %s: %lld examples; the hidden model's test accuracy (the attainable optimum) is %.4f\n",
+                   s.data.name.c_str(), (long long)s.data.train.size(), s.data.attainableAccuracy);
+    }
+  } else {
+    s.model = makeModel(o.model, {s.data.channels(), s.data.height(), s.data.width(), s.data.classes});
+  }
   s.model->train();
   COHORT_CHECK(s.data.train.size() > 0, InvalidArgument, "the training set is empty");
   {
@@ -303,7 +321,7 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
     std::iota(first.begin(), first.end(), 0);
     s.model = s.strategy->localModel(s.model, makeBatch(s.data.train, first));
   }
-  s.optimizer = makeOptimizer(o, s.model->parameters());
+  s.optimizer = makeOptimizer(o, *s.model);
   const DataShard shard = s.strategy->dataShard();
   s.sampler = std::make_unique<ShardSampler>(SamplerOptions{.datasetSize = s.data.train.size(),
                                                             .rank = shard.index,
@@ -417,6 +435,11 @@ TrainResult Trainer::run() {
       const int64_t begin = s.stepInEpoch * o.batch;
       const int64_t count = std::min(o.batch, n - begin);
       Batch batch = makeBatch(s.data.train, std::span(indices).subspan(size_t(begin), size_t(count)));
+      if (s.strategy->readsAhead() && s.stepInEpoch + 1 < perEpoch && s.step + 1 < totalSteps) {
+        const int64_t nextBegin = begin + o.batch;
+        const int64_t nextCount = std::min(o.batch, n - nextBegin);
+        s.strategy->upcoming(makeBatch(s.data.train, std::span(indices).subspan(size_t(nextBegin), size_t(nextCount))));
+      }
       StepStats stats = s.strategy->step(batch, loss);
       ++s.step;
       ++s.stepInEpoch;
@@ -502,6 +525,7 @@ TrainResult Trainer::run() {
                       {"model", o.model},
                       {"workers", int64_t(s.replica.worldSize)}};
     if (result.secondsToTarget) done.emplace_back("seconds_to_target", *result.secondsToTarget);
+    if (s.data.attainableAccuracy >= 0) done.emplace_back("attainable_accuracy", s.data.attainableAccuracy);
     done.insert(done.end(), schemeReport.begin(), schemeReport.end());
     s.metrics->write("done", done);
   }

@@ -20,7 +20,7 @@ struct TrainOptions {
   int64_t steps = 0;  // when > 0, train this many steps in all and ignore epochs
   int64_t batch = 64;  // per replica
   double lr = 0.01;
-  std::string optimizer = "momentum";  // sgd | momentum | adam
+  std::string optimizer = "momentum";  // sgd | momentum | adam | adagrad
   double momentum = 0.9;
   int threads = 0;  // intra-op threads; 0 = $OMP_NUM_THREADS, else cores / workers on this host
   uint64_t seed = 1;

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Sparse models: the embed model (1M x 32 table, sum pooling, MLP 64) on synthetic bags of 20-50
+power-law ids, its gradients as rows against the same model forced dense (embed:sparse=0).
+
+    flock -x /tmp/cohort-machine.lock python3 bench/sparse.py [--build build] [--runs 3]
+                                                            [--sections bytes,rate,accuracy]
+
+bytes:     payload bytes per step of the chief (sent + received, from its step events), 2 workers,
+           batch 64: ps sync (2 shards) and allreduce, sparse against dense.
+rate:      samples/s, 2 workers x 1 thread, 2 shards, batch 64: sparse ps (sync, async) against
+           dense ps and against allreduce with the sparse allgather; alternating runs, medians.
+accuracy:  test accuracy of every scheme after the same examples (2 epochs of 60000), against the
+           synthetic set's attainable optimum (the hidden model's expected test accuracy).
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, done_event, machine, median, run, single_thread_env  # noqa: E402
+
+SPARSE = "embed"
+DENSE = "embed:sparse=0"
+
+
+def train(build, tmp, workers, model, flags, steps=None, epochs=None, shards=2, optimizer="adam", lr="0.01",
+          batch=64):
+    metrics = os.path.join(tmp, "m.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cohort = os.path.join(build, "cohort")
+    cmd = [cohort, "train", "--model", model, "--data", "synthetic-bags", "--batch", str(batch), "--threads", "1",
+           "--optimizer", optimizer, "--lr", lr, "--progress", "off", "--metrics", metrics] + flags
+    cmd += ["--steps", str(steps)] if steps else ["--epochs", str(epochs)]
+    if workers > 1 or "ps" in flags:
+        ps = shards if "ps" in flags else 0
+        cmd = [cohort, "launch", "-n", str(workers)] + (["--ps", str(ps)] if ps else []) + ["--"] + cmd
+    run(cmd, env=single_thread_env())
+    steps_seen = []
+    with open(metrics) as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("event") == "step":
+                steps_seen.append(e)
+    done = done_event(metrics)
+    n = max(len(steps_seen), 1)
+    done["bytes_per_step"] = sum(e["bytes_sent"] + e["bytes_received"] for e in steps_seen) / n
+    done["step_ms"] = 1000 * sum(e["step_s"] for e in steps_seen[5:]) / max(len(steps_seen) - 5, 1)
+    done["wait_ms"] = 1000 * sum(e["comm_wait_s"] for e in steps_seen[5:]) / max(len(steps_seen) - 5, 1)
+    return done
+
+
+def section_bytes(args, tmp):
+    print("\n## bytes per step (chief, sent + received), 2 workers, batch 64, 1M x 32 table\n")
+    print("| scheme | sparse | dense (embed:sparse=0) | dense / sparse |")
+    print("| --- | --- | --- | --- |")
+    for name, flags in [("ps sync, 2 shards", ["--strategy", "ps", "--ps-mode", "sync"]),
+                        ("allreduce", ["--strategy", "allreduce"]),
+                        ("average (every step)", ["--strategy", "average"])]:
+        sparse = train(args.build, tmp, 2, SPARSE, flags, steps=12)
+        dense = train(args.build, tmp, 2, DENSE, flags, steps=12)
+        s, d = sparse["bytes_per_step"], dense["bytes_per_step"]
+        print(f"| {name} | {s / 1e3:.1f} kB | {d / 1e6:.1f} MB | {d / s:.0f}x |", flush=True)
+
+
+def section_rate(args, tmp):
+    print(f"\n## samples/s, 2 workers x 1 thread, 2 shards, batch 64 ({args.runs} alternating runs, median)\n")
+    configs = [("ps sync, sparse", SPARSE, ["--strategy", "ps", "--ps-mode", "sync"], 150),
+               ("ps async, sparse", SPARSE, ["--strategy", "ps", "--ps-mode", "async"], 150),
+               ("ps sync, dense", DENSE, ["--strategy", "ps", "--ps-mode", "sync"], 15),
+               ("allreduce, sparse allgather", SPARSE, ["--strategy", "allreduce"], 150),
+               ("allreduce, dense", DENSE, ["--strategy", "allreduce"], 15)]
+    results = {c[0]: [] for c in configs}
+    extra = {c[0]: [] for c in configs}
+    for _ in range(args.runs):
+        for name, model, flags, steps in configs:
+            d = train(args.build, tmp, 2, model, flags, steps=steps)
+            results[name].append(d["samples_per_s"])
+            extra[name].append((d["bytes_per_step"], d["step_ms"], d["wait_ms"]))
+    base = median(results["ps sync, sparse"])
+    print("| scheme | samples/s (median) | runs | vs ps sync sparse | step ms | comm wait ms | bytes/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, *_ in configs:
+        r = results[name]
+        b = median([e[0] for e in extra[name]])
+        print(f"| {name} | {median(r):.0f} | {', '.join(f'{x:.0f}' for x in r)} | {median(r) / base:.2f}x | "
+              f"{median([e[1] for e in extra[name]]):.1f} | {median([e[2] for e in extra[name]]):.1f} | "
+              f"{b / 1e6:.2f} MB |", flush=True)
+
+
+def section_accuracy(args, tmp):
+    print("\n## test accuracy after 2 epochs of synthetic-bags (120000 examples), adam lr 0.01\n")
+    configs = [("local, 1 process, batch 128", 1, []),
+               ("allreduce, 2 workers", 2, ["--strategy", "allreduce"]),
+               ("average, 2 workers, every step", 2, ["--strategy", "average"]),
+               ("ps sync, 2 workers, 2 shards", 2, ["--strategy", "ps", "--ps-mode", "sync"]),
+               ("ps async, 2 workers, 2 shards", 2, ["--strategy", "ps", "--ps-mode", "async"]),
+               ("gossip, 2 workers (dense transport)", 2, ["--strategy", "gossip"])]
+    print("| scheme | test accuracy | attainable optimum | gap | samples/s |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, workers, flags in configs:
+        d = train(args.build, tmp, workers, SPARSE, flags, epochs=2, batch=128 if workers == 1 else 64)
+        opt = d["attainable_accuracy"]
+        print(f"| {name} | {d['test_accuracy']:.4f} | {opt:.4f} | {opt - d['test_accuracy']:.4f} | "
+              f"{d['samples_per_s']:.0f} |", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--sections", default="bytes,rate,accuracy")
+    args = parser.parse_args()
+    print(f"machine: {machine()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for section in args.sections.split(","):
+            {"bytes": section_bytes, "rate": section_rate, "accuracy": section_accuracy}[section](args, tmp)
+
+
+if __name__ == "__main__":
+    main()
