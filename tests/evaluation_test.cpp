@@ -2,6 +2,7 @@
 // this test's own: a bitwise CRC-32C (no table, unlike the writer's) and its own protobuf wire
 // decoding, written from the format's description (TFRecord framing; event.proto, summary.proto).
 #include <cohort/data.h>
+#include <cohort/error.h>
 #include "base/tensorboard.h"
 #include "train/evaluation.h"
 

@@ -105,7 +105,7 @@ TEST(Evaluator, ToleratesAKillAndARestart) {
 }
 
 TEST(Evaluator, WithoutACheckpointDirectoryIsAOneLineError) {
-  const std::string tf = "TF_CONFIG='{\"cluster\":{\"chief\":[\"127.0.0.1:" + std::to_string(test::freePort()) +
+  const std::string tf = "env TF_CONFIG='{\"cluster\":{\"chief\":[\"127.0.0.1:" + std::to_string(test::freePort()) +
                          "\"],\"evaluator\":[\"127.0.0.1:1\"]},\"task\":{\"type\":\"evaluator\",\"index\":0}}' ";
   expectOneLineError(test::runCommand(tf + train() + kSmallRun + " --steps 5", 60), "--checkpoint-dir");
 }
