@@ -47,10 +47,17 @@ class CheckpointStore {
 
   const std::string& dir() const { return dir_; }
 
+  // While an evaluator reads the checkpoints: save() does not prune checkpoints whose step is
+  // above what `evaluatedUpTo()` returns (the steps it has done), up to kMaxUnread of them beyond
+  // `keep`, so that it evaluates every one even when it falls behind.
+  static constexpr int kMaxUnread = 50;
+  void keepUnread(std::function<int64_t()> evaluatedUpTo) { evaluatedUpTo_ = std::move(evaluatedUpTo); }
+
  private:
   std::string dir_;
   std::string prefix_;
   int keep_;
+  std::function<int64_t()> evaluatedUpTo_;
 };
 
 }  // namespace cohort

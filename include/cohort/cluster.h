@@ -43,6 +43,7 @@ struct ClusterSpec {
   HostPort master{"127.0.0.1", 29500};     // where the chief's rendezvous store listens
   std::vector<HostPort> workers;           // worker addresses when known (TF_CONFIG), chief first
   std::vector<HostPort> parameterServers;  // ps shard addresses (TF_CONFIG "ps")
+  std::vector<HostPort> evaluators;        // evaluator tasks (TF_CONFIG "evaluator"): they evaluate the checkpoints
   std::string source = "single";           // "TF_CONFIG", "torchrun", "OpenMPI", "Slurm" or "single"
   // The job's shared secret ($COHORT_AUTH_TOKEN, which `cohort launch` makes): the rendezvous
   // store, the gossip peers and the shards admit only processes that prove it. Empty: none.

@@ -32,6 +32,7 @@ struct Dataset {
 struct DataSplits {
   std::string name;
   Dataset train;
+  Dataset validation;  // empty unless holdOutValidation() took it from train
   Dataset test;
   int64_t classes = 10;
   // Bag-of-ids data: every id is below featureRows; featureRowsSource says where the largest is
@@ -67,6 +68,11 @@ inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mni
 //                          accuracy is known (attainableAccuracy).
 // Throws InvalidArgument for an unknown spec and IoError for missing or malformed files.
 DataSplits loadData(const std::string& spec, uint64_t seed);
+
+// Moves n training examples, chosen by a seeded permutation (the same on every machine for the
+// same data, n and seed), into data.validation; the rest stay in data.train in their order.
+// Throws InvalidArgument when n is not below the training set's size.
+void holdOutValidation(DataSplits& data, int64_t n, uint64_t seed);
 
 // Gathers the examples at `indices` into a batch.
 Batch makeBatch(const Dataset& data, std::span<const int64_t> indices);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -99,7 +100,9 @@ std::string CheckpointStore::save(int64_t step, std::span<const uint8_t> payload
   fsyncPath(dir_, O_RDONLY | O_DIRECTORY);
 
   auto files = list();
+  const int64_t unreadAbove = evaluatedUpTo_ ? evaluatedUpTo_() : INT64_MAX;
   for (size_t i = size_t(keep_); i < files.size(); ++i) {
+    if (files[i].step > unreadAbove && i < size_t(keep_ + kMaxUnread)) continue;
     std::error_code ec;
     fs::remove(files[i].path, ec);  // best effort: an old checkpoint left behind is harmless
   }

@@ -20,6 +20,8 @@ Run addTrainCommand(CLI::App& app);
 Run addLaunchCommand(CLI::App& app);
 Run addPsCommand(CLI::App& app);
 Run addSimulateCommand(CLI::App& app);
+Run addEnsembleCommand(CLI::App& app);
+Run addQuantizeCommand(CLI::App& app);
 
 // The parameter servers' shared secret: the token, else the file's contents, else
 // $COHORT_AUTH_TOKEN (which `cohort launch --ps` sets), else none.

@@ -141,8 +141,9 @@ class LineForwarder {
 
 struct Child {
   int rank = 0;
-  bool server = false;  // a parameter-server shard (--ps), not a worker
-  std::string label;    // "rank i" or "ps i"
+  bool server = false;     // a parameter-server shard (--ps), not a worker
+  bool evaluator = false;  // the evaluator task (--evaluator)
+  std::string label;       // "rank i", "ps i" or "evaluator"
   pid_t pid = -1;
   bool running = false;
   std::unique_ptr<LineForwarder> out;
@@ -186,9 +187,9 @@ std::vector<std::string> sharedChildEnv(int processes) {
 class Launcher {
  public:
   Launcher(const LaunchOptions& options, int port) : options_(options), port_(port) {
-    if (options.parameterServers == 0) return;
+    if (!usesTfConfig()) return;
     ports_.push_back(port);
-    for (int i = 1; i < options.processes + options.parameterServers; ++i) ports_.push_back(pickFreePort(options.host));
+    for (int i = 1; i < childCount(); ++i) ports_.push_back(pickFreePort(options.host));
   }
   Launcher(const Launcher&) = delete;
   Launcher& operator=(const Launcher&) = delete;
@@ -210,7 +211,7 @@ class Launcher {
     std::vector<std::string> shared = sharedChildEnv(options_.processes);
     // Every job gets a secret: ps shards and gossip peers refuse calls without it.
     if (!hasEnv("COHORT_AUTH_TOKEN")) shared.push_back("COHORT_AUTH_TOKEN=" + crypto::randomToken());
-    children_.resize(size_t(options_.processes + options_.parameterServers));
+    children_.resize(size_t(childCount()));
     for (int i = 0; i < int(children_.size()); ++i) start(i, shared);
     while (running_ > 0) {
       waitForEvents();
@@ -273,8 +274,12 @@ class Launcher {
   }
 
 
-  // The job's TF_CONFIG (--ps M): rank 0 is the chief at the rendezvous port, the other workers
-  // and the shards get ports of their own.
+  bool usesTfConfig() const { return options_.parameterServers > 0 || options_.evaluator; }
+  int childCount() const { return options_.processes + options_.parameterServers + (options_.evaluator ? 1 : 0); }
+  bool isEvaluatorIndex(int index) const { return options_.evaluator && index == childCount() - 1; }
+
+  // The job's TF_CONFIG (--ps M, --evaluator): rank 0 is the chief at the rendezvous port, the
+  // other workers, the shards and the evaluator get ports of their own.
   std::string tfConfig(int index) const {
     auto address = [&](int port) { return "\"" + options_.host + ":" + std::to_string(port) + "\""; };
     std::string workers, servers;
@@ -282,11 +287,14 @@ class Launcher {
     for (int k = 0; k < options_.parameterServers; ++k) {
       servers += (servers.empty() ? "" : ",") + address(ports_[size_t(options_.processes + k)]);
     }
-    const bool server = index >= options_.processes;
-    const std::string type = server ? "ps" : index == 0 ? "chief" : "worker";
-    const int taskIndex = server ? index - options_.processes : index == 0 ? 0 : index - 1;
+    const bool evaluator = isEvaluatorIndex(index);
+    const bool server = !evaluator && index >= options_.processes;
+    const std::string type = evaluator ? "evaluator" : server ? "ps" : index == 0 ? "chief" : "worker";
+    const int taskIndex = evaluator ? 0 : server ? index - options_.processes : index == 0 ? 0 : index - 1;
+    const std::string evaluators =
+        options_.evaluator ? ",\"evaluator\":[" + address(ports_[size_t(childCount() - 1)]) + "]" : "";
     return "{\"cluster\":{\"chief\":[" + address(port_) + "],\"worker\":[" + workers + "],\"ps\":[" + servers +
-           "]},\"task\":{\"type\":\"" + type + "\",\"index\":" + std::to_string(taskIndex) + "}}";
+           "]" + evaluators + "},\"task\":{\"type\":\"" + type + "\",\"index\":" + std::to_string(taskIndex) + "}}";
   }
 
   // Shards end on their own once every worker said it is done; one that has not within the grace
@@ -294,7 +302,7 @@ class Launcher {
   void stopServersAfterWorkers() {
     if (options_.parameterServers == 0 || ending_) return;
     for (const Child& child : children_) {
-      if (!child.server && child.running) return;
+      if (!child.server && !child.evaluator && child.running) return;
     }
     if (!workersDone_) {
       workersDone_ = true;
@@ -305,15 +313,18 @@ class Launcher {
     if (Clock::now() < serversDeadline_ || serversStopped_) return;
     serversStopped_ = true;
     for (const Child& child : children_) {
-      if (child.running) ::kill(child.pid, SIGTERM);
+      if (child.running && child.server) ::kill(child.pid, SIGTERM);
     }
   }
 
   void start(int index, const std::vector<std::string>& shared) {
     Child& child = children_[size_t(index)];
     child.rank = index;
-    child.server = index >= options_.processes;
-    child.label = child.server ? "ps " + std::to_string(index - options_.processes) : "rank " + std::to_string(index);
+    child.evaluator = isEvaluatorIndex(index);
+    child.server = !child.evaluator && index >= options_.processes;
+    child.label = child.evaluator ? "evaluator"
+                  : child.server  ? "ps " + std::to_string(index - options_.processes)
+                                  : "rank " + std::to_string(index);
     const std::string name = child.label;
     const int rank = index;
     const std::array<int, 2> out = openPipe(name);
@@ -329,7 +340,7 @@ class Launcher {
 
     // Built before fork: between fork and exec only async-signal-safe calls are allowed.
     std::vector<std::string> env = shared;
-    if (!child.server) {
+    if (!child.server && !child.evaluator) {
       env.push_back("RANK=" + std::to_string(rank));
       env.push_back("WORLD_SIZE=" + std::to_string(options_.processes));
       env.push_back("LOCAL_RANK=" + std::to_string(rank));
@@ -337,7 +348,7 @@ class Launcher {
     }
     env.push_back("MASTER_ADDR=" + options_.host);
     env.push_back("MASTER_PORT=" + std::to_string(port_));
-    if (options_.parameterServers > 0) env.push_back("TF_CONFIG=" + tfConfig(index));
+    if (usesTfConfig()) env.push_back("TF_CONFIG=" + tfConfig(index));
     std::vector<char*> envp;
     for (std::string& entry : env) envp.push_back(entry.data());
     envp.push_back(nullptr);
@@ -398,7 +409,7 @@ class Launcher {
     if (ending_ && !killed_) {
       const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline_ - Clock::now()).count();
       timeoutMs = int(std::clamp<int64_t>(left, 0, 1000 * 1000));
-    } else if (options_.parameterServers > 0) {
+    } else if (usesTfConfig()) {
       timeoutMs = 200;  // to notice when the shards' grace period after the workers is over
     }
     if (::poll(fds.data(), fds.size(), timeoutMs) <= 0) return;  // EINTR: the self-pipe says why
@@ -437,6 +448,12 @@ class Launcher {
       const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
       if (!failed || ending_) continue;
       const std::string& who = child.label;
+      if (child.evaluator) {  // evaluation is a side job: training goes on without it
+        say(who + (WIFSIGNALED(status) ? " was killed by signal " + std::to_string(WTERMSIG(status))
+                                       : " exited with status " + std::to_string(WEXITSTATUS(status))) +
+            "; the workers go on");
+        continue;
+      }
       if (WIFSIGNALED(status)) {
         const int signo = WTERMSIG(status);
         say(who + " was killed by signal " + std::to_string(signo) + " (" + signalName(signo) + ")");

@@ -42,6 +42,14 @@
 // workers are done; any still running graceSeconds (at least 1 s) after the last worker exited
 // with 0 get SIGTERM, which a cohort shard answers by checkpointing and exiting with 0.
 //
+// Evaluator (evaluator = true). One more child runs the same command as the task "evaluator 0"
+// (prefix "[evaluator] "), and every child gets TF_CONFIG as above with an "evaluator" list. Its
+// failure is reported ("cohort launch: evaluator exited with status S; the workers go on") but
+// does not end the job; when the workers end the job early it is stopped with them. After the
+// workers exit with 0 the launcher waits for it to finish evaluating (it exits on its own once it
+// has read the chief's last checkpoint, or after its --evaluator-timeout). The exit status is the
+// workers'.
+//
 // runLaunch installs handlers for SIGINT, SIGTERM and SIGCHLD while it runs (restoring the previous
 // ones before it returns), so only one may run at a time in a process.
 #pragma once
@@ -56,6 +64,7 @@ struct LaunchOptions {
   std::string host = "127.0.0.1";  // MASTER_ADDR, and where a free port is looked for
   int port = 0;                    // MASTER_PORT; 0 picks a free one
   int parameterServers = 0;        // M: --ps shards, started after the workers (see below)
+  bool evaluator = false;          // one evaluator task, started after the shards (see below)
   double graceSeconds = 10;        // from SIGTERM to SIGKILL when the job ends early
   std::vector<std::string> command;
 };

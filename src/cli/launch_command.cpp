@@ -11,18 +11,23 @@ Run addLaunchCommand(CLI::App& app) {
   CLI::App* launch = app.add_subcommand(
       "launch", "Run N processes of a command on this machine as ranks 0 .. N-1");
   launch->footer(
-      "Usage: cohort launch -n N [--ps M] [--port P] [--host H] [--grace S] -- COMMAND...\n"
+      "Usage: cohort launch -n N [--ps M] [--evaluator] [--port P] [--host H] [--grace S] -- COMMAND...\n"
       "Every process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and,\n"
       "unless OMP_NUM_THREADS is set, OMP_NUM_THREADS = cores / N. Its output lines are prefixed with\n"
       "[rank i], and every process of the job the same random COHORT_AUTH_TOKEN (unless it is set).\n"
       "The first rank to fail stops the others; its status is the exit status.\n"
       "With --ps M, M parameter-server shards run the same command too ([ps k]), and every process gets\n"
-      "TF_CONFIG: cohort launch -n 2 --ps 1 -- cohort train --strategy ps");
+      "TF_CONFIG: cohort launch -n 2 --ps 1 -- cohort train --strategy ps\n"
+      "With --evaluator, an evaluator task runs it too ([evaluator]): it evaluates every checkpoint the chief\n"
+      "writes, so the workers do not pause: cohort launch -n 2 --evaluator -- cohort train --checkpoint-dir D\n"
+      "--eval-every 200. Its failure does not stop the workers; the launcher waits for it at the end.");
   launch->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   launch->add_option("-n,--nproc", o.processes, "Processes to start (ranks 0 .. N-1)")->required();
   launch->add_option("--ps", o.parameterServers,
                      "Parameter-server shards to start as well (every process gets TF_CONFIG)")
       ->capture_default_str();
+  launch->add_flag("--evaluator", o.evaluator,
+                   "Start an evaluator task as well (TF_CONFIG type evaluator): it evaluates the checkpoints");
   launch->add_option("--port", o.port, "MASTER_PORT (0: a free port)")->capture_default_str();
   launch->add_option("--host", o.host, "MASTER_ADDR")->capture_default_str();
   launch->add_option("--grace", o.graceSeconds, "Seconds between SIGTERM and SIGKILL when the job ends early")

@@ -58,6 +58,8 @@ int main(int argc, char** argv) {
   cohort::cli::Run launch = cohort::cli::addLaunchCommand(app);
   cohort::cli::Run ps = cohort::cli::addPsCommand(app);
   cohort::cli::Run simulate = cohort::cli::addSimulateCommand(app);
+  cohort::cli::Run ensemble = cohort::cli::addEnsembleCommand(app);
+  cohort::cli::Run quantize = cohort::cli::addQuantizeCommand(app);
 
   try {
     std::vector<std::string> args = cohort::cli::expandConfig(app, {argv + 1, argv + argc});
@@ -80,6 +82,8 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("launch")) return launch();
     if (app.got_subcommand("ps")) return ps();
     if (app.got_subcommand("simulate")) return simulate();
+    if (app.got_subcommand("ensemble")) return ensemble();
+    if (app.got_subcommand("quantize")) return quantize();
     return fail(2, "no command given (see cohort --help)");
   } catch (const cohort::InvalidArgument& e) {
     return fail(2, e.what());

@@ -2,6 +2,7 @@
 #include <cohort/error.h>
 #include <cohort/job.h>
 #include <cohort/parameter_server.h>
+#include "train/evaluator.h"
 #include "train/trainer.h"
 
 #include "ps/service.h"
@@ -70,6 +71,7 @@ Run addTrainCommand(CLI::App& app) {
     std::string slowWorker;
   };
   auto psFlags = std::make_shared<PsFlags>();
+  auto evaluator = std::make_shared<EvaluatorOptions>();
   TrainOptions& o = *options;
   CLI::App* train = app.add_subcommand("train", "Train a model with one of the distribution schemes");
   // A flag given twice (in --config and on the command line) takes the last: the command line.
@@ -97,7 +99,19 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--checkpoint-every", o.checkpointEvery,
                     "Checkpoint every N steps (0: at the end only)");
   train->add_flag("--resume", o.resume, "Continue from the newest checkpoint in --checkpoint-dir");
+  train->add_option("--validation", o.validation,
+                    "Hold out N training examples for model selection: eval and done events add val_accuracy, "
+                    "val_loss")->capture_default_str();
+  train->add_option("--validation-seed", o.validationSeed,
+                    "Which examples --validation holds out (independent of --seed, so that trials share them)")
+      ->capture_default_str();
   train->add_option("--metrics", o.metricsPath, "Write JSON-lines metrics to this file");
+  train->add_option("--tensorboard", o.tensorboardDir,
+                    "Write TensorBoard event files (events.out.tfevents.*) to this directory (an evaluator task: "
+                    "DIR/eval)");
+  train->add_option("--evaluator-timeout", evaluator->idleTimeoutSeconds,
+                    "An evaluator task fails after this many seconds without a new checkpoint or the end of "
+                    "training")->capture_default_str();
   train->add_option("--progress", *progress, "auto, bar, lines or off")
       ->check(CLI::IsMember({"auto", "bar", "lines", "off"}))
       ->capture_default_str();
@@ -178,7 +192,7 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--test-slow-worker", psFlags->slowWorker,
                     "Testing: RANK:SECONDS[,...] makes those workers sleep so long every step")->group("Testing");
 
-  return [options, progress, psFlags]() {
+  return [options, progress, psFlags, evaluator]() {
     TrainOptions& o = *options;
     checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
     auto& p = o.strategy.ps;
@@ -209,6 +223,8 @@ Run addTrainCommand(CLI::App& app) {
     // It binds the address TF_CONFIG gives this task, not every interface: on one machine (cohort
     // launch) that is loopback, where strangers on the network cannot reach the shard at all.
     if (cluster.role == Role::kParameterServer) return serveParameterServerShard(Job::fromSpec(cluster), p, o.checkpointDir);
+    // An evaluator task (TF_CONFIG type "evaluator", cohort launch --evaluator) runs the same command too.
+    if (cluster.role == Role::kEvaluator) return runEvaluator(o, cluster, *evaluator);
     static const std::map<std::string, ProgressMode> kModes{{"auto", ProgressMode::kAuto},
                                                            {"bar", ProgressMode::kBar},
                                                            {"lines", ProgressMode::kLines},
@@ -220,6 +236,9 @@ Run addTrainCommand(CLI::App& app) {
     std::printf("done: %lld steps, %lld epochs, test accuracy %.4f, test loss %.4f, %.1f samples/s, %.1f s\n",
                 (long long)r.steps, (long long)r.epochs, r.testAccuracy, r.testLoss,
                 r.samplesPerSecond, r.wallSeconds);
+    if (r.validationAccuracy) {
+      std::printf("validation accuracy %.4f, validation loss %.4f\n", *r.validationAccuracy, *r.validationLoss);
+    }
     if (r.secondsToTarget) std::printf("target accuracy reached after %.1f s\n", *r.secondsToTarget);
     return 0;
   };

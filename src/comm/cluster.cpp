@@ -188,6 +188,7 @@ ClusterSpec fromTfConfig(const std::string& text) {
   spec.workers = chiefs;
   spec.workers.insert(spec.workers.end(), plainWorkers.begin(), plainWorkers.end());
   spec.parameterServers = servers;
+  spec.evaluators = evaluators;
   COHORT_CHECK(!spec.workers.empty(), InvalidArgument,
                "TF_CONFIG cluster has no chief and no worker: a job needs at least one worker");
   spec.worldSize = int(spec.workers.size());

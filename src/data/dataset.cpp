@@ -5,7 +5,10 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <numeric>
+#include <random>
 #include <filesystem>
 
 namespace cohort {
@@ -115,6 +118,34 @@ DataSplits loadData(const std::string& spec, uint64_t seed) {
   throw InvalidArgument("unknown data set '" + spec +
                         "': expected fashion-mnist, mnist:DIR, synthetic[:N], libsvm:TRAIN[,TEST] or "
                         "synthetic-bags[:N[,ROWS]]");
+}
+
+void holdOutValidation(DataSplits& data, int64_t n, uint64_t seed) {
+  const int64_t size = data.train.size();
+  COHORT_CHECK(n >= 0 && n < size, InvalidArgument, "--validation ", n, " must be between 0 and the ", size,
+               " training examples (exclusive)");
+  if (n == 0) return;
+  COHORT_CHECK(!data.bags(), InvalidArgument, "--validation does not apply to bag-of-ids data (", data.name,
+               ") yet: hold the examples out in the file instead");
+  // A hand-written Fisher-Yates over std::mt19937_64 (portable, unlike std::shuffle): the split
+  // must be the same for every trial of a sweep and every process of a job.
+  std::vector<int64_t> order(static_cast<size_t>(size));
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937_64 rng(seed * 0xD1B54A32D192ED03ULL + 0x7A11DA7EULL);
+  for (int64_t i = size - 1; i > 0; --i) {
+    const auto j = int64_t(rng() % uint64_t(i + 1));
+    std::swap(order[size_t(i)], order[size_t(j)]);
+  }
+  std::vector<int64_t> held(order.begin(), order.begin() + n);
+  std::vector<int64_t> kept(order.begin() + n, order.end());
+  std::sort(held.begin(), held.end());
+  std::sort(kept.begin(), kept.end());
+  auto select = [&](std::vector<int64_t>& idx) {
+    auto index = torch::from_blob(idx.data(), {int64_t(idx.size())}, torch::kInt64);
+    return Dataset{data.train.images.index_select(0, index), data.train.labels.index_select(0, index)};
+  };
+  data.validation = select(held);
+  data.train = select(kept);
 }
 
 Batch makeBatch(const Dataset& data, std::span<const int64_t> indices) {

@@ -7,6 +7,10 @@
 #include <cohort/models.h>
 #include <cohort/sampler.h>
 #include "base/clock.h"
+#include "base/tensorboard.h"
+#include "train/evaluation.h"
+#include "train/evaluator.h"
+#include "train/model_file.h"
 #include "train/trainer.h"
 
 #include "schemes/model_sync.h"
@@ -17,6 +21,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <limits>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -61,6 +66,7 @@ std::string fingerprint(const TrainOptions& o, const ReplicaInfo& r, const std::
   out << "model=" << o.model << " data=" << o.data << " batch=" << o.batch
       << " optimizer=" << o.optimizer << " strategy=" << o.strategy.name
       << " workers=" << r.worldSize << " seed=" << o.seed;
+  if (o.validation > 0) out << " validation=" << o.validation << ":" << o.validationSeed;
   if (!layout.empty()) out << " " << layout;
   return out.str();
 }
@@ -77,6 +83,22 @@ int defaultThreads() {
     // reported when the trainer resolves the cluster
   }
   return std::max(1, cores / local);
+}
+
+// The step's scalars for TensorBoard.
+std::vector<std::pair<std::string, float>> boardScalars(const StepStats& stats, double samplesPerSecond, double lr) {
+  std::vector<std::pair<std::string, float>> scalars{{"train/loss", float(stats.loss)},
+                                                     {"train/samples_per_s", float(samplesPerSecond)},
+                                                     {"train/bytes_sent", float(stats.bytesSent)},
+                                                     {"train/bytes_received", float(stats.bytesReceived)},
+                                                     {"train/comm_wait_s", float(stats.commWaitSeconds)},
+                                                     {"train/learning_rate", float(lr)}};
+  for (const auto& [key, value] : stats.extra) {
+    if (key.rfind("staleness", 0) != 0) continue;  // the schemes that have one: ps, gossip
+    if (const auto* d = std::get_if<double>(&value)) scalars.emplace_back("train/" + key, float(*d));
+    if (const auto* i = std::get_if<int64_t>(&value)) scalars.emplace_back("train/" + key, float(*i));
+  }
+  return scalars;
 }
 
 }  // namespace
@@ -96,6 +118,7 @@ void validate(const TrainOptions& o) {
                "--resume needs --checkpoint-dir to find the checkpoint");
   COHORT_CHECK(o.momentum >= 0 && o.momentum < 1, InvalidArgument, "--momentum must be in [0, 1), got ",
                o.momentum);
+  COHORT_CHECK(o.validation >= 0, InvalidArgument, "--validation must not be negative, got ", o.validation);
   COHORT_CHECK(o.timeoutSeconds > 0, InvalidArgument, "--timeout must be positive, got ", o.timeoutSeconds);
   COHORT_CHECK(o.optimizer == "sgd" || o.optimizer == "momentum" || o.optimizer == "adam" || o.optimizer == "adagrad",
                InvalidArgument, "unknown optimizer '", o.optimizer, "': expected sgd, momentum, adam or adagrad");
@@ -113,6 +136,8 @@ struct Trainer::State {
   CheckpointPlan checkpointPlan;
   std::unique_ptr<CheckpointStore> checkpoints;  // on the processes that write checkpoints
   std::unique_ptr<MetricsWriter> metrics;
+  std::unique_ptr<TensorBoardWriter> board;  // the chief's, with --tensorboard
+  int evaluators = 0;  // evaluator tasks in the cluster: they evaluate, the chief checkpoints
   ReplicaInfo replica;
   int64_t step = 0;         // steps completed
   int64_t epoch = 0;        // the epoch under way
@@ -237,42 +262,50 @@ struct Trainer::State {
   }
 
   struct Eval {
-    double accuracy = 0;
-    double loss = 0;
+    Scores test;
+    std::optional<Scores> validation;
   };
 
   // On every process that joins evaluation (strategy->joinsEvaluation()); the result is the
-  // chief's.
+  // chief's. The test set, then the validation set, in the same order on every process.
   Eval evaluate() {
     torch::NoGradGuard noGrad;
     model->eval();
-    const Dataset& test = data.test;
-    const int64_t n = test.size();
-    double lossSum = 0;
-    double metricSum = 0;  // with options.evaluate
-    int64_t correct = 0;
+    Eval ev;
+    ev.test = evaluateOn(data.test);
+    if (data.validation.size() > 0) ev.validation = evaluateOn(data.validation);
+    model->train();
+    return ev;
+  }
+
+  Scores evaluateOn(const Dataset& set) {
+    const int64_t n = set.size();
+    ScoreAccumulator acc(data.classes);
+    double lossSum = 0;    // with options.evaluate
+    double metricSum = 0;
     std::vector<int64_t> idx;
     for (int64_t start = 0; start < n; start += kEvalBatch) {
       const int64_t count = std::min(kEvalBatch, n - start);
       idx.resize(size_t(count));
       std::iota(idx.begin(), idx.end(), start);
-      Batch batch = makeBatch(test, idx);
+      Batch batch = makeBatch(set, idx);
       auto out = strategy->infer(model, batch.inputs);
       if (!out.defined()) continue;  // the chief has the outputs
       if (options.evaluate) {
         const auto [loss, metric] = options.evaluate(out, batch.targets);
         lossSum += loss;
         metricSum += metric;
-        continue;
+      } else {
+        acc.add(out, batch.targets);
       }
-      lossSum += torch::nn::functional::cross_entropy(
-                     out, batch.targets,
-                     torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-                     .item<double>();
-      correct += out.argmax(1).eq(batch.targets).sum().item<int64_t>();
     }
-    model->train();
-    return {(double(correct) + metricSum) / double(n), lossSum / double(n)};
+    if (!options.evaluate) return acc.scores();
+    Scores custom;  // the injected metric has no classes: no F1, no per-class figures
+    custom.examples = n;
+    custom.loss = lossSum / double(n);
+    custom.accuracy = metricSum / double(n);
+    custom.macroF1 = std::numeric_limits<double>::quiet_NaN();
+    return custom;
   }
 };
 
@@ -304,6 +337,7 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   s.comm = s.strategy->communicator();
   s.replica = s.strategy->replica();
   s.data = loadData(o.data, o.seed);
+  holdOutValidation(s.data, o.validation, o.validationSeed);
   if (s.data.bags()) {
     s.model = makeModel(o.model, {.channels = 1, .height = 1, .width = 1, .classes = s.data.classes,
                                   .featureRows = s.data.featureRows, .featureRowsSource = s.data.featureRowsSource});
@@ -337,6 +371,22 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
         s.checkpointPlan.subdir.empty() ? o.checkpointDir : o.checkpointDir + "/" + s.checkpointPlan.subdir;
     s.checkpoints = std::make_unique<CheckpointStore>(dir);
   }
+  s.evaluators = int(s.cluster.evaluators.size());
+  if (s.evaluators > 0) {
+    COHORT_CHECK(!o.checkpointDir.empty(), InvalidArgument, "the cluster has an evaluator task, which evaluates "
+                 "the checkpoints the chief writes, but no --checkpoint-dir was given: give one to every task");
+    COHORT_CHECK(s.checkpoints != nullptr || !s.replica.isChief(), InvalidArgument, "--strategy ",
+                 o.strategy.name, " does not write whole-model checkpoints, which an evaluator task reads: "
+                 "drop the evaluator task");
+    COHORT_CHECK(o.targetAccuracy == 0, InvalidArgument, "--target-accuracy needs the chief's own evaluation, and "
+                 "the cluster has an evaluator task: drop one of them");
+    if (s.checkpoints) {
+      const std::string dir = s.checkpoints->dir();
+      const int evaluators = s.evaluators;
+      s.checkpoints->keepUnread([dir, evaluators] { return evaluatedByAll(dir, evaluators); });
+      if (!o.resume) removeTrainingDone(dir);  // an earlier run's
+    }
+  }
   if (o.resume && !serverCheckpoints) s.resume();
   // attach after resume: it makes every replica start from the chief's (restored) parameters.
   s.strategy->attach(s.model, *s.optimizer);
@@ -349,7 +399,10 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
       std::fprintf(stderr, "cohort: resumed from the parameter servers at step %lld\n", (long long)s.step);
     }
   }
-  if (s.replica.isChief()) s.metrics = std::make_unique<MetricsWriter>(o.metricsPath, o.resume);
+  if (s.replica.isChief()) {
+    s.metrics = std::make_unique<MetricsWriter>(o.metricsPath, o.resume);
+    if (!o.tensorboardDir.empty()) s.board = std::make_unique<TensorBoardWriter>(o.tensorboardDir);
+  }
 }
 
 Trainer::~Trainer() = default;
@@ -387,30 +440,59 @@ TrainResult Trainer::run() {
   int64_t allSamples = 0;
   double recentLoss = 0;
   bool stop = false;
+  std::optional<State::Eval> lastEval;
 
   auto evalOnChief = [&]() {
     auto ev = s.evaluate();
-    result.testAccuracy = ev.accuracy;
-    result.testLoss = ev.loss;
+    result.testAccuracy = ev.test.accuracy;
+    result.testLoss = ev.test.loss;
+    lastEval = ev;
     const double wall = secondsSince(start);
-    MetricFields fields{{"step", s.step}, {"epoch", s.epoch}, {"accuracy", ev.accuracy},
-                        {"loss", ev.loss}, {"wall_s", wall}};
-    if (o.targetAccuracy > 0 && ev.accuracy >= o.targetAccuracy && !result.secondsToTarget) {
+    MetricFields fields{{"step", s.step}, {"epoch", s.epoch}};
+    MetricFields scores = scoreFields("", ev.test, false);
+    fields.insert(fields.end(), scores.begin(), scores.end());
+    if (ev.validation) {
+      result.validationAccuracy = ev.validation->accuracy;
+      result.validationLoss = ev.validation->loss;
+      MetricFields v = scoreFields("val_", *ev.validation, false);
+      fields.insert(fields.end(), v.begin(), v.end());
+    }
+    fields.emplace_back("wall_s", wall);
+    if (o.targetAccuracy > 0 && ev.test.accuracy >= o.targetAccuracy && !result.secondsToTarget) {
       result.secondsToTarget = wall;
       fields.emplace_back("seconds_to_target", wall);
       stop = true;
     }
     fields.emplace_back("epoch_progress", double(s.step) / double(perEpoch));
     s.metrics->write("eval", fields);
-    char text[160];
-    std::snprintf(text, sizeof(text), "eval at step %lld: test accuracy %.4f, loss %.4f",
-                  (long long)s.step, ev.accuracy, ev.loss);
+    if (s.board) {
+      std::vector<std::pair<std::string, float>> scalars{{"test/accuracy", float(ev.test.accuracy)},
+                                                         {"test/loss", float(ev.test.loss)},
+                                                         {"test/macro_f1", float(ev.test.macroF1)}};
+      if (ev.validation) {
+        scalars.emplace_back("validation/accuracy", float(ev.validation->accuracy));
+        scalars.emplace_back("validation/loss", float(ev.validation->loss));
+      }
+      s.board->scalars(s.step, scalars);
+    }
+    char text[200];
+    if (ev.validation) {
+      std::snprintf(text, sizeof(text), "eval at step %lld: test accuracy %.4f, loss %.4f; validation accuracy %.4f",
+                    (long long)s.step, ev.test.accuracy, ev.test.loss, ev.validation->accuracy);
+    } else {
+      std::snprintf(text, sizeof(text), "eval at step %lld: test accuracy %.4f, loss %.4f", (long long)s.step,
+                    ev.test.accuracy, ev.test.loss);
+    }
     progress.message(text);
   };
 
   // Every rank calls this at the same steps: synchronize() may be collective, and the chief's
   // decision to stop is sent to all.
   auto runEval = [&]() {
+    if (s.evaluators > 0) {  // the evaluator task evaluates the checkpoint; no rank pauses for it
+      s.saveCheckpoint();
+      return;
+    }
     s.strategy->synchronize();
     if (chief) {
       evalOnChief();
@@ -468,13 +550,15 @@ TrainResult Trainer::run() {
                             {"wall_s", secondsSince(start)}};
         fields.insert(fields.end(), stats.extra.begin(), stats.extra.end());
         s.metrics->write("step", fields);
+        if (s.board) s.board->scalars(s.step, boardScalars(stats, rate, o.lr));
       }
       progress.update(s.step, s.epoch, stats.loss, rate);
-      if (o.evalEvery > 0 && s.step % o.evalEvery == 0 && s.step < totalSteps) runEval();
+      const bool evalPoint = o.evalEvery > 0 && s.step % o.evalEvery == 0 && s.step < totalSteps;
+      if (evalPoint) runEval();
       // Keyed on the option, not on the chief-only store: saveCheckpoint() synchronizes, which
       // may be a collective every rank must join.
       if (!o.checkpointDir.empty() && !serverCheckpoints && o.checkpointEvery > 0 && s.step % o.checkpointEvery == 0 &&
-          s.step < totalSteps) {
+          s.step < totalSteps && !(evalPoint && s.evaluators > 0)) {
         s.saveCheckpoint();
       }
     }
@@ -486,8 +570,21 @@ TrainResult Trainer::run() {
   progress.finish();
 
   s.strategy->finish();
-  if (!stop) runEval();
-  if (!o.checkpointDir.empty() && !serverCheckpoints) s.saveCheckpoint();
+  if (s.evaluators > 0) {
+    // The last checkpoint, then the marker that tells the evaluators that no other will come;
+    // the chief still evaluates the final model itself for the done event.
+    s.saveCheckpoint();
+    if (s.checkpoints) writeTrainingDone(s.checkpoints->dir(), s.step);
+    s.strategy->synchronize();
+    if (chief) {
+      evalOnChief();
+    } else if (s.strategy->joinsEvaluation()) {
+      s.evaluate();
+    }
+  } else {
+    if (!stop) runEval();
+    if (!o.checkpointDir.empty() && !serverCheckpoints) s.saveCheckpoint();
+  }
   MetricFields schemeReport;
   if (chief) schemeReport = s.strategy->report();
 
@@ -496,11 +593,7 @@ TrainResult Trainer::run() {
     const auto at = path.find("{rank}");
     if (at != std::string::npos) path.replace(at, 6, std::to_string(s.replica.rank));
     if (at != std::string::npos || chief) {
-      try {
-        torch::save(s.model, path);
-      } catch (const c10::Error& e) {
-        throw IoError(path + ": cannot save the model: " + std::string(e.what_without_backtrace()).substr(0, 200));
-      }
+      saveModelFile(s.model, o.model, {s.data.channels(), s.data.height(), s.data.width(), s.data.classes}, path);
     }
   }
 
@@ -526,6 +619,14 @@ TrainResult Trainer::run() {
                       {"workers", int64_t(s.replica.worldSize)}};
     if (result.secondsToTarget) done.emplace_back("seconds_to_target", *result.secondsToTarget);
     if (s.data.attainableAccuracy >= 0) done.emplace_back("attainable_accuracy", s.data.attainableAccuracy);
+    if (lastEval) {
+      MetricFields scores = scoreFields("test_", lastEval->test, true);
+      done.insert(done.end(), scores.begin() + 2, scores.end());  // test_accuracy and test_loss are above
+      if (lastEval->validation) {
+        MetricFields v = scoreFields("val_", *lastEval->validation, true);
+        done.insert(done.end(), v.begin(), v.end());
+      }
+    }
     done.insert(done.end(), schemeReport.begin(), schemeReport.end());
     s.metrics->write("done", done);
   }

@@ -29,7 +29,10 @@ struct TrainOptions {
   std::string checkpointDir;
   int64_t checkpointEvery = 0;  // steps; 0 = at the end only (when checkpointDir is set)
   bool resume = false;
+  int64_t validation = 0;  // training examples held out for model selection (val_accuracy, val_loss)
+  uint64_t validationSeed = 1;  // which ones: the same for every --seed, so that trials compare
   std::string metricsPath;  // JSON lines; empty = none
+  std::string tensorboardDir;  // the chief's TensorBoard event files; empty = none
   std::string saveModelPath;  // the trained model (torch::save); "{rank}" in it: every rank writes
   double timeoutSeconds = 60.0;  // every wait on a peer
   ProgressMode progress = ProgressMode::kAuto;
@@ -51,6 +54,8 @@ struct TrainResult {
   int64_t epochs = 0;  // epochs begun
   double testAccuracy = 0.0;
   double testLoss = 0.0;
+  std::optional<double> validationAccuracy;  // with --validation
+  std::optional<double> validationLoss;
   double lastTrainLoss = 0.0;
   double wallSeconds = 0.0;
   double samplesPerSecond = 0.0;  // steady state, all replicas, evaluation excluded

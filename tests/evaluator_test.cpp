@@ -1,0 +1,210 @@
+// The evaluator task, `cohort ensemble` and `cohort quantize`, as separate processes.
+#include "test_util.h"
+
+#include <filesystem>
+#include <map>
+
+namespace cohort {
+namespace {
+
+std::string train() { return test::cohortBinary() + " train"; }
+
+// Every `event` line of a JSON-lines file.
+std::vector<nlohmann::json> events(const std::string& path, const std::string& event) {
+  std::vector<nlohmann::json> out;
+  for (const auto& line : test::lines(test::readFile(path))) {
+    auto j = nlohmann::json::parse(line);
+    if (j["event"] == event) out.push_back(j);
+  }
+  return out;
+}
+
+std::map<int64_t, int> evaluatedCounts(const std::string& record) {
+  std::map<int64_t, int> counts;
+  for (const auto& e : events(record, "eval")) ++counts[e["step"].get<int64_t>()];
+  return counts;
+}
+
+void expectOneLineError(const test::CommandResult& r, const std::string& needle) {
+  EXPECT_NE(r.exitCode, 0) << r.output;
+  const auto lines = test::lines(r.output);
+  ASSERT_EQ(lines.size(), 1u) << r.output;
+  EXPECT_EQ(lines[0].rfind("cohort: error: ", 0), 0u) << lines[0];
+  EXPECT_NE(lines[0].find(needle), std::string::npos) << "expected '" << needle << "' in: " << lines[0];
+}
+
+const std::string kSmallRun = " --data synthetic:1200 --model mlp --validation 100 --progress off";
+
+TEST(Evaluator, EvaluatesEveryCheckpointOnceAndEndsWithTheJob) {
+  test::TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  const std::string command = test::cohortBinary() + " launch -n 2 --evaluator --port " +
+                              std::to_string(test::freePort()) + " -- " + train() + " --strategy allreduce" +
+                              kSmallRun + " --steps 40 --eval-every 10 --checkpoint-dir " + ckpt + " --metrics " +
+                              dir.file("m.jsonl");
+  auto run = test::runCommand(command, 180);
+  ASSERT_EQ(run.exitCode, 0) << run.output;
+  const std::string record = ckpt + "/evaluator-0.jsonl";
+  const std::map<int64_t, int> counts = evaluatedCounts(record);
+  EXPECT_EQ(counts, (std::map<int64_t, int>{{10, 1}, {20, 1}, {30, 1}, {40, 1}})) << test::readFile(record);
+  for (const auto& e : events(record, "eval")) {
+    EXPECT_TRUE(e.contains("val_accuracy") && e.contains("val_loss") && e.contains("accuracy")) << e.dump();
+  }
+  const auto done = events(record, "done");
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0]["final_step"], 40);
+  // The chief did not pause for evaluation: its only eval event is the final one, after training.
+  const auto chiefEvals = events(dir.file("m.jsonl"), "eval");
+  ASSERT_EQ(chiefEvals.size(), 1u);
+  EXPECT_EQ(chiefEvals[0]["step"], 40);
+  // ...and it is the same model the evaluator read at step 40.
+  const auto evaluatorFinal = events(record, "eval").back();
+  EXPECT_DOUBLE_EQ(chiefEvals[0]["accuracy"].get<double>(), evaluatorFinal["accuracy"].get<double>());
+  EXPECT_DOUBLE_EQ(chiefEvals[0]["val_accuracy"].get<double>(), evaluatorFinal["val_accuracy"].get<double>());
+  EXPECT_NE(run.output.find("[evaluator]"), std::string::npos);
+}
+
+// A TF_CONFIG job of one chief and one evaluator, by hand: the evaluator is killed after its first
+// record and started again; every checkpoint is still recorded exactly once.
+TEST(Evaluator, ToleratesAKillAndARestart) {
+  test::TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  const std::string cluster = "{\"cluster\":{\"chief\":[\"127.0.0.1:" + std::to_string(test::freePort()) +
+                              "\"],\"evaluator\":[\"127.0.0.1:" + std::to_string(test::freePort()) + "\"]},";
+  auto tf = [&](const std::string& type) {
+    return "TF_CONFIG='" + cluster + "\"task\":{\"type\":\"" + type + "\",\"index\":0}}' ";
+  };
+  // The chief sleeps 0.1 s a step: 60 steps take 6 s, long enough to kill and restart the evaluator.
+  const std::string flags = kSmallRun + " --steps 60 --eval-every 10 --threads 1 --checkpoint-dir " + ckpt +
+                            " --test-slow-worker 0:0.1";
+  const std::string record = ckpt + "/evaluator-0.jsonl";
+  const std::string script =
+      tf("chief") + train() + flags + " > " + dir.file("chief.log") + " 2>&1 &\nchief=$!\n" + tf("evaluator") +
+      train() + flags + " > " + dir.file("ev1.log") + " 2>&1 &\nev=$!\n" +
+      "for i in $(seq 1200); do grep -q eval " + record + " 2>/dev/null && break; sleep 0.05; done\n" +
+      "kill -9 $ev; wait $ev\nbefore=$(grep -c '\"eval\"' " + record + ")\n" + tf("evaluator") + train() + flags +
+      " > " + dir.file("ev2.log") + " 2>&1 &\nev=$!\nwait $chief\nc=$?\nwait $ev\ne=$?\n"
+      "echo chief=$c evaluator=$e before=$before\n";
+  test::writeFile(dir.file("run.sh"), script);
+  auto r = test::runCommand("bash " + dir.file("run.sh"), 180);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("chief=0 evaluator=0"), std::string::npos)
+      << r.output << test::readFile(dir.file("chief.log")) << test::readFile(dir.file("ev2.log"));
+  const size_t at = r.output.find("before=");
+  ASSERT_NE(at, std::string::npos);
+  const int before = std::stoi(r.output.substr(at + 7));
+  EXPECT_GE(before, 1);
+  EXPECT_LT(before, 6) << "the evaluator was killed after the job had ended: nothing was left to resume";
+  std::map<int64_t, int> expected;
+  for (int step = 10; step <= 60; step += 10) expected[step] = 1;
+  EXPECT_EQ(evaluatedCounts(record), expected) << test::readFile(record);
+  EXPECT_NE(test::readFile(dir.file("ev2.log")).find("already recorded"), std::string::npos);
+  const auto done = events(record, "done");
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0]["evaluated_by_this_process"].get<int64_t>(), 6 - before);
+}
+
+TEST(Evaluator, WithoutACheckpointDirectoryIsAOneLineError) {
+  const std::string tf = "env TF_CONFIG='{\"cluster\":{\"chief\":[\"127.0.0.1:" + std::to_string(test::freePort()) +
+                         "\"],\"evaluator\":[\"127.0.0.1:1\"]},\"task\":{\"type\":\"evaluator\",\"index\":0}}' ";
+  expectOneLineError(test::runCommand(tf + train() + kSmallRun + " --steps 5", 60), "--checkpoint-dir");
+}
+
+// An IDX data set of `classes` classes, n examples of 28x28, labels 0..classes-1 in turn.
+void writeIdx(const std::string& dir, int classes, int n) {
+  auto header = [](uint8_t type, std::vector<uint32_t> dims) {
+    std::string h{'\0', '\0', char(type), char(dims.size())};
+    for (uint32_t d : dims) {
+      for (int k = 3; k >= 0; --k) h.push_back(char((d >> (8 * k)) & 0xFF));
+    }
+    return h;
+  };
+  for (const char* prefix : {"train", "t10k"}) {
+    std::string images = header(0x08, {uint32_t(n), 28, 28});
+    std::string labels = header(0x08, {uint32_t(n)});
+    for (int i = 0; i < n; ++i) {
+      const int label = i % classes;
+      for (int p = 0; p < 28 * 28; ++p) images.push_back(char(p % classes == label ? 200 : 10));
+      labels.push_back(char(label));
+    }
+    // IDX magic: 0x00 0x00 type dims; images are 3-d, labels 1-d.
+    test::writeFile(dir + "/" + prefix + "-images-idx3-ubyte", images);
+    test::writeFile(dir + "/" + prefix + "-labels-idx1-ubyte", labels);
+  }
+}
+
+TEST(Ensemble, OfIdenticalModelsEqualsTheModel) {
+  test::TempDir dir;
+  auto r = test::runCommand(train() + kSmallRun + " --steps 30 --threads 1 --save-model " + dir.file("a.pt"), 120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  r = test::runCommand(test::cohortBinary() + " ensemble " + dir.file("a.pt") + " " + dir.file("a.pt") + " " +
+                           dir.file("a.pt") + " --data synthetic:1200 --validation 100 --threads 1 --metrics " +
+                           dir.file("e.jsonl"),
+                       120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto models = events(dir.file("e.jsonl"), "model");
+  const auto ensemble = events(dir.file("e.jsonl"), "ensemble");
+  ASSERT_EQ(models.size(), 3u);
+  ASSERT_EQ(ensemble.size(), 1u);
+  for (const char* key : {"val_accuracy", "test_accuracy", "test_macro_f1"}) {
+    EXPECT_DOUBLE_EQ(ensemble[0][key].get<double>(), models[0][key].get<double>()) << key;
+  }
+  EXPECT_NEAR(ensemble[0]["test_loss"].get<double>(), models[0]["test_loss"].get<double>(), 1e-5);
+  EXPECT_NEAR(ensemble[0]["val_loss"].get<double>(), models[0]["val_loss"].get<double>(), 1e-5);
+  EXPECT_GT(models[0]["test_accuracy"].get<double>(), 0.3);  // it did learn something: the check has teeth
+  EXPECT_NE(r.output.find("ensemble"), std::string::npos);
+}
+
+TEST(Ensemble, RefusesModelsWithDifferentOutputs) {
+  test::TempDir dir;
+  const std::string five = dir.file("five");
+  std::filesystem::create_directories(five);
+  writeIdx(five, 5, 60);
+  auto r = test::runCommand(train() + " --data mnist:" + five + " --model mlp --steps 2 --progress off --save-model " +
+                                dir.file("five.pt"),
+                            120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  r = test::runCommand(train() + " --data synthetic:600 --model mlp --steps 2 --progress off --save-model " +
+                           dir.file("ten.pt"),
+                       120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  expectOneLineError(test::runCommand(test::cohortBinary() + " ensemble " + dir.file("ten.pt") + " " +
+                                          dir.file("five.pt") + " --data synthetic:600",
+                                      60),
+                     "has 5 outputs but");
+}
+
+TEST(Quantize, RoundTripKeepsAccuracyAndShrinksTheFile) {
+  test::TempDir dir;
+  auto r = test::runCommand(train() + kSmallRun + " --steps 60 --threads 1 --save-model " + dir.file("f.pt"), 120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  r = test::runCommand(test::cohortBinary() + " quantize " + dir.file("f.pt") + " --out " + dir.file("q.pt") +
+                           " --data synthetic:1200 --repeat 1 --threads 1 --metrics " + dir.file("q.jsonl"),
+                       120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto q = test::lastEvent(dir.file("q.jsonl"), "quantize");
+  ASSERT_FALSE(q.is_null()) << r.output;
+  EXPECT_EQ(q["layers_quantized"], 3);
+  EXPECT_LT(q["size_ratio"].get<double>(), 0.3);
+  EXPECT_NEAR(q["int8_test_accuracy"].get<double>(), q["float_test_accuracy"].get<double>(), 0.02);
+  EXPECT_NEAR(q["dequantized_test_accuracy"].get<double>(), q["float_test_accuracy"].get<double>(), 0.02);
+  // The 8-bit file reads back as a model (its int8 weights dequantized) wherever a model is taken.
+  r = test::runCommand(test::cohortBinary() + " ensemble " + dir.file("q.pt") +
+                           " --data synthetic:1200 --threads 1 --metrics " + dir.file("e.jsonl"),
+                       120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_DOUBLE_EQ(test::lastEvent(dir.file("e.jsonl"), "ensemble")["test_accuracy"].get<double>(),
+                   q["dequantized_test_accuracy"].get<double>());
+}
+
+TEST(Quantize, RefusesAFileThatIsNotAModel) {
+  test::TempDir dir;
+  test::writeFile(dir.file("notes.pt"), "not a model at all\n");
+  expectOneLineError(test::runCommand(test::cohortBinary() + " quantize " + dir.file("notes.pt") + " --out " +
+                                          dir.file("q.pt") + " --data synthetic:600",
+                                      60),
+                     "not a model file");
+}
+
+}  // namespace
+}  // namespace cohort
