@@ -19,6 +19,9 @@ using Run = std::function<int()>;
 Run addTrainCommand(CLI::App& app);
 Run addLaunchCommand(CLI::App& app);
 Run addPsCommand(CLI::App& app);
+// compare and sweep read train's option set from app: add them after train.
+Run addCompareCommand(CLI::App& app);
+Run addSweepCommand(CLI::App& app);
 
 // The parameter servers' shared secret: the token, else the file's contents, else
 // $COHORT_AUTH_TOKEN (which `cohort launch --ps` sets), else none.

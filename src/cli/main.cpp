@@ -57,6 +57,8 @@ int main(int argc, char** argv) {
   cohort::cli::Run train = cohort::cli::addTrainCommand(app);
   cohort::cli::Run launch = cohort::cli::addLaunchCommand(app);
   cohort::cli::Run ps = cohort::cli::addPsCommand(app);
+  cohort::cli::Run compare = cohort::cli::addCompareCommand(app);
+  cohort::cli::Run sweep = cohort::cli::addSweepCommand(app);
 
   try {
     std::vector<std::string> args = cohort::cli::expandConfig(app, {argv + 1, argv + argc});
@@ -78,6 +80,8 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("train")) return train();
     if (app.got_subcommand("launch")) return launch();
     if (app.got_subcommand("ps")) return ps();
+    if (app.got_subcommand("compare")) return compare();
+    if (app.got_subcommand("sweep")) return sweep();
     return fail(2, "no command given (see cohort --help)");
   } catch (const cohort::InvalidArgument& e) {
     return fail(2, e.what());
