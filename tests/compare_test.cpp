@@ -12,6 +12,7 @@
 #include <chrono>
 #include <filesystem>
 #include <map>
+#include <regex>
 #include <thread>
 
 namespace cohort {
@@ -345,6 +346,35 @@ TEST(Sweep, AKilledSweepResumesWithoutRerunningFinishedTrials) {
   EXPECT_NE(r.output.find("trial-003: ok,"), std::string::npos) << r.output;
   EXPECT_EQ(test::readFile(out + "/runs/trial-001/metrics.jsonl"), first);
   EXPECT_EQ(test::lines(test::readFile(out + "/results.jsonl")).size(), 3u);
+}
+
+}  // namespace
+}  // namespace cohort
+
+namespace cohort {
+namespace {
+
+// --network: every process in a namespace of its own, the rendezvous at 10.77.0.1, which only the
+// namespaces can reach; the namespaces are gone afterwards. Needs root (fails, never skips).
+TEST(Compare, EmulatedNetworkRunsEveryProcessInItsOwnNamespace) {
+  ASSERT_EQ(::geteuid(), 0u) << "--network needs root to create network namespaces";
+  test::TempDir dir;
+  const std::string out = dir.file("out");
+  auto r = test::runCommand(test::cohortBinary() +
+                                " compare --only allreduce,ps-async --model mlp --data synthetic:600 --batch 16"
+                                " --steps 6 --evaluations 1 --no-png --network 100mbit --out " + out,
+                            300);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("allreduce.r1: ok"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ps-async.r1: ok"), std::string::npos) << r.output;
+  const std::string status = test::readFile(out + "/runs/allreduce.r1/status.json");
+  EXPECT_NE(status.find("MASTER_ADDR=10.77.0.1"), std::string::npos) << status;
+  EXPECT_NE(status.find("ip netns exec cohort-"), std::string::npos) << status;
+  EXPECT_NE(test::readFile(out + "/report.html").find("links of 100mbit"), std::string::npos);
+  std::smatch tag;
+  ASSERT_TRUE(std::regex_search(status, tag, std::regex("ip netns exec (cohort-[0-9]+)-")));
+  auto list = test::runCommand("ip netns list", 30);
+  EXPECT_EQ(list.output.find(tag[1].str() + "-"), std::string::npos) << list.output;
 }
 
 }  // namespace

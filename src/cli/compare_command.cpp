@@ -230,13 +230,31 @@ Run addCompareCommand(CLI::App& app) {
         c.data.push_back(experiment::readRunData(rec.metricsPath));
         if (rec.status == experiment::JobStatus::kOk) ++ok;
       }
-      c.command = experiment::shellQuote(experiment::trainCommand(configs[i], plan, "METRICS.jsonl"));
+      c.command = records[i].command;  // run 1's, exactly as it ran
       input.configs.push_back(std::move(c));
     }
     experiment::ReportOptions reportOptions;
     reportOptions.png = !f.noPng;
     const std::string report = experiment::writeReport(input, f.out, reportOptions);
     const experiment::Summary summary = experiment::summarize(input);
+    auto best = [&](experiment::Measure experiment::ConfigSummary::*field, const char* what, const char* format) {
+      const experiment::ConfigSummary* top = nullptr;
+      for (const auto& c : summary.configs) {
+        if ((c.*field).median && (top == nullptr || *(c.*field).median > *(top->*field).median)) top = &c;
+      }
+      if (top != nullptr) {
+        std::printf("%s: %s (", what, top->name.c_str());
+        std::printf(format, *(top->*field).median);
+        std::printf(")\n");
+      }
+    };
+    best(&experiment::ConfigSummary::samplesPerSecond, "fastest training", "%.0f samples/s");
+    best(&experiment::ConfigSummary::maxAccuracy, "highest accuracy", "%.4f");
+    const std::string atTime = "best accuracy after " + std::to_string(int(summary.timeBudget)) + " s";
+    best(&experiment::ConfigSummary::accuracyAtTime, atTime.c_str(), "%.4f");
+    char atEpochs[64];
+    std::snprintf(atEpochs, sizeof(atEpochs), "best accuracy after %.2f epochs", summary.epochBudget);
+    best(&experiment::ConfigSummary::accuracyAtEpochs, atEpochs, "%.4f");
     std::printf("report: %s (%zu of %zu runs ok)\n", report.c_str(), ok, records.size());
     COHORT_CHECK(ok > 0, Error, "every run failed; the first: ", records.front().id, ": ", records.front().error);
     return 0;

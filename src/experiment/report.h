@@ -20,7 +20,7 @@ struct ConfigResult {
   Configuration config;
   std::vector<JobRecord> runs;  // run 1, 2, ...
   std::vector<RunData> data;    // the same order
-  std::string command;          // run 1's training command, shell-quoted
+  std::string command;          // run 1's command, shell-quoted (one line per process)
 };
 
 struct ReportInput {
