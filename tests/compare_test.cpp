@@ -271,7 +271,7 @@ TEST(Compare, AKilledComparisonResumes) {
   test::TempDir dir;
   const std::string out = dir.file("out");
   const std::string command = test::cohortBinary() +
-                              " compare --only local,allreduce --model mlp --data synthetic:600 --batch 16 --steps 20"
+                              " compare --only local,allreduce --model mlp --data synthetic:600 --batch 16 --seconds 2"
                               " --evaluations 2 --no-png --out " + out;
   {
     Background compare(command + " --runs 2 > " + dir.file("log1") + " 2>&1");
@@ -286,6 +286,17 @@ TEST(Compare, AKilledComparisonResumes) {
   EXPECT_NE(r.output.find("allreduce.r1: ok,"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("local.r2: ok,"), std::string::npos) << r.output;
   EXPECT_EQ(test::readFile(out + "/runs/local.r1/metrics.jsonl"), localMetrics);
+  // A wall-clock budget: every run stopped at its first evaluation after 2 s, all ranks together.
+  for (const char* run : {"local.r1", "local.r2", "allreduce.r1", "allreduce.r2"}) {
+    const auto done = test::lastEvent(out + "/runs/" + run + "/metrics.jsonl", "done");
+    ASSERT_FALSE(done.is_null()) << run;
+    EXPECT_GE(done["wall_s"].get<double>(), 2.0) << run;
+    const auto evals = events(out + "/runs/" + std::string(run) + "/metrics.jsonl", "eval");
+    ASSERT_GE(evals.size(), 1u) << run;
+    if (evals.size() >= 2) {
+      EXPECT_LT(evals[evals.size() - 2]["wall_s"].get<double>(), 2.0) << run;
+    }
+  }
   // Medians of two runs: the spread is in the summary.
   const auto summary = readCsv(out + "/summary.csv");
   ASSERT_EQ(summary.size(), 3u);

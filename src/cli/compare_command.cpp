@@ -27,6 +27,7 @@ struct CompareFlags {
   int64_t epochs = 1;
   int64_t steps = 0;
   int64_t examples = 0;
+  double seconds = 0;
   int workers = 2;
   std::string codec = "none";
   std::string only;
@@ -74,6 +75,11 @@ void checkModel(const std::string& binary, const std::string& model) {
 std::string budgetText(const experiment::Budget& b) {
   if (b.steps > 0) return std::to_string(b.steps) + " steps per process";
   if (b.examples > 0) return std::to_string(b.examples) + " training examples";
+  if (b.seconds > 0) {
+    char text[64];
+    std::snprintf(text, sizeof(text), "%g s of training", b.seconds);
+    return text;
+  }
   return std::to_string(b.epochs) + (b.epochs == 1 ? " epoch" : " epochs");
 }
 
@@ -99,13 +105,16 @@ Run addCompareCommand(CLI::App& app) {
   cmd->add_option("--epochs", f.epochs, "Budget: epochs of every run")->capture_default_str();
   cmd->add_option("--steps", f.steps, "Budget: steps of every process (instead of --epochs)");
   cmd->add_option("--examples", f.examples, "Budget: training examples of every run, all workers together");
+  cmd->add_option("--seconds", f.seconds,
+                  "Budget: wall-clock seconds of every run (it stops at the first evaluation after them)");
   cmd->add_option("--workers", f.workers, "Processes of every distributed scheme")->capture_default_str();
   cmd->add_option("--codec", f.codec, "Also run the compressing schemes with this codec (fp16, topk:0.01, ...)")
       ->capture_default_str();
   cmd->add_option("--only", f.only, "Run only these configurations of the default set (NAME,NAME,...)");
   cmd->add_option("--runs", f.runs, "Runs of every configuration (medians and spread are reported)")
       ->capture_default_str();
-  cmd->add_option("--evaluations", f.evaluations, "Test-set evaluations per run (the accuracy curves' points)")
+  cmd->add_option("--evaluations", f.evaluations,
+                  "Test-set evaluations per run (the accuracy curves' points; per epoch with --seconds)")
       ->capture_default_str();
   cmd->add_option("--out", f.out, "Output folder (report.html, figures/, *.csv, runs/)")->capture_default_str();
   cmd->add_option("--network", f.network,
@@ -118,9 +127,12 @@ Run addCompareCommand(CLI::App& app) {
     const CompareFlags& f = *flags;
     const experiment::OptionCatalog catalog = trainCatalog(app);
     experiment::Budget budget;
-    const int budgets = (f.steps != 0) + (f.examples != 0);
-    COHORT_CHECK(budgets <= 1, InvalidArgument, "give one budget: --epochs, --steps or --examples");
-    if (f.steps != 0) {
+    const int budgets = (f.steps != 0) + (f.examples != 0) + (f.seconds != 0);
+    COHORT_CHECK(budgets <= 1, InvalidArgument, "give one budget: --epochs, --steps, --examples or --seconds");
+    if (f.seconds != 0) {
+      COHORT_CHECK(f.seconds > 0, InvalidArgument, "--seconds must be positive (the budget of every run)");
+      budget.seconds = f.seconds;
+    } else if (f.steps != 0) {
       COHORT_CHECK(f.steps > 0, InvalidArgument, "--steps must be positive (the budget of every run)");
       budget.steps = f.steps;
     } else if (f.examples != 0) {

@@ -276,7 +276,12 @@ std::vector<std::string> trainCommand(const Configuration& c, const PlanOptions&
   const int64_t batch = batchText != nullptr ? std::max<int64_t>(1, std::atoll(batchText->c_str())) : 64;
   const int64_t perEpoch = stepsPerEpoch(options.trainExamples, c.replicas(), batch);
   int64_t total = 0;
-  if (options.budget.epochs > 0) {
+  constexpr int64_t kEpochsUnderTimeBudget = 1000000;  // the clock stops the run first
+  if (options.budget.seconds > 0) {
+    setArg(args, "--epochs", std::to_string(kEpochsUnderTimeBudget));
+    setArg(args, "--max-seconds", formatNumber(options.budget.seconds));
+    total = perEpoch;  // evaluations per epoch
+  } else if (options.budget.epochs > 0) {
     setArg(args, "--epochs", std::to_string(options.budget.epochs));
     total = options.budget.epochs * perEpoch;
   } else {

@@ -62,6 +62,7 @@ struct Budget {
   int64_t epochs = 0;
   int64_t steps = 0;     // per process
   int64_t examples = 0;  // all replicas together
+  double seconds = 0;    // wall-clock: train's --max-seconds (stops at the first evaluation after it)
 };
 
 struct PlanOptions {
@@ -70,7 +71,8 @@ struct PlanOptions {
   TrainArgs shared;    // model, data, seed, batch, ... (a configuration's own options win)
   Budget budget;
   int64_t trainExamples = 60000;  // the training set's size, for the evaluation points
-  int evaluations = 10;           // evaluations per run (at least the final one)
+  int evaluations = 10;           // evaluations per run (at least the final one); per epoch under
+                                  // a seconds budget, whose runs' lengths are not known before
   int runs = 1;
   // When set, every process of a distributed configuration runs in its own namespace of this
   // network, started by the runner with the variables `cohort launch` would set (TF_CONFIG for the
