@@ -22,6 +22,9 @@ Run addPsCommand(CLI::App& app);
 Run addSimulateCommand(CLI::App& app);
 Run addEnsembleCommand(CLI::App& app);
 Run addQuantizeCommand(CLI::App& app);
+// compare and sweep read train's option set from app: add them after train.
+Run addCompareCommand(CLI::App& app);
+Run addSweepCommand(CLI::App& app);
 
 // The parameter servers' shared secret: the token, else the file's contents, else
 // $COHORT_AUTH_TOKEN (which `cohort launch --ps` sets), else none.

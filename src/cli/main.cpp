@@ -60,6 +60,8 @@ int main(int argc, char** argv) {
   cohort::cli::Run simulate = cohort::cli::addSimulateCommand(app);
   cohort::cli::Run ensemble = cohort::cli::addEnsembleCommand(app);
   cohort::cli::Run quantize = cohort::cli::addQuantizeCommand(app);
+  cohort::cli::Run compare = cohort::cli::addCompareCommand(app);
+  cohort::cli::Run sweep = cohort::cli::addSweepCommand(app);
 
   try {
     std::vector<std::string> args = cohort::cli::expandConfig(app, {argv + 1, argv + argc});
@@ -84,6 +86,8 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("simulate")) return simulate();
     if (app.got_subcommand("ensemble")) return ensemble();
     if (app.got_subcommand("quantize")) return quantize();
+    if (app.got_subcommand("compare")) return compare();
+    if (app.got_subcommand("sweep")) return sweep();
     return fail(2, "no command given (see cohort --help)");
   } catch (const cohort::InvalidArgument& e) {
     return fail(2, e.what());

@@ -95,6 +95,8 @@ Run addTrainCommand(CLI::App& app) {
       ->capture_default_str();
   train->add_option("--target-accuracy", o.targetAccuracy,
                     "Stop at the first evaluation reaching this test accuracy (0: never)");
+  train->add_option("--max-seconds", o.maxSeconds,
+                    "Stop at the first evaluation (--eval-every) this many seconds after the start (0: never)");
   train->add_option("--checkpoint-dir", o.checkpointDir, "Write checkpoints to this directory");
   train->add_option("--checkpoint-every", o.checkpointEvery,
                     "Checkpoint every N steps (0: at the end only)");

@@ -112,6 +112,7 @@ void validate(const TrainOptions& o) {
   COHORT_CHECK(o.evalEvery >= 0, InvalidArgument, "--eval-every must not be negative, got ", o.evalEvery);
   COHORT_CHECK(o.targetAccuracy >= 0 && o.targetAccuracy <= 1, InvalidArgument,
                "--target-accuracy must be between 0 and 1, got ", o.targetAccuracy);
+  COHORT_CHECK(o.maxSeconds >= 0, InvalidArgument, "--max-seconds must not be negative, got ", o.maxSeconds);
   COHORT_CHECK(o.checkpointEvery >= 0, InvalidArgument, "--checkpoint-every must not be negative, got ",
                o.checkpointEvery);
   COHORT_CHECK(!o.resume || !o.checkpointDir.empty(), InvalidArgument,
@@ -463,6 +464,7 @@ TrainResult Trainer::run() {
       fields.emplace_back("seconds_to_target", wall);
       stop = true;
     }
+    if (o.maxSeconds > 0 && wall >= o.maxSeconds) stop = true;  // the time budget is spent
     fields.emplace_back("epoch_progress", double(s.step) / double(perEpoch));
     s.metrics->write("eval", fields);
     if (s.board) {
@@ -499,7 +501,7 @@ TrainResult Trainer::run() {
     } else if (s.strategy->joinsEvaluation()) {
       s.evaluate();
     }
-    if (s.comm && o.targetAccuracy > 0) {
+    if (s.comm && (o.targetAccuracy > 0 || o.maxSeconds > 0)) {
       auto flag = torch::tensor({stop ? 1 : 0}, torch::kInt32);
       s.comm->broadcast(flag, 0);
       stop = flag.item<int>() != 0;

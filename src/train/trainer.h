@@ -26,6 +26,7 @@ struct TrainOptions {
   uint64_t seed = 1;
   int64_t evalEvery = 0;  // steps; 0 = at the end only
   double targetAccuracy = 0.0;  // stop at the first evaluation that reaches it; 0 = never
+  double maxSeconds = 0.0;  // stop at the first evaluation this long after the start; 0 = never
   std::string checkpointDir;
   int64_t checkpointEvery = 0;  // steps; 0 = at the end only (when checkpointDir is set)
   bool resume = false;

@@ -1,0 +1,276 @@
+// `cohort compare`: the seeds' question "which approach is best?" answered on the user's model.
+#include "cli/commands.h"
+#include "cli/experiment_common.h"
+
+#include "experiment/netns.h"
+#include "experiment/report.h"
+#include "experiment/run_data.h"
+#include "experiment/runner.h"
+
+#include <cohort/error.h>
+
+#include <cstdio>
+#include <memory>
+#include <set>
+
+namespace cohort::cli {
+
+namespace {
+
+struct CompareFlags {
+  std::string file;
+  std::string model = "cnn";
+  std::string data = "fashion-mnist";
+  uint64_t seed = 1;
+  int64_t batch = 64;
+  std::string lr;
+  int64_t epochs = 1;
+  int64_t steps = 0;
+  int64_t examples = 0;
+  double seconds = 0;
+  int workers = 2;
+  std::string codec = "none";
+  std::string only;
+  int runs = 1;
+  int evaluations = 10;
+  std::string out = "compare-out";
+  std::string network;
+  double runTimeout = 3600;
+  bool noPng = false;
+};
+
+std::vector<std::string> splitComma(const std::string& text) {
+  std::vector<std::string> out;
+  std::string item;
+  for (char c : text + ",") {
+    if (c == ',') {
+      if (!item.empty()) out.push_back(item);
+      item.clear();
+    } else {
+      item += c;
+    }
+  }
+  return out;
+}
+
+// A train run of one step on a few synthetic examples: the model must at least build and train
+// before a comparison of many runs starts on it.
+void checkModel(const std::string& binary, const std::string& model) {
+  const std::string command = experiment::shellQuote({binary, "train", "--model", model, "--data", "synthetic:60",
+                                                      "--steps", "1", "--batch", "4", "--threads", "1", "--progress",
+                                                      "off"}) + " 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  COHORT_CHECK(pipe != nullptr, Error, "cannot run ", binary);
+  std::string output;
+  char buf[4096];
+  size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0) output.append(buf, n);
+  const int status = ::pclose(pipe);
+  if (status != 0) {
+    std::string why = experiment::errorFromLog(output);
+    throw InvalidArgument("--model " + model + " cannot be trained by any scheme: " + why);
+  }
+}
+
+std::string budgetText(const experiment::Budget& b) {
+  if (b.steps > 0) return std::to_string(b.steps) + " steps per process";
+  if (b.examples > 0) return std::to_string(b.examples) + " training examples";
+  if (b.seconds > 0) {
+    char text[64];
+    std::snprintf(text, sizeof(text), "%g s of training", b.seconds);
+    return text;
+  }
+  return std::to_string(b.epochs) + (b.epochs == 1 ? " epoch" : " epochs");
+}
+
+}  // namespace
+
+Run addCompareCommand(CLI::App& app) {
+  auto flags = std::make_shared<CompareFlags>();
+  CompareFlags& f = *flags;
+  CLI::App* cmd = app.add_subcommand("compare", "Run several schemes on the same model, data and budget; write a report");
+  cmd->footer(
+      "Without FILE.toml the seeds' set runs: local, allreduce, average (K=4, 16), ps sync, sync with a backup\n"
+      "worker, async, softsync, ssp, gossip and pipeline (with --codec C, the compressing ones again with C).\n"
+      "FILE.toml: train options for all at the top level, then [[configuration]] tables with name, strategy,\n"
+      "workers, ps and train options. Finished runs are kept in OUT/runs: run the same command again to go on.\n"
+      "OUT/report.html is the report (OUT/figures/*.svg|png, OUT/*.csv the data).");
+  cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  cmd->add_option("file", f.file, "A TOML file listing the configurations (default: the seeds' set)");
+  cmd->add_option("--model", f.model, "mlp, cnn, lstm or FILE.pt")->capture_default_str();
+  cmd->add_option("--data", f.data, "fashion-mnist, mnist:DIR or synthetic[:N]")->capture_default_str();
+  cmd->add_option("--seed", f.seed, "The same seed for every run")->capture_default_str();
+  cmd->add_option("--batch", f.batch, "Batch size per worker")->capture_default_str();
+  cmd->add_option("--lr", f.lr, "Learning rate (default: train's)");
+  cmd->add_option("--epochs", f.epochs, "Budget: epochs of every run")->capture_default_str();
+  cmd->add_option("--steps", f.steps, "Budget: steps of every process (instead of --epochs)");
+  cmd->add_option("--examples", f.examples, "Budget: training examples of every run, all workers together");
+  cmd->add_option("--seconds", f.seconds,
+                  "Budget: wall-clock seconds of every run (it stops at the first evaluation after them)");
+  cmd->add_option("--workers", f.workers, "Processes of every distributed scheme")->capture_default_str();
+  cmd->add_option("--codec", f.codec, "Also run the compressing schemes with this codec (fp16, topk:0.01, ...)")
+      ->capture_default_str();
+  cmd->add_option("--only", f.only, "Run only these configurations of the default set (NAME,NAME,...)");
+  cmd->add_option("--runs", f.runs, "Runs of every configuration (medians and spread are reported)")
+      ->capture_default_str();
+  cmd->add_option("--evaluations", f.evaluations,
+                  "Test-set evaluations per run (the accuracy curves' points; per epoch with --seconds)")
+      ->capture_default_str();
+  cmd->add_option("--out", f.out, "Output folder (report.html, figures/, *.csv, runs/)")->capture_default_str();
+  cmd->add_option("--network", f.network,
+                  "Run every process in a network namespace joined by links of this rate (tc tbf; root): 100mbit, 1gbit");
+  cmd->add_option("--run-timeout", f.runTimeout, "Seconds after which a run is stopped and counted as failed")
+      ->capture_default_str();
+  cmd->add_flag("--no-png", f.noPng, "Do not render the figures as PNG (rsvg-convert)");
+
+  return [flags, &app]() {
+    const CompareFlags& f = *flags;
+    const experiment::OptionCatalog catalog = trainCatalog(app);
+    experiment::Budget budget;
+    const int budgets = (f.steps != 0) + (f.examples != 0) + (f.seconds != 0);
+    COHORT_CHECK(budgets <= 1, InvalidArgument, "give one budget: --epochs, --steps, --examples or --seconds");
+    if (f.seconds != 0) {
+      COHORT_CHECK(f.seconds > 0, InvalidArgument, "--seconds must be positive (the budget of every run)");
+      budget.seconds = f.seconds;
+    } else if (f.steps != 0) {
+      COHORT_CHECK(f.steps > 0, InvalidArgument, "--steps must be positive (the budget of every run)");
+      budget.steps = f.steps;
+    } else if (f.examples != 0) {
+      COHORT_CHECK(f.examples > 0, InvalidArgument, "--examples must be positive (the budget of every run)");
+      budget.examples = f.examples;
+    } else {
+      COHORT_CHECK(f.epochs > 0, InvalidArgument, "--epochs must be positive (the budget of every run)");
+      budget.epochs = f.epochs;
+    }
+    COHORT_CHECK(f.runs >= 1, InvalidArgument, "--runs must be at least 1");
+    COHORT_CHECK(f.workers >= 1, InvalidArgument, "--workers must be at least 1");
+    COHORT_CHECK(f.batch >= 1, InvalidArgument, "--batch must be positive");
+    COHORT_CHECK(f.evaluations >= 1, InvalidArgument, "--evaluations must be at least 1");
+    COHORT_CHECK(f.runTimeout > 0, InvalidArgument, "--run-timeout must be positive");
+
+    experiment::PlanOptions plan;
+    plan.binary = selfExecutable();
+    plan.dir = f.out;
+    plan.budget = budget;
+    plan.runs = f.runs;
+    plan.evaluations = f.evaluations;
+    std::vector<experiment::Configuration> configs;
+    experiment::TrainArgs fileShared;
+    if (!f.file.empty()) {
+      experiment::CompareFile file = experiment::readCompareFile(f.file, catalog);
+      configs = std::move(file.configurations);
+      fileShared = std::move(file.shared);
+      COHORT_CHECK(f.only.empty(), InvalidArgument, "--only picks from the default set; edit ", f.file, " instead");
+    } else {
+      configs = experiment::defaultConfigurations(f.workers, f.codec);
+      if (!f.only.empty()) {
+        std::vector<experiment::Configuration> picked;
+        for (const std::string& name : splitComma(f.only)) {
+          auto it = std::find_if(configs.begin(), configs.end(), [&](const auto& c) { return c.name == name; });
+          std::string known;
+          for (const auto& c : configs) known += (known.empty() ? "" : ", ") + c.name;
+          COHORT_CHECK(it != configs.end(), InvalidArgument, "--only: no configuration '", name, "' (", known, ")");
+          picked.push_back(*it);
+        }
+        configs = std::move(picked);
+      }
+    }
+    // The command line's options, then the file's shared ones (which win where both are given
+    // only if the command line left them at their defaults).
+    experiment::TrainArgs& shared = plan.shared;
+    auto cliOption = [&](const char* flag, const std::string& value, bool given) {
+      if (given || experiment::findArg(fileShared, flag) == nullptr) experiment::setArg(shared, flag, value);
+    };
+    const CLI::App* cmd = app.get_subcommand("compare");
+    cliOption("--model", f.model, cmd->count("--model") > 0);
+    cliOption("--data", f.data, cmd->count("--data") > 0);
+    cliOption("--seed", std::to_string(f.seed), cmd->count("--seed") > 0);
+    cliOption("--batch", std::to_string(f.batch), cmd->count("--batch") > 0);
+    if (!f.lr.empty()) experiment::setArg(shared, "--lr", f.lr);
+    for (const auto& [flag, value] : fileShared) {
+      if (experiment::findArg(shared, flag) == nullptr) experiment::setArg(shared, flag, value);
+    }
+    const std::string model = *experiment::findArg(shared, "--model");
+    const std::string data = *experiment::findArg(shared, "--data");
+    plan.trainExamples = experiment::trainingExamples(data);
+
+    std::unique_ptr<experiment::EmulatedNetwork> network;
+    if (!f.network.empty()) {
+      int processes = 1;
+      for (const auto& c : configs) processes = std::max(processes, c.workers + c.shards);
+      network = std::make_unique<experiment::EmulatedNetwork>(f.network, processes);
+      plan.network = network.get();
+    }
+    checkModel(plan.binary, model);
+
+    const std::vector<experiment::JobSpec> jobs = experiment::planJobs(configs, plan);
+    std::printf("cohort compare: %zu configurations x %d run%s = %zu runs of %s on %s, %s; output in %s\n",
+                configs.size(), f.runs, f.runs == 1 ? "" : "s", jobs.size(), model.c_str(), data.c_str(),
+                budgetText(budget).c_str(), f.out.c_str());
+    std::fflush(stdout);
+    experiment::RunnerOptions runner;
+    runner.dir = f.out;
+    runner.parallel = 1;  // runs are timed: one at a time
+    runner.timeoutSeconds = f.runTimeout;
+    const auto records = experiment::runJobs(jobs, runner, [](const experiment::JobRecord& r, size_t done, size_t total) {
+      if (r.status == experiment::JobStatus::kOk) {
+        const experiment::RunData d = experiment::readRunData(r.metricsPath);
+        std::printf("[%zu/%zu] %s: ok%s, %.1f s, test accuracy %.4f, %.0f samples/s\n", done, total, r.id.c_str(),
+                    r.resumed ? " (finished earlier)" : "", r.wallSeconds, d.testAccuracy, d.samplesPerSecond);
+      } else {
+        std::printf("[%zu/%zu] %s: FAILED%s: %s\n", done, total, r.id.c_str(), r.resumed ? " (earlier)" : "",
+                    r.error.c_str());
+      }
+      std::fflush(stdout);
+    });
+
+    experiment::ReportInput input;
+    input.title = "cohort compare: " + model + " on " + data + ", " + budgetText(budget);
+    input.invocation = selfInvocation();
+    input.budget = budgetText(budget) + ", seed " + std::to_string(f.seed) + ", " + std::to_string(f.runs) +
+                   (f.runs == 1 ? " run" : " runs") + " per configuration";
+    input.network = f.network.empty() ? "loopback (one machine)"
+                                      : "emulated: every process in its own network namespace, links of " + f.network;
+    input.trainExamples = plan.trainExamples;
+    size_t ok = 0;
+    for (size_t i = 0; i < configs.size(); ++i) {
+      experiment::ConfigResult c;
+      c.config = configs[i];
+      for (int r = 0; r < f.runs; ++r) {
+        const experiment::JobRecord& rec = records[size_t(r) * configs.size() + i];
+        c.runs.push_back(rec);
+        c.data.push_back(experiment::readRunData(rec.metricsPath));
+        if (rec.status == experiment::JobStatus::kOk) ++ok;
+      }
+      c.command = records[i].command;  // run 1's, exactly as it ran
+      input.configs.push_back(std::move(c));
+    }
+    experiment::ReportOptions reportOptions;
+    reportOptions.png = !f.noPng;
+    const std::string report = experiment::writeReport(input, f.out, reportOptions);
+    const experiment::Summary summary = experiment::summarize(input);
+    auto best = [&](experiment::Measure experiment::ConfigSummary::*field, const char* what, const char* format) {
+      const experiment::ConfigSummary* top = nullptr;
+      for (const auto& c : summary.configs) {
+        if ((c.*field).median && (top == nullptr || *(c.*field).median > *(top->*field).median)) top = &c;
+      }
+      if (top != nullptr) {
+        std::printf("%s: %s (", what, top->name.c_str());
+        std::printf(format, *(top->*field).median);
+        std::printf(")\n");
+      }
+    };
+    best(&experiment::ConfigSummary::samplesPerSecond, "fastest training", "%.0f samples/s");
+    best(&experiment::ConfigSummary::maxAccuracy, "highest accuracy", "%.4f");
+    const std::string atTime = "best accuracy after " + std::to_string(int(summary.timeBudget)) + " s";
+    best(&experiment::ConfigSummary::accuracyAtTime, atTime.c_str(), "%.4f");
+    char atEpochs[64];
+    std::snprintf(atEpochs, sizeof(atEpochs), "best accuracy after %.2f epochs", summary.epochBudget);
+    best(&experiment::ConfigSummary::accuracyAtEpochs, atEpochs, "%.4f");
+    std::printf("report: %s (%zu of %zu runs ok)\n", report.c_str(), ok, records.size());
+    COHORT_CHECK(ok > 0, Error, "every run failed; the first: ", records.front().id, ": ", records.front().error);
+    return 0;
+  };
+}
+
+}  // namespace cohort::cli

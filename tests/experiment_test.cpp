@@ -1,0 +1,216 @@
+// The runner under `cohort compare` and `cohort sweep` (jobs as processes, failures recorded,
+// resuming), the search space, the charts, and both commands' bad input. Fast: the jobs here are
+// shell one-liners, and the command-line errors come before anything runs.
+#include "experiment/plan.h"
+#include "experiment/runner.h"
+#include "experiment/svg_chart.h"
+#include "experiment/sweep.h"
+
+#include "test_util.h"
+
+#include <regex>
+
+namespace cohort {
+namespace {
+
+using experiment::JobSpec;
+using experiment::JobStatus;
+
+JobSpec shellJob(const std::string& id, const std::string& script) {
+  return JobSpec{.id = id, .processes = {{.argv = {"/bin/sh", "-c", script}}}};
+}
+
+TEST(Runner, AFailedJobIsRecordedWithItsErrorAndTheOthersRun) {
+  test::TempDir dir;
+  const std::vector<JobSpec> jobs{
+      shellJob("a", "echo hello; exit 0"),
+      shellJob("b", "echo working; echo '[rank 1] cohort: error: the model cannot be cut here' >&2; exit 3"),
+      shellJob("c", "echo fine"),
+  };
+  const auto records = experiment::runJobs(jobs, {.dir = dir.path(), .parallel = 2});
+  ASSERT_EQ(records.size(), 3u);
+  EXPECT_EQ(records[0].status, JobStatus::kOk);
+  EXPECT_EQ(records[1].status, JobStatus::kFailed);
+  EXPECT_EQ(records[1].exitCode, 3);
+  EXPECT_EQ(records[1].error, "the model cannot be cut here");
+  EXPECT_EQ(records[2].status, JobStatus::kOk);
+  EXPECT_NE(test::readFile(dir.file("runs/a/output.log")).find("hello"), std::string::npos);
+  const auto status = nlohmann::json::parse(test::readFile(dir.file("runs/b/status.json")));
+  EXPECT_EQ(status["status"], "failed");
+  EXPECT_EQ(status["error"], "the model cannot be cut here");
+}
+
+TEST(Runner, FinishedJobsAreNotRunAgainAndAChangedCommandIs) {
+  test::TempDir dir;
+  const std::string counter = dir.file("count");
+  std::vector<JobSpec> jobs{shellJob("one", "echo x >> " + counter), shellJob("two", "echo y >> " + counter + "; exit 1")};
+  experiment::runJobs(jobs, {.dir = dir.path()});
+  auto again = experiment::runJobs(jobs, {.dir = dir.path()});
+  EXPECT_EQ(test::readFile(counter), "x\ny\n");  // neither ran twice: the failure is kept too
+  EXPECT_TRUE(again[0].resumed);
+  EXPECT_TRUE(again[1].resumed);
+  EXPECT_EQ(again[1].status, JobStatus::kFailed);
+  jobs[0] = shellJob("one", "echo z >> " + counter);  // another command under the same name
+  again = experiment::runJobs(jobs, {.dir = dir.path()});
+  EXPECT_EQ(test::readFile(counter), "x\ny\nz\n");
+  EXPECT_FALSE(again[0].resumed);
+}
+
+TEST(Runner, ATimedOutJobFailsAndItsProcessesEnd) {
+  test::TempDir dir;
+  const auto records = experiment::runJobs({shellJob("slow", "echo $$ > " + dir.file("pid") + "; exec sleep 60")},
+                                           {.dir = dir.path(), .timeoutSeconds = 1, .graceSeconds = 1});
+  EXPECT_EQ(records[0].status, JobStatus::kFailed);
+  EXPECT_NE(records[0].error.find("timed out after 1 s"), std::string::npos) << records[0].error;
+  const int pid = std::stoi(test::readFile(dir.file("pid")));
+  EXPECT_NE(::kill(pid, 0), 0);  // reaped: gone
+}
+
+TEST(Runner, ServersAreStoppedWhenTheWorkersAreDone) {
+  test::TempDir dir;
+  JobSpec job{.id = "ps", .processes = {{.argv = {"/bin/sh", "-c", "exit 0"}},
+                                        {.argv = {"/bin/sh", "-c", "exec sleep 60"}, .waitedFor = false}}};
+  const auto records = experiment::runJobs({job}, {.dir = dir.path(), .graceSeconds = 5});
+  EXPECT_EQ(records[0].status, JobStatus::kOk);
+  EXPECT_LT(records[0].wallSeconds, 30);
+}
+
+TEST(Runner, BadIdsAreRefused) {
+  test::TempDir dir;
+  EXPECT_THROW(experiment::runJobs({shellJob("../x", "true")}, {.dir = dir.path()}), InvalidArgument);
+  EXPECT_THROW(experiment::runJobs({shellJob("a", "true"), shellJob("a", "true")}, {.dir = dir.path()}), InvalidArgument);
+}
+
+TEST(Runner, ErrorFromLog) {
+  EXPECT_EQ(experiment::errorFromLog("x\n[rank 0] cohort: error: lost rank 1\ncohort launch: rank 0 exited with status 1\n"),
+            "lost rank 1");
+  EXPECT_EQ(experiment::errorFromLog("a\ncohort launch: rank 1 was killed by signal 9 (SIGKILL)\n"),
+            "cohort launch: rank 1 was killed by signal 9 (SIGKILL)");
+  EXPECT_EQ(experiment::errorFromLog("a\nSegmentation fault\n"), "Segmentation fault");
+  EXPECT_EQ(experiment::errorFromLog(""), "");
+}
+
+experiment::OptionCatalog catalog() {
+  return {.takesValue = {{"lr", true}, {"batch", true}, {"model", true}, {"no-overlap", false}, {"steps", true},
+                         {"metrics", true}}};
+}
+
+TEST(Sweep, GridIsEveryCombination) {
+  test::TempDir dir;
+  test::writeFile(dir.file("s.toml"),
+                  "model = \"mlp\"\nlr = [0.01, 0.1]\nbatch = { min = 16, max = 64, steps = 3 }\nno_overlap = [true, false]\n");
+  const auto space = experiment::readSweepFile(dir.file("s.toml"), catalog());
+  const auto trials = experiment::expandTrials(space);
+  ASSERT_EQ(trials.size(), 12u);
+  EXPECT_EQ(*experiment::findArg(space.fixed, "--model"), "mlp");
+  EXPECT_EQ(*experiment::findArg(trials[0].chosen, "--lr"), "0.01");
+  EXPECT_EQ(*experiment::findArg(trials[0].chosen, "--batch"), "16");
+  EXPECT_NE(experiment::findArg(trials[0].chosen, "--no-overlap"), nullptr);
+  EXPECT_EQ(experiment::findArg(trials[1].chosen, "--no-overlap"), nullptr);
+  EXPECT_EQ(*experiment::findArg(trials[2].chosen, "--batch"), "40");
+  EXPECT_EQ(*experiment::findArg(trials[11].chosen, "--lr"), "0.1");
+  EXPECT_EQ(trials[11].id, "trial-012");
+}
+
+TEST(Sweep, RandomDrawsAreSeededAndInRange) {
+  test::TempDir dir;
+  test::writeFile(dir.file("s.toml"), "lr = { min = 0.001, max = 0.1, log = true }\nbatch = { min = 8, max = 12 }\n"
+                                      "[sweep]\nmode = \"random\"\ntrials = 20\nseed = 7\n");
+  const auto space = experiment::readSweepFile(dir.file("s.toml"), catalog());
+  const auto a = experiment::expandTrials(space);
+  const auto b = experiment::expandTrials(space);
+  ASSERT_EQ(a.size(), 20u);
+  std::set<std::string> batches;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].chosen, b[i].chosen);
+    const double lr = std::stod(*experiment::findArg(a[i].chosen, "--lr"));
+    EXPECT_GE(lr, 0.001);
+    EXPECT_LE(lr, 0.1);
+    const int batch = std::stoi(*experiment::findArg(a[i].chosen, "--batch"));
+    EXPECT_GE(batch, 8);
+    EXPECT_LE(batch, 12);
+    batches.insert(std::to_string(batch));
+  }
+  EXPECT_GE(batches.size(), 3u);  // integers drawn, not one value
+}
+
+TEST(Sweep, BadFilesNameTheOption) {
+  test::TempDir dir;
+  auto error = [&](const std::string& text) {
+    test::writeFile(dir.file("s.toml"), text);
+    try {
+      experiment::readSweepFile(dir.file("s.toml"), catalog());
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error("learning_speed = [1, 2]\n").find("unknown option 'learning_speed'"), std::string::npos);
+  EXPECT_NE(error("lr = []\n").find("option 'lr' has an empty list"), std::string::npos);
+  EXPECT_NE(error("lr = { min = 0.1, max = 0.01, steps = 2 }\n").find("option 'lr' has an empty range"), std::string::npos);
+  EXPECT_NE(error("lr = { min = 0.01, max = 0.1 }\n").find("needs steps = N"), std::string::npos);
+  EXPECT_NE(error("metrics = \"x\"\n").find("set by cohort itself"), std::string::npos);
+  EXPECT_NE(error("[sweep]\nmode = \"random\"\n").find("trials = N"), std::string::npos);
+}
+
+TEST(Svg, ChartsCountTheirSeries) {
+  experiment::LineChart line{"acc", "Accuracy <&>", "epochs", "accuracy",
+                             {{"a", {{0, 0.1}, {1, 0.5}}}, {"b", {{0, 0.2}, {1, 0.7}}}}};
+  const std::string svg = experiment::renderLineChart(line);
+  EXPECT_NE(svg.find("data-series=\"2\""), std::string::npos);
+  EXPECT_NE(svg.find("Accuracy &lt;&amp;&gt;"), std::string::npos);
+  EXPECT_EQ(std::regex_search(svg, std::regex("<g class=\"series\"")), true);
+  size_t groups = 0;
+  for (size_t at = svg.find("class=\"series\""); at != std::string::npos; at = svg.find("class=\"series\"", at + 1)) ++groups;
+  EXPECT_EQ(groups, 2u);
+  experiment::BarChart bars{"speed", "Speed", "samples/s", {{"x", 10, 8, 12}, {"y", 5, 5, 5}, {"z", 0, 0, 0}}};
+  EXPECT_NE(experiment::renderBarChart(bars).find("data-series=\"3\""), std::string::npos);
+}
+
+TEST(Plan, DefaultSetHasTheSeedsSchemes) {
+  const auto configs = experiment::defaultConfigurations(2, "fp16");
+  std::set<std::string> names;
+  for (const auto& c : configs) names.insert(c.name);
+  for (const char* n : {"local", "allreduce", "average-k4", "average-k16", "ps-sync", "ps-sync-backup", "ps-async",
+                        "ps-softsync", "ps-ssp", "gossip", "pipeline", "allreduce+fp16", "ps-async+fp16", "gossip+fp16"}) {
+    EXPECT_TRUE(names.count(n)) << n;
+  }
+  EXPECT_FALSE(names.count("pipeline+fp16"));
+  EXPECT_EQ(experiment::stepsPerEpoch(60000, 2, 64), 469);
+  EXPECT_EQ(experiment::trainingExamples("synthetic:600"), 600);
+  EXPECT_THROW(experiment::trainingExamples("imagenet"), InvalidArgument);
+}
+
+// Command-line errors: one line, before any run starts.
+void expectOneLineError(const std::string& args, const std::string& needle) {
+  auto r = test::runCommand(test::cohortBinary() + " " + args, 60);
+  EXPECT_EQ(r.exitCode, 2) << args << "\n" << r.output;
+  auto lines = test::lines(r.output);
+  ASSERT_EQ(lines.size(), 1u) << args << "\n" << r.output;
+  EXPECT_EQ(lines[0].rfind("cohort: error: ", 0), 0u) << lines[0];
+  EXPECT_NE(lines[0].find(needle), std::string::npos) << "expected '" << needle << "' in: " << lines[0];
+}
+
+TEST(SweepCli, UnknownOptionAndEmptyRange) {
+  test::TempDir dir;
+  test::writeFile(dir.file("a.toml"), "model = \"mlp\"\nlearning_speed = [1, 2]\n");
+  expectOneLineError("sweep " + dir.file("a.toml") + " --out " + dir.file("out"), "unknown option 'learning_speed'");
+  test::writeFile(dir.file("b.toml"), "lr = { min = 0.5, max = 0.1, steps = 3 }\n");
+  expectOneLineError("sweep " + dir.file("b.toml") + " --out " + dir.file("out"), "option 'lr' has an empty range");
+  EXPECT_FALSE(std::filesystem::exists(dir.file("out")));
+}
+
+TEST(CompareCli, BadInputBeforeAnythingStarts) {
+  test::TempDir dir;
+  const std::string out = " --out " + dir.file("out");
+  expectOneLineError("compare --epochs 0" + out, "--epochs must be positive");
+  test::writeFile(dir.file("c.toml"), "model = \"mlp\"\n[[configuration]]\nstrategy = \"telepathy\"\n");
+  expectOneLineError("compare " + dir.file("c.toml") + out, "unknown scheme 'telepathy'");
+  test::writeFile(dir.file("d.toml"), "[[configuration]]\nstrategy = \"allreduce\"\nbukcet_mb = 4\n");
+  expectOneLineError("compare " + dir.file("d.toml") + out, "unknown option 'bukcet_mb'");
+  expectOneLineError("compare --model resnet --data synthetic:60" + out, "--model resnet cannot be trained by any scheme");
+  EXPECT_FALSE(std::filesystem::exists(dir.file("out")));
+}
+
+}  // namespace
+}  // namespace cohort
