@@ -66,7 +66,33 @@ struct ParameterAveraging::Impl {
   std::unique_ptr<CompressedSum> compressed;  // when a codec is set
   torch::Tensor anchor;                       // the parameters after the last average, flat
   torch::Tensor delta;                        // scratch: this replica's change, flat
+  torch::Tensor outerVelocity;                // the outer optimizer's momentum, flat
   AveragingStats stats;
+
+  // Anything but outer SGD with lr 1, which is plain averaging and takes plain averaging's path.
+  bool hasOuterOptimizer() const {
+    return options.outerOptimizer != AveragingOptions::Outer::kSgd || options.outerLr != 1.0;
+  }
+
+  // `change`: the averaged change since the last average. Moves the anchor by the outer
+  // optimizer's step and makes it the parameters.
+  void applyOuter(const torch::Tensor& change) {
+    const double lr = options.outerLr, mu = options.outerMomentum;
+    switch (options.outerOptimizer) {
+      case AveragingOptions::Outer::kSgd:
+        anchor.add_(change, lr);
+        break;
+      case AveragingOptions::Outer::kMomentum:
+        outerVelocity.mul_(mu).add_(change);
+        anchor.add_(outerVelocity, lr);
+        break;
+      case AveragingOptions::Outer::kNesterov:
+        outerVelocity.mul_(mu).add_(change);
+        anchor.add_(change, lr).add_(outerVelocity, lr * mu);
+        break;
+    }
+    unflattenParameters(params, flat(anchor));
+  }
 
   void averageChanges() {
     torch::NoGradGuard noGrad;
@@ -79,8 +105,12 @@ struct ParameterAveraging::Impl {
     // The codec's count: its messages' real sizes.
     stats.bytesSent += compressed->bytesSent() - sent;
     stats.bytesReceived += compressed->bytesReceived() - received;
-    anchor.add_(delta);
-    unflattenParameters(params, flat(anchor));
+    if (hasOuterOptimizer()) {
+      applyOuter(delta);
+    } else {
+      anchor.add_(delta);
+      unflattenParameters(params, flat(anchor));
+    }
   }
 
   void average() {
@@ -90,7 +120,14 @@ struct ParameterAveraging::Impl {
       averageChanges();
     } else {
       for (auto& p : params) tensors.push_back(p);
-      if (compressed) {  // the warm-up: average uncompressed, and start the changes from here
+      if (hasOuterOptimizer()) {  // the mean's change from the anchor is the outer step's input
+        torch::NoGradGuard noGrad;
+        averageCounted(tensors);
+        tensors.clear();
+        flattenParameters(params, flat(delta));
+        delta.sub_(anchor);
+        applyOuter(delta);
+      } else if (compressed) {  // the warm-up: average uncompressed, and start the changes from here
         averageCounted(tensors);
         tensors.clear();
         flattenParameters(params, flat(anchor));
@@ -129,6 +166,9 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
                    dynamic_cast<torch::optim::AdamW*>(optimizer) != nullptr,
                InvalidArgument, kWho, ": averageOptimizerState knows SGD, Adam and AdamW; this optimizer's state "
                "would not be averaged");
+  COHORT_CHECK(options.outerLr > 0, InvalidArgument, kWho, ": outerLr must be positive, got ", options.outerLr);
+  COHORT_CHECK(options.outerMomentum >= 0 && options.outerMomentum < 1, InvalidArgument, kWho,
+               ": outerMomentum must be in [0, 1), got ", options.outerMomentum);
   s.codec = compress::CodecSpec::parse(options.codec);
   s.options = std::move(options);
   s.module = &module;
@@ -142,14 +182,19 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
   COHORT_CHECK(!s.params.empty(), InvalidArgument, kWho, ": the module has no parameters; there is nothing to average");
   s.comm = job.communicator();
   if (s.comm == nullptr) return;
-  checkSameModel(*s.comm, module, kWho);
+  checkSameModel(*s.comm, module, kWho,
+                 detail::concat("outer optimizer ", int(s.options.outerOptimizer), " lr=", s.options.outerLr,
+                                " momentum=", s.options.outerMomentum));
   broadcastModel(*s.comm, module);
-  if (s.codec.kind != compress::CodecKind::None) {
+  if (s.codec.kind != compress::CodecKind::None || s.hasOuterOptimizer()) {
     torch::NoGradGuard noGrad;
     std::vector<torch::Tensor> flat;
     for (auto& p : s.params) flat.push_back(p.detach().reshape({-1}));
     s.anchor = torch::cat(flat);
     s.delta = torch::empty_like(s.anchor);
+    if (s.hasOuterOptimizer()) s.outerVelocity = torch::zeros_like(s.anchor);
+  }
+  if (s.codec.kind != compress::CodecKind::None) {
     s.compressed = std::make_unique<CompressedSum>(s.comm, s.codec, std::vector<int64_t>{s.anchor.numel()});
   }
 }

@@ -88,6 +88,12 @@ void validate(const TrainOptions& o) {
   COHORT_CHECK(o.momentum >= 0 && o.momentum < 1, InvalidArgument, "--momentum must be in [0, 1), got ",
                o.momentum);
   COHORT_CHECK(o.timeoutSeconds > 0, InvalidArgument, "--timeout must be positive, got ", o.timeoutSeconds);
+  if (o.strategy.name == "mirrored" || o.strategy.name == "central" || o.strategy.name == "hogwild") {
+    const int replicas = replicaThreads(o.strategy);
+    COHORT_CHECK(replicas <= o.batch, InvalidArgument, "--replicas ", replicas, " is larger than --batch ", o.batch,
+                 ": --strategy ", o.strategy.name, " splits each batch over its replicas; use --batch of at least ",
+                 replicas, " or fewer --replicas");
+  }
   COHORT_CHECK(o.optimizer == "sgd" || o.optimizer == "momentum" || o.optimizer == "adam",
                InvalidArgument, "unknown optimizer '", o.optimizer, "': expected sgd, momentum or adam");
 }
