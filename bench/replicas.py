@@ -9,11 +9,15 @@ mirrored: cnn on 2 cores, the same global batch (128): --strategy mirrored --rep
           worker at batch 64, whose double is the linear limit. Median of alternating runs.
 hogwild:  mlp, global batch 128 for EPOCHS epochs: hogwild --replicas 2 against mirrored --replicas
           2 and ps async (2 workers of batch 64, 1 shard): samples/s, test accuracy.
+tensor:   mlp and mlp:4096 (hidden 4096), 2 processes: tensor --ways 2 against pipeline --stages 2
+          and allreduce (batch 64 per replica): samples/s, bytes sent per step by the chief, the
+          chief's peak memory.
 outer:    cnn, 2 and 4 workers, the same examples (STEPS_OUTER steps of batch 64 per worker):
           average --period K (K 16, 64) plainly and with an outer Nesterov optimizer (lr 0.7,
           momentum 0.9, DiLoCo's), against allreduce: test accuracy and bytes sent by the chief.
 """
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -23,7 +27,7 @@ from common import ROOT, done_event, machine, median, run, single_thread_env  # 
 
 STEPS_CNN = 120
 EPOCHS = 1
-STEPS_OUTER = 240
+STEPS_OUTER = 160
 
 
 def train(build, tmp, workers, model, flags, threads="1", ps=0):
@@ -101,11 +105,40 @@ def section_outer(args, tmp):
                   f"chief, {d['samples_per_s']:.1f} samples/s", flush=True)
 
 
+def step_bytes(tmp):
+    sent, n = 0, 0
+    with open(os.path.join(tmp, "m.jsonl")) as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("event") == "step" and e["step"] > 5:
+                sent += e["bytes_sent"]
+                n += 1
+    return sent / max(n, 1)
+
+
+def section_tensor(args, tmp):
+    for model, steps in (("mlp", 200), ("mlp:4096", 40)):
+        configs = [("tensor --ways 2", ["--strategy", "tensor", "--ways", "2"]),
+                   ("pipeline --stages 2", ["--strategy", "pipeline", "--stages", "2"]),
+                   ("allreduce", ["--strategy", "allreduce"])]
+        results = {name: [] for name, _ in configs}
+        for _ in range(max(1, args.runs // 2)):
+            for name, flags in configs:
+                d = train(args.build, tmp, 2, model, ["--steps", str(steps), "--batch", "64"] + flags)
+                results[name].append((d["samples_per_s"], step_bytes(tmp), d["max_rss_mb"], d["test_accuracy"]))
+        for name, _ in configs:
+            rows = results[name]
+            print(f"{model}, 2 processes, {name}: {median([r[0] for r in rows]):.1f} samples/s, "
+                  f"{median([r[1] for r in rows]) / 1e6:.3f} MB sent per step by the chief, chief's peak memory "
+                  f"{median([r[2] for r in rows]):.0f} MB, test accuracy {median([r[3] for r in rows]):.4f}",
+                  flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--sections", default="mirrored,hogwild,outer")
+    p.add_argument("--sections", default="mirrored,hogwild,outer,tensor")
     args = p.parse_args()
     print(machine(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,7 +16,7 @@ struct InputShape {
   int64_t classes = 10;
 };
 
-// spec: "mlp" (784-512-512-10), "cnn" (the seeds' Keras network), "lstm" (image rows as a
+// spec: "mlp" (784-512-512-10), "mlp:H" (784-H-H-10), "cnn" (the seeds' Keras network), "lstm" (image rows as a
 // sequence, hidden 128), or a path ending in .pt: a TorchScript module made with
 // torch.jit.script(...).save(path). A scripted nn.Sequential becomes one layer per child.
 // Parameters are initialized from torch's default generator: seed it first.

@@ -77,7 +77,7 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--config", "Read options from a TOML file: keys are the long flag names "
                                 "(batch = 32, eval-every = 100); the command line overrides them");
 
-  train->add_option("--model", o.model, "mlp, cnn, lstm, or a TorchScript file FILE.pt")
+  train->add_option("--model", o.model, "mlp, mlp:WIDTH (hidden width), cnn, lstm, or a TorchScript file FILE.pt")
       ->capture_default_str();
   train->add_option("--data", o.data, "fashion-mnist, mnist:DIR or synthetic[:N]")->capture_default_str();
   train->add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str();

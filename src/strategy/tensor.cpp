@@ -6,8 +6,6 @@
 
 #include <torch/torch.h>
 
-#include <sys/resource.h>
-
 #include <chrono>
 
 namespace cohort {
@@ -79,14 +77,11 @@ void TensorStrategy::synchronize() {
 }
 
 MetricFields TensorStrategy::report() {
-  struct rusage usage {};
-  ::getrusage(RUSAGE_SELF, &usage);
   int64_t parameters = 0;
   for (const auto& p : model_->parameters()) parameters += p.numel();
   return {{"ways", int64_t(ways_)},
           {"tensor_plan", tp_->plan()},
-          {"parameters_per_process", parameters},
-          {"max_rss_mb", double(usage.ru_maxrss) / 1024.0}};
+          {"parameters_per_process", parameters}};
 }
 
 }  // namespace cohort

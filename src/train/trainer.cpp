@@ -14,6 +14,8 @@
 
 #include <torch/torch.h>
 
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -54,6 +56,13 @@ std::string fingerprint(const TrainOptions& o, const ReplicaInfo& r, const std::
       << " workers=" << r.worldSize << " seed=" << o.seed;
   if (!layout.empty()) out << " " << layout;
   return out.str();
+}
+
+// This process's peak resident memory so far.
+double maxRssMb() {
+  struct rusage usage {};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return double(usage.ru_maxrss) / 1024.0;
 }
 
 // Threads for this process when --threads is not given: OMP_NUM_THREADS (cohort launch sets it),
@@ -506,7 +515,8 @@ TrainResult Trainer::run() {
                       {"comm_wait_s", result.commWaitSeconds},
                       {"strategy", o.strategy.name},
                       {"model", o.model},
-                      {"workers", int64_t(s.replica.worldSize)}};
+                      {"workers", int64_t(s.replica.worldSize)},
+                      {"max_rss_mb", maxRssMb()}};
     if (result.secondsToTarget) done.emplace_back("seconds_to_target", *result.secondsToTarget);
     done.insert(done.end(), schemeReport.begin(), schemeReport.end());
     s.metrics->write("done", done);
