@@ -11,5 +11,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 /usr/bin/python3 "$here/ps.py" --build "$build"
 /usr/bin/python3 "$here/pipeline.py" --build "$build"
 /usr/bin/python3 "$here/gossip.py" --build "$build"
+/usr/bin/python3 "$here/replicas.py" --build "$build"
 # Needs root (network namespaces, tc).
 /usr/bin/python3 "$here/bandwidth.py" --build "$build"

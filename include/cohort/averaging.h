@@ -33,6 +33,18 @@ struct AveragingOptions {
   bool averageOptimizerState = false;  // needs the optimizer (SGD or Adam)
   std::string codec = "none";          // what the parameter changes travel as (any --codec)
   int64_t codecWarmupSteps = 0;        // averages during the first steps travel uncompressed
+  // The outer optimizer (BMUF, Chen and Huo 2016; DiLoCo, Douillard et al. 2023): the averaged
+  // change since the last average, D, is applied to the parameters x of the last average by an
+  // optimizer of its own, with the momentum m kept on every rank alike:
+  //   kSgd:      x += lr D
+  //   kMomentum: m = mu m + D;  x += lr m
+  //   kNesterov: m = mu m + D;  x += lr (D + mu m)
+  // kSgd with lr 1 (the default) is plain averaging: the parameters become the mean, exactly.
+  // Buffers and optimizer state are averaged plainly. The momentum is not checkpointed.
+  enum class Outer { kSgd, kMomentum, kNesterov };
+  Outer outerOptimizer = Outer::kSgd;
+  double outerLr = 1.0;
+  double outerMomentum = 0.9;
 };
 
 struct AveragingStats {

@@ -17,4 +17,6 @@
 #include <cohort/gossip.h>
 #include <cohort/job.h>
 #include <cohort/parameter_server.h>
+#include <cohort/replicas.h>
 #include <cohort/sampler.h>
+#include <cohort/tensor_parallel.h>

@@ -21,7 +21,7 @@ struct InputShape {
   std::string featureRowsSource;  // where the largest id is, for the error when the table is smaller
 };
 
-// spec: "mlp" (784-512-512-10), "cnn" (the seeds' Keras network), "lstm" (image rows as a
+// spec: "mlp" (784-512-512-10), "mlp:H" (784-H-H-10), "cnn" (the seeds' Keras network), "lstm" (image rows as a
 // sequence, hidden 128), or a path ending in .pt: a TorchScript module made with
 // torch.jit.script(...).save(path). A scripted nn.Sequential becomes one layer per child.
 // For bags of feature ids: "embed[:KEY=VALUE,...]", an embedding table pooled over each bag

@@ -80,7 +80,7 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--config", "Read options from a TOML file: keys are the long flag names "
                                 "(batch = 32, eval-every = 100); the command line overrides them");
 
-  train->add_option("--model", o.model, "mlp, cnn, lstm, embed[:rows=N,dim=D,pool=sum|mean,hidden=H,sparse=1|0] (bags of ids), or a TorchScript file FILE.pt")
+  train->add_option("--model", o.model, "mlp, mlp:WIDTH (hidden width), cnn, lstm, embed[:rows=N,dim=D,pool=sum|mean,hidden=H,sparse=1|0] (bags of ids), or a TorchScript file FILE.pt")
       ->capture_default_str();
   train->add_option("--data", o.data, "fashion-mnist, mnist:DIR, synthetic[:N], libsvm:TRAIN[,TEST] or synthetic-bags[:N[,ROWS]] (bags of ids)")->capture_default_str();
   train->add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str();
@@ -121,8 +121,10 @@ Run addTrainCommand(CLI::App& app) {
                     "Save the trained model here (torch::save); with {rank} in the path every rank saves");
   train->add_option("--timeout", o.timeoutSeconds, "Seconds to wait for a peer before failing")
       ->capture_default_str();
-  train->add_option("--strategy", o.strategy.name, "local, allreduce, average, ps, gossip or pipeline")
-      ->check(CLI::IsMember({"local", "allreduce", "average", "ps", "gossip", "pipeline"}))
+  train->add_option("--strategy", o.strategy.name,
+                    "local, allreduce, average, ps, gossip, pipeline, mirrored, central, hogwild or tensor")
+      ->check(CLI::IsMember({"local", "allreduce", "average", "ps", "gossip", "pipeline", "mirrored", "central",
+                             "hogwild", "tensor"}))
       ->capture_default_str();
   auto* dp = "Data parallelism";
   train->add_option("--bucket-mb", o.strategy.allreduce.bucketMb, "allreduce: gradient bucket size in MB")
@@ -135,14 +137,30 @@ Run addTrainCommand(CLI::App& app) {
       ->group(dp)->capture_default_str();
   train->add_flag("--average-optimizer-state", o.strategy.average.averageOptimizerState,
                   "average: average momentum / Adam state too")->group(dp);
+  train->add_option("--outer-optimizer", o.strategy.average.outerOptimizer,
+                    "average: apply each averaged change with sgd, momentum or nesterov (BMUF, DiLoCo); sgd with "
+                    "--outer-lr 1 is plain averaging")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, AveragingOptions::Outer>{
+          {"sgd", AveragingOptions::Outer::kSgd},
+          {"momentum", AveragingOptions::Outer::kMomentum},
+          {"nesterov", AveragingOptions::Outer::kNesterov}}))
+      ->group(dp);
+  train->add_option("--outer-lr", o.strategy.average.outerLr, "average: the outer optimizer's learning rate")
+      ->group(dp)->capture_default_str();
+  train->add_option("--outer-momentum", o.strategy.average.outerMomentum,
+                    "average: the outer optimizer's momentum (momentum, nesterov)")->group(dp)->capture_default_str();
 
   auto* mp = "Model parallelism (--strategy pipeline; cohort launch -n STAGES*REPLICAS)";
   auto& pl = o.strategy.pipeline;
   train->add_option("--stages", pl.stages, "Cut the model into S stages, one per process (rank = replica*S + stage)")
       ->group(mp)->capture_default_str();
-  train->add_option("--replicas", pl.replicas,
-                    "R copies of the pipeline, data-parallel: each stage averages its gradients with its copies")
-      ->group(mp)->capture_default_str();
+  train->add_option("--replicas", o.strategy.replicas,
+                    "pipeline: R copies of the pipeline, data-parallel (default 1); mirrored, central, hogwild: R "
+                    "replica threads in this process sharing its --batch (default: its cores)")
+      ->group(mp);
+  train->add_option("--ways", o.strategy.ways,
+                    "tensor: split every layer's units over W processes (cohort launch -n W*R for R data-parallel "
+                    "copies)")->group(mp)->capture_default_str();
   train->add_option("--micro-batches", pl.microBatches, "Split each batch into M micro-batches")
       ->group(mp)->capture_default_str();
   train->add_option("--schedule", pl.schedule,

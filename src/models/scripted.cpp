@@ -20,10 +20,26 @@ std::string sanitize(std::string name) {
   return name;
 }
 
-struct ScriptedLayerImpl : torch::nn::Module {
-  explicit ScriptedLayerImpl(torch::jit::Module module) : script(std::move(module)) {
+// Cloneable (so that in-process replicas can copy it): clone() deep-copies the scripted module
+// (reset) and then gives the copy's tensors the original's values.
+struct ScriptedLayerImpl : torch::nn::Cloneable<ScriptedLayerImpl> {
+  explicit ScriptedLayerImpl(torch::jit::Module module) : script(std::move(module)) { registerTensors(); }
+
+  void reset() override {
+    // The deep copy's tensors do not require gradients (clone() copies under NoGradGuard): the
+    // originals say which do.
+    std::vector<bool> trainable;
+    for (const auto& p : script.named_parameters(/*recurse=*/true)) trainable.push_back(p.value.requires_grad());
+    script = script.deepcopy();
+    registerTensors(&trainable);
+  }
+
+  void registerTensors(const std::vector<bool>* trainable = nullptr) {
+    size_t k = 0;
     for (const auto& p : script.named_parameters(/*recurse=*/true)) {
-      register_parameter(sanitize(p.name), p.value, p.value.requires_grad());
+      const bool grad = trainable != nullptr && k < trainable->size() ? (*trainable)[k] : p.value.requires_grad();
+      register_parameter(sanitize(p.name), p.value, grad);
+      ++k;
     }
     for (const auto& b : script.named_buffers(/*recurse=*/true)) {
       register_buffer(sanitize(b.name), b.value);
@@ -35,7 +51,7 @@ struct ScriptedLayerImpl : torch::nn::Module {
   }
 
   void train(bool on) override {
-    torch::nn::Module::train(on);
+    torch::nn::Cloneable<ScriptedLayerImpl>::train(on);
     script.train(on);
   }
 

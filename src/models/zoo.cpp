@@ -30,10 +30,10 @@ struct LastStepLstmImpl : nn::Module {
 };
 TORCH_MODULE(LastStepLstm);
 
-nn::Sequential makeMlp(const InputShape& s) {
+nn::Sequential makeMlp(const InputShape& s, int64_t hidden = 512) {
   const int64_t in = s.channels * s.height * s.width;
-  return nn::Sequential(nn::Flatten(), nn::Linear(in, 512), nn::ReLU(), nn::Linear(512, 512),
-                        nn::ReLU(), nn::Linear(512, s.classes));
+  return nn::Sequential(nn::Flatten(), nn::Linear(in, hidden), nn::ReLU(), nn::Linear(hidden, hidden),
+                        nn::ReLU(), nn::Linear(hidden, s.classes));
 }
 
 // The network of the seeds' Keras example: the convolutions have no activation of their own.
@@ -126,10 +126,22 @@ torch::nn::Sequential makeModel(const std::string& spec, const InputShape& shape
   COHORT_CHECK(shape.featureRows == 0 || endsWith(spec, ".pt") || spec.find('/') != std::string::npos,
                InvalidArgument, "--model ", spec, " reads images, but the data are bags of feature ids: use --model embed");
   if (spec == "mlp") return makeMlp(shape);
+  if (spec.rfind("mlp:", 0) == 0) {  // the mlp with another hidden width, e.g. mlp:4096
+    int64_t hidden = 0;
+    try {
+      size_t used = 0;
+      hidden = std::stoll(spec.substr(4), &used);
+      if (used != spec.size() - 4) hidden = 0;
+    } catch (const std::exception&) {
+      hidden = 0;
+    }
+    COHORT_CHECK(hidden > 0, InvalidArgument, "model '", spec, "': expected mlp:WIDTH with a positive hidden width");
+    return makeMlp(shape, hidden);
+  }
   if (spec == "cnn") return makeCnn(shape);
   if (spec == "lstm") return makeLstm(shape);
   if (endsWith(spec, ".pt") || spec.find('/') != std::string::npos) return loadScriptedModel(spec);
-  throw InvalidArgument("unknown model '" + spec + "': expected mlp, cnn, lstm, embed or a TorchScript file FILE.pt");
+  throw InvalidArgument("unknown model '" + spec + "': expected mlp, mlp:WIDTH, cnn, lstm, embed or a TorchScript file FILE.pt");
 }
 
 int64_t parameterCount(const torch::nn::Module& model) {

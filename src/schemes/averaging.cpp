@@ -71,7 +71,6 @@ struct ParameterAveraging::Impl {
   // changed on some replica since the last average travel (averageRows).
   std::vector<torch::Tensor> tables;
   std::vector<torch::Tensor> tableAnchors;  // each table after the last average
-  AveragingStats stats;
 
   // table := anchor + the mean over the replicas of their change since the last average, where
   // each replica sends only the rows it changed (ids and the rows' changes).
@@ -86,6 +85,34 @@ struct ParameterAveraging::Impl {
     table.index_copy_(0, sum.ids, anchor.index_select(0, sum.ids));
   }
 
+  torch::Tensor outerVelocity;                // the outer optimizer's momentum, flat
+  AveragingStats stats;
+
+  // Anything but outer SGD with lr 1, which is plain averaging and takes plain averaging's path.
+  bool hasOuterOptimizer() const {
+    return options.outerOptimizer != AveragingOptions::Outer::kSgd || options.outerLr != 1.0;
+  }
+
+  // `change`: the averaged change since the last average. Moves the anchor by the outer
+  // optimizer's step and makes it the parameters.
+  void applyOuter(const torch::Tensor& change) {
+    const double lr = options.outerLr, mu = options.outerMomentum;
+    switch (options.outerOptimizer) {
+      case AveragingOptions::Outer::kSgd:
+        anchor.add_(change, lr);
+        break;
+      case AveragingOptions::Outer::kMomentum:
+        outerVelocity.mul_(mu).add_(change);
+        anchor.add_(outerVelocity, lr);
+        break;
+      case AveragingOptions::Outer::kNesterov:
+        outerVelocity.mul_(mu).add_(change);
+        anchor.add_(change, lr).add_(outerVelocity, lr * mu);
+        break;
+    }
+    unflattenParameters(params, flat(anchor));
+  }
+
   void averageChanges() {
     torch::NoGradGuard noGrad;
     flattenParameters(params, flat(delta));
@@ -97,8 +124,12 @@ struct ParameterAveraging::Impl {
     // The codec's count: its messages' real sizes.
     stats.bytesSent += compressed->bytesSent() - sent;
     stats.bytesReceived += compressed->bytesReceived() - received;
-    anchor.add_(delta);
-    unflattenParameters(params, flat(anchor));
+    if (hasOuterOptimizer()) {
+      applyOuter(delta);
+    } else {
+      anchor.add_(delta);
+      unflattenParameters(params, flat(anchor));
+    }
   }
 
   void average() {
@@ -108,7 +139,14 @@ struct ParameterAveraging::Impl {
       averageChanges();
     } else {
       for (auto& p : params) tensors.push_back(p);
-      if (compressed) {  // the warm-up: average uncompressed, and start the changes from here
+      if (hasOuterOptimizer()) {  // the mean's change from the anchor is the outer step's input
+        torch::NoGradGuard noGrad;
+        averageCounted(tensors);
+        tensors.clear();
+        flattenParameters(params, flat(delta));
+        delta.sub_(anchor);
+        applyOuter(delta);
+      } else if (compressed) {  // the warm-up: average uncompressed, and start the changes from here
         averageCounted(tensors);
         tensors.clear();
         flattenParameters(params, flat(anchor));
@@ -150,6 +188,9 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
                    dynamic_cast<torch::optim::AdamW*>(optimizer) != nullptr,
                InvalidArgument, kWho, ": averageOptimizerState knows SGD, Adam and AdamW; this optimizer's state "
                "would not be averaged");
+  COHORT_CHECK(options.outerLr > 0, InvalidArgument, kWho, ": outerLr must be positive, got ", options.outerLr);
+  COHORT_CHECK(options.outerMomentum >= 0 && options.outerMomentum < 1, InvalidArgument, kWho,
+               ": outerMomentum must be in [0, 1), got ", options.outerMomentum);
   s.codec = compress::CodecSpec::parse(options.codec);
   s.options = std::move(options);
   s.module = &module;
@@ -167,15 +208,25 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
   COHORT_CHECK(!s.params.empty() || !s.tables.empty(), InvalidArgument, kWho, ": the module has no parameters; there is nothing to average");
   s.comm = job.communicator();
   if (s.comm == nullptr) return;
-  checkSameModel(*s.comm, module, kWho);
+  checkSameModel(*s.comm, module, kWho,
+                 detail::concat("outer optimizer ", int(s.options.outerOptimizer), " lr=", s.options.outerLr,
+                                " momentum=", s.options.outerMomentum));
   broadcastModel(*s.comm, module);
   for (auto& t : s.tables) s.tableAnchors.push_back(t.detach().clone());
-  if (s.codec.kind != compress::CodecKind::None && !s.params.empty()) {
+  if (s.params.empty()) {
+    COHORT_CHECK(!s.hasOuterOptimizer(), InvalidArgument, kWho,
+                 ": an outer optimizer needs dense parameters; this module has only row-sparse tables");
+    return;  // tables alone: averaged by rows, no anchor of dense parameters
+  }
+  if (s.codec.kind != compress::CodecKind::None || s.hasOuterOptimizer()) {
     torch::NoGradGuard noGrad;
     std::vector<torch::Tensor> flat;
     for (auto& p : s.params) flat.push_back(p.detach().reshape({-1}));
     s.anchor = torch::cat(flat);
     s.delta = torch::empty_like(s.anchor);
+    if (s.hasOuterOptimizer()) s.outerVelocity = torch::zeros_like(s.anchor);
+  }
+  if (s.codec.kind != compress::CodecKind::None) {
     s.compressed = std::make_unique<CompressedSum>(s.comm, s.codec, std::vector<int64_t>{s.anchor.numel()});
   }
 }

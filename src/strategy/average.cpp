@@ -14,6 +14,9 @@ AverageStrategy::AverageStrategy(std::shared_ptr<Communicator> comm, AveragingOp
     : comm_(std::move(comm)), options_(std::move(options)) {
   COHORT_CHECK(comm_ != nullptr, InvalidArgument, "--strategy average needs a cluster");
   COHORT_CHECK(options_.period >= 1, InvalidArgument, "--period must be at least 1, got ", options_.period);
+  COHORT_CHECK(options_.outerLr > 0, InvalidArgument, "--outer-lr must be positive, got ", options_.outerLr);
+  COHORT_CHECK(options_.outerMomentum >= 0 && options_.outerMomentum < 1, InvalidArgument,
+               "--outer-momentum must be in [0, 1), got ", options_.outerMomentum);
 }
 
 ReplicaInfo AverageStrategy::replica() const { return {comm_->rank(), comm_->worldSize()}; }

@@ -9,15 +9,37 @@
 #include "strategy/local.h"
 #include "strategy/pipeline.h"
 #include "strategy/ps.h"
+#include "strategy/replicas.h"
 #include "strategy/strategy.h"
+#include "strategy/tensor.h"
+
+#include <thread>
 
 namespace cohort {
+
+namespace {
+
+bool isInProcess(const std::string& name) { return name == "mirrored" || name == "central" || name == "hogwild"; }
+
+}  // namespace
+
+int replicaThreads(const StrategyOptions& options) {
+  if (options.replicas > 0) return options.replicas;
+  return int(std::max(1u, std::thread::hardware_concurrency()));
+}
 
 void checkCodecOptions(const StrategyOptions& options) {
   const compress::CodecSpec codec = compress::CodecSpec::parse(options.codec);
   COHORT_CHECK(codec.kind == compress::CodecKind::None || options.name != "local", InvalidArgument, "--codec ",
                options.codec, " compresses what workers exchange, and --strategy local exchanges nothing: drop --codec "
                "or choose a distributed --strategy");
+  COHORT_CHECK(codec.kind == compress::CodecKind::None || !isInProcess(options.name), InvalidArgument, "--codec ",
+               options.codec, " does not apply to --strategy ", options.name,
+               ": its replica threads share memory and exchange nothing compressible; drop --codec");
+  COHORT_CHECK(codec.kind == compress::CodecKind::None || options.name != "tensor", InvalidArgument, "--codec ",
+               options.codec, " does not apply to --strategy tensor: its activations and gradients travel "
+               "uncompressed; drop --codec");
+  COHORT_CHECK(options.replicas >= 0, InvalidArgument, "--replicas must be at least 1, got ", options.replicas);
   COHORT_CHECK(options.codecWarmupSteps >= 0, InvalidArgument, "--codec-warmup-steps must be at least 0, got ",
                options.codecWarmupSteps);
 }
@@ -62,10 +84,24 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
     return std::make_unique<AverageStrategy>(job.communicator(), std::move(average));
   }
   if (name == "pipeline") {
-    return std::make_unique<PipelineStrategy>(job.communicator(), options.pipeline, options.checkpointDir,
-                                              options.resume);
+    StrategyOptions::Pipeline pipeline = options.pipeline;
+    if (options.replicas > 0) pipeline.replicas = options.replicas;
+    return std::make_unique<PipelineStrategy>(job.communicator(), pipeline, options.checkpointDir, options.resume);
   }
-  throw InvalidArgument("unknown strategy '" + name + "': expected local, allreduce, average, ps, gossip or pipeline");
+  if (name == "tensor") return std::make_unique<TensorStrategy>(job.communicator(), options.ways);
+  if (isInProcess(name)) {
+    // Replica threads inside this process; mirrored alone also spans processes (one per host).
+    COHORT_CHECK(name == "mirrored" || job.worldSize() == 1, InvalidArgument, "--strategy ", name,
+                 " trains in one process, but this is ", describe(job.cluster()),
+                 ": run one process, or --strategy mirrored (replicas inside each process, allreduce across them)");
+    ReplicaOptions replicas = options.inProcess;
+    replicas.replicas = replicaThreads(options);
+    replicas.timeout = job.timeout();
+    replicas.overlap = options.allreduce.overlap;
+    return std::make_unique<ReplicaStrategy>(name, job.worldSize() > 1 ? job.communicator() : nullptr, replicas);
+  }
+  throw InvalidArgument("unknown strategy '" + name +
+                        "': expected local, allreduce, average, ps, gossip, pipeline, mirrored, central, hogwild or tensor");
 }
 
 }  // namespace cohort

@@ -10,6 +10,7 @@
 #include <cohort/job.h>
 #include <cohort/metrics.h>
 #include <cohort/parameter_server.h>
+#include <cohort/replicas.h>
 
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
@@ -129,7 +130,8 @@ class Strategy {
 
 // What `cohort train` asks for: the scheme, and each scheme's options.
 struct StrategyOptions {
-  std::string name = "local";  // local | allreduce | average | ps | gossip | pipeline
+  // local | allreduce | average | ps | gossip | pipeline | mirrored | central | hogwild | tensor
+  std::string name = "local";
   // The Trainer's, for schemes that keep records next to its checkpoints (pipeline: the manifest).
   std::string checkpointDir;
   bool resume = false;
@@ -152,6 +154,14 @@ struct StrategyOptions {
     std::string schedule = "1f1b";   // gpipe | 1f1b
     std::string partition = "auto";  // auto | L1,L2,... (layers per stage)
   } pipeline;
+  // --replicas: pipeline copies, or the in-process schemes' replica threads; 0: the scheme's
+  // default (pipeline: 1; mirrored, central, hogwild: this host's cores).
+  int replicas = 0;
+  // mirrored, central, hogwild (include/cohort/replicas.h); replicas and the timeout are filled
+  // by the factory.
+  ReplicaOptions inProcess;
+  // tensor: the processes every layer is split over (the job holds ways x replicas processes).
+  int ways = 2;
   // gossip (include/cohort/gossip.h); codec, secret and seed are filled by the Trainer.
   GossipOptions gossip;
   // Test hook for every scheme: worker slowRank sleeps slowSeconds in every step.
@@ -168,5 +178,8 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
 // Throws InvalidArgument when --codec or --codec-warmup-steps is malformed or does not fit the
 // scheme; the message names the accepted codecs.
 void checkCodecOptions(const StrategyOptions& options);
+
+// The replica threads an in-process scheme runs: --replicas, else this host's cores.
+int replicaThreads(const StrategyOptions& options);
 
 }  // namespace cohort

@@ -20,6 +20,8 @@
 
 #include <torch/torch.h>
 
+#include <sys/resource.h>
+
 #include <chrono>
 #include <limits>
 #include <cstdio>
@@ -69,6 +71,13 @@ std::string fingerprint(const TrainOptions& o, const ReplicaInfo& r, const std::
   if (o.validation > 0) out << " validation=" << o.validation << ":" << o.validationSeed;
   if (!layout.empty()) out << " " << layout;
   return out.str();
+}
+
+// This process's peak resident memory so far.
+double maxRssMb() {
+  struct rusage usage {};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return double(usage.ru_maxrss) / 1024.0;
 }
 
 // Threads for this process when --threads is not given: OMP_NUM_THREADS (cohort launch sets it),
@@ -121,6 +130,12 @@ void validate(const TrainOptions& o) {
                o.momentum);
   COHORT_CHECK(o.validation >= 0, InvalidArgument, "--validation must not be negative, got ", o.validation);
   COHORT_CHECK(o.timeoutSeconds > 0, InvalidArgument, "--timeout must be positive, got ", o.timeoutSeconds);
+  if (o.strategy.name == "mirrored" || o.strategy.name == "central" || o.strategy.name == "hogwild") {
+    const int replicas = replicaThreads(o.strategy);
+    COHORT_CHECK(replicas <= o.batch, InvalidArgument, "--replicas ", replicas, " is larger than --batch ", o.batch,
+                 ": --strategy ", o.strategy.name, " splits each batch over its replicas; use --batch of at least ",
+                 replicas, " or fewer --replicas");
+  }
   COHORT_CHECK(o.optimizer == "sgd" || o.optimizer == "momentum" || o.optimizer == "adam" || o.optimizer == "adagrad",
                InvalidArgument, "unknown optimizer '", o.optimizer, "': expected sgd, momentum, adam or adagrad");
 }
@@ -618,7 +633,8 @@ TrainResult Trainer::run() {
                       {"comm_wait_s", result.commWaitSeconds},
                       {"strategy", o.strategy.name},
                       {"model", o.model},
-                      {"workers", int64_t(s.replica.worldSize)}};
+                      {"workers", int64_t(s.replica.worldSize)},
+                      {"max_rss_mb", maxRssMb()}};
     if (result.secondsToTarget) done.emplace_back("seconds_to_target", *result.secondsToTarget);
     if (s.data.attainableAccuracy >= 0) done.emplace_back("attainable_accuracy", s.data.attainableAccuracy);
     if (lastEval) {

@@ -1,0 +1,131 @@
+// Data parallelism inside one process: R replica threads, one intra-op thread each, exchanging
+// through shared memory instead of sockets (no kernel copies). Three schemes, one handle each:
+//
+//   Mirrored        (TensorFlow's MirroredStrategy): R copies of the model, each with its own
+//                   optimizer; every replica's gradient is summed in memory (bucketed, while backward
+//                   runs) and every replica applies the same sum, so the copies stay bit-identical.
+//                   With a job of several processes (one per host), the in-memory sums are then
+//                   averaged across the processes: replicas inside a host, allreduce across hosts.
+//   CentralStorage  (CentralStorageStrategy): one set of parameters and one optimizer; R threads
+//                   compute gradients against it, the sum is applied once.
+//   Hogwild         (Recht et al. 2011; A3C's lock-free threads): R threads train one shared set of
+//                   parameters, each with its own optimizer, without locks; how stale each update
+//                   was and how often updates overlapped is counted.
+//
+//   cohort::Mirrored mirrored(net, optimizer, {.replicas = 2});   // net: std::shared_ptr<Module>
+//   for (auto& batch : batches) {
+//     double loss = mirrored.step(batch.data, batch.target,
+//                                 [](int replica, torch::nn::Module& m, const torch::Tensor& x,
+//                                    const torch::Tensor& y) {
+//                                   return criterion(m.as<Net>()->forward(x), y);
+//                                 });
+//   }
+//
+// step() owns the whole step: it splits the batch along its first dimension into R shards (sizes
+// differing by at most one), runs forward, loss and backward of each shard on its replica's thread,
+// and the optimizer. The loss function runs on a replica thread and must touch only its arguments.
+// The gradient is the shards' gradients weighted by their sizes: for Mirrored and CentralStorage a
+// step equals one step of a single process on the whole batch.
+//
+// Contract: the model and the optimizer are the caller's and are replica 0's (what it evaluates and
+// checkpoints); the other replicas are deep copies made by the constructor (every submodule must be
+// torch::nn::Cloneable, as the built-in layers and cohort's TorchScript layers are), with copies of
+// the optimizer (SGD, Adam, AdamW, RMSprop or Adagrad; its state included). Between steps the
+// caller may read replica 0 but must not train it outside step(). While the handle lives, OpenBLAS
+// runs one thread (process-wide; restored by the destructor). A replica that throws ends the step
+// on every thread with that error (the step's parameter update is then not applied); every wait
+// between replicas is bounded by `timeout`. Errors are cohort::Error subclasses.
+#pragma once
+
+#include <cohort/job.h>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+namespace cohort {
+
+// Forward and loss of one replica on its shard; returns a scalar. Called on the replica's thread.
+using ShardLoss = std::function<torch::Tensor(int replica, torch::nn::Module& model, const torch::Tensor& inputs,
+                                              const torch::Tensor& targets)>;
+
+struct ReplicaOptions {
+  int replicas = 2;
+  // Mirrored and CentralStorage: gradients are summed bucket by bucket; with overlap, a bucket is
+  // summed as soon as every replica's backward has produced it, while backward goes on.
+  double bucketMb = 4.0;
+  bool overlap = true;
+  std::chrono::milliseconds timeout{60000};  // every wait of one replica for another
+};
+
+struct ReplicaStats {
+  int64_t steps = 0;
+  int64_t bytesReduced = 0;      // gradient bytes summed in memory (Mirrored, CentralStorage)
+  double waitSeconds = 0.0;      // replica threads' time waiting for each other, per replica
+  // Mirrored across processes: the averaged sums' traffic, and the time the step waited for it.
+  int64_t bytesSent = 0;
+  int64_t bytesReceived = 0;
+  double commWaitSeconds = 0.0;
+  // Hogwild: an update's staleness is the number of other replicas' updates applied between its
+  // forward pass reading the parameters and its own update; a conflict is an update whose writing
+  // overlapped another's.
+  int64_t updates = 0;
+  double stalenessSum = 0.0;
+  int64_t stalenessMax = 0;
+  int64_t conflicts = 0;
+};
+
+class ReplicaGroup {
+ public:
+  ~ReplicaGroup();
+  ReplicaGroup(const ReplicaGroup&) = delete;
+  ReplicaGroup& operator=(const ReplicaGroup&) = delete;
+
+  // One step on the batch (see above). Returns the loss, the shards' losses weighted by their
+  // sizes. Throws InvalidArgument for a batch smaller than the replica count.
+  double step(const torch::Tensor& inputs, const torch::Tensor& targets, const ShardLoss& loss);
+
+  // Mirrored: makes every replica's floating-point buffers (BatchNorm's running statistics) their
+  // average over the replicas (and the processes). A collective of the job's processes.
+  void synchronizeBuffers();
+
+  int replicas() const;
+  torch::nn::Module& replica(int r);
+  ReplicaStats stats() const;
+
+  struct Impl;
+
+ protected:
+  enum class Kind { kMirrored, kCentral, kHogwild };
+  ReplicaGroup(Kind kind, const Job* job, std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer,
+               ReplicaOptions options);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+class Mirrored final : public ReplicaGroup {
+ public:
+  // A job of several processes: a collective of its workers (rank 0's model is broadcast first);
+  // every process runs the same replica count and calls step() equally often.
+  Mirrored(const Job& job, std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer,
+           ReplicaOptions options = {});
+  Mirrored(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer, ReplicaOptions options = {});
+};
+
+class CentralStorage final : public ReplicaGroup {
+ public:
+  CentralStorage(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer,
+                 ReplicaOptions options = {});
+};
+
+class Hogwild final : public ReplicaGroup {
+ public:
+  Hogwild(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer, ReplicaOptions options = {});
+};
+
+}  // namespace cohort

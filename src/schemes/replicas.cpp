@@ -1,0 +1,620 @@
+// Replicas as threads of one process (include/cohort/replicas.h).
+//
+// Threads: R persistent replica threads; step() hands each its shard and waits. Every wait of a
+// replica for another goes through Impl::waitUntil, which gives up when any replica has failed
+// (the failure ends every thread's step) or when the timeout passes.
+//
+// Gradient sum (Mirrored, CentralStorage): a hook on every replica's parameter copies the
+// gradient, weighted by the shard's share of the batch, into that replica's slot of a bucket;
+// when all R replicas have filled a bucket it is ready, and replica r sums the r-th chunk of every
+// ready bucket over the replicas, in replica order (so the sum does not depend on timing), into
+// the bucket's one shared sum. Every replica's .grad then points into that sum.
+#include <cohort/communicator.h>
+#include <cohort/error.h>
+#include <cohort/replicas.h>
+
+#include "base/clock.h"
+#include "schemes/model_sync.h"
+
+#include <dlfcn.h>
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+namespace cohort {
+
+namespace {
+
+// libtorch's intra-op threads are OpenMP's, whose thread count is per calling thread; OpenBLAS
+// keeps one process-wide pool. Both are looked up at run time (libtorch links them, cohort does not).
+void setOpenMpThreadsOfThisThread(int threads) {
+  using SetFn = void (*)(int);
+  if (auto fn = reinterpret_cast<SetFn>(::dlsym(RTLD_DEFAULT, "omp_set_num_threads"))) fn(threads);
+}
+
+int openBlasThreads() {
+  using GetFn = int (*)();
+  auto fn = reinterpret_cast<GetFn>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return fn ? fn() : 0;
+}
+
+void setOpenBlasThreads(int threads) {
+  using SetFn = void (*)(int);
+  if (auto fn = reinterpret_cast<SetFn>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(threads);
+}
+
+// Thrown on a replica thread that stops because another replica failed: not the step's error.
+struct Aborted {};
+
+template <class O, class Options>
+std::unique_ptr<torch::optim::Optimizer> copyAs(torch::optim::Optimizer& original,
+                                                std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  if (dynamic_cast<O*>(&original) == nullptr) return nullptr;
+  return std::make_unique<O>(groups, static_cast<const Options&>(original.defaults()));
+}
+
+}  // namespace
+
+struct ReplicaGroup::Impl {
+  struct Bucket {
+    std::vector<size_t> params;                    // indices into params[r]
+    int64_t numel = 0;
+    std::vector<torch::Tensor> local;              // [r]: replica r's weighted gradients, flat
+    std::vector<std::vector<torch::Tensor>> localSlots;  // [r][i]: parameter i's part of local[r]
+    torch::Tensor sum;                             // the sum over the replicas, flat
+    std::vector<torch::Tensor> sumSlots;           // [i], shaped like the parameter
+    std::atomic<int> arrived{0};                   // replicas that have filled the bucket this step
+    std::atomic<int> summedChunks{0};
+  };
+
+  // Per replica thread; touched by that thread only during a step.
+  struct Replica {
+    std::shared_ptr<torch::nn::Module> module;
+    std::vector<torch::Tensor> params;  // trainable, in the same order on every replica
+    std::unique_ptr<torch::optim::Optimizer> ownOptimizer;  // replicas 1..R-1 (Mirrored, Hogwild)
+    torch::optim::Optimizer* optimizer = nullptr;
+    std::vector<std::vector<bool>> filled;  // [bucket][i]
+    std::vector<size_t> pending;            // [bucket]: gradients still to come
+    size_t nextToSum = 0;                   // the first bucket whose chunk this replica has not summed
+    double weight = 0;                      // its shard's share of the batch
+    double loss = 0;
+    bool inBackward = false;
+    std::vector<unsigned> hooks;
+    double waitSeconds = 0;
+  };
+
+  Kind kind = Kind::kMirrored;
+  const char* who = "cohort::Mirrored";
+  ReplicaOptions options;
+  std::shared_ptr<Communicator> comm;  // Mirrored across processes
+  int blasThreadsBefore = 0;
+  std::vector<Replica> replicas;
+  std::vector<std::unique_ptr<Bucket>> buckets;
+  std::vector<std::pair<size_t, size_t>> slotOf;  // param -> (bucket, index in bucket)
+
+  // The step under way, set by step() before the threads start.
+  const ShardLoss* lossFn = nullptr;
+  std::vector<torch::Tensor> shardInputs, shardTargets;
+
+  // Hogwild's counters.
+  std::atomic<int64_t> updates{0};
+  std::atomic<int> writers{0};
+  std::atomic<int64_t> writesBegun{0};
+
+  std::mutex mutex;
+  std::condition_variable changed;  // a bucket became ready, a replica failed or finished
+  std::atomic<bool> failed{false};
+  std::atomic<int> finishedSums{0};      // replicas done with all their chunks
+  std::atomic<bool> crossDone{false};    // the process-wide average of the sums is in place
+  std::atomic<bool> updating{false};     // a replica has begun its optimizer step
+  std::exception_ptr error;              // the first failure, GUARDED_BY(mutex)
+  int errorReplica = -1;                 // GUARDED_BY(mutex)
+  bool broken = false;                   // a failure after parameters changed: replicas may differ
+  std::chrono::steady_clock::time_point deadline;
+  ReplicaStats stats;
+
+  // The worker threads.
+  std::vector<std::thread> threads;
+  std::condition_variable wake;  // a step for the threads, or the end
+  std::condition_variable done;  // a thread finished its part of a step
+  int64_t generation = 0;        // GUARDED_BY(mutex)
+  int running = 0;               // threads still in the step, GUARDED_BY(mutex)
+  bool stopping = false;         // GUARDED_BY(mutex)
+
+  bool sumsGradients() const { return kind != Kind::kHogwild; }
+
+  // ---- waits between replicas ----
+
+  template <class Ready>
+  void waitUntil(Replica& self, const Ready& ready, const char* what) {
+    if (ready()) return;
+    const auto start = Clock::now();
+    std::unique_lock<std::mutex> lock(mutex);
+    const bool ok = changed.wait_until(lock, deadline, [&] { return ready() || failed.load(); });
+    self.waitSeconds += secondsSince(start);
+    if (failed.load()) throw Aborted{};
+    if (!ok) {
+      throw TimeoutError(detail::concat(who, ": a replica waited more than ", options.timeout.count(),
+                                        " ms for the others ", what, "; a replica is stuck in its forward or backward"));
+    }
+  }
+
+  void notifyAll() {
+    std::lock_guard<std::mutex> lock(mutex);
+    changed.notify_all();
+  }
+
+  void fail(int r, std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!error) {
+      error = e;
+      errorReplica = r;
+    }
+    failed = true;
+    changed.notify_all();
+  }
+
+  // ---- gradient buckets ----
+
+  void buildBuckets() {
+    const auto& params = replicas[0].params;
+    slotOf.resize(params.size());
+    std::vector<std::vector<size_t>> groups(1);
+    int64_t bytes = 0;
+    for (size_t k = params.size(); k-- > 0;) {  // roughly the order backward produces them
+      const int64_t size = params[k].numel() * int64_t(sizeof(float));
+      if (!groups.back().empty() && double(bytes + size) > options.bucketMb * 1024 * 1024) {
+        groups.emplace_back();
+        bytes = 0;
+      }
+      groups.back().push_back(k);
+      bytes += size;
+    }
+    const size_t R = replicas.size();
+    for (auto& group : groups) {
+      auto bucket = std::make_unique<Bucket>();
+      for (size_t k : group) bucket->numel += params[k].numel();
+      bucket->sum = torch::zeros({bucket->numel});
+      bucket->local.resize(R);
+      bucket->localSlots.resize(R);
+      for (size_t r = 0; r < R; ++r) bucket->local[r] = torch::zeros({bucket->numel});
+      int64_t offset = 0;
+      for (size_t k : group) {
+        slotOf[k] = {buckets.size(), bucket->params.size()};
+        bucket->params.push_back(k);
+        bucket->sumSlots.push_back(bucket->sum.narrow(0, offset, params[k].numel()).view(params[k].sizes()));
+        for (size_t r = 0; r < R; ++r) {
+          bucket->localSlots[r].push_back(bucket->local[r].narrow(0, offset, params[k].numel()).view(params[k].sizes()));
+        }
+        offset += params[k].numel();
+      }
+      buckets.push_back(std::move(bucket));
+    }
+    for (auto& replica : replicas) {
+      replica.filled.resize(buckets.size());
+      replica.pending.resize(buckets.size());
+    }
+  }
+
+  void onGradient(size_t r, size_t k, const torch::Tensor& grad) {
+    Replica& self = replicas[r];
+    if (!self.inBackward) return;  // a backward outside step(): not ours
+    torch::NoGradGuard noGrad;
+    auto [b, i] = slotOf[k];
+    torch::mul_out(buckets[b]->localSlots[r][i], grad, self.weight);
+    if (!self.filled[b][i]) {
+      self.filled[b][i] = true;
+      if (--self.pending[b] == 0) arrive(b);
+    }
+    if (options.overlap) sumReadyChunks(self, r, /*wait=*/false);
+  }
+
+  void arrive(size_t b) {
+    if (buckets[b]->arrived.fetch_add(1) + 1 == int(replicas.size())) notifyAll();
+  }
+
+  // Replica r's chunk of bucket b: [b.numel * r / R, b.numel * (r+1) / R).
+  void sumChunk(size_t r, Bucket& bucket) {
+    const int64_t R = int64_t(replicas.size());
+    const int64_t begin = bucket.numel * int64_t(r) / R, end = bucket.numel * (int64_t(r) + 1) / R;
+    if (end > begin) {
+      torch::NoGradGuard noGrad;
+      auto out = bucket.sum.narrow(0, begin, end - begin);
+      out.copy_(bucket.local[0].narrow(0, begin, end - begin));
+      for (int64_t q = 1; q < R; ++q) out.add_(bucket.local[size_t(q)].narrow(0, begin, end - begin));
+    }
+    bucket.summedChunks.fetch_add(1);
+  }
+
+  void sumReadyChunks(Replica& self, size_t r, bool wait) {
+    while (self.nextToSum < buckets.size()) {
+      Bucket& bucket = *buckets[self.nextToSum];
+      auto ready = [&] { return bucket.arrived.load() == int(replicas.size()); };
+      if (!ready()) {
+        if (!wait) return;
+        waitUntil(self, ready, "to finish their backward pass");
+      }
+      sumChunk(r, bucket);
+      ++self.nextToSum;
+    }
+  }
+
+  // ---- one replica's step, on its thread ----
+
+  void runReplica(size_t r) {
+    Replica& self = replicas[r];
+    const torch::Tensor& x = shardInputs[r];
+    if (kind == Kind::kHogwild) {
+      hogwildStep(self, r);
+      return;
+    }
+    clearGradients(*self.module);
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      self.filled[b].assign(buckets[b]->params.size(), false);
+      self.pending[b] = buckets[b]->params.size();
+    }
+    self.nextToSum = 0;
+    if (x.size(0) > 0) {
+      torch::Tensor value = (*lossFn)(int(r), *self.module, x, shardTargets[r]);
+      self.loss = value.item<double>();
+      self.inBackward = true;
+      try {
+        value.backward();
+      } catch (...) {
+        self.inBackward = false;
+        throw;
+      }
+      self.inBackward = false;
+    }
+    // Parameters that got no gradient (and a replica without examples) contribute zeros.
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      if (self.pending[b] == 0) continue;
+      for (size_t i = 0; i < buckets[b]->params.size(); ++i) {
+        if (!self.filled[b][i]) buckets[b]->localSlots[r][i].zero_();
+      }
+      self.pending[b] = 0;
+      arrive(b);
+    }
+    sumReadyChunks(self, r, /*wait=*/true);
+    finishedSums.fetch_add(1);
+    notifyAll();
+    const int R = int(replicas.size());
+    if (comm != nullptr) {
+      // Replica 0 averages the process's sums with the other processes'; the others wait for it.
+      if (r == 0) {
+        waitUntil(self, [&] { return finishedSums.load() == R; }, "to finish summing their gradients");
+        averageAcrossProcesses();
+        crossDone = true;
+        notifyAll();
+      } else {
+        waitUntil(self, [&] { return crossDone.load(); }, "while replica 0 averages across processes");
+      }
+    } else {
+      waitUntil(self, [&] { return finishedSums.load() == R; }, "to finish summing their gradients");
+    }
+    if (kind == Kind::kCentral && r != 0) return;  // one optimizer, on the one parameter set
+    updating = true;
+    for (size_t k = 0; k < self.params.size(); ++k) {
+      auto [b, i] = slotOf[k];
+      self.params[k].mutable_grad() = buckets[b]->sumSlots[i];
+    }
+    self.optimizer->step();
+  }
+
+  void averageAcrossProcesses() {
+    const auto start = Clock::now();
+    const CommCounters before = comm->counters();
+    std::vector<CommWork> work;
+    for (auto& bucket : buckets) work.push_back(comm->allreduceAsync(bucket->sum));
+    for (auto& w : work) w.wait();
+    for (auto& bucket : buckets) bucket->sum.div_(comm->worldSize());
+    const CommCounters after = comm->counters();
+    stats.bytesSent += after.bytesSent - before.bytesSent;
+    stats.bytesReceived += after.bytesReceived - before.bytesReceived;
+    stats.commWaitSeconds += secondsSince(start);
+  }
+
+  void hogwildStep(Replica& self, size_t r) {
+    const torch::Tensor& x = shardInputs[r];
+    if (x.size(0) == 0) return;
+    clearGradients(*self.module);
+    const int64_t readAt = updates.load();
+    torch::Tensor value = (*lossFn)(int(r), *self.module, x, shardTargets[r]);
+    self.loss = value.item<double>();
+    value.backward();
+    // No lock: the update is written while other replicas read and write the same parameters.
+    const int64_t begunBefore = writesBegun.fetch_add(1);
+    bool conflict = writers.fetch_add(1) > 0;
+    self.optimizer->step();
+    writers.fetch_sub(1);
+    conflict = conflict || writesBegun.load() != begunBefore + 1;
+    const int64_t staleness = updates.fetch_add(1) - readAt;
+    std::lock_guard<std::mutex> lock(mutex);
+    ++stats.updates;
+    stats.stalenessSum += double(staleness);
+    stats.stalenessMax = std::max(stats.stalenessMax, staleness);
+    if (conflict) ++stats.conflicts;
+  }
+
+  void threadMain(size_t r) {
+    setOpenMpThreadsOfThisThread(1);
+    int64_t seen = 0;
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        wake.wait(lock, [&] { return stopping || generation != seen; });
+        if (stopping) return;
+        seen = generation;
+      }
+      try {
+        runReplica(r);
+      } catch (const Aborted&) {
+      } catch (...) {
+        fail(int(r), std::current_exception());
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      if (--running == 0) done.notify_all();
+    }
+  }
+};
+
+ReplicaGroup::ReplicaGroup(Kind kind, const Job* job, std::shared_ptr<torch::nn::Module> model,
+                           torch::optim::Optimizer& optimizer, ReplicaOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.kind = kind;
+  s.who = kind == Kind::kMirrored ? "cohort::Mirrored" : kind == Kind::kCentral ? "cohort::CentralStorage"
+                                                                                 : "cohort::Hogwild";
+  COHORT_CHECK(model != nullptr, InvalidArgument, s.who, ": the model is null");
+  COHORT_CHECK(options.replicas >= 1, InvalidArgument, s.who, ": replicas must be at least 1, got ", options.replicas);
+  COHORT_CHECK(options.bucketMb > 0, InvalidArgument, s.who, ": bucketMb must be positive, got ", options.bucketMb);
+  COHORT_CHECK(options.timeout.count() > 0, InvalidArgument, s.who, ": the timeout must be positive");
+  s.options = options;
+  const size_t R = size_t(options.replicas);
+
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (auto& [name, p] : uniqueParameters(*model)) {
+    if (!p.requires_grad()) continue;
+    COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.device().is_cpu(), InvalidArgument, s.who, ": parameter ",
+                 name, " is ", p.dtype(), " on ", p.device(), "; replicas train float32 parameters on the CPU");
+    named.emplace_back(name, p);
+  }
+  COHORT_CHECK(!named.empty(), InvalidArgument, s.who, ": the module has no parameters that require gradients");
+  if (job != nullptr) s.comm = job->communicator();
+  if (s.comm != nullptr) {
+    checkSameModel(*s.comm, *model, s.who, detail::concat("replicas=", options.replicas));
+    broadcastModel(*s.comm, *model);
+  }
+
+  // Which optimizer parameter is which model parameter, to give each copy the same groups.
+  std::unordered_map<const void*, size_t> indexOf;
+  for (size_t k = 0; k < named.size(); ++k) indexOf[named[k].second.unsafeGetTensorImpl()] = k;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      COHORT_CHECK(indexOf.count(p.unsafeGetTensorImpl()) > 0, InvalidArgument, s.who,
+                   ": the optimizer holds a tensor that is not a trainable parameter of the model");
+    }
+  }
+
+  s.replicas.resize(R);
+  for (size_t r = 0; r < R; ++r) {
+    Impl::Replica& replica = s.replicas[r];
+    if (r == 0) {
+      replica.module = model;
+    } else {
+      try {
+        replica.module = model->clone();
+      } catch (const c10::Error& e) {
+        std::string what = e.what_without_backtrace();
+        throw InvalidArgument(detail::concat(s.who, ": the model cannot be copied into replicas (",
+                                             what.substr(0, what.find('\n')),
+                                             "): every submodule must be a torch::nn::Cloneable"));
+      }
+    }
+    for (auto& [name, p] : uniqueParameters(*replica.module)) {
+      if (p.requires_grad()) replica.params.push_back(p);
+    }
+    COHORT_CHECK_EQ(replica.params.size(), named.size(), Error, s.who, ": a copy of the model has another parameter count");
+    if (r > 0 && kind != Kind::kMirrored) {
+      // One set of parameters: the copies are distinct tensors (each its own gradient) over the
+      // same memory.
+      torch::NoGradGuard noGrad;
+      for (size_t k = 0; k < named.size(); ++k) replica.params[k].set_data(named[k].second);
+      auto mine = replica.module->buffers();
+      auto first = model->buffers();
+      for (size_t i = 0; i < mine.size() && i < first.size(); ++i) mine[i].set_data(first[i]);
+    }
+    if (r == 0) {
+      replica.optimizer = &optimizer;
+    } else if (kind != Kind::kCentral) {
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      for (auto& group : optimizer.param_groups()) {
+        std::vector<torch::Tensor> mine;
+        for (auto& p : group.params()) mine.push_back(replica.params[indexOf[p.unsafeGetTensorImpl()]]);
+        groups.emplace_back(std::move(mine), group.options().clone());
+      }
+      std::unique_ptr<torch::optim::Optimizer> copy;
+      if (!copy) copy = copyAs<torch::optim::SGD, torch::optim::SGDOptions>(optimizer, groups);
+      if (!copy) copy = copyAs<torch::optim::Adam, torch::optim::AdamOptions>(optimizer, groups);
+      if (!copy) copy = copyAs<torch::optim::AdamW, torch::optim::AdamWOptions>(optimizer, groups);
+      if (!copy) copy = copyAs<torch::optim::RMSprop, torch::optim::RMSpropOptions>(optimizer, groups);
+      if (!copy) copy = copyAs<torch::optim::Adagrad, torch::optim::AdagradOptions>(optimizer, groups);
+      COHORT_CHECK(copy != nullptr, InvalidArgument, s.who,
+                   ": every replica needs a copy of the optimizer, and this one cannot be copied; use SGD, Adam, AdamW, "
+                   "RMSprop or Adagrad");
+      // The state (momentum, moments) too: a resumed optimizer's copies go on alike.
+      std::vector<char> bytes;
+      torch::serialize::OutputArchive out;
+      optimizer.save(out);
+      out.save_to([&](const void* data, size_t size) {
+        bytes.insert(bytes.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
+        return size;
+      });
+      torch::serialize::InputArchive in;
+      in.load_from(bytes.data(), bytes.size());
+      copy->load(in);
+      replica.ownOptimizer = std::move(copy);
+      replica.optimizer = replica.ownOptimizer.get();
+    }
+  }
+
+  if (s.sumsGradients()) {
+    s.buildBuckets();
+    Impl* impl = impl_.get();
+    for (size_t r = 0; r < R; ++r) {
+      for (size_t k = 0; k < named.size(); ++k) {
+        s.replicas[r].hooks.push_back(
+            s.replicas[r].params[k].register_hook([impl, r, k](torch::Tensor grad) { impl->onGradient(r, k, grad); }));
+      }
+    }
+  }
+  s.blasThreadsBefore = openBlasThreads();
+  setOpenBlasThreads(1);
+  for (size_t r = 0; r < R; ++r) s.threads.emplace_back([impl = impl_.get(), r] { impl->threadMain(r); });
+}
+
+ReplicaGroup::~ReplicaGroup() {
+  Impl& s = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.stopping = true;
+    s.wake.notify_all();
+  }
+  for (auto& t : s.threads) t.join();
+  for (auto& replica : s.replicas) {
+    for (size_t k = 0; k < replica.hooks.size(); ++k) replica.params[k].remove_hook(replica.hooks[k]);
+  }
+  if (s.blasThreadsBefore > 0) setOpenBlasThreads(s.blasThreadsBefore);
+}
+
+double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targets, const ShardLoss& loss) {
+  Impl& s = *impl_;
+  COHORT_CHECK(!s.broken, Error, s.who, ": an earlier step failed while the replicas were updating their parameters, "
+               "so they may differ; make a new handle");
+  const int R = int(s.replicas.size());
+  const int64_t n = inputs.size(0);
+  COHORT_CHECK(n >= R, InvalidArgument, s.who, ": a batch of ", n, " examples cannot be split over ", R,
+               " replicas: use a batch of at least ", R, " or fewer replicas");
+  COHORT_CHECK(targets.size(0) == n, InvalidArgument, s.who, ": ", n, " inputs but ", targets.size(0), " targets");
+  s.shardInputs.clear();
+  s.shardTargets.clear();
+  int64_t offset = 0;
+  for (int r = 0; r < R; ++r) {
+    const int64_t size = n / R + (r < n % R ? 1 : 0);
+    s.shardInputs.push_back(inputs.narrow(0, offset, size));
+    s.shardTargets.push_back(targets.narrow(0, offset, size));
+    s.replicas[size_t(r)].weight = double(size) / double(n);
+    s.replicas[size_t(r)].loss = 0;
+    offset += size;
+  }
+  for (auto& bucket : s.buckets) {
+    bucket->arrived = 0;
+    bucket->summedChunks = 0;
+  }
+  s.finishedSums = 0;
+  s.crossDone = false;
+  s.updating = false;
+  s.failed = false;
+  s.lossFn = &loss;
+  s.deadline = std::chrono::steady_clock::now() + s.options.timeout;
+  {
+    std::unique_lock<std::mutex> lock(s.mutex);
+    s.error = nullptr;
+    s.errorReplica = -1;
+    s.running = R;
+    ++s.generation;
+    s.wake.notify_all();
+    // The replicas' own waits end by the deadline; this one allows them a margin to unwind.
+    const bool finished = s.done.wait_until(lock, s.deadline + s.options.timeout, [&] { return s.running == 0; });
+    if (!finished) {
+      s.broken = true;
+      throw TimeoutError(detail::concat(s.who, ": the replica threads did not finish their step within ",
+                                        2 * s.options.timeout.count(), " ms"));
+    }
+    if (s.error) {
+      // A failure before any optimizer step leaves every replica as it was; one during the
+      // optimizer steps may leave the copies different. (Hogwild's threads share one parameter
+      // set: nothing can differ.)
+      if (s.updating.load() && s.kind == Kind::kMirrored) s.broken = true;
+      try {
+        std::rethrow_exception(s.error);
+      } catch (const Error& e) {
+        throw Error(detail::concat(s.who, ": replica ", s.errorReplica, " failed: ", e.what()));
+      } catch (const c10::Error& e) {
+        std::string what = e.what_without_backtrace();
+        throw Error(detail::concat(s.who, ": replica ", s.errorReplica, " failed: ", what.substr(0, what.find('\n'))));
+      } catch (const std::exception& e) {
+        throw Error(detail::concat(s.who, ": replica ", s.errorReplica, " failed: ", e.what()));
+      }
+    }
+  }
+  double total = 0;
+  for (auto& replica : s.replicas) total += replica.weight * replica.loss;
+  ++s.stats.steps;
+  if (s.sumsGradients()) {
+    for (auto& bucket : s.buckets) s.stats.bytesReduced += bucket->numel * int64_t(sizeof(float)) * R;
+  }
+  return total;
+}
+
+void ReplicaGroup::synchronizeBuffers() {
+  Impl& s = *impl_;
+  if (s.kind != Kind::kMirrored) return;  // one set of buffers already
+  torch::NoGradGuard noGrad;
+  std::vector<std::vector<torch::Tensor>> all;
+  for (auto& replica : s.replicas) all.push_back(replica.module->buffers());
+  std::vector<torch::Tensor> first;
+  for (size_t i = 0; i < all[0].size(); ++i) {
+    if (!all[0][i].defined() || !all[0][i].is_floating_point()) continue;
+    for (size_t r = 1; r < all.size(); ++r) all[0][i].add_(all[r][i]);
+    all[0][i].div_(double(all.size()));
+    first.push_back(all[0][i]);
+  }
+  if (s.comm != nullptr) averageInPlace(*s.comm, first);
+  for (size_t i = 0; i < all[0].size(); ++i) {
+    if (!all[0][i].defined() || !all[0][i].is_floating_point()) continue;
+    for (size_t r = 1; r < all.size(); ++r) all[r][i].copy_(all[0][i]);
+  }
+}
+
+int ReplicaGroup::replicas() const { return int(impl_->replicas.size()); }
+
+torch::nn::Module& ReplicaGroup::replica(int r) {
+  COHORT_CHECK(r >= 0 && r < replicas(), InvalidArgument, impl_->who, ": no replica ", r);
+  return *impl_->replicas[size_t(r)].module;
+}
+
+ReplicaStats ReplicaGroup::stats() const {
+  Impl& s = *impl_;
+  ReplicaStats out;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    out = s.stats;
+  }
+  double wait = 0;
+  for (auto& replica : s.replicas) wait += replica.waitSeconds;
+  out.waitSeconds = wait / double(s.replicas.size());
+  return out;
+}
+
+Mirrored::Mirrored(const Job& job, std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer,
+                   ReplicaOptions options)
+    : ReplicaGroup(Kind::kMirrored, &job, std::move(model), optimizer, options) {}
+
+Mirrored::Mirrored(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer, ReplicaOptions options)
+    : ReplicaGroup(Kind::kMirrored, nullptr, std::move(model), optimizer, options) {}
+
+CentralStorage::CentralStorage(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer,
+                               ReplicaOptions options)
+    : ReplicaGroup(Kind::kCentral, nullptr, std::move(model), optimizer, options) {}
+
+Hogwild::Hogwild(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer, ReplicaOptions options)
+    : ReplicaGroup(Kind::kHogwild, nullptr, std::move(model), optimizer, options) {}
+
+}  // namespace cohort

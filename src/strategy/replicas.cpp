@@ -1,0 +1,79 @@
+#include "strategy/replicas.h"
+
+#include <cohort/error.h>
+
+#include <torch/torch.h>
+
+#include <chrono>
+
+namespace cohort {
+
+ReplicaStrategy::ReplicaStrategy(std::string name, std::shared_ptr<Communicator> comm, ReplicaOptions options)
+    : name_(std::move(name)), comm_(std::move(comm)), options_(options) {
+  COHORT_CHECK(options_.replicas >= 1, InvalidArgument, "--replicas must be at least 1, got ", options_.replicas);
+}
+
+ReplicaStrategy::~ReplicaStrategy() = default;
+
+ReplicaInfo ReplicaStrategy::replica() const {
+  return comm_ ? ReplicaInfo{comm_->rank(), comm_->worldSize()} : ReplicaInfo{};
+}
+
+void ReplicaStrategy::attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) {
+  std::shared_ptr<torch::nn::Module> module = model.ptr();
+  if (name_ == "mirrored") {
+    group_ = comm_ ? std::make_unique<Mirrored>(Job::fromCommunicator(comm_), module, optimizer, options_)
+                   : std::make_unique<Mirrored>(module, optimizer, options_);
+  } else if (name_ == "central") {
+    group_ = std::make_unique<CentralStorage>(module, optimizer, options_);
+  } else {
+    group_ = std::make_unique<Hogwild>(module, optimizer, options_);
+  }
+}
+
+StepStats ReplicaStrategy::step(const Batch& batch, const LossFn& loss) {
+  COHORT_CHECK(group_ != nullptr, Error, "ReplicaStrategy::step before attach");
+  const auto start = std::chrono::steady_clock::now();
+  const ReplicaStats before = group_->stats();
+  const double value = group_->step(batch.inputs, batch.targets,
+                                    [&loss](int, torch::nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
+                                      return loss(m.as<torch::nn::SequentialImpl>()->forward(x), y);
+                                    });
+  const ReplicaStats after = group_->stats();
+  StepStats stats;
+  stats.loss = value;
+  stats.samples = batch.size() * (comm_ ? comm_->worldSize() : 1);
+  stats.bytesSent = after.bytesSent - before.bytesSent;
+  stats.bytesReceived = after.bytesReceived - before.bytesReceived;
+  stats.commWaitSeconds = after.commWaitSeconds - before.commWaitSeconds;
+  stats.computeSeconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() - stats.commWaitSeconds;
+  stats.extra.emplace_back("replica_wait_s", after.waitSeconds - before.waitSeconds);
+  if (name_ == "hogwild") {
+    const int64_t updates = after.updates - before.updates;
+    stats.extra.emplace_back("staleness", updates > 0 ? (after.stalenessSum - before.stalenessSum) / double(updates) : 0.0);
+    stats.extra.emplace_back("conflicts", after.conflicts - before.conflicts);
+  }
+  return stats;
+}
+
+void ReplicaStrategy::synchronize() {
+  if (group_) group_->synchronizeBuffers();
+}
+
+MetricFields ReplicaStrategy::report() {
+  if (!group_) return {};
+  const ReplicaStats s = group_->stats();
+  MetricFields fields{{"replicas", int64_t(group_->replicas())}, {"replica_wait_s", s.waitSeconds}};
+  if (name_ == "hogwild") {
+    fields.emplace_back("updates", s.updates);
+    fields.emplace_back("staleness_mean", s.updates > 0 ? s.stalenessSum / double(s.updates) : 0.0);
+    fields.emplace_back("staleness_max", s.stalenessMax);
+    fields.emplace_back("conflict_fraction", s.updates > 0 ? double(s.conflicts) / double(s.updates) : 0.0);
+  } else {
+    fields.emplace_back("bytes_reduced_in_memory", s.bytesReduced);
+  }
+  return fields;
+}
+
+}  // namespace cohort

@@ -1,0 +1,416 @@
+// Replicas as threads of one process (include/cohort/replicas.h), and averaging's outer optimizer.
+#include <cohort/averaging.h>
+#include <cohort/error.h>
+#include <cohort/job.h>
+#include <cohort/models.h>
+#include <cohort/replicas.h>
+#include <cohort/tensor_parallel.h>
+#include <cohort/data_parallel.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/script.h>
+#include <torch/torch.h>
+
+#include <atomic>
+
+#include "rank_threads.h"
+#include "test_util.h"
+
+namespace cohort {
+namespace {
+
+namespace nn = torch::nn;
+
+// Uneven widths on purpose (7 units do not split evenly over 2 or 3).
+nn::Sequential smallNet(uint64_t seed) {
+  torch::manual_seed(seed);
+  return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 3, 3)), nn::ReLU(), nn::Flatten(), nn::Linear(3 * 4 * 4, 7),
+                        nn::ReLU(), nn::Linear(7, 5));
+}
+
+torch::Tensor crossEntropy(nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
+  return nn::functional::cross_entropy(m.as<nn::SequentialImpl>()->forward(x), y);
+}
+
+const ShardLoss kLoss = [](int, nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
+  return crossEntropy(m, x, y);
+};
+
+std::vector<torch::Tensor> parametersOf(nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+double maxDifference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  return worst;
+}
+
+bool identical(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+struct Data {
+  std::vector<torch::Tensor> x, y;
+};
+
+Data batches(int steps, int64_t n) {
+  torch::manual_seed(99);
+  Data d;
+  for (int i = 0; i < steps; ++i) {
+    d.x.push_back(torch::randn({n, 1, 6, 6}));
+    d.y.push_back(torch::randint(0, 5, {n}));
+  }
+  return d;
+}
+
+// One process, plain SGD on each whole batch: the reference.
+std::vector<torch::Tensor> trainAlone(const Data& d, double lr) {
+  auto net = smallNet(1);
+  torch::optim::SGD opt(net->parameters(), lr);
+  for (size_t i = 0; i < d.x.size(); ++i) {
+    opt.zero_grad();
+    crossEntropy(*net, d.x[i], d.y[i]).backward();
+    opt.step();
+  }
+  return parametersOf(*net);
+}
+
+enum class Scheme { kMirrored, kCentral, kHogwild };
+
+std::unique_ptr<ReplicaGroup> makeGroup(Scheme scheme, nn::Sequential net, torch::optim::Optimizer& opt,
+                                        ReplicaOptions options) {
+  switch (scheme) {
+    case Scheme::kMirrored: return std::make_unique<Mirrored>(net.ptr(), opt, options);
+    case Scheme::kCentral: return std::make_unique<CentralStorage>(net.ptr(), opt, options);
+    case Scheme::kHogwild: return std::make_unique<Hogwild>(net.ptr(), opt, options);
+  }
+  return nullptr;
+}
+
+class SumsLikeOneProcess : public ::testing::TestWithParam<std::tuple<Scheme, int, int64_t, bool>> {};
+
+// Mirrored and CentralStorage: a step on R replicas equals one process's step on the whole batch
+// (uneven shards included), with tiny buckets so that many are summed while backward runs.
+TEST_P(SumsLikeOneProcess, EqualsOneProcessOnTheWholeBatch) {
+  const auto [scheme, R, n, overlap] = GetParam();
+  const Data d = batches(6, n);
+  const auto expected = trainAlone(d, 0.1);
+  auto net = smallNet(1);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  auto group = makeGroup(scheme, net, opt, {.replicas = R, .bucketMb = 0.0002, .overlap = overlap});
+  for (size_t i = 0; i < d.x.size(); ++i) group->step(d.x[i], d.y[i], kLoss);
+  EXPECT_LT(maxDifference(parametersOf(*net), expected), 1e-5);
+  for (int r = 1; r < R; ++r) EXPECT_TRUE(identical(parametersOf(group->replica(r)), parametersOf(*net))) << r;
+  EXPECT_EQ(group->stats().steps, 6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Replicas, SumsLikeOneProcess,
+                         ::testing::Values(std::make_tuple(Scheme::kMirrored, 2, int64_t(12), true),
+                                           std::make_tuple(Scheme::kMirrored, 3, int64_t(11), true),
+                                           std::make_tuple(Scheme::kMirrored, 3, int64_t(11), false),
+                                           std::make_tuple(Scheme::kCentral, 2, int64_t(12), true),
+                                           std::make_tuple(Scheme::kCentral, 3, int64_t(13), true)));
+
+// Momentum and weight decay on every replica's copy of the optimizer: the copies stay bit-identical.
+TEST(Mirrored, ReplicasStayBitIdenticalWithMomentum) {
+  const Data d = batches(8, 16);
+  auto net = smallNet(3);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-4));
+  Mirrored mirrored(net.ptr(), opt, {.replicas = 3, .bucketMb = 0.0005});
+  for (size_t i = 0; i < d.x.size(); ++i) mirrored.step(d.x[i], d.y[i], kLoss);
+  for (int r = 1; r < 3; ++r) EXPECT_TRUE(identical(parametersOf(mirrored.replica(r)), parametersOf(*net))) << r;
+  // Every replica's copy, and not only replica 0, is trained (the copies are deep).
+  EXPECT_NE(mirrored.replica(1).parameters()[0].data_ptr(), net->parameters()[0].data_ptr());
+}
+
+// A TorchScript layer (cohort's ScriptedLayer) is copied deeply, and trains like one process.
+TEST(Mirrored, CopiesTorchScriptLayers) {
+  test::TempDir dir;
+  torch::manual_seed(5);
+  torch::jit::Module script("Affine");
+  script.register_parameter("weight", torch::randn({4, 3}).requires_grad_(), false);
+  script.register_parameter("bias", torch::zeros({3}).requires_grad_(), false);
+  script.define("def forward(self, x):\n  return x.matmul(self.weight) + self.bias\n");
+  script.save(dir.file("affine.pt"));
+  auto alone = loadScriptedModel(dir.file("affine.pt"));
+  auto net = loadScriptedModel(dir.file("affine.pt"));
+  torch::manual_seed(6);
+  auto x = torch::randn({10, 4});
+  auto y = torch::randint(0, 3, {10});
+  torch::optim::SGD aloneOpt(alone->parameters(), 0.5);
+  torch::optim::SGD opt(net->parameters(), 0.5);
+  Mirrored mirrored(net.ptr(), opt, {.replicas = 2});
+  for (int i = 0; i < 4; ++i) {
+    aloneOpt.zero_grad();
+    crossEntropy(*alone, x, y).backward();
+    aloneOpt.step();
+    mirrored.step(x, y, kLoss);
+  }
+  EXPECT_LT(maxDifference(parametersOf(*net), parametersOf(*alone)), 1e-5);
+  EXPECT_TRUE(identical(parametersOf(mirrored.replica(1)), parametersOf(*net)));
+  EXPECT_NE(mirrored.replica(1).parameters()[0].data_ptr(), net->parameters()[0].data_ptr());
+}
+
+class ThrowingReplica : public ::testing::TestWithParam<Scheme> {};
+
+// A replica whose loss throws ends the step on every thread with its error, the parameters
+// untouched, and the next step works.
+TEST_P(ThrowingReplica, EndsTheStepWithItsError) {
+  const Data d = batches(2, 12);
+  auto net = smallNet(1);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  auto group = makeGroup(GetParam(), net, opt, {.replicas = 3, .timeout = std::chrono::seconds(20)});
+  const auto before = parametersOf(*net);
+  std::atomic<bool> throwNow{true};
+  const ShardLoss loss = [&](int replica, nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
+    if (replica == 1 && throwNow) throw std::runtime_error("replica one is broken");
+    return crossEntropy(m, x, y);
+  };
+  try {
+    group->step(d.x[0], d.y[0], loss);
+    FAIL() << "the step did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("replica 1 failed: replica one is broken"), std::string::npos) << e.what();
+  }
+  if (GetParam() != Scheme::kHogwild) EXPECT_TRUE(identical(parametersOf(*net), before));
+  throwNow = false;
+  group->step(d.x[1], d.y[1], loss);
+  EXPECT_FALSE(identical(parametersOf(*net), before));
+  for (int r = 1; r < 3; ++r) EXPECT_TRUE(identical(parametersOf(group->replica(r)), parametersOf(*net))) << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Replicas, ThrowingReplica,
+                         ::testing::Values(Scheme::kMirrored, Scheme::kCentral, Scheme::kHogwild));
+
+TEST(Replicas, RefuseABatchSmallerThanTheReplicas) {
+  auto net = smallNet(1);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  Mirrored mirrored(net.ptr(), opt, {.replicas = 3});
+  try {
+    mirrored.step(torch::randn({2, 1, 6, 6}), torch::randint(0, 5, {2}), kLoss);
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("a batch of 2 examples cannot be split over 3 replicas"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Replicas, RefuseAnOptimizerTheyCannotCopy) {
+  auto net = smallNet(1);
+  torch::optim::LBFGS opt(net->parameters());
+  EXPECT_THROW(Mirrored(net.ptr(), opt, {.replicas = 2}), InvalidArgument);
+}
+
+// Hogwild: one parameter set written by every thread; updates, staleness and conflicts counted.
+TEST(Hogwild, SharesOneParameterSetAndCountsItsUpdates) {
+  const Data d = batches(10, 12);
+  auto net = smallNet(1);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  Hogwild hogwild(net.ptr(), opt, {.replicas = 3});
+  const auto before = parametersOf(*net);
+  double first = 0, last = 0;
+  for (size_t i = 0; i < d.x.size(); ++i) {
+    const double loss = hogwild.step(d.x[0], d.y[0], kLoss);  // one batch again and again: the loss falls
+    if (i == 0) first = loss;
+    last = loss;
+  }
+  EXPECT_LT(last, first);
+  EXPECT_EQ(hogwild.replica(2).parameters()[0].data_ptr(), net->parameters()[0].data_ptr());
+  const ReplicaStats s = hogwild.stats();
+  EXPECT_EQ(s.updates, 30);
+  EXPECT_GE(s.stalenessMax, 0);
+  EXPECT_LE(s.stalenessMax, 2);  // at most the other two replicas' updates of the same step
+  EXPECT_LE(s.conflicts, s.updates);
+}
+
+// Mirrored across processes (ranks as threads here), replicas inside each: equals one process on
+// the union of every rank's batch.
+TEST(Mirrored, AcrossProcessesEqualsOneProcessOnAllBatches) {
+  const int world = 2, R = 2;
+  const Data d = batches(4, 8 * world);
+  std::vector<std::vector<torch::Tensor>> got(world);
+  test::onRanks(world, [&](std::shared_ptr<Communicator> comm) {
+    const int rank = comm->rank();
+    auto net = smallNet(uint64_t(10 + rank));  // rank 0's is broadcast
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    Mirrored mirrored(Job::fromCommunicator(comm), net.ptr(), opt, {.replicas = R, .bucketMb = 0.0005});
+    for (size_t i = 0; i < d.x.size(); ++i) {
+      mirrored.step(d.x[i].narrow(0, 8 * rank, 8), d.y[i].narrow(0, 8 * rank, 8), kLoss);
+    }
+    got[size_t(rank)] = parametersOf(*net);
+  });
+  // smallNet(10) is not smallNet(1): compare with the reference trained from rank 0's start.
+  auto net = smallNet(10);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  for (size_t i = 0; i < d.x.size(); ++i) {
+    opt.zero_grad();
+    crossEntropy(*net, d.x[i], d.y[i]).backward();
+    opt.step();
+  }
+  EXPECT_LT(maxDifference(got[0], parametersOf(*net)), 1e-5);
+  EXPECT_TRUE(identical(got[0], got[1]));
+}
+
+// ---- averaging's outer optimizer ----
+
+// Two ranks, K local SGD steps on different data, then an average; returns rank 0's parameters.
+std::vector<torch::Tensor> averageRun(AveragingOptions options, int rounds = 3) {
+  std::vector<torch::Tensor> out;
+  const Data d = batches(2 * rounds * 2, 8);
+  test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    auto net = smallNet(1);
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    ParameterAveraging averaging(Job::fromCommunicator(comm), *net, &opt, options);
+    for (int i = 0; i < 2 * rounds; ++i) {
+      const size_t at = size_t(2 * i + comm->rank());
+      opt.zero_grad();
+      crossEntropy(*net, d.x[at], d.y[at]).backward();
+      opt.step();
+      averaging.step();
+    }
+    if (comm->rank() == 0) out = parametersOf(*net);
+  });
+  return out;
+}
+
+TEST(OuterOptimizer, SgdWithLearningRateOneIsPlainAveragingExactly) {
+  const auto plain = averageRun({.period = 2});
+  const auto outer = averageRun({.period = 2, .outerOptimizer = AveragingOptions::Outer::kSgd, .outerLr = 1.0});
+  EXPECT_TRUE(identical(plain, outer));
+  // Through the outer optimizer's own arithmetic (Nesterov without momentum, lr 1), the same up to rounding.
+  const auto viaOuter =
+      averageRun({.period = 2, .outerOptimizer = AveragingOptions::Outer::kNesterov, .outerLr = 1.0, .outerMomentum = 0});
+  EXPECT_LT(maxDifference(plain, viaOuter), 1e-6);
+}
+
+// Nesterov on the averaged change, computed by hand from plain averaging's rounds: with period 2
+// and 3 rounds, replaying plain averages gives each round's mean; the outer rule must then hold.
+TEST(OuterOptimizer, NesterovAppliesTheAveragedChangeWithMomentum) {
+  const double lr = 0.7, mu = 0.9;
+  const auto outer = averageRun(
+      {.period = 2, .outerOptimizer = AveragingOptions::Outer::kNesterov, .outerLr = lr, .outerMomentum = mu}, 1);
+  const auto plain = averageRun({.period = 2}, 1);
+  auto start = parametersOf(*smallNet(1));
+  // One round: x1 = x0 + lr (D + mu D) with D = mean - x0 (the momentum starts at zero).
+  std::vector<torch::Tensor> expected;
+  for (size_t i = 0; i < start.size(); ++i) {
+    const auto change = plain[i] - start[i];
+    expected.push_back(start[i] + lr * (1 + mu) * change);
+  }
+  EXPECT_LT(maxDifference(outer, expected), 1e-5);
+  EXPECT_GT(maxDifference(outer, plain), 1e-4);  // it did something
+  const auto momentum = averageRun(
+      {.period = 2, .outerOptimizer = AveragingOptions::Outer::kMomentum, .outerLr = lr, .outerMomentum = mu}, 1);
+  std::vector<torch::Tensor> expectedMomentum;
+  for (size_t i = 0; i < start.size(); ++i) expectedMomentum.push_back(start[i] + lr * (plain[i] - start[i]));
+  EXPECT_LT(maxDifference(momentum, expectedMomentum), 1e-5);
+}
+
+
+// ---- the vertical split ----
+
+nn::Sequential mlpNet(uint64_t seed) {
+  torch::manual_seed(seed);
+  return nn::Sequential(nn::Flatten(), nn::Linear(36, 7), nn::ReLU(), nn::Linear(7, 6), nn::ReLU(), nn::Linear(6, 5));
+}
+
+// W ways (x R copies) of tensor parallelism against one process on the whole batch, plain SGD.
+void expectTensorEqualsOneProcess(nn::Sequential (*make)(uint64_t), int ways, int replicas) {
+  const Data d = batches(5, 12);
+  auto alone = make(1);
+  torch::optim::SGD aloneOpt(alone->parameters(), 0.1);
+  for (size_t i = 0; i < d.x.size(); ++i) {
+    aloneOpt.zero_grad();
+    crossEntropy(*alone, d.x[i], d.y[i]).backward();
+    aloneOpt.step();
+  }
+  const auto expected = alone->forward(d.x[0]).detach();
+  std::vector<double> worst(size_t(ways * replicas), 1.0);
+  test::onRanks(ways * replicas, [&](std::shared_ptr<Communicator> comm) {
+    auto net = make(1);
+    TensorParallel tp(Job::fromCommunicator(comm), net, d.x[0], {.ways = ways});
+    auto local = tp.module();
+    torch::optim::SGD opt(local->parameters(), 0.1);
+    std::unique_ptr<DataParallel> dp;
+    if (replicas > 1) dp = std::make_unique<DataParallel>(tp.dataJob(), *local);
+    const int64_t per = 12 / replicas;
+    for (size_t i = 0; i < d.x.size(); ++i) {
+      opt.zero_grad();
+      auto x = d.x[i].narrow(0, per * tp.replica(), per);
+      auto y = d.y[i].narrow(0, per * tp.replica(), per);
+      crossEntropy(*local, x, y).backward();
+      opt.step();
+    }
+    // The trained split network computes what the trained whole network does.
+    worst[size_t(comm->rank())] = (local->forward(d.x[0]).detach() - expected).abs().max().item<double>();
+  });
+  for (size_t r = 0; r < worst.size(); ++r) EXPECT_LT(worst[r], 1e-5) << "rank " << r;
+}
+
+TEST(TensorParallel, ConvolutionsAndLinearsSplitEqualOneProcess) {
+  expectTensorEqualsOneProcess(smallNet, 2, 1);  // 3 channels: 2 + 1
+  expectTensorEqualsOneProcess(smallNet, 3, 1);
+}
+
+TEST(TensorParallel, MlpSplitUnevenlyEqualsOneProcess) {
+  expectTensorEqualsOneProcess(mlpNet, 2, 1);  // 7 units: 4 + 3
+  expectTensorEqualsOneProcess(mlpNet, 3, 1);  // 3 + 2 + 2
+}
+
+TEST(TensorParallel, WithDataParallelCopiesEqualsOneProcess) { expectTensorEqualsOneProcess(mlpNet, 2, 2); }
+
+TEST(TensorParallel, PlanNamesWhatWasSplit) {
+  test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    TensorParallel tp(Job::fromCommunicator(comm), mlpNet(1), torch::randn({2, 1, 6, 6}), {.ways = 2});
+    EXPECT_NE(tp.plan().find("columns " + std::to_string(comm->rank() == 0 ? 4 : 3) + "/7"), std::string::npos)
+        << tp.plan();
+    EXPECT_NE(tp.plan().find("rows"), std::string::npos) << tp.plan();
+    EXPECT_NE(tp.plan().find("5 Linear whole"), std::string::npos) << tp.plan();
+  });
+}
+
+TEST(TensorParallel, RefusesMoreWaysThanALayerHasUnits) {
+  test::onRanks(4, [&](std::shared_ptr<Communicator> comm) {
+    try {
+      TensorParallel tp(Job::fromCommunicator(comm), smallNet(1), torch::randn({2, 1, 6, 6}), {.ways = 4});
+      ADD_FAILURE() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("layer 0 ("), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("has 3 output channels, fewer than the 4 ways"), std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+// ---- the command line ----
+
+TEST(ReplicasCli, BadInputIsOneLineErrors) {
+  struct Case {
+    std::string args, expected;
+  };
+  const std::vector<Case> cases = {
+      {"--strategy mirrored --replicas 65 --batch 64", "--replicas 65 is larger than --batch 64"},
+      {"--strategy hogwild --replicas 2 --codec fp16", "--codec fp16 does not apply to --strategy hogwild"},
+      {"--strategy central --replicas -2", "--replicas must be at least 1"},
+      {"--strategy tensor --ways 3", "--strategy tensor --ways 3 needs a multiple of 3 processes"},
+  };
+  for (const auto& c : cases) {
+    auto r = test::runCommand(test::cohortBinary() + " train --model mlp --data synthetic:64 --steps 1 --progress off " +
+                              c.args);
+    EXPECT_NE(r.exitCode, 0) << c.args;
+    EXPECT_NE(r.output.find("cohort: error: " + c.expected), std::string::npos) << c.args << "\n" << r.output;
+    EXPECT_EQ(test::lines(r.output).size(), 1u) << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace cohort
