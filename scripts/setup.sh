@@ -13,6 +13,7 @@ packages=(
   dataset-fashion-mnist
   python3 python3-torch
   openmpi-bin iproute2
+  slurm-wlm munge
 )
 
 missing=()

@@ -18,6 +18,9 @@ void checkCodecOptions(const StrategyOptions& options) {
   COHORT_CHECK(codec.kind == compress::CodecKind::None || options.name != "local", InvalidArgument, "--codec ",
                options.codec, " compresses what workers exchange, and --strategy local exchanges nothing: drop --codec "
                "or choose a distributed --strategy");
+  COHORT_CHECK(codec.kind == compress::CodecKind::None || options.name != "pipeline", InvalidArgument, "--codec ",
+               options.codec, " applies to allreduce, average, ps and gossip; --strategy pipeline sends activations "
+               "and their gradients uncompressed: drop --codec");
   COHORT_CHECK(options.codecWarmupSteps >= 0, InvalidArgument, "--codec-warmup-steps must be at least 0, got ",
                options.codecWarmupSteps);
 }
