@@ -13,7 +13,7 @@ packages=(
   dataset-fashion-mnist
   python3 python3-torch
   openmpi-bin iproute2
-  libtomlplusplus-dev chromium librsvg2-bin
+  libtomlplusplus-dev chromium librsvg2-bin slurm-wlm munge
 )
 
 missing=()

@@ -52,7 +52,10 @@ TEST(CheckpointKill, KillAtAnyMomentLeavesTheNewestWhole) {
     ::close(ready[0]);
     ASSERT_TRUE(WIFSIGNALED(status));
 
-    CheckpointStore store(dir.path());
+    CheckpointStore store(dir.path());  // removes the killed writer's temporary file
+    for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+      EXPECT_EQ(entry.path().string().find(".tmp."), std::string::npos) << entry.path();
+    }
     std::vector<std::string> corrupt;
     auto loaded = store.loadNewest([&](const std::string& m) { corrupt.push_back(m); });
     ASSERT_TRUE(loaded.has_value()) << "round " << round;

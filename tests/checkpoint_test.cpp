@@ -35,6 +35,25 @@ TEST(Checkpoint, RoundTripsAndListsNewestFirst) {
   EXPECT_EQ(loaded->payload, payloadFor(10, 2000));
 }
 
+// A writer killed mid-save leaves prefix-<step>.ckpt.tmp.<pid>; the next store on the directory
+// removes those of processes that are gone, and keeps a live writer's and other prefixes'.
+TEST(Checkpoint, OrphanedTemporaryFilesOfDeadWritersAreRemoved) {
+  test::TempDir dir;
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // gone: its pid names no process now
+  const std::string dead = dir.file("ckpt-0000000007.ckpt.tmp." + std::to_string(child));
+  const std::string live = dir.file("ckpt-0000000008.ckpt.tmp." + std::to_string(::getppid()));
+  const std::string other = dir.file("shard-0000000007.ckpt.tmp." + std::to_string(child));
+  for (const auto& path : {dead, live, other}) test::writeFile(path, "partial");
+  CheckpointStore store(dir.path());
+  EXPECT_FALSE(std::filesystem::exists(dead));
+  EXPECT_TRUE(std::filesystem::exists(live));
+  EXPECT_TRUE(std::filesystem::exists(other));
+  EXPECT_TRUE(store.list().empty());
+}
+
 TEST(Checkpoint, KeepsOnlyTheNewest) {
   test::TempDir dir;
   CheckpointStore store(dir.path(), "ckpt", 3);

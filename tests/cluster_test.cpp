@@ -319,6 +319,68 @@ TEST(ClusterTorchrun, Defaults) {
   EXPECT_EQ(resolve({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "[::1]"}}).master, (HostPort{"::1", 29500}));
 }
 
+// Kubeflow's PyTorchJob, as its operator sets the variables (pkg/controller.v1/pytorch/envvar.go):
+// RANK is the pod's (master 0, worker i -> i + 1), WORLD_SIZE = replicas x nprocPerNode, and
+// PET_NPROC_PER_NODE, PET_NODE_RANK, PET_NNODES are for torchrun.
+Vars pyTorchJobPod(int rank, int replicas, int nprocPerNode) {
+  return {{"MASTER_ADDR", "train-master-0"}, {"MASTER_PORT", "23456"},
+          {"WORLD_SIZE", std::to_string(replicas * nprocPerNode)}, {"RANK", std::to_string(rank)},
+          {"PET_NPROC_PER_NODE", std::to_string(nprocPerNode)}, {"PET_NODE_RANK", std::to_string(rank)},
+          {"PET_NNODES", std::to_string(replicas)}, {"PYTHONUNBUFFERED", "0"}};
+}
+
+TEST(ClusterKubeflow, PyTorchJobPodsAreOneProcessEach) {
+  for (int rank = 0; rank < 3; ++rank) {
+    const ClusterSpec spec = resolve(pyTorchJobPod(rank, 3, 1));
+    EXPECT_EQ(spec.source, "torchrun");
+    EXPECT_EQ(spec.rank, rank);
+    EXPECT_EQ(spec.worldSize, 3);
+    EXPECT_EQ(spec.localRank, 0);
+    EXPECT_EQ(spec.localWorldSize, 1) << "one process in this pod: it gets all the pod's cores";
+    EXPECT_EQ(spec.master, (HostPort{"train-master-0", 23456}));
+  }
+}
+
+TEST(ClusterKubeflow, NprocPerNodeWithoutTorchrunInThePodIsAnError) {
+  // 2 pods x 4 processes: WORLD_SIZE=8 counts processes, RANK=1 is the second pod.
+  EXPECT_TRUE(failsWith(pyTorchJobPod(1, 2, 4), {"PET_NPROC_PER_NODE=4", "WORLD_SIZE=8", "RANK numbers pods",
+                                                 "nprocPerNode: \"1\"", "torchrun"}));
+}
+
+TEST(ClusterKubeflow, TorchrunInThePodGivesEachProcessItsRank) {
+  Vars vars = pyTorchJobPod(1, 2, 4);
+  // What torchrun --nnodes=$PET_NNODES --nproc-per-node=$PET_NPROC_PER_NODE sets for local rank 1.
+  vars["RANK"] = "5";
+  vars["LOCAL_RANK"] = "1";
+  vars["LOCAL_WORLD_SIZE"] = "4";
+  const ClusterSpec spec = resolve(vars);
+  EXPECT_EQ(spec.rank, 5);
+  EXPECT_EQ(spec.worldSize, 8);
+  EXPECT_EQ(spec.localRank, 1);
+  EXPECT_EQ(spec.localWorldSize, 4);
+}
+
+// TFJob's TF_CONFIG: no chief (worker 0 leads), service names, and an "environment" key.
+TEST(ClusterKubeflow, TfJobConfigWithItsEnvironmentKey) {
+  const std::string cluster =
+      R"({"worker": ["mnist-worker-0.default.svc:2222", "mnist-worker-1.default.svc:2222"],)"
+      R"( "ps": ["mnist-ps-0.default.svc:2222"]})";
+  auto config = [&](const std::string& type, int index) {
+    return "{\"cluster\": " + cluster + ", \"task\": {\"type\": \"" + type + "\", \"index\": " +
+           std::to_string(index) + "}, \"environment\": \"cloud\"}";
+  };
+  const ClusterSpec worker = resolve({{"TF_CONFIG", config("worker", 1)}});
+  EXPECT_EQ(worker.source, "TF_CONFIG");
+  EXPECT_EQ(worker.role, Role::kWorker);
+  EXPECT_EQ(worker.rank, 1);
+  EXPECT_EQ(worker.worldSize, 2);
+  EXPECT_EQ(worker.master, (HostPort{"mnist-worker-0.default.svc", 2222}));
+  const ClusterSpec ps = resolve({{"TF_CONFIG", config("ps", 0)}});
+  EXPECT_EQ(ps.role, Role::kParameterServer);
+  ASSERT_EQ(ps.parameterServers.size(), 1u);
+  EXPECT_EQ(ps.parameterServers[0], (HostPort{"mnist-ps-0.default.svc", 2222}));
+}
+
 TEST(ClusterTorchrun, OneOfRankAndWorldSizeIsAnError) {
   EXPECT_TRUE(failsWith({{"RANK", "0"}}, {"WORLD_SIZE is not", "RANK is set"}));
   EXPECT_TRUE(failsWith({{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}, {"RANK is not", "WORLD_SIZE is set"}));

@@ -218,6 +218,27 @@ TEST(Codec, EmptyAndAllZeroBuffers) {
   }
 }
 
+// The header's body size has 32 bits: a dense buffer whose body would not fit is refused when the
+// encoder is made (the old encoder wrote a wrapped size its own decoder rejected), without
+// allocating anything. The largest that fits is accepted.
+TEST(Codec, ABufferWhoseBodyOverflowsTheHeaderIsRefused) {
+  const uint64_t noneLimit = kMaxBodyBytes / 4;  // 2^30 - 1 floats
+  const uint64_t halfLimit = kMaxBodyBytes / 2;  // 2^31 - 1 floats
+  EXPECT_NO_THROW(Encoder(CodecSpec::parse("none"), noneLimit));
+  EXPECT_NO_THROW(Encoder(CodecSpec::parse("fp16"), halfLimit));
+  EXPECT_NO_THROW(Encoder(CodecSpec::parse("bf16"), halfLimit));
+  for (const auto& [codec, length] : {std::pair{"none", noneLimit + 1}, std::pair{"none", kMaxLength},
+                                      std::pair{"fp16", halfLimit + 1}, std::pair{"bf16", kMaxLength}}) {
+    SCOPED_TRACE(codec);
+    try {
+      Encoder encoder(CodecSpec::parse(codec), length);
+      ADD_FAILURE() << "an encoder of " << length << " floats was made";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("beyond the format's 4294967295"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // Huge finite values stay finite and exact; +-inf and NaN are sent as they are and leave no
 // residual behind.
 TEST(Codec, HugeAndNonFiniteValues) {

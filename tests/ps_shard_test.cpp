@@ -49,11 +49,13 @@ struct Fixture {
   std::vector<std::string> logged;
   std::mutex logMu;
 
-  explicit Fixture(const wire::Policy& p, size_t n = 4, float start = 0.0f, std::string dir = "", bool resume = false) {
+  explicit Fixture(const wire::Policy& p, size_t n = 4, float start = 0.0f, std::string dir = "", bool resume = false,
+                   std::function<void(uint64_t)> beforeCheckpointWrite = {}) {
     shard = std::make_shared<Shard>(ShardOptions{.name = "test", .checkpointDir = dir, .log = [this](const std::string& m) {
                                                    std::lock_guard<std::mutex> lock(logMu);
                                                    logged.push_back(m);
-                                                 }});
+                                                 },
+                                                 .beforeCheckpointWrite = std::move(beforeCheckpointWrite)});
     piece.set_key(7);
     piece.set_name("w");
     piece.set_numel(n);
@@ -405,6 +407,37 @@ TEST(PsShard, RestoresFromItsCheckpointAndResumes) {
   Fixture fresh(p, 4, 9.0f, dir.path(), false);
   EXPECT_EQ(fresh.values()[0], 9.0f);
   EXPECT_TRUE(CheckpointStore(dir.path(), "shard").list().empty());
+}
+
+// A checkpoint is copied under the shard's lock and written outside it: while one is being
+// written (held here in the test's hook until the other push has come back), pushes and pulls go
+// on. Were the write under the lock, the second push would wait for the hook, which waits for it.
+TEST(PsShard, APushIsNotHeldWhileACheckpointIsWritten) {
+  test::TempDir dir;
+  auto p = policy("async", 2);
+  p.set_checkpoint_every(1);
+  std::promise<void> writing;
+  std::promise<void> pushedMeanwhile;
+  std::shared_future<void> pushed = pushedMeanwhile.get_future().share();
+  std::atomic<int> hooks{0};
+  std::atomic<bool> otherPushCameBack{false};
+  Fixture f(p, 1 << 16, 0.0f, dir.path(), false, [&](uint64_t version) {
+    if (hooks++ > 0) return;  // the first write only
+    writing.set_value();
+    otherPushCameBack = pushed.wait_for(30s) == std::future_status::ready;
+  });
+  auto first = std::async(std::launch::async, [&] { return f.push(0, 0, 1.0f); });
+  ASSERT_EQ(writing.get_future().wait_for(30s), std::future_status::ready) << "no checkpoint was written";
+  const wire::PushReply reply = f.push(1, 0, 1.0f);  // during the write
+  EXPECT_TRUE(reply.applied());
+  EXPECT_EQ(f.values()[0], -2.0f);                  // a pull too
+  pushedMeanwhile.set_value();
+  ASSERT_EQ(first.wait_for(60s), std::future_status::ready);
+  EXPECT_TRUE(otherPushCameBack) << "the push waited for the checkpoint's write";
+  // The checkpoint written holds the state as it was copied: version 1.
+  const auto files = CheckpointStore(dir.path(), "shard").list();
+  ASSERT_FALSE(files.empty());
+  EXPECT_EQ(files.back().step, 1);
 }
 
 TEST(PsShard, FinishesWhenEveryWorkerIsDone) {

@@ -28,7 +28,9 @@ struct LoadedCheckpoint {
 class CheckpointStore {
  public:
   // `prefix` names the files (prefix-<step>.ckpt), so several stores can share a directory.
-  // The newest `keep` checkpoints are kept. The directory is created if it does not exist.
+  // The newest `keep` checkpoints are kept. The directory is created if it does not exist. Temporary
+  // files of this prefix left by writers that died mid-save (prefix-<step>.ckpt.tmp.<pid> of a pid
+  // that no longer runs on this machine) are removed.
   explicit CheckpointStore(std::string dir, std::string prefix = "ckpt", int keep = 3);
 
   // Returns the path written. Throws IoError.
@@ -54,6 +56,8 @@ class CheckpointStore {
   void keepUnread(std::function<int64_t()> evaluatedUpTo) { evaluatedUpTo_ = std::move(evaluatedUpTo); }
 
  private:
+  void removeOrphans() const;
+
   std::string dir_;
   std::string prefix_;
   int keep_;

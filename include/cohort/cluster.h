@@ -3,9 +3,14 @@
 //
 // Sources, first match wins:
 //   1. TF_CONFIG (Kubernetes operators, hand-written): {"cluster": {"chief": [...], "worker": [...],
-//      "ps": [...], "evaluator": [...]}, "task": {"type": ..., "index": ...}}.
+//      "ps": [...], "evaluator": [...]}, "task": {"type": ..., "index": ...}}; other top-level keys
+//      (Kubeflow's TFJob adds "environment": "cloud") are ignored.
 //   2. torchrun / cohort launch: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-//      MASTER_PORT.
+//      MASTER_PORT. Kubeflow's PyTorchJob sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for one
+//      process per pod, with PET_NPROC_PER_NODE, PET_NODE_RANK and PET_NNODES for torchrun: without
+//      LOCAL_WORLD_SIZE the processes on this host are PET_NPROC_PER_NODE (else WORLD_SIZE). With
+//      PET_NPROC_PER_NODE > 1 and no LOCAL_RANK (no torchrun in the pod) RANK numbers pods while
+//      WORLD_SIZE counts processes: an error that says so.
 //   3. OpenMPI's mpirun: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE.
 //   4. Slurm's srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST.
 //   5. None of them: a single process.

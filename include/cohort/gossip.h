@@ -42,6 +42,7 @@ struct GossipStep {
   double stalenessMean = 0.0;
   int64_t stalenessMax = 0;
   int64_t peersLive = 0;
+  bool stopJob = false;  // the chief called requestStop() and finished: end the training loop
 };
 
 class Gossip {
@@ -62,6 +63,9 @@ class Gossip {
   // Sends what is left and DONE; waits until every other peer finished or is lost (at most the
   // job's timeout).
   void finish();
+  // The chief, stopping early (its target accuracy is reached): its DONE tells every other peer,
+  // whose next step() then returns stopJob. Call before finish().
+  void requestStop();
   // The chief's report after finish(): per-peer steps, bytes, staleness, lost peers.
   MetricFields report();
 

@@ -78,6 +78,7 @@ struct ParameterServerStep {
   bool applied = true;    // false: dropped (see dropped)
   std::string dropped;    // why: late, stale, warmup, duplicate
   double serverWaitSeconds = 0.0;
+  bool stopJob = false;   // the chief called requestStop(): end the training loop after this step
 };
 
 class ParameterServerClient {
@@ -104,6 +105,10 @@ class ParameterServerClient {
   // The end of this worker's work: pulls the final parameters and says Done. The chief first
   // waits for the other workers (at most twice the timeout). Call it once, on every worker.
   void finish();
+  // The chief, stopping early (its target accuracy is reached): every other worker's next step
+  // returns stopJob, and pushes the shards hold (a sync step, the ssp bound) are let go. Then
+  // finish() as usual.
+  void requestStop();
   // With resume: the step this worker had reached (its clock on the shards).
   std::optional<int64_t> resumeStep() const;
   // The chief's report after finish(): staleness histogram, drops, bytes per shard, lost workers.

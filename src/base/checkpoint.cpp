@@ -2,6 +2,7 @@
 #include <cohort/error.h>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -70,6 +71,24 @@ CheckpointStore::CheckpointStore(std::string dir, std::string prefix, int keep)
   fs::create_directories(dir_, ec);
   COHORT_CHECK(!ec && fs::is_directory(dir_), IoError, dir_,
                ": cannot create the checkpoint directory: ", ec.message());
+  removeOrphans();
+}
+
+// A directory has one writer at a time (the chief, a pipeline stage, a shard), so a temporary file
+// of another process is an orphan once that process is gone. A live pid (perhaps another machine's
+// on a shared file system) keeps its file.
+void CheckpointStore::removeOrphans() const {
+  const std::regex pattern(prefix_ + "-[0-9]+\\.ckpt\\.tmp\\.([0-9]+)");
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir_, ec)) {
+    std::smatch m;
+    const std::string name = entry.path().filename().string();
+    if (!std::regex_match(name, m, pattern) || m[1].length() > 9) continue;
+    const pid_t pid = pid_t(std::stol(m[1].str()));
+    if (pid == ::getpid() || pid <= 0 || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    std::error_code removed;
+    fs::remove(entry.path(), removed);  // best effort, like the old checkpoints
+  }
 }
 
 std::string CheckpointStore::save(int64_t step, std::span<const uint8_t> payload) {

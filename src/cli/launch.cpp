@@ -1,6 +1,7 @@
 #include "cli/launch.h"
 
 #include "base/crypto.h"
+#include "cli/launch_policy.h"
 
 #include <cohort/error.h>
 
@@ -10,6 +11,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -36,6 +38,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kMaxPort = 65535;
+// More processes than any one machine trains with; RLIMIT_NPROC may lower it.
+constexpr long kMaxProcesses = 1024;
+// Where a child finds its launcher channel (COHORT_LAUNCH_FD).
+constexpr int kChannelFd = 3;
 constexpr size_t kMaxLine = 64 * 1024;  // a longer line is forwarded in pieces
 constexpr size_t kReadChunk = 64 * 1024;
 constexpr int kReadsPerWakeup = 16;     // so that one busy writer cannot starve the others
@@ -139,6 +145,49 @@ class LineForwarder {
   std::string pending_;
 };
 
+// The read end of a child's launcher channel (base/launcher_channel.h): whole lines, handed over
+// one by one; a partial last line is dropped at end of file.
+class ChannelReader {
+ public:
+  explicit ChannelReader(int fd) : fd_(fd) {}
+  ChannelReader(const ChannelReader&) = delete;
+  ChannelReader& operator=(const ChannelReader&) = delete;
+  ~ChannelReader() { close(); }
+
+  int fd() const { return fd_; }
+  bool isOpen() const { return fd_ >= 0; }
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+  // Reads what the pipe holds now and returns the complete lines.
+  std::vector<std::string> readLines() {
+    std::vector<std::string> lines;
+    std::array<char, 4096> buffer;
+    for (int i = 0; i < kReadsPerWakeup && isOpen(); ++i) {
+      const ssize_t n = ::read(fd_, buffer.data(), buffer.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      if (n <= 0) {
+        close();
+        break;
+      }
+      pending_.append(buffer.data(), size_t(n));
+      if (pending_.size() > kMaxLine) pending_.erase(0, pending_.size() - kMaxLine);  // a runaway writer
+    }
+    for (size_t newline = pending_.find('\n'); newline != std::string::npos; newline = pending_.find('\n')) {
+      lines.push_back(pending_.substr(0, newline));
+      pending_.erase(0, newline + 1);
+    }
+    return lines;
+  }
+
+ private:
+  int fd_;
+  std::string pending_;
+};
+
 struct Child {
   int rank = 0;
   bool server = false;     // a parameter-server shard (--ps), not a worker
@@ -148,6 +197,9 @@ struct Child {
   bool running = false;
   std::unique_ptr<LineForwarder> out;
   std::unique_ptr<LineForwarder> err;
+  std::unique_ptr<ChannelReader> channel;
+  bool writesCheckpoints = false;  // a shard that said "shard-checkpoints"
+  std::string error;               // what it said before failing ("error ...")
 };
 
 // A pipe whose ends are closed on exec; the read end does not block.
@@ -186,11 +238,7 @@ std::vector<std::string> sharedChildEnv(int processes) {
 
 class Launcher {
  public:
-  Launcher(const LaunchOptions& options, int port) : options_(options), port_(port) {
-    if (!usesTfConfig()) return;
-    ports_.push_back(port);
-    for (int i = 1; i < childCount(); ++i) ports_.push_back(pickFreePort(options.host));
-  }
+  explicit Launcher(const LaunchOptions& options) : options_(options) { pickPorts(); }
   Launcher(const Launcher&) = delete;
   Launcher& operator=(const Launcher&) = delete;
 
@@ -208,11 +256,46 @@ class Launcher {
 
   int run() {
     installSignalHandlers();
-    std::vector<std::string> shared = sharedChildEnv(options_.processes);
+    shared_ = sharedChildEnv(options_.processes);
     // Every job gets a secret: ps shards and gossip peers refuse calls without it.
-    if (!hasEnv("COHORT_AUTH_TOKEN")) shared.push_back("COHORT_AUTH_TOKEN=" + crypto::randomToken());
-    children_.resize(size_t(childCount()));
-    for (int i = 0; i < int(children_.size()); ++i) start(i, shared);
+    if (!hasEnv("COHORT_AUTH_TOKEN")) shared_.push_back("COHORT_AUTH_TOKEN=" + crypto::randomToken());
+    for (;;) {
+      children_.clear();
+      children_.resize(size_t(childCount()));
+      for (int i = 0; i < int(children_.size()); ++i) start(i);
+      superviseUntilAllExited();
+      if (!restartGroup_) break;
+      // Every process of the failed group has exited: a fresh group, on fresh ports.
+      restartGroup_ = ending_ = killed_ = workersDone_ = serversStopped_ = false;
+      exitCode_ = 0;
+      lost_.clear();
+      pickPorts();
+    }
+    if (exitCode_ == 0 && !lost_.empty()) {
+      std::string who;
+      for (const std::string& label : lost_) who += (who.empty() ? "" : ", ") + label;
+      say("the job finished without " + who);
+    }
+    return exitCode_;
+  }
+
+ private:
+  static std::string formatSeconds(double seconds) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%g", seconds);
+    return text;
+  }
+
+  // MASTER_PORT and, with --ps, every process's port in TF_CONFIG.
+  void pickPorts() {
+    port_ = options_.port != 0 ? options_.port : pickFreePort(options_.host);  // a --port on every restart too
+    ports_.clear();
+    if (!usesTfConfig()) return;
+    ports_.push_back(port_);
+    for (int i = 1; i < childCount(); ++i) ports_.push_back(pickFreePort(options_.host));
+  }
+
+  void superviseUntilAllExited() {
     while (running_ > 0) {
       waitForEvents();
       handleSignals();
@@ -230,19 +313,7 @@ class Launcher {
     }
     // Every child has exited: forward what they wrote last and stop listening, even if a
     // grandchild still holds a pipe open.
-    for (Child& child : children_) {
-      drain(child);
-      child.out->close();
-      child.err->close();
-    }
-    return exitCode_;
-  }
-
- private:
-  static std::string formatSeconds(double seconds) {
-    char text[32];
-    std::snprintf(text, sizeof(text), "%g", seconds);
-    return text;
+    for (Child& child : children_) closePipes(child);
   }
 
   void installSignalHandlers() {
@@ -273,15 +344,16 @@ class Launcher {
     signalPipeRead_ = signalPipeWrite = -1;
   }
 
-
   bool usesTfConfig() const { return options_.parameterServers > 0 || options_.evaluator; }
   int childCount() const { return options_.processes + options_.parameterServers + (options_.evaluator ? 1 : 0); }
   bool isEvaluatorIndex(int index) const { return options_.evaluator && index == childCount() - 1; }
 
   // The job's TF_CONFIG (--ps M, --evaluator): rank 0 is the chief at the rendezvous port, the
-  // other workers, the shards and the evaluator get ports of their own.
+  // other workers, the shards and the evaluator get ports of their own. An IPv6 host is
+  // bracketed ("[::1]:port").
   std::string tfConfig(int index) const {
-    auto address = [&](int port) { return "\"" + options_.host + ":" + std::to_string(port) + "\""; };
+    const std::string host = options_.host.find(':') != std::string::npos ? "[" + options_.host + "]" : options_.host;
+    auto address = [&](int port) { return "\"" + host + ":" + std::to_string(port) + "\""; };
     std::string workers, servers;
     for (int r = 1; r < options_.processes; ++r) workers += (workers.empty() ? "" : ",") + address(ports_[size_t(r)]);
     for (int k = 0; k < options_.parameterServers; ++k) {
@@ -317,29 +389,42 @@ class Launcher {
     }
   }
 
-  void start(int index, const std::vector<std::string>& shared) {
+  // Starts (or starts again) process `index` with its environment and fresh pipes.
+  void start(int index) {
     Child& child = children_[size_t(index)];
+    closePipes(child);
     child.rank = index;
     child.evaluator = isEvaluatorIndex(index);
     child.server = !child.evaluator && index >= options_.processes;
     child.label = child.evaluator ? "evaluator"
                   : child.server  ? "ps " + std::to_string(index - options_.processes)
                                   : "rank " + std::to_string(index);
+    child.writesCheckpoints = false;
+    child.error.clear();
     const std::string name = child.label;
     const int rank = index;
-    const std::array<int, 2> out = openPipe(name);
+    // Pipes: stdout, stderr, the launcher channel. Every end is closed on exec but the child's
+    // copies of the write ends, which it puts in place itself.
+    std::vector<int> opened;
+    auto open = [&]() {
+      try {
+        const std::array<int, 2> fds = openPipe(name);
+        opened.insert(opened.end(), fds.begin(), fds.end());
+        return fds;
+      } catch (...) {
+        for (size_t i = 1; i < opened.size(); i += 2) ::close(opened[i]);  // the read ends have owners
+        throw;
+      }
+    };
+    const std::array<int, 2> out = open();
     child.out = std::make_unique<LineForwarder>(out[0], STDOUT_FILENO, "[" + name + "] ");
-    std::array<int, 2> err{};
-    try {
-      err = openPipe(name);
-    } catch (...) {
-      ::close(out[1]);
-      throw;
-    }
+    const std::array<int, 2> err = open();
     child.err = std::make_unique<LineForwarder>(err[0], STDERR_FILENO, "[" + name + "] ");
+    const std::array<int, 2> channel = open();
+    child.channel = std::make_unique<ChannelReader>(channel[0]);
 
     // Built before fork: between fork and exec only async-signal-safe calls are allowed.
-    std::vector<std::string> env = shared;
+    std::vector<std::string> env = shared_;
     if (!child.server && !child.evaluator) {
       env.push_back("RANK=" + std::to_string(rank));
       env.push_back("WORLD_SIZE=" + std::to_string(options_.processes));
@@ -348,6 +433,8 @@ class Launcher {
     }
     env.push_back("MASTER_ADDR=" + options_.host);
     env.push_back("MASTER_PORT=" + std::to_string(port_));
+    env.push_back("COHORT_LAUNCH_FD=" + std::to_string(kChannelFd));
+    env.push_back("COHORT_RESTART_COUNT=" + std::to_string(restartsUsed_));
     if (usesTfConfig()) env.push_back("TF_CONFIG=" + tfConfig(index));
     std::vector<char*> envp;
     for (std::string& entry : env) envp.push_back(entry.data());
@@ -366,11 +453,10 @@ class Launcher {
     ::sigprocmask(SIG_BLOCK, &blocked, &original);
     const pid_t launcher = ::getpid();
     const pid_t pid = ::fork();
-    if (pid == 0) execChild(argv, envp, out[1], err[1], launcher, original);
+    if (pid == 0) execChild(argv, envp, out[1], err[1], channel[1], launcher, original);
     const int forkErrno = errno;
     ::sigprocmask(SIG_SETMASK, &original, nullptr);
-    ::close(out[1]);
-    ::close(err[1]);
+    for (int fd : {out[1], err[1], channel[1]}) ::close(fd);
     if (pid < 0) throw Error("launch: cannot start " + name + ": fork failed: " + errorText(forkErrno));
     child.pid = pid;
     child.running = true;
@@ -378,13 +464,20 @@ class Launcher {
   }
 
   [[noreturn]] void execChild(const std::vector<char*>& argv, const std::vector<char*>& envp, int outFd, int errFd,
-                              pid_t launcher, const sigset_t& originalMask) {
+                              int channelFd, pid_t launcher, const sigset_t& originalMask) {
     for (size_t i = 0; i < kHandledSignals.size(); ++i) ::sigaction(kHandledSignals[i], &originalActions_[i], nullptr);
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (::getppid() != launcher) ::_exit(128 + SIGTERM);  // the launcher died before prctl
     ::sigprocmask(SIG_SETMASK, &originalMask, nullptr);
     ::dup2(outFd, STDOUT_FILENO);
     ::dup2(errFd, STDERR_FILENO);
+    // The channel at fd 3 across exec (a shell's >&3 takes single digits only); every other
+    // descriptor of the launcher is closed on exec.
+    if (channelFd == kChannelFd) {
+      ::fcntl(channelFd, F_SETFD, 0);
+    } else {
+      ::dup2(channelFd, kChannelFd);
+    }
     ::execvpe(argv[0], argv.data(), envp.data());
     char message[512];
     const int length = std::snprintf(message, sizeof(message), "cohort launch: cannot run %s: %s\n", argv[0],
@@ -393,16 +486,23 @@ class Launcher {
     ::_exit(127);
   }
 
-  // Sleeps until output, a signal or a child's exit arrives (or the grace period ends), and
-  // forwards the output.
+  // Sleeps until output, a message, a signal or a child's exit arrives (or the grace period ends),
+  // and handles what came.
   void waitForEvents() {
     std::vector<pollfd> fds{{signalPipeRead_, POLLIN, 0}};
+    std::vector<Child*> owners{nullptr};
     std::vector<LineForwarder*> forwarders{nullptr};
     for (Child& child : children_) {
       for (LineForwarder* f : {child.out.get(), child.err.get()}) {
         if (f == nullptr || !f->isOpen()) continue;
         fds.push_back({f->fd(), POLLIN, 0});
+        owners.push_back(&child);
         forwarders.push_back(f);
+      }
+      if (child.channel && child.channel->isOpen()) {
+        fds.push_back({child.channel->fd(), POLLIN, 0});
+        owners.push_back(&child);
+        forwarders.push_back(nullptr);
       }
     }
     int timeoutMs = -1;
@@ -414,7 +514,30 @@ class Launcher {
     }
     if (::poll(fds.data(), fds.size(), timeoutMs) <= 0) return;  // EINTR: the self-pipe says why
     for (size_t i = 1; i < fds.size(); ++i) {
-      if (fds[i].revents != 0) forwarders[i]->readAvailable();
+      if (fds[i].revents == 0) continue;
+      if (forwarders[i] != nullptr) {
+        forwarders[i]->readAvailable();
+      } else {
+        readChannel(*owners[i]);
+      }
+    }
+  }
+
+  // The messages of base/launcher_channel.h.
+  void readChannel(Child& child) {
+    if (!child.channel) return;
+    for (const std::string& line : child.channel->readLines()) {
+      const std::string_view text(line);
+      const size_t space = text.find(' ');
+      const std::string_view verb = text.substr(0, space);
+      const std::string_view rest = space == std::string_view::npos ? "" : text.substr(space + 1);
+      if (verb == "fault-policy" && !child.server && child.rank == 0) {
+        if (auto loss = parseWorkerLoss(rest)) scheme_ = *loss;
+      } else if (verb == "shard-checkpoints" && child.server) {
+        child.writesCheckpoints = true;
+      } else if (verb == "error") {
+        child.error = std::string(rest);
+      }
     }
   }
 
@@ -425,6 +548,11 @@ class Launcher {
       for (ssize_t i = 0; i < n; ++i) {
         const int signo = bytes[size_t(i)];
         if (signo == SIGCHLD) continue;  // reapChildren() runs next anyway
+        if (restartGroup_) {  // the user stops a job that was about to restart: it ends here
+          restartGroup_ = false;
+          say("got " + signalName(signo) + ", not restarting");
+          exitCode_ = 128 + signo;
+        }
         if (!ending_) {
           say("got " + signalName(signo) + ", stopping the ranks");
           exitCode_ = 128 + signo;
@@ -437,7 +565,8 @@ class Launcher {
   }
 
   void reapChildren() {
-    for (Child& child : children_) {
+    for (size_t i = 0; i < children_.size(); ++i) {
+      Child& child = children_[i];
       if (!child.running) continue;
       int status = 0;
       const pid_t pid = ::waitpid(child.pid, &status, WNOHANG);
@@ -446,32 +575,90 @@ class Launcher {
       --running_;
       drain(child);  // what it wrote before exiting comes before the line about its exit
       const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-      if (!failed || ending_) continue;
-      const std::string& who = child.label;
-      if (child.evaluator) {  // evaluation is a side job: training goes on without it
-        say(who + (WIFSIGNALED(status) ? " was killed by signal " + std::to_string(WTERMSIG(status))
-                                       : " exited with status " + std::to_string(WEXITSTATUS(status))) +
-            "; the workers go on");
-        continue;
-      }
-      if (WIFSIGNALED(status)) {
-        const int signo = WTERMSIG(status);
-        say(who + " was killed by signal " + std::to_string(signo) + " (" + signalName(signo) + ")");
-        exitCode_ = 128 + signo;
-      } else {
-        say(who + " exited with status " + std::to_string(WEXITSTATUS(status)));
-        exitCode_ = WEXITSTATUS(status);
-      }
-      endJob(SIGTERM);
+      if (failed && !ending_) onChildFailed(int(i), status);
     }
   }
 
+  // The failure policy (cli/launch_policy.h) applied to child `index`, which just failed.
+  void onChildFailed(int index, int status) {
+    // What every process said before this exit counts (the chief's policy may be in its pipe still).
+    for (Child& other : children_) readChannel(other);
+    Child& child = children_[size_t(index)];
+    if (child.evaluator) {  // evaluation is a side job: training goes on without it
+      say(child.label + (WIFSIGNALED(status) ? " was killed by signal " + std::to_string(WTERMSIG(status))
+                                             : " exited with status " + std::to_string(WEXITSTATUS(status))) +
+          "; the workers go on");
+      return;
+    }
+    std::string what = child.label;
+    int code = 0;
+    if (WIFSIGNALED(status)) {
+      const int signo = WTERMSIG(status);
+      what += " was killed by signal " + std::to_string(signo) + " (" + signalName(signo) + ")";
+      code = 128 + signo;
+    } else {
+      what += " exited with status " + std::to_string(WEXITSTATUS(status));
+      code = WEXITSTATUS(status);
+    }
+    if (!child.error.empty()) what += ": " + child.error;
+    const ProcessKind kind = child.server ? ProcessKind::kShard : child.rank == 0 ? ProcessKind::kChief
+                                                                                  : ProcessKind::kWorker;
+    const int restartsLeft = options_.maxRestarts - restartsUsed_;
+    const FailureAction action = onFailure({.kind = kind,
+                                            .scheme = scheme_,
+                                            .writesCheckpoints = child.writesCheckpoints,
+                                            .restartsLeft = restartsLeft});
+    const std::string restart = "restart " + std::to_string(restartsUsed_ + 1) + " of " +
+                                std::to_string(options_.maxRestarts);
+    switch (action) {
+      case FailureAction::kGoOn:
+        say(what + "; the others go on without it (the scheme tolerates a lost worker)");
+        lost_.push_back(child.label);
+        return;
+      case FailureAction::kRestartProcess:
+        say(what + "; starting it again alone (" + restart + ")");
+        ++restartsUsed_;
+        start(index);
+        return;
+      case FailureAction::kRestartGroup:
+        say(what + "; restarting every process from the newest checkpoint (" + restart + ")");
+        ++restartsUsed_;
+        restartGroup_ = true;
+        endJob(SIGTERM);
+        return;
+      case FailureAction::kEndJob:
+        break;
+    }
+    // The job ends. Under a scheme that survives lost workers, say why this loss is different.
+    if (scheme_ != WorkerLoss::kStopsGroup && kind == ProcessKind::kChief) {
+      what += "; the job cannot go on without its chief";
+    } else if (scheme_ != WorkerLoss::kStopsGroup && kind == ProcessKind::kShard) {
+      what += child.writesCheckpoints ? "; the workers cannot go on without it"
+                                      : "; the workers cannot go on without it and it has no checkpoint to restart "
+                                        "from (--checkpoint-dir)";
+    }
+    if (options_.maxRestarts > 0) what += " (all " + std::to_string(options_.maxRestarts) + " restarts used)";
+    say(what);
+    exitCode_ = code;
+    endJob(SIGTERM);
+  }
+
   // Reads what an exited child left in its pipes (bounded: a grandchild may still be writing).
-  static void drain(Child& child) {
+  void drain(Child& child) {
     for (LineForwarder* f : {child.out.get(), child.err.get()}) {
       for (int i = 0; i < 16 && f != nullptr && f->readAvailable(); ++i) {
       }
     }
+    readChannel(child);
+  }
+
+  void closePipes(Child& child) {
+    if (child.out) {
+      drain(child);
+      child.out->close();
+      child.err->close();
+    }
+    if (child.channel) child.channel->close();
   }
 
   void endJob(int signo) {
@@ -491,8 +678,9 @@ class Launcher {
   }
 
   const LaunchOptions& options_;
-  const int port_;
-  std::vector<int> ports_;  // --ps: each child's port in TF_CONFIG
+  std::vector<std::string> shared_;  // the environment every child shares
+  int port_ = 0;                     // MASTER_PORT
+  std::vector<int> ports_;           // --ps: each child's port in TF_CONFIG
   bool workersDone_ = false;
   bool serversStopped_ = false;
   Clock::time_point serversDeadline_;
@@ -502,6 +690,11 @@ class Launcher {
   bool ending_ = false;  // a child failed or a signal came: the others are being stopped
   bool killed_ = false;  // the remaining children got SIGKILL
   Clock::time_point deadline_;
+  // The failure policy's state.
+  WorkerLoss scheme_ = WorkerLoss::kStopsGroup;  // as the chief said; kept across restarts
+  int restartsUsed_ = 0;
+  bool restartGroup_ = false;    // once every child has exited, start the group again
+  std::vector<std::string> lost_;  // workers the job went on without
   int signalPipeRead_ = -1;
   bool handlersInstalled_ = false;
   std::array<struct sigaction, kHandledSignals.size()> originalActions_{};
@@ -540,6 +733,21 @@ int pickFreePort(const std::string& host) {
                         "); give an address of this machine, or a --port");
 }
 
+// Refuses, before anything is forked, a job with more processes than this machine can hold.
+void checkProcessCount(const LaunchOptions& options) {
+  const long total = long(options.processes) + long(options.parameterServers);
+  long limit = kMaxProcesses;
+  std::string why = "the launcher's cap for one machine";
+  rlimit nproc{};
+  if (::getrlimit(RLIMIT_NPROC, &nproc) == 0 && nproc.rlim_cur != RLIM_INFINITY && long(nproc.rlim_cur) / 2 < limit) {
+    limit = std::max(1L, long(nproc.rlim_cur) / 2);
+    why = "half of this user's process limit, RLIMIT_NPROC = " + std::to_string(nproc.rlim_cur);
+  }
+  COHORT_CHECK(total <= limit, InvalidArgument, "-n ", options.processes, " with --ps ", options.parameterServers,
+               " is ", total, " processes, more than ", limit, " (", why,
+               "): use fewer processes per machine, and several machines (mpirun, srun, TF_CONFIG) for more");
+}
+
 int runLaunch(const LaunchOptions& options) {
   COHORT_CHECK(options.processes >= 1, InvalidArgument, "-n/--nproc must be at least 1 (got ", options.processes, ")");
   COHORT_CHECK(!options.command.empty(), InvalidArgument,
@@ -551,8 +759,10 @@ int runLaunch(const LaunchOptions& options) {
   COHORT_CHECK(!options.host.empty(), InvalidArgument, "--host must not be empty");
   COHORT_CHECK(options.parameterServers >= 0, InvalidArgument, "--ps must not be negative, got ",
                options.parameterServers);
-  const int port = options.port != 0 ? options.port : pickFreePort(options.host);
-  Launcher launcher(options, port);
+  COHORT_CHECK(options.maxRestarts >= 0, InvalidArgument, "--max-restarts must not be negative, got ",
+               options.maxRestarts);
+  checkProcessCount(options);
+  Launcher launcher(options);
   return launcher.run();
 }
 

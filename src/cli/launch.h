@@ -23,13 +23,32 @@
 //
 // Ending. The launcher returns 0 when every child exits 0. The first child to exit non-zero or to be
 // killed by a signal ends the job: the launcher prints one line to stderr ("cohort launch: rank i
-// exited with status S" or "cohort launch: rank i was killed by signal K (SIGNAME)"), sends SIGTERM
+// exited with status S" or "cohort launch: rank i was killed by signal K (SIGNAME)", followed by
+// ": REASON" when the child said why over its channel, below), sends SIGTERM
 // to the children still running, SIGKILL to those still running graceSeconds later, and returns S,
-// or 128 + K. SIGINT or SIGTERM sent to the launcher is forwarded to every running child as the
+// or 128 + K. Unless the failure policy (cli/launch_policy.h) says otherwise:
+//   - when the job's scheme survives a lost worker (the chief said so) and a worker other than the
+//     chief fails, the launcher says so in one line ("...; the others go on without it") and the
+//     others carry on; the job's status is then that of the others, and when it is 0 the launcher
+//     ends with "cohort launch: the job finished without rank i, ...";
+//   - with maxRestarts K > 0, a failure that would end the job instead restarts it, up to K times
+//     in all: every process is stopped as above and, once all have exited, started again with new
+//     ports (MASTER_PORT, TF_CONFIG) and COHORT_RESTART_COUNT = the restarts so far, from which
+//     `cohort train` resumes from its newest checkpoint; in the asynchronous ps modes a failed worker
+//     other than the chief, or a shard that writes checkpoints, is restarted alone instead. The
+//     line says which ("...; starting it again alone (restart r of K)" or "...; restarting every
+//     process from the newest checkpoint (restart r of K)"). SIGINT or SIGTERM sent to the launcher is forwarded to every running child as the
 // same signal and ends the job the same way, returning 128 + the signal (the launcher says so in
 // one line on stderr). Such a signal while the job is already ending (a second Ctrl-C) sends
 // SIGKILL to the remaining children at once. Once the job is ending, further child exits are not
 // reported. Every child has been reaped when runLaunch returns.
+//
+// The launcher channel. Every child also gets COHORT_LAUNCH_FD=3, a pipe to the launcher open at
+// descriptor 3 (base/launcher_channel.h; `echo ... >&3` from a shell), and COHORT_RESTART_COUNT
+// (0 at first). A child may write
+// lines there: "fault-policy stops-group|tolerated|rejoins" (from rank 0: what the scheme survives),
+// "shard-checkpoints" (from a shard), "error REASON" (why it is about to fail). Other lines are
+// ignored; a program that writes nothing gets the behaviour of a synchronous scheme.
 //
 // Every child of a job gets the same COHORT_AUTH_TOKEN (a random secret, unless the launcher's
 // environment sets one): parameter-server shards and gossip peers refuse calls without it.
@@ -66,11 +85,13 @@ struct LaunchOptions {
   int parameterServers = 0;        // M: --ps shards, started after the workers (see below)
   bool evaluator = false;          // one evaluator task, started after the shards (see below)
   double graceSeconds = 10;        // from SIGTERM to SIGKILL when the job ends early
+  int maxRestarts = 0;             // failures the job may recover from by restarting (see above)
   std::vector<std::string> command;
 };
 
 // Runs the job described above and returns the launcher's exit status. Throws InvalidArgument for
-// options that cannot work (processes < 1, no command, a port outside 0..65535, a negative grace),
+// options that cannot work (processes < 1, more processes than the machine allows (1024, or half
+// of RLIMIT_NPROC), no command, a port outside 0..65535, a negative grace or --max-restarts),
 // Error when the children cannot be started (any already started are killed and reaped first).
 int runLaunch(const LaunchOptions& options);
 

@@ -11,11 +11,15 @@ Run addLaunchCommand(CLI::App& app) {
   CLI::App* launch = app.add_subcommand(
       "launch", "Run N processes of a command on this machine as ranks 0 .. N-1");
   launch->footer(
-      "Usage: cohort launch -n N [--ps M] [--evaluator] [--port P] [--host H] [--grace S] -- COMMAND...\n"
+      "Usage: cohort launch -n N [--ps M] [--evaluator] [--max-restarts K] [--port P] [--host H] [--grace S] -- COMMAND...\n"
       "Every process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and,\n"
       "unless OMP_NUM_THREADS is set, OMP_NUM_THREADS = cores / N. Its output lines are prefixed with\n"
       "[rank i], and every process of the job the same random COHORT_AUTH_TOKEN (unless it is set).\n"
-      "The first rank to fail stops the others; its status is the exit status.\n"
+      "The first rank to fail stops the others; its status is the exit status. Under a scheme that\n"
+      "survives a lost worker (ps async/softsync/ssp, gossip) a failed worker other than rank 0 is\n"
+      "logged and the others go on. --max-restarts K restarts a failed job (or, in the asynchronous\n"
+      "ps modes, the failed worker or checkpointing shard alone) up to K times; cohort train resumes\n"
+      "from its newest checkpoint.\n"
       "With --ps M, M parameter-server shards run the same command too ([ps k]), and every process gets\n"
       "TF_CONFIG: cohort launch -n 2 --ps 1 -- cohort train --strategy ps\n"
       "With --evaluator, an evaluator task runs it too ([evaluator]): it evaluates every checkpoint the chief\n"
@@ -28,6 +32,9 @@ Run addLaunchCommand(CLI::App& app) {
       ->capture_default_str();
   launch->add_flag("--evaluator", o.evaluator,
                    "Start an evaluator task as well (TF_CONFIG type evaluator): it evaluates the checkpoints");
+  launch->add_option("--max-restarts", o.maxRestarts,
+                     "Restart a failed job (every process, from its newest checkpoint) up to K times")
+      ->capture_default_str();
   launch->add_option("--port", o.port, "MASTER_PORT (0: a free port)")->capture_default_str();
   launch->add_option("--host", o.host, "MASTER_ADDR")->capture_default_str();
   launch->add_option("--grace", o.graceSeconds, "Seconds between SIGTERM and SIGKILL when the job ends early")

@@ -1,5 +1,6 @@
 #include <cohort/error.h>
 
+#include "base/launcher_channel.h"
 #include "cli/commands.h"
 
 #include <c10/util/Exception.h>
@@ -14,6 +15,7 @@ std::string firstLine(const std::string& text) { return text.substr(0, text.find
 
 int fail(int code, const std::string& message) {
   std::fprintf(stderr, "cohort: error: %s\n", firstLine(message).c_str());
+  cohort::launcher::tellError(firstLine(message));  // `cohort launch` names it with the exit
   return code;
 }
 

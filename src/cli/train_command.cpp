@@ -6,6 +6,7 @@
 #include "train/trainer.h"
 
 #include "ps/service.h"
+#include "base/launcher_channel.h"
 
 #include "cli/commands.h"
 
@@ -13,6 +14,7 @@
 #include <cstdlib>
 #include <algorithm>
 #include <map>
+#include <optional>
 
 namespace cohort::cli {
 
@@ -60,6 +62,45 @@ std::vector<std::string> splitList(const std::string& text) {
   return out;
 }
 
+// The value for `rank` in a testing flag's RANK:NUMBER[,RANK:NUMBER...] list (NUMBER >= 0), if any.
+std::optional<std::string> valueForRank(const std::string& text, int rank, const char* flag, const char* form) {
+  std::optional<std::string> mine;
+  for (const std::string& entry : splitList(text)) {
+    const size_t colon = entry.find(':');
+    try {
+      COHORT_CHECK(colon != std::string::npos, InvalidArgument, "");
+      const int entryRank = std::stoi(entry.substr(0, colon));
+      COHORT_CHECK(std::stod(entry.substr(colon + 1)) >= 0, InvalidArgument, "");
+      if (entryRank == rank) mine = entry.substr(colon + 1);
+    } catch (const std::exception&) {
+      throw InvalidArgument(std::string(flag) + " takes " + form + "[," + form + "...], got '" + text + "'");
+    }
+  }
+  return mine;
+}
+
+// What this run's scheme does when a worker other than the chief is lost (cli/launch_policy.h):
+// the asynchronous ps modes and sync with backup workers count it lost and go on, and a restarted
+// worker takes up its clock again in the asynchronous ones; gossip peers go on; every other scheme
+// needs every worker at every step.
+const char* workerLossOf(const StrategyOptions& s) {
+  if (s.name == "gossip") return "tolerated";
+  if (s.name == "ps" && s.ps.mode != "sync") return "rejoins";
+  if (s.name == "ps" && s.ps.backupWorkers > 0) return "tolerated";
+  return "stops-group";
+}
+
+// COHORT_RESTART_COUNT, set by `cohort launch`; 0 when absent.
+int restartCountFromEnvironment() {
+  const char* text = std::getenv("COHORT_RESTART_COUNT");
+  if (text == nullptr || *text == '\0') return 0;
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  COHORT_CHECK(*end == '\0' && value >= 0 && value <= 1000000, InvalidArgument,
+               "COHORT_RESTART_COUNT must be a count of restarts, got '", text, "'");
+  return int(value);
+}
+
 }  // namespace
 
 Run addTrainCommand(CLI::App& app) {
@@ -69,6 +110,7 @@ Run addTrainCommand(CLI::App& app) {
     std::string hosts;
     std::string authTokenFile;
     std::string slowWorker;
+    std::string killAt;
   };
   auto psFlags = std::make_shared<PsFlags>();
   auto evaluator = std::make_shared<EvaluatorOptions>();
@@ -211,6 +253,9 @@ Run addTrainCommand(CLI::App& app) {
       ->group(gossipGroup)->capture_default_str();
   train->add_option("--test-slow-worker", psFlags->slowWorker,
                     "Testing: RANK:SECONDS[,...] makes those workers sleep so long every step")->group("Testing");
+  train->add_option("--test-kill-at", psFlags->killAt,
+                    "Testing: RANK:STEP[,...] makes those workers SIGKILL themselves after that step "
+                    "(in their first run, not after a cohort launch --max-restarts restart)")->group("Testing");
 
   return [options, progress, psFlags, evaluator]() {
     TrainOptions& o = *options;
@@ -222,27 +267,24 @@ Run addTrainCommand(CLI::App& app) {
     if (!p.authToken.empty()) ::setenv("COHORT_AUTH_TOKEN", p.authToken.c_str(), 1);
     p.hosts.clear();
     p.hosts = splitList(psFlags->hosts);
-    // RANK:SECONDS,...: the entry for this worker's rank, if any.
     const ClusterSpec cluster = resolveClusterFromEnvironment();
-    for (const std::string& entry : splitList(psFlags->slowWorker)) {
-      const size_t colon = entry.find(':');
-      try {
-        COHORT_CHECK(colon != std::string::npos, InvalidArgument, "");
-        const int rank = std::stoi(entry.substr(0, colon));
-        const double seconds = std::stod(entry.substr(colon + 1));
-        if (cluster.role == Role::kWorker && rank == cluster.rank) {
-          o.strategy.slowRank = rank;
-          o.strategy.slowSeconds = seconds;
-        }
-      } catch (const std::exception&) {
-        throw InvalidArgument("--test-slow-worker takes RANK:SECONDS[,RANK:SECONDS...], got '" +
-                              psFlags->slowWorker + "'");
-      }
+    const int myRank = cluster.role == Role::kWorker ? cluster.rank : -1;
+    if (auto seconds = valueForRank(psFlags->slowWorker, myRank, "--test-slow-worker", "RANK:SECONDS")) {
+      o.strategy.slowRank = myRank;
+      o.strategy.slowSeconds = std::stod(*seconds);
     }
+    if (auto step = valueForRank(psFlags->killAt, myRank, "--test-kill-at", "RANK:STEP")) o.testKillAtStep = std::stoll(*step);
     // Under TF_CONFIG (cohort launch --ps) the same command runs on the shards: serve one.
     // It binds the address TF_CONFIG gives this task, not every interface: on one machine (cohort
     // launch) that is loopback, where strangers on the network cannot reach the shard at all.
-    if (cluster.role == Role::kParameterServer) return serveParameterServerShard(Job::fromSpec(cluster), p, o.checkpointDir);
+    if (cluster.role == Role::kParameterServer) {
+      if (!o.checkpointDir.empty()) launcher::tellShardCheckpoints();
+      return serveParameterServerShard(Job::fromSpec(cluster), p, o.checkpointDir);
+    }
+    launcher::tellFaultPolicy(workerLossOf(o.strategy));
+    o.restartCount = restartCountFromEnvironment();
+    // A restarted job resumes by itself (gossip cannot: its replicas differ; it starts afresh).
+    if (o.restartCount > 0 && !o.checkpointDir.empty() && o.strategy.name != "gossip") o.resume = true;
     // An evaluator task (TF_CONFIG type "evaluator", cohort launch --evaluator) runs the same command too.
     if (cluster.role == Role::kEvaluator) return runEvaluator(o, cluster, *evaluator);
     static const std::map<std::string, ProgressMode> kModes{{"auto", ProgressMode::kAuto},

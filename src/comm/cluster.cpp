@@ -262,9 +262,19 @@ ClusterSpec fromTorchrun(const Env& env) {
   ClusterSpec spec;
   spec.source = "torchrun";
   readRankAndSize(env, "RANK", "WORLD_SIZE", spec);
+  // Kubeflow's PyTorchJob: one pod per node, its processes per node in PET_NPROC_PER_NODE, which
+  // WORLD_SIZE counts (replicas x nprocPerNode) while RANK is the pod's. torchrun in the pod turns
+  // that into per-process variables (LOCAL_RANK among them); without it a pod is one process.
+  const std::optional<int> perNode = wholeVar(env, "PET_NPROC_PER_NODE");
+  COHORT_CHECK(!perNode || *perNode <= 1 || env.has("LOCAL_RANK"), InvalidArgument, "PET_NPROC_PER_NODE=", *perNode,
+               " (Kubeflow's nprocPerNode) makes WORLD_SIZE=", spec.worldSize,
+               " count processes while RANK numbers pods, but this pod runs one process (no LOCAL_RANK): "
+               "set nprocPerNode: \"1\" (cohort uses the pod's cores with threads), or start the command with "
+               "torchrun in the pod");
   spec.localRank = nonNegativeVar(env, "LOCAL_RANK", 0);
   const bool localWorldSet = env.has("LOCAL_WORLD_SIZE");
-  spec.localWorldSize = positiveVar(env, "LOCAL_WORLD_SIZE", spec.worldSize);
+  spec.localWorldSize = positiveVar(env, "LOCAL_WORLD_SIZE", perNode && *perNode >= 1 ? std::min(*perNode, spec.worldSize)
+                                                                                    : spec.worldSize);
   COHORT_CHECK(spec.localWorldSize <= spec.worldSize, InvalidArgument, "LOCAL_WORLD_SIZE=", spec.localWorldSize,
                " is more than WORLD_SIZE=", spec.worldSize);
   COHORT_CHECK(spec.localRank < spec.localWorldSize, InvalidArgument, "LOCAL_RANK=", spec.localRank,

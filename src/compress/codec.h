@@ -71,6 +71,10 @@ inline uint64_t decodedLength(std::span<const uint8_t> message) { return peekMes
 // The longest buffer a message may describe (2^31 floats, 8 GiB).
 inline constexpr uint64_t kMaxLength = uint64_t(1) << 31;
 inline constexpr size_t kHeaderBytes = 24;
+// The largest body a header can describe (its size field has 32 bits). An Encoder refuses a length
+// whose dense body (none: 4 bytes a float, fp16 and bf16: 2) would be larger, and encode() a
+// sparse message that grows larger: the decoder would reject such a message.
+inline constexpr uint64_t kMaxBodyBytes = UINT32_MAX;
 
 // out[i] += scale * decoded[i]. out.size() must equal the message's length. Checks the whole
 // message before it touches out: on MalformedMessage, out is unchanged. Non-finite values in a
@@ -79,7 +83,8 @@ void decodeAdd(std::span<const uint8_t> message, std::span<float> out, float sca
 
 class Encoder {
  public:
-  // length: the buffer's size, at most kMaxLength. The residual starts at zero.
+  // length: the buffer's size, at most kMaxLength (and kMaxBodyBytes / 4 for none, / 2 for fp16
+  // and bf16); InvalidArgument beyond. The residual starts at zero.
   Encoder(CodecSpec spec, size_t length);
   ~Encoder();
   Encoder(Encoder&&) noexcept;

@@ -666,6 +666,14 @@ Encoder::Encoder(CodecSpec spec, size_t length)
     : spec_(spec), length_(length), scratch_(std::make_unique<Scratch>()) {
   COHORT_CHECK(length <= kMaxLength, InvalidArgument, "a codec buffer of ", length, " floats is beyond the limit of ",
                kMaxLength);
+  // The header's body size is 32 bits: a dense body must fit (the sparse ones are checked as
+  // they are made, in encode()).
+  const uint64_t denseBytes = spec_.kind == CodecKind::None                                   ? 4
+                              : spec_.kind == CodecKind::Fp16 || spec_.kind == CodecKind::Bf16 ? 2
+                                                                                               : 0;
+  COHORT_CHECK(denseBytes * length <= kMaxBodyBytes, InvalidArgument, "--codec ", kindName(spec_.kind), ": a buffer of ",
+               length, " floats makes a message body of ", denseBytes * length, " bytes, beyond the format's ",
+               kMaxBodyBytes, ": split it (smaller buckets, more shards)");
   if (spec_.errorFeedback()) residual_.assign(length, 0.0f);
 }
 Encoder::~Encoder() = default;
@@ -771,6 +779,9 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
   COHORT_CHECK(body.size() <= std::numeric_limits<uint32_t>::max(), InvalidArgument, "a ", kindName(spec_.kind),
                " message body of ", body.size(), " bytes is too large; use a smaller buffer");
   const size_t bound = ZSTD_compressBound(body.size());
+  COHORT_CHECK(body.size() <= kMaxBodyBytes, InvalidArgument, "--codec ", kindName(spec_.kind), ": a message body of ",
+               body.size(), " bytes is beyond the format's ", kMaxBodyBytes, ": split the buffer of ", n,
+               " floats (smaller buckets, more shards)");
   putHeader(message, spec_.kind, n, param, uint32_t(body.size()));
   message.resize(kHeaderBytes + bound);
   const size_t got = ZSTD_compressCCtx(scratch_->cctx.get(), message.data() + kHeaderBytes, bound, body.data(),

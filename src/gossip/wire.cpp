@@ -77,7 +77,7 @@ FrameHeader parseHeader(std::span<const uint8_t, kHeaderBytes> bytes, uint32_t m
 std::vector<uint8_t> doneFrame(const PeerReport& p) {
   auto frame = withHeader(FrameType::kDone);
   for (int64_t v : {p.steps, p.bytesSent, p.bytesReceived, p.messagesApplied, p.stalenessSum, p.stalenessMax,
-                    p.peersLost, p.dropped}) {
+                    p.peersLost, p.stopJob}) {
     put<int64_t>(frame, v);
   }
   setLength(frame);
@@ -100,7 +100,7 @@ PeerReport parseDone(std::span<const uint8_t> body) {
   Reader r(body, "DONE");
   PeerReport p;
   for (int64_t* v : {&p.steps, &p.bytesSent, &p.bytesReceived, &p.messagesApplied, &p.stalenessSum, &p.stalenessMax,
-                     &p.peersLost, &p.dropped}) {
+                     &p.peersLost, &p.stopJob}) {
     *v = r.get<int64_t>();
   }
   return p;

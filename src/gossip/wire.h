@@ -127,7 +127,7 @@ struct PeerReport {
   int64_t stalenessSum = 0;
   int64_t stalenessMax = 0;
   int64_t peersLost = 0;
-  int64_t dropped = 0;  // unused slot kept at zero; the format has room for one more counter
+  int64_t stopJob = 0;  // 1 from the chief when it stopped the job early: the others stop too
 };
 
 // The tags of one stream's frames after the handshake: keyed by the session key, numbered from 0

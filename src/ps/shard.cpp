@@ -122,6 +122,7 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
     initSinceStart_ = true;
     failure_.reset();
     finished_ = false;
+    stopJob_ = false;
     for (auto& w : workers_) w = Worker{.clock = w.clock, .lastSeen = Clock::now()};
     reply->set_version(version_);
     reply->set_resumed(true);
@@ -157,6 +158,7 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
   pendingFrom_.assign(policy_.workers(), false);
   failure_.reset();
   finished_ = false;
+  stopJob_ = false;
   stats_ = wire::StatsReply();
   stalenessSum_ = 0;
   if (store_) {
@@ -219,6 +221,7 @@ Status Shard::pull(const wire::PullRequest& request, wire::PullReply* reply) {
   w.lastSeen = Clock::now();
   reply->set_version(version_);
   reply->set_samples_total(stats_.samples_total());
+  reply->set_stop_job(stopJob_);
   fillValuesLocked(reply->mutable_values());
   return Status::Ok();
 }
@@ -374,6 +377,12 @@ void Shard::finishIfAllDoneLocked() {
 }
 
 Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
+  const Status status = handlePush(request, reply);
+  writeDueCheckpoint();  // after the reply is made and the lock released: the write holds no one
+  return status;
+}
+
+Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* reply) {
   const auto arrived = Clock::now();
   std::vector<wire::PieceSpec> pieces;
   {
@@ -511,6 +520,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     reply->set_samples_total(stats_.samples_total());
     const double held = secondsSince(arrived);
     reply->set_wait_s(held);
+    reply->set_stop_job(stopJob_);
     stats_.set_wait_s(stats_.wait_s() + held);
     if (request.want_values()) fillReplyLocked(request, reply);
     changed_.notifyAll();
@@ -540,7 +550,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
       applyPendingLocked();
     };
     closeIfReady();
-    while (version_ == step && !failure_) {
+    while (version_ == step && !failure_ && !stopJob_) {
       changed_.waitFor(mu_, kTick);
       if (generation_ != generation) return reinitialized();
       const auto now = Clock::now();
@@ -565,7 +575,8 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     }
     if (failure_) return Status::error(Code::kAborted, *failure_);
     if (generation_ != generation) return reinitialized();
-    return finishReply(true);
+    if (version_ == step) dropped = "stopped";  // the job stopped before this step closed
+    return finishReply(dropped.empty());
   }
 
   // The asynchronous modes.
@@ -575,7 +586,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     // that no call outlives the client's deadline; the held worker counts as heard from.
     auto progress = Clock::now();
     uint64_t seen = version_;
-    while (version_ < uint64_t(policy_.warmup_steps()) && !failure_) {
+    while (version_ < uint64_t(policy_.warmup_steps()) && !failure_ && !stopJob_) {
       changed_.waitFor(mu_, kTick);
       if (generation_ != generation) return reinitialized();
       const auto now = Clock::now();
@@ -617,7 +628,7 @@ Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
     me().clock += 1;
     me().held = true;
     const int64_t bound = int64_t(policy_.staleness_bound());
-    while (!failure_) {
+    while (!failure_ && !stopJob_) {
       const auto now = Clock::now();
       me().lastSeen = now;
       markLostLocked(now);
@@ -650,6 +661,11 @@ Status Shard::done(const wire::DoneRequest& request, wire::DoneReply* reply) {
 Status Shard::stats(const wire::StatsRequest& request, wire::StatsReply* reply) {
   if (Status s = checkProtocol(request.protocol()); !s.ok()) return s;
   MutexLock lock(mu_);
+  if (request.stop_job() && initialized_ && !stopJob_) {
+    stopJob_ = true;
+    log("the chief stops the job: every worker stops at its next push");
+    changed_.notifyAll();
+  }
   if (request.has_worker() && request.worker() < workers_.size()) {
     Worker& w = workers_[request.worker()];  // waiting on the others, not lost
     w.lastSeen = Clock::now();
@@ -702,17 +718,54 @@ void Shard::stop(const std::string& reason) {
 }
 
 void Shard::checkpoint() {
-  MutexLock lock(mu_);
-  checkpointLocked();
+  std::optional<wire::ShardCheckpoint> snapshot;
+  {
+    MutexLock lock(mu_);
+    snapshot = snapshotLocked();
+  }
+  if (snapshot) writeCheckpoint(*snapshot);
 }
 
 void Shard::maybeCheckpointLocked() {
   if (!store_ || policy_.checkpoint_every() <= 0) return;
-  if (version_ - lastCheckpointVersion_ >= uint64_t(policy_.checkpoint_every())) checkpointLocked();
+  if (version_ - lastCheckpointVersion_ >= uint64_t(policy_.checkpoint_every())) checkpointDue_ = true;
 }
 
+// One pusher at a time writes; a checkpoint that falls due meanwhile is left to it (the newest
+// copy replaces an older one not yet written), so that no other push waits for a write.
+void Shard::writeDueCheckpoint() {
+  {
+    MutexLock lock(mu_);
+    if (!checkpointDue_) return;
+    checkpointDue_ = false;
+    std::optional<wire::ShardCheckpoint> snapshot = snapshotLocked();
+    if (!snapshot) return;
+    nextCheckpoint_ = std::move(snapshot);
+    if (writingCheckpoints_) return;
+    writingCheckpoints_ = true;
+  }
+  for (;;) {
+    std::optional<wire::ShardCheckpoint> next;
+    {
+      MutexLock lock(mu_);
+      if (!nextCheckpoint_) {
+        writingCheckpoints_ = false;
+        return;
+      }
+      next.swap(nextCheckpoint_);
+    }
+    writeCheckpoint(*next);
+  }
+}
+
+// The final checkpoint, when every worker is done: nothing is pushed any more, so holding the lock
+// through the write stops no one, and waitFinished() returns only once it is on disk.
 void Shard::checkpointLocked() {
-  if (!store_ || !initialized_) return;
+  if (auto snapshot = snapshotLocked()) writeCheckpoint(*snapshot);
+}
+
+std::optional<wire::ShardCheckpoint> Shard::snapshotLocked() {
+  if (!store_ || !initialized_) return std::nullopt;
   wire::ShardCheckpoint c;
   *c.mutable_policy() = policy_;
   for (const auto& p : pieces_) *c.add_pieces() = p;
@@ -725,15 +778,21 @@ void Shard::checkpointLocked() {
   for (const auto& w : workers_) c.add_clocks(w.clock);
   *c.mutable_stats() = stats_;
   c.mutable_stats()->set_staleness_mean(stats_.applied() > 0 ? stalenessSum_ / double(stats_.applied()) : 0.0);
+  lastCheckpointVersion_ = version_;
+  return c;
+}
+
+void Shard::writeCheckpoint(const wire::ShardCheckpoint& snapshot) {
+  MutexLock lock(writeMu_);
+  if (options_.beforeCheckpointWrite) options_.beforeCheckpointWrite(snapshot.version());
   std::string bytes;
-  if (!c.SerializeToString(&bytes)) {
-    log("checkpoint failed, training goes on: the state of version " + std::to_string(version_) +
+  if (!snapshot.SerializeToString(&bytes)) {
+    log("checkpoint failed, training goes on: the state of version " + std::to_string(snapshot.version()) +
         " could not be serialized (over 2 GiB?)");
     return;
   }
   try {
-    store_->save(int64_t(version_), std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
-    lastCheckpointVersion_ = version_;
+    store_->save(int64_t(snapshot.version()), std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
   } catch (const Error& e) {
     log(std::string("checkpoint failed, training goes on: ") + e.what());
   }

@@ -47,6 +47,9 @@ struct ShardOptions {
   std::string checkpointDir;   // empty: no checkpoints
   // Where the shard reports what it refuses, loses or recovers; default: stderr.
   std::function<void(const std::string&)> log;
+  // Testing: called with the version about to be written, after the state was copied and the
+  // shard's lock released (pushes and pulls go on while a checkpoint is written).
+  std::function<void(uint64_t version)> beforeCheckpointWrite;
 };
 
 class Shard {
@@ -73,7 +76,8 @@ class Shard {
   std::optional<std::string> waitFinished(std::chrono::milliseconds timeout);
   bool finished() const;
 
-  // Writes a checkpoint now (no-op without a checkpoint directory or before Init).
+  // Writes a checkpoint now (no-op without a checkpoint directory or before Init). The state is
+  // copied under the lock and written outside it: pushes are not held while it is written.
   void checkpoint();
 
   // The server is going down: every held push is let go at once with ABORTED and `reason`, and
@@ -100,8 +104,15 @@ class Shard {
   void fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out) REQUIRES(mu_);
   void markLostLocked(std::chrono::steady_clock::time_point now) REQUIRES(mu_);
   int64_t slowestClockLocked() const REQUIRES(mu_);
+  Status handlePush(const wire::PushRequest& request, wire::PushReply* reply) EXCLUDES(mu_);
   void maybeCheckpointLocked() REQUIRES(mu_);
   void checkpointLocked() REQUIRES(mu_);
+  // The state as a checkpoint (nullopt without a store or before Init), and its writing, which
+  // takes writeMu_ only: never mu_, so that pushes go on meanwhile.
+  std::optional<wire::ShardCheckpoint> snapshotLocked() REQUIRES(mu_);
+  void writeCheckpoint(const wire::ShardCheckpoint& snapshot) EXCLUDES(writeMu_);
+  // Writes the checkpoint maybeCheckpointLocked() asked for, if any; called without mu_.
+  void writeDueCheckpoint() EXCLUDES(mu_);
   bool loadCheckpoint();
   bool restoreFrom(const std::string& path, const std::vector<uint8_t>& bytes);
   void recordClockGapLocked() REQUIRES(mu_);
@@ -134,7 +145,14 @@ class Shard {
   std::vector<bool> pendingFrom_ GUARDED_BY(mu_);
   std::optional<std::string> failure_ GUARDED_BY(mu_);
   bool finished_ GUARDED_BY(mu_) = false;
-  uint64_t lastCheckpointVersion_ GUARDED_BY(mu_) = 0;
+  bool stopJob_ GUARDED_BY(mu_) = false;  // the chief asked every worker to stop (not checkpointed)
+  uint64_t lastCheckpointVersion_ GUARDED_BY(mu_) = 0;  // the last one copied for writing
+  bool checkpointDue_ GUARDED_BY(mu_) = false;           // checkpoint_every updates since it
+  std::optional<wire::ShardCheckpoint> nextCheckpoint_ GUARDED_BY(mu_);  // copied, to be written
+  bool writingCheckpoints_ GUARDED_BY(mu_) = false;      // a pusher is writing them (writeDueCheckpoint)
+  // Serializes the writing of checkpoints (store_ is not thread-safe). Taken after mu_ or alone,
+  // never the other way round.
+  mutable Mutex writeMu_;
   wire::StatsReply stats_ GUARDED_BY(mu_);
   double stalenessSum_ GUARDED_BY(mu_) = 0;
 };

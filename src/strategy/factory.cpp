@@ -40,6 +40,9 @@ void checkCodecOptions(const StrategyOptions& options) {
                options.codec, " does not apply to --strategy tensor: its activations and gradients travel "
                "uncompressed; drop --codec");
   COHORT_CHECK(options.replicas >= 0, InvalidArgument, "--replicas must be at least 1, got ", options.replicas);
+  COHORT_CHECK(codec.kind == compress::CodecKind::None || options.name != "pipeline", InvalidArgument, "--codec ",
+               options.codec, " applies to allreduce, average, ps and gossip; --strategy pipeline sends activations "
+               "and their gradients uncompressed: drop --codec");
   COHORT_CHECK(options.codecWarmupSteps >= 0, InvalidArgument, "--codec-warmup-steps must be at least 0, got ",
                options.codecWarmupSteps);
 }

@@ -155,6 +155,11 @@ struct Gossip::Impl {
     stats.stalenessMean = applied.messages > 0 ? double(applied.stalenessSum) / double(applied.messages) : 0.0;
     stats.stalenessMax = applied.stalenessMax;
     stats.peersLive = int64_t(peer_->livePeers().size());
+    if (c_.cluster.rank != 0 && !chiefStopped_) {
+      const auto peers = peer_->counters();
+      chiefStopped_ = !peers.empty() && peers[0].report && peers[0].report->stopJob != 0;
+    }
+    stats.stopJob = chiefStopped_;
     return stats;
   }
 
@@ -173,6 +178,7 @@ struct Gossip::Impl {
     report.stalenessSum = stalenessSum_;
     report.stalenessMax = stalenessMax_;
     report.peersLost = int64_t(c_.cluster.worldSize - 1) - int64_t(peer_->livePeers().size());
+    report.stopJob = stopRequested_ ? 1 : 0;
     peer_->finish(report);
   }
 
@@ -295,6 +301,8 @@ struct Gossip::Impl {
   std::vector<torch::Tensor> params_;
   size_t numel_ = 0;
   bool finished_ = false;
+  bool stopRequested_ = false;  // the chief: requestStop() was called
+  bool chiefStopped_ = false;   // another peer: the chief's DONE said it stopped the job
   std::vector<float> before_, update_, arrived_;  // flat, in parameter order
   std::unique_ptr<Rendezvous> rendezvous_;        // kept: the chief hosts the store for the others
   std::unique_ptr<gossip::Peer> peer_;
@@ -318,6 +326,7 @@ Gossip::~Gossip() = default;
 GossipStep Gossip::step(int64_t samples) { return impl_->step(samples); }
 void Gossip::synchronize() { impl_->synchronize(); }
 void Gossip::finish() { impl_->finish(); }
+void Gossip::requestStop() { impl_->stopRequested_ = true; }
 MetricFields Gossip::report() { return impl_->report(); }
 
 namespace {
@@ -346,6 +355,7 @@ class GossipStrategy final : public Strategy {
     stats.bytesSent = g.bytesSent;
     stats.bytesReceived = g.bytesReceived;
     stats.commWaitSeconds = g.commWaitSeconds;
+    stats.stopJob = g.stopJob;
     stats.extra = {{"messages_applied", g.messagesApplied},
                    {"staleness_mean", g.stalenessMean},
                    {"staleness_max", g.stalenessMax},
@@ -355,6 +365,7 @@ class GossipStrategy final : public Strategy {
 
   void synchronize() override { gossip_->synchronize(); }
   void finish() override { gossip_->finish(); }
+  void requestStop() override { gossip_->requestStop(); }
   MetricFields report() override { return gossip_->report(); }
 
  private:

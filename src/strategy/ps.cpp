@@ -277,6 +277,8 @@ struct ParameterServerClient::Impl {
     stats.applied = first.applied();
     stats.serverWaitSeconds = first.wait_s();
     if (!first.applied()) stats.dropped = first.dropped();
+    for (const auto& reply : replies) stopJob_ = stopJob_ || reply.stop_job();
+    stats.stopJob = stopJob_;
     return stats;
   }
 
@@ -385,10 +387,11 @@ struct ParameterServerClient::Impl {
     return n;
   }
 
-  ps::wire::StatsReply statsOf(size_t s) {
+  ps::wire::StatsReply statsOf(size_t s, bool stopJob = false) {
     ps::wire::StatsRequest request;
     request.set_protocol(ps::kProtocolVersion);
     request.set_worker(uint32_t(c_.rank));
+    request.set_stop_job(stopJob);
     ps::wire::StatsReply reply;
     check(clients_[s]->stats(request, &reply), c_.shards[s], "Stats");
     return reply;
@@ -452,6 +455,7 @@ struct ParameterServerClient::Impl {
       check(clients_[s]->pull(request, &reply), c_.shards[s], "Pull");
       load(s, reply.version(), reply.values());
       if (s == 0) samplesSeen_ = std::max(samplesSeen_, reply.samples_total());
+      if (reply.stop_job()) stopJob_ = true;
     });
   }
 
@@ -533,6 +537,13 @@ struct ParameterServerClient::Impl {
     throw InvalidArgument("cohort::ParameterServerClient::prefetchRows: the tensor is not a parameter of the module");
   }
 
+  // The chief's early stop: every shard lets its held pushes go and tells every worker to stop.
+  void requestStop() {
+    if (finished_) return;
+    forEachShard(clients_.size(), [&](size_t s) { statsOf(s, /*stopJob=*/true); });
+    stopJob_ = true;
+  }
+
   // Copies shard s's values into the parameters.
   void load(size_t s, uint64_t version, const google::protobuf::RepeatedPtrField<ps::wire::Tensor>& values) {
     if (values.empty()) return;
@@ -569,6 +580,7 @@ struct ParameterServerClient::Impl {
   int64_t samplesSeen_ = 0;
   std::optional<int64_t> resumeStep_;
   bool saidDone_ = false;
+  bool stopJob_ = false;   // a shard said the chief stopped the job
   bool finished_ = false;  // finish() ran: the shards are no longer asked anything
   MetricFields report_;    // the chief's, gathered in finish()
   std::vector<int64_t> lostWorkers_;
@@ -596,6 +608,7 @@ void ParameterServerClient::prefetchRows(const torch::Tensor& table, const torch
 }
 void ParameterServerClient::synchronize() { impl_->synchronize(); }
 void ParameterServerClient::finish() { impl_->finish(); }
+void ParameterServerClient::requestStop() { impl_->requestStop(); }
 std::optional<int64_t> ParameterServerClient::resumeStep() const { return impl_->resumeStep(); }
 MetricFields ParameterServerClient::report() { return impl_->report(); }
 
@@ -656,6 +669,7 @@ class PsStrategy final : public Strategy {
                    {"applied", pushed.applied},
                    {"server_wait_s", pushed.serverWaitSeconds}};
     if (!pushed.applied) stats.extra.emplace_back("dropped", pushed.dropped);
+    stats.stopJob = pushed.stopJob;
     return stats;
   }
 
@@ -674,6 +688,7 @@ class PsStrategy final : public Strategy {
     return plan;
   }
   void finish() override { client_->finish(); }
+  void requestStop() override { client_->requestStop(); }
   MetricFields report() override { return client_->report(); }
 
  private:

@@ -35,6 +35,7 @@ struct StepStats {
   double computeSeconds = 0.0;     // forward + backward + optimizer
   double commWaitSeconds = 0.0;    // time blocked on communication (not hidden by overlap)
   MetricFields extra;              // scheme-specific fields for the step event (ps: staleness)
+  bool stopJob = false;            // the chief stopped the job early (requestStop): end the loop
 };
 
 // Where this process stands in the job. The chief (rank 0) evaluates, logs and reports.
@@ -122,6 +123,9 @@ class Strategy {
 
   // After the last step, before the final evaluation (ps: the chief waits for the other workers).
   virtual void finish() {}
+  // On the chief when it stops the job early (--target-accuracy), for schemes without a
+  // communicator to broadcast that: the other replicas learn it from StepStats::stopJob.
+  virtual void requestStop() {}
 
   // The chief's scheme-specific fields for the done event, once evaluation is over (ps: the
   // servers' staleness and byte counts).

@@ -22,6 +22,7 @@
 
 #include <sys/resource.h>
 
+#include <csignal>
 #include <chrono>
 #include <limits>
 #include <cstdio>
@@ -36,6 +37,12 @@ namespace {
 // Steps at the start of a run that the throughput figure leaves out (allocator and JIT warm-up).
 constexpr int64_t kWarmupSteps = 5;
 constexpr int64_t kEvalBatch = 1000;
+// --threads above this many per core is a mistake (100000 would hang creating threads).
+constexpr int kThreadsPerCore = 16;
+// The longest --timeout: longer waits are hangs, and seconds * 1000 must fit the clocks.
+constexpr double kMaxTimeoutSeconds = 7 * 24 * 3600;
+// A loss above this before one that is not finite is called divergence.
+constexpr double kDivergingLoss = 1e4;
 
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o, torch::nn::Module& model) {
   const std::vector<torch::Tensor> params = model.parameters();
@@ -114,10 +121,13 @@ std::vector<std::pair<std::string, float>> boardScalars(const StepStats& stats, 
 
 void validate(const TrainOptions& o) {
   COHORT_CHECK(o.batch > 0, InvalidArgument, "--batch must be positive, got ", o.batch);
-  COHORT_CHECK(o.lr > 0, InvalidArgument, "--lr must be positive, got ", o.lr);
+  COHORT_CHECK(o.lr > 0 && std::isfinite(o.lr), InvalidArgument, "--lr must be a positive number, got ", o.lr);
   COHORT_CHECK(o.steps >= 0, InvalidArgument, "--steps must not be negative, got ", o.steps);
   COHORT_CHECK(o.steps > 0 || o.epochs > 0, InvalidArgument, "--epochs must be positive, got ", o.epochs);
-  COHORT_CHECK(o.threads >= 0, InvalidArgument, "--threads must not be negative, got ", o.threads);
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  COHORT_CHECK(o.threads >= 0 && o.threads <= kThreadsPerCore * cores, InvalidArgument, "--threads must be in 0..",
+               kThreadsPerCore * cores, " (at most ", kThreadsPerCore, " per core on this machine's ", cores,
+               "; 0: all cores), got ", o.threads);
   COHORT_CHECK(o.evalEvery >= 0, InvalidArgument, "--eval-every must not be negative, got ", o.evalEvery);
   COHORT_CHECK(o.targetAccuracy >= 0 && o.targetAccuracy <= 1, InvalidArgument,
                "--target-accuracy must be between 0 and 1, got ", o.targetAccuracy);
@@ -129,7 +139,10 @@ void validate(const TrainOptions& o) {
   COHORT_CHECK(o.momentum >= 0 && o.momentum < 1, InvalidArgument, "--momentum must be in [0, 1), got ",
                o.momentum);
   COHORT_CHECK(o.validation >= 0, InvalidArgument, "--validation must not be negative, got ", o.validation);
-  COHORT_CHECK(o.timeoutSeconds > 0, InvalidArgument, "--timeout must be positive, got ", o.timeoutSeconds);
+  COHORT_CHECK(o.timeoutSeconds > 0 && o.timeoutSeconds <= kMaxTimeoutSeconds, InvalidArgument,
+               "--timeout must be a number of seconds in (0, ", kMaxTimeoutSeconds, "] (a week), got ", o.timeoutSeconds);
+  COHORT_CHECK(o.restartCount >= 0, InvalidArgument, "COHORT_RESTART_COUNT must not be negative, got ",
+               o.restartCount);
   if (o.strategy.name == "mirrored" || o.strategy.name == "central" || o.strategy.name == "hogwild") {
     const int replicas = replicaThreads(o.strategy);
     COHORT_CHECK(replicas <= o.batch, InvalidArgument, "--replicas ", replicas, " is larger than --batch ", o.batch,
@@ -271,10 +284,17 @@ struct Trainer::State {
     return loaded;
   }
 
-  void saveCheckpoint() {
+  // A periodic checkpoint that cannot be written (a full disk) is reported and training goes on
+  // from the previous one, as on the shards; the final one must be written (`final`: throws).
+  void saveCheckpoint(bool final) {
     strategy->synchronize();
     if (!checkpoints) return;
-    checkpoints->save(step, serialize());
+    try {
+      checkpoints->save(step, serialize());
+    } catch (const IoError& e) {
+      if (final) throw;
+      warn(std::string("checkpoint failed, training goes on: ") + e.what());
+    }
   }
 
   struct Eval {
@@ -344,7 +364,7 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   so.ps.lr = o.lr;
   so.ps.momentum = o.momentum;
   so.ps.checkpointEvery = o.checkpointEvery;
-  so.ps.resume = o.resume;
+  so.ps.resume = o.resume || o.restartCount > 0;  // a restarted worker takes up its clock on the shards
   so.gossip.authToken = o.strategy.ps.authToken;
   so.gossip.seed = o.seed;
   const Job job =
@@ -411,12 +431,12 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
     s.step = *at;
     s.epoch = perEpoch > 0 ? *at / perEpoch : 0;
     s.stepInEpoch = perEpoch > 0 ? *at % perEpoch : 0;
-    if (s.replica.isChief()) {
+    if (s.replica.isChief() || o.restartCount > 0) {  // a restarted worker says where it rejoins
       std::fprintf(stderr, "cohort: resumed from the parameter servers at step %lld\n", (long long)s.step);
     }
   }
   if (s.replica.isChief()) {
-    s.metrics = std::make_unique<MetricsWriter>(o.metricsPath, o.resume);
+    s.metrics = std::make_unique<MetricsWriter>(o.metricsPath, o.resume || o.restartCount > 0);
     if (!o.tensorboardDir.empty()) s.board = std::make_unique<TensorBoardWriter>(o.tensorboardDir);
   }
 }
@@ -426,6 +446,28 @@ Trainer::~Trainer() = default;
 torch::nn::Sequential Trainer::model() const { return state_->model; }
 
 bool Trainer::isChief() const { return state_->replica.isChief(); }
+
+// previousLoss: NaN at the first step of the run.
+// The loss of `step` is computed with the parameters the steps before it made: when the one before
+// was finite and ordinary, the non-finite values came with the last update, which under a
+// distributed scheme holds the other workers' gradients or parameters too.
+std::string Trainer::nonFiniteLossCause(double loss, int64_t step, double previousLoss) const {
+  const State& s = *state_;
+  std::ostringstream out;
+  out << "the loss became " << loss << " at step " << step << " on rank " << s.replica.rank;
+  if (std::isnan(previousLoss)) {  // the first step of this run
+    out << " (the first step of this run: the data or the parameters it started from are not finite"
+        << (s.replica.worldSize > 1 ? ", or another worker's were" : "") << ")";
+  } else if (s.replica.worldSize > 1 && std::isfinite(previousLoss) && std::abs(previousLoss) < kDivergingLoss) {
+    out << " after a finite loss of " << previousLoss << " at step " << step - 1
+        << ": the last update (which holds the other workers' contributions under --strategy "
+        << s.options.strategy.name << ") brought non-finite values; the first rank to report it is where they began"
+        << ", else lower --lr";
+  } else {
+    out << " (" << previousLoss << " at step " << step - 1 << "): training diverged; lower --lr";
+  }
+  return out.str();
+}
 
 TrainResult Trainer::run() {
   State& s = *state_;
@@ -520,6 +562,8 @@ TrainResult Trainer::run() {
       auto flag = torch::tensor({stop ? 1 : 0}, torch::kInt32);
       s.comm->broadcast(flag, 0);
       stop = flag.item<int>() != 0;
+    } else if (stop && chief) {
+      s.strategy->requestStop();  // ps, gossip: the others hear it with their next step
     }
   };
 
@@ -545,9 +589,13 @@ TrainResult Trainer::run() {
       result.bytesSent += stats.bytesSent;
       result.bytesReceived += stats.bytesReceived;
       result.commWaitSeconds += stats.commWaitSeconds;
+      if (!std::isfinite(stats.loss)) {
+        const bool first = s.step - 1 == firstStep;
+        throw Error(nonFiniteLossCause(stats.loss, s.step, first ? std::nan("") : recentLoss));
+      }
       recentLoss = stats.loss;
-      COHORT_CHECK(std::isfinite(stats.loss), Error, "the loss became ", stats.loss, " at step ",
-                   s.step, ": lower --lr");
+      if (stats.stopJob) stop = true;  // the chief reached the target accuracy
+      if (o.testKillAtStep > 0 && s.step == o.testKillAtStep && o.restartCount == 0) ::raise(SIGKILL);
       const double stepSeconds = secondsSince(stepStart);
       allSeconds += stepSeconds;
       allSamples += stats.samples;
@@ -576,7 +624,7 @@ TrainResult Trainer::run() {
       // may be a collective every rank must join.
       if (!o.checkpointDir.empty() && !serverCheckpoints && o.checkpointEvery > 0 && s.step % o.checkpointEvery == 0 &&
           s.step < totalSteps && !(evalPoint && s.evaluators > 0)) {
-        s.saveCheckpoint();
+        s.saveCheckpoint(/*final=*/false);
       }
     }
     if (s.stepInEpoch >= perEpoch) {
@@ -590,7 +638,7 @@ TrainResult Trainer::run() {
   if (s.evaluators > 0) {
     // The last checkpoint, then the marker that tells the evaluators that no other will come;
     // the chief still evaluates the final model itself for the done event.
-    s.saveCheckpoint();
+    s.saveCheckpoint(/*final=*/true);
     if (s.checkpoints) writeTrainingDone(s.checkpoints->dir(), s.step);
     s.strategy->synchronize();
     if (chief) {
@@ -600,7 +648,7 @@ TrainResult Trainer::run() {
     }
   } else {
     if (!stop) runEval();
-    if (!o.checkpointDir.empty() && !serverCheckpoints) s.saveCheckpoint();
+    if (!o.checkpointDir.empty() && !serverCheckpoints) s.saveCheckpoint(/*final=*/true);
   }
   MetricFields schemeReport;
   if (chief) schemeReport = s.strategy->report();
@@ -634,7 +682,8 @@ TrainResult Trainer::run() {
                       {"strategy", o.strategy.name},
                       {"model", o.model},
                       {"workers", int64_t(s.replica.worldSize)},
-                      {"max_rss_mb", maxRssMb()}};
+                      {"max_rss_mb", maxRssMb()},
+                      {"restarts", int64_t(o.restartCount)}};
     if (result.secondsToTarget) done.emplace_back("seconds_to_target", *result.secondsToTarget);
     if (s.data.attainableAccuracy >= 0) done.emplace_back("attainable_accuracy", s.data.attainableAccuracy);
     if (lastEval) {

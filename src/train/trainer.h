@@ -32,6 +32,14 @@ struct TrainOptions {
   bool resume = false;
   int64_t validation = 0;  // training examples held out for model selection (val_accuracy, val_loss)
   uint64_t validationSeed = 1;  // which ones: the same for every --seed, so that trials compare
+  // How many times `cohort launch --max-restarts` restarted this process or its job
+  // (COHORT_RESTART_COUNT). When > 0 the run resumes by itself: from the newest checkpoint in
+  // checkpointDir (from scratch when there is none yet), and under ps at this worker's clock on
+  // the shards. The chief's metrics go on in the same file and its done event counts them.
+  int restartCount = 0;
+  // Testing (--test-kill-at): after this many steps the process kills itself with SIGKILL, in its
+  // first run only (restartCount 0); 0: never.
+  int64_t testKillAtStep = 0;
   std::string metricsPath;  // JSON lines; empty = none
   std::string tensorboardDir;  // the chief's TensorBoard event files; empty = none
   std::string saveModelPath;  // the trained model (torch::save); "{rank}" in it: every rank writes
@@ -79,6 +87,8 @@ class Trainer {
   bool isChief() const;
 
  private:
+  std::string nonFiniteLossCause(double loss, int64_t step, double previousLoss) const;
+
   struct State;
   std::unique_ptr<State> state_;
 };

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""The fault table: each fault under each scheme, run through `cohort launch`.
+
+    flock -x /tmp/cohort-machine.lock python3 bench/fault_table.py [--build build] [--steps 300]
+        [--schemes allreduce,ps-sync,ps-async,ps-ssp,gossip] [--faults none,worker,chief,shard,ckpt,disk]
+
+3 workers (and 1 shard under ps) x 1 thread, the mlp on Fashion-MNIST, batch 64, momentum SGD
+lr 0.01, --steps S, checkpoints every 50 steps, --timeout 10, under
+`cohort launch --max-restarts 1 --grace 5`. For each scheme an undisturbed run, then one run per
+fault: once the chief's metrics reach step S/3 the victim is sent SIGKILL by this script
+(worker: rank 2; chief: rank 0; shard: ps 0; ckpt: the checkpoint writer (the chief, or the shard
+under ps) at the moment a temporary checkpoint file appears, i.e. inside a write; disk: the
+checkpoint directory is a 1 MiB tmpfs, too small for one checkpoint, so every write fails with
+ENOSPC). Recorded: how long until the launcher named the dead process (its stderr line, read as it
+comes), what the job did (its exit status, the launcher's decision, restarts, lost workers), the
+wall time, and the final test accuracy next to the undisturbed run's. There is no evaluator
+process in this branch: its row is absent.
+"""
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, machine  # noqa: E402
+
+WORKERS = 3
+SCHEMES = {
+    "allreduce": (["--strategy", "allreduce"], 0),
+    "ps-sync": (["--strategy", "ps", "--ps-mode", "sync"], 1),
+    "ps-async": (["--strategy", "ps", "--ps-mode", "async"], 1),
+    "ps-ssp": (["--strategy", "ps", "--ps-mode", "ssp", "--staleness-bound", "2"], 1),
+    "gossip": (["--strategy", "gossip"], 0),
+}
+FAULTS = ["none", "worker", "chief", "shard", "ckpt", "disk"]
+
+
+def children(pid):
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def role_of(pid):
+    """'rank i' or 'ps k' from the process's environment, as the launcher labels it."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    except OSError:
+        return None
+    if b"RANK" in env:
+        return f"rank {env[b'RANK'].decode()}"
+    config = json.loads(env.get(b"TF_CONFIG", b"{}"))
+    task = config.get("task", {})
+    return f"ps {task.get('index')}" if task.get("type") == "ps" else None
+
+
+def victim_pid(launcher, label, deadline):
+    while time.monotonic() < deadline:
+        for pid in children(launcher):
+            if role_of(pid) == label:
+                return pid
+        time.sleep(0.01)
+    return None
+
+
+def last_step(metrics):
+    try:
+        with open(metrics) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "step":
+            return event["step"]
+    return 0
+
+
+def done_event(metrics):
+    done = None
+    try:
+        with open(metrics) as f:
+            for line in f:
+                event = json.loads(line)
+                if event.get("event") == "done":
+                    done = event
+    except (OSError, ValueError):
+        pass
+    return done
+
+
+def run_one(args, scheme, fault, work):
+    flags, shards = SCHEMES[scheme]
+    ckpt = os.path.join(work, "ckpt")
+    os.makedirs(ckpt, exist_ok=True)
+    mounted = False
+    if fault == "disk":
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", ckpt], check=True)
+        mounted = True
+    metrics = os.path.join(work, "m.jsonl")
+    cohort = os.path.join(args.build, "cohort")
+    cmd = [cohort, "launch", "-n", str(WORKERS), "--ps", str(shards), "--max-restarts", "1", "--grace", "5", "--",
+           cohort, "train", "--model", "mlp", "--data", "fashion-mnist", "--batch", "64", "--threads", "1",
+           "--optimizer", "momentum", "--lr", "0.01", "--steps", str(args.steps), "--progress", "off",
+           "--checkpoint-dir", ckpt, "--checkpoint-every", "50", "--timeout", "10", "--metrics", metrics] + flags
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    launcher_lines = []  # (time, line) of the launcher's own lines
+
+    def read_err():
+        for line in proc.stderr:
+            if line.startswith("cohort launch:"):
+                launcher_lines.append((time.monotonic(), line.strip()))
+    reader = threading.Thread(target=read_err, daemon=True)
+    reader.start()
+    out_thread = threading.Thread(target=proc.stdout.read, daemon=True)
+    out_thread.start()
+
+    victim = {"worker": f"rank {WORKERS - 1}", "chief": "rank 0", "shard": "ps 0",
+              "ckpt": "ps 0" if shards else "rank 0"}.get(fault)
+    killed_at = None
+    caught_in_write = None
+    deadline = started + 600
+    if victim is not None and not (fault == "shard" and shards == 0):
+        while last_step(metrics) < args.steps // 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pid = victim_pid(proc.pid, victim, deadline)
+        if pid is not None and fault == "ckpt":
+            # Kill the writer inside a write: when a temporary checkpoint file exists.
+            pattern = re.compile(r".*\.ckpt\.tmp\.\d+$")
+            until = time.monotonic() + 60
+            caught_in_write = False
+            while time.monotonic() < until and proc.poll() is None:
+                names = []
+                for root, _, files in os.walk(ckpt):
+                    names += files
+                if any(pattern.match(n) for n in names):
+                    caught_in_write = True
+                    break
+                time.sleep(0.0005)
+        if pid is not None and proc.poll() is None:
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+    elif fault == "shard":
+        proc.kill()
+        proc.wait()
+        return None  # no shard in this scheme
+    try:
+        code = proc.wait(timeout=max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = "hang"
+    reader.join(timeout=5)
+    wall = time.monotonic() - started
+    if mounted:
+        subprocess.run(["umount", ckpt], check=False)
+    detected = None
+    if killed_at is not None:
+        for t, line in launcher_lines:
+            if victim in line and t >= killed_at:
+                detected = t - killed_at
+                break
+    done = done_event(metrics)
+    return {
+        "scheme": scheme, "fault": fault, "exit": code, "wall_s": round(wall, 1),
+        "detected_s": None if detected is None else round(detected, 3),
+        "in_write": caught_in_write,
+        "launcher": [line for _, line in launcher_lines],
+        "steps": done["steps"] if done else None,
+        "accuracy": done["test_accuracy"] if done else None,
+        "restarts": done.get("restarts") if done else None,
+        "lost": done.get("workers_lost") if done else None,
+    }
+
+
+def what_it_did(r):
+    said = " ".join(r["launcher"])
+    if "restarting every process" in said:
+        action = "group restarted from its checkpoint"
+    elif "starting it again alone" in said:
+        action = "restarted alone, rejoined"
+    elif "go on without it" in said:
+        action = "went on without it"
+    elif r["fault"] == "disk":
+        action = "checkpoints failed, training went on" if r["exit"] == 0 else "ended"
+    else:
+        action = "-"
+    if r["exit"] != 0:
+        action += f"; ended with status {r['exit']}"
+    return action
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    results = []
+    for scheme in args.schemes.split(","):
+        for fault in args.faults.split(","):
+            with tempfile.TemporaryDirectory(prefix="cohort-fault-") as work:
+                r = run_one(args, scheme, fault, work)
+            if r is None:
+                continue
+            results.append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+    print(f"machine: {machine()}")
+    print(f"command: {' '.join(sys.argv)}\n")
+    print("| scheme | fault | detected after | what the job did | steps | accuracy | undisturbed | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    baseline = {r["scheme"]: r for r in results if r["fault"] == "none"}
+    for r in results:
+        base = baseline.get(r["scheme"])
+        fault = r["fault"] + (" (inside a write)" if r["in_write"] else " (after a write)" if r["in_write"] is False else "")
+        detected = "-" if r["detected_s"] is None else f"{r['detected_s'] * 1000:.0f} ms"
+        acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.4f}"
+        base_acc = "-" if not base or base["accuracy"] is None else f"{base['accuracy']:.4f}"
+        print(f"| {r['scheme']} | {fault} | {detected} | {what_it_did(r)} | {r['steps'] or '-'} | {acc} | {base_acc} |"
+              f" {r['wall_s']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+#include "base/launcher_channel.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <string>
+
+namespace cohort::launcher {
+namespace {
+
+// The pipe's write end, or -1 when this process was not started by `cohort launch`.
+int channel() {
+  static const int fd = [] {
+    const char* text = std::getenv("COHORT_LAUNCH_FD");
+    if (text == nullptr) return -1;
+    char* end = nullptr;
+    const long value = std::strtol(text, &end, 10);
+    return end != text && *end == '\0' && value > STDERR_FILENO && value < 65536 ? int(value) : -1;
+  }();
+  return fd;
+}
+
+// One write of at most PIPE_BUF bytes: lines from several threads never interleave.
+void tell(std::string line) {
+  const int fd = channel();
+  if (fd < 0) return;
+  for (char& c : line) {
+    if (c == '\n') c = ' ';
+  }
+  if (line.size() > 511) line.resize(511);
+  line.push_back('\n');
+  ssize_t n = 0;
+  do {
+    n = ::write(fd, line.data(), line.size());
+  } while (n < 0 && errno == EINTR);
+}
+
+}  // namespace
+
+void tellFaultPolicy(std::string_view policy) { tell("fault-policy " + std::string(policy)); }
+void tellShardCheckpoints() { tell("shard-checkpoints"); }
+void tellError(std::string_view message) { tell("error " + std::string(message)); }
+
+}  // namespace cohort::launcher

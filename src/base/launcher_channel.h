@@ -1,0 +1,23 @@
+// What a process tells `cohort launch` about itself, for what the launcher cannot see from outside:
+// which losses its scheme survives, whether a shard can come back from a checkpoint, and why it
+// failed. The launcher gives every child the write end of a pipe and names it in
+// COHORT_LAUNCH_FD; the messages are single lines (cli/launch.h lists them). Outside the launcher
+// (no COHORT_LAUNCH_FD) every call is a no-op, so any program, under any launcher, may call them.
+#pragma once
+
+#include <string_view>
+
+namespace cohort::launcher {
+
+// "fault-policy <stops-group|tolerated|rejoins>": what this job's scheme does when a worker other
+// than the chief dies (said by the chief; see cli/launch_policy.h).
+void tellFaultPolicy(std::string_view policy);
+
+// "shard-checkpoints": this parameter-server shard writes checkpoints and restores them when it is
+// started again, so the launcher may restart it alone.
+void tellShardCheckpoints();
+
+// "error <one line>": the reason this process is about to exit with a failure.
+void tellError(std::string_view message);
+
+}  // namespace cohort::launcher

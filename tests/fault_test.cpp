@@ -1,0 +1,327 @@
+// Faults under `cohort launch`: the failure policy per scheme (cli/launch_policy.h), restarts
+// (--max-restarts), what the launcher refuses before forking, and real training jobs that lose a
+// worker, are restarted, or stop early at their target accuracy. Every process is started by the
+// launcher; the waits are on events (a FIFO, an exit) with timeouts, never sleeps.
+#include "cli/launch_policy.h"
+
+#include "test_util.h"
+
+#include <nlohmann/json.hpp>
+
+#include <sys/stat.h>
+
+#include <regex>
+#include <set>
+
+namespace cohort {
+namespace {
+
+using cli::FailureAction;
+using cli::onFailure;
+using cli::ProcessKind;
+using cli::WorkerLoss;
+
+std::string launch(const std::string& args) { return test::cohortBinary() + " launch " + args; }
+
+size_t count(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + needle.size())) ++n;
+  return n;
+}
+
+TEST(LaunchPolicy, EachFailureByKindSchemeAndRestartsLeft) {
+  auto action = [](ProcessKind kind, WorkerLoss scheme, bool checkpoints, int restarts) {
+    return onFailure({.kind = kind, .scheme = scheme, .writesCheckpoints = checkpoints, .restartsLeft = restarts});
+  };
+  // Synchronous: any failure stops the group, or restarts it.
+  for (ProcessKind kind : {ProcessKind::kChief, ProcessKind::kWorker, ProcessKind::kShard}) {
+    EXPECT_EQ(action(kind, WorkerLoss::kStopsGroup, true, 0), FailureAction::kEndJob);
+    EXPECT_EQ(action(kind, WorkerLoss::kStopsGroup, true, 1), FailureAction::kRestartGroup);
+  }
+  // A lost worker: the others go on; in the asynchronous ps modes it comes back when it may.
+  EXPECT_EQ(action(ProcessKind::kWorker, WorkerLoss::kTolerated, false, 0), FailureAction::kGoOn);
+  EXPECT_EQ(action(ProcessKind::kWorker, WorkerLoss::kTolerated, false, 2), FailureAction::kGoOn);
+  EXPECT_EQ(action(ProcessKind::kWorker, WorkerLoss::kRejoins, false, 0), FailureAction::kGoOn);
+  EXPECT_EQ(action(ProcessKind::kWorker, WorkerLoss::kRejoins, false, 1), FailureAction::kRestartProcess);
+  // The chief: the job cannot go on without it.
+  EXPECT_EQ(action(ProcessKind::kChief, WorkerLoss::kRejoins, false, 0), FailureAction::kEndJob);
+  EXPECT_EQ(action(ProcessKind::kChief, WorkerLoss::kRejoins, false, 1), FailureAction::kRestartGroup);
+  // A shard comes back alone only from a checkpoint.
+  EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, false, 0), FailureAction::kEndJob);
+  EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, true, 0), FailureAction::kEndJob);
+  EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, false, 1), FailureAction::kRestartGroup);
+  EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, true, 1), FailureAction::kRestartProcess);
+  EXPECT_EQ(cli::parseWorkerLoss("rejoins"), WorkerLoss::kRejoins);
+  EXPECT_EQ(cli::parseWorkerLoss("tolerated"), WorkerLoss::kTolerated);
+  EXPECT_EQ(cli::parseWorkerLoss("stops-group"), WorkerLoss::kStopsGroup);
+  EXPECT_FALSE(cli::parseWorkerLoss("sometimes").has_value());
+}
+
+// A directory with a FIFO: `fifo()` blocks a writer until a reader opens it, which orders one
+// process's step after another's without sleeping.
+struct FifoDir {
+  test::TempDir dir;
+  FifoDir() { EXPECT_EQ(::mkfifo(fifo().c_str(), 0600), 0); }
+  std::string fifo() const { return dir.file("fifo"); }
+};
+
+// `-- cohort train ...` with a small fast model: the real jobs below.
+std::string train(const std::string& flags) {
+  return " -- " + test::cohortBinary() + " train --threads 1 --progress off --model mlp --data synthetic:4000 --batch 16 " +
+         flags;
+}
+
+// Stand-ins for a job's processes: sh scripts that speak the launcher channel as cohort does.
+std::string script(const std::string& body) { return " -- sh -c '" + body + "'"; }
+const std::string kSay = ">&$COHORT_LAUNCH_FD";
+
+TEST(LaunchFaults, ATolerantSchemeGoesOnWithoutALostWorker) {
+  FifoDir d;
+  auto r = test::runCommand(
+      launch("-n 3" + script("case $RANK in 0) echo fault-policy tolerated " + kSay + "; echo go > " + d.fifo() +
+                             ";; 2) read x < " + d.fifo() + "; kill -9 $$;; esac; echo done-$RANK")),
+      60);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 2 was killed by signal 9 (SIGKILL); the others go on without it"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("cohort launch: the job finished without rank 2\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] done-0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] done-1"), std::string::npos) << r.output;
+}
+
+// The same job without the chief's word is synchronous: the lost worker stops everyone.
+TEST(LaunchFaults, WithoutTheChiefsWordALostWorkerStopsTheGroup) {
+  FifoDir d;
+  auto r = test::runCommand(
+      launch("-n 3" + script("case $RANK in 0) echo go > " + d.fifo() + "; exec sleep 60;; 2) read x < " + d.fifo() +
+                             "; kill -9 $$;; *) exec sleep 60;; esac")),
+      60);
+  EXPECT_EQ(r.exitCode, 137) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 2 was killed by signal 9 (SIGKILL)\n"), std::string::npos) << r.output;
+}
+
+TEST(LaunchFaults, TheChiefsFailureEndsATolerantJobSayingWhy) {
+  auto r = test::runCommand(
+      launch("-n 2" + script("if [ $RANK = 0 ]; then echo fault-policy rejoins " + kSay +
+                             "; echo \"error the shards are gone\" " + kSay + "; exit 3; fi; exec sleep 60")),
+      60);
+  EXPECT_EQ(r.exitCode, 3) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 0 exited with status 3: the shards are gone; the job cannot go on "
+                          "without its chief\n"),
+            std::string::npos)
+      << r.output;
+}
+
+TEST(LaunchFaults, AShardWithoutCheckpointsEndsTheJob) {
+  FifoDir d;
+  auto r = test::runCommand(
+      launch("-n 2 --ps 1" + script("if [ -z \"$RANK\" ]; then read x < " + d.fifo() + "; exit 5; fi; if [ $RANK = 0 ]; "
+                                    "then echo fault-policy rejoins " + kSay + "; echo go > " + d.fifo() +
+                                    "; fi; exec sleep 60")),
+      60);
+  EXPECT_EQ(r.exitCode, 5) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: ps 0 exited with status 5; the workers cannot go on without it and it has "
+                          "no checkpoint to restart from (--checkpoint-dir)\n"),
+            std::string::npos)
+      << r.output;
+}
+
+TEST(LaunchFaults, AShardThatCheckpointsIsRestartedAlone) {
+  FifoDir d;
+  auto r = test::runCommand(
+      launch("-n 2 --ps 1 --max-restarts 1" +
+             script("if [ -z \"$RANK\" ]; then echo shard-checkpoints " + kSay + "; if [ $COHORT_RESTART_COUNT = 0 ]; "
+                    "then read x < " + d.fifo() + "; exit 5; fi; echo shard-back-$COHORT_RESTART_COUNT; exit 0; fi; "
+                    "if [ $RANK = 0 ]; then echo fault-policy rejoins " + kSay + "; echo go > " + d.fifo() +
+                    "; fi; echo worker-$RANK-run-$COHORT_RESTART_COUNT")),
+      60);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: ps 0 exited with status 5; starting it again alone (restart 1 of 1)\n"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[ps 0] shard-back-1\n"), std::string::npos) << r.output;
+  EXPECT_EQ(count(r.output, "-run-"), 2u) << "the workers ran once each\n" << r.output;
+}
+
+// A synchronous job restarted: every process again, on a new port, told it is a restart.
+TEST(LaunchFaults, AFailedGroupIsRestartedOnANewPort) {
+  auto r = test::runCommand(
+      launch("-n 2 --max-restarts 2" +
+             script("echo run $RANK $COHORT_RESTART_COUNT $MASTER_PORT; if [ $RANK = 1 ] && [ $COHORT_RESTART_COUNT = 0 ]; "
+                    "then exit 4; fi; [ $COHORT_RESTART_COUNT = 1 ] || exec sleep 60")),
+      60);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 1 exited with status 4; restarting every process from the newest "
+                          "checkpoint (restart 1 of 2)\n"),
+            std::string::npos)
+      << r.output;
+  std::set<std::string> ports[2];
+  const std::regex line(R"(\[rank (\d)\] run \d (\d) (\d+))");
+  for (const auto& l : test::lines(r.output)) {
+    std::smatch m;
+    if (std::regex_match(l, m, line)) ports[std::stoi(m[2])].insert(m[3]);
+  }
+  ASSERT_EQ(ports[0].size(), 1u) << r.output;
+  ASSERT_EQ(ports[1].size(), 1u) << "both ranks ran again, on one port\n" << r.output;
+  EXPECT_NE(*ports[0].begin(), *ports[1].begin()) << r.output;
+}
+
+TEST(LaunchFaults, WhenTheRestartsRunOutTheJobEndsWithTheFailure) {
+  auto r = test::runCommand(
+      launch("-n 2 --max-restarts 1" + script("if [ $RANK = 1 ]; then exit 4; fi; exec sleep 60")), 60);
+  EXPECT_EQ(r.exitCode, 4) << r.output;
+  EXPECT_EQ(count(r.output, "restarting every process"), 1u) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 1 exited with status 4 (all 1 restarts used)\n"), std::string::npos)
+      << r.output;
+}
+
+TEST(LaunchFaults, TooManyProcessesAreRefusedBeforeAnyIsForked) {
+  auto r = test::runCommand(launch("-n 100000 -- echo forked"), 30);
+  EXPECT_EQ(r.exitCode, 2) << r.output.substr(0, 2000);
+  EXPECT_EQ(r.output.find("forked"), std::string::npos) << r.output.substr(0, 2000);
+  EXPECT_NE(r.output.find("cohort: error: -n 100000 with --ps 0 is 100000 processes, more than "), std::string::npos)
+      << r.output;
+  r = test::runCommand(launch("-n 2 --max-restarts -1 -- true"), 30);
+  EXPECT_EQ(r.exitCode, 2) << r.output;
+  EXPECT_NE(r.output.find("--max-restarts must not be negative"), std::string::npos) << r.output;
+}
+
+// TF_CONFIG's addresses are host:port, an IPv6 host in brackets; the launcher's own reader takes
+// them back (cohort train resolves the cluster and prints nothing else).
+TEST(LaunchFaults, AnIpv6HostIsBracketedInTfConfig) {
+  auto r = test::runCommand(launch("--host ::1 -n 2 --ps 1" + script("echo \"$TF_CONFIG\"")), 60);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const std::regex line(R"(\[(rank|ps) \d\] (.*))");
+  int seen = 0;
+  for (const auto& l : test::lines(r.output)) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(l, m, line)) << l;
+    const auto config = nlohmann::json::parse(m[2].str());
+    for (const auto& address : {config["cluster"]["chief"][0], config["cluster"]["worker"][0], config["cluster"]["ps"][0]}) {
+      EXPECT_TRUE(std::regex_match(address.get<std::string>(), std::regex(R"(\[::1\]:\d+)"))) << address;
+    }
+    ++seen;
+  }
+  EXPECT_EQ(seen, 3) << r.output;
+}
+
+// cohort train reads the bracketed addresses back: a ps job on ::1 runs to its end.
+TEST(LaunchFaults, APsJobRunsOnIpv6Loopback) {
+  auto r = test::runCommand(launch("--host ::1 -n 2 --ps 1" + train("--strategy ps --steps 5 --timeout 30")), 120);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] done: 5 steps"), std::string::npos) << r.output;
+}
+
+// ---- Real training jobs under the launcher ----
+
+// The asynchronous schemes go on without a worker that dies mid-run: the chief finishes and names it.
+class LaunchLosesAWorker : public testing::TestWithParam<std::string> {};
+
+TEST_P(LaunchLosesAWorker, TheOthersFinishAndTheChiefNamesIt) {
+  test::TempDir dir;
+  const std::string scheme = GetParam() == "gossip" ? "--strategy gossip" : "--strategy ps --ps-mode " + GetParam();
+  auto r = test::runCommand(launch(std::string("-n 3") + (GetParam() == "gossip" ? "" : " --ps 1") +
+                                   train(scheme + " --staleness-bound 2 --timeout 10 --steps 150 --test-kill-at 2:20 "
+                                                  "--metrics " + dir.file("m.jsonl"))),
+                            180);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 2 was killed by signal 9 (SIGKILL); the others go on without it"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("cohort launch: the job finished without rank 2\n"), std::string::npos) << r.output;
+  auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["steps"], 150);
+  ASSERT_EQ(done["workers_lost"].size(), 1u) << done.dump();
+  EXPECT_EQ(done["workers_lost"][0], 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Schemes, LaunchLosesAWorker, testing::Values("async", "ssp", "gossip"));
+
+// allreduce loses a rank: the group restarts and resumes from its newest checkpoint by itself.
+TEST(LaunchRestarts, AnAllreduceJobResumesFromItsCheckpoint) {
+  test::TempDir dir;
+  auto r = test::runCommand(launch("-n 2 --max-restarts 1" +
+                                   train("--strategy allreduce --steps 60 --checkpoint-every 20 --checkpoint-dir " +
+                                         dir.file("ckpt") + " --test-kill-at 1:30 --metrics " + dir.file("m.jsonl"))),
+                            180);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 1 was killed by signal 9 (SIGKILL); restarting every process from the "
+                          "newest checkpoint (restart 1 of 1)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[rank 0] cohort: resumed from "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(step 20, "), std::string::npos) << r.output;
+  auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["steps"], 60);
+  EXPECT_EQ(done["restarts"], 1);
+}
+
+// In the asynchronous ps modes a dead worker is restarted alone and takes up its clock.
+TEST(LaunchRestarts, AnAsyncPsWorkerRejoinsAtItsClock) {
+  test::TempDir dir;
+  auto r = test::runCommand(launch("-n 3 --ps 1 --max-restarts 1" +
+                                   train("--strategy ps --ps-mode async --timeout 20 --steps 150 --test-kill-at 2:40 "
+                                         "--metrics " + dir.file("m.jsonl"))),
+                            180);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 2 was killed by signal 9 (SIGKILL); starting it again alone (restart 1 "
+                          "of 1)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[rank 2] cohort: resumed from the parameter servers at step 40"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("finished without"), std::string::npos) << r.output;
+  auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["workers_lost"].size(), 0u) << done.dump();
+  EXPECT_EQ(done["restarts"], 0) << "the chief itself was not restarted";
+}
+
+// --target-accuracy stops every worker and shard, in the schemes without a collective too: the
+// others stop at their next step instead of running on to their last.
+class TargetStopsEveryone : public testing::TestWithParam<std::string> {};
+
+TEST_P(TargetStopsEveryone, NoOneRunsOnOrWaitsOutTheTimeout) {
+  test::TempDir dir;
+  const bool gossip = GetParam() == "gossip";
+  const std::string scheme = gossip ? "--strategy gossip" : "--strategy ps --ps-mode " + GetParam();
+  auto r = test::runCommand(launch(std::string("-n 3") + (gossip ? "" : " --ps 1") +
+                                   train(scheme + " --staleness-bound 2 --timeout 60 --steps 100000 --eval-every 20 "
+                                                  "--target-accuracy 0.3 --metrics " + dir.file("m.jsonl"))),
+                            110);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  ASSERT_TRUE(done.contains("seconds_to_target")) << done.dump();
+  EXPECT_LT(done["steps"].get<int64_t>(), 100000);
+  EXPECT_LT(done["wall_s"].get<double>(), 60) << "the chief waited for the others";
+  if (gossip) {
+    for (int peer = 1; peer < 3; ++peer) EXPECT_LT(done["peer_steps"][peer].get<int64_t>(), 100000) << done.dump();
+  } else {
+    EXPECT_LT(done["gradients_applied"].get<int64_t>(), 3 * 100000) << done.dump();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Schemes, TargetStopsEveryone, testing::Values("sync", "async", "ssp", "gossip"));
+
+// Input that used to slip through: refused with the bound or the reason, before anything starts.
+TEST(BadInput, IsRefusedWithTheReason) {
+  const std::string base = test::cohortBinary() + " train --model mlp --data synthetic:200 --steps 2 --progress off ";
+  auto expect = [&](const std::string& flags, const std::string& needle) {
+    auto r = test::runCommand(base + flags, 60);
+    EXPECT_EQ(r.exitCode, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << flags << "\n" << r.output;
+  };
+  expect("--lr inf", "--lr must be a positive number, got inf");
+  expect("--lr nan", "--lr must be a positive number");
+  expect("--timeout inf", "--timeout must be a number of seconds in (0, 604800]");
+  expect("--timeout 1e300", "--timeout must be a number of seconds in (0, 604800]");
+  expect("--threads 100000", "--threads must be in 0..");
+  expect("--strategy pipeline --codec fp16", "--codec fp16 applies to allreduce, average, ps and gossip");
+}
+
+}  // namespace
+}  // namespace cohort
