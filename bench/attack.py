@@ -188,7 +188,9 @@ def run(build, scheme, steps, hostile, tmp, model):
         while time.time() < deadline and launcher.poll() is None:
             procs = job_processes(launcher.pid)
             ports = {pid: listening_ports(pid) for pid in procs}
-            if len(procs) >= (3 if scheme == "ps" else 2) and all(ports.values()) and \
+            # Every process started and the first steps ran (a worker of allreduce may listen on
+            # nothing: Gloo's pairs are connected by then).
+            if len(procs) >= (3 if scheme == "ps" else 2) and any(ports.values()) and \
                     os.path.exists(metrics) and os.path.getsize(metrics) > 0:
                 break
             time.sleep(0.2)
@@ -233,7 +235,7 @@ def run(build, scheme, steps, hostile, tmp, model):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=600, help="long enough that the job outlives the attack")
     ap.add_argument("--model", default="cnn", help="the job's model: long enough a run to attack (cnn: ~1 min)")
     ap.add_argument("--schemes", default="allreduce,gossip,ps")
     a = ap.parse_args()
