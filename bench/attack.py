@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Hostile peers against a running job: the attack table of docs/BENCHMARKS.md.
 
-    python3 bench/attack.py [--build build] [--steps 300] [--schemes allreduce,gossip,ps]
+    /usr/bin/python3 bench/attack.py [--build build] [--steps 300] [--model cnn] [--schemes allreduce,gossip,ps]
 
-For each scheme the same job runs twice under `cohort launch` (2 workers, mlp on Fashion-MNIST,
+For each scheme the same job runs twice under `cohort launch` (2 workers, cnn on Fashion-MNIST,
 fixed seed): once undisturbed, once while a stranger who does not know the job's secret attacks
 every TCP port the job's processes listen on (the chief's rendezvous store, the gossip peers'
 streams, the shards, and Gloo's pairs as a bystander). The attacks on each port, in turn:
@@ -58,27 +58,41 @@ def fds(pid):
 
 
 def job_processes(launcher_pid):
-    """The launcher's children: pid -> label (rank r / ps k)."""
-    out = {}
+    """The job's `cohort train` processes under the launcher: pid -> label (rank r / ps k)."""
+    parent, cmd = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().split(")")[1].split()[1])
-            if ppid != launcher_pid:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            tf = env.get(b"TF_CONFIG")
-            if tf:
-                task = json.loads(tf)["task"]
-                label = f"{task['type']} {task['index']}"
-            else:
-                label = f"rank {env.get(b'RANK', b'?').decode()}"
-            out[int(entry)] = label
-        except (OSError, ValueError, KeyError, IndexError):
+                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd[int(entry)] = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
             continue
+
+    def under(pid):
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == launcher_pid:
+                return True
+        return False
+
+    out = {}
+    for pid, argv in cmd.items():
+        if b"train" not in argv or not under(pid):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        tf = env.get(b"TF_CONFIG")
+        if tf:
+            task = json.loads(tf)["task"]
+            out[pid] = f"{task['type']} {task['index']}"
+        else:
+            out[pid] = f"rank {env.get(b'RANK', b'?').decode()}"
     return out
 
 
@@ -147,7 +161,7 @@ def attack(port, held, stop):
             s.close()
 
 
-def run(build, scheme, steps, hostile, tmp):
+def run(build, scheme, steps, hostile, tmp, model):
     cohort = os.path.join(build, "cohort")
     metrics = os.path.join(tmp, f"{scheme}-{hostile}.jsonl")
     if os.path.exists(metrics):
@@ -155,7 +169,7 @@ def run(build, scheme, steps, hostile, tmp):
     args = [cohort, "launch", "-n", "2"]
     if scheme == "ps":
         args += ["--ps", "1"]
-    args += ["--", cohort, "train", "--model", "mlp", "--steps", str(steps), "--batch", "64", "--seed", "7",
+    args += ["--", cohort, "train", "--model", model, "--steps", str(steps), "--batch", "64", "--seed", "7",
              "--threads", "1", "--progress", "off", "--metrics", metrics, "--timeout", "60"]
     args += {"allreduce": ["--strategy", "allreduce"], "gossip": ["--strategy", "gossip"],
              "ps": ["--strategy", "ps", "--ps-mode", "async"]}[scheme]
@@ -174,7 +188,9 @@ def run(build, scheme, steps, hostile, tmp):
         while time.time() < deadline and launcher.poll() is None:
             procs = job_processes(launcher.pid)
             ports = {pid: listening_ports(pid) for pid in procs}
-            if len(procs) >= (3 if scheme == "ps" else 2) and all(ports.values()) and \
+            # Every process started and the first steps ran (a worker of allreduce may listen on
+            # nothing: Gloo's pairs are connected by then).
+            if len(procs) >= (3 if scheme == "ps" else 2) and any(ports.values()) and \
                     os.path.exists(metrics) and os.path.getsize(metrics) > 0:
                 break
             time.sleep(0.2)
@@ -219,14 +235,15 @@ def run(build, scheme, steps, hostile, tmp):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=600, help="long enough that the job outlives the attack")
+    ap.add_argument("--model", default="cnn", help="the job's model: long enough a run to attack (cnn: ~1 min)")
     ap.add_argument("--schemes", default="allreduce,gossip,ps")
     a = ap.parse_args()
     print(f"# {machine()}")
     with tempfile.TemporaryDirectory() as tmp:
         for scheme in a.schemes.split(","):
-            code0, done0, _, log0 = run(a.build, scheme, a.steps, False, tmp)
-            code1, done1, rows, log1 = run(a.build, scheme, a.steps, True, tmp)
+            code0, done0, _, log0 = run(a.build, scheme, a.steps, False, tmp, a.model)
+            code1, done1, rows, log1 = run(a.build, scheme, a.steps, True, tmp, a.model)
             acc0 = done0["test_accuracy"] if done0 else None
             acc1 = done1["test_accuracy"] if done1 else None
             print(json.dumps({"scheme": scheme, "undisturbed": {"exit": code0, "test_accuracy": acc0},
