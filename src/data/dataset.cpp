@@ -142,7 +142,7 @@ void holdOutValidation(DataSplits& data, int64_t n, uint64_t seed) {
   std::sort(kept.begin(), kept.end());
   auto select = [&](std::vector<int64_t>& idx) {
     auto index = torch::from_blob(idx.data(), {int64_t(idx.size())}, torch::kInt64);
-    return Dataset{data.train.images.index_select(0, index), data.train.labels.index_select(0, index)};
+    return Dataset{.images = data.train.images.index_select(0, index), .labels = data.train.labels.index_select(0, index)};
   };
   data.validation = select(held);
   data.train = select(kept);

@@ -297,7 +297,7 @@ void Shard::applyPendingLocked() {
     const size_t numel = size_t(pieces_[k].numel());
     const size_t dim = size_t(pieces_[k].row_dim());
     if (dim == 0) {
-      parts.push_back({.values = std::span<const float>(pending_).subspan(at, numel), .numel = numel});
+      parts.push_back({.values = std::span<const float>(pending_).subspan(at, numel), .rows = {}, .numel = numel});
     } else {
       // The touched rows, in increasing order, gathered side by side.
       std::vector<uint32_t>& rows = pendingRows_[k];
@@ -433,7 +433,7 @@ Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* repl
   if (valid.ok()) {
     size_t nextDense = 0;
     for (const auto& p : pieces) {
-      Part part{.numel = size_t(p.numel())};
+      Part part{.values = {}, .rows = {}, .numel = size_t(p.numel())};
       if (!rowSparse || p.row_dim() == 0) {
         part.values = dense[nextDense++];
       } else {
