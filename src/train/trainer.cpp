@@ -549,7 +549,7 @@ TrainResult Trainer::run() {
   // decision to stop is sent to all.
   auto runEval = [&]() {
     if (s.evaluators > 0) {  // the evaluator task evaluates the checkpoint; no rank pauses for it
-      s.saveCheckpoint();
+      s.saveCheckpoint(/*final=*/false);
       return;
     }
     s.strategy->synchronize();
