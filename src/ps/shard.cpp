@@ -241,6 +241,7 @@ void Shard::applyLocked(const Parts& parts, float scale) {
   // A row-sparse part updates its rows alone: untouched rows and their optimizer state are left
   // as they are (lazy updates).
   auto apply = [&](size_t offset, std::span<const float> g) {
+    mu_.assertHeld();  // called below, under the lock applyLocked requires
     std::span<float> v(values_.data() + offset, g.size());
     if (updates) {
       for (size_t i = 0; i < g.size(); ++i) v[i] += scale * g[i];
