@@ -8,6 +8,8 @@
 #include <cohort/data_parallel.h>
 
 #include <gtest/gtest.h>
+
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <torch/script.h>
 #include <torch/torch.h>
@@ -23,7 +25,11 @@ namespace {
 namespace nn = torch::nn;
 
 // Uneven widths on purpose (7 units do not split evenly over 2 or 3).
+// Ranks run as threads here: the global generator is seeded and drawn from under a lock, so every
+// thread's net of one seed is the same.
 nn::Sequential smallNet(uint64_t seed) {
+  static std::mutex generator;
+  std::lock_guard<std::mutex> lock(generator);
   torch::manual_seed(seed);
   return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 3, 3)), nn::ReLU(), nn::Flatten(), nn::Linear(3 * 4 * 4, 7),
                         nn::ReLU(), nn::Linear(7, 5));
@@ -262,14 +268,18 @@ TEST(Mirrored, AcrossProcessesEqualsOneProcessOnAllBatches) {
 
 // ---- averaging's outer optimizer ----
 
-// Two ranks, K local SGD steps on different data, then an average; returns rank 0's parameters.
-std::vector<torch::Tensor> averageRun(AveragingOptions options, int rounds = 3) {
+// Two ranks, K local SGD steps on different data, then an average; returns rank 0's parameters,
+// and in *start the ones it began from (after the handle's broadcast: the ranks are threads, and
+// two threads seeding the global generator at once may build different nets).
+std::vector<torch::Tensor> averageRun(AveragingOptions options, int rounds = 3,
+                                      std::vector<torch::Tensor>* start = nullptr) {
   std::vector<torch::Tensor> out;
   const Data d = batches(2 * rounds * 2, 8);
   test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
     auto net = smallNet(1);
     torch::optim::SGD opt(net->parameters(), 0.1);
     ParameterAveraging averaging(Job::fromCommunicator(comm), *net, &opt, options);
+    if (start != nullptr && comm->rank() == 0) *start = parametersOf(*net);
     for (int i = 0; i < 2 * rounds; ++i) {
       const size_t at = size_t(2 * i + comm->rank());
       opt.zero_grad();
@@ -296,10 +306,11 @@ TEST(OuterOptimizer, SgdWithLearningRateOneIsPlainAveragingExactly) {
 // and 3 rounds, replaying plain averages gives each round's mean; the outer rule must then hold.
 TEST(OuterOptimizer, NesterovAppliesTheAveragedChangeWithMomentum) {
   const double lr = 0.7, mu = 0.9;
+  std::vector<torch::Tensor> start, plainStart, momentumStart;
   const auto outer = averageRun(
-      {.period = 2, .outerOptimizer = AveragingOptions::Outer::kNesterov, .outerLr = lr, .outerMomentum = mu}, 1);
-  const auto plain = averageRun({.period = 2}, 1);
-  auto start = parametersOf(*smallNet(1));
+      {.period = 2, .outerOptimizer = AveragingOptions::Outer::kNesterov, .outerLr = lr, .outerMomentum = mu}, 1, &start);
+  const auto plain = averageRun({.period = 2}, 1, &plainStart);
+  ASSERT_TRUE(identical(start, plainStart));
   // One round: x1 = x0 + lr (D + mu D) with D = mean - x0 (the momentum starts at zero).
   std::vector<torch::Tensor> expected;
   for (size_t i = 0; i < start.size(); ++i) {
@@ -309,7 +320,9 @@ TEST(OuterOptimizer, NesterovAppliesTheAveragedChangeWithMomentum) {
   EXPECT_LT(maxDifference(outer, expected), 1e-5);
   EXPECT_GT(maxDifference(outer, plain), 1e-4);  // it did something
   const auto momentum = averageRun(
-      {.period = 2, .outerOptimizer = AveragingOptions::Outer::kMomentum, .outerLr = lr, .outerMomentum = mu}, 1);
+      {.period = 2, .outerOptimizer = AveragingOptions::Outer::kMomentum, .outerLr = lr, .outerMomentum = mu}, 1,
+      &momentumStart);
+  ASSERT_TRUE(identical(start, momentumStart));
   std::vector<torch::Tensor> expectedMomentum;
   for (size_t i = 0; i < start.size(); ++i) expectedMomentum.push_back(start[i] + lr * (plain[i] - start[i]));
   EXPECT_LT(maxDifference(momentum, expectedMomentum), 1e-5);
