@@ -10,7 +10,8 @@ evaluator: allreduce, 2 workers x 1 thread, cnn, batch 64, evaluation (test + 50
            all steps over the wall time of the last step event: evaluation pauses count (the done
            event's samples_per_s leaves them out by design). Alternating runs, medians.
 quantize:  a cnn and an mlp trained one epoch on Fashion-MNIST, then `cohort quantize`: file size,
-           test accuracy and inference speed (1 thread, batch 1000 and batch 1) of int8 against float.
+           test accuracy and inference speed (1 thread; batch 1000, and batch 1 unless
+           --quantize-batches leaves it out) of int8 against float.
 """
 import argparse
 import json
@@ -75,7 +76,7 @@ def evaluator_section(build, runs, steps):
     return out
 
 
-def quantize_section(build, runs):
+def quantize_section(build, runs, batches):
     cohort = os.path.join(build, "cohort")
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +85,7 @@ def quantize_section(build, runs):
             run([cohort, "train", "--model", model, "--data", "fashion-mnist", "--epochs", "1", "--threads", "2",
                  "--progress", "off", "--save-model", path])
             out[model] = {}
-            for batch in [1000, 1]:
+            for batch in batches:
                 metrics = os.path.join(tmp, f"q-{model}-{batch}.jsonl")
                 repeat = runs if batch > 1 else 1
                 cmd = [cohort, "quantize", path, "--out", os.path.join(tmp, f"{model}-int8.pt"), "--threads", "1",
@@ -103,13 +104,15 @@ def main():
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--sections", default="evaluator,quantize")
+    parser.add_argument("--quantize-batches", default="1000,1", help="inference batch sizes timed by quantize")
     args = parser.parse_args()
     sections = args.sections.split(",")
     result = {"machine": machine()}
     if "evaluator" in sections:
         result["evaluator"] = evaluator_section(args.build, args.runs, args.steps)
     if "quantize" in sections:
-        result["quantize"] = quantize_section(args.build, args.runs)
+        result["quantize"] = quantize_section(args.build, args.runs,
+                                              [int(b) for b in args.quantize_batches.split(",")])
     print(json.dumps(result, indent=1))
 
 
