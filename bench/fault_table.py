@@ -6,9 +6,9 @@
 
 3 workers (and 1 shard under ps) x 1 thread, the mlp on Fashion-MNIST, batch 64, momentum SGD
 lr 0.01, --steps S, checkpoints every 50 steps, --timeout 10, under
-`cohort launch --max-restarts 1 --grace 5`. For each scheme an undisturbed run, then one run per
+`cohort launch --max-restarts 1 --grace 5` (0 restarts for the fault "worker"). For each scheme an undisturbed run, then one run per
 fault: once the chief's metrics reach step S/3 the victim is sent SIGKILL by this script
-(worker: rank 2; chief: rank 0; shard: ps 0; ckpt: the checkpoint writer (the chief, or the shard
+(worker, worker+restart: rank 2; chief: rank 0; shard: ps 0; ckpt: the checkpoint writer (the chief, or the shard
 under ps) at the moment a temporary checkpoint file appears, i.e. inside a write; disk: the
 checkpoint directory is a 1 MiB tmpfs, too small for one checkpoint, so every write fails with
 ENOSPC). Recorded: how long until the launcher named the dead process (its stderr line, read as it
@@ -19,6 +19,7 @@ process in this branch: its row is absent.
 import argparse
 import json
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -27,8 +28,17 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, machine  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def machine():
+    cpu = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{platform.node()}: {os.cpu_count()} cores, {cpu}"
 
 WORKERS = 3
 SCHEMES = {
@@ -38,7 +48,7 @@ SCHEMES = {
     "ps-ssp": (["--strategy", "ps", "--ps-mode", "ssp", "--staleness-bound", "2"], 1),
     "gossip": (["--strategy", "gossip"], 0),
 }
-FAULTS = ["none", "worker", "chief", "shard", "ckpt", "disk"]
+FAULTS = ["none", "worker", "worker+restart", "chief", "shard", "ckpt", "disk"]
 
 
 def children(pid):
@@ -114,7 +124,8 @@ def run_one(args, scheme, fault, work):
         mounted = True
     metrics = os.path.join(work, "m.jsonl")
     cohort = os.path.join(args.build, "cohort")
-    cmd = [cohort, "launch", "-n", str(WORKERS), "--ps", str(shards), "--max-restarts", "1", "--grace", "5", "--",
+    restarts = "0" if fault == "worker" else "1"
+    cmd = [cohort, "launch", "-n", str(WORKERS), "--ps", str(shards), "--max-restarts", restarts, "--grace", "5", "--",
            cohort, "train", "--model", "mlp", "--data", "fashion-mnist", "--batch", "64", "--threads", "1",
            "--optimizer", "momentum", "--lr", "0.01", "--steps", str(args.steps), "--progress", "off",
            "--checkpoint-dir", ckpt, "--checkpoint-every", "50", "--timeout", "10", "--metrics", metrics] + flags
@@ -122,17 +133,21 @@ def run_one(args, scheme, fault, work):
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     launcher_lines = []  # (time, line) of the launcher's own lines
+    failed_checkpoints = [0]
 
     def read_err():
         for line in proc.stderr:
             if line.startswith("cohort launch:"):
                 launcher_lines.append((time.monotonic(), line.strip()))
+            elif "checkpoint failed" in line:
+                failed_checkpoints[0] += 1
     reader = threading.Thread(target=read_err, daemon=True)
     reader.start()
     out_thread = threading.Thread(target=proc.stdout.read, daemon=True)
     out_thread.start()
 
-    victim = {"worker": f"rank {WORKERS - 1}", "chief": "rank 0", "shard": "ps 0",
+    victim = {"worker": f"rank {WORKERS - 1}", "worker+restart": f"rank {WORKERS - 1}", "chief": "rank 0",
+              "shard": "ps 0",
               "ckpt": "ps 0" if shards else "rank 0"}.get(fault)
     killed_at = None
     caught_in_write = None
@@ -181,6 +196,7 @@ def run_one(args, scheme, fault, work):
         "scheme": scheme, "fault": fault, "exit": code, "wall_s": round(wall, 1),
         "detected_s": None if detected is None else round(detected, 3),
         "in_write": caught_in_write,
+        "failed_checkpoints": failed_checkpoints[0],
         "launcher": [line for _, line in launcher_lines],
         "steps": done["steps"] if done else None,
         "accuracy": done["test_accuracy"] if done else None,
@@ -197,8 +213,8 @@ def what_it_did(r):
         action = "restarted alone, rejoined"
     elif "go on without it" in said:
         action = "went on without it"
-    elif r["fault"] == "disk":
-        action = "checkpoints failed, training went on" if r["exit"] == 0 else "ended"
+    elif r["fault"] == "disk" and r["failed_checkpoints"]:
+        action = f"{r['failed_checkpoints']} checkpoint writes failed (ENOSPC), training went on"
     else:
         action = "-"
     if r["exit"] != 0:

@@ -307,6 +307,21 @@ TEST_P(TargetStopsEveryone, NoOneRunsOnOrWaitsOutTheTimeout) {
 
 INSTANTIATE_TEST_SUITE_P(Schemes, TargetStopsEveryone, testing::Values("sync", "async", "ssp", "gossip"));
 
+// A diverging allreduce job: every rank reports the non-finite loss with its cause (not "lost
+// rank k"), and the launcher's line about the first exit carries it.
+TEST(LaunchFaults, ANonFiniteLossIsReportedByEveryRankWithItsCause) {
+  auto r = test::runCommand(launch("-n 2" + train("--strategy allreduce --lr 1e6 --steps 50")), 120);
+  EXPECT_EQ(r.exitCode, 1) << r.output;
+  for (const std::string rank : {"0", "1"}) {
+    EXPECT_TRUE(std::regex_search(r.output, std::regex("\\[rank " + rank + "\\] cohort: error: the loss became -?nan at step "
+                                                       "\\d+ on rank " + rank + " .*training diverged; lower --lr")))
+        << r.output;
+  }
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("cohort launch: rank \\d exited with status 1: the loss became")))
+      << r.output;
+  EXPECT_EQ(r.output.find("lost rank"), std::string::npos) << r.output;
+}
+
 // Input that used to slip through: refused with the bound or the reason, before anything starts.
 TEST(BadInput, IsRefusedWithTheReason) {
   const std::string base = test::cohortBinary() + " train --model mlp --data synthetic:200 --steps 2 --progress off ";

@@ -321,31 +321,37 @@ TEST(PsGrpcTest, BadPushesAreRefusedAndChangeNothing) {
 
 TEST(PsGrpcTest, ClientWaitsForAShardThatStartsLate) {
   const int port = test::freePort();
-  auto client = makeGrpcClient("127.0.0.1:" + std::to_string(port), {.timeoutSeconds = 20, .quiet = true});
-  const auto start = std::chrono::steady_clock::now();
+  std::promise<void> retrying;
+  auto client = makeGrpcClient("127.0.0.1:" + std::to_string(port),
+                               {.timeoutSeconds = 20, .quiet = true, .onRetry = [&, said = std::make_shared<std::atomic<bool>>(false)] {
+                                 if (!said->exchange(true)) retrying.set_value();
+                               }});
   auto init = std::async(std::launch::async, [&] {
     wire::InitReply reply;
     return client->init(initOf(asyncPolicy(), kPieces, kStart), &reply);
   });
-  // What is under test is the client retrying while nothing listens; this sleep makes sure it does.
-  std::this_thread::sleep_for(1s);
+  // What is under test is the client retrying while nothing listens: the shard starts once it does.
+  ASSERT_EQ(retrying.get_future().wait_for(15s), std::future_status::ready) << "the client never retried";
   TestServer server(ServerOptions{.address = "127.0.0.1:" + std::to_string(port)});
   ASSERT_EQ(init.wait_for(15s), std::future_status::ready) << "the client did not find the late shard";
   const Status s = init.get();
   EXPECT_TRUE(s.ok()) << codeName(s.code) << ": " << s.message;
-  EXPECT_GE(std::chrono::steady_clock::now() - start, 1s);
   EXPECT_EQ(pullAll(*client), (std::vector<float>{1, 2, 3, -1, 4}));
 }
 
 TEST(PsGrpcTest, ClientWaitsForTheChiefsInit) {
   TestServer server;
-  auto worker = server.client({.timeoutSeconds = 20, .quiet = true});
+  std::promise<void> retrying;
+  auto worker = server.client({.timeoutSeconds = 20, .quiet = true, .onRetry = [&, said = std::make_shared<std::atomic<bool>>(false)] {
+                                 if (!said->exchange(true)) retrying.set_value();
+                               }});
   auto pulled = std::async(std::launch::async, [&] {
     wire::PullReply reply;
     const Status s = worker->pull(withProtocol<wire::PullRequest>(), &reply);
     return std::make_pair(s, reply.values_size());
   });
-  std::this_thread::sleep_for(300ms);  // the worker's first Pull finds the shard not initialized
+  // The worker's first Pull finds the shard not initialized and retries; then the chief's Init.
+  ASSERT_EQ(retrying.get_future().wait_for(15s), std::future_status::ready) << "the pull did not wait";
   expectInit(*server.client());
   ASSERT_EQ(pulled.wait_for(15s), std::future_status::ready) << "the pull was not retried after Init";
   const auto [status, pieces] = pulled.get();

@@ -152,6 +152,7 @@ class GrpcClient : public ShardClient {
                                        seconds(std::chrono::duration<double>(waited).count()) +
                                        " s: " + status.error_message());
       }
+      if (first && options_.onRetry) options_.onRetry();
       if (first && !options_.quiet) {
         std::fprintf(stderr, "cohort: ps shard %s unavailable (%s); retrying for up to %s s\n", address_.c_str(),
                      status.error_message().c_str(), seconds(options_.timeoutSeconds).c_str());

@@ -6,6 +6,7 @@
 #include "ps/status.h"
 #include "ps.pb.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -33,6 +34,9 @@ struct ClientOptions {
   std::string tlsCaFile;      // PEM roots that sign the servers' certificates; empty: plaintext
   double timeoutSeconds = 60; // how long an unreachable shard is retried; a call's deadline is 2x + 5 s
   bool quiet = false;         // no line on stderr when a call starts retrying
+  // Called (from the calling thread) each time a call fails with UNAVAILABLE and starts
+  // retrying; tests wait on it instead of sleeping.
+  std::function<void()> onRetry;
 };
 
 // Pushes and pulls allocate and free buffers of tens of MB every step; glibc serves each from a
