@@ -364,5 +364,30 @@ TEST(SimCommand, BadInputIsOneLineNamingTheField) {
   EXPECT_NE(test::readFile(dir.file("p.svg")).find("<svg"), std::string::npos);
 }
 
+// --calibrate measures for real (a forked peer over loopback TCP, the model on Fashion-MNIST, a
+// shard, a codec) and writes a file that loads back; its numbers are machine-dependent, so only
+// their sanity is checked here.
+TEST(SimCommand, CalibrateWritesAFileThatLoads) {
+  test::TempDir dir;
+  const std::string path = dir.file("cal.json");
+  const test::CommandResult r = test::runCommand(test::cohortBinary() + " simulate --calibrate --model mlp --batch 16 " +
+                                                     "--profile-steps 10 --codecs fp16 --calibration " + path,
+                                                 120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const Calibration c = loadCalibration(path);
+  EXPECT_EQ(c.model, "mlp");
+  EXPECT_EQ(c.parameterCount, 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10);
+  EXPECT_EQ(c.parameterBytes, 4 * c.parameterCount);
+  EXPECT_GT(c.computeSecondsPerExample, 0);
+  EXPECT_GT(c.latencySeconds, 0);
+  EXPECT_LT(c.latencySeconds, 0.01);
+  EXPECT_GT(c.secondsPerByte, 0);
+  EXPECT_GT(c.reduceSecondsPerByte, 0);
+  EXPECT_GT(c.shardSecondsPerByte, 0);
+  ASSERT_EQ(c.codecs.size(), 1u);
+  EXPECT_EQ(c.codecs[0].codec, "fp16");
+  EXPECT_NEAR(c.codecs[0].sentFraction, 0.5, 0.01);
+}
+
 }  // namespace
 }  // namespace cohort::sim

@@ -186,13 +186,12 @@ Totals simulateCollective(const Scenario& s, const Derived& d, double computeSca
                           !(d.density < 1 && (d.p - 1) * d.density < 2.0 * (d.p - 1) / d.p);
   if (overlapped) buckets = bucketSizes(d.n, s.firstBucketMb * 1048576.0, s.bucketMb * 1048576.0);
   exchange = exchangeSeconds(s, d, d.n, &sent);
-  std::vector<double> own(d.p);
+  const double reduceCpu = d.sparseCodec ? 0.0 : double(d.p - 1) / d.p * d.n * d.g;
   for (int step = 0; step < s.steps; ++step) {
     double slowest = 0, sum = 0;
     for (int i = 0; i < d.p; ++i) {
       double x = 0;
       for (int k = 0; k < period; ++k) x += c * sampler.next();
-      own[i] = x;
       slowest = std::max(slowest, x);
       sum += x;
     }
@@ -217,7 +216,7 @@ Totals simulateCollective(const Scenario& s, const Derived& d, double computeSca
     t.wait += std::max(0.0, slowest - sum / d.p);
     t.comm += comm;
     t.bytes += sent;
-    t.cpu += sum / computeScale + d.p * (sent * 2 * d.bCpu + d.n * (d.codec.encodeSecondsPerByte +
+    t.cpu += sum / computeScale + d.p * (sent * 2 * d.bCpu + reduceCpu + d.n * (d.codec.encodeSecondsPerByte +
                                                       (d.sparseCodec ? d.p - 1 : 1) * d.codec.decodeSecondsPerByte));
   }
   return t;
