@@ -33,11 +33,11 @@ std::string tickLabel(double v) {
   char buf[32];
   const double a = std::fabs(v);
   if (a >= 1e9) {
-    std::snprintf(buf, sizeof(buf), "%gG", v / 1e9);
+    std::snprintf(buf, sizeof(buf), "%.4gG", v / 1e9);
   } else if (a >= 1e6) {
-    std::snprintf(buf, sizeof(buf), "%gM", v / 1e6);
+    std::snprintf(buf, sizeof(buf), "%.4gM", v / 1e6);
   } else if (a >= 1e4) {
-    std::snprintf(buf, sizeof(buf), "%gk", v / 1e3);
+    std::snprintf(buf, sizeof(buf), "%.4gk", v / 1e3);
   } else {
     std::snprintf(buf, sizeof(buf), "%.4g", v);
   }
