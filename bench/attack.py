@@ -161,7 +161,12 @@ def attack(port, held, stop):
             s.close()
 
 
-def run(build, scheme, steps, hostile, tmp, model):
+def run(build, scheme, steps, hostile, tmp, model, window=None):
+    """One job. Both runs sample every process the same way: `before` once the job runs, the
+    peak, and `after`. The attacked run attacks in between and waits 12 s; the undisturbed run
+    waits `window` seconds (the attacked run's attack plus its 12 s) instead, so that its growth
+    over the same stretch of training is the baseline the attack's growth is set against.
+    Returns (exit code, done event, rows, log tail, seconds between before and after)."""
     cohort = os.path.join(build, "cohort")
     metrics = os.path.join(tmp, f"{scheme}-{hostile}.jsonl")
     if os.path.exists(metrics):
@@ -181,34 +186,35 @@ def run(build, scheme, steps, hostile, tmp, model):
     reader = threading.Thread(target=lambda: log.extend(launcher.stdout), daemon=True)
     reader.start()
     rows = []
-    if hostile:
-        # Wait until every process listens (the first steps have run), then measure and attack.
-        deadline = time.time() + 60
-        procs, ports = {}, {}
-        while time.time() < deadline and launcher.poll() is None:
-            procs = job_processes(launcher.pid)
-            ports = {pid: listening_ports(pid) for pid in procs}
-            # Every process started and the first steps ran (a worker of allreduce may listen on
-            # nothing: Gloo's pairs are connected by then).
-            if len(procs) >= (3 if scheme == "ps" else 2) and any(ports.values()) and \
-                    os.path.exists(metrics) and os.path.getsize(metrics) > 0:
-                break
-            time.sleep(0.2)
-        before = {pid: (status_field(pid, "VmRSS"), fds(pid)) for pid in procs}
-        peak = {pid: list(v) for pid, v in before.items()}
-        held, stop = [], threading.Event()
+    # Wait until every process listens (the first steps have run), then measure (and attack).
+    deadline = time.time() + 60
+    procs, ports = {}, {}
+    while time.time() < deadline and launcher.poll() is None:
+        procs = job_processes(launcher.pid)
+        ports = {pid: listening_ports(pid) for pid in procs}
+        # Every process started and the first steps ran (a worker of allreduce may listen on
+        # nothing: Gloo's pairs are connected by then).
+        if len(procs) >= (3 if scheme == "ps" else 2) and any(ports.values()) and \
+                os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+            break
+        time.sleep(0.2)
+    started = time.time()
+    before = {pid: (status_field(pid, "VmRSS"), fds(pid)) for pid in procs}
+    peak = {pid: list(v) for pid, v in before.items()}
+    held, stop = [], threading.Event()
 
-        def sample():
-            while not stop.is_set():
-                for pid in procs:
-                    r, f = status_field(pid, "VmRSS"), fds(pid)
-                    if r is not None:
-                        peak[pid][0] = max(peak[pid][0] or 0, r)
-                    if f is not None:
-                        peak[pid][1] = max(peak[pid][1] or 0, f)
-                time.sleep(0.05)
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
+    def sample():
+        while not stop.is_set():
+            for pid in procs:
+                r, f = status_field(pid, "VmRSS"), fds(pid)
+                if r is not None:
+                    peak[pid][0] = max(peak[pid][0] or 0, r)
+                if f is not None:
+                    peak[pid][1] = max(peak[pid][1] or 0, f)
+            time.sleep(0.05)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    if hostile:
         attackers = [threading.Thread(target=attack, args=(port, held, stop))
                      for pid in procs for port in sorted(ports[pid])]
         for t in attackers:
@@ -218,18 +224,21 @@ def run(build, scheme, steps, hostile, tmp, model):
         for s in held:
             s.close()
         time.sleep(12)  # the servers' handshake deadlines (10 s) close what is left
-        after = {pid: (status_field(pid, "VmRSS"), fds(pid)) for pid in procs}
-        stop.set()
-        sampler.join()
-        for pid, label in sorted(procs.items(), key=lambda kv: kv[1]):
-            rows.append({"process": label, "ports": sorted(ports[pid]),
-                         "rss_mb": [round((x or 0) / 2**20, 1) for x in (before[pid][0], peak[pid][0], after[pid][0])],
-                         "fds": [before[pid][1], peak[pid][1], after[pid][1]],
-                         "alive_after": after[pid][0] is not None})
+    else:
+        stop.wait(window)
+    after = {pid: (status_field(pid, "VmRSS"), fds(pid)) for pid in procs}
+    elapsed = time.time() - started
+    stop.set()
+    sampler.join()
+    for pid, label in sorted(procs.items(), key=lambda kv: kv[1]):
+        rows.append({"process": label, "ports": sorted(ports[pid]),
+                     "rss_mb": [round((x or 0) / 2**20, 1) for x in (before[pid][0], peak[pid][0], after[pid][0])],
+                     "fds": [before[pid][1], peak[pid][1], after[pid][1]],
+                     "alive_after": after[pid][0] is not None})
     code = launcher.wait(timeout=900)
     reader.join(timeout=5)
     done = done_event(metrics) if os.path.exists(metrics) else None
-    return code, done, rows, "".join(log[-20:])
+    return code, done, rows, "".join(log[-20:]), elapsed
 
 
 def main():
@@ -242,14 +251,27 @@ def main():
     print(f"# {machine()}")
     with tempfile.TemporaryDirectory() as tmp:
         for scheme in a.schemes.split(","):
-            code0, done0, _, log0 = run(a.build, scheme, a.steps, False, tmp, a.model)
-            code1, done1, rows, log1 = run(a.build, scheme, a.steps, True, tmp, a.model)
+            # Attacked first: its attack's length is the undisturbed run's sampling window.
+            code1, done1, rows1, log1, window = run(a.build, scheme, a.steps, True, tmp, a.model)
+            code0, done0, rows0, log0, _ = run(a.build, scheme, a.steps, False, tmp, a.model, window)
             acc0 = done0["test_accuracy"] if done0 else None
             acc1 = done1["test_accuracy"] if done1 else None
-            print(json.dumps({"scheme": scheme, "undisturbed": {"exit": code0, "test_accuracy": acc0},
-                              "attacked": {"exit": code1, "test_accuracy": acc1}, "processes": rows}))
-            if code1 != 0:
-                print(log1, file=sys.stderr)
+            # The attack's share of a process's growth: its growth beyond the same process's in
+            # the undisturbed run over the same window (processes matched by their label).
+            base = {r["process"]: r for r in rows0}
+            for r in rows1:
+                b = base.get(r["process"])
+                if b:
+                    r["undisturbed_rss_mb"] = b["rss_mb"]
+                    r["undisturbed_fds"] = b["fds"]
+                    r["growth_beyond_undisturbed_mb"] = round(
+                        (r["rss_mb"][2] - r["rss_mb"][0]) - (b["rss_mb"][2] - b["rss_mb"][0]), 1)
+            print(json.dumps({"scheme": scheme, "window_s": round(window, 1),
+                              "undisturbed": {"exit": code0, "test_accuracy": acc0},
+                              "attacked": {"exit": code1, "test_accuracy": acc1}, "processes": rows1}))
+            for code, log in ((code1, log1), (code0, log0)):
+                if code != 0:
+                    print(log, file=sys.stderr)
             sys.stdout.flush()
 
 

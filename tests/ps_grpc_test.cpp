@@ -523,44 +523,75 @@ TEST(PsGrpcTest, CompressedPushesApplyAndBadOnesAreRefused) {
 // on the call's metadata and the stream is closed before its body is read. The client sends one
 // 1 MB block 512 times over (its memory stays small), and the process's peak resident size, reset
 // before the call, must stay far below the push.
+// Sends a raw 512 MB body as a Push to `address` with `proof` as its authorization; returns the
+// call's status and how far this process's peak RSS rose above its level before the call.
+struct RawPushResult {
+  grpc::Status status;
+  int64_t peakGrowth = 0;
+};
+RawPushResult pushRaw512MB(const std::string& address, const std::string& proof) {
+  constexpr size_t kBlock = 1 << 20, kBlocks = 512;
+  static const std::vector<char> block(kBlock, 'x');
+  std::vector<grpc::Slice> slices(kBlocks, grpc::Slice(block.data(), block.size(), grpc::Slice::STATIC_SLICE));
+  const grpc::ByteBuffer request(slices.data(), slices.size());
+  EXPECT_EQ(request.Length(), kBlock * kBlocks);
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(-1);
+  grpc::GenericStub stub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+
+  EXPECT_TRUE(test::resetPeakMemory()) << "cannot reset VmHWM through /proc/self/clear_refs";
+  const int64_t rssBefore = test::statusBytes("VmRSS");
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", proof);
+  context.set_deadline(std::chrono::system_clock::now() + 60s);
+  grpc::CompletionQueue queue;
+  auto call = stub.PrepareUnaryCall(&context, "/cohort.ps.wire.ParameterServer/Push", request, &queue);
+  call->StartCall();
+  grpc::ByteBuffer reply;
+  RawPushResult result;
+  call->Finish(&reply, &result.status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  EXPECT_EQ(queue.AsyncNext(&tag, &ok, std::chrono::system_clock::now() + 90s), grpc::CompletionQueue::GOT_EVENT);
+  result.peakGrowth = test::statusBytes("VmHWM") - rssBefore;
+  queue.Shutdown();
+  while (queue.Next(&tag, &ok)) {
+  }
+  return result;
+}
+
 TEST(PsGrpcTest, AWrongTokenPushIsRefusedBeforeItsBodyIsRead) {
   TestServer server(ServerOptions{.authToken = "s3cret"});
   ASSERT_TRUE(server.server->checksTokenBeforeBody());
   auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
   expectInit(*right);
 
-  constexpr size_t kBlock = 1 << 20, kBlocks = 512;
-  static const std::vector<char> block(kBlock, 'x');
-  std::vector<grpc::Slice> slices(kBlocks, grpc::Slice(block.data(), block.size(), grpc::Slice::STATIC_SLICE));
-  const grpc::ByteBuffer request(slices.data(), slices.size());
-  ASSERT_EQ(request.Length(), kBlock * kBlocks);
-  grpc::ChannelArguments args;
-  args.SetMaxSendMessageSize(-1);
-  grpc::GenericStub stub(grpc::CreateCustomChannel(server.address(), grpc::InsecureChannelCredentials(), args));
-
-  ASSERT_TRUE(test::resetPeakMemory()) << "cannot reset VmHWM through /proc/self/clear_refs";
-  const int64_t rssBefore = test::statusBytes("VmRSS");
-  grpc::ClientContext context;
-  context.AddMetadata("authorization", callProof("wrong", 1, std::string(32, '0')));
-  context.set_deadline(std::chrono::system_clock::now() + 60s);
-  grpc::CompletionQueue queue;
-  auto call = stub.PrepareUnaryCall(&context, "/cohort.ps.wire.ParameterServer/Push", request, &queue);
-  call->StartCall();
-  grpc::ByteBuffer reply;
-  grpc::Status status;
-  call->Finish(&reply, &status, reinterpret_cast<void*>(1));
-  void* tag = nullptr;
-  bool ok = false;
-  ASSERT_EQ(queue.AsyncNext(&tag, &ok, std::chrono::system_clock::now() + 90s), grpc::CompletionQueue::GOT_EVENT);
-  const int64_t peak = test::statusBytes("VmHWM");
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
-  EXPECT_LT(peak - rssBefore, int64_t(96) << 20) << "peak " << (peak >> 20) << " MB, before " << (rssBefore >> 20)
-                                                  << " MB: the 512 MB body was read";
-  std::fprintf(stderr, "wrong-token 512 MB push: peak RSS grew by %.1f MB\n", double(peak - rssBefore) / (1 << 20));
-  queue.Shutdown();
-  while (queue.Next(&tag, &ok)) {
-  }
+  const RawPushResult r = pushRaw512MB(server.address(), callProof("wrong", 1, std::string(32, '0')));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << r.status.error_message();
+  EXPECT_LT(r.peakGrowth, int64_t(96) << 20) << "peak grew " << (r.peakGrowth >> 20) << " MB: the 512 MB body was read";
+  std::fprintf(stderr, "wrong-token 512 MB push: peak RSS grew by %.1f MB\n", double(r.peakGrowth) / (1 << 20));
   EXPECT_EQ(statsOf(*right).unauthenticated(), 1);
+  EXPECT_EQ(pullAll(*right), (std::vector<float>{1, 2, 3, -1, 4}));
+}
+
+// The cap from the layout: after an Init of 5 values the shard's request quota is its floor
+// (64 MB), and a 512 MB body, even with a good proof (a buggy worker, or any caller where the
+// proof can only be checked after the read), is abandoned instead of being buffered whole.
+TEST(PsGrpcTest, ABodyBeyondTheLayoutsCapIsAbandonedNotRead) {
+  TestServer server(ServerOptions{.authToken = "s3cret"});
+  EXPECT_EQ(server.server->requestQuotaBytes(), (size_t(2) << 30) + (size_t(256) << 20));
+  auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
+  expectInit(*right);
+  EXPECT_EQ(server.server->requestQuotaBytes(), size_t(64) << 20);
+
+  const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                       std::chrono::system_clock::now().time_since_epoch()).count();
+  const RawPushResult r = pushRaw512MB(server.address(), callProof("s3cret", now, std::string(32, 'a')));
+  EXPECT_FALSE(r.status.ok());
+  EXPECT_LT(r.peakGrowth, int64_t(160) << 20) << "peak grew " << (r.peakGrowth >> 20) << " MB: the body was read whole";
+  std::fprintf(stderr, "authenticated 512 MB push past the cap: %s (%d), peak RSS grew by %.1f MB\n",
+               r.status.error_message().c_str(), int(r.status.error_code()), double(r.peakGrowth) / (1 << 20));
+  // The shard goes on serving the job.
   EXPECT_EQ(pullAll(*right), (std::vector<float>{1, 2, 3, -1, 4}));
 }
 

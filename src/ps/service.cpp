@@ -8,10 +8,12 @@
 #include "ps.grpc.pb.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/security/auth_metadata_processor.h>
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -33,6 +35,21 @@ constexpr auto kShutdownGrace = std::chrono::milliseconds(500);
 constexpr int kHandshakeTimeoutMs = 10'000;
 // How often runShardServer looks for a signal.
 constexpr auto kPoll = std::chrono::milliseconds(250);
+
+// The memory gRPC may hold for requests being read (its resource quota; past it gRPC stops reading
+// and abandons streams instead of growing). Before the chief's Init the layout is unknown, and Init
+// itself carries the shard's part of the model, at most what one checkpoint may hold (2 GiB).
+constexpr size_t kQuotaBeforeInit = (size_t(2) << 30) + (size_t(256) << 20);
+// After Init: one request holds at most the shard's values twice over (a row-sparse or top-k push
+// carries an index beside each value), plus its header; every worker and the chief may have one
+// in flight, and two more for the pulls and stats calls around them.
+size_t quotaForLayout(const wire::InitRequest& init) {
+  uint64_t values = 0;
+  for (const auto& p : init.pieces()) values += p.numel();
+  const uint64_t perRequest = 2 * values * sizeof(float) + (uint64_t(1) << 20);
+  const uint64_t inFlight = uint64_t(std::max<int64_t>(init.policy().workers(), 1)) + 2;
+  return size_t(std::max<uint64_t>(inFlight * perRequest, uint64_t(64) << 20));
+}
 
 std::string readPem(const std::string& path, const char* flag) {
   std::ifstream in(path, std::ios::binary);
@@ -59,6 +76,7 @@ class Refusals {
 
   grpc::Status refuse(const std::string& peer, ProofCheck why) {
     shard_->countUnauthenticated();
+    wantTrim();
     const int64_t n = ++refused_;
     if (n <= 10 || n % 100 == 0) {
       log("refused a request from " + peer + ": " + describe(why) + " (" + std::to_string(n) + " refused so far)");
@@ -157,11 +175,20 @@ class Service final : public wire::ParameterServer::Service {
  public:
   // `verifier` when the handler must check the proof itself (TokenCheck could not run); null
   // when there is no secret or TokenCheck already took the proof (it is good once only).
-  Service(std::shared_ptr<Shard> shard, std::shared_ptr<CallVerifier> verifier, std::shared_ptr<Refusals> refusals)
-      : shard_(std::move(shard)), verifier_(std::move(verifier)), refusals_(std::move(refusals)) {}
+  // `initialized` runs after every accepted Init (it sizes the request quota from the layout).
+  Service(std::shared_ptr<Shard> shard, std::shared_ptr<CallVerifier> verifier, std::shared_ptr<Refusals> refusals,
+          std::function<void(const wire::InitRequest&)> initialized)
+      : shard_(std::move(shard)),
+        verifier_(std::move(verifier)),
+        refusals_(std::move(refusals)),
+        initialized_(std::move(initialized)) {}
 
   grpc::Status Init(grpc::ServerContext* c, const wire::InitRequest* q, wire::InitReply* r) override {
-    return handle(c, [&] { return shard_->init(*q, r); });
+    return handle(c, [&] {
+      Status s = shard_->init(*q, r);
+      if (s.ok() && initialized_) initialized_(*q);
+      return s;
+    });
   }
   grpc::Status Pull(grpc::ServerContext* c, const wire::PullRequest* q, wire::PullReply* r) override {
     return handle(c, [&] { return shard_->pull(*q, r); });
@@ -206,6 +233,7 @@ class Service final : public wire::ParameterServer::Service {
   const std::shared_ptr<Shard> shard_;
   const std::shared_ptr<CallVerifier> verifier_;
   const std::shared_ptr<Refusals> refusals_;
+  const std::function<void(const wire::InitRequest&)> initialized_;
 };
 
 // The signal runShardServer was asked to stop by; 0 while none.
@@ -245,6 +273,8 @@ std::string withPort(const std::string& address, int port) {
 }  // namespace
 
 struct ShardServer::Impl {
+  grpc::ResourceQuota quota{"cohort ps shard"};
+  std::atomic<size_t> quotaBytes{kQuotaBeforeInit};
   std::shared_ptr<Shard> shard;
   std::shared_ptr<Refusals> refusals;
   std::unique_ptr<Service> service;
@@ -271,8 +301,17 @@ ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()
   impl_->shard = std::make_shared<Shard>(options.shard);
   impl_->refusals = std::make_shared<Refusals>(impl_->shard, options.shard.name, options.shard.log);
   const auto credentials = serverCredentials(options, verifier, impl_->refusals, impl_->tokenBeforeBody);
-  impl_->service = std::make_unique<Service>(impl_->shard, impl_->tokenBeforeBody ? nullptr : verifier, impl_->refusals);
+  Impl* impl = impl_.get();
+  impl_->service = std::make_unique<Service>(impl_->shard, impl_->tokenBeforeBody ? nullptr : verifier, impl_->refusals,
+                                             [impl](const wire::InitRequest& init) {
+                                               impl->quotaBytes = quotaForLayout(init);
+                                               impl->quota.Resize(impl->quotaBytes);
+                                             });
   grpc::ServerBuilder builder;
+  // A cap on what requests being read may hold, from the model's layout once the chief's Init
+  // gave it: an oversized body (from a caller with the secret, or from anyone where the proof can
+  // only be checked after the read: plaintext off loopback) is abandoned, not buffered whole.
+  builder.SetResourceQuota(impl_->quota.Resize(kQuotaBeforeInit));
   builder.AddListeningPort(options.address, credentials, &impl_->port);
   // A push or pull carries a shard's whole slice of the model: tens of MB.
   builder.SetMaxReceiveMessageSize(-1);
@@ -297,6 +336,8 @@ int ShardServer::port() const { return impl_->port; }
 std::shared_ptr<Shard> ShardServer::shard() const { return impl_->shard; }
 
 bool ShardServer::checksTokenBeforeBody() const { return impl_->tokenBeforeBody; }
+
+size_t ShardServer::requestQuotaBytes() const { return impl_->quotaBytes; }
 
 void ShardServer::trimFreedMemory() { impl_->refusals->trimIfWanted(); }
 

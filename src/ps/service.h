@@ -32,6 +32,10 @@ class ShardServer {
   // True when the token is checked on a call's metadata before gRPC reads its body: with TLS, or
   // plaintext on a loopback address (gRPC's local credentials). False for plaintext elsewhere.
   bool checksTokenBeforeBody() const;
+  // The memory gRPC may hold for requests being read: 2.25 GiB until the chief's Init (which
+  // carries the shard's part of the model), then from the layout: (workers + 2) requests of twice
+  // the shard's values, at least 64 MB. A larger body is abandoned, not read whole.
+  size_t requestQuotaBytes() const;
   // Gives the heap pages a refused large request took back to the system (malloc_trim), if a
   // request was refused since the last time. runShardServer calls it every 250 ms.
   void trimFreedMemory();
