@@ -6,11 +6,16 @@ power-law ids, its gradients as rows against the same model forced dense (embed:
                                                             [--sections bytes,rate,accuracy]
 
 bytes:     payload bytes per step of the chief (sent + received, from its step events), 2 workers,
-           batch 64: ps sync (2 shards) and allreduce, sparse against dense.
+           batch 64: ps sync (2 shards), allreduce, average and gossip, sparse against dense; the
+           largest step, and ps's whole-model pulls outside the steps (the done event).
 rate:      samples/s, 2 workers x 1 thread, 2 shards, batch 64: sparse ps (sync, async) against
            dense ps and against allreduce with the sparse allgather; alternating runs, medians.
 accuracy:  test accuracy of every scheme after the same examples (2 epochs of 60000), against the
-           synthetic set's attainable optimum (the hidden model's expected test accuracy).
+           synthetic set's attainable optimum (the hidden model's expected test accuracy);
+           --accuracy-rows average,gossip runs only the rows whose name starts so.
+simulate:  (not in the default) `cohort simulate`'s speed-up to 500 workers of this model, with the
+           density of rows and the ms per example measured here, against a dense model of the same
+           parameter count; with this machine's calibration and the seeds' 2016 network.
 """
 import argparse
 import json
@@ -47,6 +52,7 @@ def train(build, tmp, workers, model, flags, steps=None, epochs=None, shards=2, 
     done = done_event(metrics)
     n = max(len(steps_seen), 1)
     done["bytes_per_step"] = sum(e["bytes_sent"] + e["bytes_received"] for e in steps_seen) / n
+    done["largest_step"] = max((e["bytes_sent"] + e["bytes_received"] for e in steps_seen), default=0)
     done["step_ms"] = 1000 * sum(e["step_s"] for e in steps_seen[5:]) / max(len(steps_seen) - 5, 1)
     done["wait_ms"] = 1000 * sum(e["comm_wait_s"] for e in steps_seen[5:]) / max(len(steps_seen) - 5, 1)
     return done
@@ -54,15 +60,20 @@ def train(build, tmp, workers, model, flags, steps=None, epochs=None, shards=2, 
 
 def section_bytes(args, tmp):
     print("\n## bytes per step (chief, sent + received), 2 workers, batch 64, 1M x 32 table\n")
-    print("| scheme | sparse | dense (embed:sparse=0) | dense / sparse |")
-    print("| --- | --- | --- | --- |")
+    print("| scheme | sparse | largest sparse step | dense (embed:sparse=0) | dense / sparse |"
+          " sparse: whole-model pulls outside the steps |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, flags in [("ps sync, 2 shards", ["--strategy", "ps", "--ps-mode", "sync"]),
                         ("allreduce", ["--strategy", "allreduce"]),
-                        ("average (every step)", ["--strategy", "average"])]:
+                        ("average (every step)", ["--strategy", "average"]),
+                        ("gossip (all peers)", ["--strategy", "gossip"])]:
         sparse = train(args.build, tmp, 2, SPARSE, flags, steps=12)
         dense = train(args.build, tmp, 2, DENSE, flags, steps=12)
         s, d = sparse["bytes_per_step"], dense["bytes_per_step"]
-        print(f"| {name} | {s / 1e3:.1f} kB | {d / 1e6:.1f} MB | {d / s:.0f}x |", flush=True)
+        whole = sparse.get("whole_model_pull_bytes")
+        whole = f"{whole / 1e6:.1f} MB" if whole is not None else "none"
+        print(f"| {name} | {s / 1e3:.1f} kB | {sparse['largest_step'] / 1e3:.1f} kB | {d / 1e6:.1f} MB | "
+              f"{d / s:.0f}x | {whole} |", flush=True)
 
 
 def section_rate(args, tmp):
@@ -97,7 +108,10 @@ def section_accuracy(args, tmp):
                ("average, 2 workers, every step", 2, ["--strategy", "average"]),
                ("ps sync, 2 workers, 2 shards", 2, ["--strategy", "ps", "--ps-mode", "sync"]),
                ("ps async, 2 workers, 2 shards", 2, ["--strategy", "ps", "--ps-mode", "async"]),
-               ("gossip, 2 workers (dense transport)", 2, ["--strategy", "gossip"])]
+               ("gossip, 2 workers", 2, ["--strategy", "gossip"])]
+    if args.accuracy_rows:
+        wanted = args.accuracy_rows.split(",")
+        configs = [c for c in configs if any(c[0].startswith(w) for w in wanted)]
     print("| scheme | test accuracy | attainable optimum | gap | samples/s |")
     print("| --- | --- | --- | --- | --- |")
     for name, workers, flags in configs:
@@ -107,16 +121,61 @@ def section_accuracy(args, tmp):
               f"{d['samples_per_s']:.0f} |", flush=True)
 
 
+# The embed model's parameters: the 1M x 32 table and the MLP 32-64-2.
+EMBED_PARAMS = 1_000_000 * 32 + 32 * 64 + 64 + 64 * 2 + 2
+# Q1 2016 (the seeds' date), as bench/simulate_tables.py: 10 Gbit/s, 100 us per message.
+NETWORK = ["--bandwidth", "10gbit", "--latency-us", "100"]
+
+
+def section_simulate(args, tmp):
+    """The speed-up curve to 500 workers of the embed model with its measured density of rows, against
+    a dense model of the same parameter count, by `cohort simulate` (this machine's calibration)."""
+    local = train(args.build, tmp, 1, SPARSE, [], steps=200)
+    example_ms = 1000.0 / local["samples_per_s"]
+    ar = train(args.build, tmp, 2, SPARSE, ["--strategy", "allreduce"], steps=12)
+    # allreduce: each rank sends its rows (8-byte id + 32 floats) to the other and receives the
+    # other's; the MLP's 2242 floats go round a 2-rank ring (half sent, half received, twice).
+    dense_part = 2 * 2 * (EMBED_PARAMS - 32_000_000) * 4 / 2
+    rows = (ar["bytes_per_step"] - dense_part) / (2 * (8 + 32 * 4))
+    density = rows / 1_000_000
+    print(f"\n## cohort simulate: the embed model ({EMBED_PARAMS} parameters, {rows:.0f} rows of 1M touched per "
+          f"worker step: density {density:.5f}; {example_ms:.4f} ms per example measured, 1 process) against "
+          f"a dense model of the same size; {' '.join(NETWORK)}, batch 64\n")
+    counts = [2, 8, 50, 100, 200, 500]
+    print("| model | ms/example | scheme | " + " | ".join(f"{c} workers" for c in counts) + " | stops paying at |")
+    print("| --- | --- | --- | " + " | ".join("---:" for _ in counts) + " | ---: |")
+    schemes = [("ps async, 16 shards", ["--strategy", "ps", "--ps-mode", "async", "--shards", "16"]),
+               ("ps async, 64 shards", ["--strategy", "ps", "--ps-mode", "async", "--shards", "64"]),
+               ("allreduce", ["--strategy", "allreduce"])]
+    for ms in (example_ms, 5.0):
+        for model, dens in (("embed, sparse rows", density), ("dense, same size", 0)):
+            for name, flags in schemes:
+                cmd = [os.path.join(args.build, "cohort"), "simulate", "--calibration", args.calibration, "--json",
+                       "--params", str(EMBED_PARAMS), "--example-ms", f"{ms:.6f}", "--batch", "64",
+                       "--workers", ",".join(map(str, [1] + counts))] + NETWORK + flags
+                if dens:
+                    cmd += ["--density", f"{dens:.6f}"]
+                proc, _ = run(cmd)
+                out = [json.loads(line) for line in proc.stdout.splitlines()]
+                by = {r["workers"]: r for r in out if "event" not in r}
+                knee = [r for r in out if "event" in r][0]["stops_paying_workers"]
+                print(f"| {model} | {ms:.4g} | {name} | " + " | ".join(f"{by[c]['speedup']:.1f}x" for c in counts) +
+                      f" | {knee or 'beyond 500'} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--sections", default="bytes,rate,accuracy")
+    parser.add_argument("--calibration", default=os.path.join(ROOT, "tests", "data", "calibration_cnn.json"))
+    parser.add_argument("--accuracy-rows", default="", help="e.g. average,gossip: only these accuracy rows")
     args = parser.parse_args()
     print(f"machine: {machine()}")
     with tempfile.TemporaryDirectory() as tmp:
         for section in args.sections.split(","):
-            {"bytes": section_bytes, "rate": section_rate, "accuracy": section_accuracy}[section](args, tmp)
+            {"bytes": section_bytes, "rate": section_rate, "accuracy": section_accuracy,
+             "simulate": section_simulate}[section](args, tmp)
 
 
 if __name__ == "__main__":

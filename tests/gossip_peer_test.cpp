@@ -157,7 +157,8 @@ TEST(GossipWire, PeerAddressesAreParsedOrRefusedCleanly) {
 // n peers on 127.0.0.1, connected to each other.
 std::vector<std::unique_ptr<Peer>> makePeers(int n, size_t numel, double timeout,
                                              const std::vector<std::string>& tokens = {},
-                                             const std::string& codec = "none", int64_t warmup = 0) {
+                                             const std::string& codec = "none", int64_t warmup = 0,
+                                             const std::vector<RowTable>& tables = {}) {
   std::vector<std::unique_ptr<Peer>> peers;
   std::vector<HostPort> addresses;
   for (int r = 0; r < n; ++r) {
@@ -167,7 +168,8 @@ std::vector<std::unique_ptr<Peer>> makePeers(int n, size_t numel, double timeout
                                                        .timeoutSeconds = timeout,
                                                        .numel = numel,
                                                        .codec = codec,
-                                                       .codecWarmupSteps = warmup}));
+                                                       .codecWarmupSteps = warmup,
+                                                       .tables = tables}));
     addresses.push_back(peers.back()->address());
   }
   for (auto& p : peers) p->connect(addresses);
@@ -275,6 +277,83 @@ void finishAll(std::vector<std::unique_ptr<Peer>>& peers) {
   std::vector<std::thread> finishing;
   for (auto& p : peers) finishing.emplace_back([&p] { p->finish(PeerReport{}); });
   for (auto& t : finishing) t.join();
+}
+
+// Row tables: only the rows named travel, summed per destination across steps, and the
+// receiver learns which rows it got; the floats outside the tables travel whole.
+TEST(GossipPeer, RowTablesSendOnlyTheRowsNamed) {
+  // 2 dense floats, a table of 1000 rows x 2 at offset 2, 1 dense float after it.
+  constexpr size_t kNumel = 2 + 1000 * 2 + 1;
+  const std::vector<RowTable> tables{{.offset = 2, .rows = 1000, .dim = 2}};
+  auto peers = makePeers(2, kNumel, 30, {}, "none", 0, tables);
+  const std::vector<int> none;  // sent at finish, as one message
+  std::vector<float> update(kNumel, 99.0f);  // rows not named must not be read
+  update[0] = 1;
+  update[1] = 2;
+  update[kNumel - 1] = 3;
+  update[2 + 1 * 2] = 0.5f;
+  update[3 + 1 * 2] = -0.5f;
+  update[2 + 400 * 2] = 4;
+  update[3 + 400 * 2] = 5;
+  peers[0]->publish(update, meta(1), none, std::vector<std::vector<uint32_t>>{{400, 1}});
+  update[2 + 400 * 2] = 1;
+  update[3 + 400 * 2] = 1;
+  peers[0]->publish(update, meta(2), none, std::vector<std::vector<uint32_t>>{{400}});
+  EXPECT_THROW(peers[0]->publish(update, meta(3), none, std::vector<std::vector<uint32_t>>{{1000}}), InvalidArgument);
+  EXPECT_THROW(peers[0]->publish(update, meta(3), none), InvalidArgument);  // no rows for the table
+  finishAll(peers);
+  std::vector<float> into(kNumel, 0.0f);
+  Drained d = peers[1]->drain(into);
+  EXPECT_EQ(d.messages, 1);
+  EXPECT_EQ(d.steps, 2);
+  ASSERT_EQ(d.rows.size(), 1u);
+  std::sort(d.rows[0].begin(), d.rows[0].end());
+  EXPECT_EQ(d.rows[0], (std::vector<uint32_t>{1, 400}));
+  std::vector<float> expected(kNumel, 0.0f);
+  expected[0] = 2;
+  expected[1] = 4;
+  expected[kNumel - 1] = 6;
+  expected[2 + 1 * 2] = 0.5f;
+  expected[3 + 1 * 2] = -0.5f;
+  expected[2 + 400 * 2] = 5;
+  expected[3 + 400 * 2] = 6;
+  EXPECT_EQ(into, expected);
+  // The UPDATE is the meta, the 3 dense floats' message and 2 rows, not the table's 8000 bytes:
+  // with the handshake and DONE, the stream carried less than 600 bytes.
+  const auto c = peers[0]->counters();
+  EXPECT_EQ(c[1].messagesSent, 1);
+  EXPECT_LT(c[1].bytesSent, 600);
+  EXPECT_EQ(peers[1]->counters()[0].bytesReceived, c[1].bytesSent);
+  // A drain with nothing new lists no rows, and the inbox was left zero.
+  std::vector<float> rest(kNumel, 0.0f);
+  d = peers[1]->drain(rest);
+  EXPECT_EQ(rest, std::vector<float>(kNumel, 0.0f));
+  EXPECT_TRUE(d.rows[0].empty());
+}
+
+TEST(GossipWire, RowPayloadsRoundTripAndMalformedOnesAreRejected) {
+  const std::vector<RowTable> tables{{.offset = 1, .rows = 4, .dim = 2}, {.offset = 9, .rows = 3, .dim = 1}};
+  const std::vector<float> update{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+  const std::vector<uint8_t> dense{7, 7, 7};
+  std::vector<uint8_t> payload;
+  appendRowPayload(payload, dense, tables, std::vector<std::vector<uint32_t>>{{0, 3}, {2}}, update);
+  const RowPayload p = parseRowPayload(payload, tables);
+  EXPECT_EQ(std::vector<uint8_t>(p.denseMessage.begin(), p.denseMessage.end()), dense);
+  EXPECT_EQ(p.rows[0], (std::vector<uint32_t>{0, 3}));
+  EXPECT_EQ(p.values[0], (std::vector<float>{1, 2, 7, 8}));
+  EXPECT_EQ(p.rows[1], (std::vector<uint32_t>{2}));
+  EXPECT_EQ(p.values[1], (std::vector<float>{11}));
+  for (size_t n = 0; n < payload.size(); ++n) {
+    EXPECT_THROW(parseRowPayload(std::span(payload).first(n), tables), InvalidArgument) << n;
+  }
+  auto longer = payload;
+  longer.push_back(0);
+  EXPECT_THROW(parseRowPayload(longer, tables), InvalidArgument);
+  std::vector<uint8_t> beyond, unordered;
+  appendRowPayload(beyond, dense, tables, std::vector<std::vector<uint32_t>>{{4}, {}}, std::vector<float>(20));
+  EXPECT_THROW(parseRowPayload(beyond, tables), InvalidArgument);
+  appendRowPayload(unordered, dense, tables, std::vector<std::vector<uint32_t>>{{3, 1}, {}}, update);
+  EXPECT_THROW(parseRowPayload(unordered, tables), InvalidArgument);
 }
 
 // The codec slot: after the warm-up step (sent uncompressed), each destination's messages come

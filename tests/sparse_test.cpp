@@ -26,6 +26,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <fstream>
 
 namespace cohort {
@@ -327,6 +329,54 @@ TEST(SparsePs, Fp16RowsTrainCloseToFloat32Rows) {
   EXPECT_LT(halfBytes, fullBytes);
   EXPECT_TRUE(torch::allclose(table(half), table(full), 1e-2, 1e-2));
   EXPECT_FALSE(torch::equal(table(half), table(full)));
+}
+
+// The Trainer under ps with a sparse model: every step's push and reply carry rows, never the
+// table, also at an epoch's end (the next epoch's first batch is prefetched), before an evaluation
+// and at the last step; the whole model travels only in the pulls outside the steps (the first,
+// one per evaluation, the last), which the done event counts.
+TEST(SparsePs, TrainerStepsCarryRowsAtEpochEndsEvaluationsAndTheLastStep) {
+  Shards shards(2);
+  test::TempDir dir;
+  TrainOptions o;
+  o.model = "embed:rows=4000,dim=8,hidden=8";
+  o.data = "synthetic-bags:240,4000";
+  o.batch = 4;
+  o.epochs = 2;  // 60 steps per epoch
+  o.evalEvery = 50;
+  o.threads = 1;
+  o.progress = ProgressMode::kOff;
+  o.optimizer = "adagrad";
+  o.lr = 0.05;
+  o.metricsPath = dir.file("m.jsonl");
+  o.strategy.name = "ps";
+  o.strategy.ps.hosts = shards.hosts;
+  Trainer trainer(o);
+  const TrainResult r = trainer.run();
+  ASSERT_EQ(r.steps, 120);
+  const int64_t tableBytes = 4000 * 8 * 4;
+  const int64_t modelBytes = parameterCount(*trainer.model()) * 4;
+  // At most 4 bags x 50 ids, each row an id (<= 5 bytes) and 8 floats, pushed and asked back;
+  // the dense layers (8*8+8 + 2*8+2 floats) both ways; framing.
+  const int64_t rowsBound = 4 * 50 * (5 + 8 * 4) + (8 * 8 + 8 + 2 * 8 + 2) * 4 + 256;
+  ASSERT_LT(rowsBound, tableBytes / 10);
+  std::ifstream in(o.metricsPath);
+  std::string line;
+  int steps = 0;
+  int64_t wholePulls = -1;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["event"] == "done") wholePulls = j["whole_model_pull_bytes"].get<int64_t>();
+    if (j["event"] != "step") continue;
+    ++steps;
+    const int64_t step = j["step"].get<int64_t>();
+    EXPECT_LE(j["bytes_received"].get<int64_t>(), rowsBound) << "step " << step;
+    EXPECT_LE(j["bytes_sent"].get<int64_t>(), rowsBound) << "step " << step;
+    EXPECT_GT(j["bytes_received"].get<int64_t>(), 0) << "step " << step;
+  }
+  EXPECT_EQ(steps, 120);
+  // The first pull, the evaluations at steps 50 and 100, the last pull in finish().
+  EXPECT_EQ(wholePulls, 4 * modelBytes);
 }
 
 // A shard holds only its rows; its checkpoint keeps them, their row width and the lazy optimizer

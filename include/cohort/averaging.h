@@ -12,6 +12,11 @@
 // With a codec, what travels is each rank's change since the last average, through the codec
 // (with its residual); buffers and optimizer state travel uncompressed.
 //
+// Sparse embedding tables (nn::Embedding / nn::EmbeddingBag with sparse(true)) are averaged by
+// rows: each rank sends the rows its gradients touched since the last average, which step() reads
+// from the tables' gradients; so between two step() calls a table must change only through its
+// rows in the gradient (what an optimizer for sparse gradients does).
+//
 // Contract: every rank calls step() and synchronize() equally often (they are collectives of the
 // job's workers), from the training thread. Errors are cohort::Error subclasses; every wait is
 // bounded by the job's timeout.

@@ -9,6 +9,11 @@
 //   }
 //   gossip.finish();               // send what is left, wait (at most the timeout) for the others
 //
+// A sparse embedding table (nn::Embedding / nn::EmbeddingBag with sparse(true)) travels by rows:
+// step() reads the rows its gradient touched (so between two calls a table must change only
+// through those rows, as an optimizer for sparse gradients does) and sends only the rows changed
+// since the last message to a peer.
+//
 // Peers meet through the rendezvous store at the chief's address; each listens on a socket of its own. A
 // dead peer is logged once and left behind; no step ever waits for another peer. Contract: the
 // same model on every worker; calls from the training thread; finish() once, on every worker.

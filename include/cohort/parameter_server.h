@@ -98,7 +98,8 @@ class ParameterServerClient {
   // a push carries the rows the gradient touched, and the shards hold each table partitioned by
   // rows. Before step(), name the rows of `table` the *next* step will read: the push then asks
   // for those rows back, after its update, instead of the whole table (the next step's pull rides
-  // on this push). A step without them brings back every row.
+  // on this push). A step without them brings back every row; with none (an empty `rows`), no
+  // row: what a caller does before its last step, or before synchronize() pulls everything.
   void prefetchRows(const torch::Tensor& table, const torch::Tensor& rows);
   // Pulls the current parameters (before evaluating); no-op after finish().
   void synchronize();

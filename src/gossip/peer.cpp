@@ -182,6 +182,10 @@ struct Peer::Impl {
     Mutex mutex;
     CondVar cv;
     std::vector<float> pending GUARDED_BY(mutex);
+    // With row tables: pending is zero but outside them on the rows listed here (per table;
+    // marked, so that each is listed once). The sender zeroes what it sent before it swaps back.
+    std::vector<std::vector<uint32_t>> pendingRows GUARDED_BY(mutex);
+    std::vector<std::vector<uint8_t>> pendingMarks GUARDED_BY(mutex);
     UpdateMeta meta GUARDED_BY(mutex);  // sums over what is pending
     bool hasPending GUARDED_BY(mutex) = false;
     bool ready GUARDED_BY(mutex) = false;  // chosen by publish(), send now
@@ -195,6 +199,11 @@ struct Peer::Impl {
   // Constant after construction.
   PeerOptions options;
   compress::CodecSpec codec;
+  // With row tables: the floats outside them, as [begin, end) ranges, and how many (what the
+  // codec encodes; at least 1, as an Encoder wants).
+  std::vector<std::pair<size_t, size_t>> denseRanges;
+  size_t denseLength = 0;
+  bool rowTables() const { return !options.tables.empty(); }
   uint32_t maxBody = 0;  // of a frame after the handshake
   int listenFd = -1;
   int port = 0;
@@ -209,7 +218,8 @@ struct Peer::Impl {
 
   Mutex inboxMutex;
   std::vector<float> inbox GUARDED_BY(inboxMutex);
-  Drained received GUARDED_BY(inboxMutex);
+  Drained received GUARDED_BY(inboxMutex);  // with row tables, its rows list the inbox's rows
+  std::vector<std::vector<uint8_t>> inboxMarks GUARDED_BY(inboxMutex);  // per table: listed in received.rows
 
   mutable Mutex stateMutex;
   CondVar stateCv;
@@ -223,7 +233,23 @@ struct Peer::Impl {
     COHORT_CHECK(limit <= UINT32_MAX, InvalidArgument, "a model of ", options.numel,
                  " parameters is too large for gossip frames (4 GiB at most)");
     maxBody = uint32_t(limit);
+    size_t end = 0;
+    for (const RowTable& t : options.tables) {
+      COHORT_CHECK(t.dim > 0 && t.offset >= end && t.offset + uint64_t(t.rows) * t.dim <= options.numel,
+                   InvalidArgument, "gossip: row tables must be disjoint, in order, and inside the ", options.numel,
+                   " floats of an update");
+      if (t.offset > end) denseRanges.emplace_back(end, size_t(t.offset));
+      end = size_t(t.offset + uint64_t(t.rows) * t.dim);
+    }
+    if (end < options.numel) denseRanges.emplace_back(end, options.numel);
+    for (const auto& [b, e] : denseRanges) denseLength += e - b;
+    denseLength = std::max<size_t>(denseLength, 1);
     inbox.assign(options.numel, 0.0f);
+    {
+      MutexLock lock(inboxMutex);
+      received.rows.resize(options.tables.size());
+      for (const RowTable& t : options.tables) inboxMarks.emplace_back(t.rows, 0);
+    }
     peers.resize(size_t(options.worldSize));
     streamTaken.assign(size_t(options.worldSize), false);
     // Made here, not in connect(): a reader may mark a peer lost before connect() runs.
@@ -233,6 +259,8 @@ struct Peer::Impl {
       outboxes[size_t(r)] = std::make_unique<Outbox>();
       MutexLock lock(outboxes[size_t(r)]->mutex);
       outboxes[size_t(r)]->pending.assign(options.numel, 0.0f);
+      outboxes[size_t(r)]->pendingRows.resize(options.tables.size());
+      for (const RowTable& t : options.tables) outboxes[size_t(r)]->pendingMarks.emplace_back(t.rows, 0);
     }
   }
 
@@ -500,27 +528,73 @@ struct Peer::Impl {
       COHORT_CHECK(meta.sender == uint32_t(from) && meta.numel == options.numel, InvalidArgument, "an UPDATE from ",
                    meta.sender, " of ", meta.numel, " floats on the stream of peer ", from, " (expected ",
                    options.numel, ")");
-      // Codec messages describe themselves; decodeAdd checks the whole message before it adds.
-      decoded.assign(options.numel, 0.0f);
-      compress::decodeAdd(content.subspan(kUpdateHeaderBytes), decoded, 1.0f);
-      // As the shards refuse non-finite pushes: one NaN would poison this replica for good.
-      const auto bad = std::find_if(decoded.begin(), decoded.end(), [](float v) { return !std::isfinite(v); });
-      COHORT_CHECK(bad == decoded.end(), InvalidArgument, "an update holding ", std::isnan(*bad) ? "NaN" : "Inf",
-                   " at element ", bad - decoded.begin());
-      {
-        MutexLock lock(inboxMutex);
-        float* in = inbox.data();
-        for (size_t i = 0; i < decoded.size(); ++i) in[i] += decoded[i];
-        received.steps += meta.steps;
-        received.samples += meta.samples;
-        ++received.messages;
-        received.metas.push_back(meta);
+      if (rowTables()) {
+        receiveRows(content.subspan(kUpdateHeaderBytes), meta, decoded);
+      } else {
+        receiveDense(content.subspan(kUpdateHeaderBytes), meta, decoded);
       }
       MutexLock lock(stateMutex);
       PeerCounters& p = peers[size_t(from)];
       p.bytesReceived += frameBytes;
       ++p.messagesReceived;
     }
+  }
+
+  // An UPDATE's codec message of all numel floats.
+  void receiveDense(std::span<const uint8_t> message, const UpdateMeta& meta, std::vector<float>& decoded)
+      EXCLUDES(inboxMutex) {
+    // Codec messages describe themselves; decodeAdd checks the whole message before it adds.
+    decoded.assign(options.numel, 0.0f);
+    compress::decodeAdd(message, decoded, 1.0f);
+    // As the shards refuse non-finite pushes: one NaN would poison this replica for good.
+    const auto bad = std::find_if(decoded.begin(), decoded.end(), [](float v) { return !std::isfinite(v); });
+    COHORT_CHECK(bad == decoded.end(), InvalidArgument, "an update holding ", std::isnan(*bad) ? "NaN" : "Inf",
+                 " at element ", bad - decoded.begin());
+    MutexLock lock(inboxMutex);
+    float* in = inbox.data();
+    for (size_t i = 0; i < decoded.size(); ++i) in[i] += decoded[i];
+    received.steps += meta.steps;
+    received.samples += meta.samples;
+    ++received.messages;
+    received.metas.push_back(meta);
+  }
+
+  // An UPDATE's row payload: checked whole (its layout, finite values) before it joins the inbox.
+  void receiveRows(std::span<const uint8_t> payload, const UpdateMeta& meta, std::vector<float>& decoded)
+      EXCLUDES(inboxMutex) {
+    const RowPayload rows = parseRowPayload(payload, options.tables);
+    decoded.assign(denseLength, 0.0f);
+    compress::decodeAdd(rows.denseMessage, decoded, 1.0f);
+    auto finite = [](const std::vector<float>& v, const char* where) {
+      const auto bad = std::find_if(v.begin(), v.end(), [](float x) { return !std::isfinite(x); });
+      COHORT_CHECK(bad == v.end(), InvalidArgument, "an update holding ", std::isnan(*bad) ? "NaN" : "Inf", " in ",
+                   where);
+    };
+    finite(decoded, "its dense part");
+    for (const auto& v : rows.values) finite(v, "its rows");
+    MutexLock lock(inboxMutex);
+    float* in = inbox.data();
+    size_t at = 0;
+    for (const auto& [b, e] : denseRanges) {
+      for (size_t i = b; i < e; ++i) in[i] += decoded[at++];
+    }
+    for (size_t t = 0; t < options.tables.size(); ++t) {
+      const RowTable& table = options.tables[t];
+      for (size_t j = 0; j < rows.rows[t].size(); ++j) {
+        const uint32_t r = rows.rows[t][j];
+        if (!inboxMarks[t][r]) {
+          inboxMarks[t][r] = 1;
+          received.rows[t].push_back(r);
+        }
+        float* dst = in + table.offset + uint64_t(r) * table.dim;
+        const float* src = rows.values[t].data() + j * table.dim;
+        for (uint32_t k = 0; k < table.dim; ++k) dst[k] += src[k];
+      }
+    }
+    received.steps += meta.steps;
+    received.samples += meta.samples;
+    ++received.messages;
+    received.metas.push_back(meta);
   }
 
   // One connection attempt; -1 (and `error`) when it failed.
@@ -675,8 +749,11 @@ struct Peer::Impl {
     std::vector<float> sending(options.numel);
     std::vector<uint8_t> frame, message;
     // One encoder per destination: its residual is what this peer has not yet sent to that one.
-    compress::Encoder encoder(codec, options.numel);
-    compress::Encoder rawEncoder(compress::CodecSpec{}, options.numel);  // warm-up steps
+    const size_t encoded = rowTables() ? denseLength : options.numel;
+    compress::Encoder encoder(codec, encoded);
+    compress::Encoder rawEncoder(compress::CodecSpec{}, encoded);  // warm-up steps
+    std::vector<std::vector<uint32_t>> sendingRows(options.tables.size());
+    std::vector<float> dense(rowTables() ? denseLength : 0);
     auto send = [&](std::vector<uint8_t>& bytes, bool isUpdate) {
       sealer.seal(bytes);
       const std::string failed = writeAll(fd, bytes.data(), bytes.size());
@@ -704,6 +781,12 @@ struct Peer::Impl {
         if (stopping.load() || box.dead.load()) break;
         if (box.hasPending && (box.ready || box.finishing)) {
           std::swap(sending, box.pending);
+          if (rowTables()) {
+            std::swap(sendingRows, box.pendingRows);
+            for (size_t t = 0; t < sendingRows.size(); ++t) {
+              for (uint32_t row : sendingRows[t]) box.pendingMarks[t][row] = 0;
+            }
+          }
           meta = box.meta;
           box.hasPending = false;
           box.ready = false;
@@ -718,8 +801,31 @@ struct Peer::Impl {
                             ? Encoding::kRaw
                             : Encoding::kCodec;
         beginUpdateFrame(meta, frame);
-        (meta.encoding == Encoding::kRaw ? rawEncoder : encoder).encode(sending, message);
-        frame.insert(frame.end(), message.begin(), message.end());
+        compress::Encoder& enc = meta.encoding == Encoding::kRaw ? rawEncoder : encoder;
+        if (rowTables()) {
+          // The floats outside the tables through the codec, the rows as they are; then `sending`
+          // is made zero again (it comes back as an outbox's pending), at the same cost.
+          size_t at = 0;
+          for (const auto& [b, e] : denseRanges) {
+            std::copy(sending.begin() + ptrdiff_t(b), sending.begin() + ptrdiff_t(e), dense.begin() + ptrdiff_t(at));
+            std::fill(sending.begin() + ptrdiff_t(b), sending.begin() + ptrdiff_t(e), 0.0f);
+            at += e - b;
+          }
+          enc.encode(dense, message);
+          for (auto& rows : sendingRows) std::sort(rows.begin(), rows.end());
+          appendRowPayload(frame, message, options.tables, sendingRows, sending);
+          for (size_t t = 0; t < sendingRows.size(); ++t) {
+            const RowTable& table = options.tables[t];
+            for (uint32_t row : sendingRows[t]) {
+              float* v = sending.data() + table.offset + uint64_t(row) * table.dim;
+              std::fill(v, v + table.dim, 0.0f);
+            }
+            sendingRows[t].clear();
+          }
+        } else {
+          enc.encode(sending, message);
+          frame.insert(frame.end(), message.begin(), message.end());
+        }
         ok = send(frame, true);
       }
       if (ok && finishing) {
@@ -769,17 +875,51 @@ void Peer::connect(const std::vector<HostPort>& addresses) {
   }
 }
 
-void Peer::publish(std::span<const float> update, const UpdateMeta& meta, std::span<const int> to) {
+void Peer::publish(std::span<const float> update, const UpdateMeta& meta, std::span<const int> to,
+                   std::span<const std::vector<uint32_t>> rows) {
   Impl& m = *impl_;
   COHORT_CHECK(update.size() == m.options.numel, InvalidArgument, "gossip: an update of ", update.size(),
                " floats, expected ", m.options.numel);
+  COHORT_CHECK(rows.size() == m.options.tables.size(), InvalidArgument, "gossip: rows of ", rows.size(),
+               " tables for a model of ", m.options.tables.size());
+  for (size_t t = 0; t < rows.size(); ++t) {
+    for (uint32_t row : rows[t]) {
+      COHORT_CHECK(row < m.options.tables[t].rows, InvalidArgument, "gossip: row ", row, " of a table of ",
+                   m.options.tables[t].rows, " rows");
+    }
+  }
   for (int r = 0; r < int(m.outboxes.size()); ++r) {
     auto& box = m.outboxes[size_t(r)];
     if (!box || box->dead.load() || box->closed.load()) continue;
     const bool chosen = std::find(to.begin(), to.end(), r) != to.end();
     {
       MutexLock lock(box->mutex);
-      if (!box->hasPending) {
+      if (m.rowTables()) {
+        // pending is zero outside its listed rows: add, whether or not something is pending.
+        float* p = box->pending.data();
+        for (const auto& [b, e] : m.denseRanges) {
+          for (size_t i = b; i < e; ++i) p[i] += update[i];
+        }
+        for (size_t t = 0; t < rows.size(); ++t) {
+          const RowTable& table = m.options.tables[t];
+          for (uint32_t row : rows[t]) {
+            if (!box->pendingMarks[t][row]) {
+              box->pendingMarks[t][row] = 1;
+              box->pendingRows[t].push_back(row);
+            }
+            const size_t at = size_t(table.offset + uint64_t(row) * table.dim);
+            for (size_t k = at; k < at + table.dim; ++k) p[k] += update[k];
+          }
+        }
+        if (!box->hasPending) {
+          box->meta = meta;
+          box->meta.sender = uint32_t(m.options.rank);
+          box->meta.numel = m.options.numel;
+          box->meta.steps = 0;
+          box->meta.samples = 0;
+          box->hasPending = true;
+        }
+      } else if (!box->hasPending) {
         std::copy(update.begin(), update.end(), box->pending.begin());
         box->meta = meta;
         box->meta.sender = uint32_t(m.options.rank);
@@ -809,6 +949,10 @@ Drained Peer::drain(std::vector<float>& into) {
   std::swap(into, m.inbox);
   Drained out = std::move(m.received);
   m.received = Drained{};
+  m.received.rows.resize(m.options.tables.size());
+  for (size_t t = 0; t < out.rows.size(); ++t) {
+    for (uint32_t r : out.rows[t]) m.inboxMarks[t][r] = 0;
+  }
   return out;
 }
 

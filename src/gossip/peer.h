@@ -44,6 +44,10 @@ struct PeerOptions {
   size_t numel = 0;                   // floats in an update
   std::string codec = "none";         // --codec (compress/codec.h); "none": float32
   int64_t codecWarmupSteps = 0;       // updates of steps below this go raw (uncompressed)
+  // Row tables inside an update (sparse embedding tables), by increasing offset, disjoint: of
+  // these only the rows publish() names are read, accumulated and sent (as float32 rows; the
+  // codec applies to the floats outside them), so what a step costs follows the rows it changed.
+  std::vector<RowTable> tables;
 };
 
 // What the receivers folded into the inbox since the last drain().
@@ -52,6 +56,9 @@ struct Drained {
   int64_t samples = 0;  // their examples
   int64_t messages = 0;
   std::vector<UpdateMeta> metas;  // one per message, for staleness
+  // Per row table (PeerOptions::tables): the rows that hold received values (distinct, in no
+  // order); the tables' other rows in the drained buffer are zero.
+  std::vector<std::vector<uint32_t>> rows;
 };
 
 // Per-peer counters, indexed by rank.
@@ -91,7 +98,10 @@ class Peer {
 
   // Adds update (numel floats, made by this peer's step meta.step) to every live peer's
   // accumulator and asks the peers in `to` to send theirs now. Never blocks on the network.
-  void publish(std::span<const float> update, const UpdateMeta& meta, std::span<const int> to);
+  // With row tables, `rows` names per table the rows of update that hold this step's change
+  // (distinct); the tables' other rows of update are not read.
+  void publish(std::span<const float> update, const UpdateMeta& meta, std::span<const int> to,
+               std::span<const std::vector<uint32_t>> rows = {});
 
   // Swaps the inbox with `into` (which must hold numel floats, all zero): afterwards `into` holds
   // the sum of the updates received since the last drain, and the inbox is the old `into`.

@@ -123,6 +123,61 @@ UpdateMeta parseUpdate(std::span<const uint8_t> body) {
   return m;
 }
 
+void appendRowPayload(std::vector<uint8_t>& frame, std::span<const uint8_t> denseMessage,
+                      std::span<const RowTable> tables, std::span<const std::vector<uint32_t>> rows,
+                      std::span<const float> update) {
+  COHORT_CHECK(rows.size() == tables.size(), InvalidArgument, "gossip: rows for ", rows.size(), " tables, expected ",
+               tables.size());
+  put<uint64_t>(frame, denseMessage.size());
+  frame.insert(frame.end(), denseMessage.begin(), denseMessage.end());
+  for (size_t t = 0; t < tables.size(); ++t) {
+    const RowTable& table = tables[t];
+    put<uint32_t>(frame, uint32_t(rows[t].size()));
+    for (uint32_t r : rows[t]) put<uint32_t>(frame, r);
+    for (uint32_t r : rows[t]) {
+      const float* v = update.data() + table.offset + uint64_t(r) * table.dim;
+      const size_t at = frame.size();
+      frame.resize(at + table.dim * sizeof(float));
+      std::memcpy(frame.data() + at, v, table.dim * sizeof(float));  // little-endian host (codec.h)
+    }
+  }
+}
+
+RowPayload parseRowPayload(std::span<const uint8_t> payload, std::span<const RowTable> tables) {
+  Reader r(payload, "UPDATE (rows)");
+  RowPayload out;
+  const auto messageBytes = r.get<uint64_t>();
+  COHORT_CHECK(messageBytes <= r.rest().size(), InvalidArgument, "gossip UPDATE with a dense part of ", messageBytes,
+               " bytes in a payload of ", payload.size());
+  out.denseMessage = r.rest().subspan(0, size_t(messageBytes));
+  size_t at = r.at() + size_t(messageBytes);
+  for (const RowTable& table : tables) {
+    Reader t(payload.subspan(at), "UPDATE (rows)");
+    const auto count = t.get<uint32_t>();
+    COHORT_CHECK(count <= table.rows, InvalidArgument, "gossip UPDATE with ", count, " rows of a table of ",
+                 table.rows);
+    const uint64_t bytes = uint64_t(count) * 4 + uint64_t(count) * table.dim * sizeof(float);
+    COHORT_CHECK(bytes <= t.rest().size(), InvalidArgument, "gossip UPDATE (rows) frame is truncated (", count,
+                 " rows of ", table.dim, " floats in ", t.rest().size(), " bytes)");
+    std::vector<uint32_t> rows(count);
+    for (uint32_t i = 0; i < count; ++i) {
+      rows[i] = t.get<uint32_t>();
+      COHORT_CHECK(rows[i] < table.rows, InvalidArgument, "gossip UPDATE with row ", rows[i], " of a table of ",
+                   table.rows, " rows");
+      COHORT_CHECK(i == 0 || rows[i] > rows[i - 1], InvalidArgument, "gossip UPDATE rows not strictly increasing at row ",
+                   rows[i]);
+    }
+    std::vector<float> values(size_t(count) * table.dim);
+    if (!values.empty()) std::memcpy(values.data(), t.rest().data(), values.size() * sizeof(float));
+    at += t.at() + values.size() * sizeof(float);
+    out.rows.push_back(std::move(rows));
+    out.values.push_back(std::move(values));
+  }
+  COHORT_CHECK(at == payload.size(), InvalidArgument, "gossip UPDATE with ", payload.size() - at,
+               " bytes after its rows");
+  return out;
+}
+
 namespace {
 
 template <size_t N>

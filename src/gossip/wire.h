@@ -8,7 +8,13 @@
 //   ACCEPT    = proof (32)
 //   REFUSE    = reason u32
 //   UPDATE    = sender u32 | encoding u32 (0 uncompressed, 1 the job's codec) | version i64 | step i64
-//               | steps i64 | samples i64 | numel u64 | codec message (compress/codec.h) | tag (16)
+//               | steps i64 | samples i64 | numel u64 | payload | tag (16)
+//     payload = codec message (compress/codec.h) of all numel floats; or, for a model with row
+//               tables (sparse embedding tables, PeerOptions::tables), the row payload:
+//               message size u64 | codec message of the floats outside the tables | per table, in
+//               order: count u32 | rows u32[count] (strictly increasing, below the table's rows)
+//               | their values f32[count * dim]. Only the rows changed since the last UPDATE on
+//               the stream travel; the codec applies to the part outside the tables.
 //   DONE      = the sender's PeerReport (8 i64) | tag (16)
 // Integers are little-endian.
 //
@@ -169,7 +175,30 @@ Hello parseHello(std::span<const uint8_t> body);
 Proof parseAccept(std::span<const uint8_t> body);
 RefuseReason parseRefuse(std::span<const uint8_t> body);
 PeerReport parseDone(std::span<const uint8_t> body);
-// The meta, and the codec message is body.subspan(kUpdateHeaderBytes).
+// The meta, and the payload is body.subspan(kUpdateHeaderBytes).
 UpdateMeta parseUpdate(std::span<const uint8_t> body);
+
+// A table of rows inside an update's numel floats: floats [offset, offset + rows * dim), row r at
+// offset + r * dim.
+struct RowTable {
+  uint64_t offset = 0;
+  uint32_t rows = 0;
+  uint32_t dim = 0;
+};
+
+// Appends the row payload: denseMessage, then for each table its `rows` (sorted, distinct) with
+// their values read from `update` (the whole numel floats).
+void appendRowPayload(std::vector<uint8_t>& frame, std::span<const uint8_t> denseMessage,
+                      std::span<const RowTable> tables, std::span<const std::vector<uint32_t>> rows,
+                      std::span<const float> update);
+
+struct RowPayload {
+  std::span<const uint8_t> denseMessage;       // within the payload parsed
+  std::vector<std::vector<uint32_t>> rows;     // per table
+  std::vector<std::vector<float>> values;      // per table, rows * dim floats
+};
+// Throws InvalidArgument naming what is wrong (truncated, a row beyond its table or out of order,
+// bytes left over); never reads past payload.
+RowPayload parseRowPayload(std::span<const uint8_t> payload, std::span<const RowTable> tables);
 
 }  // namespace cohort::gossip

@@ -71,12 +71,44 @@ struct ParameterAveraging::Impl {
   // changed on some replica since the last average travel (averageRows).
   std::vector<torch::Tensor> tables;
   std::vector<torch::Tensor> tableAnchors;  // each table after the last average
+  // Per table, the rows its gradients touched since the last average (each step's indices, not
+  // yet made distinct), so that finding the changed rows costs what the steps touched, not a scan
+  // of the table. A dense gradient of a table (not row-sparse after all) sets wholeTable, and the
+  // rows are then found by comparing the table with its anchor.
+  std::vector<std::vector<torch::Tensor>> touched;
+  std::vector<bool> wholeTable;
+
+  // After each optimizer step: the rows the step touched. The optimizers for row-sparse
+  // gradients (the lazy ones, torch's sparse-capable ones) change no other row.
+  void recordTouchedRows() {
+    torch::NoGradGuard noGrad;
+    for (size_t t = 0; t < tables.size(); ++t) {
+      const torch::Tensor& g = tables[t].grad();
+      if (!g.defined()) continue;
+      if (g.is_sparse()) {
+        touched[t].push_back(g._indices().select(0, 0).clone());
+      } else {
+        wholeTable[t] = true;
+      }
+    }
+  }
 
   // table := anchor + the mean over the replicas of their change since the last average, where
   // each replica sends only the rows it changed (ids and the rows' changes).
-  void averageRows(torch::Tensor& table, torch::Tensor& anchor, bool useCodec) {
+  void averageRows(size_t t, bool useCodec) {
     torch::NoGradGuard noGrad;
-    const torch::Tensor ids = table.ne(anchor).any(1).nonzero().select(1, 0).contiguous();
+    torch::Tensor& table = tables[t];
+    torch::Tensor& anchor = tableAnchors[t];
+    torch::Tensor ids;
+    if (wholeTable[t]) {
+      ids = table.ne(anchor).any(1).nonzero().select(1, 0).contiguous();
+    } else if (touched[t].empty()) {
+      ids = torch::empty({0}, torch::kInt64);
+    } else {
+      ids = std::get<0>(torch::_unique(torch::cat(touched[t]), /*sorted=*/true)).contiguous();
+    }
+    touched[t].clear();
+    wholeTable[t] = false;
     const torch::Tensor change = (table.index_select(0, ids) - anchor.index_select(0, ids)).div_(comm->worldSize());
     SummedRows sum = allreduceRows(*comm, ids, change, useCodec ? codec : compress::CodecSpec{});
     stats.bytesSent += sum.bytesSent;
@@ -153,7 +185,7 @@ struct ParameterAveraging::Impl {
       }
     }
     for (size_t t = 0; t < tables.size(); ++t) {
-      averageRows(tables[t], tableAnchors[t], codec.kind != compress::CodecKind::None && stats.steps > options.codecWarmupSteps);
+      averageRows(t, codec.kind != compress::CodecKind::None && stats.steps > options.codecWarmupSteps);
     }
     for (auto& b : module->buffers()) tensors.push_back(b);
     if (options.averageOptimizerState) {
@@ -213,6 +245,8 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
                                 " momentum=", s.options.outerMomentum));
   broadcastModel(*s.comm, module);
   for (auto& t : s.tables) s.tableAnchors.push_back(t.detach().clone());
+  s.touched.resize(s.tables.size());
+  s.wholeTable.assign(s.tables.size(), false);
   if (s.params.empty()) {
     COHORT_CHECK(!s.hasOuterOptimizer(), InvalidArgument, kWho,
                  ": an outer optimizer needs dense parameters; this module has only row-sparse tables");
@@ -237,6 +271,7 @@ bool ParameterAveraging::step() {
   Impl& s = *impl_;
   ++s.stats.steps;
   if (s.comm == nullptr) return false;
+  s.recordTouchedRows();
   if (++s.sinceAverage < s.options.period) return false;
   s.average();
   return true;

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <chrono>
 #include <cstring>
+#include <numeric>
 #include <random>
 
 namespace cohort {
@@ -62,6 +63,14 @@ struct Gossip::Impl {
     for (const auto& [name, p] : uniqueParameters(model)) {
       COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous(), InvalidArgument,
                    "parameter ", name, " is not a contiguous float32 tensor: gossip sends float32 updates");
+      tableOf_.push_back(-1);
+      if (p.dim() == 2 && hasRowSparseGradient(model, p)) {
+        COHORT_CHECK(p.size(0) <= int64_t(UINT32_MAX), InvalidArgument, "parameter ", name, " has ", p.size(0),
+                     " rows: gossip numbers rows with 32 bits");
+        tableOf_.back() = int(tables_.size());
+        tables_.push_back({.offset = numel_, .rows = uint32_t(p.size(0)), .dim = uint32_t(p.size(1))});
+      }
+      offsets_.push_back(numel_);
       numel_ += size_t(p.numel());
       params_.push_back(p);
     }
@@ -103,7 +112,8 @@ struct Gossip::Impl {
                                                                .timeoutSeconds = c_.timeoutSeconds,
                                                                .numel = numel_,
                                                                .codec = c_.options.codec,
-                                                               .codecWarmupSteps = c_.options.codecWarmupSteps});
+                                                               .codecWarmupSteps = c_.options.codecWarmupSteps,
+                                                               .tables = tables_});
     rendezvous_->set("cohort/gossip/addr/" + std::to_string(cl.rank),
                      HostPort{advertise, peer_->address().port}.str());
     // Every replica starts from the chief's parameters (TorchScript models are not seeded alike).
@@ -134,18 +144,24 @@ struct Gossip::Impl {
     GossipStep stats;
     const auto start = Clock::now();
     const int64_t sent0 = peer_->bytesSent(), received0 = peer_->bytesReceived();
-    // The update is what the optimizer did to the parameters since the last call.
-    copyOut(update_);
-    for (size_t i = 0; i < numel_; ++i) update_[i] -= before_[i];
+    // The update is what the optimizer did to the parameters since the last call; a sparse
+    // table's, its rows this step's gradient touched (the only ones its optimizer changed).
+    std::vector<std::vector<uint32_t>> rows;
+    if (tables_.empty()) {
+      copyOut(update_);
+      for (size_t i = 0; i < numel_; ++i) update_[i] -= before_[i];
+    } else {
+      rows = takeChange();
+    }
     ++steps_;
     ++version_;
     std::vector<int> live = peer_->livePeers();
     std::shuffle(live.begin(), live.end(), rng_);
     live.resize(std::min(live.size(), size_t(fanout_)));
     peer_->publish(update_, gossip::UpdateMeta{.version = version_, .step = steps_, .steps = 1, .samples = samples},
-                   live);
+                   live, rows);
     const Applied applied = applyArrived();
-    copyOut(before_);
+    if (tables_.empty()) copyOut(before_);
 
     stats.samples = samples + applied.samples;
     stats.bytesSent = peer_->bytesSent() - sent0;
@@ -254,6 +270,44 @@ struct Gossip::Impl {
     int64_t stalenessMax = 0;
   };
 
+  // A model with sparse tables: update_ := the change since the last step on the dense
+  // parameters and on the rows the tables' gradients touched, and before_ := the parameters there.
+  // Returns those rows per table; the cost follows them, not the tables' size.
+  std::vector<std::vector<uint32_t>> takeChange() {
+    torch::NoGradGuard noGrad;
+    std::vector<std::vector<uint32_t>> rows(tables_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      float* data = params_[i].data_ptr<float>();
+      const size_t at = offsets_[i];
+      const int t = tableOf_[i];
+      if (t < 0) {
+        for (size_t j = 0; j < size_t(params_[i].numel()); ++j) {
+          update_[at + j] = data[j] - before_[at + j];
+          before_[at + j] = data[j];
+        }
+        continue;
+      }
+      const torch::Tensor& g = params_[i].grad();
+      auto& list = rows[size_t(t)];
+      if (g.defined() && g.is_sparse()) {
+        const torch::Tensor ids = std::get<0>(torch::_unique(g._indices().select(0, 0), /*sorted=*/true)).contiguous();
+        const int64_t* id = ids.data_ptr<int64_t>();
+        list.assign(id, id + ids.numel());
+      } else if (g.defined()) {  // a dense gradient: any row may have changed
+        list.resize(tables_[size_t(t)].rows);
+        std::iota(list.begin(), list.end(), 0u);
+      }
+      const size_t dim = tables_[size_t(t)].dim;
+      for (uint32_t r : list) {
+        for (size_t k = size_t(r) * dim; k < size_t(r + 1) * dim; ++k) {
+          update_[at + k] = data[k] - before_[at + k];
+          before_[at + k] = data[k];
+        }
+      }
+    }
+    return rows;
+  }
+
   // Adds what the other peers sent since the last call to the parameters.
   Applied applyArrived() {
     Applied a;
@@ -261,18 +315,34 @@ struct Gossip::Impl {
     if (d.messages == 0) return a;
     {
       torch::NoGradGuard noGrad;
-      size_t at = 0;
-      for (auto& p : params_) {
-        float* data = p.data_ptr<float>();
-        const size_t n = size_t(p.numel());
-        for (size_t i = 0; i < n; ++i) {
+      auto add = [&](float* data, size_t at, size_t from, size_t to) {
+        for (size_t i = from; i < to; ++i) {
           data[i] += arrived_[at + i];
           before_[at + i] += arrived_[at + i];  // received, not this replica's own change
         }
-        at += n;
+      };
+      if (tables_.empty()) {
+        for (size_t i = 0; i < params_.size(); ++i) add(params_[i].data_ptr<float>(), offsets_[i], 0, size_t(params_[i].numel()));
+        std::fill(arrived_.begin(), arrived_.end(), 0.0f);
+      } else {  // only the dense parameters and the rows that arrived; arrived_ is zero again after
+        for (size_t i = 0; i < params_.size(); ++i) {
+          float* data = params_[i].data_ptr<float>();
+          const size_t at = offsets_[i];
+          const int t = tableOf_[i];
+          if (t < 0) {
+            add(data, at, 0, size_t(params_[i].numel()));
+            std::fill(arrived_.begin() + ptrdiff_t(at), arrived_.begin() + ptrdiff_t(at + size_t(params_[i].numel())), 0.0f);
+            continue;
+          }
+          const size_t dim = tables_[size_t(t)].dim;
+          for (uint32_t r : d.rows[size_t(t)]) {
+            add(data, at, size_t(r) * dim, size_t(r + 1) * dim);
+            std::fill(arrived_.begin() + ptrdiff_t(at + size_t(r) * dim),
+                      arrived_.begin() + ptrdiff_t(at + size_t(r + 1) * dim), 0.0f);
+          }
+        }
       }
     }
-    std::fill(arrived_.begin(), arrived_.end(), 0.0f);
     for (const auto& m : d.metas) {
       const int64_t tau = std::max<int64_t>(0, version_ - m.version);
       a.stalenessSum += tau;
@@ -299,6 +369,9 @@ struct Gossip::Impl {
   std::mt19937_64 rng_;
   int fanout_ = 1;
   std::vector<torch::Tensor> params_;
+  std::vector<size_t> offsets_;  // of each parameter in the flat buffers
+  std::vector<int> tableOf_;     // per parameter: its row table's index, -1 when dense
+  std::vector<gossip::RowTable> tables_;  // the sparse embedding tables: their changed rows travel
   size_t numel_ = 0;
   bool finished_ = false;
   bool stopRequested_ = false;  // the chief: requestStop() was called

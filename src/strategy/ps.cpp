@@ -14,6 +14,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
@@ -375,6 +376,7 @@ struct ParameterServerClient::Impl {
               {"server_wait_s", waitS},
               {"bytes_pushed_per_shard", pushed},
               {"bytes_pulled_per_shard", pulled},
+              {"whole_model_pull_bytes", int64_t(wholePullBytes_)},
               {"workers_lost", lostWorkers}};
     lostWorkers_ = lostWorkers;
     return fields;
@@ -453,6 +455,7 @@ struct ParameterServerClient::Impl {
       request.set_initial(initial);
       ps::wire::PullReply reply;
       check(clients_[s]->pull(request, &reply), c_.shards[s], "Pull");
+      wholePullBytes_ += payloadBytes(reply.values());
       load(s, reply.version(), reply.values());
       if (s == 0) samplesSeen_ = std::max(samplesSeen_, reply.samples_total());
       if (reply.stop_job()) stopJob_ = true;
@@ -578,6 +581,9 @@ struct ParameterServerClient::Impl {
   std::vector<std::vector<uint8_t>> messages_;      // per shard: the last encoded push
   int64_t steps_ = 0;                               // steps taken by this process (for the warm-up)
   int64_t samplesSeen_ = 0;
+  // The bytes of this worker's whole-model pulls, outside its steps: the first, one per
+  // synchronize() (the chief's evaluations), the last in finish(). Shards reply in parallel.
+  std::atomic<int64_t> wholePullBytes_ = 0;
   std::optional<int64_t> resumeStep_;
   bool saidDone_ = false;
   bool stopJob_ = false;   // a shard said the chief stopped the job
@@ -645,6 +651,7 @@ class PsStrategy final : public Strategy {
     model_ = model;
     optimizer_ = &optimizer;
     client_ = std::make_unique<ParameterServerClient>(job_, *model, &optimizer, options_);
+    sparse_ = !rowsRead(model_, torch::empty({0, 0}, torch::kInt64)).empty();
   }
 
   StepStats step(const Batch& batch, const LossFn& loss) override {
@@ -673,13 +680,20 @@ class PsStrategy final : public Strategy {
     return stats;
   }
 
-  // A sparse model's next batch: its rows come back with this step's push.
+  // A sparse model's next batch: its rows come back with this step's push. No next batch: the
+  // push asks for no rows (nothing follows, or synchronize() brings the whole model).
   bool readsAhead() const override { return true; }
   void upcoming(const Batch& next) override {
-    for (const auto& [table, rows] : rowsRead(model_, next.inputs)) client_->prefetchRows(table, rows);
+    const torch::Tensor ids = next.inputs.defined() ? next.inputs : torch::empty({0, 0}, torch::kInt64);
+    for (const auto& [table, rows] : rowsRead(model_, ids)) client_->prefetchRows(table, rows);
   }
 
-  void synchronize() override { client_->synchronize(); }
+  // The whole model, for the chief's evaluation. A sparse model's other workers evaluate nothing
+  // and hold the rows their next step reads (upcoming() named them): a whole table for each of
+  // them at every evaluation would be paid for nothing.
+  void synchronize() override {
+    if (joinsEvaluation() || !sparse_) client_->synchronize();
+  }
   std::optional<int64_t> resumeStep() const override { return client_->resumeStep(); }
   // The shards checkpoint the parameters and every worker's clock.
   CheckpointPlan checkpointPlan() const override {
@@ -697,6 +711,7 @@ class PsStrategy final : public Strategy {
   torch::nn::Sequential model_{nullptr};
   torch::optim::Optimizer* optimizer_ = nullptr;
   std::unique_ptr<ParameterServerClient> client_;
+  bool sparse_ = false;  // the model has a sparse embedding table (rows read ahead)
 };
 
 }  // namespace

@@ -110,11 +110,15 @@ class Strategy {
   virtual StepStats step(const Batch& batch, const LossFn& loss) = 0;
 
   // Schemes that fetch a sparse model's rows ahead (ps) say so; the Trainer then calls
-  // upcoming() with the batch of the next step (when there is one) before each step().
+  // upcoming() before every step() with what follows that step: the next step's batch (at an
+  // epoch's end, the next epoch's first), or an empty batch (undefined tensors) when no step
+  // follows, or when an evaluation or checkpoint that needs this process's whole model does. After
+  // an empty one the scheme fetches no rows with the step; synchronize() brings the whole model.
   virtual bool readsAhead() const { return false; }
   virtual void upcoming(const Batch& next) {}
 
-  // Brings the local model to the state to evaluate or checkpoint.
+  // Brings the local model to the state to evaluate or checkpoint. (ps with a sparse model: on a
+  // process that does not evaluate, only what its next step reads, which it already has.)
   virtual void synchronize() = 0;
 
   // Where training should resume, when the scheme keeps that itself (ps: the servers count each

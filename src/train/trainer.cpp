@@ -567,6 +567,32 @@ TrainResult Trainer::run() {
     }
   };
 
+  // What the step about to run is followed by, for schemes that fetch a sparse model's rows ahead
+  // (Strategy::upcoming): the next batch, in this epoch or as the next epoch's first; none (an
+  // empty batch) when no step follows, or when an evaluation or checkpoint that needs this
+  // process's whole model does (synchronize() then brings all of it).
+  std::vector<int64_t> nextEpochIndices;
+  int64_t nextEpochOf = -1;
+  auto nextBatch = [&](const std::vector<int64_t>& indices, int64_t nextBegin) -> Batch {
+    const int64_t next = s.step + 1;
+    if (next >= totalSteps) return {};
+    const bool evalAfter = o.evalEvery > 0 && next % o.evalEvery == 0 && s.evaluators == 0 &&
+                           (chief || s.strategy->joinsEvaluation());
+    const bool checkpointAfter = !o.checkpointDir.empty() && !serverCheckpoints && o.checkpointEvery > 0 &&
+                                 next % o.checkpointEvery == 0 && s.checkpointPlan.writes;
+    if (evalAfter || checkpointAfter) return {};
+    if (s.stepInEpoch + 1 < perEpoch) {
+      const int64_t count = std::min(o.batch, int64_t(indices.size()) - nextBegin);
+      return makeBatch(s.data.train, std::span(indices).subspan(size_t(nextBegin), size_t(count)));
+    }
+    if (nextEpochOf != s.epoch + 1) {
+      nextEpochIndices = s.sampler->epochIndices(s.epoch + 1);
+      nextEpochOf = s.epoch + 1;
+    }
+    const int64_t count = std::min(o.batch, int64_t(nextEpochIndices.size()));
+    return makeBatch(s.data.train, std::span(nextEpochIndices).subspan(0, size_t(count)));
+  };
+
   while (s.step < totalSteps && !stop) {
     const std::vector<int64_t> indices = s.sampler->epochIndices(s.epoch);
     const int64_t n = int64_t(indices.size());
@@ -578,11 +604,7 @@ TrainResult Trainer::run() {
       const int64_t begin = s.stepInEpoch * o.batch;
       const int64_t count = std::min(o.batch, n - begin);
       Batch batch = makeBatch(s.data.train, std::span(indices).subspan(size_t(begin), size_t(count)));
-      if (s.strategy->readsAhead() && s.stepInEpoch + 1 < perEpoch && s.step + 1 < totalSteps) {
-        const int64_t nextBegin = begin + o.batch;
-        const int64_t nextCount = std::min(o.batch, n - nextBegin);
-        s.strategy->upcoming(makeBatch(s.data.train, std::span(indices).subspan(size_t(nextBegin), size_t(nextCount))));
-      }
+      if (s.strategy->readsAhead()) s.strategy->upcoming(nextBatch(indices, begin + o.batch));
       StepStats stats = s.strategy->step(batch, loss);
       ++s.step;
       ++s.stepInEpoch;
