@@ -46,6 +46,8 @@ constexpr size_t kMaxLine = 64 * 1024;  // a longer line is forwarded in pieces
 constexpr size_t kReadChunk = 64 * 1024;
 constexpr int kReadsPerWakeup = 16;     // so that one busy writer cannot starve the others
 constexpr std::array<int, 3> kHandledSignals{SIGINT, SIGTERM, SIGCHLD};
+// Restarts of an evaluator killed by a signal, per job (they do not use up --max-restarts).
+constexpr int kEvaluatorRestarts = 3;
 
 // The write end of the self-pipe. The handlers only write the signal number there; the main loop
 // polls the read end and does the work.
@@ -585,9 +587,7 @@ class Launcher {
     for (Child& other : children_) readChannel(other);
     Child& child = children_[size_t(index)];
     if (child.evaluator) {  // evaluation is a side job: training goes on without it
-      say(child.label + (WIFSIGNALED(status) ? " was killed by signal " + std::to_string(WTERMSIG(status))
-                                             : " exited with status " + std::to_string(WEXITSTATUS(status))) +
-          "; the workers go on");
+      onEvaluatorFailed(index, status);
       return;
     }
     std::string what = child.label;
@@ -643,6 +643,30 @@ class Launcher {
     endJob(SIGTERM);
   }
 
+  // The evaluator is restarted alone when a signal killed it (an OOM kill, a kill by hand): it
+  // resumes from its record, so no checkpoint is evaluated twice. One that exited with a status
+  // gave its own verdict (bad options, a checkpoint that does not fit, its idle timeout), which a
+  // restart would repeat. Either way the workers go on.
+  void onEvaluatorFailed(int index, int status) {
+    Child& child = children_[size_t(index)];
+    std::string what = child.label;
+    if (WIFSIGNALED(status)) {
+      what += " was killed by signal " + std::to_string(WTERMSIG(status)) + " (" + signalName(WTERMSIG(status)) + ")";
+    } else {
+      what += " exited with status " + std::to_string(WEXITSTATUS(status));
+    }
+    if (!child.error.empty()) what += ": " + child.error;
+    if (WIFSIGNALED(status) && evaluatorRestarts_ < kEvaluatorRestarts) {
+      ++evaluatorRestarts_;
+      say(what + "; starting it again, it goes on from its record (evaluator restart " +
+          std::to_string(evaluatorRestarts_) + " of " + std::to_string(kEvaluatorRestarts) + "); the workers go on");
+      start(index);
+      return;
+    }
+    if (WIFSIGNALED(status)) what += " (all " + std::to_string(kEvaluatorRestarts) + " evaluator restarts used)";
+    say(what + "; the workers go on");
+  }
+
   // Reads what an exited child left in its pipes (bounded: a grandchild may still be writing).
   void drain(Child& child) {
     for (LineForwarder* f : {child.out.get(), child.err.get()}) {
@@ -694,6 +718,7 @@ class Launcher {
   WorkerLoss scheme_ = WorkerLoss::kStopsGroup;  // as the chief said; kept across restarts
   int restartsUsed_ = 0;
   bool restartGroup_ = false;    // once every child has exited, start the group again
+  int evaluatorRestarts_ = 0;     // the evaluator's, counted apart from --max-restarts
   std::vector<std::string> lost_;  // workers the job went on without
   int signalPipeRead_ = -1;
   bool handlersInstalled_ = false;

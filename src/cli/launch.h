@@ -63,8 +63,12 @@
 //
 // Evaluator (evaluator = true). One more child runs the same command as the task "evaluator 0"
 // (prefix "[evaluator] "), and every child gets TF_CONFIG as above with an "evaluator" list. Its
-// failure is reported ("cohort launch: evaluator exited with status S; the workers go on") but
-// does not end the job; when the workers end the job early it is stopped with them. After the
+// failure is reported but never ends the job: killed by a signal, it is started again alone (up to
+// 3 times per job, apart from maxRestarts: "cohort launch: evaluator was killed by signal 9
+// (SIGKILL); starting it again, it goes on from its record (evaluator restart 1 of 3); the workers
+// go on"), and the restarted evaluator skips the checkpoints its record holds; exited with a status
+// S, it is not restarted ("cohort launch: evaluator exited with status S; the workers go on").
+// When the workers end the job early it is stopped with them. After the
 // workers exit with 0 the launcher waits for it to finish evaluating (it exits on its own once it
 // has read the chief's last checkpoint, or after its --evaluator-timeout). The exit status is the
 // workers'.

@@ -24,7 +24,8 @@ Run addLaunchCommand(CLI::App& app) {
       "TF_CONFIG: cohort launch -n 2 --ps 1 -- cohort train --strategy ps\n"
       "With --evaluator, an evaluator task runs it too ([evaluator]): it evaluates every checkpoint the chief\n"
       "writes, so the workers do not pause: cohort launch -n 2 --evaluator -- cohort train --checkpoint-dir D\n"
-      "--eval-every 200. Its failure does not stop the workers; the launcher waits for it at the end.");
+      "--eval-every 200. Its failure does not stop the workers; killed by a signal, it is started again (up to 3\n"
+      "times) and goes on from its record. The launcher waits for it at the end.");
   launch->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   launch->add_option("-n,--nproc", o.processes, "Processes to start (ranks 0 .. N-1)")->required();
   launch->add_option("--ps", o.parameterServers,

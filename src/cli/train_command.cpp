@@ -256,6 +256,9 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--test-kill-at", psFlags->killAt,
                     "Testing: RANK:STEP[,...] makes those workers SIGKILL themselves after that step "
                     "(in their first run, not after a cohort launch --max-restarts restart)")->group("Testing");
+  train->add_option("--test-kill-evaluator-after", evaluator->testKillAfter,
+                    "Testing: an evaluator task SIGKILLs itself right after recording its N-th checkpoint "
+                    "(once: restarted, it finds N recorded and goes on)")->group("Testing");
 
   return [options, progress, psFlags, evaluator]() {
     TrainOptions& o = *options;

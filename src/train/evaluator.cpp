@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -208,6 +209,7 @@ int runEvaluator(const TrainOptions& o, const ClusterSpec& cluster, const Evalua
                    (long long)file.step, test.accuracy, test.loss);
       done.insert(file.step);
       ++evaluatedNow;
+      if (eo.testKillAfter > 0 && int64_t(done.size()) == eo.testKillAfter) ::raise(SIGKILL);
       lastProgress = Clock::now();
     }
     if (finalStep) {

@@ -45,6 +45,9 @@ void removeTrainingDone(const std::string& checkpointDir);
 struct EvaluatorOptions {
   double idleTimeoutSeconds = 600;  // no new checkpoint and no end marker for this long: fail
   double pollSeconds = 0.2;
+  // Testing (--test-kill-evaluator-after N): SIGKILL itself right after recording the N-th
+  // checkpoint of its record. Once per record: a restarted evaluator finds N there and goes on.
+  int64_t testKillAfter = 0;
 };
 
 // Runs the evaluator task `cluster.rank` with the training command's options (the same command
