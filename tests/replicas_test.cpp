@@ -239,21 +239,29 @@ TEST(Hogwild, SharesOneParameterSetAndCountsItsUpdates) {
 }
 
 // Mirrored across processes (ranks as threads here), replicas inside each: equals one process on
-// the union of every rank's batch.
-TEST(Mirrored, AcrossProcessesEqualsOneProcessOnAllBatches) {
+// the union of every rank's batch, with the buckets' allreduces launched while backward runs
+// (overlap) or after it.
+class MirroredAcrossProcesses : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MirroredAcrossProcesses, EqualsOneProcessOnAllBatches) {
   const int world = 2, R = 2;
   const Data d = batches(4, 8 * world);
   std::vector<std::vector<torch::Tensor>> got(world);
+  std::vector<int64_t> sent(world);
   test::onRanks(world, [&](std::shared_ptr<Communicator> comm) {
     const int rank = comm->rank();
     auto net = smallNet(uint64_t(10 + rank));  // rank 0's is broadcast
     torch::optim::SGD opt(net->parameters(), 0.1);
-    Mirrored mirrored(Job::fromCommunicator(comm), net.ptr(), opt, {.replicas = R, .bucketMb = 0.0005});
+    Mirrored mirrored(Job::fromCommunicator(comm), net.ptr(), opt,
+                      {.replicas = R, .bucketMb = 0.0005, .overlap = GetParam()});
     for (size_t i = 0; i < d.x.size(); ++i) {
       mirrored.step(d.x[i].narrow(0, 8 * rank, 8), d.y[i].narrow(0, 8 * rank, 8), kLoss);
     }
     got[size_t(rank)] = parametersOf(*net);
+    sent[size_t(rank)] = mirrored.stats().bytesSent;
   });
+  EXPECT_GT(sent[0], 0);
+  EXPECT_EQ(sent[0], sent[1]);
   // smallNet(10) is not smallNet(1): compare with the reference trained from rank 0's start.
   auto net = smallNet(10);
   torch::optim::SGD opt(net->parameters(), 0.1);
@@ -265,6 +273,9 @@ TEST(Mirrored, AcrossProcessesEqualsOneProcessOnAllBatches) {
   EXPECT_LT(maxDifference(got[0], parametersOf(*net)), 1e-5);
   EXPECT_TRUE(identical(got[0], got[1]));
 }
+
+INSTANTIATE_TEST_SUITE_P(Mirrored, MirroredAcrossProcesses, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Overlapped" : "AfterBackward"; });
 
 // ---- averaging's outer optimizer ----
 
