@@ -6,7 +6,8 @@
 mirrored: cnn on 2 cores, the same global batch (128): --strategy mirrored --replicas 2 (one
           process, 2 replica threads of 1 intra-op thread) against 2 processes of allreduce (batch
           64 each, 1 thread each) and one process with 2 intra-op threads; plus one single-threaded
-          worker at batch 64, whose double is the linear limit. Median of alternating runs.
+          worker at batch 64, whose double is the linear limit. Median of alternating runs, with the
+          median step time of each configuration and mirrored's waits of replicas for each other.
 hogwild:  mlp, global batch 128 for EPOCHS epochs: hogwild --replicas 2 against mirrored --replicas
           2 and ps async (2 workers of batch 64, 1 shard): samples/s, test accuracy.
 tensor:   mlp and mlp:4096 (hidden 4096), 2 processes: tensor --ways 2 against pipeline --stages 2
