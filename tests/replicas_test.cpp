@@ -197,6 +197,27 @@ TEST_P(ThrowingReplica, EndsTheStepWithItsError) {
 INSTANTIATE_TEST_SUITE_P(Replicas, ThrowingReplica,
                          ::testing::Values(Scheme::kMirrored, Scheme::kCentral, Scheme::kHogwild));
 
+// One intra-op thread per replica whatever the process's count: ATen's lazy per-thread
+// initialization would otherwise give each replica thread the process-wide count at its first
+// parallel operation.
+TEST(Replicas, EachReplicaRunsOneIntraOpThread) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  auto net = smallNet(1);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  std::vector<int> seen(2, -1);
+  {
+    Mirrored mirrored(net.ptr(), opt, {.replicas = 2});
+    const Data d = batches(1, 8);
+    mirrored.step(d.x[0], d.y[0], [&](int r, nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
+      seen[size_t(r)] = at::get_num_threads();
+      return kLoss(r, m, x, y);
+    });
+  }
+  at::set_num_threads(before);
+  EXPECT_EQ(seen, (std::vector<int>{1, 1}));
+}
+
 TEST(Replicas, RefuseABatchSmallerThanTheReplicas) {
   auto net = smallNet(1);
   torch::optim::SGD opt(net->parameters(), 0.1);

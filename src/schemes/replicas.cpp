@@ -369,6 +369,11 @@ struct ReplicaGroup::Impl {
   }
 
   void threadMain(size_t r) {
+    // ATen sets a thread's OpenMP count to the process-wide at::set_num_threads value at the
+    // thread's first parallel operation (at::internal::lazy_init_num_threads, once per thread),
+    // which would undo a count set before it: with --threads 2, every replica ran 2 OpenMP
+    // threads. Running that initialization first makes the count below stick.
+    at::internal::lazy_init_num_threads();
     setOpenMpThreadsOfThisThread(1);
     int64_t seen = 0;
     while (true) {
