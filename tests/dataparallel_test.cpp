@@ -67,7 +67,10 @@ INSTANTIATE_TEST_SUITE_P(
     Schemes, Equivalence,
     ::testing::Combine(::testing::Values(Scheme{"allreduce", "--strategy allreduce"},
                                          Scheme{"allreduce_no_overlap", "--strategy allreduce --no-overlap --bucket-mb 0.5"},
-                                         Scheme{"average", "--strategy average --period 1"}),
+                                         Scheme{"average", "--strategy average --period 1"},
+                                         // 2 replica threads in each process, their sums
+                                         // allreduced across the processes
+                                         Scheme{"mirrored", "--strategy mirrored --replicas 2"}),
                        ::testing::Values(2, 3)),
     [](const auto& info) { return std::get<0>(info.param).name + "_" + std::to_string(std::get<1>(info.param)); });
 
