@@ -6,7 +6,8 @@
 mirrored: cnn on 2 cores, the same global batch (128): --strategy mirrored --replicas 2 (one
           process, 2 replica threads of 1 intra-op thread) against 2 processes of allreduce (batch
           64 each, 1 thread each) and one process with 2 intra-op threads; plus one single-threaded
-          worker at batch 64, whose double is the linear limit. Median of alternating runs.
+          worker at batch 64, whose double is the linear limit. Median of alternating runs, with the
+          median step time of each configuration and mirrored's waits of replicas for each other.
 hogwild:  mlp, global batch 128 for EPOCHS epochs: hogwild --replicas 2 against mirrored --replicas
           2 and ps async (2 workers of batch 64, 1 shard): samples/s, test accuracy.
 tensor:   mlp and mlp:4096 (hidden 4096), 2 processes: tensor --ways 2 against pipeline --stages 2
@@ -49,6 +50,13 @@ def train(build, tmp, workers, model, flags, threads="1", ps=0):
     return done_event(metrics)
 
 
+def step_median_ms(tmp):
+    """The median step time of the last run (its first 5 steps left out), in ms."""
+    with open(os.path.join(tmp, "m.jsonl")) as f:
+        steps = [e["step_s"] for e in map(json.loads, f) if e.get("event") == "step" and e["step"] > 5]
+    return 1000 * median(steps)
+
+
 def section_mirrored(args, tmp):
     steps = ["--steps", str(STEPS_CNN)]
     configs = [
@@ -58,15 +66,25 @@ def section_mirrored(args, tmp):
         ("1 process, 1 thread, batch 64", 1, ["--batch", "64"], "1"),
     ]
     rates = {name: [] for name, _, _, _ in configs}
+    step_ms = {name: [] for name, _, _, _ in configs}
+    waits = []  # mirrored: the replicas' mean time waiting for each other per run, s
     for i in range(args.runs):
         for name, workers, flags, threads in configs:
-            rates[name].append(train(args.build, tmp, workers, "cnn", steps + flags, threads)["samples_per_s"])
+            d = train(args.build, tmp, workers, "cnn", steps + flags, threads)
+            rates[name].append(d["samples_per_s"])
+            step_ms[name].append(step_median_ms(tmp))
+            if "replica_wait_s" in d:
+                waits.append(d["replica_wait_s"])
         print(f"  run {i + 1}: " + ", ".join(f"{n.split(',')[0]} {rates[n][-1]:.1f}" for n, _, _, _ in configs),
               flush=True)
     m = {n: median(v) for n, v in rates.items()}
     spread = {n: (min(v), max(v)) for n, v in rates.items()}
     for n in m:
-        print(f"cnn {n}: median {m[n]:.1f} samples/s (min {spread[n][0]:.1f}, max {spread[n][1]:.1f})", flush=True)
+        print(f"cnn {n}: median {m[n]:.1f} samples/s (min {spread[n][0]:.1f}, max {spread[n][1]:.1f}); median step "
+              f"{median(step_ms[n]):.1f} ms", flush=True)
+    if waits:
+        print(f"mirrored: replicas waiting for each other {median(waits):.3f} s per replica over {STEPS_CNN} steps "
+              f"(median of runs)", flush=True)
     mirrored, allreduce, intra, single = (m[c[0]] for c in configs)
     print(f"mirrored / (2 x single-threaded worker) = {mirrored / (2 * single):.3f}; mirrored / allreduce = "
           f"{mirrored / allreduce:.3f}x; mirrored / 2 intra-op threads = {mirrored / intra:.3f}x", flush=True)

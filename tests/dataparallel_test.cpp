@@ -67,7 +67,10 @@ INSTANTIATE_TEST_SUITE_P(
     Schemes, Equivalence,
     ::testing::Combine(::testing::Values(Scheme{"allreduce", "--strategy allreduce"},
                                          Scheme{"allreduce_no_overlap", "--strategy allreduce --no-overlap --bucket-mb 0.5"},
-                                         Scheme{"average", "--strategy average --period 1"}),
+                                         Scheme{"average", "--strategy average --period 1"},
+                                         // 2 replica threads in each process, their sums
+                                         // allreduced across the processes
+                                         Scheme{"mirrored", "--strategy mirrored --replicas 2"}),
                        ::testing::Values(2, 3)),
     [](const auto& info) { return std::get<0>(info.param).name + "_" + std::to_string(std::get<1>(info.param)); });
 
@@ -113,6 +116,36 @@ TEST(DataParallel, AverageCheckpointsOffThePeriodDoNotDesynchronize) {
   EXPECT_EQ(doneEvent(dir.file("m.jsonl"))["steps"], 22);
   EXPECT_EQ(CheckpointStore(dir.path()).list().front().step, 22);
   EXPECT_LT(maxDifference(loadParameters(dir.file("rank0.pt")), loadParameters(dir.file("rank1.pt"))), 1e-6);
+}
+
+// The outer optimizer's momentum is training state: a run stopped at an average and resumed from
+// its checkpoint ends where the uninterrupted run ends (with the momentum lost, the second outer
+// step would be taken from zero momentum and land elsewhere).
+TEST(DataParallel, AverageWithOuterNesterovResumesExactly) {
+  test::TempDir dir;
+  const std::string train = launch(2) + test::cohortBinary() +
+                            " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                            " --optimizer sgd --lr 0.1 --strategy average --period 3 --outer-optimizer nesterov"
+                            " --outer-lr 0.7 --outer-momentum 0.9";
+  auto whole = test::runCommand(train + " --steps 9 --save-model " + dir.file("whole{rank}.pt"), 120);
+  ASSERT_EQ(whole.exitCode, 0) << whole.output;
+  const std::string ckpt = " --checkpoint-dir " + dir.file("ckpt");
+  auto first = test::runCommand(train + " --steps 6" + ckpt, 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  const auto saved = CheckpointStore(dir.file("ckpt")).list();
+  ASSERT_FALSE(saved.empty());
+  EXPECT_EQ(saved.front().step, 6);
+  auto resumed = test::runCommand(train + " --steps 9 --resume" + ckpt + " --save-model " +
+                                      dir.file("resumed{rank}.pt"), 120);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + saved.front().path), std::string::npos) << resumed.output;
+  EXPECT_EQ(resumed.output.find("no outer momentum"), std::string::npos) << resumed.output;
+  for (const std::string rank : {"0", "1"}) {
+    EXPECT_LT(maxDifference(loadParameters(dir.file("whole" + rank + ".pt")),
+                            loadParameters(dir.file("resumed" + rank + ".pt"))),
+              1e-6)
+        << "rank " << rank;
+  }
 }
 
 TEST(DataParallel, RunsUnderMpirun) {

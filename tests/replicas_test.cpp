@@ -197,6 +197,27 @@ TEST_P(ThrowingReplica, EndsTheStepWithItsError) {
 INSTANTIATE_TEST_SUITE_P(Replicas, ThrowingReplica,
                          ::testing::Values(Scheme::kMirrored, Scheme::kCentral, Scheme::kHogwild));
 
+// One intra-op thread per replica whatever the process's count: ATen's lazy per-thread
+// initialization would otherwise give each replica thread the process-wide count at its first
+// parallel operation.
+TEST(Replicas, EachReplicaRunsOneIntraOpThread) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  auto net = smallNet(1);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  std::vector<int> seen(2, -1);
+  {
+    Mirrored mirrored(net.ptr(), opt, {.replicas = 2});
+    const Data d = batches(1, 8);
+    mirrored.step(d.x[0], d.y[0], [&](int r, nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
+      seen[size_t(r)] = at::get_num_threads();
+      return kLoss(r, m, x, y);
+    });
+  }
+  at::set_num_threads(before);
+  EXPECT_EQ(seen, (std::vector<int>{1, 1}));
+}
+
 TEST(Replicas, RefuseABatchSmallerThanTheReplicas) {
   auto net = smallNet(1);
   torch::optim::SGD opt(net->parameters(), 0.1);
@@ -239,21 +260,29 @@ TEST(Hogwild, SharesOneParameterSetAndCountsItsUpdates) {
 }
 
 // Mirrored across processes (ranks as threads here), replicas inside each: equals one process on
-// the union of every rank's batch.
-TEST(Mirrored, AcrossProcessesEqualsOneProcessOnAllBatches) {
+// the union of every rank's batch, with the buckets' allreduces launched while backward runs
+// (overlap) or after it.
+class MirroredAcrossProcesses : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MirroredAcrossProcesses, EqualsOneProcessOnAllBatches) {
   const int world = 2, R = 2;
   const Data d = batches(4, 8 * world);
   std::vector<std::vector<torch::Tensor>> got(world);
+  std::vector<int64_t> sent(world);
   test::onRanks(world, [&](std::shared_ptr<Communicator> comm) {
     const int rank = comm->rank();
     auto net = smallNet(uint64_t(10 + rank));  // rank 0's is broadcast
     torch::optim::SGD opt(net->parameters(), 0.1);
-    Mirrored mirrored(Job::fromCommunicator(comm), net.ptr(), opt, {.replicas = R, .bucketMb = 0.0005});
+    Mirrored mirrored(Job::fromCommunicator(comm), net.ptr(), opt,
+                      {.replicas = R, .bucketMb = 0.0005, .overlap = GetParam()});
     for (size_t i = 0; i < d.x.size(); ++i) {
       mirrored.step(d.x[i].narrow(0, 8 * rank, 8), d.y[i].narrow(0, 8 * rank, 8), kLoss);
     }
     got[size_t(rank)] = parametersOf(*net);
+    sent[size_t(rank)] = mirrored.stats().bytesSent;
   });
+  EXPECT_GT(sent[0], 0);
+  EXPECT_EQ(sent[0], sent[1]);
   // smallNet(10) is not smallNet(1): compare with the reference trained from rank 0's start.
   auto net = smallNet(10);
   torch::optim::SGD opt(net->parameters(), 0.1);
@@ -265,6 +294,9 @@ TEST(Mirrored, AcrossProcessesEqualsOneProcessOnAllBatches) {
   EXPECT_LT(maxDifference(got[0], parametersOf(*net)), 1e-5);
   EXPECT_TRUE(identical(got[0], got[1]));
 }
+
+INSTANTIATE_TEST_SUITE_P(Mirrored, MirroredAcrossProcesses, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Overlapped" : "AfterBackward"; });
 
 // ---- averaging's outer optimizer ----
 

@@ -45,7 +45,8 @@ struct AveragingOptions {
   //   kMomentum: m = mu m + D;  x += lr m
   //   kNesterov: m = mu m + D;  x += lr (D + mu m)
   // kSgd with lr 1 (the default) is plain averaging: the parameters become the mean, exactly.
-  // Buffers and optimizer state are averaged plainly. The momentum is not checkpointed.
+  // Buffers and optimizer state are averaged plainly. The momentum is training state of its own:
+  // checkpoint it with outerMomentum() (see ParameterAveraging).
   enum class Outer { kSgd, kMomentum, kNesterov };
   Outer outerOptimizer = Outer::kSgd;
   double outerLr = 1.0;
@@ -78,6 +79,16 @@ class ParameterAveraging {
   void synchronize();
 
   AveragingStats stats() const;
+
+  // The outer optimizer's momentum m, flat over the dense parameters in the module's order (a
+  // copy); undefined when there is no outer optimizer (outer SGD, plain averaging) or no job. For
+  // checkpoints: the outer state is whole right after an average (after synchronize()), when the
+  // parameters are the anchor; a run resumed from such parameters and this momentum goes on
+  // exactly as the uninterrupted one. setOuterMomentum() puts a saved one back (on every rank
+  // alike, after constructing the handle over the restored module); it throws InvalidArgument when
+  // the size differs from this model's, and ignores the tensor when there is no outer optimizer.
+  torch::Tensor outerMomentum() const;
+  void setOuterMomentum(const torch::Tensor& momentum);
 
   struct Impl;
 

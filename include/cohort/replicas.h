@@ -56,7 +56,8 @@ using ShardLoss = std::function<torch::Tensor(int replica, torch::nn::Module& mo
 struct ReplicaOptions {
   int replicas = 2;
   // Mirrored and CentralStorage: gradients are summed bucket by bucket; with overlap, a bucket is
-  // summed as soon as every replica's backward has produced it, while backward goes on.
+  // summed as soon as every replica's backward has produced it, while backward goes on, and (Mirrored
+  // across processes) allreduced with the other processes as soon as it is summed.
   double bucketMb = 4.0;
   bool overlap = true;
   std::chrono::milliseconds timeout{60000};  // every wait of one replica for another

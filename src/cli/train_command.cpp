@@ -174,7 +174,8 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--first-bucket-mb", o.strategy.allreduce.firstBucketMb,
                     "allreduce: size of the first bucket, launched earliest")->group(dp)->capture_default_str();
   train->add_flag("--no-overlap{false}", o.strategy.allreduce.overlap,
-                  "allreduce: launch every allreduce after backward instead of during it")->group(dp);
+                  "allreduce, mirrored, central: launch every allreduce (mirrored, central: every in-memory sum, "
+                  "and mirrored's allreduce across processes) after backward instead of during it")->group(dp);
   train->add_option("--period", o.strategy.average.period, "average: average the parameters every K steps")
       ->group(dp)->capture_default_str();
   train->add_flag("--average-optimizer-state", o.strategy.average.averageOptimizerState,

@@ -284,4 +284,20 @@ void ParameterAveraging::synchronize() {
 
 AveragingStats ParameterAveraging::stats() const { return impl_->stats; }
 
+torch::Tensor ParameterAveraging::outerMomentum() const {
+  const Impl& s = *impl_;
+  return s.outerVelocity.defined() ? s.outerVelocity.clone() : torch::Tensor();
+}
+
+void ParameterAveraging::setOuterMomentum(const torch::Tensor& momentum) {
+  Impl& s = *impl_;
+  if (!s.outerVelocity.defined()) return;
+  COHORT_CHECK(momentum.defined() && momentum.dim() == 1 && momentum.numel() == s.outerVelocity.numel(),
+               InvalidArgument, kWho, ": the saved outer momentum has ", momentum.defined() ? momentum.numel() : 0,
+               " elements but this model's dense parameters have ", s.outerVelocity.numel(),
+               ": restore the momentum saved with this model");
+  torch::NoGradGuard noGrad;
+  s.outerVelocity.copy_(momentum.to(torch::kFloat32));
+}
+
 }  // namespace cohort

@@ -8,7 +8,9 @@
 // gradient, weighted by the shard's share of the batch, into that replica's slot of a bucket;
 // when all R replicas have filled a bucket it is ready, and replica r sums the r-th chunk of every
 // ready bucket over the replicas, in replica order (so the sum does not depend on timing), into
-// the bucket's one shared sum. Every replica's .grad then points into that sum.
+// the bucket's one shared sum. Every replica's .grad then points into that sum. Across processes
+// (Mirrored with a job), a bucket's sum is allreduced as soon as its last chunk is summed, while
+// the replicas' backward goes on; replica 0 waits for all of them and the others wait for it.
 #include <cohort/communicator.h>
 #include <cohort/error.h>
 #include <cohort/replicas.h>
@@ -71,6 +73,7 @@ struct ReplicaGroup::Impl {
     std::vector<torch::Tensor> sumSlots;           // [i], shaped like the parameter
     std::atomic<int> arrived{0};                   // replicas that have filled the bucket this step
     std::atomic<int> summedChunks{0};
+    CommWork crossWork;  // Mirrored across processes: the sum's allreduce, launched this step
   };
 
   // Per replica thread; touched by that thread only during a step.
@@ -112,6 +115,10 @@ struct ReplicaGroup::Impl {
   std::atomic<bool> failed{false};
   std::atomic<int> finishedSums{0};      // replicas done with all their chunks
   std::atomic<bool> crossDone{false};    // the process-wide average of the sums is in place
+  // Mirrored across processes: buckets whose allreduce is launched, in bucket order (the order
+  // of collectives every process must follow). GUARDED_BY(launchMutex).
+  std::mutex launchMutex;
+  size_t launched = 0;
   std::atomic<bool> updating{false};     // a replica has begun its optimizer step
   std::exception_ptr error;              // the first failure, GUARDED_BY(mutex)
   int errorReplica = -1;                 // GUARDED_BY(mutex)
@@ -229,7 +236,20 @@ struct ReplicaGroup::Impl {
       out.copy_(bucket.local[0].narrow(0, begin, end - begin));
       for (int64_t q = 1; q < R; ++q) out.add_(bucket.local[size_t(q)].narrow(0, begin, end - begin));
     }
-    bucket.summedChunks.fetch_add(1);
+    if (bucket.summedChunks.fetch_add(1) + 1 == R && comm != nullptr && options.overlap) launchSummed();
+  }
+
+  // Mirrored across processes, overlapped: launches the allreduce of every bucket whose sum is
+  // complete, in bucket order. Buckets complete in that order (every replica sums its chunks in
+  // bucket order), but the replicas completing two of them race to launch: whoever holds the lock
+  // launches all that are ready, so every process issues its collectives in the same order.
+  void launchSummed() {
+    const int R = int(replicas.size());
+    std::lock_guard<std::mutex> lock(launchMutex);
+    while (launched < buckets.size() && buckets[launched]->summedChunks.load() == R) {
+      buckets[launched]->crossWork = comm->allreduceAsync(buckets[launched]->sum);
+      ++launched;
+    }
   }
 
   void sumReadyChunks(Replica& self, size_t r, bool wait) {
@@ -307,16 +327,22 @@ struct ReplicaGroup::Impl {
     self.optimizer->step();
   }
 
+  // On replica 0 once every chunk is summed: waits for the buckets' allreduces (launched while
+  // backward ran, or now without overlap) and makes the sums means. The traffic is counted by
+  // step(); the time waited here is the communication backward did not hide.
   void averageAcrossProcesses() {
     const auto start = Clock::now();
-    const CommCounters before = comm->counters();
-    std::vector<CommWork> work;
-    for (auto& bucket : buckets) work.push_back(comm->allreduceAsync(bucket->sum));
-    for (auto& w : work) w.wait();
-    for (auto& bucket : buckets) bucket->sum.div_(comm->worldSize());
-    const CommCounters after = comm->counters();
-    stats.bytesSent += after.bytesSent - before.bytesSent;
-    stats.bytesReceived += after.bytesReceived - before.bytesReceived;
+    if (!options.overlap) {
+      std::lock_guard<std::mutex> lock(launchMutex);
+      for (auto& bucket : buckets) bucket->crossWork = comm->allreduceAsync(bucket->sum);
+      launched = buckets.size();
+    }
+    for (auto& bucket : buckets) {
+      COHORT_CHECK(bucket->crossWork.valid(), Error, who, ": a bucket's allreduce was not launched");
+      bucket->crossWork.wait();
+      bucket->crossWork = CommWork();
+      bucket->sum.div_(comm->worldSize());
+    }
     stats.commWaitSeconds += secondsSince(start);
   }
 
@@ -343,6 +369,11 @@ struct ReplicaGroup::Impl {
   }
 
   void threadMain(size_t r) {
+    // ATen sets a thread's OpenMP count to the process-wide at::set_num_threads value at the
+    // thread's first parallel operation (at::internal::lazy_init_num_threads, once per thread),
+    // which would undo a count set before it: with --threads 2, every replica ran 2 OpenMP
+    // threads. Running that initialization first makes the count below stick.
+    at::internal::lazy_init_num_threads();
     setOpenMpThreadsOfThisThread(1);
     int64_t seen = 0;
     while (true) {
@@ -519,6 +550,11 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
   }
   s.finishedSums = 0;
   s.crossDone = false;
+  {
+    std::lock_guard<std::mutex> lock(s.launchMutex);
+    s.launched = 0;
+  }
+  const CommCounters commBefore = s.comm ? s.comm->counters() : CommCounters{};
   s.updating = false;
   s.failed = false;
   s.lossFn = &loss;
@@ -542,6 +578,11 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
       // optimizer steps may leave the copies different. (Hogwild's threads share one parameter
       // set: nothing can differ.)
       if (s.updating.load() && s.kind == Kind::kMirrored) s.broken = true;
+      // Collectives launched in a failed step leave this process out of step with the others.
+      {
+        std::lock_guard<std::mutex> launchLock(s.launchMutex);
+        if (s.launched > 0) s.broken = true;
+      }
       try {
         std::rethrow_exception(s.error);
       } catch (const Error& e) {
@@ -553,6 +594,12 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
         throw Error(detail::concat(s.who, ": replica ", s.errorReplica, " failed: ", e.what()));
       }
     }
+  }
+  if (s.comm != nullptr) {
+    const CommCounters after = s.comm->counters();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.stats.bytesSent += after.bytesSent - commBefore.bytesSent;
+    s.stats.bytesReceived += after.bytesReceived - commBefore.bytesReceived;
   }
   double total = 0;
   for (auto& replica : s.replicas) total += replica.weight * replica.loss;

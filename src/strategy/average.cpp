@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstdio>
 
 namespace cohort {
 
@@ -47,6 +48,22 @@ StepStats AverageStrategy::step(const Batch& batch, const LossFn& loss) {
 
 void AverageStrategy::synchronize() {
   if (averaging_) averaging_->synchronize();
+}
+
+void AverageStrategy::saveState(torch::serialize::OutputArchive& archive) {
+  if (!averaging_) return;
+  if (torch::Tensor momentum = averaging_->outerMomentum(); momentum.defined()) archive.write("outer_momentum", momentum);
+}
+
+void AverageStrategy::loadState(torch::serialize::InputArchive& archive) {
+  COHORT_CHECK(averaging_ != nullptr, Error, "AverageStrategy::loadState before attach");
+  torch::Tensor momentum;
+  if (archive.try_read("outer_momentum", momentum)) {
+    averaging_->setOuterMomentum(momentum);
+  } else if (averaging_->outerMomentum().defined()) {
+    std::fprintf(stderr, "cohort: warning: the checkpoint holds no outer momentum (written without an outer "
+                         "optimizer, or by an older cohort); the outer optimizer starts from zero momentum\n");
+  }
 }
 
 }  // namespace cohort

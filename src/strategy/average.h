@@ -22,6 +22,9 @@ class AverageStrategy final : public Strategy {
   StepStats step(const Batch& batch, const LossFn& loss) override;
   // Averages now if any step has been taken since the last average (every rank must call it).
   void synchronize() override;
+  // The outer optimizer's momentum ("outer_momentum"), when there is one.
+  void saveState(torch::serialize::OutputArchive& archive) override;
+  void loadState(torch::serialize::InputArchive& archive) override;
 
  private:
   std::shared_ptr<Communicator> comm_;

@@ -14,6 +14,7 @@
 
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
 
 #include <cstdint>
 #include <functional>
@@ -90,6 +91,14 @@ class Strategy {
     plan.writes = replica().isChief();
     return plan;
   }
+
+  // Training state the scheme keeps beyond the model and the optimizer (average: the outer
+  // optimizer's momentum). saveState() is called on the checkpoint's writer right after
+  // synchronize(); on --resume, loadState() is called after attach() on every process that
+  // restored the checkpoint, with what the writer saved (an empty archive for a checkpoint
+  // written without it).
+  virtual void saveState(torch::serialize::OutputArchive& archive) {}
+  virtual void loadState(torch::serialize::InputArchive& archive) {}
 
   // What a checkpoint must agree on beyond the run's options (pipeline: the stage and the cut).
   virtual std::string layout() const { return ""; }

@@ -171,6 +171,8 @@ struct Trainer::State {
   int64_t step = 0;         // steps completed
   int64_t epoch = 0;        // the epoch under way
   int64_t stepInEpoch = 0;  // its steps completed
+  // The strategy's own state from the checkpoint resumed, until attach() has made the strategy's.
+  std::optional<torch::serialize::InputArchive> strategyState;
 
   void warn(const std::string& message) { std::fprintf(stderr, "cohort: warning: %s\n", message.c_str()); }
 
@@ -182,6 +184,9 @@ struct Trainer::State {
     torch::serialize::OutputArchive optimizerArchive;
     optimizer->save(optimizerArchive);
     archive.write("optimizer", optimizerArchive);
+    torch::serialize::OutputArchive strategyArchive;
+    strategy->saveState(strategyArchive);
+    archive.write("strategy", strategyArchive);
     archive.write("step", c10::IValue(step));
     archive.write("epoch", c10::IValue(epoch));
     archive.write("step_in_epoch", c10::IValue(stepInEpoch));
@@ -221,6 +226,9 @@ struct Trainer::State {
       torch::serialize::InputArchive optimizerArchive;
       archive.read("optimizer", optimizerArchive);
       optimizer->load(optimizerArchive);
+      // Given to the strategy after attach() (which makes its state); absent in older checkpoints.
+      strategyState.emplace();
+      archive.try_read("strategy", *strategyState);
       archive.read("step", value);
       step = value.toInt();
       archive.read("epoch", value);
@@ -426,6 +434,10 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   if (o.resume && !serverCheckpoints) s.resume();
   // attach after resume: it makes every replica start from the chief's (restored) parameters.
   s.strategy->attach(s.model, *s.optimizer);
+  if (s.strategyState) {
+    s.strategy->loadState(*s.strategyState);
+    s.strategyState.reset();
+  }
   if (std::optional<int64_t> at = s.strategy->resumeStep(); at && *at > 0) {
     const int64_t perEpoch = s.sampler->batchesPerEpoch(o.batch);
     s.step = *at;
