@@ -18,7 +18,9 @@ streams, the shards, and Gloo's pairs as a bystander). The attacks on each port,
 
 It measures, for each listening process: resident memory (VmRSS) and open descriptors before the
 attack, at its peak during it, and after (once the half-open connections are closed and the job
-has had 12 s to time out the rest), and whether the job finished with the undisturbed run's test
+has had 12 s to time out the rest), the same for the undisturbed run sampled at the same point of
+its training and after the same window (its twin, so that training's own growth is not counted
+as the attack's), and whether the job finished with the undisturbed run's test
 accuracy (allreduce is deterministic; gossip and ps async are not, so there the figure is the
 difference). A forged store value is not in this table: without the secret it cannot be written
 at all (tests/store_test.cpp, Store.AFrameWithAWrongTagIsRefused).
