@@ -143,7 +143,6 @@ struct Gossip::Impl {
     COHORT_CHECK(!finished_, InvalidArgument, "cohort::Gossip::step() after finish()");
     GossipStep stats;
     const auto start = Clock::now();
-    const int64_t sent0 = peer_->bytesSent(), received0 = peer_->bytesReceived();
     // The update is what the optimizer did to the parameters since the last call; a sparse
     // table's, its rows this step's gradient touched (the only ones its optimizer changed).
     std::vector<std::vector<uint32_t>> rows;
@@ -164,8 +163,13 @@ struct Gossip::Impl {
     if (tables_.empty()) copyOut(before_);
 
     stats.samples = samples + applied.samples;
-    stats.bytesSent = peer_->bytesSent() - sent0;
-    stats.bytesReceived = peer_->bytesReceived() - received0;
+    // The peer's threads send and receive while the next step computes: a step is charged what
+    // went over the wire since the previous step's charge, so that the steps add up to the total.
+    const int64_t sent = peer_->bytesSent(), received = peer_->bytesReceived();
+    stats.bytesSent = sent - chargedSent_;
+    stats.bytesReceived = received - chargedReceived_;
+    chargedSent_ = sent;
+    chargedReceived_ = received;
     stats.commWaitSeconds = secondsSince(start);  // hand-offs only: nothing here waits for a peer
     stats.messagesApplied = applied.messages;
     stats.stalenessMean = applied.messages > 0 ? double(applied.stalenessSum) / double(applied.messages) : 0.0;
@@ -380,6 +384,7 @@ struct Gossip::Impl {
   std::unique_ptr<Rendezvous> rendezvous_;        // kept: the chief hosts the store for the others
   std::unique_ptr<gossip::Peer> peer_;
   int64_t steps_ = 0;    // this peer's own steps
+  int64_t chargedSent_ = 0, chargedReceived_ = 0;  // the peer's byte counters at the last step's charge
   int64_t version_ = 0;  // steps folded into this replica, own and received
   int64_t messagesApplied_ = 0;
   int64_t stalenessSum_ = 0;
