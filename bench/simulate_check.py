@@ -11,7 +11,8 @@ First `cohort simulate --calibrate` measures this machine (model cnn, batch 64, 
 none and threshold:0.001, ps async with 1 and 2 shards. Every process (workers and shards) has its
 own namespace and a full-duplex link of the rate to a bridge; all of them share this machine's
 cores, which the simulator is told (--cores = the machine's cores). The table lists every pair
-(measured samples/s, predicted, error = predicted / measured - 1) and the median and largest
+(measured samples/s, predicted, error = predicted / measured - 1, the chief's bytes sent per step
+measured and predicted in MB, whether the prediction is CPU-bound) and the median and largest
 absolute error.
 """
 import argparse
@@ -61,7 +62,8 @@ def run_job(args, tmp, scheme, codec, workers, shards):
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns_name(ns)] + cmd, env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     wait_all(procs, f"{scheme} --codec {codec} x{workers}", timeout=900)
-    return done_event(metrics)["samples_per_s"]
+    done = done_event(metrics)
+    return done["samples_per_s"], done["bytes_sent"] / max(1, done["steps"])
 
 
 def predict(args, scheme, codec, workers, shards, rate):
@@ -74,7 +76,7 @@ def predict(args, scheme, codec, workers, shards, rate):
     for line in out.splitlines():
         row = json.loads(line)
         if row.get("workers") == workers:
-            return row["samples_per_s"]
+            return row
     raise RuntimeError(f"no prediction for {workers} workers in:\n{out}")
 
 
@@ -109,17 +111,22 @@ def main():
                 for workers in counts:
                     for scheme, codec, shards in CONFIGS:
                         try:
-                            measured = median([run_job(args, tmp, scheme, codec, workers, shards)
-                                               for _ in range(args.runs)])
-                            predicted = predict(args, scheme, codec, workers, shards, rate)
+                            runs = [run_job(args, tmp, scheme, codec, workers, shards) for _ in range(args.runs)]
+                            measured = median([r[0] for r in runs])
+                            sent = median([r[1] for r in runs])
+                            row = predict(args, scheme, codec, workers, shards, rate)
+                            predicted = row["samples_per_s"]
                         except (RuntimeError, subprocess.CalledProcessError) as e:
                             print(f"FAILED {rate} {scheme} {codec} {shards} x{workers}: {str(e)[-2000:]}", flush=True)
                             continue
                         error = predicted / measured - 1
                         name = f"{scheme} {codec}" + (f" {shards} shard{'s' if shards > 1 else ''}" if shards else "")
                         rows.append((rate, name, workers, measured, predicted, error))
-                        print(f"| {rate} | {name} | {workers} | {measured:.1f} | {predicted:.1f} | {error * 100:+.1f} % |",
-                              flush=True)
+                        # The chief's bytes sent per step, measured (its counters) and predicted, and
+                        # whether the prediction is CPU-bound (--cores): for reading the misses.
+                        print(f"| {rate} | {name} | {workers} | {measured:.1f} | {predicted:.1f} | {error * 100:+.1f} % "
+                              f"| {sent / 1e6:.3f} | {row['bytes_per_step'] / 1e6:.3f} "
+                              f"| {'yes' if row['cpu_bound'] else 'no'} |", flush=True)
     finally:
         destroy(n)
         if tmp_cal:

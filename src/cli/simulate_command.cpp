@@ -6,9 +6,8 @@
 #include <cohort/models.h>
 
 #include "cli/commands.h"
+#include "cli/simulate_probes.h"
 #include "compress/codec.h"
-#include "ps/shard.h"
-#include "ps/wire.h"
 #include "sim/calibration.h"
 #include "sim/probe.h"
 #include "sim/simulate.h"
@@ -23,8 +22,11 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <numeric>
 #include <sstream>
+
+#include <poll.h>
 #include <unistd.h>
 
 namespace cohort::cli {
@@ -125,8 +127,9 @@ std::string machineName() {
 }
 
 // The model's compute per example with one thread, its parameters, and a few real gradients.
+// `beforeTiming`, when set, runs once the data and the model are ready, before the first step.
 void profileModel(sim::Calibration& c, const std::string& modelSpec, const std::string& dataSpec, int steps,
-                  std::vector<std::vector<float>>& gradients) {
+                  std::vector<std::vector<float>>& gradients, const std::function<void()>& beforeTiming = {}) {
   setComputeThreads(1);
   torch::manual_seed(1);
   DataSplits data = loadData(dataSpec, 1);
@@ -145,6 +148,7 @@ void profileModel(sim::Calibration& c, const std::string& modelSpec, const std::
   double nonzero = 0, entries = 0;
   const int64_t size = data.train.size();
   COHORT_CHECK(size >= c.batch, InvalidArgument, "--batch ", c.batch, ": larger than the data set (", size, ")");
+  if (beforeTiming) beforeTiming();
   for (int s = 0; s < steps; ++s) {
     for (int i = 0; i < c.batch; ++i) idx[i] = (int64_t(s) * c.batch + i) % size;
     const auto t0 = Clock::now();
@@ -186,59 +190,6 @@ void profileModel(sim::Calibration& c, const std::string& modelSpec, const std::
   double var = 0;
   for (double l : logs) var += (l - mean) * (l - mean);
   c.stepTimeSigma = logs.size() > 1 ? std::sqrt(var / double(logs.size() - 1)) : 0.0;
-}
-
-// A shard's CPU per pushed float32 byte: push (with the reply's parameters) through the shard's
-// own checks, policy and serialization, in process (no socket: the link is measured apart).
-double profileShard(size_t floats) {
-  auto shard = std::make_shared<ps::Shard>(ps::ShardOptions{.name = "calibration", .checkpointDir = "", .log = [](const std::string&) {}});
-  ps::wire::PieceSpec piece;
-  piece.set_key(1);
-  piece.set_name("w");
-  piece.set_numel(floats);
-  ps::wire::Policy policy;
-  policy.set_mode("async");
-  policy.set_workers(1);
-  policy.set_softsync(1);
-  policy.set_staleness_lr("none");
-  policy.set_max_staleness(-1);
-  policy.set_push("gradients");
-  policy.set_optimizer("sgd");
-  policy.set_lr(0.01);
-  policy.set_momentum(0.9);
-  policy.set_timeout_s(30);
-  ps::wire::InitRequest init;
-  init.set_protocol(ps::kProtocolVersion);
-  *init.mutable_policy() = policy;
-  *init.add_pieces() = piece;
-  std::vector<float> values(floats, 0.5f);
-  ps::setTensor(init.add_values(), piece, values.data());
-  ps::wire::InitReply initReply;
-  ps::Status s = shard->init(init, &initReply);
-  COHORT_CHECK(s.ok(), Error, "calibration: the shard refused its Init: ", s.message);
-  std::vector<float> grad(floats, 1e-3f);
-  std::vector<double> times;
-  for (int i = 0; i < 9; ++i) {
-    const auto t0 = Clock::now();
-    ps::wire::PushRequest r;
-    r.set_protocol(ps::kProtocolVersion);
-    r.set_worker(0);
-    r.set_clock(i);
-    r.set_pulled_version(uint64_t(i));
-    r.set_samples(1);
-    r.set_want_values(true);
-    ps::setTensor(r.add_values(), piece, grad.data());
-    const std::string bytes = r.SerializeAsString();
-    ps::wire::PushRequest parsed;
-    parsed.ParseFromString(bytes);
-    ps::wire::PushReply reply;
-    s = shard->push(parsed, &reply);
-    COHORT_CHECK(s.ok(), Error, "calibration: the shard refused a push: ", s.message);
-    ps::wire::PushReply back;
-    back.ParseFromString(reply.SerializeAsString());
-    times.push_back(secondsSince(t0));
-  }
-  return median(times) / double(floats * 4);
 }
 
 sim::CodecCost profileCodec(const std::string& name, const std::vector<std::vector<float>>& gradients) {
@@ -293,7 +244,50 @@ struct Flags {
   std::string workers;
   bool json = false;
   std::string plot;
+  // Hidden: the child side of a calibration probe (simulate_probes.h).
+  std::string probe;
+  int probeRank = 0, probePort = 0;
 };
+
+constexpr double kProbeTimeoutSeconds = 120;
+
+// `--probe compute`: profiles the model as --calibrate does, starting the timed steps when the
+// parent writes a line (so that every copy computes at once), and prints its seconds per example.
+int runComputeProbe(const Flags& f) {
+  sim::Calibration c;
+  c.batch = f.batch;
+  std::vector<std::vector<float>> gradients;
+  profileModel(c, f.model, f.data, f.profileSteps, gradients, [] {
+    std::printf("ready\n");
+    std::fflush(stdout);
+    pollfd p{0, POLLIN, 0};
+    COHORT_CHECK(::poll(&p, 1, int(kProbeTimeoutSeconds * 1000)) > 0, TimeoutError,
+                 "calibration: the compute probe got no start signal within ", kProbeTimeoutSeconds, " s");
+    char go[8];
+    COHORT_CHECK(::read(0, go, sizeof go) > 0, CommError, "calibration: the compute probe's parent went away");
+  });
+  std::printf("%.17g\n", c.computeSecondsPerExample);
+  std::fflush(stdout);
+  return 0;
+}
+
+// The compute per example while `cores` copies of the profile run at once, one per core: the
+// mean of their medians.
+double profileShared(const Flags& f, int cores) {
+  std::vector<std::unique_ptr<Child>> copies;
+  for (int i = 0; i < cores; ++i) {
+    copies.push_back(std::make_unique<Child>(
+        "compute probe " + std::to_string(i),
+        std::vector<std::string>{"simulate", "--probe", "compute", "--model", f.model, "--data", f.data, "--batch",
+                                 std::to_string(f.batch), "--profile-steps", std::to_string(f.profileSteps)}));
+  }
+  for (auto& c : copies) COHORT_CHECK(c->readLine(kProbeTimeoutSeconds) == "ready", CommError, "calibration: a compute probe did not start");
+  for (auto& c : copies) c->write("go\n");
+  double sum = 0;
+  for (auto& c : copies) sum += std::stod(c->readLine(kProbeTimeoutSeconds));
+  for (auto& c : copies) c->wait(kProbeTimeoutSeconds);
+  return sum / cores;
+}
 
 int runCalibrate(const Flags& f) {
   sim::Calibration c;
@@ -307,12 +301,22 @@ int runCalibrate(const Flags& f) {
   c.latencySeconds = link.latencySeconds;
   c.secondsPerByte = link.secondsPerByte;
   c.reduceSecondsPerByte = sim::probeReduce();
+  std::fprintf(stderr, "calibrating: Gloo allgather (2 processes)...\n");
+  const GlooProbe gloo = probeGloo(kProbeTimeoutSeconds);
+  c.glooAllgatherSeconds = gloo.allgatherSeconds;
+  c.glooSecondsPerByte = gloo.secondsPerByte;
   std::fprintf(stderr, "calibrating: profiling %s, batch %d, 1 thread, %d steps...\n", f.model.c_str(), f.batch,
                f.profileSteps);
   std::vector<std::vector<float>> gradients;
   profileModel(c, f.model, f.data, f.profileSteps, gradients);
-  std::fprintf(stderr, "calibrating: shard and codecs...\n");
-  c.shardSecondsPerByte = profileShard(std::min<size_t>(gradients.front().size(), 4u << 20));
+  c.sharedCores = std::max(1, int(::sysconf(_SC_NPROCESSORS_ONLN)));
+  std::fprintf(stderr, "calibrating: the same in %d processes at once...\n", c.sharedCores);
+  c.computeSecondsPerExampleShared = profileShared(f, c.sharedCores);
+  std::fprintf(stderr, "calibrating: gRPC to a cohort ps process, and codecs...\n");
+  const RpcProbe rpc = probeRpc(gradients.front().size(), kProbeTimeoutSeconds);
+  c.rpcCallSeconds = rpc.callSeconds;
+  c.rpcWorkerSecondsPerByte = rpc.workerSecondsPerByte;
+  c.shardSecondsPerByte = rpc.shardSecondsPerByte;
   for (const std::string& name : splitList(f.codecs)) {
     if (name == "none") continue;
     c.codecs.push_back(profileCodec(name, gradients));
@@ -514,7 +518,15 @@ Run addSimulateCommand(CLI::App& app) {
   cmd->add_option("--workers", f.workers, "Worker counts: 1,2,4 or 1..1000 (default: 1 to 1000)");
   cmd->add_flag("--json", f.json, "JSON lines instead of the table");
   cmd->add_option("--plot", f.plot, "Write speed-up against workers as an SVG file");
-  return [flags]() { return flags->calibrate ? runCalibrate(*flags) : runSimulate(*flags); };
+  cmd->add_option("--probe", f.probe)->group("");  // a calibration probe's child (simulate_probes.h)
+  cmd->add_option("--probe-rank", f.probeRank)->group("");
+  cmd->add_option("--probe-port", f.probePort)->group("");
+  return [flags]() {
+    if (flags->probe == "gloo") return runGlooProbeChild(flags->probeRank, flags->probePort);
+    if (flags->probe == "compute") return runComputeProbe(*flags);
+    COHORT_CHECK(flags->probe.empty(), InvalidArgument, "--probe ", flags->probe, ": expected gloo or compute");
+    return flags->calibrate ? runCalibrate(*flags) : runSimulate(*flags);
+  };
 }
 
 }  // namespace cohort::cli

@@ -50,6 +50,8 @@ void validate(const Calibration& c, const std::string& where) {
   }
   requirePositive(c.batch, "batch", where);
   requirePositive(c.computeSecondsPerExample, "compute_seconds_per_example", where);
+  requirePositive(c.sharedCores, "shared_cores", where);
+  requirePositive(c.computeSecondsPerExampleShared, "compute_seconds_per_example_shared", where);
   if (!(c.backwardFraction >= 0 && c.backwardFraction <= 1)) {
     throw InvalidArgument(where + ": field \"backward_fraction\" must be in [0, 1]");
   }
@@ -63,6 +65,10 @@ void validate(const Calibration& c, const std::string& where) {
   requireNonNegative(c.latencySeconds, "latency_seconds", where);
   requireNonNegative(c.secondsPerByte, "seconds_per_byte", where);
   requireNonNegative(c.reduceSecondsPerByte, "reduce_seconds_per_byte", where);
+  requireNonNegative(c.glooAllgatherSeconds, "gloo_allgather_seconds", where);
+  requireNonNegative(c.glooSecondsPerByte, "gloo_seconds_per_byte", where);
+  requireNonNegative(c.rpcCallSeconds, "rpc_call_seconds", where);
+  requireNonNegative(c.rpcWorkerSecondsPerByte, "rpc_worker_seconds_per_byte", where);
   requireNonNegative(c.shardSecondsPerByte, "shard_seconds_per_byte", where);
   for (const CodecCost& k : c.codecs) {
     requireNonNegative(k.encodeSecondsPerByte, "codecs[].encode_seconds_per_byte", where);
@@ -85,6 +91,8 @@ std::string toJson(const Calibration& c) {
             {"model", c.model},
             {"batch", c.batch},
             {"compute_seconds_per_example", c.computeSecondsPerExample},
+            {"shared_cores", c.sharedCores},
+            {"compute_seconds_per_example_shared", c.computeSecondsPerExampleShared},
             {"backward_fraction", c.backwardFraction},
             {"parameter_bytes", c.parameterBytes},
             {"parameter_count", c.parameterCount},
@@ -94,6 +102,10 @@ std::string toJson(const Calibration& c) {
             {"latency_seconds", c.latencySeconds},
             {"seconds_per_byte", c.secondsPerByte},
             {"reduce_seconds_per_byte", c.reduceSecondsPerByte},
+            {"gloo_allgather_seconds", c.glooAllgatherSeconds},
+            {"gloo_seconds_per_byte", c.glooSecondsPerByte},
+            {"rpc_call_seconds", c.rpcCallSeconds},
+            {"rpc_worker_seconds_per_byte", c.rpcWorkerSecondsPerByte},
             {"shard_seconds_per_byte", c.shardSecondsPerByte},
             {"codecs", codecs}};
   return j.dump(2) + "\n";
@@ -115,6 +127,8 @@ Calibration fromJson(const std::string& text, const std::string& where) {
   c.model = field<std::string>(j, "model", where);
   c.batch = field<int>(j, "batch", where);
   c.computeSecondsPerExample = field<double>(j, "compute_seconds_per_example", where);
+  c.sharedCores = field<int>(j, "shared_cores", where);
+  c.computeSecondsPerExampleShared = field<double>(j, "compute_seconds_per_example_shared", where);
   c.backwardFraction = field<double>(j, "backward_fraction", where);
   c.parameterBytes = field<double>(j, "parameter_bytes", where);
   c.parameterCount = field<double>(j, "parameter_count", where);
@@ -124,6 +138,10 @@ Calibration fromJson(const std::string& text, const std::string& where) {
   c.latencySeconds = field<double>(j, "latency_seconds", where);
   c.secondsPerByte = field<double>(j, "seconds_per_byte", where);
   c.reduceSecondsPerByte = field<double>(j, "reduce_seconds_per_byte", where);
+  c.glooAllgatherSeconds = field<double>(j, "gloo_allgather_seconds", where);
+  c.glooSecondsPerByte = field<double>(j, "gloo_seconds_per_byte", where);
+  c.rpcCallSeconds = field<double>(j, "rpc_call_seconds", where);
+  c.rpcWorkerSecondsPerByte = field<double>(j, "rpc_worker_seconds_per_byte", where);
   c.shardSecondsPerByte = field<double>(j, "shard_seconds_per_byte", where);
   for (const json& k : field<json>(j, "codecs", where)) {
     const std::string w = where + " codecs[]";

@@ -7,7 +7,7 @@
 
 namespace cohort::sim {
 
-inline constexpr int kCalibrationVersion = 1;
+inline constexpr int kCalibrationVersion = 2;
 
 // One codec's CPU cost per byte of the dense float32 buffer, and what it sends, measured on a real
 // gradient of the calibrated model (so threshold's share is the model's own).
@@ -26,6 +26,11 @@ struct Calibration {
   std::string model;
   int batch = 64;                        // the batch the compute was timed at
   double computeSecondsPerExample = 0;   // forward, backward and optimizer step
+  // The same, measured while sharedCores processes profile the model at once (the cores shared
+  // as the ranks of an emulated cluster share them, --cores): what a rank computes at when every
+  // core is busy.
+  int sharedCores = 1;
+  double computeSecondsPerExampleShared = 0;
   double backwardFraction = 0.6;         // share of the step in backward (what buckets overlap)
   double parameterBytes = 0;             // float32 bytes of the trainable parameters
   double parameterCount = 0;
@@ -36,7 +41,17 @@ struct Calibration {
   double latencySeconds = 0;             // a: half a small message's round trip
   double secondsPerByte = 0;             // b: a large transfer's seconds per byte (kernel CPU)
   double reduceSecondsPerByte = 0;       // g: summing two float32 buffers, per byte
-  double shardSecondsPerByte = 0;        // a shard's CPU per pushed byte (decode, apply, reply)
+  // Through cohort's own transports, over loopback between processes.
+  // Gloo (Communicator::allgather, 2 ranks): the time of one allgather of an 8-byte tensor, and
+  // the seconds per byte received beyond it (a 1 MiB tensor).
+  double glooAllgatherSeconds = 0;
+  double glooSecondsPerByte = 0;
+  // gRPC to a real `cohort ps` process: the round trip of an empty call (Stats) with the call
+  // proof; the CPU of the pushing process and of the shard process per float32 byte of a push
+  // whose reply carries the parameters back (serialization, HTTP/2, the kernel's copies, apply).
+  double rpcCallSeconds = 0;
+  double rpcWorkerSecondsPerByte = 0;
+  double shardSecondsPerByte = 0;
   std::vector<CodecCost> codecs;
 
   // The measured cost of `codec`; throws InvalidArgument naming the codec when it was not measured.

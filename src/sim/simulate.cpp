@@ -107,6 +107,10 @@ struct Derived {
   double bLink = 0;        // seconds per byte on a worker's link (wire + kernel CPU)
   double bServer = 0;      // seconds per byte on a shard's link
   double bCpu = 0;         // the kernel's CPU per byte (part of bLink)
+  double wireLink = 0;     // seconds per byte on a worker's link, the wire alone
+  double wireServer = 0;   // the same on a shard's link
+  double aGloo = 0;        // one step of a Gloo allgather: its measured call plus the link's latency
+  double bGloo = 0;        // a Gloo allgather's seconds per byte received: wire plus Gloo's CPU
   double g = 0;
   CodecCost codec;
   bool sparseCodec = false;
@@ -121,7 +125,9 @@ Derived derive(const Scenario& s, int workers) {
   // model's touched rows (--density) make fewer bytes. The calibration's density is the share of
   // nonzero entries, for information.
   d.density = s.density > 0 ? s.density : 1.0;
-  d.compute = s.batch * c.computeSecondsPerExample / s.speed;
+  // Ranks sharing the cores (--cores) compute at the speed measured with every core busy.
+  const bool shared = s.cores > 0 && workers > 1;
+  d.compute = s.batch * (shared ? c.computeSecondsPerExampleShared : c.computeSecondsPerExample) / s.speed;
   d.backwardShare = c.backwardFraction;
   d.a = c.latencySeconds + s.network.latency;
   d.bCpu = c.secondsPerByte;
@@ -129,6 +135,10 @@ Derived derive(const Scenario& s, int workers) {
   d.bLink = wire + d.bCpu;
   const double serverBw = s.network.serverBandwidth > 0 ? s.network.serverBandwidth : s.network.bandwidth;
   d.bServer = (serverBw > 0 ? kWireOverhead / serverBw : 0.0) + d.bCpu;
+  d.wireLink = wire;
+  d.wireServer = serverBw > 0 ? kWireOverhead / serverBw : 0.0;
+  d.aGloo = c.glooAllgatherSeconds + s.network.latency;
+  d.bGloo = wire + c.glooSecondsPerByte;
   d.g = c.reduceSecondsPerByte;
   if (s.codec == "none") {
     d.codec = CodecCost{"none", 0, 0, 1};
@@ -137,6 +147,15 @@ Derived derive(const Scenario& s, int workers) {
   }
   d.sparseCodec = isSparseCodec(s.codec);
   return d;
+}
+
+// The Gloo allgather of one m-byte message per rank (CompressedSum): bf16's is one allgather; a
+// sparse codec's messages differ in length, so allgatherVariable first allgathers the 8-byte
+// lengths, then the messages (padded to the longest; taken here as all of length m). Each is a
+// ring of p-1 steps of the measured Gloo call plus m bytes (sim/cost.h's ringAllgatherSeconds).
+double allgatherMessagesSeconds(const Derived& d, double m, bool variable) {
+  const double lengths = variable ? ringAllgatherSeconds(d.p, 8, d.aGloo, d.bGloo) : 0.0;
+  return lengths + ringAllgatherSeconds(d.p, m, d.aGloo, d.bGloo);
 }
 
 // One allreduce of `bytes` dense float32 bytes through the codec, not overlapped with anything:
@@ -151,7 +170,7 @@ double exchangeSeconds(const Scenario& s, const Derived& d, double bytes, double
   if (d.sparseCodec || s.codec == "bf16") {
     const double m = bytes * d.codec.sentFraction;
     *sentBytes = (p - 1) * m;
-    return codecCpu + ringAllgatherSeconds(p, m, d.a, d.bLink) + (p - 1) * bytes * d.codec.decodeSecondsPerByte;
+    return codecCpu + allgatherMessagesSeconds(d, m, d.sparseCodec) + p * bytes * d.codec.decodeSecondsPerByte;
   }
   const double wireBytes = bytes * d.codec.sentFraction;
   if (d.density < 1 && (p - 1) * d.density < 2.0 * (p - 1) / p) {
@@ -184,9 +203,21 @@ Totals simulateCollective(const Scenario& s, const Derived& d, double computeSca
   std::vector<double> buckets;
   const bool overlapped = s.scheme == Scheme::Allreduce && s.overlap && !d.sparseCodec && s.codec != "bf16" &&
                           !(d.density < 1 && (d.p - 1) * d.density < 2.0 * (d.p - 1) / d.p);
-  if (overlapped) buckets = bucketSizes(d.n, s.firstBucketMb * 1048576.0, s.bucketMb * 1048576.0);
-  exchange = exchangeSeconds(s, d, d.n, &sent);
+  const bool perBucket = s.scheme == Scheme::Allreduce && (d.sparseCodec || s.codec == "bf16");
+  if (overlapped || perBucket) buckets = bucketSizes(d.n, s.firstBucketMb * 1048576.0, s.bucketMb * 1048576.0);
+  if (perBucket) {
+    // DataParallel exchanges bf16 and the sparse codecs after backward, one bucket after another,
+    // each with its own allgathers.
+    for (double x : buckets) {
+      double bucketSent = 0;
+      exchange += exchangeSeconds(s, d, x, &bucketSent);
+      sent += bucketSent;
+    }
+  } else {
+    exchange = exchangeSeconds(s, d, d.n, &sent);
+  }
   const double reduceCpu = d.sparseCodec ? 0.0 : double(d.p - 1) / d.p * d.n * d.g;
+  const double linkCpu = d.sparseCodec || s.codec == "bf16" ? s.calibration.glooSecondsPerByte : 2 * d.bCpu;
   for (int step = 0; step < s.steps; ++step) {
     double slowest = 0, sum = 0;
     for (int i = 0; i < d.p; ++i) {
@@ -216,44 +247,112 @@ Totals simulateCollective(const Scenario& s, const Derived& d, double computeSca
     t.wait += std::max(0.0, slowest - sum / d.p);
     t.comm += comm;
     t.bytes += sent;
-    t.cpu += sum / computeScale + d.p * (sent * 2 * d.bCpu + reduceCpu + d.n * (d.codec.encodeSecondsPerByte +
-                                                      (d.sparseCodec ? d.p - 1 : 1) * d.codec.decodeSecondsPerByte));
+    t.cpu += sum / computeScale + d.p * (sent * linkCpu + reduceCpu + d.n * (d.codec.encodeSecondsPerByte +
+                                                    (d.sparseCodec || s.codec == "bf16" ? d.p : 1) * d.codec.decodeSecondsPerByte));
   }
   return t;
 }
 
+// A link whose transfers under way share it equally, as TCP flows through one bottleneck do
+// (processor sharing), each also capped by its own worker's link. A transfer is described by
+// `own`, the seconds its bytes take alone on the worker's link, and `shared`, the seconds they
+// take alone on this link: with n transfers under way it progresses at 1 / max(own, n shared) of
+// itself per second.
+class SharedLink {
+ public:
+  void add(double now, int worker, double own, double shared) {
+    advance(now);
+    flows_.push_back({worker, 1.0, own, shared});
+    ++epoch_;
+  }
+  void remove(double now, int worker) {
+    advance(now);
+    for (size_t i = 0; i < flows_.size(); ++i) {
+      if (flows_[i].worker == worker) {
+        flows_.erase(flows_.begin() + long(i));
+        break;
+      }
+    }
+    ++epoch_;
+  }
+  // The transfer that ends first and when, if any; valid while epoch() is unchanged.
+  bool next(double* time, int* worker) const {
+    bool any = false;
+    for (const Flow& f : flows_) {
+      const double t = now_ + f.left * period(f);
+      if (!any || t < *time) {
+        *time = t;
+        *worker = f.worker;
+        any = true;
+      }
+    }
+    return any;
+  }
+  uint64_t epoch() const { return epoch_; }
+
+ private:
+  struct Flow {
+    int worker;
+    double left;  // the share of its bytes still to send
+    double own, shared;
+  };
+  double period(const Flow& f) const { return std::max(f.own, double(flows_.size()) * f.shared); }
+  void advance(double now) {
+    if (now > now_) {
+      for (Flow& f : flows_) {
+        const double p = period(f);
+        f.left = p > 0 ? std::max(0.0, f.left - (now - now_) / p) : 0.0;
+      }
+    }
+    now_ = std::max(now_, now);
+  }
+  std::vector<Flow> flows_;
+  double now_ = 0;
+  uint64_t epoch_ = 0;
+};
+
 // The parameter server: workers, one representative shard (the k shards are symmetric: each push
-// puts 1/k of its bytes on each), its link in and out and its CPU as FIFO resources.
+// puts 1/k of its bytes on each), its link in and out shared by the transfers under way
+// (SharedLink), and its CPU a FIFO resource.
 Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
   const int N = d.p;
   const int k = s.shards;
   const double push = d.n * d.density * d.codec.sentFraction;  // bytes a worker pushes per step
   const double pull = d.n * d.density;                         // bytes it pulls (float32)
   const double ranks = std::max(1, s.network.ranksPerHost);
-  const double pushWire = push * d.bLink * ranks;
-  const double pullWire = pull * d.bLink * ranks;
-  const double pushShard = push / k * d.bServer;
-  const double pullShard = pull / k * d.bServer;
-  const double encode = d.n * d.density * d.codec.encodeSecondsPerByte;
+  // The links carry the bytes at their wire rate; the CPU that gRPC spends on them (serialization,
+  // HTTP/2, the kernel's copies) is in the two measured gRPC costs below, on each side.
+  const double pushWire = push * d.wireLink * ranks;
+  const double pullWire = pull * d.wireLink * ranks;
+  const double pushShard = push / k * d.wireServer;
+  const double pullShard = pull / k * d.wireServer;
+  // The worker's own CPU per step: encoding, and its side of the k calls (measured per float32
+  // byte of a push whose reply carries the parameters).
+  const double workerCpu = d.n * d.density * (d.codec.encodeSecondsPerByte + s.calibration.rpcWorkerSecondsPerByte);
   const double cpu = d.n * d.density / k * (s.calibration.shardSecondsPerByte + d.codec.decodeSecondsPerByte);
+  // Half the measured round trip of an empty call each way, plus the link's latency.
+  const double a = s.calibration.rpcCallSeconds / 2 + s.network.latency;
   const double c = d.compute * computeScale;
   const int needed = s.psMode == PsMode::Sync ? N - s.backupWorkers : 1;
 
   Sampler sampler(s.tail, s.seed);
-  enum Type { Computed, Applied, Replied };
+  enum Type { Computed, Sent, Pushed, Applied, Pulled, Replied };
   struct Event {
     double time;
     int type;
     int worker;
+    uint64_t epoch = 0;  // Pushed, Pulled: the link's epoch when it was scheduled
     bool operator>(const Event& o) const { return time > o.time || (time == o.time && worker > o.worker); }
   };
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events;
-  double ingressFree = 0, cpuFree = 0, egressFree = 0;
+  SharedLink ingress, egress;
+  double cpuFree = 0;
   int64_t version = 0;
   int64_t stepOpen = 0;   // sync: the step being collected
   int inStep = 0;         // sync: pushes counted for stepOpen; softsync: pushes since the last version
   std::vector<int64_t> clock(N, 0), pulled(N, 0), stepOf(N, 0);
-  std::vector<double> computeStart(N, 0), pushArrived(N, 0), myCompute(N, 0), myQueue(N, 0), myServerQueue(N, 0);
+  std::vector<double> computeStart(N, 0), sendStart(N, 0), replyStart(N, 0), myCompute(N, 0), myQueue(N, 0),
+      myServerQueue(N, 0);
   std::vector<int> held;                  // sync: waiting for the step to close; ssp: over the bound
   std::multiset<int64_t> clocks(clock.begin(), clock.end());
 
@@ -263,30 +362,21 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
   int64_t applied = 0;
   double measureFrom = -1;
 
+  auto schedule = [&](SharedLink& link, Type type) {
+    double time = 0;
+    int worker = 0;
+    if (link.next(&time, &worker)) events.push({time, type, worker, link.epoch()});
+  };
   auto startCompute = [&](int w, double time) {
     computeStart[w] = time;
     myCompute[w] = c * sampler.next();
     events.push({time + myCompute[w], Computed, w});
   };
-  auto reply = [&](int w, double time, bool counted) {
-    const double free = std::max(egressFree, time) + pullShard;
-    egressFree = free;
-    const double done = std::max(time + pullWire, free) + d.a;
-    myQueue[w] += done - (time + pullWire + d.a);
+  auto reply = [&](int w, double time) {
     pulled[w] = version;
-    if (counted && measureFrom >= 0) {
-      const double cycle = done - computeStart[w];
-      const double own = pushWire + pullWire + 2 * d.a + encode;
-      t.compute += myCompute[w];
-      t.comm += own + myQueue[w];
-      t.server += cpu + myServerQueue[w];
-      t.wait += std::max(0.0, cycle - myCompute[w] - own - myQueue[w] - cpu - myServerQueue[w]);
-      t.steps += 1;
-      t.bytes += push;
-    }
-    myQueue[w] = 0;
-    myServerQueue[w] = 0;
-    events.push({done, Replied, w});
+    replyStart[w] = time;
+    egress.add(time, w, pullWire, pullShard);
+    schedule(egress, Pulled);
   };
   auto sspReleasable = [&](int w) { return clock[w] - *clocks.begin() <= s.staleness; };
 
@@ -296,16 +386,40 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
     events.pop();
     const int w = e.worker;
     if (e.type == Computed) {
-      const double sendStart = e.time + encode;
-      const double free = std::max(ingressFree, sendStart) + pushShard;
-      ingressFree = free;
-      const double arrival = std::max(sendStart + pushWire, free) + d.a;
-      myQueue[w] += arrival - (sendStart + pushWire + d.a);
+      events.push({e.time + workerCpu, Sent, w});
+    } else if (e.type == Sent) {
+      sendStart[w] = e.time;
+      ingress.add(e.time, w, pushWire, pushShard);
+      schedule(ingress, Pushed);
+    } else if (e.type == Pushed) {
+      if (e.epoch != ingress.epoch()) continue;  // the link's sharing changed since: rescheduled
+      ingress.remove(e.time, w);
+      schedule(ingress, Pushed);
+      myQueue[w] += e.time - sendStart[w] - pushWire;
+      const double arrival = e.time + a;
       const double done = std::max(cpuFree, arrival) + cpu;
       myServerQueue[w] += done - cpu - arrival;
       cpuFree = done;
-      pushArrived[w] = done;
       events.push({done, Applied, w});
+    } else if (e.type == Pulled) {
+      if (e.epoch != egress.epoch()) continue;
+      egress.remove(e.time, w);
+      schedule(egress, Pulled);
+      myQueue[w] += e.time - replyStart[w] - pullWire;
+      const double done = e.time + a;
+      if (measureFrom >= 0) {
+        const double cycle = done - computeStart[w];
+        const double own = pushWire + pullWire + 2 * a + workerCpu;
+        t.compute += myCompute[w];
+        t.comm += own + myQueue[w];
+        t.server += cpu + myServerQueue[w];
+        t.wait += std::max(0.0, cycle - myCompute[w] - own - myQueue[w] - cpu - myServerQueue[w]);
+        t.steps += 1;
+        t.bytes += push;
+      }
+      myQueue[w] = 0;
+      myServerQueue[w] = 0;
+      events.push({done, Replied, w});
     } else if (e.type == Applied) {
       // The measured window opens at a step boundary (an applied push; under sync a closed step),
       // after the warm-up, and counts what is applied after it.
@@ -315,7 +429,7 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
         case PsMode::Async:
         case PsMode::Softsync:
         case PsMode::Ssp: {
-          if (measuring) {
+          if (measuring && e.time > measureFrom) {  // pushes applied with the opening one are before it
             t.staleness += double(version - pulled[w]);
             t.stalenessCount += 1;
             t.samples += s.batch;
@@ -334,7 +448,7 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
           ++clock[w];
           clocks.insert(clock[w]);
           if (s.psMode != PsMode::Ssp || sspReleasable(w)) {
-            reply(w, e.time, true);
+            reply(w, e.time);
           } else {
             held.push_back(w);
           }
@@ -342,7 +456,7 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
             std::vector<int> still;
             for (int h : held) {
               if (sspReleasable(h)) {
-                reply(h, e.time, true);
+                reply(h, e.time);
               } else {
                 still.push_back(h);
               }
@@ -354,7 +468,7 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
         case PsMode::Sync: {
           if (stepOf[w] < stepOpen) {  // late: the step closed without it (a backup worker's push)
             stepOf[w] = stepOpen;
-            reply(w, e.time, true);
+            reply(w, e.time);
             break;
           }
           held.push_back(w);
@@ -367,7 +481,7 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
             if (opens) measureFrom = e.time;
             for (int h : held) {
               stepOf[h] = stepOpen;
-              reply(h, e.time, true);
+              reply(h, e.time);
             }
             held.clear();
           }
@@ -379,7 +493,7 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
     }
     t.elapsed = measureFrom >= 0 ? e.time - measureFrom : 0;
   }
-  t.cpu = t.steps * (d.compute + encode + cpu * k + (push + pull) * 2 * d.bCpu);
+  t.cpu = t.steps * (d.compute + workerCpu + cpu * k);
   return t;
 }
 

@@ -1,0 +1,336 @@
+#include "cli/simulate_probes.h"
+
+#include <cohort/cluster.h>
+#include <cohort/communicator.h>
+#include <cohort/error.h>
+
+#include "ps/client.h"
+#include "ps/wire.h"
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+
+extern char** environ;
+
+namespace cohort::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+double ownCpuSeconds() {
+  timespec t{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return double(t.tv_sec) + double(t.tv_nsec) * 1e-9;
+}
+
+// A free TCP port on 127.0.0.1 (bound, read, closed: another process could take it in between,
+// which makes the probe fail with a clear error, not measure wrongly).
+int freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  COHORT_CHECK(fd >= 0, CommError, "calibration: socket() failed: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  ::close(fd);
+  COHORT_CHECK(ok, CommError, "calibration: cannot find a free port on 127.0.0.1: ", std::strerror(errno));
+  return ntohs(addr.sin_port);
+}
+
+int msLeft(Clock::time_point deadline) {
+  return int(std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count()));
+}
+
+}  // namespace
+
+Child::Child(std::string what, const std::vector<std::string>& args) : what_(std::move(what)) {
+  int toChild[2], fromChild[2];
+  COHORT_CHECK(::pipe2(toChild, O_CLOEXEC) == 0 && ::pipe2(fromChild, O_CLOEXEC) == 0, CommError,
+               "calibration: pipe() failed: ", std::strerror(errno));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, toChild[0], 0);
+  posix_spawn_file_actions_adddup2(&actions, fromChild[1], 1);
+  std::vector<std::string> all{"cohort"};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(toChild[0]);
+  ::close(fromChild[1]);
+  in_ = toChild[1];
+  out_ = fromChild[0];
+  if (rc != 0) {
+    ::close(in_);
+    ::close(out_);
+    throw CommError("calibration: cannot start " + what_ + ": " + std::strerror(rc));
+  }
+  pid_ = pid;
+}
+
+Child::~Child() {
+  if (pid_ > 0) {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+  }
+  if (in_ >= 0) ::close(in_);
+  if (out_ >= 0) ::close(out_);
+}
+
+std::string Child::readLine(double timeoutSeconds) {
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeoutSeconds));
+  for (;;) {
+    const auto eol = buffer_.find('\n');
+    if (eol != std::string::npos) {
+      std::string line = buffer_.substr(0, eol);
+      buffer_.erase(0, eol + 1);
+      return line;
+    }
+    pollfd p{out_, POLLIN, 0};
+    const int ready = ::poll(&p, 1, msLeft(deadline));
+    if (ready < 0 && errno == EINTR) continue;
+    COHORT_CHECK(ready > 0, TimeoutError, "calibration: ", what_, " did not answer within ", timeoutSeconds, " s");
+    char chunk[4096];
+    const ssize_t got = ::read(out_, chunk, sizeof chunk);
+    if (got < 0 && errno == EINTR) continue;
+    COHORT_CHECK(got > 0, CommError, "calibration: ", what_, " ended without answering (see its error above)");
+    buffer_.append(chunk, size_t(got));
+  }
+}
+
+void Child::write(const std::string& text) {
+  COHORT_CHECK(::write(in_, text.data(), text.size()) == ssize_t(text.size()), CommError, "calibration: cannot write to ",
+               what_, ": ", std::strerror(errno));
+}
+
+void Child::wait(double timeoutSeconds) {
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeoutSeconds));
+  // Its stdout closes when it exits: read (and drop) until then.
+  for (;;) {
+    pollfd p{out_, POLLIN, 0};
+    const int ready = ::poll(&p, 1, msLeft(deadline));
+    if (ready < 0 && errno == EINTR) continue;
+    COHORT_CHECK(ready > 0, TimeoutError, "calibration: ", what_, " did not end within ", timeoutSeconds, " s");
+    char chunk[4096];
+    const ssize_t got = ::read(out_, chunk, sizeof chunk);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) break;
+  }
+  int status = 0;
+  ::waitpid(pid_, &status, 0);
+  pid_ = -1;
+  COHORT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, CommError, "calibration: ", what_,
+               " failed (exit status ", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), ")");
+}
+
+double processCpuSeconds(int pid) {
+  double total = 0;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+  DIR* d = ::opendir(dir.c_str());
+  COHORT_CHECK(d != nullptr, CommError, "calibration: cannot read ", dir, ": ", std::strerror(errno));
+  while (dirent* e = ::readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream in(dir + "/" + e->d_name + "/schedstat");
+    double ns = 0;
+    if (in >> ns) total += ns * 1e-9;  // the first field: nanoseconds on a CPU
+  }
+  ::closedir(d);
+  return total;
+}
+
+// ---- Gloo ----
+
+namespace {
+constexpr int64_t kGlooBig = 1 << 20;
+constexpr int kGlooSmallRounds = 300;
+constexpr int kGlooBigRounds = 15;
+}  // namespace
+
+int runGlooProbeChild(int rank, int port) {
+  ClusterSpec spec;
+  spec.rank = rank;
+  spec.worldSize = 2;
+  spec.master = {"127.0.0.1", port};
+  spec.source = "calibration";
+  auto comm = Communicator::connect(spec, CommOptions{.timeout = std::chrono::milliseconds(30000)});
+  auto small = torch::zeros({1}, torch::kInt64);
+  auto big = torch::zeros({kGlooBig}, torch::kUInt8);
+  for (int i = 0; i < 20; ++i) comm->allgather(small);
+  std::vector<double> smallTimes, bigTimes;
+  for (int i = 0; i < kGlooSmallRounds; ++i) {
+    const auto t0 = Clock::now();
+    comm->allgather(small);
+    smallTimes.push_back(secondsSince(t0));
+  }
+  for (int i = 0; i < 3; ++i) comm->allgather(big);
+  for (int i = 0; i < kGlooBigRounds; ++i) {
+    const auto t0 = Clock::now();
+    comm->allgather(big);
+    bigTimes.push_back(secondsSince(t0));
+  }
+  comm->barrier();
+  if (rank == 0) {
+    const nlohmann::json j = {{"small", median(smallTimes)}, {"big", median(bigTimes)}, {"big_bytes", kGlooBig}};
+    std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+GlooProbe probeGloo(double timeoutSeconds) {
+  const std::string port = std::to_string(freePort());
+  Child rank0("the Gloo probe's rank 0", {"simulate", "--probe", "gloo", "--probe-rank", "0", "--probe-port", port});
+  Child rank1("the Gloo probe's rank 1", {"simulate", "--probe", "gloo", "--probe-rank", "1", "--probe-port", port});
+  const std::string line = rank0.readLine(timeoutSeconds);
+  rank0.wait(timeoutSeconds);
+  rank1.wait(timeoutSeconds);
+  const auto j = nlohmann::json::parse(line);
+  GlooProbe probe;
+  probe.allgatherSeconds = j.at("small").get<double>();
+  probe.secondsPerByte = std::max(0.0, (j.at("big").get<double>() - probe.allgatherSeconds) / j.at("big_bytes").get<double>());
+  return probe;
+}
+
+// ---- gRPC ----
+
+namespace {
+
+ps::wire::PieceSpec pieceOf(size_t floats) {
+  ps::wire::PieceSpec piece;
+  piece.set_key(1);
+  piece.set_name("w");
+  piece.set_numel(floats);
+  return piece;
+}
+
+ps::wire::InitRequest initRequest(const ps::wire::PieceSpec& piece, const std::vector<float>& values) {
+  ps::wire::Policy policy;
+  policy.set_mode("async");
+  policy.set_workers(1);
+  policy.set_softsync(1);
+  policy.set_staleness_lr("none");
+  policy.set_max_staleness(-1);
+  policy.set_push("gradients");
+  policy.set_optimizer("sgd");
+  policy.set_lr(0.01);
+  policy.set_momentum(0.9);
+  policy.set_timeout_s(30);
+  ps::wire::InitRequest init;
+  init.set_protocol(ps::kProtocolVersion);
+  *init.mutable_policy() = policy;
+  *init.add_pieces() = piece;
+  ps::setTensor(init.add_values(), piece, values.data());
+  return init;
+}
+
+void check(const ps::Status& s, const char* what) {
+  COHORT_CHECK(s.ok(), CommError, "calibration: the probe shard refused ", what, ": ", s.message);
+}
+
+constexpr int kRpcCalls = 50;
+constexpr int kRpcWarmup = 3;
+constexpr int kRpcPushes = 12;
+
+}  // namespace
+
+RpcProbe probeRpc(size_t floats, double timeoutSeconds) {
+  const std::string token = "calibration-" + std::to_string(::getpid());
+  Child shard("the probe shard (cohort ps)", {"ps", "--host", "127.0.0.1", "--port", "0", "--auth-token", token});
+  const std::string line = shard.readLine(timeoutSeconds);
+  const std::string prefix = "cohort ps: listening on ";
+  COHORT_CHECK(line.rfind(prefix, 0) == 0, CommError, "calibration: the probe shard said \"", line,
+               "\", expected \"", prefix, "HOST:PORT\"");
+  ps::ClientOptions options;
+  options.authToken = token;
+  options.timeoutSeconds = timeoutSeconds;
+  options.quiet = true;
+  auto client = ps::makeGrpcClient(line.substr(prefix.size()), options);
+  const ps::wire::PieceSpec piece = pieceOf(floats);
+  std::vector<float> params(floats, 0.5f), grad(floats, 1e-3f), back;
+  ps::wire::InitReply initReply;
+  check(client->init(initRequest(piece, params), &initReply), "its Init");
+
+  RpcProbe probe;
+  std::vector<double> calls;
+  for (int i = 0; i < kRpcCalls; ++i) {
+    ps::wire::StatsRequest request;
+    request.set_protocol(ps::kProtocolVersion);
+    request.set_worker(0);
+    ps::wire::StatsReply reply;
+    const auto t0 = Clock::now();
+    check(client->stats(request, &reply), "a Stats call");
+    calls.push_back(secondsSince(t0));
+  }
+  probe.callSeconds = median(calls);
+
+  // A worker's step as ParameterServerClient makes it: the gradient into a request, the push, the
+  // parameters out of the reply.
+  uint64_t version = 0;
+  double ownStart = 0, shardStart = 0;
+  for (int i = 0; i < kRpcWarmup + kRpcPushes; ++i) {
+    if (i == kRpcWarmup) {
+      ownStart = ownCpuSeconds();
+      shardStart = processCpuSeconds(shard.pid());
+    }
+    ps::wire::PushRequest request;
+    request.set_protocol(ps::kProtocolVersion);
+    request.set_worker(0);
+    request.set_clock(i);
+    request.set_pulled_version(version);
+    request.set_samples(1);
+    request.set_want_values(true);
+    ps::setTensor(request.add_values(), piece, grad.data());
+    ps::wire::PushReply reply;
+    check(client->push(request, &reply), "a push");
+    COHORT_CHECK(reply.values_size() == 1, CommError, "calibration: the probe shard's reply has no parameters");
+    back.clear();
+    ps::appendFloats(reply.values(0), back);
+    version = reply.version();
+  }
+  const double bytes = double(kRpcPushes) * double(floats) * 4;
+  probe.workerSecondsPerByte = (ownCpuSeconds() - ownStart) / bytes;
+  probe.shardSecondsPerByte = (processCpuSeconds(shard.pid()) - shardStart) / bytes;
+
+  ps::wire::DoneRequest done;
+  done.set_protocol(ps::kProtocolVersion);
+  done.set_worker(0);
+  ps::wire::DoneReply doneReply;
+  check(client->done(done, &doneReply), "Done");
+  client.reset();
+  shard.wait(timeoutSeconds);
+  return probe;
+}
+
+}  // namespace cohort::cli

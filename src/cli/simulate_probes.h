@@ -1,0 +1,57 @@
+// What `cohort simulate --calibrate` measures through cohort's own transports and with the cores
+// shared, each in separate processes: this binary run again (`cohort simulate --probe ...`, a
+// hidden option) or a real `cohort ps`. Every wait on a child is bounded; a child that does not
+// answer in time is killed and the calibration fails naming it.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace cohort::cli {
+
+// A child process running this binary with `args`, stdin and stdout piped to the parent, stderr
+// shared. The destructor kills it if it is still running.
+class Child {
+ public:
+  Child(std::string what, const std::vector<std::string>& args);
+  ~Child();
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+
+  int pid() const { return pid_; }
+  // The next line of its stdout; throws CommError naming `what` on end of file or after timeout.
+  std::string readLine(double timeoutSeconds);
+  void write(const std::string& text);
+  // Waits for it to end (its stdout closing, then waitpid); throws CommError when it does not end
+  // in time (it is then killed) or ends with a non-zero status.
+  void wait(double timeoutSeconds);
+
+ private:
+  std::string what_;
+  int pid_ = -1;
+  int in_ = -1, out_ = -1;
+  std::string buffer_;
+};
+
+// Gloo through Communicator::allgather between 2 processes on 127.0.0.1.
+struct GlooProbe {
+  double allgatherSeconds = 0;  // median time of one allgather of an 8-byte tensor
+  double secondsPerByte = 0;    // (median time of a 1 MiB allgather - the above) / 1 MiB
+};
+GlooProbe probeGloo(double timeoutSeconds);
+// The child side (`--probe gloo --probe-rank R --probe-port P`); rank 0 prints the JSON line.
+int runGlooProbeChild(int rank, int port);
+
+// gRPC to a `cohort ps` child on 127.0.0.1, with a call proof as the jobs use.
+struct RpcProbe {
+  double callSeconds = 0;           // median round trip of a Stats call
+  double workerSecondsPerByte = 0;  // this process's CPU per float32 byte pushed (reply: the parameters)
+  double shardSecondsPerByte = 0;   // the shard process's CPU per float32 byte pushed
+};
+RpcProbe probeRpc(size_t floats, double timeoutSeconds);
+
+// CPU seconds a process (all its threads) has run, from /proc/PID/task/*/schedstat.
+double processCpuSeconds(int pid);
+
+}  // namespace cohort::cli
