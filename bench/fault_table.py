@@ -13,8 +13,9 @@ under ps) at the moment a temporary checkpoint file appears, i.e. inside a write
 checkpoint directory is a 1 MiB tmpfs, too small for one checkpoint, so every write fails with
 ENOSPC). Recorded: how long until the launcher named the dead process (its stderr line, read as it
 comes), what the job did (its exit status, the launcher's decision, restarts, lost workers), the
-wall time, and the final test accuracy next to the undisturbed run's. There is no evaluator
-process in this branch: its row is absent.
+wall time, and the final test accuracy next to the undisturbed run's. The fault "evaluator" runs
+the job with `cohort launch --evaluator` (allreduce only: the schemes whose chief writes whole-model
+checkpoints) and kills the evaluator task; its undisturbed baseline is the scheme's own.
 """
 import argparse
 import json
@@ -48,7 +49,8 @@ SCHEMES = {
     "ps-ssp": (["--strategy", "ps", "--ps-mode", "ssp", "--staleness-bound", "2"], 1),
     "gossip": (["--strategy", "gossip"], 0),
 }
-FAULTS = ["none", "worker", "worker+restart", "chief", "shard", "ckpt", "disk"]
+FAULTS = ["none", "worker", "worker+restart", "chief", "shard", "ckpt", "disk", "evaluator"]
+EVALUATOR_SCHEMES = {"allreduce"}
 
 
 def children(pid):
@@ -73,6 +75,8 @@ def role_of(pid):
         return f"rank {env[b'RANK'].decode()}"
     config = json.loads(env.get(b"TF_CONFIG", b"{}"))
     task = config.get("task", {})
+    if task.get("type") == "evaluator":
+        return "evaluator"
     return f"ps {task.get('index')}" if task.get("type") == "ps" else None
 
 
@@ -116,6 +120,8 @@ def done_event(metrics):
 
 def run_one(args, scheme, fault, work):
     flags, shards = SCHEMES[scheme]
+    if (fault == "shard" and shards == 0) or (fault == "evaluator" and scheme not in EVALUATOR_SCHEMES):
+        return None  # no such process in this scheme
     ckpt = os.path.join(work, "ckpt")
     os.makedirs(ckpt, exist_ok=True)
     mounted = False
@@ -125,7 +131,9 @@ def run_one(args, scheme, fault, work):
     metrics = os.path.join(work, "m.jsonl")
     cohort = os.path.join(args.build, "cohort")
     restarts = "0" if fault == "worker" else "1"
-    cmd = [cohort, "launch", "-n", str(WORKERS), "--ps", str(shards), "--max-restarts", restarts, "--grace", "5", "--",
+    evaluator = ["--evaluator"] if fault == "evaluator" else []
+    cmd = [cohort, "launch", "-n", str(WORKERS), "--ps", str(shards)] + evaluator + [
+           "--max-restarts", restarts, "--grace", "5", "--",
            cohort, "train", "--model", "mlp", "--data", "fashion-mnist", "--batch", "64", "--threads", "1",
            "--optimizer", "momentum", "--lr", "0.01", "--steps", str(args.steps), "--progress", "off",
            "--checkpoint-dir", ckpt, "--checkpoint-every", "50", "--timeout", "10", "--metrics", metrics] + flags
@@ -147,12 +155,12 @@ def run_one(args, scheme, fault, work):
     out_thread.start()
 
     victim = {"worker": f"rank {WORKERS - 1}", "worker+restart": f"rank {WORKERS - 1}", "chief": "rank 0",
-              "shard": "ps 0",
+              "shard": "ps 0", "evaluator": "evaluator",
               "ckpt": "ps 0" if shards else "rank 0"}.get(fault)
     killed_at = None
     caught_in_write = None
     deadline = started + 600
-    if victim is not None and not (fault == "shard" and shards == 0):
+    if victim is not None:
         while last_step(metrics) < args.steps // 3 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         pid = victim_pid(proc.pid, victim, deadline)
@@ -172,10 +180,6 @@ def run_one(args, scheme, fault, work):
         if pid is not None and proc.poll() is None:
             os.kill(pid, signal.SIGKILL)
             killed_at = time.monotonic()
-    elif fault == "shard":
-        proc.kill()
-        proc.wait()
-        return None  # no shard in this scheme
     try:
         code = proc.wait(timeout=max(1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -213,6 +217,8 @@ def what_it_did(r):
         action = "restarted alone, rejoined"
     elif "go on without it" in said:
         action = "went on without it"
+    elif "the workers go on" in said:
+        action = "the workers went on without it"
     elif r["fault"] == "disk" and r["failed_checkpoints"]:
         action = f"{r['failed_checkpoints']} checkpoint writes failed (ENOSPC), training went on"
     else:
