@@ -7,6 +7,7 @@
 
 #include "cli/commands.h"
 #include "cli/simulate_probes.h"
+#include "base/clock.h"
 #include "compress/codec.h"
 #include "sim/calibration.h"
 #include "sim/probe.h"
@@ -33,14 +34,6 @@ namespace cohort::cli {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 std::vector<std::string> splitList(const std::string& text) {
   std::vector<std::string> out;

@@ -1,4 +1,5 @@
 #include "cli/simulate_probes.h"
+#include "base/clock.h"
 
 #include <cohort/cluster.h>
 #include <cohort/communicator.h>
@@ -33,16 +34,13 @@ extern char** environ;
 
 namespace cohort::cli {
 
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
+
+namespace {
+
 
 double ownCpuSeconds() {
   timespec t{};
