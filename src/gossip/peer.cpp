@@ -911,25 +911,19 @@ void Peer::publish(std::span<const float> update, const UpdateMeta& meta, std::s
             for (size_t k = at; k < at + table.dim; ++k) p[k] += update[k];
           }
         }
-        if (!box->hasPending) {
-          box->meta = meta;
-          box->meta.sender = uint32_t(m.options.rank);
-          box->meta.numel = m.options.numel;
-          box->meta.steps = 0;
-          box->meta.samples = 0;
-          box->hasPending = true;
-        }
       } else if (!box->hasPending) {
         std::copy(update.begin(), update.end(), box->pending.begin());
+      } else {
+        float* p = box->pending.data();
+        for (size_t i = 0; i < update.size(); ++i) p[i] += update[i];
+      }
+      if (!box->hasPending) {  // the first update since the last send: its header starts here
         box->meta = meta;
         box->meta.sender = uint32_t(m.options.rank);
         box->meta.numel = m.options.numel;
         box->meta.steps = 0;
         box->meta.samples = 0;
         box->hasPending = true;
-      } else {
-        float* p = box->pending.data();
-        for (size_t i = 0; i < update.size(); ++i) p[i] += update[i];
       }
       box->meta.version = meta.version;
       box->meta.step = meta.step;
