@@ -13,6 +13,10 @@ rate:      samples/s, 2 workers x 1 thread, 2 shards, batch 64: sparse ps (sync,
 accuracy:  test accuracy of every scheme after the same examples (2 epochs of 60000), against the
            synthetic set's attainable optimum (the hidden model's expected test accuracy);
            --accuracy-rows average,gossip runs only the rows whose name starts so.
+gossipcodec: (not in the default) gossip's row bytes under --codec fp16 and bf16 against float32
+           (none): 2 peers, 300 steps of batch 64, alternating runs; the chief's rows and the bytes
+           their ids and values took (the done event's rows_sent_to_peer, row_bytes_sent_to_peer),
+           and everything it sent to the other peer (bytes_sent_to_peer).
 simulate:  (not in the default) `cohort simulate`'s speed-up to 500 workers of this model, with the
            density of rows and the ms per example measured here, against a dense model of the same
            parameter count; with this machine's calibration and the seeds' 2016 network.
@@ -108,7 +112,8 @@ def section_accuracy(args, tmp):
                ("average, 2 workers, every step", 2, ["--strategy", "average"]),
                ("ps sync, 2 workers, 2 shards", 2, ["--strategy", "ps", "--ps-mode", "sync"]),
                ("ps async, 2 workers, 2 shards", 2, ["--strategy", "ps", "--ps-mode", "async"]),
-               ("gossip, 2 workers", 2, ["--strategy", "gossip"])]
+               ("gossip, 2 workers", 2, ["--strategy", "gossip"]),
+               ("gossip fp16, 2 workers", 2, ["--strategy", "gossip", "--codec", "fp16"])]
     if args.accuracy_rows:
         wanted = args.accuracy_rows.split(",")
         configs = [c for c in configs if any(c[0].startswith(w) for w in wanted)]
@@ -119,6 +124,37 @@ def section_accuracy(args, tmp):
         opt = d["attainable_accuracy"]
         print(f"| {name} | {d['test_accuracy']:.4f} | {opt:.4f} | {opt - d['test_accuracy']:.4f} | "
               f"{d['samples_per_s']:.0f} |", flush=True)
+
+
+def section_gossipcodec(args, tmp):
+    print(f"\n## gossip row bytes by codec, 2 peers, 300 steps, batch 64 ({args.runs} alternating runs, median)\n")
+    codecs = ["none", "fp16", "bf16"]
+    results = {c: [] for c in codecs}
+    for _ in range(args.runs):
+        for codec in codecs:
+            d = train(args.build, tmp, 2, SPARSE, ["--strategy", "gossip", "--codec", codec], steps=300)
+            rows, row_bytes = d["rows_sent_to_peer"][1], d["row_bytes_sent_to_peer"][1]
+            # The chief's step events against its totals: what its peer threads moved after the
+            # last step (finish(): the last sends, DONE, the other peer's updates still arriving).
+            total = d["peer_bytes_sent"][0] + d["peer_bytes_received"][0]
+            steps_share = (d["bytes_sent"] + d["bytes_received"]) / total
+            results[codec].append((row_bytes, rows, d["bytes_sent_to_peer"][1], d["test_accuracy"], steps_share,
+                                   d["bytes_sent_after_steps"], d["bytes_received_after_steps"]))
+    base = median([r[0] for r in results["none"]])
+    print("| codec | chief's row bytes to its peer (median) | runs | rows sent (median) | bytes per row |"
+          " vs none | all bytes to its peer (median) | test accuracy (median) | step events' share of the chief's"
+          " sent + received | sent, received after the last step (median) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for codec in codecs:
+        r = results[codec]
+        rb = median([x[0] for x in r])
+        rows = median([x[1] for x in r])
+        per_row = sorted({x[0] / x[1] for x in r if x[1]})
+        print(f"| {codec} | {rb / 1e6:.2f} MB | {', '.join(f'{x[0] / 1e6:.2f}' for x in r)} | {rows:.0f} | "
+              f"{', '.join(f'{p:.0f}' for p in per_row)} | {rb / base:.3f}x | "
+              f"{median([x[2] for x in r]) / 1e6:.2f} MB | {median([x[3] for x in r]):.4f} | "
+              f"{', '.join(f'{x[4]:.2f}' for x in r)} | {median([x[5] for x in r]) / 1e6:.2f} MB, "
+              f"{median([x[6] for x in r]) / 1e6:.2f} MB |", flush=True)
 
 
 # The embed model's parameters: the 1M x 32 table and the MLP 32-64-2.
@@ -175,7 +211,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for section in args.sections.split(","):
             {"bytes": section_bytes, "rate": section_rate, "accuracy": section_accuracy,
-             "simulate": section_simulate}[section](args, tmp)
+             "gossipcodec": section_gossipcodec, "simulate": section_simulate}[section](args, tmp)
 
 
 if __name__ == "__main__":

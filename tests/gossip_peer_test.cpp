@@ -113,6 +113,8 @@ TEST(GossipWire, MalformedFramesAreRejected) {
   auto oldProtocol = hello;
   oldProtocol[kHeaderBytes] = 1;
   EXPECT_THROW(parseHello(std::span(oldProtocol).subspan(kHeaderBytes)), InvalidArgument);
+  oldProtocol[kHeaderBytes] = 3;  // before row payloads said how their values travel
+  EXPECT_THROW(parseHello(std::span(oldProtocol).subspan(kHeaderBytes)), InvalidArgument);
   const auto refuse = refuseFrame(RefuseReason::kBusy);
   auto badReason = refuse;
   badReason[kHeaderBytes] = 77;
@@ -324,11 +326,61 @@ TEST(GossipPeer, RowTablesSendOnlyTheRowsNamed) {
   EXPECT_EQ(c[1].messagesSent, 1);
   EXPECT_LT(c[1].bytesSent, 600);
   EXPECT_EQ(peers[1]->counters()[0].bytesReceived, c[1].bytesSent);
+  // The rows' share: 2 rows of a 4-byte id and 2 float32 values.
+  EXPECT_EQ(c[1].rowsSent, 2);
+  EXPECT_EQ(c[1].rowBytesSent, 2 * (4 + 2 * 4));
   // A drain with nothing new lists no rows, and the inbox was left zero.
   std::vector<float> rest(kNumel, 0.0f);
   d = peers[1]->drain(rest);
   EXPECT_EQ(rest, std::vector<float>(kNumel, 0.0f));
   EXPECT_TRUE(d.rows[0].empty());
+}
+
+// --codec fp16 and bf16 carry the rows' values as 16 bits (the sum the sender accumulated,
+// converted once), like the floats outside the tables; topk and the warm-up steps leave the rows
+// float32.
+TEST(GossipPeer, RowTablesCarrySixteenBitValuesUnderFp16AndBf16) {
+  constexpr size_t kNumel = 2 + 1000 * 2 + 1;
+  const std::vector<RowTable> tables{{.offset = 2, .rows = 1000, .dim = 2}};
+  struct Case {
+    std::string codec;
+    int64_t warmup;
+    float (*round)(float);  // what a row value becomes on the wire
+    int64_t valueBytes;
+  };
+  const auto identity = [](float v) { return v; };
+  const auto viaHalf = [](float v) { return compress::halfToFloat(compress::floatToHalf(v)); };
+  const auto viaBf16 = [](float v) { return compress::bf16ToFloat(compress::floatToBf16(v)); };
+  for (const Case& c : {Case{"fp16", 0, viaHalf, 2}, Case{"bf16", 0, viaBf16, 2}, Case{"topk:0.5", 0, identity, 4},
+                        Case{"fp16", 5, identity, 4}}) {
+    SCOPED_TRACE(c.codec + " warm-up " + std::to_string(c.warmup));
+    auto peers = makePeers(2, kNumel, 30, {}, c.codec, c.warmup, tables);
+    const std::vector<int> none;  // sent at finish, as one message
+    std::vector<float> update(kNumel, 99.0f);
+    update[2 + 1 * 2] = 0.1f;
+    update[3 + 1 * 2] = -1.0f / 3;
+    update[2 + 400 * 2] = 4.01f;
+    update[3 + 400 * 2] = 5;
+    peers[0]->publish(update, meta(1), none, std::vector<std::vector<uint32_t>>{{400, 1}});
+    update[2 + 400 * 2] = 1.001f;
+    peers[0]->publish(update, meta(2), none, std::vector<std::vector<uint32_t>>{{400}});
+    finishAll(peers);
+    std::vector<float> into(kNumel, 0.0f);
+    Drained d = peers[1]->drain(into);
+    EXPECT_EQ(d.messages, 1);
+    ASSERT_EQ(d.rows.size(), 1u);
+    std::sort(d.rows[0].begin(), d.rows[0].end());
+    EXPECT_EQ(d.rows[0], (std::vector<uint32_t>{1, 400}));
+    EXPECT_EQ(into[2 + 1 * 2], c.round(0.1f));
+    EXPECT_EQ(into[3 + 1 * 2], c.round(-1.0f / 3));
+    EXPECT_EQ(into[2 + 400 * 2], c.round(4.01f + 1.001f));
+    EXPECT_EQ(into[3 + 400 * 2], c.round(5.0f + 5.0f));
+    EXPECT_EQ(into[2 + 2 * 2], 0.0f);  // a row not named
+    const auto counters = peers[0]->counters();
+    EXPECT_EQ(counters[1].rowsSent, 2);
+    EXPECT_EQ(counters[1].rowBytesSent, 2 * (4 + 2 * c.valueBytes));
+    EXPECT_EQ(peers[1]->counters()[0].bytesReceived, counters[1].bytesSent);
+  }
 }
 
 TEST(GossipWire, RowPayloadsRoundTripAndMalformedOnesAreRejected) {
@@ -354,6 +406,68 @@ TEST(GossipWire, RowPayloadsRoundTripAndMalformedOnesAreRejected) {
   EXPECT_THROW(parseRowPayload(beyond, tables), InvalidArgument);
   appendRowPayload(unordered, dense, tables, std::vector<std::vector<uint32_t>>{{3, 1}, {}}, update);
   EXPECT_THROW(parseRowPayload(unordered, tables), InvalidArgument);
+  EXPECT_EQ(p.valueType, RowValues::kFloat32);
+}
+
+// Under fp16 and bf16 the rows' values travel as 16 bits (the ids stay u32): each value is the
+// reference conversion's, a row takes 4 + 2 * dim bytes, and a malformed one is refused.
+TEST(GossipWire, SixteenBitRowPayloadsRoundTripAndMalformedOnesAreRejected) {
+  const std::vector<RowTable> tables{{.offset = 1, .rows = 4, .dim = 3}, {.offset = 13, .rows = 3, .dim = 1}};
+  const std::vector<float> update{0,      0.1f, -1.0f / 3, 70000.0f, 1e-6f, 2.5f,  -0.7f, 9,
+                                  10.01f, 11,   12,        1e-9f,    -3.3f, 1e30f, 0.2f,  7};
+  const std::vector<uint8_t> dense{7, 7, 7};
+  const std::vector<std::vector<uint32_t>> rows{{0, 2, 3}, {0, 1}};
+  struct Case {
+    RowValues values;
+    uint16_t (*to)(float);
+    float (*from)(uint16_t);
+  };
+  for (const Case& c : {Case{RowValues::kFloat16, compress::floatToHalf, compress::halfToFloat},
+                        Case{RowValues::kBfloat16, compress::floatToBf16, compress::bf16ToFloat}}) {
+    SCOPED_TRACE(int(c.values));
+    std::vector<uint8_t> payload, wide;
+    appendRowPayload(payload, dense, tables, rows, update, c.values);
+    appendRowPayload(wide, dense, tables, rows, update, RowValues::kFloat32);
+    // The 5 rows of 4 + 2 * dim bytes against 4 + 4 * dim.
+    EXPECT_EQ(wide.size() - payload.size(), size_t(2 * (3 * 3 + 2 * 1)));
+    const RowPayload p = parseRowPayload(payload, tables);
+    EXPECT_EQ(p.valueType, c.values);
+    EXPECT_EQ(std::vector<uint8_t>(p.denseMessage.begin(), p.denseMessage.end()), dense);
+    EXPECT_EQ(p.rows[0], rows[0]);
+    EXPECT_EQ(p.rows[1], rows[1]);
+    std::vector<float> expected0, expected1;
+    for (uint32_t r : rows[0]) {
+      for (uint32_t k = 0; k < 3; ++k) expected0.push_back(c.from(c.to(update[1 + r * 3 + k])));
+    }
+    for (uint32_t r : rows[1]) expected1.push_back(c.from(c.to(update[13 + r])));
+    EXPECT_EQ(p.values[0], expected0);
+    EXPECT_EQ(p.values[1], expected1);
+    EXPECT_NE(p.values[0][0], update[1]) << "0.1 went through unrounded: not 16 bits";
+    if (c.values == RowValues::kFloat16) {
+      EXPECT_EQ(p.values[0][2], 65504.0f) << "fp16 saturates";
+    }
+    for (size_t n = 0; n < payload.size(); ++n) {
+      EXPECT_THROW(parseRowPayload(std::span(payload).first(n), tables), InvalidArgument) << n;
+    }
+    auto longer = payload;
+    longer.push_back(0);
+    EXPECT_THROW(parseRowPayload(longer, tables), InvalidArgument);
+    // The value type is the u32 after the dense message: 16-bit bytes read as float32 (or the
+    // other way round) do not add up, and an unknown type is refused.
+    const size_t typeAt = 8 + dense.size();
+    auto relabelled = payload;
+    relabelled[typeAt] = uint8_t(RowValues::kFloat32);
+    EXPECT_THROW(parseRowPayload(relabelled, tables), InvalidArgument);
+    auto narrowed = wide;
+    narrowed[typeAt] = uint8_t(c.values);
+    EXPECT_THROW(parseRowPayload(narrowed, tables), InvalidArgument);
+    auto unknown = payload;
+    unknown[typeAt] = 3;
+    EXPECT_THROW(parseRowPayload(unknown, tables), InvalidArgument);
+    unknown[typeAt] = uint8_t(c.values);
+    unknown[typeAt + 3] = 1;
+    EXPECT_THROW(parseRowPayload(unknown, tables), InvalidArgument);
+  }
 }
 
 // The codec slot: after the warm-up step (sent uncompressed), each destination's messages come

@@ -127,6 +127,11 @@ TEST(GossipMultiproc, SparseTablesSendOnlyTheirChangedRows) {
     EXPECT_LT(done["peer_bytes_sent"][rank].get<int64_t>(), 60 * perStep + 1000) << done.dump();
   }
   EXPECT_GT(done["test_accuracy"].get<double>(), 0.0) << done.dump();
+  // The rows' share of what the chief sent: a 4-byte id and 8 float32 values each.
+  const int64_t rows = done["rows_sent_to_peer"][1].get<int64_t>();
+  EXPECT_GT(rows, 60 * 8) << done.dump();  // at least 20 ids a bag, some of them distinct
+  EXPECT_EQ(done["row_bytes_sent_to_peer"][1].get<int64_t>(), rows * (4 + 8 * 4)) << done.dump();
+  EXPECT_LT(done["row_bytes_sent_to_peer"][1].get<int64_t>(), done["bytes_sent_to_peer"][1].get<int64_t>());
   // The step events account for what the peer's threads sent between steps (all but what
   // finish() sends at the end), not only what left during the step call itself.
   int64_t stepSent = 0;
@@ -137,6 +142,52 @@ TEST(GossipMultiproc, SparseTablesSendOnlyTheirChangedRows) {
   const int64_t total = done["peer_bytes_sent"][0].get<int64_t>();
   EXPECT_GT(stepSent, total / 2) << "the chief's steps were charged " << stepSent << " of its " << total << " bytes";
   EXPECT_LE(stepSent, total);
+  // The rest left after the last step, and the done event says how much: nothing is lost.
+  EXPECT_EQ(stepSent, done["bytes_sent"].get<int64_t>());
+  EXPECT_EQ(stepSent + done["bytes_sent_after_steps"].get<int64_t>(), total) << done.dump();
+  EXPECT_EQ(done["bytes_received"].get<int64_t>() + done["bytes_received_after_steps"].get<int64_t>(),
+            done["peer_bytes_received"][0].get<int64_t>())
+      << done.dump();
+  EXPECT_GT(done["bytes_sent_after_steps"].get<int64_t>(), 0) << "DONE itself leaves after the last step";
+}
+
+// --codec fp16 and bf16 on a sparse model: the rows' values travel as 16 bits, so each row takes
+// 4 + 2 * 32 bytes against 4 + 4 * 32 under float32 (the ids stay 32-bit integers), and the
+// chief's rows weigh about half as much as in the same run without a codec.
+TEST(GossipMultiproc, SparseTablesUnderFp16SendAboutHalfTheRowBytes) {
+  const auto run = [](const std::string& codec) {
+    test::TempDir dir;
+    const std::string metrics = dir.file("m.jsonl");
+    auto r = test::runCommand(test::launchPrefix(2) + train() + " --model embed:rows=20000,dim=32,hidden=8" +
+                                  " --data synthetic-bags:2000,20000 --batch 8 --steps 40 --optimizer adagrad" +
+                                  " --lr 0.05 --codec " + codec + " --codec-warmup-steps 0 --metrics " + metrics,
+                              200);
+    EXPECT_EQ(r.exitCode, 0) << r.output;
+    auto done = test::lastEvent(metrics, "done");
+    EXPECT_FALSE(done.is_null()) << r.output;
+    return done;
+  };
+  const auto wide = run("none");
+  const auto half = run("fp16");
+  const auto brain = run("bf16");
+  ASSERT_FALSE(wide.is_null() || half.is_null() || brain.is_null());
+  const auto rowBytes = [](const nlohmann::json& done) { return done["row_bytes_sent_to_peer"][1].get<int64_t>(); };
+  const auto rows = [](const nlohmann::json& done) { return done["rows_sent_to_peer"][1].get<int64_t>(); };
+  for (const auto* done : {&wide, &half, &brain}) {
+    EXPECT_EQ((*done)["updates_folded"], 2 * 40) << done->dump();
+    EXPECT_GT(rows(*done), 40 * 8) << done->dump();
+    EXPECT_GT(done->at("test_accuracy").get<double>(), 0.0) << done->dump();
+  }
+  EXPECT_EQ(half["codec"], "fp16");
+  EXPECT_EQ(rowBytes(wide), rows(wide) * (4 + 32 * 4)) << wide.dump();
+  EXPECT_EQ(rowBytes(half), rows(half) * (4 + 32 * 2)) << half.dump();
+  EXPECT_EQ(rowBytes(brain), rows(brain) * (4 + 32 * 2)) << brain.dump();
+  // The runs send about the same rows (steps that leave together merge theirs, so not exactly);
+  // 16-bit values make them weigh 68/132 = 0.52 as much.
+  const double ratio = double(rowBytes(half)) / double(rowBytes(wide));
+  EXPECT_GT(ratio, 0.35) << half.dump() << "\n" << wide.dump();
+  EXPECT_LT(ratio, 0.7) << half.dump() << "\n" << wide.dump();
+  EXPECT_LT(half["bytes_sent_to_peer"][1].get<int64_t>(), wide["bytes_sent_to_peer"][1].get<int64_t>());
 }
 
 }  // namespace

@@ -216,7 +216,8 @@ Run addTrainCommand(CLI::App& app) {
   auto* codecGroup = "Compression (allreduce, average, ps, gossip)";
   train->add_option("--codec", o.strategy.codec,
                     "What exchanges carry: none, fp16, bf16, topk:RATIO (largest |g|, with residual), "
-                    "threshold:TAU (Strom: +-TAU where the residual passes it), onebit (sign + scale, with residual)")
+                    "threshold:TAU (Strom: +-TAU where the residual passes it), onebit (sign + scale, with residual). "
+                    "A sparse model's rows: fp16/bf16 values under fp16/bf16, float32 under the others")
       ->group(codecGroup)->capture_default_str();
   train->add_option("--codec-warmup-steps", o.strategy.codecWarmupSteps,
                     "Train uncompressed for the first W steps")->group(codecGroup)->capture_default_str();

@@ -744,6 +744,15 @@ struct Peer::Impl {
     stateCv.notifyAll();
   }
 
+  // The rows' values travel in 16 bits under fp16 and bf16 once the warm-up is over; topk,
+  // threshold and onebit apply to the dense part only (as under ps, allreduce and average).
+  RowValues rowValues(Encoding encoding) const {
+    if (encoding != Encoding::kCodec) return RowValues::kFloat32;
+    if (codec.kind == compress::CodecKind::Fp16) return RowValues::kFloat16;
+    if (codec.kind == compress::CodecKind::Bf16) return RowValues::kBfloat16;
+    return RowValues::kFloat32;
+  }
+
   void sendFrames(int fd, int r, Outbox& box, const Proof& key) {
     FrameSealer sealer(key);
     std::vector<float> sending(options.numel);
@@ -797,6 +806,7 @@ struct Peer::Impl {
         report = box.report;
       }
       if (meta.steps > 0) {
+        int64_t rows = 0, rowBytes = 0;
         meta.encoding = codec.kind == compress::CodecKind::None || meta.step <= options.codecWarmupSteps
                             ? Encoding::kRaw
                             : Encoding::kCodec;
@@ -813,9 +823,15 @@ struct Peer::Impl {
           }
           enc.encode(dense, message);
           for (auto& rows : sendingRows) std::sort(rows.begin(), rows.end());
-          appendRowPayload(frame, message, options.tables, sendingRows, sending);
+          const size_t before = frame.size();
+          appendRowPayload(frame, message, options.tables, sendingRows, sending, rowValues(meta.encoding));
+          // What the rows took on the wire, ids and values: the payload less the dense message,
+          // its size, the value type and each table's count.
+          rowBytes = int64_t(frame.size() - before - 8 - message.size() - 4 - 4 * options.tables.size());
+          rows = 0;
           for (size_t t = 0; t < sendingRows.size(); ++t) {
             const RowTable& table = options.tables[t];
+            rows += int64_t(sendingRows[t].size());
             for (uint32_t row : sendingRows[t]) {
               float* v = sending.data() + table.offset + uint64_t(row) * table.dim;
               std::fill(v, v + table.dim, 0.0f);
@@ -827,6 +843,11 @@ struct Peer::Impl {
           frame.insert(frame.end(), message.begin(), message.end());
         }
         ok = send(frame, true);
+        if (ok && rowTables()) {
+          MutexLock lock(stateMutex);
+          peers[size_t(r)].rowsSent += rows;
+          peers[size_t(r)].rowBytesSent += rowBytes;
+        }
       }
       if (ok && finishing) {
         auto done = doneFrame(report);

@@ -45,8 +45,9 @@ struct PeerOptions {
   std::string codec = "none";         // --codec (compress/codec.h); "none": float32
   int64_t codecWarmupSteps = 0;       // updates of steps below this go raw (uncompressed)
   // Row tables inside an update (sparse embedding tables), by increasing offset, disjoint: of
-  // these only the rows publish() names are read, accumulated and sent (as float32 rows; the
-  // codec applies to the floats outside them), so what a step costs follows the rows it changed.
+  // these only the rows publish() names are read, accumulated and sent, so what a step costs
+  // follows the rows it changed. The codec applies to the floats outside them; the rows' values
+  // travel as 16 bits under fp16 and bf16 (after the warm-up), as float32 under the other codecs.
   std::vector<RowTable> tables;
 };
 
@@ -67,6 +68,8 @@ struct PeerCounters {
   int64_t bytesReceived = 0;    // frame bytes read from that one
   int64_t messagesSent = 0;
   int64_t messagesReceived = 0;
+  int64_t rowsSent = 0;         // with row tables: rows this peer sent to that one (a row once a message)
+  int64_t rowBytesSent = 0;     // what their ids and values took in the frames
   bool lost = false;            // its stream failed before it finished
   bool finished = false;        // its DONE arrived
   std::optional<PeerReport> report;  // from its DONE

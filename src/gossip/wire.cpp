@@ -1,6 +1,7 @@
 #include "gossip/wire.h"
 
 #include "base/crypto.h"
+#include "compress/codec.h"
 
 #include <cohort/error.h>
 
@@ -123,22 +124,41 @@ UpdateMeta parseUpdate(std::span<const uint8_t> body) {
   return m;
 }
 
+size_t rowValueBytes(RowValues values) { return values == RowValues::kFloat32 ? sizeof(float) : sizeof(uint16_t); }
+
 void appendRowPayload(std::vector<uint8_t>& frame, std::span<const uint8_t> denseMessage,
                       std::span<const RowTable> tables, std::span<const std::vector<uint32_t>> rows,
-                      std::span<const float> update) {
+                      std::span<const float> update, RowValues values) {
   COHORT_CHECK(rows.size() == tables.size(), InvalidArgument, "gossip: rows for ", rows.size(), " tables, expected ",
                tables.size());
   put<uint64_t>(frame, denseMessage.size());
   frame.insert(frame.end(), denseMessage.begin(), denseMessage.end());
+  put<uint32_t>(frame, uint32_t(values));
+  const size_t valueBytes = rowValueBytes(values);
+  std::vector<uint16_t> bits;
   for (size_t t = 0; t < tables.size(); ++t) {
     const RowTable& table = tables[t];
     put<uint32_t>(frame, uint32_t(rows[t].size()));
     for (uint32_t r : rows[t]) put<uint32_t>(frame, r);
+    bits.resize(table.dim);
     for (uint32_t r : rows[t]) {
-      const float* v = update.data() + table.offset + uint64_t(r) * table.dim;
+      const std::span<const float> v = update.subspan(size_t(table.offset + uint64_t(r) * table.dim), table.dim);
       const size_t at = frame.size();
-      frame.resize(at + table.dim * sizeof(float));
-      std::memcpy(frame.data() + at, v, table.dim * sizeof(float));  // little-endian host (codec.h)
+      frame.resize(at + table.dim * valueBytes);
+      // Little-endian host (compress/format.h): the wire's byte order is the memory's.
+      switch (values) {
+        case RowValues::kFloat32:
+          std::memcpy(frame.data() + at, v.data(), table.dim * sizeof(float));
+          break;
+        case RowValues::kFloat16:
+          compress::floatsToHalf(v, bits);
+          std::memcpy(frame.data() + at, bits.data(), table.dim * sizeof(uint16_t));
+          break;
+        case RowValues::kBfloat16:
+          compress::floatsToBf16(v, bits);
+          std::memcpy(frame.data() + at, bits.data(), table.dim * sizeof(uint16_t));
+          break;
+      }
     }
   }
 }
@@ -150,15 +170,22 @@ RowPayload parseRowPayload(std::span<const uint8_t> payload, std::span<const Row
   COHORT_CHECK(messageBytes <= r.rest().size(), InvalidArgument, "gossip UPDATE with a dense part of ", messageBytes,
                " bytes in a payload of ", payload.size());
   out.denseMessage = r.rest().subspan(0, size_t(messageBytes));
-  size_t at = r.at() + size_t(messageBytes);
+  Reader kind(r.rest().subspan(size_t(messageBytes)), "UPDATE (rows)");
+  const auto valueType = kind.get<uint32_t>();
+  COHORT_CHECK(valueType <= uint32_t(RowValues::kBfloat16), InvalidArgument, "gossip UPDATE with unknown row values ",
+               valueType, " (0 float32, 1 fp16, 2 bf16)");
+  out.valueType = RowValues(valueType);
+  const size_t valueBytes = rowValueBytes(out.valueType);
+  size_t at = r.at() + size_t(messageBytes) + kind.at();
+  std::vector<uint16_t> bits;
   for (const RowTable& table : tables) {
     Reader t(payload.subspan(at), "UPDATE (rows)");
     const auto count = t.get<uint32_t>();
     COHORT_CHECK(count <= table.rows, InvalidArgument, "gossip UPDATE with ", count, " rows of a table of ",
                  table.rows);
-    const uint64_t bytes = uint64_t(count) * 4 + uint64_t(count) * table.dim * sizeof(float);
+    const uint64_t bytes = uint64_t(count) * 4 + uint64_t(count) * table.dim * valueBytes;
     COHORT_CHECK(bytes <= t.rest().size(), InvalidArgument, "gossip UPDATE (rows) frame is truncated (", count,
-                 " rows of ", table.dim, " floats in ", t.rest().size(), " bytes)");
+                 " rows of ", table.dim, " values of ", valueBytes, " bytes in ", t.rest().size(), " bytes)");
     std::vector<uint32_t> rows(count);
     for (uint32_t i = 0; i < count; ++i) {
       rows[i] = t.get<uint32_t>();
@@ -168,8 +195,21 @@ RowPayload parseRowPayload(std::span<const uint8_t> payload, std::span<const Row
                    rows[i]);
     }
     std::vector<float> values(size_t(count) * table.dim);
-    if (!values.empty()) std::memcpy(values.data(), t.rest().data(), values.size() * sizeof(float));
-    at += t.at() + values.size() * sizeof(float);
+    const uint8_t* data = t.rest().data();
+    if (!values.empty()) {
+      if (out.valueType == RowValues::kFloat32) {
+        std::memcpy(values.data(), data, values.size() * sizeof(float));
+      } else {
+        bits.resize(values.size());
+        std::memcpy(bits.data(), data, bits.size() * sizeof(uint16_t));
+        if (out.valueType == RowValues::kFloat16) {
+          compress::halfToFloats(bits, values);
+        } else {
+          compress::bf16ToFloats(bits, values);
+        }
+      }
+    }
+    at += t.at() + values.size() * valueBytes;
     out.rows.push_back(std::move(rows));
     out.values.push_back(std::move(values));
   }

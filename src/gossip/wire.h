@@ -11,10 +11,12 @@
 //               | steps i64 | samples i64 | numel u64 | payload | tag (16)
 //     payload = codec message (compress/codec.h) of all numel floats; or, for a model with row
 //               tables (sparse embedding tables, PeerOptions::tables), the row payload:
-//               message size u64 | codec message of the floats outside the tables | per table, in
-//               order: count u32 | rows u32[count] (strictly increasing, below the table's rows)
-//               | their values f32[count * dim]. Only the rows changed since the last UPDATE on
-//               the stream travel; the codec applies to the part outside the tables.
+//               message size u64 | codec message of the floats outside the tables | row values
+//               u32 (RowValues) | per table, in order: count u32 | rows u32[count] (strictly
+//               increasing, below the table's rows) | their values [count * dim], f32 or 16-bit
+//               (binary16 or bfloat16) as row values says. Only the rows changed since the last
+//               UPDATE on the stream travel; the codec applies to the part outside the tables,
+//               and fp16/bf16 also to the rows' values (topk, threshold, onebit leave them f32).
 //   DONE      = the sender's PeerReport (8 i64) | tag (16)
 // Integers are little-endian.
 //
@@ -49,7 +51,7 @@
 namespace cohort::gossip {
 
 constexpr uint32_t kMagic = 0x50534743;  // "CGSP"
-constexpr uint32_t kProtocol = 3;  // 3: frame tags are AES-GMAC
+constexpr uint32_t kProtocol = 4;  // 3: frame tags are AES-GMAC; 4: row payloads say how their values travel
 constexpr size_t kHeaderBytes = 12;
 constexpr size_t kUpdateHeaderBytes = 48;
 constexpr size_t kNonceBytes = 32;
@@ -186,19 +188,26 @@ struct RowTable {
   uint32_t dim = 0;
 };
 
+// How a row payload's values travel: float32, or 16 bits under --codec fp16 and bf16 (rounded to
+// nearest even, finite values beyond fp16's range saturating: compress::floatToHalf).
+enum class RowValues : uint32_t { kFloat32 = 0, kFloat16 = 1, kBfloat16 = 2 };
+// 4 for kFloat32, 2 for the 16-bit forms.
+size_t rowValueBytes(RowValues values);
+
 // Appends the row payload: denseMessage, then for each table its `rows` (sorted, distinct) with
-// their values read from `update` (the whole numel floats).
+// their values read from `update` (the whole numel floats), converted as `values` says.
 void appendRowPayload(std::vector<uint8_t>& frame, std::span<const uint8_t> denseMessage,
                       std::span<const RowTable> tables, std::span<const std::vector<uint32_t>> rows,
-                      std::span<const float> update);
+                      std::span<const float> update, RowValues values = RowValues::kFloat32);
 
 struct RowPayload {
   std::span<const uint8_t> denseMessage;       // within the payload parsed
+  RowValues valueType = RowValues::kFloat32;   // how the values travelled
   std::vector<std::vector<uint32_t>> rows;     // per table
-  std::vector<std::vector<float>> values;      // per table, rows * dim floats
+  std::vector<std::vector<float>> values;      // per table, rows * dim floats (16-bit ones widened)
 };
-// Throws InvalidArgument naming what is wrong (truncated, a row beyond its table or out of order,
-// bytes left over); never reads past payload.
+// Throws InvalidArgument naming what is wrong (truncated, an unknown row value type, a row beyond
+// its table or out of order, bytes left over); never reads past payload.
 RowPayload parseRowPayload(std::span<const uint8_t> payload, std::span<const RowTable> tables);
 
 }  // namespace cohort::gossip

@@ -206,7 +206,8 @@ struct Gossip::Impl {
     const int n = c_.cluster.worldSize;
     const auto peers = peer_->counters();
     std::vector<int64_t> steps(size_t(n), -1), sent(size_t(n), -1), got(size_t(n), -1), applied(size_t(n), -1),
-        staleSum(size_t(n), -1), staleMax(size_t(n), -1), sentTo(size_t(n), 0), receivedFrom(size_t(n), 0), lost;
+        staleSum(size_t(n), -1), staleMax(size_t(n), -1), sentTo(size_t(n), 0), receivedFrom(size_t(n), 0),
+        rowsTo(size_t(n), 0), rowBytesTo(size_t(n), 0), lost;
     // This peer's own numbers at index `rank`; the others' from their DONE.
     const int me = c_.cluster.rank;
     steps[size_t(me)] = steps_;
@@ -219,6 +220,8 @@ struct Gossip::Impl {
       const auto& p = peers[size_t(r)];
       sentTo[size_t(r)] = p.bytesSent;
       receivedFrom[size_t(r)] = p.bytesReceived;
+      rowsTo[size_t(r)] = p.rowsSent;
+      rowBytesTo[size_t(r)] = p.rowBytesSent;
       if (r == me) continue;
       if (p.lost || !p.report) {
         lost.push_back(r);
@@ -246,7 +249,7 @@ struct Gossip::Impl {
                    "are -1 in the done event)\n",
                    list.c_str());
     }
-    return {{"gossip_peers", int64_t(fanout_)},
+    MetricFields fields{{"gossip_peers", int64_t(fanout_)},
             {"codec", c_.options.codec},
             {"staleness_mean", messagesApplied_ > 0 ? double(stalenessSum_) / double(messagesApplied_) : 0.0},
             {"staleness_max", stalenessMax_},
@@ -259,12 +262,24 @@ struct Gossip::Impl {
             {"bytes_sent_to_peer", sentTo},
             {"bytes_received_from_peer", receivedFrom},
             {"peer_steps", steps},
+            // What this peer's threads moved after its last step's charge (finish(): the last
+            // sends, DONE, and the updates of peers still training): the step events' bytes plus
+            // these are peer_bytes_sent and peer_bytes_received at index `rank`, exactly.
+            {"bytes_sent_after_steps", sent[size_t(me)] - chargedSent_},
+            {"bytes_received_after_steps", got[size_t(me)] - chargedReceived_},
             {"peer_bytes_sent", sent},
             {"peer_bytes_received", got},
             {"peer_messages_applied", applied},
             {"peer_staleness_sum", staleSum},
             {"peer_staleness_max", staleMax},
             {"workers_lost", lost}};
+    if (!tables_.empty()) {
+      // The sparse tables' share of bytes_sent_to_peer: the rows (a row once a message) and what
+      // their ids and values took in the frames.
+      fields.emplace_back("rows_sent_to_peer", rowsTo);
+      fields.emplace_back("row_bytes_sent_to_peer", rowBytesTo);
+    }
+    return fields;
   }
 
   struct Applied {
