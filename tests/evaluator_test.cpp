@@ -1,7 +1,9 @@
 // The evaluator task, `cohort ensemble` and `cohort quantize`, as separate processes.
 #include "test_util.h"
 
+#include <csignal>
 #include <filesystem>
+
 #include <map>
 
 namespace cohort {
@@ -38,8 +40,7 @@ const std::string kSmallRun = " --data synthetic:1200 --model mlp --validation 1
 TEST(Evaluator, EvaluatesEveryCheckpointOnceAndEndsWithTheJob) {
   test::TempDir dir;
   const std::string ckpt = dir.file("ckpt");
-  const std::string command = test::cohortBinary() + " launch -n 2 --evaluator --port " +
-                              std::to_string(test::freePort()) + " -- " + train() + " --strategy allreduce" +
+  const std::string command = test::cohortBinary() + " launch -n 2 --evaluator -- " + train() + " --strategy allreduce" +
                               kSmallRun + " --steps 40 --eval-every 10 --checkpoint-dir " + ckpt + " --metrics " +
                               dir.file("m.jsonl");
   auto run = test::runCommand(command, 180);
@@ -69,8 +70,9 @@ TEST(Evaluator, EvaluatesEveryCheckpointOnceAndEndsWithTheJob) {
 TEST(Evaluator, ToleratesAKillAndARestart) {
   test::TempDir dir;
   const std::string ckpt = dir.file("ckpt");
-  const std::string cluster = "{\"cluster\":{\"chief\":[\"127.0.0.1:" + std::to_string(test::freePort()) +
-                              "\"],\"evaluator\":[\"127.0.0.1:" + std::to_string(test::freePort()) + "\"]},";
+  std::filesystem::create_directories(ckpt);
+  // One worker: no rendezvous store, so the chief's port is 0; the evaluator listens on nothing.
+  const std::string cluster = "{\"cluster\":{\"chief\":[\"127.0.0.1:0\"],\"evaluator\":[\"127.0.0.1:0\"]},";
   auto tf = [&](const std::string& type) {
     return "TF_CONFIG='" + cluster + "\"task\":{\"type\":\"" + type + "\",\"index\":0}}' ";
   };
@@ -78,35 +80,34 @@ TEST(Evaluator, ToleratesAKillAndARestart) {
   const std::string flags = kSmallRun + " --steps 60 --eval-every 10 --threads 1 --checkpoint-dir " + ckpt +
                             " --test-slow-worker 0:0.1";
   const std::string record = ckpt + "/evaluator-0.jsonl";
-  const std::string script =
-      tf("chief") + train() + flags + " > " + dir.file("chief.log") + " 2>&1 &\nchief=$!\n" + tf("evaluator") +
-      train() + flags + " > " + dir.file("ev1.log") + " 2>&1 &\nev=$!\n" +
-      "for i in $(seq 1200); do grep -q eval " + record + " 2>/dev/null && break; sleep 0.05; done\n" +
-      "kill -9 $ev; wait $ev\nbefore=$(grep -c '\"eval\"' " + record + ")\n" + tf("evaluator") + train() + flags +
-      " > " + dir.file("ev2.log") + " 2>&1 &\nev=$!\nwait $chief\nc=$?\nwait $ev\ne=$?\n"
-      "echo chief=$c evaluator=$e before=$before\n";
-  test::writeFile(dir.file("run.sh"), script);
-  auto r = test::runCommand("bash " + dir.file("run.sh"), 180);
-  ASSERT_EQ(r.exitCode, 0) << r.output;
-  EXPECT_NE(r.output.find("chief=0 evaluator=0"), std::string::npos)
-      << r.output << test::readFile(dir.file("chief.log")) << test::readFile(dir.file("ev2.log"));
-  const size_t at = r.output.find("before=");
-  ASSERT_NE(at, std::string::npos);
-  const int before = std::stoi(r.output.substr(at + 7));
+  test::Process chief(tf("chief") + train() + flags);
+  int before = 0;
+  {
+    test::Process first(tf("evaluator") + train() + flags);
+    ASSERT_TRUE(test::waitForFileText(record, "\"eval\"")) << first.output();
+    first.kill(SIGKILL);
+    first.wait(std::chrono::seconds(30));
+    for (const auto& line : test::lines(test::readFile(record))) before += line.find("\"eval\"") != std::string::npos;
+  }
+  test::Process second(tf("evaluator") + train() + flags);
+  const test::CommandResult c = chief.wait(std::chrono::seconds(180));
+  const test::CommandResult e = second.wait(std::chrono::seconds(120));
+  ASSERT_EQ(c.exitCode, 0) << c.output;
+  ASSERT_EQ(e.exitCode, 0) << e.output;
   EXPECT_GE(before, 1);
   EXPECT_LT(before, 6) << "the evaluator was killed after the job had ended: nothing was left to resume";
   std::map<int64_t, int> expected;
   for (int step = 10; step <= 60; step += 10) expected[step] = 1;
   EXPECT_EQ(evaluatedCounts(record), expected) << test::readFile(record);
-  EXPECT_NE(test::readFile(dir.file("ev2.log")).find("already recorded"), std::string::npos);
+  EXPECT_NE(e.output.find("already recorded"), std::string::npos) << e.output;
   const auto done = events(record, "done");
   ASSERT_EQ(done.size(), 1u);
   EXPECT_EQ(done[0]["evaluated_by_this_process"].get<int64_t>(), 6 - before);
 }
 
 TEST(Evaluator, WithoutACheckpointDirectoryIsAOneLineError) {
-  const std::string tf = "env TF_CONFIG='{\"cluster\":{\"chief\":[\"127.0.0.1:" + std::to_string(test::freePort()) +
-                         "\"],\"evaluator\":[\"127.0.0.1:1\"]},\"task\":{\"type\":\"evaluator\",\"index\":0}}' ";
+  const std::string tf = "env TF_CONFIG='{\"cluster\":{\"chief\":[\"127.0.0.1:0\"],"
+                         "\"evaluator\":[\"127.0.0.1:0\"]},\"task\":{\"type\":\"evaluator\",\"index\":0}}' ";
   expectOneLineError(test::runCommand(tf + train() + kSmallRun + " --steps 5", 60), "--checkpoint-dir");
 }
 
