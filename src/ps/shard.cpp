@@ -629,11 +629,15 @@ Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* repl
     me().clock += 1;
     me().held = true;
     const int64_t bound = int64_t(policy_.staleness_bound());
+    bool told = false;
     while (!failure_ && !stopJob_) {
       const auto now = Clock::now();
       me().lastSeen = now;
       markLostLocked(now);
-      if (me().clock - slowestClockLocked() <= bound) break;
+      const int64_t slowest = slowestClockLocked();
+      if (me().clock - slowest <= bound) break;
+      if (options_.onHeld && !told) options_.onHeld(id, me().clock, slowest);
+      told = true;
       changed_.waitFor(mu_, kTick);
       if (generation_ != generation) return reinitialized();
     }
