@@ -3,6 +3,7 @@
 
     flock -x /tmp/cohort-machine.lock python3 bench/fault_table.py [--build build] [--steps 300]
         [--schemes allreduce,ps-sync,ps-async,ps-ssp,gossip] [--faults none,worker,chief,shard,ckpt,disk]
+        [--log-dir DIR] [--json FILE]
 
 3 workers (and 1 shard under ps) x 1 thread, the mlp on Fashion-MNIST, batch 64, momentum SGD
 lr 0.01, --steps S, checkpoints every 50 steps, --timeout 10, under
@@ -143,8 +144,12 @@ def run_one(args, scheme, fault, work):
     launcher_lines = []  # (time, line) of the launcher's own lines
     failed_checkpoints = [0]
 
+    log = open(os.path.join(args.log_dir, f"{scheme}-{fault}.log"), "w") if args.log_dir else None
+
     def read_err():
         for line in proc.stderr:
+            if log:
+                log.write(line)
             if line.startswith("cohort launch:"):
                 launcher_lines.append((time.monotonic(), line.strip()))
             elif "checkpoint failed" in line:
@@ -186,6 +191,8 @@ def run_one(args, scheme, fault, work):
         proc.kill()
         code = "hang"
     reader.join(timeout=5)
+    if log:
+        log.close()
     wall = time.monotonic() - started
     if mounted:
         subprocess.run(["umount", ckpt], check=False)
@@ -235,6 +242,7 @@ def main():
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--json", default="")
+    parser.add_argument("--log-dir", default="", help="write each row's stderr (every process's) to DIR/SCHEME-FAULT.log")
     args = parser.parse_args()
     results = []
     for scheme in args.schemes.split(","):

@@ -52,6 +52,14 @@ TEST(LaunchPolicy, EachFailureByKindSchemeAndRestartsLeft) {
   EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, true, 0), FailureAction::kEndJob);
   EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, false, 1), FailureAction::kRestartGroup);
   EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, true, 1), FailureAction::kRestartProcess);
+  // A process whose run is recorded ("finished") is never restarted, in any scheme.
+  for (WorkerLoss scheme : {WorkerLoss::kStopsGroup, WorkerLoss::kRejoins}) {
+    EXPECT_EQ(onFailure({.kind = ProcessKind::kChief, .scheme = scheme, .restartsLeft = 3, .finished = true}),
+              FailureAction::kEndJob);
+  }
+  EXPECT_EQ(onFailure({.kind = ProcessKind::kWorker, .scheme = WorkerLoss::kRejoins, .restartsLeft = 3,
+                       .finished = true}),
+            FailureAction::kGoOn);
   EXPECT_EQ(cli::parseWorkerLoss("rejoins"), WorkerLoss::kRejoins);
   EXPECT_EQ(cli::parseWorkerLoss("tolerated"), WorkerLoss::kTolerated);
   EXPECT_EQ(cli::parseWorkerLoss("stops-group"), WorkerLoss::kStopsGroup);
@@ -176,6 +184,24 @@ TEST(LaunchFaults, WhenTheRestartsRunOutTheJobEndsWithTheFailure) {
   EXPECT_EQ(r.exitCode, 4) << r.output;
   EXPECT_EQ(count(r.output, "restarting every process"), 1u) << r.output;
   EXPECT_NE(r.output.find("cohort launch: rank 1 exited with status 4 (all 1 restarts used)\n"), std::string::npos)
+      << r.output;
+}
+
+// A process that said "finished" (its run is recorded; its final checkpoint failed) is not
+// restarted, restarts or not: the job ends with its status and the launcher says why.
+TEST(LaunchFaults, AFinishedRunThatFailsIsNotRestarted) {
+  auto r = test::runCommand(
+      launch("-n 2 --max-restarts 2" + kAnyPort +
+             script("echo run-$RANK-$COHORT_RESTART_COUNT; if [ $RANK = 0 ]; then echo finished " + kSay +
+                    "; echo \"error the final checkpoint could not be written\" " + kSay + "; exit 1; fi")),
+      60);
+  EXPECT_EQ(r.exitCode, 1) << r.output;
+  EXPECT_EQ(count(r.output, "restarting every process"), 0u) << r.output;
+  EXPECT_EQ(count(r.output, "[rank 0] run-0-"), 1u) << "rank 0 ran once\n" << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 0 exited with status 1: the final checkpoint could not be written; it "
+                          "had finished its run (its done event is written): not restarted, a restart would fail the "
+                          "same way\n"),
+            std::string::npos)
       << r.output;
 }
 
@@ -365,6 +391,33 @@ TEST(DiskFull, TheFinalCheckpointFailsLoudlyAfterTheDoneEvent) {
   EXPECT_EQ(done["steps"], 8);
   EXPECT_TRUE(done["test_accuracy"].is_number()) << done.dump();
   EXPECT_NE(done.value("final_checkpoint_error", "").find("No space left on device"), std::string::npos) << done.dump();
+}
+
+// The same under `cohort launch --max-restarts 1` with allreduce, on a disk too small for any
+// checkpoint: the periodic ones fail and training goes on; the final one fails after the done
+// event, and the launcher ends the job with that failure instead of training again from scratch.
+TEST(DiskFull, UnderLaunchTheJobEndsWithTheErrorAndIsNotRestarted) {
+  test::TempDir dir;
+  const std::string disk = dir.file("disk");
+  std::filesystem::create_directories(disk);
+  auto r = test::runCommand("unshare -m sh -c 'mount -t tmpfs -o size=4k tmpfs " + disk + " && " +
+                                test::cohortBinary() + " launch -n 2 --max-restarts 1" +
+                                train("--strategy allreduce --steps 8 --checkpoint-every 4 --checkpoint-dir " + disk +
+                                      " --metrics " + dir.file("m.jsonl")) +
+                                "; echo exit=$?'",
+                            120);
+  EXPECT_NE(r.output.find("exit=1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("checkpoint failed, training goes on"), std::string::npos) << r.output;
+  EXPECT_EQ(count(r.output, "restarting every process"), 0u) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("cohort launch: rank 0 exited with status 1: the final checkpoint "
+                                                     "\\(step 8\\) could not be written to " + disk +
+                                                     ": .*No space left on device.*; it had finished its run")))
+      << r.output;
+  const auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["steps"], 8);
+  EXPECT_NE(done.value("final_checkpoint_error", "").find("no earlier checkpoint is there"), std::string::npos)
+      << done.dump();
 }
 
 // Input that used to slip through: refused with the bound or the reason, before anything starts.

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -85,6 +86,15 @@ class LauncherProcess {
   bool waitForOutput(const std::string& needle, size_t times, seconds timeout) {
     const auto deadline = Clock::now() + timeout;
     while (count(out_, needle) < times) {
+      if (!pump(deadline)) return false;
+    }
+    return true;
+  }
+
+  // Reads output until stderr (the launcher's own lines) holds `needle`; false at the deadline.
+  bool waitForError(const std::string& needle, seconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (count(err_, needle) < 1) {
       if (!pump(deadline)) return false;
     }
     return true;
@@ -197,6 +207,27 @@ TEST(Launch, PortZeroStartsTheOthersWithThePortRankZeroTells) {
                        60);
   EXPECT_EQ(r.exitCode, 3) << r.output;
   EXPECT_NE(r.output.find("[rank 1] rank 1 port 0\n"), std::string::npos) << r.output;
+}
+
+// A rank 0 that takes its time to tell its port: after a few seconds the launcher says whom it is
+// waiting for and what a program that never tells needs; the others start once rank 0 has told
+// (here only after the test saw that line: rank 0 reads a FIFO the test writes then).
+TEST(Launch, SaysWhomItWaitsForBeforeRankZeroTellsItsPort) {
+  test::TempDir dir;
+  const std::string fifo = dir.file("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  LauncherProcess p({test::cohortBinary(), "launch", "-n", "2", "--", "sh", "-c",
+                     "if [ $RANK = 0 ]; then read x < " + fifo + "; echo port none >&3; fi; echo started-$RANK"});
+  ASSERT_TRUE(p.waitForError("cohort launch: waiting for rank 0 to tell the port it listens on before starting the "
+                             "others (120 s at most); a program that does not write \"port P\" on COHORT_LAUNCH_FD "
+                             "needs --port P\n",
+                             seconds(60)))
+      << p.out() << p.err();
+  EXPECT_EQ(count(p.out(), "started-"), 0u) << "rank 1 started before rank 0 told its port\n" << p.out();
+  test::writeFile(fifo, "go\n");
+  EXPECT_EQ(p.wait(seconds(60)), 0) << p.out() << p.err();
+  EXPECT_NE(p.out().find("[rank 0] started-0\n"), std::string::npos) << p.out();
+  EXPECT_NE(p.out().find("[rank 1] started-1\n"), std::string::npos) << p.out();
 }
 
 // --ps M: M more children, and every one gets the same TF_CONFIG cluster with its own task, and

@@ -237,6 +237,32 @@ TEST(PsShard, SyncAveragesAllWorkersAndHoldsEachUntilTheStepCloses) {
   ASSERT_EQ(a.values_size(), 1);          // the push brought back the new parameters
 }
 
+// A sync step's checkpoint is taken by the pusher that closed it, right after its reply, while the
+// other worker's held push may not have taken the lock back to count itself. Its clock in the
+// checkpoint must count that gradient all the same: every worker restored from the checkpoint of
+// version V resumes at step V (one that resumed a step behind pushed once more than the others at
+// the end and held them there: the fault table's ps-sync "kill inside a write" row).
+TEST(PsShard, SyncCheckpointsCountEveryGradientOfAClosedStep) {
+  test::TempDir dir;
+  auto p = policy("sync", 2);
+  p.set_checkpoint_every(1);
+  Fixture f(p, 4, 0.0f, dir.path());
+  for (uint64_t step = 0; step < 20; ++step) {
+    auto held = std::async(std::launch::async, [&] { return f.push(0, step, 1.0f); });
+    f.push(1, step, 1.0f);  // closes the step, then writes its checkpoint
+    ASSERT_EQ(held.get().version(), step + 1);
+    Shard restored(ShardOptions{.name = "again", .checkpointDir = dir.path(), .log = [](const std::string&) {}});
+    wire::StatsRequest sr;
+    sr.set_protocol(kProtocolVersion);
+    wire::StatsReply stats;
+    ASSERT_TRUE(restored.stats(sr, &stats).ok());
+    ASSERT_EQ(stats.version(), step + 1);
+    ASSERT_EQ(stats.clocks_size(), 2);
+    EXPECT_EQ(stats.clocks(0), int64_t(step + 1)) << "worker 0's clock in the checkpoint of version " << step + 1;
+    EXPECT_EQ(stats.clocks(1), int64_t(step + 1)) << "worker 1's clock in the checkpoint of version " << step + 1;
+  }
+}
+
 TEST(PsShard, SyncWithBackupWorkersDoesNotWaitForTheLastAndDropsIt) {
   auto p = policy("sync", 3);
   p.set_backup_workers(1);

@@ -44,6 +44,7 @@ std::atomic<bool> portTold{false};
 void tellFaultPolicy(std::string_view policy) { tell("fault-policy " + std::string(policy)); }
 void tellShardCheckpoints() { tell("shard-checkpoints"); }
 void tellError(std::string_view message) { tell("error " + std::string(message)); }
+void tellFinished() { tell("finished"); }
 
 void tellPort(int port) {
   if (!portTold.exchange(true)) tell("port " + std::to_string(port));

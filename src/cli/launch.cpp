@@ -51,6 +51,9 @@ constexpr std::array<int, 3> kHandledSignals{SIGINT, SIGTERM, SIGCHLD};
 constexpr int kEvaluatorRestarts = 3;
 // How long the launcher waits for a listening process (the chief, a shard) to tell its port.
 constexpr std::chrono::seconds kPortReportTimeout{120};
+// When the launcher says, once, whom it is waiting for (a program that does not tell its port would
+// otherwise leave the user looking at a silent terminal until kPortReportTimeout).
+constexpr std::chrono::seconds kPortNoticeAfter{5};
 
 // The write end of the self-pipe. The handlers only write the signal number there; the main loop
 // polls the read end and does the work.
@@ -205,6 +208,7 @@ struct Child {
   std::unique_ptr<ChannelReader> channel;
   bool writesCheckpoints = false;  // a shard that said "shard-checkpoints"
   std::string error;               // what it said before failing ("error ...")
+  bool finished = false;           // it said "finished": its run is recorded (launch_policy.h)
   bool pending = false;            // not started yet: it needs a port the launcher does not know yet
   int port = -1;                   // what it said ("port P"; 0: "port none" or exited without); -1: nothing
 };
@@ -272,6 +276,8 @@ class Launcher {
       children_.resize(size_t(childCount()));
       for (int i = 0; i < int(children_.size()); ++i) children_[size_t(i)].pending = true;
       portsDeadline_ = Clock::now() + kPortReportTimeout;
+      portsNoticeAt_ = Clock::now() + kPortNoticeAfter;
+      portsNoticed_ = false;
       startReady();
       superviseUntilAllExited();
       if (!restartGroup_) break;
@@ -345,6 +351,12 @@ class Launcher {
       handleSignals();
       reapChildren();
       startReady();
+      if (!ending_ && anyPending() && !portsNoticed_ && Clock::now() >= portsNoticeAt_) {
+        portsNoticed_ = true;
+        say("waiting for " + silentListeners() + " to tell the port it listens on before starting the others (" +
+            std::to_string(kPortReportTimeout.count()) + " s at most); a program that does not write \"port P\" "
+            "on COHORT_LAUNCH_FD needs --port P");
+      }
       if (!ending_ && anyPending() && Clock::now() >= portsDeadline_) {
         say(silentListeners() + " did not tell the port it listens on within " +
             std::to_string(kPortReportTimeout.count()) +
@@ -454,6 +466,7 @@ class Launcher {
                                   : "rank " + std::to_string(index);
     child.writesCheckpoints = false;
     child.error.clear();
+    child.finished = false;
     const std::string name = child.label;
     const int rank = index;
     // Pipes: stdout, stderr, the launcher channel. Every end is closed on exec but the child's
@@ -565,7 +578,8 @@ class Launcher {
     } else if (usesTfConfig()) {
       timeoutMs = 200;  // to notice when the shards' grace period after the workers is over
     } else if (anyPending()) {
-      const auto left = std::chrono::ceil<std::chrono::milliseconds>(portsDeadline_ - Clock::now()).count();
+      const Clock::time_point next = portsNoticed_ ? portsDeadline_ : std::min(portsNoticeAt_, portsDeadline_);
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(next - Clock::now()).count();
       timeoutMs = int(std::clamp<int64_t>(left, 0, 1000 * 1000));
     }
     if (::poll(fds.data(), fds.size(), timeoutMs) <= 0) return;  // EINTR: the self-pipe says why
@@ -591,6 +605,8 @@ class Launcher {
         if (auto loss = parseWorkerLoss(rest)) scheme_ = *loss;
       } else if (verb == "shard-checkpoints" && child.server) {
         child.writesCheckpoints = true;
+      } else if (verb == "finished") {
+        child.finished = true;
       } else if (verb == "error") {
         child.error = std::string(rest);
       } else if (verb == "port" && (child.server || (child.rank == 0 && !child.evaluator)) && child.port < 0) {
@@ -673,7 +689,8 @@ class Launcher {
     const FailureAction action = onFailure({.kind = kind,
                                             .scheme = scheme_,
                                             .writesCheckpoints = child.writesCheckpoints,
-                                            .restartsLeft = restartsLeft});
+                                            .restartsLeft = restartsLeft,
+                                            .finished = child.finished});
     const std::string restart = "restart " + std::to_string(restartsUsed_ + 1) + " of " +
                                 std::to_string(options_.maxRestarts);
     switch (action) {
@@ -703,7 +720,11 @@ class Launcher {
                                       : "; the workers cannot go on without it and it has no checkpoint to restart "
                                         "from (--checkpoint-dir)";
     }
-    if (options_.maxRestarts > 0) what += " (all " + std::to_string(options_.maxRestarts) + " restarts used)";
+    if (child.finished) {
+      what += "; it had finished its run (its done event is written): not restarted, a restart would fail the same way";
+    } else if (options_.maxRestarts > 0) {
+      what += " (all " + std::to_string(options_.maxRestarts) + " restarts used)";
+    }
     say(what);
     exitCode_ = code;
     endJob(SIGTERM);
@@ -770,6 +791,8 @@ class Launcher {
   const LaunchOptions& options_;
   std::vector<std::string> shared_;  // the environment every child shares
   Clock::time_point portsDeadline_;  // for every listener of this group to tell its port
+  Clock::time_point portsNoticeAt_;  // when to say whom the launcher is waiting for
+  bool portsNoticed_ = false;        // said it (once per group)
   bool workersDone_ = false;
   bool serversStopped_ = false;
   Clock::time_point serversDeadline_;

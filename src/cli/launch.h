@@ -49,7 +49,9 @@
 //     `cohort train` resumes from its newest checkpoint; in the asynchronous ps modes a failed worker
 //     other than the chief, or a shard that writes checkpoints, is restarted alone instead. The
 //     line says which ("...; starting it again alone (restart r of K)" or "...; restarting every
-//     process from the newest checkpoint (restart r of K)"). SIGINT or SIGTERM sent to the launcher is forwarded to every running child as the
+//     process from the newest checkpoint (restart r of K)"). A process that said "finished" before
+//     failing (its run is recorded, its final checkpoint could not be written) is never restarted:
+//     the job ends with its status ("...; it had finished its run ... not restarted"). SIGINT or SIGTERM sent to the launcher is forwarded to every running child as the
 // same signal and ends the job the same way, returning 128 + the signal (the launcher says so in
 // one line on stderr). Such a signal while the job is already ending (a second Ctrl-C) sends
 // SIGKILL to the remaining children at once. Once the job is ending, further child exits are not
@@ -59,7 +61,8 @@
 // descriptor 3 (base/launcher_channel.h; `echo ... >&3` from a shell), and COHORT_RESTART_COUNT
 // (0 at first). A child may write
 // lines there: "fault-policy stops-group|tolerated|rejoins" (from rank 0: what the scheme survives),
-// "shard-checkpoints" (from a shard), "error REASON" (why it is about to fail), "port P" or
+// "shard-checkpoints" (from a shard), "error REASON" (why it is about to fail), "finished" (it ran
+// every step and wrote its done event; a failure after this is not restarted), "port P" or
 // "port none" (from rank 0 and the shards: see "Ports"). Other lines are ignored; a program that
 // writes nothing gets the behaviour of a synchronous scheme.
 //

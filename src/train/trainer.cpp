@@ -761,7 +761,10 @@ TrainResult Trainer::run() {
     s.metrics->write("done", done);
   }
   // After the done event: the run's result is recorded, and the job still fails, naming the disk.
-  if (finalCheckpointError) throw IoError(*finalCheckpointError);
+  if (finalCheckpointError) {
+    launcher::tellFinished();  // cohort launch ends the job with this failure instead of restarting it
+    throw IoError(*finalCheckpointError);
+  }
   return result;
 }
 
