@@ -713,7 +713,9 @@ class Launcher {
         break;
     }
     // The job ends. Under a scheme that survives lost workers, say why this loss is different.
-    if (scheme_ != WorkerLoss::kStopsGroup && kind == ProcessKind::kChief) {
+    if (child.finished) {
+      // Its run is over: nobody goes on or waits for it, and a restart would only repeat it.
+    } else if (scheme_ != WorkerLoss::kStopsGroup && kind == ProcessKind::kChief) {
       what += "; the job cannot go on without its chief";
     } else if (scheme_ != WorkerLoss::kStopsGroup && kind == ProcessKind::kShard) {
       what += child.writesCheckpoints ? "; the workers cannot go on without it"
