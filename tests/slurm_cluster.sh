@@ -96,7 +96,9 @@ pids+=($!)
 slurmd -D > "$work/slurmd.out.log" 2>&1 &
 pids+=($!)
 
-# The node is up once sinfo says idle (bounded: 60 s).
+# The node is up once sinfo says idle (bounded: 60 s). A poll of the daemons' state, not a sleep as
+# synchronization: slurmctld offers no event to wait on, the loop goes on only when sinfo says idle,
+# and a daemon that exits meanwhile ends it at once.
 for _ in $(seq 120); do
   state=$(sinfo -h -N -o %T 2> /dev/null | head -n 1 || true)
   [ "$state" = "idle" ] && break
