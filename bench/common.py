@@ -15,6 +15,24 @@ FASHION = "/usr/share/datasets/fashion-mnist"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def init_gloo_group():
+    """dist.init_process_group("gloo") under any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT. Under `cohort launch` without --port, rank 0 gets MASTER_PORT=0: its store binds a
+    port of its choosing, and rank 0 tells the launcher which (a line "port P" on COHORT_LAUNCH_FD);
+    the launcher starts the other ranks with that MASTER_PORT only then."""
+    import torch.distributed as dist
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank != 0 or os.environ.get("MASTER_PORT") != "0":
+        dist.init_process_group("gloo")
+        return
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), 0, world, is_master=True,
+                          wait_for_workers=False)
+    channel = os.environ.get("COHORT_LAUNCH_FD")
+    if channel:
+        os.write(int(channel), f"port {store.port}\n".encode())
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+
 def read_idx(path):
     with gzip.open(path, "rb") as f:
         data = f.read()

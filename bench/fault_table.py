@@ -3,6 +3,8 @@
 
     flock -x /tmp/cohort-machine.lock python3 bench/fault_table.py [--build build] [--steps 300]
         [--schemes allreduce,ps-sync,ps-async,ps-ssp,gossip] [--faults none,worker,chief,shard,ckpt,disk]
+        [--log-dir DIR] [--json FILE]
+    python3 bench/fault_table.py --merge run1.json,run2.json,run3.json   # medians and ranges of several runs
 
 3 workers (and 1 shard under ps) x 1 thread, the mlp on Fashion-MNIST, batch 64, momentum SGD
 lr 0.01, --steps S, checkpoints every 50 steps, --timeout 10, under
@@ -143,8 +145,12 @@ def run_one(args, scheme, fault, work):
     launcher_lines = []  # (time, line) of the launcher's own lines
     failed_checkpoints = [0]
 
+    log = open(os.path.join(args.log_dir, f"{scheme}-{fault}.log"), "w") if args.log_dir else None
+
     def read_err():
         for line in proc.stderr:
+            if log:
+                log.write(line)
             if line.startswith("cohort launch:"):
                 launcher_lines.append((time.monotonic(), line.strip()))
             elif "checkpoint failed" in line:
@@ -186,6 +192,8 @@ def run_one(args, scheme, fault, work):
         proc.kill()
         code = "hang"
     reader.join(timeout=5)
+    if log:
+        log.close()
     wall = time.monotonic() - started
     if mounted:
         subprocess.run(["umount", ckpt], check=False)
@@ -211,8 +219,12 @@ def run_one(args, scheme, fault, work):
 
 def what_it_did(r):
     said = " ".join(r["launcher"])
-    if "restarting every process" in said:
-        action = "group restarted from its checkpoint"
+    if "it had finished its run" in said:
+        action = (f"{r['failed_checkpoints']} periodic checkpoint writes failed (ENOSPC), training went on; the final "
+                  "one failed after the done event, not restarted")
+    elif "restarting every process" in said:
+        # gossip's replicas differ: a restarted gossip job trains again from scratch
+        action = "group restarted from scratch" if r["scheme"] == "gossip" else "group restarted from its checkpoint"
     elif "starting it again alone" in said:
         action = "restarted alone, rejoined"
     elif "go on without it" in said:
@@ -228,6 +240,48 @@ def what_it_did(r):
     return action
 
 
+def median(values):
+    values = sorted(values)
+    n = len(values)
+    return None if n == 0 else values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
+def spread(values, scale=1.0, fmt="{:.0f}"):
+    """'median (min-max)' of the values present; '-' when there are none."""
+    values = [v * scale for v in values if v is not None]
+    if not values:
+        return "-"
+    text = fmt.format(median(values))
+    return text if len(values) == 1 else f"{text} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def merge(paths):
+    """The table from several runs' --json files: per row, the median and range of the detection
+    time and the wall time, and every run's outcome when they differ."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    rows = {}
+    for run in runs:
+        for r in run:
+            rows.setdefault((r["scheme"], r["fault"]), []).append(r)
+    print(f"runs: {len(runs)} ({', '.join(paths)})\n")
+    print("| scheme | fault | detected after, ms | what the job did | accuracy | wall s |")
+    print("|---|---|---|---|---|---|")
+    for (scheme, fault), rs in rows.items():
+        actions = []
+        for r in rs:
+            a = what_it_did(r)
+            if a not in actions:
+                actions.append(a)
+        in_write = [r["in_write"] for r in rs if r["in_write"] is not None]
+        label = fault + (f" (inside a write {sum(in_write)}/{len(in_write)})" if in_write else "")
+        print(f"| {scheme} | {label} | {spread([r['detected_s'] for r in rs], 1000)} | {' / '.join(actions)}"
+              f" ({len(rs)} runs) | {spread([r['accuracy'] for r in rs], fmt='{:.4f}')} |"
+              f" {spread([r['wall_s'] for r in rs], fmt='{:.1f}')} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -235,7 +289,13 @@ def main():
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--json", default="")
+    parser.add_argument("--log-dir", default="", help="write each row's stderr (every process's) to DIR/SCHEME-FAULT.log")
+    parser.add_argument("--merge", default="",
+                        help="A.json,B.json,...: print the table of several runs' --json files (medians and ranges); runs nothing")
     args = parser.parse_args()
+    if args.merge:
+        merge(args.merge.split(","))
+        return
     results = []
     for scheme in args.schemes.split(","):
         for fault in args.faults.split(","):

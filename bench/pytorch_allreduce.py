@@ -9,10 +9,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from common import init_gloo_group
+
 
 def main():
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_gloo_group()
     for arg in sys.argv[1:]:
         mb = float(arg)
         numel = int(mb * 1024 * 1024 / 4)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import load_fashion, make_model, train_loop
+from common import init_gloo_group, load_fashion, make_model, train_loop
 
 
 def main():
@@ -24,7 +24,7 @@ def main():
     p.add_argument("--bucket-mb", type=float, default=25.0)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+    init_gloo_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1)
     images, labels = load_fashion("train")

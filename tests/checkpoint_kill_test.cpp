@@ -45,6 +45,8 @@ TEST(CheckpointKill, KillAtAnyMomentLeavesTheNewestWhole) {
       char byte;
       ASSERT_EQ(::read(ready[0], &byte, 1), 1);
     }
+    // A random moment, not a synchronization: the writer is in some save or other (it saves without
+    // pause), and any moment must leave the newest checkpoint whole.
     ::usleep(std::uniform_int_distribution<int>(0, 30000)(rng));
     ::kill(child, SIGKILL);
     int status = 0;

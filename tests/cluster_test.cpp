@@ -249,9 +249,9 @@ TEST(ClusterTfConfig, RejectsBadClusters) {
                         {"TF_CONFIG", "no chief and no worker"}));
   EXPECT_TRUE(failsWith({{"TF_CONFIG", tfConfig(R"({"chief": [], "worker": []})", "worker", 0)}},
                         {"TF_CONFIG", "no chief and no worker"}));
-  for (const std::string bad : {"w", "w:", ":80", "w:0", "w:65536", "w:-1", "w:http", "w:80x", "::1:80", "[::1]"}) {
+  for (const std::string bad : {"w", "w:", ":80", "w:65536", "w:-1", "w:http", "w:80x", "::1:80", "[::1]"}) {
     EXPECT_TRUE(failsWith({{"TF_CONFIG", tfConfig(R"({"worker": ["a:1", ")" + bad + R"("]})", "worker", 0)}},
-                          {"TF_CONFIG", "cluster.worker[1]", "\"" + bad + "\"", "valid port (1..65535)"}))
+                          {"TF_CONFIG", "cluster.worker[1]", "\"" + bad + "\"", "valid port (0..65535)"}))
         << bad;
   }
   EXPECT_TRUE(failsWith({{"TF_CONFIG", tfConfig(R"({"worker": ["a:1"], "ps": ["p"]})", "worker", 0)}},
@@ -259,6 +259,9 @@ TEST(ClusterTfConfig, RejectsBadClusters) {
   EXPECT_TRUE(failsWith({{"TF_CONFIG", tfConfig(R"({"chief": ["c:99999"], "worker": ["a:1"]})", "worker", 0)}},
                         {"TF_CONFIG", "cluster.chief[0]", "valid port"}));
   EXPECT_NO_THROW(resolve({{"TF_CONFIG", tfConfig(R"({"worker": ["a:1", "b:65535"]})", "worker", 1)}}));
+  // Port 0: a task that listens on any free port and tells its launcher (cohort launch).
+  EXPECT_EQ(resolve({{"TF_CONFIG", tfConfig(R"({"chief": ["c:0"], "ps": ["p:0"]})", "chief", 0)}}).master,
+            (HostPort{"c", 0}));
 }
 
 TEST(ClusterTfConfig, TorchrunVariablesThatAgreeAreAccepted) {
@@ -425,13 +428,15 @@ TEST(ClusterTorchrun, MasterAddrIsNeededForMoreThanOneWorker) {
 }
 
 TEST(ClusterTorchrun, MasterPortMustBeAPort) {
-  for (const std::string bad : {"0", "65536", "-5", "100000"}) {
+  for (const std::string bad : {"65536", "-5", "100000"}) {
     EXPECT_TRUE(failsWith({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", bad}},
-                          {"MASTER_PORT=" + bad + " is not a port (1..65535)"}))
+                          {"MASTER_PORT=" + bad + " is not a port (0..65535)"}))
         << bad;
   }
   EXPECT_EQ(resolve({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "65535"}}).master.port, 65535);
   EXPECT_EQ(resolve({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "1"}}).master.port, 1);
+  // 0: the chief listens on any free port and tells its launcher, which tells the others.
+  EXPECT_EQ(resolve({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "0"}}).master.port, 0);
 }
 
 TEST(ClusterTorchrun, OpenMpiVariablesThatAgreeAreAccepted) {
@@ -522,8 +527,8 @@ TEST(ClusterOpenMpi, Errors) {
   EXPECT_TRUE(failsWith({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
                          {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"}},
                         {"OMPI_COMM_WORLD_LOCAL_SIZE=3 is more than OMPI_COMM_WORLD_SIZE=2"}));
-  EXPECT_TRUE(failsWith({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}, {"MASTER_PORT", "0"}},
-                        {"MASTER_PORT=0 is not a port"}));
+  EXPECT_TRUE(failsWith({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}, {"MASTER_PORT", "70000"}},
+                        {"MASTER_PORT=70000 is not a port (0..65535)"}));
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -127,7 +127,8 @@ TEST(Communicator, RendezvousTimesOutNamingTheChief) {
   ClusterSpec spec;
   spec.rank = 1;
   spec.worldSize = 2;
-  spec.master = {"127.0.0.1", test::freePort()};  // nobody listens there
+  const test::ReservedPort nobody;  // held, never listening: connections are refused
+  spec.master = {"127.0.0.1", nobody.port()};
   try {
     Communicator::connect(spec, {.timeout = std::chrono::seconds(2)});
     FAIL() << "expected CommError";

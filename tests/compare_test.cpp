@@ -4,6 +4,9 @@
 // rerunning what finished.
 #include "test_util.h"
 
+#include <poll.h>
+#include <sys/syscall.h>
+
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -234,14 +237,7 @@ class Background {
 };
 
 // Waits (at most `seconds`) until path exists.
-bool waitForFile(const std::string& path, int seconds) {
-  const auto deadline = Clock::now() + std::chrono::seconds(seconds);
-  while (Clock::now() < deadline) {
-    if (fs::exists(path)) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return false;
-}
+bool waitForFile(const std::string& path, int seconds) { return test::waitForPath(path, std::chrono::seconds(seconds)); }
 
 // Processes whose command line mentions `needle` (other than this test's own).
 std::vector<int> processesMentioning(const std::string& needle) {
@@ -258,11 +254,17 @@ std::vector<int> processesMentioning(const std::string& needle) {
   return out;
 }
 
-// The jobs of a killed runner end with it (they get SIGTERM when it dies): waits at most 60 s.
+// The jobs of a killed runner end with it (they get SIGTERM when it dies): waits at most 60 s, on
+// each job's exit (a pidfd turns readable when its process ends).
 void expectJobsEnd(const std::string& out) {
   const auto deadline = Clock::now() + std::chrono::seconds(60);
-  while (!processesMentioning(out + "/runs/").empty() && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (int pid : processesMentioning(out + "/runs/")) {
+    const int fd = int(::syscall(SYS_pidfd_open, pid, 0));
+    if (fd < 0) continue;  // already gone
+    pollfd p{fd, POLLIN, 0};
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    ::poll(&p, 1, int(std::max<int64_t>(0, left.count())));
+    ::close(fd);
   }
   EXPECT_TRUE(processesMentioning(out + "/runs/").empty()) << "a job outlived its killed runner";
 }

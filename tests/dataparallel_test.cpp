@@ -11,6 +11,8 @@
 #include "model_util.h"
 #include "test_util.h"
 
+#include <csignal>
+
 namespace cohort {
 namespace {
 
@@ -150,8 +152,9 @@ TEST(DataParallel, AverageWithOuterNesterovResumesExactly) {
 
 TEST(DataParallel, RunsUnderMpirun) {
   test::TempDir dir;
+  const test::ReservedPort port;  // mpirun's ranks must all be told the port before rank 0 listens
   auto r = test::runCommand("mpirun --oversubscribe --allow-run-as-root -n 2 -x MASTER_PORT=" +
-                                std::to_string(test::freePort()) + " " + test::cohortBinary() + " train" + kCommon +
+                                std::to_string(port.port()) + " " + test::cohortBinary() + " train" + kCommon +
                                 " --batch 8 --strategy allreduce --metrics " + dir.file("m.jsonl"),
                             180);
   ASSERT_EQ(r.exitCode, 0) << r.output;
@@ -161,39 +164,33 @@ TEST(DataParallel, RunsUnderMpirun) {
   EXPECT_EQ(done["samples_per_s"].is_number(), true);
 }
 
-std::string tfConfig(int chiefPort, int workerPort, const std::string& type, int index) {
-  return "{\"cluster\": {\"chief\": [\"127.0.0.1:" + std::to_string(chiefPort) + "\"], \"worker\": [\"127.0.0.1:" +
-         std::to_string(workerPort) + "\"]}, \"task\": {\"type\": \"" + type + "\", \"index\": " +
-         std::to_string(index) + "}}";
-}
-
 TEST(DataParallel, RunsUnderAHandWrittenTfConfig) {
   test::TempDir dir;
-  const int chief = test::freePort();
-  const int worker = test::freePort();
   const std::string train = test::cohortBinary() + " train" + kCommon + " --batch 8 --strategy allreduce";
-  // Two processes started by hand, each with its own TF_CONFIG, as a cluster operator would.
-  test::writeFile(dir.file("run.sh"),
-                  "TF_CONFIG='" + tfConfig(chief, worker, "worker", 0) + "' " + train + " > " + dir.file("worker.log") +
-                      " 2>&1 &\nworker=$!\nTF_CONFIG='" + tfConfig(chief, worker, "chief", 0) + "' " + train +
-                      " --metrics " + dir.file("m.jsonl") + "\nc=$?\nwait $worker\nw=$?\nexit $((c + w))\n");
-  auto r = test::runCommand("sh " + dir.file("run.sh"), 180);
-  ASSERT_EQ(r.exitCode, 0) << r.output << test::readFile(dir.file("worker.log"));
+  // Two processes started by hand, each with its own TF_CONFIG, as a cluster operator would: the
+  // chief's store on a port of its choosing, which the worker is then given.
+  test::Process chief(test::tfConfig(0, 2, {}, "chief", 0) + " " + train + " --metrics " + dir.file("m.jsonl"));
+  const int port = chief.port();
+  ASSERT_GT(port, 0) << chief.output();
+  test::Process worker(test::tfConfig(port, 2, {}, "worker", 0) + " " + train);
+  const test::CommandResult c = chief.wait(std::chrono::seconds(180));
+  const test::CommandResult w = worker.wait(std::chrono::seconds(60));
+  ASSERT_EQ(c.exitCode, 0) << c.output << w.output;
+  ASSERT_EQ(w.exitCode, 0) << c.output << w.output;
   auto done = doneEvent(dir.file("m.jsonl"));
   EXPECT_EQ(done["workers"], 2);
   EXPECT_EQ(done["steps"], 6);
 }
 
-// Rank 1 is SIGKILLed a few seconds into a long run. Under cohort launch: launch names it and
+// Rank 1 is SIGKILLed 50 steps into a long run. Under cohort launch: launch names it and
 // exits with its status. Then a restart with --resume continues from the last checkpoint.
 TEST(DataParallel, KilledWorkerStopsTheJobAndResumeContinues) {
   test::TempDir dir;
   const std::string train = test::cohortBinary() +
                             " train --model mlp --data fashion-mnist --batch 32 --strategy allreduce --threads 1"
                             " --progress off --checkpoint-every 20 --checkpoint-dir " + dir.path();
-  // exec keeps the shell's pid, so the background kill hits the trainer itself.
-  auto killed = test::runCommand(launch(2) + "sh -c 'if [ \"$RANK\" = 1 ]; then (sleep 6; kill -9 $$) & fi; exec " +
-                                     train + " --steps 100000'", 120);
+  // Rank 1 SIGKILLs itself after its 50th step.
+  auto killed = test::runCommand(launch(2) + train + " --steps 100000 --test-kill-at 1:50", 120);
   EXPECT_EQ(killed.exitCode, 137) << killed.output;
   EXPECT_NE(killed.output.find("rank 1 was killed by signal 9"), std::string::npos) << killed.output;
   CheckpointStore store(dir.path());
@@ -210,19 +207,20 @@ TEST(DataParallel, KilledWorkerStopsTheJobAndResumeContinues) {
 
 // Without a launcher to stop it, the surviving worker itself must notice and name the lost rank.
 TEST(DataParallel, SurvivorNamesTheLostRankWithinTheTimeout) {
-  test::TempDir dir;
-  const int port = test::freePort();
-  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " WORLD_SIZE=2";
   const std::string train = test::cohortBinary() +
                             " train --model mlp --data synthetic:60000 --batch 32 --strategy allreduce --threads 1"
                             " --progress off --steps 1000000 --timeout 20";
-  auto r = test::runCommand("sh -c '" + env + " RANK=1 " + train + " & victim=$!; " + env + " RANK=0 " + train +
-                                " > " + dir.file("chief.log") + " 2>&1 & chief=$!; sleep 8; kill -9 $victim; wait $chief;"
-                                " echo chief-exit=$?'",
-                            120);
-  const std::string log = test::readFile(dir.file("chief.log"));
-  EXPECT_NE(r.output.find("chief-exit=1"), std::string::npos) << r.output << log;
-  EXPECT_NE(log.find("lost rank 1"), std::string::npos) << log;
+  test::Process chief("MASTER_ADDR=127.0.0.1 MASTER_PORT=0 WORLD_SIZE=2 RANK=0 " + train);
+  const int port = chief.port();
+  ASSERT_GT(port, 0) << chief.output();
+  // The victim SIGKILLs itself after its 30th step: mid-run, with nothing left to say.
+  test::Process victim("MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " WORLD_SIZE=2 RANK=1 " + train +
+                       " --test-kill-at 1:30");
+  const test::CommandResult v = victim.wait(std::chrono::seconds(120));
+  const test::CommandResult c = chief.wait(std::chrono::seconds(120));
+  EXPECT_EQ(v.exitCode, 128 + SIGKILL) << v.output;
+  EXPECT_EQ(c.exitCode, 1) << c.output;
+  EXPECT_NE(c.output.find("lost rank 1"), std::string::npos) << c.output;
 }
 
 }  // namespace

@@ -38,8 +38,7 @@ const std::string kSmallRun = " --data synthetic:1200 --model mlp --validation 1
 TEST(Evaluator, EvaluatesEveryCheckpointOnceAndEndsWithTheJob) {
   test::TempDir dir;
   const std::string ckpt = dir.file("ckpt");
-  const std::string command = test::cohortBinary() + " launch -n 2 --evaluator --port " +
-                              std::to_string(test::freePort()) + " -- " + train() + " --strategy allreduce" +
+  const std::string command = test::cohortBinary() + " launch -n 2 --evaluator -- " + train() + " --strategy allreduce" +
                               kSmallRun + " --steps 40 --eval-every 10 --checkpoint-dir " + ckpt + " --metrics " +
                               dir.file("m.jsonl");
   auto run = test::runCommand(command, 180);
@@ -71,9 +70,8 @@ TEST(Evaluator, EvaluatesEveryCheckpointOnceAndEndsWithTheJob) {
 TEST(Evaluator, UnderLaunchIsRestartedAfterAKillAndEvaluatesEachCheckpointOnce) {
   test::TempDir dir;
   const std::string ckpt = dir.file("ckpt");
-  const std::string command = test::cohortBinary() + " launch -n 2 --evaluator --port " +
-                              std::to_string(test::freePort()) + " -- " + train() + " --strategy allreduce" +
-                              kSmallRun + " --steps 60 --eval-every 10 --threads 1 --checkpoint-dir " + ckpt +
+  const std::string command = test::cohortBinary() + " launch -n 2 --evaluator -- " + train() +
+                              " --strategy allreduce" + kSmallRun + " --steps 60 --eval-every 10 --threads 1 --checkpoint-dir " + ckpt +
                               " --metrics " + dir.file("m.jsonl") + " --test-kill-evaluator-after 2";
   auto run = test::runCommand(command, 240);
   ASSERT_EQ(run.exitCode, 0) << run.output;
@@ -103,8 +101,9 @@ TEST(Evaluator, UnderLaunchIsRestartedAfterAKillAndEvaluatesEachCheckpointOnce) 
 TEST(Evaluator, ToleratesAKillAndARestart) {
   test::TempDir dir;
   const std::string ckpt = dir.file("ckpt");
-  const std::string cluster = "{\"cluster\":{\"chief\":[\"127.0.0.1:" + std::to_string(test::freePort()) +
-                              "\"],\"evaluator\":[\"127.0.0.1:" + std::to_string(test::freePort()) + "\"]},";
+  std::filesystem::create_directories(ckpt);
+  // One worker: no rendezvous store, so the chief's port is 0; the evaluator listens on nothing.
+  const std::string cluster = "{\"cluster\":{\"chief\":[\"127.0.0.1:0\"],\"evaluator\":[\"127.0.0.1:0\"]},";
   auto tf = [&](const std::string& type) {
     return "TF_CONFIG='" + cluster + "\"task\":{\"type\":\"" + type + "\",\"index\":0}}' ";
   };
@@ -130,8 +129,8 @@ TEST(Evaluator, ToleratesAKillAndARestart) {
 }
 
 TEST(Evaluator, WithoutACheckpointDirectoryIsAOneLineError) {
-  const std::string tf = "env TF_CONFIG='{\"cluster\":{\"chief\":[\"127.0.0.1:" + std::to_string(test::freePort()) +
-                         "\"],\"evaluator\":[\"127.0.0.1:1\"]},\"task\":{\"type\":\"evaluator\",\"index\":0}}' ";
+  const std::string tf = "env TF_CONFIG='{\"cluster\":{\"chief\":[\"127.0.0.1:0\"],"
+                         "\"evaluator\":[\"127.0.0.1:0\"]},\"task\":{\"type\":\"evaluator\",\"index\":0}}' ";
   expectOneLineError(test::runCommand(tf + train() + kSmallRun + " --steps 5", 60), "--checkpoint-dir");
 }
 

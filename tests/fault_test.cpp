@@ -10,6 +10,7 @@
 
 #include <sys/stat.h>
 
+#include <filesystem>
 #include <regex>
 #include <set>
 
@@ -51,6 +52,14 @@ TEST(LaunchPolicy, EachFailureByKindSchemeAndRestartsLeft) {
   EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, true, 0), FailureAction::kEndJob);
   EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, false, 1), FailureAction::kRestartGroup);
   EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, true, 1), FailureAction::kRestartProcess);
+  // A process whose run is recorded ("finished") is never restarted, in any scheme.
+  for (WorkerLoss scheme : {WorkerLoss::kStopsGroup, WorkerLoss::kRejoins}) {
+    EXPECT_EQ(onFailure({.kind = ProcessKind::kChief, .scheme = scheme, .restartsLeft = 3, .finished = true}),
+              FailureAction::kEndJob);
+  }
+  EXPECT_EQ(onFailure({.kind = ProcessKind::kWorker, .scheme = WorkerLoss::kRejoins, .restartsLeft = 3,
+                       .finished = true}),
+            FailureAction::kGoOn);
   EXPECT_EQ(cli::parseWorkerLoss("rejoins"), WorkerLoss::kRejoins);
   EXPECT_EQ(cli::parseWorkerLoss("tolerated"), WorkerLoss::kTolerated);
   EXPECT_EQ(cli::parseWorkerLoss("stops-group"), WorkerLoss::kStopsGroup);
@@ -74,11 +83,15 @@ std::string train(const std::string& flags) {
 // Stand-ins for a job's processes: sh scripts that speak the launcher channel as cohort does.
 std::string script(const std::string& body) { return " -- sh -c '" + body + "'"; }
 const std::string kSay = ">&$COHORT_LAUNCH_FD";
+// The stand-ins listen on nothing. With a --port the launcher starts every worker at once; without
+// one it would wait for rank 0 to tell the port it listens on. A stand-in shard tells one.
+const std::string kAnyPort = " --port 29400";
+const std::string kShardPort = "echo port 29401 " + kSay + "; ";
 
 TEST(LaunchFaults, ATolerantSchemeGoesOnWithoutALostWorker) {
   FifoDir d;
   auto r = test::runCommand(
-      launch("-n 3" + script("case $RANK in 0) echo fault-policy tolerated " + kSay + "; echo go > " + d.fifo() +
+      launch("-n 3" + kAnyPort + script("case $RANK in 0) echo fault-policy tolerated " + kSay + "; echo go > " + d.fifo() +
                              ";; 2) read x < " + d.fifo() + "; kill -9 $$;; esac; echo done-$RANK")),
       60);
   EXPECT_EQ(r.exitCode, 0) << r.output;
@@ -94,7 +107,7 @@ TEST(LaunchFaults, ATolerantSchemeGoesOnWithoutALostWorker) {
 TEST(LaunchFaults, WithoutTheChiefsWordALostWorkerStopsTheGroup) {
   FifoDir d;
   auto r = test::runCommand(
-      launch("-n 3" + script("case $RANK in 0) echo go > " + d.fifo() + "; exec sleep 60;; 2) read x < " + d.fifo() +
+      launch("-n 3" + kAnyPort + script("case $RANK in 0) echo go > " + d.fifo() + "; exec sleep 60;; 2) read x < " + d.fifo() +
                              "; kill -9 $$;; *) exec sleep 60;; esac")),
       60);
   EXPECT_EQ(r.exitCode, 137) << r.output;
@@ -103,7 +116,7 @@ TEST(LaunchFaults, WithoutTheChiefsWordALostWorkerStopsTheGroup) {
 
 TEST(LaunchFaults, TheChiefsFailureEndsATolerantJobSayingWhy) {
   auto r = test::runCommand(
-      launch("-n 2" + script("if [ $RANK = 0 ]; then echo fault-policy rejoins " + kSay +
+      launch("-n 2" + kAnyPort + script("if [ $RANK = 0 ]; then echo fault-policy rejoins " + kSay +
                              "; echo \"error the shards are gone\" " + kSay + "; exit 3; fi; exec sleep 60")),
       60);
   EXPECT_EQ(r.exitCode, 3) << r.output;
@@ -116,7 +129,7 @@ TEST(LaunchFaults, TheChiefsFailureEndsATolerantJobSayingWhy) {
 TEST(LaunchFaults, AShardWithoutCheckpointsEndsTheJob) {
   FifoDir d;
   auto r = test::runCommand(
-      launch("-n 2 --ps 1" + script("if [ -z \"$RANK\" ]; then read x < " + d.fifo() + "; exit 5; fi; if [ $RANK = 0 ]; "
+      launch("-n 2 --ps 1" + kAnyPort + script("if [ -z \"$RANK\" ]; then " + kShardPort + "read x < " + d.fifo() + "; exit 5; fi; if [ $RANK = 0 ]; "
                                     "then echo fault-policy rejoins " + kSay + "; echo go > " + d.fifo() +
                                     "; fi; exec sleep 60")),
       60);
@@ -130,8 +143,8 @@ TEST(LaunchFaults, AShardWithoutCheckpointsEndsTheJob) {
 TEST(LaunchFaults, AShardThatCheckpointsIsRestartedAlone) {
   FifoDir d;
   auto r = test::runCommand(
-      launch("-n 2 --ps 1 --max-restarts 1" +
-             script("if [ -z \"$RANK\" ]; then echo shard-checkpoints " + kSay + "; if [ $COHORT_RESTART_COUNT = 0 ]; "
+      launch("-n 2 --ps 1 --max-restarts 1" + kAnyPort +
+             script("if [ -z \"$RANK\" ]; then " + kShardPort + "echo shard-checkpoints " + kSay + "; if [ $COHORT_RESTART_COUNT = 0 ]; "
                     "then read x < " + d.fifo() + "; exit 5; fi; echo shard-back-$COHORT_RESTART_COUNT; exit 0; fi; "
                     "if [ $RANK = 0 ]; then echo fault-policy rejoins " + kSay + "; echo go > " + d.fifo() +
                     "; fi; echo worker-$RANK-run-$COHORT_RESTART_COUNT")),
@@ -144,11 +157,13 @@ TEST(LaunchFaults, AShardThatCheckpointsIsRestartedAlone) {
   EXPECT_EQ(count(r.output, "-run-"), 2u) << "the workers ran once each\n" << r.output;
 }
 
-// A synchronous job restarted: every process again, on a new port, told it is a restart.
+// A synchronous job restarted: every process again, told it is a restart, and rank 1 is given the
+// port rank 0 tells in the new run (a listener binds port 0 afresh: here 30000 + the run).
 TEST(LaunchFaults, AFailedGroupIsRestartedOnANewPort) {
   auto r = test::runCommand(
       launch("-n 2 --max-restarts 2" +
-             script("echo run $RANK $COHORT_RESTART_COUNT $MASTER_PORT; if [ $RANK = 1 ] && [ $COHORT_RESTART_COUNT = 0 ]; "
+             script("if [ $RANK = 0 ]; then echo port $((30000 + COHORT_RESTART_COUNT)) " + kSay + "; fi; "
+                    "echo run $RANK $COHORT_RESTART_COUNT $MASTER_PORT; if [ $RANK = 1 ] && [ $COHORT_RESTART_COUNT = 0 ]; "
                     "then exit 4; fi; [ $COHORT_RESTART_COUNT = 1 ] || exec sleep 60")),
       60);
   EXPECT_EQ(r.exitCode, 0) << r.output;
@@ -156,23 +171,37 @@ TEST(LaunchFaults, AFailedGroupIsRestartedOnANewPort) {
                           "checkpoint (restart 1 of 2)\n"),
             std::string::npos)
       << r.output;
-  std::set<std::string> ports[2];
-  const std::regex line(R"(\[rank (\d)\] run \d (\d) (\d+))");
-  for (const auto& l : test::lines(r.output)) {
-    std::smatch m;
-    if (std::regex_match(l, m, line)) ports[std::stoi(m[2])].insert(m[3]);
-  }
-  ASSERT_EQ(ports[0].size(), 1u) << r.output;
-  ASSERT_EQ(ports[1].size(), 1u) << "both ranks ran again, on one port\n" << r.output;
-  EXPECT_NE(*ports[0].begin(), *ports[1].begin()) << r.output;
+  // Rank 0 is started with port 0 (it binds one of its choosing); rank 1 with the port it told.
+  EXPECT_NE(r.output.find("[rank 0] run 0 0 0\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] run 1 0 30000\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] run 0 1 0\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] run 1 1 30001\n"), std::string::npos) << r.output;
 }
 
 TEST(LaunchFaults, WhenTheRestartsRunOutTheJobEndsWithTheFailure) {
   auto r = test::runCommand(
-      launch("-n 2 --max-restarts 1" + script("if [ $RANK = 1 ]; then exit 4; fi; exec sleep 60")), 60);
+      launch("-n 2 --max-restarts 1" + kAnyPort + script("if [ $RANK = 1 ]; then exit 4; fi; exec sleep 60")), 60);
   EXPECT_EQ(r.exitCode, 4) << r.output;
   EXPECT_EQ(count(r.output, "restarting every process"), 1u) << r.output;
   EXPECT_NE(r.output.find("cohort launch: rank 1 exited with status 4 (all 1 restarts used)\n"), std::string::npos)
+      << r.output;
+}
+
+// A process that said "finished" (its run is recorded; its final checkpoint failed) is not
+// restarted, restarts or not: the job ends with its status and the launcher says why.
+TEST(LaunchFaults, AFinishedRunThatFailsIsNotRestarted) {
+  auto r = test::runCommand(
+      launch("-n 2 --max-restarts 2" + kAnyPort +
+             script("echo run-$RANK-$COHORT_RESTART_COUNT; if [ $RANK = 0 ]; then echo finished " + kSay +
+                    "; echo \"error the final checkpoint could not be written\" " + kSay + "; exit 1; fi")),
+      60);
+  EXPECT_EQ(r.exitCode, 1) << r.output;
+  EXPECT_EQ(count(r.output, "restarting every process"), 0u) << r.output;
+  EXPECT_EQ(count(r.output, "[rank 0] run-0-"), 1u) << "rank 0 ran once\n" << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 0 exited with status 1: the final checkpoint could not be written; it "
+                          "had finished its run (its done event is written): not restarted, a restart would fail the "
+                          "same way\n"),
+            std::string::npos)
       << r.output;
 }
 
@@ -320,6 +349,75 @@ TEST(LaunchFaults, ANonFiniteLossIsReportedByEveryRankWithItsCause) {
   EXPECT_TRUE(std::regex_search(r.output, std::regex("cohort launch: rank \\d exited with status 1: the loss became")))
       << r.output;
   EXPECT_EQ(r.output.find("lost rank"), std::string::npos) << r.output;
+}
+
+// A final checkpoint on a full disk: the run's result still reaches the done event, the error names
+// the directory and the cause, and the previous checkpoint is kept. The disk is a tmpfs in a private
+// mount namespace (unshare -m, as root) sized between one and two checkpoints: the one at step 4
+// fits, the final one at step 8 does not (older ones are removed only after a save succeeded).
+TEST(DiskFull, TheFinalCheckpointFailsLoudlyAfterTheDoneEvent) {
+  test::TempDir dir;
+  const std::string disk = dir.file("disk");
+  std::filesystem::create_directories(disk);
+  auto probe = test::runCommand("unshare -m sh -c 'mount -t tmpfs -o size=1m tmpfs " + disk + " && echo mounted'", 30);
+  ASSERT_NE(probe.output.find("mounted"), std::string::npos)
+      << "this test mounts a small tmpfs in a private mount namespace (unshare -m), which needs root:\n"
+      << probe.output;
+  const std::string train = test::cohortBinary() +
+                            " train --threads 1 --progress off --model mlp --data synthetic:4000 --batch 16 --steps 8";
+  // How large one checkpoint of this run is.
+  auto sized = test::runCommand(train + " --checkpoint-dir " + dir.file("sized"), 120);
+  ASSERT_EQ(sized.exitCode, 0) << sized.output;
+  uintmax_t bytes = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.file("sized"))) {
+    if (e.path().extension() == ".ckpt") bytes = e.file_size();
+  }
+  ASSERT_GT(bytes, 0u) << sized.output;
+  const std::string size = std::to_string((bytes * 3 / 2) / 1024 + 1) + "k";
+  auto r = test::runCommand("unshare -m sh -c 'mount -t tmpfs -o size=" + size + " tmpfs " + disk + " && " + train +
+                                " --checkpoint-every 4 --checkpoint-dir " + disk + " --metrics " + dir.file("m.jsonl") +
+                                "; echo exit=$?; ls " + disk + "'",
+                            120);
+  EXPECT_NE(r.output.find("exit=1"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("cohort: error: the final checkpoint \\(step 8\\) could not be "
+                                                     "written to " + disk + ": .*No space left on device")))
+      << r.output;
+  EXPECT_NE(r.output.find("the newest checkpoint kept there is " + disk + "/ckpt-0000000004.ckpt (step 4)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("\nckpt-0000000004.ckpt\n"), std::string::npos) << "the step-4 checkpoint is gone\n" << r.output;
+  const auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["steps"], 8);
+  EXPECT_TRUE(done["test_accuracy"].is_number()) << done.dump();
+  EXPECT_NE(done.value("final_checkpoint_error", "").find("No space left on device"), std::string::npos) << done.dump();
+}
+
+// The same under `cohort launch --max-restarts 1` with allreduce, on a disk too small for any
+// checkpoint: the periodic ones fail and training goes on; the final one fails after the done
+// event, and the launcher ends the job with that failure instead of training again from scratch.
+TEST(DiskFull, UnderLaunchTheJobEndsWithTheErrorAndIsNotRestarted) {
+  test::TempDir dir;
+  const std::string disk = dir.file("disk");
+  std::filesystem::create_directories(disk);
+  auto r = test::runCommand("unshare -m sh -c 'mount -t tmpfs -o size=4k tmpfs " + disk + " && " +
+                                test::cohortBinary() + " launch -n 2 --max-restarts 1" +
+                                train("--strategy allreduce --steps 8 --checkpoint-every 4 --checkpoint-dir " + disk +
+                                      " --metrics " + dir.file("m.jsonl")) +
+                                "; echo exit=$?'",
+                            120);
+  EXPECT_NE(r.output.find("exit=1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("checkpoint failed, training goes on"), std::string::npos) << r.output;
+  EXPECT_EQ(count(r.output, "restarting every process"), 0u) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("cohort launch: rank 0 exited with status 1: the final checkpoint "
+                                                     "\\(step 8\\) could not be written to " + disk +
+                                                     ": .*No space left on device.*; it had finished its run")))
+      << r.output;
+  const auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["steps"], 8);
+  EXPECT_NE(done.value("final_checkpoint_error", "").find("no earlier checkpoint is there"), std::string::npos)
+      << done.dump();
 }
 
 // Input that used to slip through: refused with the bound or the reason, before anything starts.

@@ -4,6 +4,8 @@
 
 #include "test_util.h"
 
+#include <csignal>
+
 #include <algorithm>
 
 namespace cohort {
@@ -11,32 +13,29 @@ namespace {
 
 std::string train() { return test::cohortBinary() + " train --threads 1 --progress off --strategy gossip"; }
 
-// Shell lines that wait (up to 60 s) until the metrics file has a step event for `step`.
-std::string waitForStep(const std::string& metrics, int step) {
-  return "for i in $(seq 600); do grep -q '\"step\":" + std::to_string(step) + ",' " + metrics +
-         " 2>/dev/null && break; sleep 0.1; done\n";
-}
-
 // Three peers on Fashion-MNIST; peer 2 is SIGKILLed after the chief's 60th step. The other two
 // finish their 300 steps, the chief names the lost peer and its model reaches the bound.
 TEST(GossipMultiproc, APeerKilledMidwayStopsNoOneAndTheModelLearns) {
   test::TempDir dir;
-  test::TfJob job(3, 0);
   const std::string flags =
       " --model mlp --data fashion-mnist --batch 64 --optimizer momentum --lr 0.01 --timeout 20 --auth-token g0ss1p";
   const std::string metrics = dir.file("m.jsonl");
-  test::writeFile(dir.file("run.sh"),
-                  job.tfConfig("worker", 1) + " " + train() + flags + " --steps 100000 > " + dir.file("victim.log") +
-                      " 2>&1 &\nvictim=$!\n" + job.tfConfig("worker", 0) + " " + train() + flags + " --steps 300 > " +
-                      dir.file("worker.log") + " 2>&1 &\nworker=$!\n" + job.tfConfig("chief", 0) + " " + train() +
-                      flags + " --steps 300 --metrics " + metrics + " > " + dir.file("chief.log") +
-                      " 2>&1 &\nchief=$!\n" + waitForStep(metrics, 60) +
-                      "kill -9 $victim\nwait $chief\nc=$?\nwait $worker\nw=$?\necho chief=$c worker=$w\n");
-  auto r = test::runCommand("sh " + dir.file("run.sh"), 200);
-  const std::string chiefLog = test::readFile(dir.file("chief.log"));
-  const std::string logs = r.output + chiefLog + test::readFile(dir.file("worker.log")) +
-                           test::readFile(dir.file("victim.log"));
-  EXPECT_NE(r.output.find("chief=0 worker=0"), std::string::npos) << logs;
+  // By hand, as a cluster operator would: the chief's store on a port of its choosing first.
+  test::Process chief(test::tfConfig(0, 3, {}, "chief", 0) + " " + train() + flags + " --steps 300 --metrics " +
+                      metrics);
+  const int port = chief.port();
+  ASSERT_GT(port, 0) << chief.output();
+  test::Process victim(test::tfConfig(port, 3, {}, "worker", 1) + " " + train() + flags + " --steps 100000");
+  test::Process worker(test::tfConfig(port, 3, {}, "worker", 0) + " " + train() + flags + " --steps 300");
+  ASSERT_TRUE(test::waitForFileText(metrics, "\"step\":60,")) << chief.output();
+  victim.kill(SIGKILL);
+  const test::CommandResult v = victim.wait(std::chrono::seconds(30));
+  const test::CommandResult c = chief.wait(std::chrono::seconds(200));
+  const test::CommandResult w = worker.wait(std::chrono::seconds(60));
+  const std::string chiefLog = c.output;
+  const std::string logs = chiefLog + w.output + v.output;
+  EXPECT_EQ(c.exitCode, 0) << logs;
+  EXPECT_EQ(w.exitCode, 0) << logs;
   auto done = test::lastEvent(metrics, "done");
   ASSERT_FALSE(done.is_null()) << logs;
   EXPECT_EQ(done["steps"], 300);

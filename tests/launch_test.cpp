@@ -3,12 +3,14 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <regex>
 #include <set>
 #include <thread>
@@ -24,6 +26,11 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::seconds;
 
 std::string launch(const std::string& args) { return test::cohortBinary() + " launch " + args; }
+
+// The shell commands below listen on nothing. With a --port every rank starts at once; without one
+// the launcher would wait for rank 0 to tell the port it listens on (or to exit).
+constexpr int kAnyPort = 29400;
+const std::string kWithPort = " --port " + std::to_string(kAnyPort);
 
 size_t count(const std::string& text, const std::string& needle) {
   size_t n = 0;
@@ -79,6 +86,15 @@ class LauncherProcess {
   bool waitForOutput(const std::string& needle, size_t times, seconds timeout) {
     const auto deadline = Clock::now() + timeout;
     while (count(out_, needle) < times) {
+      if (!pump(deadline)) return false;
+    }
+    return true;
+  }
+
+  // Reads output until stderr (the launcher's own lines) holds `needle`; false at the deadline.
+  bool waitForError(const std::string& needle, seconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (count(err_, needle) < 1) {
       if (!pump(deadline)) return false;
     }
     return true;
@@ -143,7 +159,7 @@ class LaunchWorldSize : public testing::TestWithParam<int> {};
 
 TEST_P(LaunchWorldSize, EveryRankGetsItsEnvironmentAndItsPrefix) {
   const int n = GetParam();
-  const int port = test::freePort();
+  const int port = kAnyPort;  // an explicit --port is passed on as it is
   auto r = test::runCommand(
       std::string("env -u OMP_NUM_THREADS -u OPENBLAS_NUM_THREADS ") + kForeignRanks +
           launch("-n " + std::to_string(n) + " --port " + std::to_string(port) +
@@ -174,30 +190,61 @@ TEST(Launch, KeepsTheUsersThreadBudget) {
   EXPECT_EQ(count(r.output, "] threads 3 2\n"), 2u) << r.output;
 }
 
-TEST(Launch, PortZeroPicksOneFreePortForAllRanks) {
-  auto r = test::runCommand(launch("-n 3 --host localhost -- sh -c 'echo \"addr $MASTER_ADDR port $MASTER_PORT\"'"), 60);
+// Without --port, rank 0 starts alone with MASTER_PORT=0 (it binds a port of its choosing) and the
+// others once it has told that port on its channel: they get it as MASTER_PORT.
+TEST(Launch, PortZeroStartsTheOthersWithThePortRankZeroTells) {
+  auto r = test::runCommand(
+      launch("-n 3 --host localhost -- sh -c 'if [ $RANK = 0 ]; then echo port 4321 >&3; fi; "
+             "echo \"rank $RANK addr $MASTER_ADDR port $MASTER_PORT\"'"),
+      60);
   ASSERT_EQ(r.exitCode, 0) << r.output;
-  std::set<int> ports;
-  const std::regex line(R"(\[rank \d\] addr localhost port (\d+))");
-  for (const auto& l : test::lines(r.output)) {
-    std::smatch m;
-    ASSERT_TRUE(std::regex_match(l, m, line)) << l;
-    ports.insert(std::stoi(m[1]));
-  }
-  ASSERT_EQ(ports.size(), 1u) << r.output;
-  EXPECT_GT(*ports.begin(), 0);
-  EXPECT_LE(*ports.begin(), 65535);
+  EXPECT_NE(r.output.find("[rank 0] rank 0 addr localhost port 0\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] rank 1 addr localhost port 4321\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 2] rank 2 addr localhost port 4321\n"), std::string::npos) << r.output;
+  // "port none" (a chief that listens on nothing) starts them too, with port 0, while it runs.
+  r = test::runCommand(launch("-n 2 -- sh -c 'if [ $RANK = 0 ]; then echo port none >&3; exec sleep 60; fi; "
+                              "echo \"rank $RANK port $MASTER_PORT\"; exit 3'"),
+                       60);
+  EXPECT_EQ(r.exitCode, 3) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] rank 1 port 0\n"), std::string::npos) << r.output;
+}
+
+// A rank 0 that takes its time to tell its port: after a few seconds the launcher says whom it is
+// waiting for and what a program that never tells needs; the others start once rank 0 has told
+// (here only after the test saw that line: rank 0 reads a FIFO the test writes then).
+TEST(Launch, SaysWhomItWaitsForBeforeRankZeroTellsItsPort) {
+  test::TempDir dir;
+  const std::string fifo = dir.file("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  LauncherProcess p({test::cohortBinary(), "launch", "-n", "2", "--", "sh", "-c",
+                     "if [ $RANK = 0 ]; then read x < " + fifo + "; echo port none >&3; fi; echo started-$RANK"});
+  ASSERT_TRUE(p.waitForError("cohort launch: waiting for rank 0 to tell the port it listens on before starting the "
+                             "others (120 s at most); a program that does not write \"port P\" on COHORT_LAUNCH_FD "
+                             "needs --port P\n",
+                             seconds(60)))
+      << p.out() << p.err();
+  EXPECT_EQ(count(p.out(), "started-"), 0u) << "rank 1 started before rank 0 told its port\n" << p.out();
+  test::writeFile(fifo, "go\n");
+  EXPECT_EQ(p.wait(seconds(60)), 0) << p.out() << p.err();
+  EXPECT_NE(p.out().find("[rank 0] started-0\n"), std::string::npos) << p.out();
+  EXPECT_NE(p.out().find("[rank 1] started-1\n"), std::string::npos) << p.out();
 }
 
 // --ps M: M more children, and every one gets the same TF_CONFIG cluster with its own task, and
 // the same job secret.
 TEST(Launch, ParameterServersGetTfConfigAndTheJobsSecret) {
-  auto r = test::runCommand("env -u COHORT_AUTH_TOKEN " +
-                                launch("-n 2 --ps 2 -- sh -c 'echo \"${RANK-none} ${COHORT_AUTH_TOKEN} $TF_CONFIG\"'"),
-                            60);
+  // The shards start first and tell their ports (here 20000 + k), then the chief, which tells
+  // its own (4242), then the other worker: each TF_CONFIG holds the ports told before it started.
+  auto r = test::runCommand(
+      "env -u COHORT_AUTH_TOKEN " +
+          launch("-n 2 --ps 2 -- sh -c 'if [ -z \"$RANK\" ]; then case \"$TF_CONFIG\" in *index\\\":0*) p=20000;; *) p=20001;; esac; "
+                 "echo port $p >&3; "
+                 "elif [ $RANK = 0 ]; then echo port 4242 >&3; fi; echo \"${RANK-none} ${COHORT_AUTH_TOKEN} $TF_CONFIG\"'"),
+      60);
   ASSERT_EQ(r.exitCode, 0) << r.output;
   const std::regex line(R"(\[(rank|ps) (\d)\] (\S+) (\S+) (.*))");
-  std::set<std::string> clusters, tokens, tasks;
+  std::set<std::string> tokens, tasks;
+  std::map<std::string, nlohmann::json> clusters;
   for (const auto& l : test::lines(r.output)) {
     std::smatch m;
     ASSERT_TRUE(std::regex_match(l, m, line)) << l;
@@ -214,12 +261,21 @@ TEST(Launch, ParameterServersGetTfConfigAndTheJobsSecret) {
     }
     EXPECT_EQ(config["cluster"]["ps"].size(), 2u);
     EXPECT_EQ(config["cluster"]["worker"].size(), 1u);
-    clusters.insert(config["cluster"].dump());
+    clusters[type + std::to_string(index)] = config["cluster"];
     tokens.insert(m[4]);
     tasks.insert(type + std::to_string(index));
   }
   EXPECT_EQ(tasks.size(), 4u) << r.output;
-  EXPECT_EQ(clusters.size(), 1u) << r.output;
+  // A shard's own address has port 0: it binds one of its choosing.
+  EXPECT_EQ(clusters["ps0"]["ps"][0], "127.0.0.1:0") << r.output;
+  EXPECT_EQ(clusters["ps1"]["ps"][1], "127.0.0.1:0") << r.output;
+  // The chief knows the shards' ports, its own is 0; the worker knows all, and listens on nothing.
+  const nlohmann::json shards = {"127.0.0.1:20000", "127.0.0.1:20001"};
+  EXPECT_EQ(clusters["chief0"]["ps"], shards) << r.output;
+  EXPECT_EQ(clusters["chief0"]["chief"][0], "127.0.0.1:0") << r.output;
+  EXPECT_EQ(clusters["worker0"]["ps"], shards) << r.output;
+  EXPECT_EQ(clusters["worker0"]["chief"][0], "127.0.0.1:4242") << r.output;
+  EXPECT_EQ(clusters["worker0"]["worker"][0], "127.0.0.1:0") << r.output;
   ASSERT_EQ(tokens.size(), 1u) << r.output;
   EXPECT_EQ(tokens.begin()->size(), 32u);
 }
@@ -268,7 +324,7 @@ TEST(Launch, CommandArgumentsMayStartWithADash) {
 TEST(Launch, AFailingRankStopsTheOthersWithItsStatus) {
   const auto start = Clock::now();
   auto r = test::runCommand(
-      launch("-n 3 -- sh -c 'if [ \"$RANK\" = 1 ]; then echo bye; exit 7; fi; exec sleep 60'"), 30);
+      launch("-n 3" + kWithPort + " -- sh -c 'if [ \"$RANK\" = 1 ]; then echo bye; exit 7; fi; exec sleep 60'"), 30);
   EXPECT_NE(r.exitCode, 124) << "the sleeping ranks were not stopped\n" << r.output;
   EXPECT_EQ(r.exitCode, 7) << r.output;
   EXPECT_LT(Clock::now() - start, seconds(20));
@@ -284,7 +340,7 @@ TEST(Launch, ARankKilledBySignalGives128PlusTheSignal) {
 }
 
 TEST(Launch, RanksIgnoringSigtermAreKilledAfterTheGracePeriod) {
-  LauncherProcess p({test::cohortBinary(), "launch", "-n", "2", "--grace", "1", "--",
+  LauncherProcess p({test::cohortBinary(), "launch", "-n", "2", "--grace", "1", "--port", std::to_string(kAnyPort), "--",
                      "sh", "-c", "trap '' TERM; echo \"ready $RANK $$\"; exec sleep 60"});
   ASSERT_TRUE(p.waitForOutput("] ready ", 2, seconds(30))) << p.out() << p.err();
   std::smatch m;
@@ -304,7 +360,7 @@ TEST_P(LaunchSignal, IsForwardedToEveryRank) {
   const int signo = GetParam();
   const std::string name = signo == SIGINT ? "INT" : "TERM";
   // `wait` returns as soon as a trapped signal arrives; the trap stops the background sleep.
-  LauncherProcess p({test::cohortBinary(), "launch", "-n", "3", "--",
+  LauncherProcess p({test::cohortBinary(), "launch", "-n", "3", "--port", std::to_string(kAnyPort), "--",
                      "sh", "-c", "trap 'echo got-" + name + "-$RANK; kill $s; exit 0' " + name +
                                      "; sleep 60 & s=$!; echo ready-$RANK; wait $s"});
   ASSERT_TRUE(p.waitForOutput("] ready-", 3, seconds(30))) << p.out() << p.err();

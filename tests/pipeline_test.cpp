@@ -12,6 +12,8 @@
 #include "strategy/pipeline.h"
 #include "test_util.h"
 
+#include <csignal>
+
 namespace cohort {
 namespace {
 
@@ -170,30 +172,26 @@ TEST(Pipeline, BadInputIsRefusedBeforeTraining) {
                 "top level is not an nn.Sequential");
 }
 
-// No launcher: stage 1 of 3 is SIGKILLed once training runs; stages 0 and 2 must each stop
-// within the timeout, naming it.
+// No launcher: stage 1 of 3 is SIGKILLed once training runs (after its 5th step); stages 0 and 2
+// must each stop within the timeout, naming it.
 TEST(Pipeline, KilledStageStopsTheOthersNamingIt) {
-  test::TempDir dir;
-  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(test::freePort()) + " WORLD_SIZE=3";
   const std::string train = test::cohortBinary() +
                             " train --model mlp --data synthetic:6000 --batch 8 --threads 1 --progress off"
                             " --steps 1000000 --timeout 20 --strategy pipeline --stages 3 --micro-batches 2";
-  const std::string script =
-      env + " RANK=1 " + train + " & victim=$!\n" +
-      env + " RANK=0 " + train + " --metrics " + dir.file("m.jsonl") + " > " + dir.file("stage0.log") + " 2>&1 & s0=$!\n" +
-      env + " RANK=2 " + train + " > " + dir.file("stage2.log") + " 2>&1 & s2=$!\n" +
-      // Training is under way once the chief has logged a step (polled, at most 60 s).
-      "for i in $(seq 600); do grep -q '\"event\":\"step\"' " + dir.file("m.jsonl") +
-      " 2>/dev/null && break; sleep 0.1; done\n"
-      "kill -9 $victim\nwait $s0; echo stage0-exit=$?\nwait $s2; echo stage2-exit=$?\n";
-  test::writeFile(dir.file("run.sh"), script);
-  auto r = test::runCommand("sh " + dir.file("run.sh"), 120);
-  const std::string log0 = test::readFile(dir.file("stage0.log"));
-  const std::string log2 = test::readFile(dir.file("stage2.log"));
-  EXPECT_NE(r.output.find("stage0-exit=1"), std::string::npos) << r.output << log0;
-  EXPECT_NE(r.output.find("stage2-exit=1"), std::string::npos) << r.output << log2;
-  EXPECT_NE(log0.find("lost rank 1 (stage 1)"), std::string::npos) << log0;
-  EXPECT_NE(log2.find("lost rank 1 (stage 1)"), std::string::npos) << log2;
+  test::Process stage0("MASTER_ADDR=127.0.0.1 MASTER_PORT=0 WORLD_SIZE=3 RANK=0 " + train);
+  const int port = stage0.port();
+  ASSERT_GT(port, 0) << stage0.output();
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " WORLD_SIZE=3";
+  test::Process victim(env + " RANK=1 " + train + " --test-kill-at 1:5");
+  test::Process stage2(env + " RANK=2 " + train);
+  const test::CommandResult v = victim.wait(std::chrono::seconds(120));
+  const test::CommandResult r0 = stage0.wait(std::chrono::seconds(120));
+  const test::CommandResult r2 = stage2.wait(std::chrono::seconds(60));
+  EXPECT_EQ(v.exitCode, 128 + SIGKILL) << v.output;
+  EXPECT_EQ(r0.exitCode, 1) << r0.output;
+  EXPECT_EQ(r2.exitCode, 1) << r2.output;
+  EXPECT_NE(r0.output.find("lost rank 1 (stage 1)"), std::string::npos) << r0.output;
+  EXPECT_NE(r2.output.find("lost rank 1 (stage 1)"), std::string::npos) << r2.output;
 }
 
 // Per-stage checkpoints: a resumed run ends where an uninterrupted one does; another cut is refused.

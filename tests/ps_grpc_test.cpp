@@ -320,7 +320,9 @@ TEST(PsGrpcTest, BadPushesAreRefusedAndChangeNothing) {
 }
 
 TEST(PsGrpcTest, ClientWaitsForAShardThatStartsLate) {
-  const int port = test::freePort();
+  // The client must be given the shard's port before the shard listens: a port reserved for it.
+  const test::ReservedPort reserved;
+  const int port = reserved.port();
   std::promise<void> retrying;
   auto client = makeGrpcClient("127.0.0.1:" + std::to_string(port),
                                {.timeoutSeconds = 20, .quiet = true, .onRetry = [&, said = std::make_shared<std::atomic<bool>>(false)] {
@@ -360,7 +362,8 @@ TEST(PsGrpcTest, ClientWaitsForTheChiefsInit) {
 }
 
 TEST(PsGrpcTest, UnreachableShardFailsInTimeNamingIt) {
-  const std::string address = "127.0.0.1:" + std::to_string(test::freePort());
+  const test::ReservedPort nobody;  // held, never listening: connections are refused
+  const std::string address = "127.0.0.1:" + std::to_string(nobody.port());
   auto client = makeGrpcClient(address, {.timeoutSeconds = 1, .quiet = true});
   const auto start = std::chrono::steady_clock::now();
   wire::StatsReply reply;
@@ -419,18 +422,22 @@ TEST(PsGrpcTest, SixtyFourMegabytePieceRoundTrips) {
   EXPECT_TRUE(back == values) << "the 64 MB piece came back different";
 }
 
-// runShardServer on a free port, in a thread, until it returns.
+// runShardServer on a port of its choosing, in a thread, until it returns.
 struct RunningServer {
   ServerOptions options;
+  std::promise<int> listening;
+  std::shared_future<int> port = listening.get_future().share();
   std::future<int> exit;
 
   explicit RunningServer(ServerOptions o) : options(std::move(o)) {
-    options.address = "127.0.0.1:" + std::to_string(test::freePort());
+    options.address = "127.0.0.1:0";
     options.shard.log = [](const std::string&) {};
+    options.onListening = [this](int p) { listening.set_value(p); };
     exit = std::async(std::launch::async, [this] { return runShardServer(options); });
   }
   std::unique_ptr<ShardClient> client() const {
-    return makeGrpcClient(options.address, {.timeoutSeconds = 10, .quiet = true});
+    EXPECT_EQ(port.wait_for(20s), std::future_status::ready) << "runShardServer did not listen";
+    return makeGrpcClient("127.0.0.1:" + std::to_string(port.get()), {.timeoutSeconds = 10, .quiet = true});
   }
   int waitExit() {
     EXPECT_EQ(exit.wait_for(20s), std::future_status::ready) << "runShardServer did not return";

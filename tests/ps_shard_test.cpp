@@ -18,8 +18,10 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <fstream>
 #include <future>
+#include <mutex>
 #include <thread>
 
 namespace cohort::ps {
@@ -50,12 +52,14 @@ struct Fixture {
   std::mutex logMu;
 
   explicit Fixture(const wire::Policy& p, size_t n = 4, float start = 0.0f, std::string dir = "", bool resume = false,
-                   std::function<void(uint64_t)> beforeCheckpointWrite = {}) {
+                   std::function<void(uint64_t)> beforeCheckpointWrite = {},
+                   std::function<void(uint32_t, int64_t, int64_t)> onHeld = {}) {
     shard = std::make_shared<Shard>(ShardOptions{.name = "test", .checkpointDir = dir, .log = [this](const std::string& m) {
                                                    std::lock_guard<std::mutex> lock(logMu);
                                                    logged.push_back(m);
                                                  },
-                                                 .beforeCheckpointWrite = std::move(beforeCheckpointWrite)});
+                                                 .beforeCheckpointWrite = std::move(beforeCheckpointWrite),
+                                                 .onHeld = std::move(onHeld)});
     piece.set_key(7);
     piece.set_name("w");
     piece.set_numel(n);
@@ -233,6 +237,32 @@ TEST(PsShard, SyncAveragesAllWorkersAndHoldsEachUntilTheStepCloses) {
   ASSERT_EQ(a.values_size(), 1);          // the push brought back the new parameters
 }
 
+// A sync step's checkpoint is taken by the pusher that closed it, right after its reply, while the
+// other worker's held push may not have taken the lock back to count itself. Its clock in the
+// checkpoint must count that gradient all the same: every worker restored from the checkpoint of
+// version V resumes at step V (one that resumed a step behind pushed once more than the others at
+// the end and held them there: the fault table's ps-sync "kill inside a write" row).
+TEST(PsShard, SyncCheckpointsCountEveryGradientOfAClosedStep) {
+  test::TempDir dir;
+  auto p = policy("sync", 2);
+  p.set_checkpoint_every(1);
+  Fixture f(p, 4, 0.0f, dir.path());
+  for (uint64_t step = 0; step < 20; ++step) {
+    auto held = std::async(std::launch::async, [&] { return f.push(0, step, 1.0f); });
+    f.push(1, step, 1.0f);  // closes the step, then writes its checkpoint
+    ASSERT_EQ(held.get().version(), step + 1);
+    Shard restored(ShardOptions{.name = "again", .checkpointDir = dir.path(), .log = [](const std::string&) {}});
+    wire::StatsRequest sr;
+    sr.set_protocol(kProtocolVersion);
+    wire::StatsReply stats;
+    ASSERT_TRUE(restored.stats(sr, &stats).ok());
+    ASSERT_EQ(stats.version(), step + 1);
+    ASSERT_EQ(stats.clocks_size(), 2);
+    EXPECT_EQ(stats.clocks(0), int64_t(step + 1)) << "worker 0's clock in the checkpoint of version " << step + 1;
+    EXPECT_EQ(stats.clocks(1), int64_t(step + 1)) << "worker 1's clock in the checkpoint of version " << step + 1;
+  }
+}
+
 TEST(PsShard, SyncWithBackupWorkersDoesNotWaitForTheLastAndDropsIt) {
   auto p = policy("sync", 3);
   p.set_backup_workers(1);
@@ -277,29 +307,47 @@ TEST(PsShard, SoftsyncAppliesTheAverageOfEverySGradients) {
 TEST(PsShard, SspNeverLetsAWorkerRunMoreThanTheBoundAhead) {
   auto p = policy("ssp", 3);
   p.set_staleness_bound(2);
-  Fixture f(p);
-  // Worker 0 races; workers 1 and 2 crawl. The shard must hold worker 0 back.
-  std::atomic<bool> stop{false};
+  // Every time the shard holds a push it says so (worker, its clock, the slowest's clock).
+  struct Held {
+    uint32_t worker;
+    int64_t clock;
+    int64_t slowest;
+  };
+  std::mutex mu;
+  std::condition_variable heldChanged;
+  std::vector<Held> held;
+  Fixture f(p, 4, 0.0f, "", false, {}, [&](uint32_t worker, int64_t clock, int64_t slowest) {
+    std::lock_guard<std::mutex> lock(mu);
+    held.push_back({worker, clock, slowest});
+    heldChanged.notify_all();
+  });
+  auto waitForHold = [&](size_t n) {
+    std::unique_lock<std::mutex> lock(mu);
+    return heldChanged.wait_for(lock, 20s, [&] { return held.size() >= n; });
+  };
+  // Worker 0 races; workers 1 and 2 push only when the test lets them: one step each, every time
+  // worker 0 is held. The shard must hold worker 0 exactly when it is bound + 1 steps ahead.
   auto fast = std::async(std::launch::async, [&] {
     for (int i = 0; i < 30; ++i) f.push(0, 0, 0.0f);
   });
-  auto slow = [&](uint32_t w) {
-    return std::async(std::launch::async, [&, w] {
-      for (int i = 0; i < 10; ++i) {
-        std::this_thread::sleep_for(20ms);
-        f.push(w, 0, 0.0f);
-      }
-      f.done(w);
-    });
-  };
-  auto s1 = slow(1);
-  auto s2 = slow(2);
-  std::this_thread::sleep_for(100ms);
-  // Held: at most bound + 1 pushes ahead of the slowest (which has pushed at most 100/20 = 5).
-  EXPECT_LE(f.stats().clocks(0), 5 + 2 + 1);
-  s1.get();
-  s2.get();
-  fast.get();  // released once the slow ones are done
+  for (int round = 0; round < 10; ++round) {
+    ASSERT_TRUE(waitForHold(size_t(round) + 1)) << "worker 0 was not held in round " << round;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      const Held h = held.back();
+      EXPECT_EQ(h.worker, 0u);
+      EXPECT_EQ(h.slowest, round);
+      EXPECT_EQ(h.clock - h.slowest, 2 + 1) << "held at the wrong distance in round " << round;
+    }
+    EXPECT_EQ(f.stats().clocks(0), round + 3);  // not a step further while held
+    f.push(1, 0, 0.0f);
+    f.push(2, 0, 0.0f);
+  }
+  ASSERT_TRUE(waitForHold(11));
+  f.done(1);
+  f.done(2);
+  ASSERT_EQ(fast.wait_for(20s), std::future_status::ready) << "worker 0 was not released once the others were done";
+  fast.get();
   const auto s = f.stats();
   EXPECT_LE(s.max_clock_gap(), 2);
   EXPECT_GE(s.max_clock_gap(), 1);
@@ -547,16 +595,14 @@ TEST(PsShard, ResumeWithAnotherOptimizerIsRefused) {
 
 TEST(PsShard, AWarmupPushIsHeldAtMostTheTimeout) {
   auto p = policy("async", 2);
-  p.set_warmup_steps(1000);
+  p.set_warmup_steps(1'000'000'000);
   p.set_timeout_s(0.3);
   Fixture f(p);
-  // Worker 0 keeps making progress, so the warm-up goes on; worker 1's push still comes back.
+  // Worker 0 keeps making progress (back to back, far from the end of the warm-up), so the warm-up
+  // goes on; worker 1's push still comes back.
   std::atomic<bool> stop{false};
   auto zero = std::async(std::launch::async, [&] {
-    for (uint64_t i = 0; !stop; ++i) {
-      f.push(0, i, 0.0f);
-      std::this_thread::sleep_for(10ms);
-    }
+    for (uint64_t i = 0; !stop; ++i) f.push(0, i, 0.0f);
   });
   auto one = std::async(std::launch::async, [&] { return f.push(1, 0, 1.0f); });
   const bool back = one.wait_for(3s) == std::future_status::ready;

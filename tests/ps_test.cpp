@@ -11,6 +11,8 @@
 #include "test_util.h"
 
 #include <algorithm>
+#include <csignal>
+#include <filesystem>
 
 namespace cohort {
 namespace {
@@ -21,13 +23,6 @@ using test::maxDifference;
 std::string launch(int n, int shards = 0) { return test::launchPrefix(n, shards); }
 
 std::string train() { return test::cohortBinary() + " train --threads 1 --progress off"; }
-
-// Shell lines that wait (up to 30 s) until the shard logging to `log` listens.
-std::string waitListening(const std::string& log) {
-  return "for i in $(seq 300); do grep -q listening " + log + " 2>/dev/null && break; sleep 0.1; done\n";
-}
-
-using Job = test::TfJob;
 
 // sync with plain SGD averages the N gradients of a step and applies them once: allreduce.
 class SyncEqualsAllreduce : public ::testing::TestWithParam<std::tuple<int, int>> {};
@@ -137,74 +132,92 @@ class PsKilledWorker : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PsKilledWorker, TheOthersFinishAndTheChiefReportsIt) {
   test::TempDir dir;
-  Job job(2, 1);
   const std::string flags = " --model mlp --data synthetic:4000 --batch 16 --strategy ps --ps-mode " + GetParam() +
                             " --staleness-bound 2 --softsync 1 --timeout 3 --auth-token t0k";
-  test::writeFile(dir.file("run.sh"),
-                  job.tfConfig("ps", 0) + " " + train() + flags + " > " + dir.file("ps.log") + " 2>&1 &\nps=$!\n" + waitListening(dir.file("ps.log")) +
-                  job.tfConfig("worker", 0) + " " + train() + flags + " --steps 100000 > " + dir.file("worker.log") +
-                  " 2>&1 &\nvictim=$!\n" + job.tfConfig("chief", 0) + " " + train() + flags +
-                  " --steps 400 --test-slow-worker 0:0.01 --metrics " + dir.file("m.jsonl") + " > " + dir.file("chief.log") +
-                  " 2>&1 &\nchief=$!\nsleep 4\nkill -9 $victim\nwait $chief\nc=$?\nwait $ps\ns=$?\necho chief=$c ps=$s\n");
-  auto r = test::runCommand("sh " + dir.file("run.sh"), 180);
-  const std::string logs = r.output + test::readFile(dir.file("chief.log")) + test::readFile(dir.file("ps.log"));
-  EXPECT_NE(r.output.find("chief=0 ps=0"), std::string::npos) << logs;
+  // Started by hand, as a cluster operator would: the shard first, on a port of its choosing.
+  test::Process ps(test::tfConfig(0, 2, {0}, "ps", 0) + " " + train() + flags);
+  const int shard = ps.port();
+  ASSERT_GT(shard, 0);
+  // The worker SIGKILLs itself after its 50th step, while the chief (0.01 s a step) has far to go.
+  test::Process victim(test::tfConfig(0, 2, {shard}, "worker", 0) + " " + train() + flags +
+                       " --steps 100000 --test-kill-at 1:50");
+  test::Process chief(test::tfConfig(0, 2, {shard}, "chief", 0) + " " + train() + flags +
+                      " --steps 400 --test-slow-worker 0:0.01 --metrics " + dir.file("m.jsonl"));
+  const test::CommandResult killed = victim.wait(std::chrono::seconds(120));
+  const test::CommandResult c = chief.wait(std::chrono::seconds(180));
+  const test::CommandResult s = ps.wait(std::chrono::seconds(60));
+  const std::string logs = "chief:\n" + c.output + "ps:\n" + s.output + "victim:\n" + killed.output;
+  EXPECT_EQ(killed.exitCode, 128 + SIGKILL) << logs;
+  EXPECT_EQ(c.exitCode, 0) << logs;
+  EXPECT_EQ(s.exitCode, 0) << logs;
   auto done = test::lastEvent(dir.file("m.jsonl"), "done");
   ASSERT_FALSE(done.is_null()) << logs;
   EXPECT_EQ(done["steps"], 400);
   ASSERT_EQ(done["workers_lost"].size(), 1u) << done.dump();
   EXPECT_EQ(done["workers_lost"][0], 1);
-  EXPECT_NE(test::readFile(dir.file("chief.log")).find("worker 1 stopped before the end"), std::string::npos) << logs;
-  EXPECT_NE(test::readFile(dir.file("ps.log")).find("worker 1 is lost"), std::string::npos) << logs;
+  EXPECT_NE(c.output.find("worker 1 stopped before the end"), std::string::npos) << logs;
+  EXPECT_NE(s.output.find("worker 1 is lost"), std::string::npos) << logs;
 }
 
 INSTANTIATE_TEST_SUITE_P(Ps, PsKilledWorker, ::testing::Values("async", "softsync", "ssp"));
 
 // sync without backup workers: the shard notices the silent worker and everyone stops naming it.
 TEST(PsFaults, SyncStopsNamingTheLostWorker) {
-  test::TempDir dir;
-  Job job(2, 1);
   const std::string flags = " --model mlp --data synthetic:4000 --batch 16 --strategy ps --ps-mode sync --timeout 3"
                             " --steps 100000";
-  test::writeFile(dir.file("run.sh"),
-                  job.tfConfig("ps", 0) + " " + train() + flags + " > " + dir.file("ps.log") + " 2>&1 &\nps=$!\n" + waitListening(dir.file("ps.log")) +
-                  job.tfConfig("worker", 0) + " " + train() + flags + " > " + dir.file("worker.log") +
-                  " 2>&1 &\nvictim=$!\n" + job.tfConfig("chief", 0) + " " + train() + flags + " > " + dir.file("chief.log") +
-                  " 2>&1 &\nchief=$!\nsleep 5\nkill -9 $victim\nwait $chief\nc=$?\nwait $ps\ns=$?\necho chief=$c ps=$s\n");
-  auto r = test::runCommand("sh " + dir.file("run.sh"), 120);
-  const std::string chief = test::readFile(dir.file("chief.log"));
-  const std::string ps = test::readFile(dir.file("ps.log"));
-  EXPECT_NE(r.output.find("chief=1 ps=1"), std::string::npos) << r.output << chief << ps;
-  EXPECT_NE(chief.find("worker 1 sent no gradient"), std::string::npos) << chief;
-  EXPECT_NE(ps.find("worker 1 sent no gradient"), std::string::npos) << ps;
+  test::Process ps(test::tfConfig(0, 2, {0}, "ps", 0) + " " + train() + flags);
+  const int shard = ps.port();
+  ASSERT_GT(shard, 0);
+  test::Process victim(test::tfConfig(0, 2, {shard}, "worker", 0) + " " + train() + flags + " --test-kill-at 1:20");
+  test::Process chief(test::tfConfig(0, 2, {shard}, "chief", 0) + " " + train() + flags);
+  const test::CommandResult killed = victim.wait(std::chrono::seconds(120));
+  const test::CommandResult c = chief.wait(std::chrono::seconds(120));
+  const test::CommandResult s = ps.wait(std::chrono::seconds(60));
+  EXPECT_EQ(killed.exitCode, 128 + SIGKILL) << killed.output;
+  EXPECT_EQ(c.exitCode, 1) << c.output << s.output;
+  EXPECT_EQ(s.exitCode, 1) << c.output << s.output;
+  EXPECT_NE(c.output.find("worker 1 sent no gradient"), std::string::npos) << c.output;
+  EXPECT_NE(s.output.find("worker 1 sent no gradient"), std::string::npos) << s.output;
 }
 
 // A shard SIGKILLed mid-run and started again resumes from its checkpoint; the workers wait for
 // it, and training carries on where it was.
 TEST(PsFaults, ShardKilledAndRestartedResumesFromItsCheckpoint) {
   test::TempDir dir;
-  Job job(2, 1);
-  const std::string shard = test::cohortBinary() + " ps --host 127.0.0.1 --port " + std::to_string(job.shards[0]) +
-                            " --auth-token s3 --checkpoint-dir " + dir.file("ps");
+  std::filesystem::create_directories(dir.file("ps"));
+  const std::string shardFlags = " --host 127.0.0.1 --auth-token s3 --checkpoint-dir " + dir.file("ps");
+  test::Process first(test::cohortBinary() + " ps --port 0" + shardFlags);
+  const int port = first.port();
+  ASSERT_GT(port, 0);
   const std::string flags = " --model mlp --data fashion-mnist --batch 32 --strategy ps --ps-mode async --lr 0.05"
-                            " --checkpoint-every 20 --timeout 30 --auth-token s3 --ps-hosts " + job.hosts() +
-                            " --steps 400 --test-slow-worker 0:0.01";
-  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(job.workers[0]) + " WORLD_SIZE=2";
-  test::writeFile(dir.file("run.sh"),
-                  shard + " > " + dir.file("ps1.log") + " 2>&1 &\nps=$!\n" + waitListening(dir.file("ps1.log")) + env + " RANK=1 " + train() + flags +
-                  " > " + dir.file("worker.log") + " 2>&1 &\nworker=$!\n" + env + " RANK=0 " + train() + flags +
-                  " --metrics " + dir.file("m.jsonl") + " > " + dir.file("chief.log") + " 2>&1 &\nchief=$!\n" +
-                  // Killed once it has a checkpoint (a second one, so that it was mid-run), and a few
-                  // steps after it: those are lost with it and redone from the checkpoint.
-                  "for i in $(seq 1200); do [ $(ls " + dir.file("ps") + " 2>/dev/null | grep -c 'ckpt$') -ge 2 ] && break; sleep 0.1; done\n"
-                  "sleep 1\nkill -9 $ps\nwait $ps\nsleep 2\n" + shard + " > " + dir.file("ps2.log") + " 2>&1 &\nps=$!\n" +
-                  "wait $chief\nc=$?\nwait $worker\nw=$?\nwait $ps\ns=$?\necho chief=$c worker=$w ps=$s\n");
-  auto r = test::runCommand("sh " + dir.file("run.sh"), 240);
-  const std::string logs = r.output + test::readFile(dir.file("chief.log")) + test::readFile(dir.file("ps1.log")) +
-                           test::readFile(dir.file("ps2.log"));
-  EXPECT_NE(r.output.find("chief=0 worker=0 ps=0"), std::string::npos) << logs;
-  const std::string restarted = test::readFile(dir.file("ps2.log"));
-  EXPECT_NE(restarted.find("restored from"), std::string::npos) << logs;
+                            " --checkpoint-every 20 --timeout 30 --auth-token s3 --ps-hosts " +
+                            test::loopbackHosts({port}) + " --steps 400 --test-slow-worker 0:0.01";
+  // No store under ps: the chief listens on nothing, and MASTER_PORT is only a formality.
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=0 WORLD_SIZE=2";
+  test::Process worker(env + " RANK=1 " + train() + flags);
+  test::Process chief(env + " RANK=0 " + train() + flags + " --metrics " + dir.file("m.jsonl"));
+  // Killed once it has written a second checkpoint (so that it was mid-run); the steps after that
+  // one are lost with it and redone from the checkpoint.
+  auto checkpoints = [&] {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir.file("ps"))) {
+      n += e.path().extension() == ".ckpt";
+    }
+    return n;
+  };
+  ASSERT_TRUE(test::waitForChange(dir.file("ps"), [&] { return checkpoints() >= 2; })) << first.output();
+  first.kill(SIGKILL);
+  const test::CommandResult killed = first.wait(std::chrono::seconds(30));
+  // Started again on the port the workers know.
+  test::Process second(test::cohortBinary() + " ps --port " + std::to_string(port) + shardFlags);
+  const test::CommandResult c = chief.wait(std::chrono::seconds(240));
+  const test::CommandResult w = worker.wait(std::chrono::seconds(60));
+  const test::CommandResult s = second.wait(std::chrono::seconds(60));
+  const std::string logs = "chief:\n" + c.output + "ps:\n" + killed.output + "ps again:\n" + s.output;
+  EXPECT_EQ(c.exitCode, 0) << logs;
+  EXPECT_EQ(w.exitCode, 0) << logs << w.output;
+  EXPECT_EQ(s.exitCode, 0) << logs;
+  EXPECT_NE(s.output.find("restored from"), std::string::npos) << logs;
   // The loss goes on from where it was: no restart from scratch, nothing diverges.
   std::vector<double> losses;
   for (const auto& line : test::lines(test::readFile(dir.file("m.jsonl")))) {
@@ -213,9 +226,9 @@ TEST(PsFaults, ShardKilledAndRestartedResumesFromItsCheckpoint) {
   }
   ASSERT_EQ(losses.size(), 400u) << logs;
   auto mean = [&](size_t from, size_t to) {
-    double s = 0;
-    for (size_t i = from; i < to; ++i) s += losses[i];
-    return s / double(to - from);
+    double sum = 0;
+    for (size_t i = from; i < to; ++i) sum += losses[i];
+    return sum / double(to - from);
   };
   EXPECT_LT(mean(350, 400), mean(0, 50) * 0.6);
   for (double l : losses) ASSERT_TRUE(std::isfinite(l));
@@ -225,17 +238,17 @@ TEST(PsFaults, ShardKilledAndRestartedResumesFromItsCheckpoint) {
 
 // A worker with the wrong secret is refused, and the shard counts and logs it.
 TEST(PsFaults, WrongTokenIsRefused) {
-  test::TempDir dir;
-  const int port = test::freePort();
-  const std::string shard = test::cohortBinary() + " ps --host 127.0.0.1 --port " + std::to_string(port) + " --auth-token right";
-  test::writeFile(dir.file("run.sh"), shard + " > " + dir.file("ps.log") + " 2>&1 &\nps=$!\n" + waitListening(dir.file("ps.log")) + train() +
-                                          " --model mlp --data synthetic:200 --steps 2 --strategy ps --timeout 5"
-                                          " --ps-hosts 127.0.0.1:" + std::to_string(port) +
-                                          " --auth-token wrong\necho exit=$?\nkill $ps\nwait $ps\n");
-  auto r = test::runCommand("sh " + dir.file("run.sh"), 60);
-  EXPECT_NE(r.output.find("exit=1"), std::string::npos) << r.output;
+  test::Process ps(test::cohortBinary() + " ps --host 127.0.0.1 --port 0 --auth-token right");
+  const int port = ps.port();
+  ASSERT_GT(port, 0);
+  auto r = test::runCommand(train() + " --model mlp --data synthetic:200 --steps 2 --strategy ps --timeout 5"
+                                      " --ps-hosts " + test::loopbackHosts({port}) + " --auth-token wrong",
+                            60);
+  EXPECT_EQ(r.exitCode, 1) << r.output;
   EXPECT_NE(r.output.find("UNAUTHENTICATED"), std::string::npos) << r.output;
-  EXPECT_NE(test::readFile(dir.file("ps.log")).find("a wrong proof"), std::string::npos) << test::readFile(dir.file("ps.log"));
+  ps.kill(SIGTERM);
+  const test::CommandResult s = ps.wait(std::chrono::seconds(30));
+  EXPECT_NE(s.output.find("a wrong proof"), std::string::npos) << s.output;
 }
 
 TEST(PsFaults, NoServersIsAClearError) {

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cohort/communicator.h>
+#include <cohort/error.h>
 
 #include <chrono>
 #include <functional>
+#include <future>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -14,10 +16,12 @@
 
 namespace cohort::test {
 
-// Runs body on `world` threads, one rank each, and rethrows the first failure.
+// Runs body on `world` threads, one rank each, and rethrows the first failure. Rank 0's store
+// listens on a port of its choosing (port 0), which it hands to the other ranks before they connect.
 inline void onRanks(int world, const std::function<void(std::shared_ptr<Communicator>)>& body,
                     std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
-  const int port = freePort();
+  std::promise<int> listening;
+  std::shared_future<int> port = listening.get_future().share();
   std::vector<std::thread> threads;
   std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
@@ -26,10 +30,26 @@ inline void onRanks(int world, const std::function<void(std::shared_ptr<Communic
         ClusterSpec spec;
         spec.rank = r;
         spec.worldSize = world;
-        spec.master = {"127.0.0.1", port};
-        body(Communicator::connect(spec, {.timeout = timeout}));
+        spec.master = {"127.0.0.1", 0};
+        CommOptions options{.timeout = timeout};
+        if (r == 0) {
+          options.onListening = [&](int p) { listening.set_value(p); };
+        } else {
+          if (port.wait_for(timeout) != std::future_status::ready) {
+            throw TimeoutError("rank 0's store did not listen within the timeout");
+          }
+          spec.master.port = port.get();
+        }
+        body(Communicator::connect(spec, options));
       } catch (...) {
         errors[size_t(r)] = std::current_exception();
+        // Rank 0 failed before its store listened: the others stop waiting for the port.
+        if (r == 0) {
+          try {
+            listening.set_exception(std::current_exception());
+          } catch (const std::future_error&) {
+          }
+        }
       }
     });
   }

@@ -29,8 +29,23 @@ for tool in munged slurmctld slurmd srun sbatch sinfo scontrol; do
   command -v "$tool" > /dev/null || fail "$tool is not installed (bash scripts/setup.sh installs slurm-wlm and munge)"
 done
 
-# A TCP port free a moment ago (the daemons bind it themselves right after).
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# Ports for slurmctld, slurmd and the srun job's rendezvous, which must be written down before their
+# listeners start: a helper binds each (SO_REUSEADDR, never listening) and holds it until the test
+# ends, so that nothing else can take one before its listener (which sets SO_REUSEADDR too) binds it.
+coproc reserve {
+  exec python3 -u -c '
+import socket, sys
+held = []
+for _ in range(3):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    held.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in held))
+sys.stdin.read()'
+}
+pids+=("$reserve_PID")
+read -r ctld_port slurmd_port master_port <&"${reserve[0]}" || fail "could not reserve ports"
 
 # munge: its own key, socket and state in the work directory.
 mkdir -p "$work/munge" "$work/state" "$work/spool"
@@ -48,8 +63,8 @@ cpus=$(nproc)
 cat > "$work/slurm.conf" << CONF
 ClusterName=cohorttest
 SlurmctldHost=$node(127.0.0.1)
-SlurmctldPort=$(free_port)
-SlurmdPort=$(free_port)
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
 SlurmUser=$(id -un)
 SlurmdUser=$(id -un)
 AuthType=auth/munge
@@ -81,7 +96,9 @@ pids+=($!)
 slurmd -D > "$work/slurmd.out.log" 2>&1 &
 pids+=($!)
 
-# The node is up once sinfo says idle (bounded: 60 s).
+# The node is up once sinfo says idle (bounded: 60 s). A poll of the daemons' state, not a sleep as
+# synchronization: slurmctld offers no event to wait on, the loop goes on only when sinfo says idle,
+# and a daemon that exits meanwhile ends it at once.
 for _ in $(seq 120); do
   state=$(sinfo -h -N -o %T 2> /dev/null | head -n 1 || true)
   [ "$state" = "idle" ] && break
@@ -92,7 +109,7 @@ done
 
 export OMP_NUM_THREADS=1
 # 1. srun: two tasks of an allreduce job.
-MASTER_PORT=$(free_port) timeout -k 5 120 srun -n 2 --time=5 "$cohort" train --strategy allreduce --model mlp \
+MASTER_PORT=$master_port timeout -k 5 120 srun -n 2 --time=5 "$cohort" train --strategy allreduce --model mlp \
   --data synthetic:2000 --steps 20 --progress off --timeout 60 > "$work/srun.out.log" 2>&1 \
   || fail "srun -n 2 cohort train failed"
 grep -q "^done: 20 steps" "$work/srun.out.log" || fail "srun: no 'done: 20 steps' from rank 0"

@@ -22,6 +22,11 @@ namespace cohort {
 struct CommOptions {
   std::chrono::milliseconds timeout{60000};
   int glooThreads = 2;  // threads that run Gloo's work
+  // Rank 0 only: called with the rendezvous store's port once it listens, before connect() waits
+  // for the other ranks. With port 0 in the spec's master address the store listens on any free
+  // port; whoever starts the other ranks hands them this one (cohort launch learns it over its
+  // channel, base/launcher_channel.h, without this callback).
+  std::function<void(int port)> onListening;
 };
 
 // Bytes this rank put on the wire and took off it, by the count of the algorithm used

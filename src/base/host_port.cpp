@@ -4,7 +4,7 @@
 
 namespace cohort {
 
-std::optional<HostPort> parseHostPort(const std::string& text) {
+std::optional<HostPort> parseHostPort(const std::string& text, bool allowPortZero) {
   std::string host;
   std::string port;
   if (!text.empty() && text.front() == '[') {
@@ -22,7 +22,7 @@ std::optional<HostPort> parseHostPort(const std::string& text) {
   if (host.empty() || port.empty() || port.size() > 5) return std::nullopt;
   int value = 0;
   const auto [ptr, ec] = std::from_chars(port.data(), port.data() + port.size(), value);
-  if (ec != std::errc() || ptr != port.data() + port.size() || value < 1 || value > 65535) return std::nullopt;
+  if (ec != std::errc() || ptr != port.data() + port.size() || value < (allowPortZero ? 0 : 1) || value > 65535) return std::nullopt;
   return HostPort{host, value};
 }
 

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <string>
@@ -36,10 +37,21 @@ void tell(std::string line) {
   } while (n < 0 && errno == EINTR);
 }
 
+std::atomic<bool> portTold{false};
+
 }  // namespace
 
 void tellFaultPolicy(std::string_view policy) { tell("fault-policy " + std::string(policy)); }
 void tellShardCheckpoints() { tell("shard-checkpoints"); }
 void tellError(std::string_view message) { tell("error " + std::string(message)); }
+void tellFinished() { tell("finished"); }
+
+void tellPort(int port) {
+  if (!portTold.exchange(true)) tell("port " + std::to_string(port));
+}
+
+void tellNoPort() {
+  if (!portTold.exchange(true)) tell("port none");
+}
 
 }  // namespace cohort::launcher

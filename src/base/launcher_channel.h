@@ -20,4 +20,19 @@ void tellShardCheckpoints();
 // "error <one line>": the reason this process is about to exit with a failure.
 void tellError(std::string_view message);
 
+// "finished": this process ran every step and recorded its result (the done event); a failure
+// after this is in the run's wrap-up (a final checkpoint on a full disk), which a restart from an
+// older checkpoint would only repeat, so the launcher ends the job with it instead of restarting.
+void tellFinished();
+
+// "port <P>": this process listens on port P, which it got by binding port 0 (the chief's
+// rendezvous store, a shard's server). The launcher starts the processes that need this address
+// only once it knows it, so no port is ever chosen by one process and bound by another. Only the
+// first port a process tells counts.
+void tellPort(int port);
+
+// "port none": this process listens on nothing the others need (a chief whose scheme has no
+// rendezvous store); the launcher may start them. A no-op once a port was told.
+void tellNoPort();
+
 }  // namespace cohort::launcher

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -48,6 +49,11 @@ constexpr int kReadsPerWakeup = 16;     // so that one busy writer cannot starve
 constexpr std::array<int, 3> kHandledSignals{SIGINT, SIGTERM, SIGCHLD};
 // Restarts of an evaluator killed by a signal, per job (they do not use up --max-restarts).
 constexpr int kEvaluatorRestarts = 3;
+// How long the launcher waits for a listening process (the chief, a shard) to tell its port.
+constexpr std::chrono::seconds kPortReportTimeout{120};
+// When the launcher says, once, whom it is waiting for (a program that does not tell its port would
+// otherwise leave the user looking at a silent terminal until kPortReportTimeout).
+constexpr std::chrono::seconds kPortNoticeAfter{5};
 
 // The write end of the self-pipe. The handlers only write the signal number there; the main loop
 // polls the read end and does the work.
@@ -202,6 +208,9 @@ struct Child {
   std::unique_ptr<ChannelReader> channel;
   bool writesCheckpoints = false;  // a shard that said "shard-checkpoints"
   std::string error;               // what it said before failing ("error ...")
+  bool finished = false;           // it said "finished": its run is recorded (launch_policy.h)
+  bool pending = false;            // not started yet: it needs a port the launcher does not know yet
+  int port = -1;                   // what it said ("port P"; 0: "port none" or exited without); -1: nothing
 };
 
 // A pipe whose ends are closed on exec; the read end does not block.
@@ -240,7 +249,7 @@ std::vector<std::string> sharedChildEnv(int processes) {
 
 class Launcher {
  public:
-  explicit Launcher(const LaunchOptions& options) : options_(options) { pickPorts(); }
+  explicit Launcher(const LaunchOptions& options) : options_(options) {}
   Launcher(const Launcher&) = delete;
   Launcher& operator=(const Launcher&) = delete;
 
@@ -262,16 +271,19 @@ class Launcher {
     // Every job gets a secret: ps shards and gossip peers refuse calls without it.
     if (!hasEnv("COHORT_AUTH_TOKEN")) shared_.push_back("COHORT_AUTH_TOKEN=" + crypto::randomToken());
     for (;;) {
+      // A fresh group: every port is told anew (the chief's store and the shards bind port 0 again).
       children_.clear();
       children_.resize(size_t(childCount()));
-      for (int i = 0; i < int(children_.size()); ++i) start(i);
+      for (int i = 0; i < int(children_.size()); ++i) children_[size_t(i)].pending = true;
+      portsDeadline_ = Clock::now() + kPortReportTimeout;
+      portsNoticeAt_ = Clock::now() + kPortNoticeAfter;
+      portsNoticed_ = false;
+      startReady();
       superviseUntilAllExited();
       if (!restartGroup_) break;
-      // Every process of the failed group has exited: a fresh group, on fresh ports.
       restartGroup_ = ending_ = killed_ = workersDone_ = serversStopped_ = false;
       exitCode_ = 0;
       lost_.clear();
-      pickPorts();
     }
     if (exitCode_ == 0 && !lost_.empty()) {
       std::string who;
@@ -288,20 +300,71 @@ class Launcher {
     return text;
   }
 
-  // MASTER_PORT and, with --ps, every process's port in TF_CONFIG.
-  void pickPorts() {
-    port_ = options_.port != 0 ? options_.port : pickFreePort(options_.host);  // a --port on every restart too
-    ports_.clear();
-    if (!usesTfConfig()) return;
-    ports_.push_back(port_);
-    for (int i = 1; i < childCount(); ++i) ports_.push_back(pickFreePort(options_.host));
+  // The ports are chosen by the processes that listen: each binds port 0 and tells the launcher
+  // which port it got ("port P" on its channel), and the processes that connect to it are started
+  // only then. So the shards start first; the chief once every shard has told its port (it is a
+  // client of theirs); the other workers and the evaluator once the chief has told its store's
+  // port (or that it has none, "port none"). With --port P the chief is given P instead and
+  // nothing waits for it.
+  bool portKnown(int index) const { return children_[size_t(index)].port >= 0; }
+  int shardIndex(int k) const { return options_.processes + k; }
+  bool shardsReady() const {
+    for (int k = 0; k < options_.parameterServers; ++k) {
+      if (!portKnown(shardIndex(k))) return false;
+    }
+    return true;
+  }
+  bool chiefReady() const { return options_.port != 0 || portKnown(0); }
+  // MASTER_PORT: --port, else what the chief told (0 until then, and when it listens on nothing).
+  int masterPort() const { return options_.port != 0 ? options_.port : std::max(0, children_[0].port); }
+  bool anyPending() const {
+    return std::any_of(children_.begin(), children_.end(), [](const Child& c) { return c.pending; });
+  }
+
+  // Starts every pending process whose addresses are now known.
+  void startReady() {
+    if (ending_) return;
+    for (int i = 0; i < int(children_.size()); ++i) {
+      if (!children_[size_t(i)].pending) continue;
+      const bool shard = !isEvaluatorIndex(i) && i >= options_.processes;
+      const bool ready = shard ? true : i == 0 ? shardsReady() : shardsReady() && chiefReady();
+      if (!ready) continue;
+      children_[size_t(i)].pending = false;
+      start(i);
+    }
+  }
+
+  // Who has not told its port yet, for the error when it never does.
+  std::string silentListeners() const {
+    std::string who;
+    for (int i = 0; i < int(children_.size()); ++i) {
+      const Child& child = children_[size_t(i)];
+      const bool listens = child.server || (i == 0 && !child.evaluator && options_.port == 0);
+      if (listens && !child.pending && !portKnown(i)) who += (who.empty() ? "" : ", ") + child.label;
+    }
+    return who;
   }
 
   void superviseUntilAllExited() {
-    while (running_ > 0) {
+    while (running_ > 0 || (anyPending() && !ending_)) {
       waitForEvents();
       handleSignals();
       reapChildren();
+      startReady();
+      if (!ending_ && anyPending() && !portsNoticed_ && Clock::now() >= portsNoticeAt_) {
+        portsNoticed_ = true;
+        say("waiting for " + silentListeners() + " to tell the port it listens on before starting the others (" +
+            std::to_string(kPortReportTimeout.count()) + " s at most); a program that does not write \"port P\" "
+            "on COHORT_LAUNCH_FD needs --port P");
+      }
+      if (!ending_ && anyPending() && Clock::now() >= portsDeadline_) {
+        say(silentListeners() + " did not tell the port it listens on within " +
+            std::to_string(kPortReportTimeout.count()) +
+            " s (a line \"port P\" on COHORT_LAUNCH_FD, which cohort train writes): a program that does not "
+            "needs --port P" + (options_.parameterServers > 0 ? ", and cannot run with --ps" : ""));
+        exitCode_ = 1;
+        endJob(SIGTERM);
+      }
       stopServersAfterWorkers();
       if (ending_ && !killed_ && Clock::now() >= deadline_) {
         for (const Child& child : children_) {
@@ -351,23 +414,23 @@ class Launcher {
   bool isEvaluatorIndex(int index) const { return options_.evaluator && index == childCount() - 1; }
 
   // The job's TF_CONFIG (--ps M, --evaluator): rank 0 is the chief at the rendezvous port, the
-  // other workers, the shards and the evaluator get ports of their own. An IPv6 host is
-  // bracketed ("[::1]:port").
+  // shards at the ports they told; a port not known yet is 0 (a shard's own, the chief's own
+  // without --port: it binds any free port and tells it). The other workers and the evaluator
+  // listen on nothing: their port is 0. An IPv6 host is bracketed ("[::1]:port").
   std::string tfConfig(int index) const {
     const std::string host = options_.host.find(':') != std::string::npos ? "[" + options_.host + "]" : options_.host;
     auto address = [&](int port) { return "\"" + host + ":" + std::to_string(port) + "\""; };
     std::string workers, servers;
-    for (int r = 1; r < options_.processes; ++r) workers += (workers.empty() ? "" : ",") + address(ports_[size_t(r)]);
+    for (int r = 1; r < options_.processes; ++r) workers += (workers.empty() ? "" : ",") + address(0);
     for (int k = 0; k < options_.parameterServers; ++k) {
-      servers += (servers.empty() ? "" : ",") + address(ports_[size_t(options_.processes + k)]);
+      servers += (servers.empty() ? "" : ",") + address(std::max(0, children_[size_t(shardIndex(k))].port));
     }
     const bool evaluator = isEvaluatorIndex(index);
     const bool server = !evaluator && index >= options_.processes;
     const std::string type = evaluator ? "evaluator" : server ? "ps" : index == 0 ? "chief" : "worker";
     const int taskIndex = evaluator ? 0 : server ? index - options_.processes : index == 0 ? 0 : index - 1;
-    const std::string evaluators =
-        options_.evaluator ? ",\"evaluator\":[" + address(ports_[size_t(childCount() - 1)]) + "]" : "";
-    return "{\"cluster\":{\"chief\":[" + address(port_) + "],\"worker\":[" + workers + "],\"ps\":[" + servers +
+    const std::string evaluators = options_.evaluator ? ",\"evaluator\":[" + address(0) + "]" : "";
+    return "{\"cluster\":{\"chief\":[" + address(masterPort()) + "],\"worker\":[" + workers + "],\"ps\":[" + servers +
            "]" + evaluators + "},\"task\":{\"type\":\"" + type + "\",\"index\":" + std::to_string(taskIndex) + "}}";
   }
 
@@ -376,7 +439,7 @@ class Launcher {
   void stopServersAfterWorkers() {
     if (options_.parameterServers == 0 || ending_) return;
     for (const Child& child : children_) {
-      if (!child.server && !child.evaluator && child.running) return;
+      if (!child.server && !child.evaluator && (child.running || child.pending)) return;
     }
     if (!workersDone_) {
       workersDone_ = true;
@@ -403,6 +466,7 @@ class Launcher {
                                   : "rank " + std::to_string(index);
     child.writesCheckpoints = false;
     child.error.clear();
+    child.finished = false;
     const std::string name = child.label;
     const int rank = index;
     // Pipes: stdout, stderr, the launcher channel. Every end is closed on exec but the child's
@@ -434,7 +498,7 @@ class Launcher {
       env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(options_.processes));
     }
     env.push_back("MASTER_ADDR=" + options_.host);
-    env.push_back("MASTER_PORT=" + std::to_string(port_));
+    env.push_back("MASTER_PORT=" + std::to_string(masterPort()));
     env.push_back("COHORT_LAUNCH_FD=" + std::to_string(kChannelFd));
     env.push_back("COHORT_RESTART_COUNT=" + std::to_string(restartsUsed_));
     if (usesTfConfig()) env.push_back("TF_CONFIG=" + tfConfig(index));
@@ -513,6 +577,10 @@ class Launcher {
       timeoutMs = int(std::clamp<int64_t>(left, 0, 1000 * 1000));
     } else if (usesTfConfig()) {
       timeoutMs = 200;  // to notice when the shards' grace period after the workers is over
+    } else if (anyPending()) {
+      const Clock::time_point next = portsNoticed_ ? portsDeadline_ : std::min(portsNoticeAt_, portsDeadline_);
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(next - Clock::now()).count();
+      timeoutMs = int(std::clamp<int64_t>(left, 0, 1000 * 1000));
     }
     if (::poll(fds.data(), fds.size(), timeoutMs) <= 0) return;  // EINTR: the self-pipe says why
     for (size_t i = 1; i < fds.size(); ++i) {
@@ -537,8 +605,20 @@ class Launcher {
         if (auto loss = parseWorkerLoss(rest)) scheme_ = *loss;
       } else if (verb == "shard-checkpoints" && child.server) {
         child.writesCheckpoints = true;
+      } else if (verb == "finished") {
+        child.finished = true;
       } else if (verb == "error") {
         child.error = std::string(rest);
+      } else if (verb == "port" && (child.server || (child.rank == 0 && !child.evaluator)) && child.port < 0) {
+        // The first port counts: a shard restarted alone binds the one the workers know.
+        int port = -1;
+        if (rest == "none") {
+          port = 0;
+        } else {
+          const auto [end, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), port);
+          if (ec != std::errc() || end != rest.data() + rest.size() || port < 1 || port > kMaxPort) port = -1;
+        }
+        child.port = port;
       }
     }
   }
@@ -577,6 +657,8 @@ class Launcher {
       --running_;
       drain(child);  // what it wrote before exiting comes before the line about its exit
       const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+      // One that ends well without telling a port listens on nothing: who waited for it goes on.
+      if (!failed && child.port < 0) child.port = 0;
       if (failed && !ending_) onChildFailed(int(i), status);
     }
   }
@@ -607,7 +689,8 @@ class Launcher {
     const FailureAction action = onFailure({.kind = kind,
                                             .scheme = scheme_,
                                             .writesCheckpoints = child.writesCheckpoints,
-                                            .restartsLeft = restartsLeft});
+                                            .restartsLeft = restartsLeft,
+                                            .finished = child.finished});
     const std::string restart = "restart " + std::to_string(restartsUsed_ + 1) + " of " +
                                 std::to_string(options_.maxRestarts);
     switch (action) {
@@ -630,14 +713,20 @@ class Launcher {
         break;
     }
     // The job ends. Under a scheme that survives lost workers, say why this loss is different.
-    if (scheme_ != WorkerLoss::kStopsGroup && kind == ProcessKind::kChief) {
+    if (child.finished) {
+      // Its run is over: nobody goes on or waits for it, and a restart would only repeat it.
+    } else if (scheme_ != WorkerLoss::kStopsGroup && kind == ProcessKind::kChief) {
       what += "; the job cannot go on without its chief";
     } else if (scheme_ != WorkerLoss::kStopsGroup && kind == ProcessKind::kShard) {
       what += child.writesCheckpoints ? "; the workers cannot go on without it"
                                       : "; the workers cannot go on without it and it has no checkpoint to restart "
                                         "from (--checkpoint-dir)";
     }
-    if (options_.maxRestarts > 0) what += " (all " + std::to_string(options_.maxRestarts) + " restarts used)";
+    if (child.finished) {
+      what += "; it had finished its run (its done event is written): not restarted, a restart would fail the same way";
+    } else if (options_.maxRestarts > 0) {
+      what += " (all " + std::to_string(options_.maxRestarts) + " restarts used)";
+    }
     say(what);
     exitCode_ = code;
     endJob(SIGTERM);
@@ -703,8 +792,9 @@ class Launcher {
 
   const LaunchOptions& options_;
   std::vector<std::string> shared_;  // the environment every child shares
-  int port_ = 0;                     // MASTER_PORT
-  std::vector<int> ports_;           // --ps: each child's port in TF_CONFIG
+  Clock::time_point portsDeadline_;  // for every listener of this group to tell its port
+  Clock::time_point portsNoticeAt_;  // when to say whom the launcher is waiting for
+  bool portsNoticed_ = false;        // said it (once per group)
   bool workersDone_ = false;
   bool serversStopped_ = false;
   Clock::time_point serversDeadline_;
@@ -725,9 +815,9 @@ class Launcher {
   std::array<struct sigaction, kHandledSignals.size()> originalActions_{};
 };
 
-}  // namespace
-
-int pickFreePort(const std::string& host) {
+// Refuses a --host that does not resolve or is not an address of this machine, before anything is
+// started: binds port 0 there and closes the socket at once (nobody is handed that port).
+void checkLocalHost(const std::string& host) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -743,19 +833,13 @@ int pickFreePort(const std::string& host) {
       lastError = errorText(errno);
       continue;
     }
-    sockaddr_storage bound{};
-    socklen_t length = sizeof(bound);
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 &&
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) == 0) {
-      ::close(fd);
-      if (bound.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port);
-      return ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
-    }
-    lastError = errorText(errno);
+    const bool bound = ::bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+    if (!bound) lastError = errorText(errno);
     ::close(fd);
+    if (bound) return;
   }
   throw InvalidArgument("--host " + host + ": cannot open a port there (" + lastError +
-                        "); give an address of this machine, or a --port");
+                        "); give an address of this machine");
 }
 
 // Refuses, before anything is forked, a job with more processes than this machine can hold.
@@ -773,6 +857,8 @@ void checkProcessCount(const LaunchOptions& options) {
                "): use fewer processes per machine, and several machines (mpirun, srun, TF_CONFIG) for more");
 }
 
+}  // namespace
+
 int runLaunch(const LaunchOptions& options) {
   COHORT_CHECK(options.processes >= 1, InvalidArgument, "-n/--nproc must be at least 1 (got ", options.processes, ")");
   COHORT_CHECK(!options.command.empty(), InvalidArgument,
@@ -787,6 +873,7 @@ int runLaunch(const LaunchOptions& options) {
   COHORT_CHECK(options.maxRestarts >= 0, InvalidArgument, "--max-restarts must not be negative, got ",
                options.maxRestarts);
   checkProcessCount(options);
+  checkLocalHost(options.host);
   Launcher launcher(options);
   return launcher.run();
 }

@@ -19,13 +19,16 @@ Run addLaunchCommand(CLI::App& app) {
       "survives a lost worker (ps async/softsync/ssp, gossip) a failed worker other than rank 0 is\n"
       "logged and the others go on. --max-restarts K restarts a failed job (or, in the asynchronous\n"
       "ps modes, the failed worker or checkpointing shard alone) up to K times; cohort train resumes\n"
-      "from its newest checkpoint.\n"
+      "from its newest checkpoint. A run that finished but could not write its final checkpoint (a full\n"
+      "disk) is not restarted: the job ends with its error.\n"
       "With --ps M, M parameter-server shards run the same command too ([ps k]), and every process gets\n"
       "TF_CONFIG: cohort launch -n 2 --ps 1 -- cohort train --strategy ps\n"
       "With --evaluator, an evaluator task runs it too ([evaluator]): it evaluates every checkpoint the chief\n"
       "writes, so the workers do not pause: cohort launch -n 2 --evaluator -- cohort train --checkpoint-dir D\n"
       "--eval-every 200. Its failure does not stop the workers; killed by a signal, it is started again (up to 3\n"
-      "times) and goes on from its record. The launcher waits for it at the end.");
+      "times) and goes on from its record. The launcher waits for it at the end.\n"
+      "Without --port, rank 0 and the shards listen on ports they choose (port 0) and say which on the\n"
+      "launcher's channel (COHORT_LAUNCH_FD); the processes that connect to them are started after.");
   launch->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   launch->add_option("-n,--nproc", o.processes, "Processes to start (ranks 0 .. N-1)")->required();
   launch->add_option("--ps", o.parameterServers,
@@ -36,7 +39,10 @@ Run addLaunchCommand(CLI::App& app) {
   launch->add_option("--max-restarts", o.maxRestarts,
                      "Restart a failed job (every process, from its newest checkpoint) up to K times")
       ->capture_default_str();
-  launch->add_option("--port", o.port, "MASTER_PORT (0: a free port)")->capture_default_str();
+  launch->add_option("--port", o.port,
+                     "MASTER_PORT (0: rank 0 binds any free port and tells the launcher, which starts the others "
+                     "then; a program that does not tell (cohort train does) needs a --port)")
+      ->capture_default_str();
   launch->add_option("--host", o.host, "MASTER_ADDR")->capture_default_str();
   launch->add_option("--grace", o.graceSeconds, "Seconds between SIGTERM and SIGKILL when the job ends early")
       ->capture_default_str();

@@ -20,7 +20,7 @@ std::string_view workerLossName(WorkerLoss loss) {
 
 FailureAction onFailure(const FailedProcess& failed) {
   const bool tolerant = failed.scheme != WorkerLoss::kStopsGroup;
-  const bool canRestart = failed.restartsLeft > 0;
+  const bool canRestart = failed.restartsLeft > 0 && !failed.finished;
   switch (failed.kind) {
     case ProcessKind::kWorker:
       if (!tolerant) break;

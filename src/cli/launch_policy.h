@@ -16,7 +16,10 @@
 //     workers wait for it and retry), it writes checkpoints and restarts > 0; else as the chief;
 //   the chief, or any process of a scheme that does not tolerate losses: the group is restarted
 //     (every process, a fresh rendezvous on a new port, resuming from the newest checkpoint) when
-//     restarts > 0, else the job ends with the failure's status.
+//     restarts > 0, else the job ends with the failure's status;
+//   a process that said "finished" before failing (its run is recorded; its final checkpoint could
+//     not be written): the job ends with the failure's status, restarts or not: a restart would
+//     train again from an older checkpoint only to fail on the same disk.
 #pragma once
 
 #include <optional>
@@ -42,6 +45,7 @@ struct FailedProcess {
   WorkerLoss scheme = WorkerLoss::kStopsGroup;  // as the chief said, kStopsGroup until it has
   bool writesCheckpoints = false;               // a shard that said "shard-checkpoints"
   int restartsLeft = 0;
+  bool finished = false;  // it said "finished" (its run is recorded): no restart, whatever is left
 };
 
 enum class FailureAction {

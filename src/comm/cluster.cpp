@@ -77,13 +77,16 @@ void requireBoth(const Env& env, const std::string& a, const std::string& b, con
   COHORT_CHECK(hasB || !hasA, InvalidArgument, a, " is set but ", b, " is not: ", who, " sets both");
 }
 
-bool validPort(long long port) { return port >= 1 && port <= 65535; }
+// Port 0 is the address of a task that listens on any free port and tells its launcher which
+// (cohort launch without --port gives it to the chief and the shards, and the real port to the
+// tasks started after them); whoever connects to port 0 is refused where it connects.
+bool validPort(long long port) { return port >= 0 && port <= 65535; }
 
 int portVar(const Env& env, const std::string& name) {
   std::optional<std::string> value = env.get(name);
   if (!value) return kDefaultMasterPort;
   const int port = parseWhole(name, *value);
-  COHORT_CHECK(validPort(port), InvalidArgument, name, "=", *value, " is not a port (1..65535)");
+  COHORT_CHECK(validPort(port), InvalidArgument, name, "=", *value, " is not a port (0..65535)");
   return port;
 }
 
@@ -131,9 +134,9 @@ std::vector<HostPort> tfAddresses(const nlohmann::json& cluster, const std::stri
   for (size_t i = 0; i < list.size(); ++i) {
     COHORT_CHECK(list[i].is_string(), InvalidArgument, "TF_CONFIG cluster.", job, "[", i,
                  "] is not a \"host:port\" string: ", list[i].dump());
-    std::optional<HostPort> address = parseHostPort(list[i].get<std::string>());
+    std::optional<HostPort> address = parseHostPort(list[i].get<std::string>(), /*allowPortZero=*/true);
     COHORT_CHECK(address.has_value(), InvalidArgument, "TF_CONFIG cluster.", job, "[", i, "] ",
-                 list[i].dump(), " is not host:port with a valid port (1..65535)");
+                 list[i].dump(), " is not host:port with a valid port (0..65535)");
     out.push_back(*address);
   }
   return out;

@@ -1,3 +1,4 @@
+#include "base/launcher_channel.h"
 #include "comm/store.h"
 
 #include <cohort/communicator.h>
@@ -222,12 +223,18 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
   const std::string where = spec.master.host + ":" + std::to_string(spec.master.port);
   try {
     if (spec.rank == 0) {
+      // Port 0 (cohort launch without --port): any free port, which the launcher learns from here
+      // and hands to the other workers it starts only then.
       impl->storeServer = store::Server::start(
           store::ServerOptions{.host = spec.master.host, .port = spec.master.port, .secret = spec.secret});
+      impl->master.port = impl->storeServer->port();
+      launcher::tellPort(impl->master.port);
+      if (options.onListening) options.onListening(impl->master.port);
     }
+    const int port = impl->master.port;
     impl->store = c10::make_intrusive<AuthenticatedStore>(
-        store::Client::connect(spec.master.host, spec.master.port, spec.secret, options.timeout), options.timeout);
-    impl->heartbeatStore = store::Client::connect(spec.master.host, spec.master.port, spec.secret, options.timeout);
+        store::Client::connect(spec.master.host, port, spec.secret, options.timeout), options.timeout);
+    impl->heartbeatStore = store::Client::connect(spec.master.host, port, spec.secret, options.timeout);
     impl->heartbeatStore->add(heartbeatKey(spec.rank), 1);
   } catch (const Error& e) {
     throw CommError("rank " + std::to_string(spec.rank) + ": rendezvous with the chief at " + where +

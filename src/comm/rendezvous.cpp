@@ -1,3 +1,4 @@
+#include "base/launcher_channel.h"
 #include "comm/store.h"
 
 #include <cohort/error.h>
@@ -18,11 +19,15 @@ std::unique_ptr<Rendezvous> Rendezvous::connect(const ClusterSpec& spec, std::ch
   auto impl = std::make_unique<Impl>();
   impl->timeout = timeout;
   try {
+    int port = spec.master.port;
     if (spec.rank == 0) {
+      // Port 0: any free port, told to the launcher (see Communicator::connect).
       impl->server = store::Server::start(
           store::ServerOptions{.host = spec.master.host, .port = spec.master.port, .secret = spec.secret});
+      port = impl->server->port();
+      launcher::tellPort(port);
     }
-    impl->client = store::Client::connect(spec.master.host, spec.master.port, spec.secret, timeout);
+    impl->client = store::Client::connect(spec.master.host, port, spec.secret, timeout);
   } catch (const Error& e) {
     throw CommError("rank " + std::to_string(spec.rank) + ": " + e.what());
   }

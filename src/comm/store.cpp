@@ -729,6 +729,9 @@ Client::~Client() = default;
 
 std::unique_ptr<Client> Client::connect(const std::string& host, int port, const std::string& secret,
                                         std::chrono::milliseconds timeout) {
+  COHORT_CHECK(port >= 1 && port <= 65535, CommError, "the rendezvous store's address ", joinHostPort(host, port),
+               " has no port: only the chief may be given port 0 (it then listens on any free port, which "
+               "cohort launch hands to the others); give the other workers the chief's MASTER_PORT");
   auto impl = std::make_unique<Impl>();
   impl->where = joinHostPort(host, port);
   impl->timeout = timeout;

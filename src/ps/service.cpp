@@ -1,4 +1,5 @@
 #include "ps/service.h"
+#include "base/launcher_channel.h"
 #include "ps/call_auth.h"
 
 #include "ps/client.h"
@@ -357,6 +358,8 @@ int runShardServer(const ServerOptions& options) {
   const std::shared_ptr<Shard> shard = server.shard();
   std::printf("cohort ps: listening on %s\n", withPort(options.address, server.port()).c_str());
   std::fflush(stdout);
+  launcher::tellPort(server.port());  // port 0: cohort launch starts the workers once it knows this
+  if (options.onListening) options.onListening(server.port());
   if (!options.authToken.empty() && !server.checksTokenBeforeBody()) {
     std::fprintf(stderr,
                  "cohort ps: warning: plaintext on %s: calls prove the secret without sending it, but their bodies "

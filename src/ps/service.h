@@ -4,6 +4,7 @@
 
 #include "ps/shard.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -15,6 +16,8 @@ struct ServerOptions {
   std::string tlsCertFile;  // with tlsKeyFile: serve TLS instead of plaintext
   std::string tlsKeyFile;
   ShardOptions shard;
+  // runShardServer: called with the port it listens on (the one it chose, for port 0) once it does.
+  std::function<void(int port)> onListening;
 };
 
 class ShardServer {

@@ -57,6 +57,10 @@ struct Shard::Worker {
   bool done = false;
   bool lost = false;
   bool held = false;  // ssp: a push of its is waiting for the slowest to catch up
+  // sync: its gradient is in a step that has closed, and the push's reply, which counts it in
+  // `clock`, has not run yet (it waits for the lock). A checkpoint taken meanwhile counts it: every
+  // worker's clock in a checkpoint of version V is then V, and all resume at the same step.
+  bool inClosedStep = false;
   Clock::time_point lastSeen = Clock::now();
 };
 
@@ -513,6 +517,7 @@ Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* repl
   auto finishReply = [&](bool applied) {
     mu_.assertHeld();
     me().clock += 1;
+    me().inClosedStep = false;
     me().lastSeen = Clock::now();
     if (policy_.mode() == "ssp") recordClockGapLocked();
     reply->set_applied(applied);
@@ -548,6 +553,7 @@ Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* repl
       for (const auto& w : workers_) live += (!w.done && !w.lost) ? 1 : 0;
       const int needed = std::max(1, std::min(int(policy_.workers() - policy_.backup_workers()), live));
       if (version_ != step || pendingCount_ < needed) return;
+      for (size_t i = 0; i < workers_.size(); ++i) workers_[i].inClosedStep = pendingFrom_[i];
       applyPendingLocked();
     };
     closeIfReady();
@@ -629,11 +635,15 @@ Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* repl
     me().clock += 1;
     me().held = true;
     const int64_t bound = int64_t(policy_.staleness_bound());
+    bool told = false;
     while (!failure_ && !stopJob_) {
       const auto now = Clock::now();
       me().lastSeen = now;
       markLostLocked(now);
-      if (me().clock - slowestClockLocked() <= bound) break;
+      const int64_t slowest = slowestClockLocked();
+      if (me().clock - slowest <= bound) break;
+      if (options_.onHeld && !told) options_.onHeld(id, me().clock, slowest);
+      told = true;
       changed_.waitFor(mu_, kTick);
       if (generation_ != generation) return reinitialized();
     }
@@ -776,7 +786,7 @@ std::optional<wire::ShardCheckpoint> Shard::snapshotLocked() {
     c.add_optimizer_slots(reinterpret_cast<const char*>(slot.data()), slot.size() * sizeof(float));
   }
   c.set_optimizer_steps(optimizer_->steps());
-  for (const auto& w : workers_) c.add_clocks(w.clock);
+  for (const auto& w : workers_) c.add_clocks(w.clock + (w.inClosedStep ? 1 : 0));
   *c.mutable_stats() = stats_;
   c.mutable_stats()->set_staleness_mean(stats_.applied() > 0 ? stalenessSum_ / double(stats_.applied()) : 0.0);
   lastCheckpointVersion_ = version_;

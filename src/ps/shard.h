@@ -50,6 +50,9 @@ struct ShardOptions {
   // Testing: called with the version about to be written, after the state was copied and the
   // shard's lock released (pushes and pulls go on while a checkpoint is written).
   std::function<void(uint64_t version)> beforeCheckpointWrite;
+  // Testing: called when an ssp push of `worker`, about to start step `clock`, is held because the
+  // slowest live worker is at `slowest` (under the shard's lock: it must not call the shard).
+  std::function<void(uint32_t worker, int64_t clock, int64_t slowest)> onHeld;
 };
 
 class Shard {

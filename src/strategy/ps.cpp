@@ -1,3 +1,4 @@
+#include "base/launcher_channel.h"
 #include "base/clock.h"
 #include "strategy/ps.h"
 
@@ -600,9 +601,17 @@ ParameterServerClient::ParameterServerClient(const Job& job, torch::nn::Module& 
   c.timeoutSeconds = double(job.timeout().count()) / 1000.0;
   c.shards = options.hosts;
   if (c.shards.empty()) {
-    for (const auto& h : job.cluster().parameterServers) c.shards.push_back(h.str());
+    for (const auto& h : job.cluster().parameterServers) {
+      COHORT_CHECK(h.port != 0, InvalidArgument, "the shard at ", h.str(), " has no port yet (port 0 is for the "
+                   "shard itself, which listens on any free port): give the workers the port it listens on");
+      c.shards.push_back(h.str());
+    }
   }
   c.options = std::move(options);
+  // The chief of a ps job hosts no rendezvous store: cohort launch (which waits for rank 0 to tell
+  // the port its store listens on) may start the other workers. A program that hosts one as well
+  // connects its communicator before this.
+  if (job.cluster().isChief()) launcher::tellNoPort();
   impl_ = std::make_unique<Impl>(std::move(c));
   impl_->attach(module, optimizer);
 }

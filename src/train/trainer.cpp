@@ -7,6 +7,7 @@
 #include <cohort/models.h>
 #include <cohort/sampler.h>
 #include "base/clock.h"
+#include "base/launcher_channel.h"
 #include "base/tensorboard.h"
 #include "train/evaluation.h"
 #include "train/evaluator.h"
@@ -25,6 +26,7 @@
 #include <csignal>
 #include <chrono>
 #include <limits>
+#include <optional>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -293,16 +295,29 @@ struct Trainer::State {
   }
 
   // A periodic checkpoint that cannot be written (a full disk) is reported and training goes on
-  // from the previous one, as on the shards; the final one must be written (`final`: throws).
-  void saveCheckpoint(bool final) {
+  // from the previous one, as on the shards. The final one (`final`) that cannot be written is
+  // returned as an error for the end of the run: the run's result still reaches its done event,
+  // and the previous checkpoints are kept (a save removes older ones only after it succeeded).
+  std::optional<std::string> saveCheckpoint(bool final) {
     strategy->synchronize();
-    if (!checkpoints) return;
+    if (!checkpoints) return std::nullopt;
     try {
       checkpoints->save(step, serialize());
     } catch (const IoError& e) {
-      if (final) throw;
-      warn(std::string("checkpoint failed, training goes on: ") + e.what());
+      if (!final) {
+        warn(std::string("checkpoint failed, training goes on: ") + e.what());
+        return std::nullopt;
+      }
+      const auto kept = checkpoints->list();
+      std::string error = "the final checkpoint (step " + std::to_string(step) + ") could not be written to " +
+                          checkpoints->dir() + ": " + e.what() + "; ";
+      error += kept.empty() ? "no earlier checkpoint is there"
+                            : "the newest checkpoint kept there is " + kept.front().path + " (step " +
+                                  std::to_string(kept.front().step) + ")";
+      error += "; the run's result is in its done event: free space on that disk or give another --checkpoint-dir";
+      return error;
     }
+    return std::nullopt;
   }
 
   struct Eval {
@@ -433,11 +448,15 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   }
   if (o.resume && !serverCheckpoints) s.resume();
   // attach after resume: it makes every replica start from the chief's (restored) parameters.
+  // Gossip binds its store when it attaches the model, blocking until its peers have joined: the
+  // chief tells cohort launch the port first (Rendezvous::connect). A chief whose scheme hosts no
+  // store (ps, one process) says so once attached, and the launcher starts the others.
   s.strategy->attach(s.model, *s.optimizer);
   if (s.strategyState) {
     s.strategy->loadState(*s.strategyState);
     s.strategyState.reset();
   }
+  if (s.cluster.isChief()) launcher::tellNoPort();
   if (std::optional<int64_t> at = s.strategy->resumeStep(); at && *at > 0) {
     const int64_t perEpoch = s.sampler->batchesPerEpoch(o.batch);
     s.step = *at;
@@ -669,11 +688,20 @@ TrainResult Trainer::run() {
   progress.finish();
 
   s.strategy->finish();
+  std::optional<std::string> finalCheckpointError;  // a final checkpoint that could not be written
   if (s.evaluators > 0) {
     // The last checkpoint, then the marker that tells the evaluators that no other will come;
     // the chief still evaluates the final model itself for the done event.
-    s.saveCheckpoint(/*final=*/true);
-    if (s.checkpoints) writeTrainingDone(s.checkpoints->dir(), s.step);
+    finalCheckpointError = s.saveCheckpoint(/*final=*/true);
+    if (s.checkpoints) {
+      try {
+        // No checkpoint of this step when it failed: the evaluators end with the ones there are.
+        writeTrainingDone(s.checkpoints->dir(), s.step);
+      } catch (const IoError& e) {
+        if (!finalCheckpointError) throw;
+        s.warn(e.what());  // the same full disk: the evaluators end at their --evaluator-timeout
+      }
+    }
     s.strategy->synchronize();
     if (chief) {
       evalOnChief();
@@ -682,7 +710,7 @@ TrainResult Trainer::run() {
     }
   } else {
     if (!stop) runEval();
-    if (!o.checkpointDir.empty() && !serverCheckpoints) s.saveCheckpoint(/*final=*/true);
+    if (!o.checkpointDir.empty() && !serverCheckpoints) finalCheckpointError = s.saveCheckpoint(/*final=*/true);
   }
   MetricFields schemeReport;
   if (chief) schemeReport = s.strategy->report();
@@ -729,7 +757,13 @@ TrainResult Trainer::run() {
       }
     }
     done.insert(done.end(), schemeReport.begin(), schemeReport.end());
+    if (finalCheckpointError) done.emplace_back("final_checkpoint_error", *finalCheckpointError);
     s.metrics->write("done", done);
+  }
+  // After the done event: the run's result is recorded, and the job still fails, naming the disk.
+  if (finalCheckpointError) {
+    launcher::tellFinished();  // cohort launch ends the job with this failure instead of restarting it
+    throw IoError(*finalCheckpointError);
   }
   return result;
 }
