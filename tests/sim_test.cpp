@@ -197,10 +197,26 @@ TEST(SimEvents, AsyncStalenessIsTheOtherWorkersPushes) {
   const Prediction one = simulateWorkers(s, 1);
   EXPECT_NEAR(one.samplesPerSecond, 64 / (64e-3 + 2 * 4e6 * kB + 2 * 50e-6), 1e-6);
   EXPECT_EQ(one.staleness, 0.0);
-  // Two workers on one shard whose link is as fast as theirs: they push together, so each push
-  // gets half the shard's link (2 M kB instead of M kB), and so does each reply.
+  // Two workers on one shard whose link is as fast as theirs. Pushes that start d apart share the
+  // shard's link and still end d apart (the first alone for d, both at half rate, the second alone
+  // for d), and so do the replies: a worker's cycle is the lone cycle L0 plus 2 (P - d) when d < P
+  // (P: one push alone), d being the distance between the workers' phases on the circle of L0.
+  // The simulation spreads worker 1's starting phase over R = 32 runs at (r + 1/2) / R of L0 and
+  // pools them: 2 x 64 samples per mean cycle.
+  const double P = 4e6 * kB, L0 = 64e-3 + 2 * P + 2 * 50e-6;
+  double cycles = 0;
+  for (int r = 0; r < 32; ++r) {
+    const double phase = (r + 0.5) / 32 * L0;
+    const double d = std::min(phase, L0 - phase);
+    cycles += L0 + 2 * std::max(0.0, P - d);
+  }
+  const double spread = 2 * 64 / (cycles / 32);
   const Prediction two = simulateWorkers(s, 2);
-  EXPECT_NEAR(two.samplesPerSecond, 2 * 64 / (64e-3 + 4 * 4e6 * kB + 2 * 50e-6), 1e-6);
+  EXPECT_NEAR(two.samplesPerSecond, spread, 5e-3 * spread);
+  // Between the two extremes: workers in step (each push and reply at half the link, the
+  // version-2 model's single run) and workers alternating (each alone on the link).
+  EXPECT_GT(two.samplesPerSecond, 1.1 * 2 * 64 / (64e-3 + 4 * P + 2 * 50e-6));
+  EXPECT_LT(two.samplesPerSecond, 0.95 * 2 * 64 / L0);
   // N workers that never wait for each other see the other N-1 pushes between pull and push.
   for (int p : {4, 10}) {
     const Prediction got = simulateWorkers(s, p);

@@ -507,7 +507,7 @@ Run addSimulateCommand(CLI::App& app) {
   cmd->add_option("--stragglers", f.stragglers, "none, lognormal:SIGMA or pareto:ALPHA[:P] (compute-time factor)")
       ->capture_default_str();
   cmd->add_option("--steps", f.steps, "Simulated steps per worker count")->capture_default_str();
-  cmd->add_option("--seed", f.seed, "Seed of the straggler draws")->capture_default_str();
+  cmd->add_option("--seed", f.seed, "Seed of the straggler draws and of async ps workers' starting phases")->capture_default_str();
   cmd->add_option("--workers", f.workers, "Worker counts: 1,2,4 or 1..1000 (default: 1 to 1000)");
   cmd->add_flag("--json", f.json, "JSON lines instead of the table");
   cmd->add_option("--plot", f.plot, "Write speed-up against workers as an SVG file");

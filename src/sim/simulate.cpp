@@ -313,8 +313,10 @@ class SharedLink {
 
 // The parameter server: workers, one representative shard (the k shards are symmetric: each push
 // puts 1/k of its bytes on each), its link in and out shared by the transfers under way
-// (SharedLink), and its CPU a FIFO resource.
-Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
+// (SharedLink), and its CPU a FIFO resource. Worker w starts its first step at phase[w] times one
+// lone worker's cycle (phases in [0, 1); see simulatePsPhases).
+Totals simulatePs(const Scenario& s, const Derived& d, double computeScale, const std::vector<double>& phase,
+                  uint64_t seed) {
   const int N = d.p;
   const int k = s.shards;
   const double push = d.n * d.density * d.codec.sentFraction;  // bytes a worker pushes per step
@@ -334,8 +336,10 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
   const double a = s.calibration.rpcCallSeconds / 2 + s.network.latency;
   const double c = d.compute * computeScale;
   const int needed = s.psMode == PsMode::Sync ? N - s.backupWorkers : 1;
+  // One worker's cycle with the links and the shard to itself.
+  const double loneCycle = c + workerCpu + std::max(pushWire, pushShard) + std::max(pullWire, pullShard) + 2 * a + cpu;
 
-  Sampler sampler(s.tail, s.seed);
+  Sampler sampler(s.tail, seed);
   enum Type { Computed, Sent, Pushed, Applied, Pulled, Replied };
   struct Event {
     double time;
@@ -380,7 +384,7 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
   };
   auto sspReleasable = [&](int w) { return clock[w] - *clocks.begin() <= s.staleness; };
 
-  for (int w = 0; w < N; ++w) startCompute(w, 0);
+  for (int w = 0; w < N; ++w) startCompute(w, phase[size_t(w)] * loneCycle);
   while (!events.empty() && applied < target) {
     const Event e = events.top();
     events.pop();
@@ -495,6 +499,46 @@ Totals simulatePs(const Scenario& s, const Derived& d, double computeScale) {
   }
   t.cpu = t.steps * (d.compute + workerCpu + cpu * k);
   return t;
+}
+
+// Asynchronous workers keep the phases they start with: two pushes that start d apart on a shard
+// link shared equally end d apart (the first alone for d, both at half rate, the second alone for
+// d), and so do the replies. Nothing pulls the workers into step or apart; their phases are set by
+// their start and the noise of their steps, and drift. One run with every worker starting at 0
+// would be the case of workers in step, the slowest, every time. So an asynchronous run is
+// repeated with the starting phases spread over one lone cycle (worker 0 at 0, worker 1 at
+// (r + 1/2) / R in run r of R, the others uniform at random) and the R runs are pooled: the
+// expected rate over uniformly spread phases, from about kPhaseSamples phase samples.
+// Synchronous ps needs none: each closed step releases every worker at once.
+constexpr int kPhaseSamples = 32;
+
+Totals simulatePsPhases(const Scenario& s, const Derived& d, double computeScale) {
+  const int N = d.p;
+  if (N == 1 || s.psMode == PsMode::Sync) {
+    return simulatePs(s, d, computeScale, std::vector<double>(size_t(N), 0.0), s.seed);
+  }
+  const int runs = (kPhaseSamples + N - 2) / (N - 1);
+  std::mt19937_64 rng(s.seed ^ 0x9e3779b97f4a7c15ULL);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  Totals all;
+  for (int r = 0; r < runs; ++r) {
+    std::vector<double> phase(size_t(N), 0.0);
+    phase[1] = (r + 0.5) / runs;
+    for (int w = 2; w < N; ++w) phase[size_t(w)] = uniform(rng);
+    const Totals t = simulatePs(s, d, computeScale, phase, s.seed + uint64_t(r));
+    all.elapsed += t.elapsed;
+    all.samples += t.samples;
+    all.steps += t.steps;
+    all.compute += t.compute;
+    all.comm += t.comm;
+    all.wait += t.wait;
+    all.server += t.server;
+    all.bytes += t.bytes;
+    all.staleness += t.staleness;
+    all.stalenessCount += t.stalenessCount;
+    all.cpu += t.cpu;
+  }
+  return all;
 }
 
 Totals simulatePipeline(const Scenario& s, const Derived& d, double computeScale) {
@@ -628,7 +672,7 @@ Prediction simulateWorkers(const Scenario& s, int workers) {
       t = simulateCollective(s, d, computeScale);
       break;
     case Scheme::Ps:
-      t = simulatePs(s, d, computeScale);
+      t = simulatePsPhases(s, d, computeScale);
       break;
     case Scheme::Gossip:
       t = simulateGossip(s, d, computeScale);
