@@ -137,7 +137,7 @@ def main():
     p.add_argument("--ms", default="1,2,4,8", help="fixed: micro-batch counts")
     p.add_argument("--auto", action="store_true", help="fixed: also --micro-batches auto")
     args = p.parse_args()
-    print(f"machine: {machine()}; {STEPS} steps per run, medians of {args.runs} runs")
+    print(f"machine: {machine()}; {STEPS} steps per run ({FIXED_STEPS} in the fixed section), medians of {args.runs} runs")
     sections = {"bubble": section_bubble, "compare": section_compare, "fixed": section_fixed}
     if "fixed" in args.sections.split(",") and not args.before:
         p.error("--sections fixed needs --before DIR (the build directory to compare against)")
