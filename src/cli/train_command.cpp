@@ -210,7 +210,7 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--micro-batches", *microBatches,
                     "Split each batch into M micro-batches (1 to --batch), or auto: at start, time every layer on 1 "
                     "example and on the batch, and a message between stages 0 and 1, and take the M that minimizes "
-                    "the predicted step (M+S-1) x (the slowest stage's time per micro-batch + the message), which "
+                    "the predicted step (M+S-1) x (the slowest stage's time per micro-batch + the message), which about "
                     "keeps each micro-batch's work at least M/(S-1) times its fixed cost")
       ->group(mp)->capture_default_str();
   train->add_option("--schedule", pl.schedule,
