@@ -426,34 +426,41 @@ StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
   double lossSum = 0;
   // Receives are posted one micro-batch ahead in each direction (both schedules consume
   // micro-batches in order), so a message that arrives early finds its buffer waiting; at most
-  // one extra buffer per direction, which keeps 1F1B's memory bound. The buffers are kept from
-  // step to step (one per micro-batch and direction), so the receive path allocates nothing once
-  // the first step has run.
+  // one extra buffer per direction, which keeps 1F1B's memory bound.
+  //
+  // The buffers are kept from step to step, so the receive path allocates nothing once the first
+  // step has run: K per direction, micro-batch i in buffer i mod K, each sized for the largest
+  // micro-batch (i receives into its first m_i rows). K is the schedule's peak of micro-batches in
+  // flight plus the one posted ahead: when i+K is posted (on taking i+K-1), the micro-batches in
+  // flight are at most the peak, all after i, so i's backward has run and its graph is freed.
+  const std::vector<PipeOp> ops = makeSchedule(schedule_, options_.stages, stage_, M);
+  const size_t K = size_t(std::min(M, peakInFlight(ops) + 1));
   std::vector<CommWork> activationWork(static_cast<size_t>(M));
   std::vector<CommWork> gradientWork(static_cast<size_t>(M));
   auto post = [&](std::vector<torch::Tensor>& buffers, std::vector<CommWork>& work, int i, bool forward) {
     if (i >= M || work[size_t(i)].valid()) return;
-    const auto shape = withBatch(size[size_t(i)], forward ? inShape_ : outShape_);
-    if (buffers.size() < size_t(M)) buffers.resize(size_t(M));
-    torch::Tensor& buffer = buffers[size_t(i)];
-    if (!buffer.defined() || buffer.sizes() != c10::IntArrayRef(shape)) {
-      buffer = torch::empty(shape, torch::TensorOptions().dtype(forward ? inType_ : outType_));
+    const auto largest = withBatch(size[0], forward ? inShape_ : outShape_);
+    if (buffers.size() < K) buffers.resize(K);
+    torch::Tensor& buffer = buffers[size_t(i) % K];
+    if (!buffer.defined() || buffer.sizes() != c10::IntArrayRef(largest)) {
+      buffer = torch::empty(largest, torch::TensorOptions().dtype(forward ? inType_ : outType_));
     }
-    work[size_t(i)] = comm_->recvAsync(buffer, forward ? prevRank() : nextRank(), 2 * i + (forward ? 0 : 1));
+    work[size_t(i)] = comm_->recvAsync(buffer.narrow(0, 0, size[size_t(i)]), forward ? prevRank() : nextRank(),
+                                       2 * i + (forward ? 0 : 1));
   };
-  // Micro-batch i's buffer, once it arrived (a new handle on it, so that autograd state never
-  // stays on the kept buffer); the time blocked is idle time.
+  // Micro-batch i's rows of its buffer, once they arrived (a new handle on them, so that autograd
+  // state never stays on the kept buffer); the time blocked is idle time.
   auto take = [&](std::vector<torch::Tensor>& buffers, std::vector<CommWork>& work, int i, bool forward) {
     post(buffers, work, i, forward);
     post(buffers, work, i + 1, forward);
     times.idle += work[size_t(i)].wait();
-    return buffers[size_t(i)].detach();
+    return buffers[size_t(i) % K].narrow(0, 0, size[size_t(i)]).detach();
   };
   if (!first()) post(activationBuffers_, activationWork, 0, true);
   if (!last()) post(gradientBuffers_, gradientWork, 0, false);
   int64_t live = 0;
   int64_t peak = 0;
-  for (const PipeOp& op : makeSchedule(schedule_, options_.stages, stage_, M)) {
+  for (const PipeOp& op : ops) {
     Held& h = held[size_t(op.micro)];
     const int64_t m = size[size_t(op.micro)];
     if (op.forward) {

@@ -103,8 +103,8 @@ class PipelineStrategy final : public Strategy {
   torch::nn::Sequential model_{nullptr};  // this stage's layers
   torch::optim::Optimizer* optimizer_ = nullptr;
   CommWork lossSend_;
-  // Receive buffers kept from step to step, one per micro-batch (stages > 0: activations in;
-  // stages < S-1: gradients in).
+  // Receive buffers kept from step to step, as many as micro-batches can be in flight plus one
+  // (stages > 0: activations in; stages < S-1: gradients in). See step().
   std::vector<torch::Tensor> activationBuffers_;
   std::vector<torch::Tensor> gradientBuffers_;
 
