@@ -172,6 +172,22 @@ TEST(Pipeline, BadInputIsRefusedBeforeTraining) {
                 "top level is not an nn.Sequential");
 }
 
+// Micro-batches of unequal sizes (8 = 3 + 3 + 2) share the kept receive buffers, each sized for
+// the largest: still one step on the whole batch.
+TEST(Pipeline, UnequalMicroBatchesEqualOneProcess) {
+  test::TempDir dir;
+  const auto single = trainSingle(dir, 8);
+  for (const std::string schedule : {"gpipe", "1f1b"}) {
+    SCOPED_TRACE(schedule);
+    auto r = test::runCommand(launch(2) + test::cohortBinary() + kCommon +
+                                  " --batch 8 --strategy pipeline --stages 2 --micro-batches 3 --partition 3,3"
+                                  " --schedule " + schedule + " --save-model " + dir.file("stage{rank}.pt"),
+                              120);
+    ASSERT_EQ(r.exitCode, 0) << r.output;
+    EXPECT_LT(maxDifference(single, loadStages({dir.file("stage0.pt"), dir.file("stage1.pt")}, {3, 3})), 1e-5);
+  }
+}
+
 TEST(Pipeline, BadMicroBatchCountsAreRefusedInOneLine) {
   const std::string train = test::cohortBinary() + " train --data synthetic:600 --steps 2 --threads 1 --progress off"
                                                    " --strategy pipeline --batch 8";
