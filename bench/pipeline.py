@@ -2,6 +2,7 @@
 """Model parallelism: the pipeline's bubble against theory, and pipeline / hybrid / allreduce side by side.
 
     /usr/bin/python3 bench/pipeline.py [--build build] [--runs 3] [--sections bubble,compare]
+    /usr/bin/python3 bench/pipeline.py --sections fixed --before DIR [--ms 1,2,4,8] [--auto]
 
 bubble:  cnn on Fashion-MNIST, --stages 2, batch 64 cut into M = 1, 2, 4, 8, 16 micro-batches,
          both schedules: the measured bubble (each stage's time blocked waiting for an activation
@@ -12,6 +13,12 @@ compare: cnn, the same global batch of 128 examples per step on the machine's 2 
          M = 4: 4 processes on 2 cores, oversubscribed), and one process with 2 threads: samples/s,
          peak resident memory per process (the high-water mark, VmHWM) and the activations each
          stage holds at its peak (counted by the schedule). Every process has 1 thread.
+fixed:   cnn, --stages 2 (1f1b, --partition auto), batch 256 cut into M micro-batches: bubble and
+         samples/s of the binary in --build against the one in --before (another build directory,
+         e.g. the base commit's), runs alternating between the two; with --auto, also
+         --micro-batches auto in --build. Where each stage's step went (compute, idle, sends,
+         optimizer) when the binary reports it, and the bubble expected from the stages' measured
+         compute (bubble_fraction_expected: unequal stages included).
 """
 import argparse
 import os
@@ -25,15 +32,15 @@ from common import ROOT, done_event, machine, median, run, single_thread_env  # 
 STEPS = 80
 
 
-def cohort_train(args, tmp, processes, flags, batch, threads=1):
+def cohort_train(args, tmp, processes, flags, batch, threads=1, build=None, steps=STEPS):
     metrics = os.path.join(tmp, "m.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    cohort = os.path.join(args.build, "cohort")
+    cohort = os.path.join(build or args.build, "cohort")
     # /usr/bin/time reports each process's peak resident set (KiB) on stderr.
     cmd = ["/usr/bin/time", "-f", "maxrss_kib=%M", cohort, "train", "--model", "cnn", "--data", "fashion-mnist",
            "--batch", str(batch), "--threads", str(threads), "--optimizer", "momentum", "--lr", "0.01",
-           "--progress", "off", "--steps", str(STEPS), "--metrics", metrics] + flags
+           "--progress", "off", "--steps", str(steps), "--metrics", metrics] + flags
     if processes > 1:
         cmd = [cohort, "launch", "-n", str(processes), "--"] + cmd
     proc, _ = run(cmd, env=single_thread_env())
@@ -84,14 +91,56 @@ def section_compare(args, tmp):
         print(line, flush=True)
 
 
+FIXED_STEPS = 60
+
+
+def fmt(values, digits=3):
+    return ", ".join(f"{x:.{digits}f}" for x in values)
+
+
+def section_fixed(args, tmp):
+    ms = [int(m) for m in args.ms.split(",")]
+    configs = []
+    for m in ms:
+        configs.append((f"before M={m}", args.before, str(m)))
+        configs.append((f"after  M={m}", args.build, str(m)))
+    if args.auto:
+        configs.append(("after  M=auto", args.build, "auto"))
+    results = {name: [] for name, *_ in configs}
+    for _ in range(args.runs):
+        for name, build, m in configs:
+            flags = ["--strategy", "pipeline", "--stages", "2", "--micro-batches", m, "--schedule", "1f1b",
+                     "--partition", "auto"]
+            results[name].append(cohort_train(args, tmp, 2, flags, 256, build=build, steps=FIXED_STEPS))
+    for name, *_ in configs:
+        r = results[name]
+        bubble = [d["bubble_fraction"] for d in r]
+        rate = [d["samples_per_s"] for d in r]
+        line = (f"cnn S=2 batch 256 {name}: M {', '.join(str(d['micro_batches']) for d in r)}; bubble "
+                f"{median(bubble):.3f} (runs {fmt(bubble)}), theory {median([d['bubble_fraction_theory'] for d in r]):.3f}")
+        if "bubble_fraction_expected" in r[0]:
+            line += f", expected from the stages' compute {median([d['bubble_fraction_expected'] for d in r]):.3f}"
+        line += f"; {median(rate):.1f} samples/s (runs {fmt(rate, 1)}); cuts {sorted(set(tuple(d['cut']) for d in r))}"
+        if "stage_compute_fraction" in r[0]:
+            for key in ["stage_compute_fraction", "stage_idle_fraction", "stage_send_fraction", "stage_optimizer_fraction"]:
+                per_stage = [median([d[key][s] for d in r]) for s in range(2)]
+                line += f"; {key[6:]} {fmt(per_stage)}"
+        print(line, flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--sections", default="bubble,compare")
+    p.add_argument("--before", help="fixed: the build directory of the binary to compare against")
+    p.add_argument("--ms", default="1,2,4,8", help="fixed: micro-batch counts")
+    p.add_argument("--auto", action="store_true", help="fixed: also --micro-batches auto")
     args = p.parse_args()
-    print(f"machine: {machine()}; {STEPS} steps per run, medians of {args.runs} runs")
-    sections = {"bubble": section_bubble, "compare": section_compare}
+    print(f"machine: {machine()}; {STEPS} steps per run ({FIXED_STEPS} in the fixed section), medians of {args.runs} runs")
+    sections = {"bubble": section_bubble, "compare": section_compare, "fixed": section_fixed}
+    if "fixed" in args.sections.split(",") and not args.before:
+        p.error("--sections fixed needs --before DIR (the build directory to compare against)")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.sections.split(","):
             sections[name](args, tmp)

@@ -94,5 +94,50 @@ TEST(PipelinePlan, PartitionListsAreChecked) {
   EXPECT_THROW(parseSchedule("zigzag"), InvalidArgument);
 }
 
+TEST(PipelinePlan, MicroBatchCountsAreChecked) {
+  EXPECT_EQ(parseMicroBatches("auto", 64), kAutoMicroBatches);
+  EXPECT_EQ(parseMicroBatches("8", 64), 8);
+  EXPECT_EQ(parseMicroBatches("64", 64), 64);
+  auto message = [](const std::string& text, int64_t batch) {
+    try {
+      parseMicroBatches(text, batch);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message("0", 64).find("--micro-batches 0: a batch needs at least 1 micro-batch"), std::string::npos);
+  EXPECT_NE(message("-2", 64).find("at least 1 micro-batch"), std::string::npos);
+  EXPECT_NE(message("four", 64).find("--micro-batches 'four' is not a number"), std::string::npos);
+  EXPECT_NE(message("4x", 64).find("is not a number"), std::string::npos);
+  EXPECT_NE(message("", 64).find("is not a number"), std::string::npos);
+  EXPECT_NE(message("65", 64).find("--micro-batches 65 is more than --batch 64"), std::string::npos);
+}
+
+// Two layers of 1 ms per example each on a batch of 64.
+MicroBatchCosts twoLayers(double perMicroBatch, double message) {
+  return {.perMicroBatch = {perMicroBatch / 2, perMicroBatch / 2}, .perExample = {1e-3, 1e-3}, .messageSeconds = message};
+}
+
+TEST(PipelinePlan, AutoMicroBatchesTradesTheBubbleAgainstFixedCosts) {
+  // Nothing paid per micro-batch: one example per micro-batch leaves the smallest bubble.
+  EXPECT_EQ(chooseMicroBatches(twoLayers(0, 0), 64, 2, {}).microBatches, 64);
+  // Fixed costs far above the work: one micro-batch.
+  EXPECT_EQ(chooseMicroBatches(twoLayers(1.0, 1.0), 64, 2, {}).microBatches, 1);
+  // One stage has no bubble to fill: any fixed cost makes M = 1 best.
+  EXPECT_EQ(chooseMicroBatches(twoLayers(1e-4, 0), 64, 1, {}).microBatches, 1);
+  // 32 ms of work per stage and 1 ms fixed per micro-batch: about sqrt((S-1) W / F) = 5.7,
+  // with each micro-batch's work at least M/(S-1) times its fixed cost.
+  const MicroBatchChoice c = chooseMicroBatches(twoLayers(0.5e-3, 0.5e-3), 64, 2, {});
+  EXPECT_GE(c.microBatches, 4);
+  EXPECT_LE(c.microBatches, 8);
+  EXPECT_EQ(c.counts, (std::vector<int>{1, 1}));
+  EXPECT_NEAR(c.fixedSeconds, 0.75e-3, 1e-12);  // the slowest stage's overhead and the messages
+  const double work = c.slotSeconds - c.fixedSeconds;
+  EXPECT_GE(work, double(c.microBatches) / 2 * c.fixedSeconds);
+  // A fixed cut is kept.
+  EXPECT_EQ(chooseMicroBatches(twoLayers(0, 0), 64, 1, {2}).counts, (std::vector<int>{2}));
+}
+
 }  // namespace
 }  // namespace cohort

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
+
 #include <torch/torch.h>
 
 #include "model_util.h"
@@ -170,6 +172,60 @@ TEST(Pipeline, BadInputIsRefusedBeforeTraining) {
   ASSERT_EQ(script.exitCode, 0) << script.output;
   expectRefused(launch(2) + train + " --model " + dir.file("custom.pt") + " --stages 2",
                 "top level is not an nn.Sequential");
+}
+
+// Micro-batches of unequal sizes (8 = 3 + 3 + 2) share the kept receive buffers, each sized for
+// the largest: still one step on the whole batch.
+TEST(Pipeline, UnequalMicroBatchesEqualOneProcess) {
+  test::TempDir dir;
+  const auto single = trainSingle(dir, 8);
+  for (const std::string schedule : {"gpipe", "1f1b"}) {
+    SCOPED_TRACE(schedule);
+    auto r = test::runCommand(launch(2) + test::cohortBinary() + kCommon +
+                                  " --batch 8 --strategy pipeline --stages 2 --micro-batches 3 --partition 3,3"
+                                  " --schedule " + schedule + " --save-model " + dir.file("stage{rank}.pt"),
+                              120);
+    ASSERT_EQ(r.exitCode, 0) << r.output;
+    EXPECT_LT(maxDifference(single, loadStages({dir.file("stage0.pt"), dir.file("stage1.pt")}, {3, 3})), 1e-5);
+  }
+}
+
+TEST(Pipeline, BadMicroBatchCountsAreRefusedInOneLine) {
+  const std::string train = test::cohortBinary() + " train --data synthetic:600 --steps 2 --threads 1 --progress off"
+                                                   " --strategy pipeline --batch 8";
+  expectRefused(train + " --micro-batches 0", "--micro-batches 0: a batch needs at least 1 micro-batch");
+  expectRefused(train + " --micro-batches many", "--micro-batches 'many' is not a number");
+  expectRefused(train + " --micro-batches 9", "--micro-batches 9 is more than --batch 8");
+}
+
+// auto measures and picks M in [1, batch], reports it, and trains exactly as that M given
+// explicitly (a fixed cut, so that only M is chosen).
+TEST(Pipeline, AutoMicroBatchesPicksAValidCountAndTrainsAsThatCount) {
+  test::TempDir dir;
+  const std::string common = launch(2) + test::cohortBinary() + kCommon +
+                             " --batch 8 --strategy pipeline --stages 2 --partition 3,3 --save-model " +
+                             dir.file("{rank}");
+  auto r = test::runCommand(common + " --micro-batches auto --metrics " + dir.file("auto.jsonl"), 120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("--micro-batches auto chose M = "), std::string::npos) << r.output;
+  const auto done = test::lastEvent(dir.file("auto.jsonl"), "done");
+  ASSERT_TRUE(done["micro_batches_auto"].get<bool>());
+  const int chosen = done["micro_batches"].get<int>();
+  ASSERT_GE(chosen, 1);
+  ASSERT_LE(chosen, 8);
+  EXPECT_GT(done["micro_batch_fixed_cost_s"].get<double>(), 0.0);
+  EXPECT_EQ(test::lastEvent(dir.file("auto.jsonl"), "step")["micro_batches"], chosen);
+  for (int s = 0; s < 2; ++s) std::filesystem::rename(dir.file(std::to_string(s)), dir.file("auto" + std::to_string(s)));
+  const auto automatic = loadStages({dir.file("auto0"), dir.file("auto1")}, {3, 3});
+  ASSERT_GT(maxDifference(initialMlp(), automatic), 1e-3);  // training moved the parameters
+
+  r = test::runCommand(common + " --micro-batches " + std::to_string(chosen) + " --metrics " +
+                           dir.file("explicit.jsonl"),
+                       120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_FALSE(test::lastEvent(dir.file("explicit.jsonl"), "done")["micro_batches_auto"].get<bool>());
+  const auto given = loadStages({dir.file("0"), dir.file("1")}, {3, 3});
+  EXPECT_EQ(maxDifference(automatic, given), 0.0);
 }
 
 // No launcher: stage 1 of 3 is SIGKILLed once training runs (after its 5th step); stages 0 and 2

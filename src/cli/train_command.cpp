@@ -9,7 +9,9 @@
 #include "base/launcher_channel.h"
 
 #include "cli/commands.h"
+#include "strategy/pipeline_plan.h"
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
@@ -106,6 +108,7 @@ int restartCountFromEnvironment() {
 Run addTrainCommand(CLI::App& app) {
   auto options = std::make_shared<TrainOptions>();
   auto progress = std::make_shared<std::string>("auto");
+  auto microBatches = std::make_shared<std::string>("4");  // a count or auto: parseMicroBatches
   struct PsFlags {
     std::string hosts;
     std::string authTokenFile;
@@ -204,7 +207,11 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--ways", o.strategy.ways,
                     "tensor: split every layer's units over W processes (cohort launch -n W*R for R data-parallel "
                     "copies)")->group(mp)->capture_default_str();
-  train->add_option("--micro-batches", pl.microBatches, "Split each batch into M micro-batches")
+  train->add_option("--micro-batches", *microBatches,
+                    "Split each batch into M micro-batches (1 to --batch), or auto: at start, time every layer on 1 "
+                    "example and on the batch, and a message between stages 0 and 1, and take the M that minimizes "
+                    "the predicted step (M+S-1) x (the slowest stage's time per micro-batch + the message), which about "
+                    "keeps each micro-batch's work at least M/(S-1) times its fixed cost")
       ->group(mp)->capture_default_str();
   train->add_option("--schedule", pl.schedule,
                     "gpipe (all forwards, then all backwards) or 1f1b (at most S micro-batches held per stage)")
@@ -262,9 +269,11 @@ Run addTrainCommand(CLI::App& app) {
                     "Testing: an evaluator task SIGKILLs itself right after recording its N-th checkpoint "
                     "(once: restarted, it finds N recorded and goes on)")->group("Testing");
 
-  return [options, progress, psFlags, evaluator]() {
+  return [options, progress, microBatches, psFlags, evaluator]() {
     TrainOptions& o = *options;
     checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
+    o.strategy.pipeline.microBatches =
+        parseMicroBatches(*microBatches, o.strategy.name == "pipeline" ? o.batch : INT64_MAX);
     auto& p = o.strategy.ps;
     p.authToken = resolveAuthToken(p.authToken, psFlags->authTokenFile);
     // The job's secret is also the rendezvous store's, which the cluster spec carries from

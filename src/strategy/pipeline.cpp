@@ -13,7 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <map>
+#include <numeric>
 #include <sstream>
 
 namespace cohort {
@@ -25,10 +25,17 @@ namespace {
 constexpr int kLossTag = 1 << 24;
 constexpr int kEvalTag = kLossTag + 1;
 constexpr int kEvalOutputTag = kLossTag + 2;
+constexpr int kProbeTag = kLossTag + 3;  // and kProbeTag + 1
+// Round trips timed by probeMessages (the first, which sets up the connection's buffers, is
+// left out).
+constexpr int kProbes = 20;
 constexpr int kTimedPasses = 3;
 // Steps at the start whose idle time and step time the report leaves out (as the Trainer's).
 constexpr int64_t kWarmupSteps = 5;
 constexpr const char* kManifest = "pipeline.manifest";
+// What finish() gathers from each stage: peak activation bytes, then the steady steps' idle,
+// step, compute, send and optimizer seconds.
+constexpr int kGathered = 6;
 
 int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
 
@@ -114,8 +121,8 @@ PipelineStrategy::PipelineStrategy(std::shared_ptr<Communicator> comm, Options o
   const int R = options_.replicas;
   COHORT_CHECK(S >= 1, InvalidArgument, "--stages must be positive, got ", S);
   COHORT_CHECK(R >= 1, InvalidArgument, "--replicas must be positive, got ", R);
-  COHORT_CHECK(options_.microBatches >= 1, InvalidArgument, "--micro-batches must be positive, got ",
-               options_.microBatches);
+  COHORT_CHECK(options_.microBatches >= 1 || options_.microBatches == kAutoMicroBatches, InvalidArgument,
+               "--micro-batches must be positive or auto, got ", options_.microBatches);
   COHORT_CHECK(comm_ != nullptr && comm_->worldSize() == S * R, InvalidArgument, "--strategy pipeline --stages ", S,
                " --replicas ", R, " needs ", S * R, " processes (cohort launch -n ", S * R, "), but this job has ",
                comm_ ? comm_->worldSize() : 1);
@@ -149,6 +156,25 @@ torch::Tensor PipelineStrategy::forwardCounting(const torch::Tensor& x, int64_t*
   return y;
 }
 
+double PipelineStrategy::probeMessages() {
+  if (options_.stages < 2 || comm_->rank() > 1) return 0;
+  auto buffer = torch::zeros({1}, torch::kFloat32);
+  std::vector<double> rounds;
+  for (int i = 0; i <= kProbes; ++i) {
+    const auto start = Clock::now();
+    if (comm_->rank() == 0) {
+      comm_->send(buffer, 1, kProbeTag);
+      comm_->recv(buffer, 1, kProbeTag + 1);
+    } else {
+      comm_->recv(buffer, 0, kProbeTag);
+      comm_->send(buffer, 0, kProbeTag + 1);
+    }
+    if (i > 0) rounds.push_back(secondsSince(start));
+  }
+  std::nth_element(rounds.begin(), rounds.begin() + kProbes / 2, rounds.end());
+  return rounds[size_t(kProbes / 2)];
+}
+
 // Forward and backward time of each layer, on rank 0, on one micro-batch: the smallest of a few
 // passes. Each layer runs on a detached copy of its input, so its backward can be timed alone.
 // The generator and the buffers are put back afterwards, so timing changes nothing in training.
@@ -171,7 +197,8 @@ std::vector<double> PipelineStrategy::timeLayers(torch::nn::Sequential& model, c
     torch::Tensor x = inputs;
     for (size_t j = 0; j < n; ++j) {
       ins[j] = x.detach();
-      if (ins[j].is_floating_point()) ins[j].requires_grad_(true);
+      // The model's input needs no gradient in training; every later layer's input does.
+      if (j > 0 && ins[j].is_floating_point()) ins[j].requires_grad_(true);
       const auto start = Clock::now();
       outs[j] = (model->begin() + int64_t(j))->forward(ins[j]);
       seconds[j] = secondsSince(start);
@@ -198,13 +225,70 @@ std::vector<double> PipelineStrategy::timeLayers(torch::nn::Sequential& model, c
   return best;
 }
 
+void PipelineStrategy::printCut(const std::vector<double>& costs, const std::vector<int>& counts) const {
+  const int S = int(counts.size());
+  std::string stages;
+  double slowest = 0;
+  double total = 0;
+  for (int s = 0, j = 0; s < S; ++s) {
+    double cost = 0;
+    for (int k = 0; k < counts[size_t(s)]; ++k) cost += costs[size_t(j++)];
+    slowest = std::max(slowest, cost);
+    total += cost;
+    char item[64];
+    std::snprintf(item, sizeof(item), "%s%.2f ms", s == 0 ? "" : ", ", cost * 1e3);
+    stages += item;
+  }
+  std::fprintf(stderr,
+               "cohort: pipeline: cut %s (layers per stage); predicted time per stage %s; slowest stage %.2fx the "
+               "mean (1.00 is perfect balance)\n",
+               joinCounts(counts).c_str(), stages.c_str(), slowest / (total / S));
+}
+
+// --micro-batches auto, on rank 0: every layer timed on 1 example and on the whole batch gives
+// its cost per micro-batch and per example (a straight line through the two), and
+// chooseMicroBatches (pipeline_plan.h) picks M and, with --partition auto, the cut at that M.
+MicroBatchChoice PipelineStrategy::chooseMicroBatchCount(torch::nn::Sequential& model, const Batch& sample,
+                                                         const std::vector<bool>& cutAfter,
+                                                         const std::vector<int>& counts, double messageSeconds) {
+  const int64_t B = sample.size();
+  const std::vector<double> one = timeLayers(model, sample.inputs.narrow(0, 0, 1));
+  const std::vector<double> all = B > 1 ? timeLayers(model, sample.inputs) : one;
+  MicroBatchCosts costs;
+  costs.messageSeconds = messageSeconds;
+  for (size_t j = 0; j < one.size(); ++j) {
+    const double perExample = B > 1 ? std::max(0.0, (all[j] - one[j]) / double(B - 1)) : 0.0;
+    costs.perExample.push_back(perExample);
+    costs.perMicroBatch.push_back(std::max(0.0, one[j] - perExample));
+  }
+  const MicroBatchChoice choice = chooseMicroBatches(costs, B, options_.stages, counts, cutAfter);
+  const int64_t m = (B + choice.microBatches - 1) / choice.microBatches;
+  std::fprintf(stderr,
+               "cohort: pipeline: --micro-batches auto chose M = %d (micro-batches of %lld examples or fewer): the "
+               "slowest stage's fixed cost per micro-batch is %.3f ms (per-op overheads %.3f ms, messages %.3f ms "
+               "measured), its work per micro-batch %.2f ms; predicted step %.1f ms (M = 1: %.1f ms)\n",
+               choice.microBatches, (long long)m, choice.fixedSeconds * 1e3,
+               (choice.fixedSeconds - (options_.stages > 1 ? messageSeconds : 0.0)) * 1e3, messageSeconds * 1e3,
+               (choice.slotSeconds - choice.fixedSeconds) * 1e3, choice.stepSeconds * 1e3,
+               predictStep(costs, B, options_.stages, choice.counts, 1).stepSeconds * 1e3);
+  std::vector<double> atChoice;
+  for (size_t j = 0; j < one.size(); ++j) atChoice.push_back(costs.perMicroBatch[j] + costs.perExample[j] * double(m));
+  printCut(atChoice, choice.counts);
+  autoChoice_ = choice;
+  return choice;
+}
+
 std::vector<int> PipelineStrategy::chooseCut(torch::nn::Sequential& model, const Batch& sample,
                                              const std::vector<bool>& cutAfter) {
   const int S = options_.stages;
   const int L = int(model->size());
   std::vector<int> counts;
   if (options_.partition != "auto") counts = parsePartition(options_.partition, S, L);
-  std::vector<int64_t> wire(size_t(S), 0);
+  // Layers per stage, then M.
+  std::vector<int64_t> wire(size_t(S) + 1, options_.microBatches);
+  const bool autoMicroBatches = options_.microBatches == kAutoMicroBatches;
+  // Ranks 0 and 1 time the messages first (every rank calls chooseCut).
+  const double messageSeconds = autoMicroBatches ? probeMessages() : 0.0;
   if (comm_->rank() == 0) {
     // The manifest of the checkpoints to resume decides, when there is one.
     const std::string manifestPath = checkpointDir_ + "/" + kManifest;
@@ -225,7 +309,11 @@ std::vector<int> PipelineStrategy::chooseCut(torch::nn::Sequential& model, const
                    joinCounts(counts), ": resume with --partition ", joinCounts(manifest->counts),
                    " (or auto), or start in a new --checkpoint-dir");
     }
-    if (counts.empty()) {
+    if (autoMicroBatches) {
+      const MicroBatchChoice choice = chooseMicroBatchCount(model, sample, cutAfter, counts, messageSeconds);
+      counts = choice.counts;
+      wire[size_t(S)] = choice.microBatches;
+    } else if (counts.empty()) {
       const int64_t micro = std::max<int64_t>(1, (sample.size() + options_.microBatches - 1) / options_.microBatches);
       const std::vector<double> costs = timeLayers(model, sample.inputs.narrow(0, 0, std::min(micro, sample.size())));
       counts = balanceStages(costs, S, cutAfter);
@@ -237,22 +325,7 @@ std::vector<int> PipelineStrategy::chooseCut(torch::nn::Sequential& model, const
         text += item;
       }
       std::fprintf(stderr, "%s\n", text.c_str());
-      std::string stages;
-      double slowest = 0;
-      double total = 0;
-      for (int s = 0, j = 0; s < S; ++s) {
-        double cost = 0;
-        for (int k = 0; k < counts[size_t(s)]; ++k) cost += costs[size_t(j++)];
-        slowest = std::max(slowest, cost);
-        total += cost;
-        char item[64];
-        std::snprintf(item, sizeof(item), "%s%.2f ms", s == 0 ? "" : ", ", cost * 1e3);
-        stages += item;
-      }
-      std::fprintf(stderr,
-                   "cohort: pipeline: cut %s (layers per stage); predicted time per stage %s; slowest stage %.2fx the "
-                   "mean (1.00 is perfect balance)\n",
-                   joinCounts(counts).c_str(), stages.c_str(), slowest / (total / S));
+      printCut(costs, counts);
     }
     for (int s = 0; s < S; ++s) wire[size_t(s)] = counts[size_t(s)];
   }
@@ -261,6 +334,7 @@ std::vector<int> PipelineStrategy::chooseCut(torch::nn::Sequential& model, const
   comm_->broadcast(shared, 0);
   counts.assign(size_t(S), 0);
   for (int s = 0; s < S; ++s) counts[size_t(s)] = int(shared[s].item<int64_t>());
+  options_.microBatches = int(shared[S].item<int64_t>());
   return counts;
 }
 
@@ -347,76 +421,97 @@ StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
   };
   std::vector<Held> held(static_cast<size_t>(M));
   std::vector<CommWork> sends;
-  double idle = 0;
+  sends.reserve(size_t(2 * M));
+  StepTimes times;
   double lossSum = 0;
   // Receives are posted one micro-batch ahead in each direction (both schedules consume
   // micro-batches in order), so a message that arrives early finds its buffer waiting; at most
   // one extra buffer per direction, which keeps 1F1B's memory bound.
-  struct Posted {
-    torch::Tensor buffer;
-    CommWork work;
+  //
+  // The buffers are kept from step to step, so the receive path allocates nothing once the first
+  // step has run: K per direction, micro-batch i in buffer i mod K, each sized for the largest
+  // micro-batch (i receives into its first m_i rows). K is the schedule's peak of micro-batches in
+  // flight plus the one posted ahead: when i+K is posted (on taking i+K-1), the micro-batches in
+  // flight are at most the peak, all after i, so i's backward has run and its graph is freed.
+  const std::vector<PipeOp> ops = makeSchedule(schedule_, options_.stages, stage_, M);
+  const size_t K = size_t(std::min(M, peakInFlight(ops) + 1));
+  std::vector<CommWork> activationWork(static_cast<size_t>(M));
+  std::vector<CommWork> gradientWork(static_cast<size_t>(M));
+  auto post = [&](std::vector<torch::Tensor>& buffers, std::vector<CommWork>& work, int i, bool forward) {
+    if (i >= M || work[size_t(i)].valid()) return;
+    const auto largest = withBatch(size[0], forward ? inShape_ : outShape_);
+    if (buffers.size() < K) buffers.resize(K);
+    torch::Tensor& buffer = buffers[size_t(i) % K];
+    if (!buffer.defined() || buffer.sizes() != c10::IntArrayRef(largest)) {
+      buffer = torch::empty(largest, torch::TensorOptions().dtype(forward ? inType_ : outType_));
+    }
+    work[size_t(i)] = comm_->recvAsync(buffer.narrow(0, 0, size[size_t(i)]), forward ? prevRank() : nextRank(),
+                                       2 * i + (forward ? 0 : 1));
   };
-  std::map<int, Posted> activations;
-  std::map<int, Posted> gradients;
-  auto post = [&](std::map<int, Posted>& posted, int i, bool forward) {
-    if (i >= M || posted.count(i) > 0) return;
-    const auto& shape = forward ? inShape_ : outShape_;
-    auto buffer = torch::empty(withBatch(size[size_t(i)], shape), torch::TensorOptions().dtype(forward ? inType_ : outType_));
-    CommWork work = comm_->recvAsync(buffer, forward ? prevRank() : nextRank(), 2 * i + (forward ? 0 : 1));
-    posted[i] = Posted{buffer, work};
+  // Micro-batch i's rows of its buffer, once they arrived (a new handle on them, so that autograd
+  // state never stays on the kept buffer); the time blocked is idle time.
+  auto take = [&](std::vector<torch::Tensor>& buffers, std::vector<CommWork>& work, int i, bool forward) {
+    post(buffers, work, i, forward);
+    post(buffers, work, i + 1, forward);
+    times.idle += work[size_t(i)].wait();
+    return buffers[size_t(i) % K].narrow(0, 0, size[size_t(i)]).detach();
   };
-  // The buffer of micro-batch i, once it arrived; the time blocked is idle time.
-  auto take = [&](std::map<int, Posted>& posted, int i, bool forward) {
-    post(posted, i, forward);
-    Posted p = std::move(posted[i]);
-    posted.erase(i);
-    post(posted, i + 1, forward);
-    idle += p.work.wait();
-    return p.buffer;
-  };
-  if (!first()) post(activations, 0, true);
-  if (!last()) post(gradients, 0, false);
+  if (!first()) post(activationBuffers_, activationWork, 0, true);
+  if (!last()) post(gradientBuffers_, gradientWork, 0, false);
   int64_t live = 0;
   int64_t peak = 0;
-  for (const PipeOp& op : makeSchedule(schedule_, options_.stages, stage_, M)) {
+  for (const PipeOp& op : ops) {
     Held& h = held[size_t(op.micro)];
     const int64_t m = size[size_t(op.micro)];
     if (op.forward) {
       if (first()) {
         h.input = batch.inputs.narrow(0, offset[size_t(op.micro)], m);
       } else {
-        h.input = take(activations, op.micro, true);
+        h.input = take(activationBuffers_, activationWork, op.micro, true);
         if (h.input.is_floating_point()) h.input.requires_grad_(true);
       }
+      auto computeStart = Clock::now();
       h.output = forwardCounting(h.input, &h.bytes);
       if (last()) {
         auto targets = batch.targets.narrow(0, offset[size_t(op.micro)], m);
         h.output = loss(h.output, targets) * (double(m) / double(B));
         lossSum += h.output.item<double>();
+        times.forward += secondsSince(computeStart);
       } else {
+        times.forward += secondsSince(computeStart);
+        const auto sendStart = Clock::now();
         sends.push_back(comm_->sendAsync(h.output.detach().contiguous(), nextRank(), 2 * op.micro));
+        times.send += secondsSince(sendStart);
       }
       live += h.bytes;
       peak = std::max(peak, live);
     } else {
       // A stage with nothing to differentiate (a Flatten alone at the front) has no graph.
       if (last()) {
+        const auto computeStart = Clock::now();
         if (h.output.requires_grad()) h.output.backward();
+        times.backward += secondsSince(computeStart);
       } else {
-        auto grad = take(gradients, op.micro, false);
+        auto grad = take(gradientBuffers_, gradientWork, op.micro, false);
+        const auto computeStart = Clock::now();
         if (h.output.requires_grad()) h.output.backward(grad);
+        times.backward += secondsSince(computeStart);
       }
       if (!first() && h.input.requires_grad()) {
+        const auto sendStart = Clock::now();
         auto grad = h.input.grad();
         if (!grad.defined()) grad = torch::zeros_like(h.input);
         sends.push_back(comm_->sendAsync(grad.contiguous(), prevRank(), 2 * op.micro + 1));
+        times.send += secondsSince(sendStart);
       }
       live -= h.bytes;
       h = Held{};  // frees the micro-batch's graph
     }
   }
+  const double idle = times.idle;
   double waited = idle;
-  for (auto& s : sends) waited += s.wait();
+  for (auto& s : sends) times.sendWait += s.wait();
+  waited += times.sendWait;
 
   if (options_.replicas > 1) {
     std::vector<torch::Tensor> grads;
@@ -428,7 +523,9 @@ StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
     averageInPlace(*stageGroup_, grads);
     waited += secondsSince(waitStart);
   }
+  const auto optimizerStart = Clock::now();
   optimizer_->step();
+  times.optimizer = secondsSince(optimizerStart);
 
   // The chief (stage 0 of replica 0) reports the loss, which the last stage knows.
   if (options_.stages > 1 && replica_ == 0 && (first() || last())) {
@@ -446,6 +543,11 @@ StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
   if (++steps_ > kWarmupSteps) {
     idleSeconds_ += idle;
     stepSeconds_ += seconds;
+    steadyTimes_.forward += times.forward;
+    steadyTimes_.backward += times.backward;
+    steadyTimes_.send += times.send;
+    steadyTimes_.sendWait += times.sendWait;
+    steadyTimes_.optimizer += times.optimizer;
   }
   peakActivationBytes_ = std::max(peakActivationBytes_, peak);
   const CommCounters after = comm_->counters();
@@ -456,7 +558,19 @@ StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
   stats.bytesReceived = after.bytesReceived - before.bytesReceived;
   stats.commWaitSeconds = waited;
   stats.computeSeconds = seconds - waited;
-  stats.extra = {{"idle_s", idle}, {"peak_activation_bytes", peak}, {"micro_batches", int64_t(M)}};
+  // Where the step went: compute, blocked on a neighbour (idle), posting and finishing sends,
+  // the optimizer; "other_s" is the rest (the loss message, averaging over replicas, the
+  // schedule's bookkeeping).
+  const double other = seconds - times.forward - times.backward - idle - times.send - times.sendWait - times.optimizer;
+  stats.extra = {{"idle_s", idle},
+                 {"peak_activation_bytes", peak},
+                 {"micro_batches", int64_t(M)},
+                 {"forward_s", times.forward},
+                 {"backward_s", times.backward},
+                 {"send_s", times.send},
+                 {"send_wait_s", times.sendWait},
+                 {"optimizer_s", times.optimizer},
+                 {"other_s", other}};
   return stats;
 }
 
@@ -488,11 +602,14 @@ void PipelineStrategy::synchronize() {
 
 void PipelineStrategy::finish() {
   lossSend_.wait();
-  auto mine = torch::tensor({double(peakActivationBytes_), idleSeconds_, stepSeconds_}, torch::kFloat64);
+  const StepTimes& t = steadyTimes_;
+  auto mine = torch::tensor({double(peakActivationBytes_), idleSeconds_, stepSeconds_, t.forward + t.backward,
+                             t.send + t.sendWait, t.optimizer},
+                            torch::kFloat64);
   auto all = comm_->allgather(mine);
   gathered_.clear();
-  for (auto& t : all) {
-    for (int k = 0; k < 3; ++k) gathered_.push_back(t[k].item<double>());
+  for (auto& g : all) {
+    for (int k = 0; k < kGathered; ++k) gathered_.push_back(g[k].item<double>());
   }
 }
 
@@ -501,24 +618,55 @@ MetricFields PipelineStrategy::report() {
   std::vector<int64_t> peaks;
   std::vector<double> idle;
   double bubble = 0;
+  std::vector<double> compute;
+  std::vector<double> send;
+  std::vector<double> optimizer;
   // Replica 0's stages.
-  for (int s = 0; s < S && size_t(3 * s + 2) < gathered_.size(); ++s) {
-    peaks.push_back(int64_t(gathered_[size_t(3 * s)]));
-    const double step = gathered_[size_t(3 * s + 2)];
-    idle.push_back(step > 0 ? gathered_[size_t(3 * s + 1)] / step : 0.0);
+  for (int s = 0; s < S && size_t(kGathered * (s + 1)) <= gathered_.size(); ++s) {
+    const double* g = &gathered_[size_t(kGathered * s)];
+    peaks.push_back(int64_t(g[0]));
+    const double step = g[2];
+    auto fraction = [step](double x) { return step > 0 ? x / step : 0.0; };
+    idle.push_back(fraction(g[1]));
+    compute.push_back(fraction(g[3]));
+    send.push_back(fraction(g[4]));
+    optimizer.push_back(fraction(g[5]));
     bubble += idle.back() / S;
+  }
+  // The bubble the schedule predicts for the stages' measured compute (unequal stages included):
+  // with t_s a stage's compute per micro-batch, a step takes about sum(t) + (M-1) max(t), and
+  // stage s idles 1 - M t_s / that. Equal stages give (S-1)/(M+S-1); what the measured bubble has
+  // beyond this is the cost of the messages and of the waits between stages.
+  double expected = 0;
+  if (!compute.empty()) {
+    const double sum = std::accumulate(compute.begin(), compute.end(), 0.0);
+    const double slowest = *std::max_element(compute.begin(), compute.end());
+    const int M = options_.microBatches;
+    const double step = sum + double(M - 1) * slowest;
+    for (double c : compute) expected += (step > 0 ? 1.0 - double(M) * c / step : 0.0) / double(compute.size());
   }
   std::vector<int64_t> cut(counts_.begin(), counts_.end());
   const int M = options_.microBatches;
-  return {{"stages", int64_t(S)},
-          {"replicas", int64_t(options_.replicas)},
-          {"micro_batches", int64_t(M)},
-          {"schedule", options_.schedule},
-          {"cut", cut},
-          {"stage_peak_activation_bytes", peaks},
-          {"stage_idle_fraction", idle},
-          {"bubble_fraction", bubble},
-          {"bubble_fraction_theory", double(S - 1) / double(M + S - 1)}};
+  MetricFields fields{{"stages", int64_t(S)},
+                      {"replicas", int64_t(options_.replicas)},
+                      {"micro_batches", int64_t(M)},
+                      {"micro_batches_auto", autoChoice_.has_value()},
+                      {"schedule", options_.schedule},
+                      {"cut", cut},
+                      {"stage_peak_activation_bytes", peaks},
+                      {"stage_idle_fraction", idle},
+                      {"stage_compute_fraction", compute},
+                      {"stage_send_fraction", send},
+                      {"stage_optimizer_fraction", optimizer},
+                      {"bubble_fraction", bubble},
+                      {"bubble_fraction_theory", double(S - 1) / double(M + S - 1)},
+                      {"bubble_fraction_expected", expected}};
+  if (autoChoice_) {
+    fields.push_back({"micro_batch_fixed_cost_s", autoChoice_->fixedSeconds});
+    fields.push_back({"micro_batch_work_s", autoChoice_->slotSeconds - autoChoice_->fixedSeconds});
+    fields.push_back({"predicted_step_s", autoChoice_->stepSeconds});
+  }
+  return fields;
 }
 
 }  // namespace cohort

@@ -23,6 +23,7 @@
 #include "strategy/pipeline_plan.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,11 +58,28 @@ class PipelineStrategy final : public Strategy {
  private:
   std::vector<int> chooseCut(torch::nn::Sequential& model, const Batch& sample, const std::vector<bool>& cutAfter);
   std::vector<double> timeLayers(torch::nn::Sequential& model, const torch::Tensor& inputs);
+  // The median round trip of a small message between ranks 0 and 1 (0 on other ranks, or with
+  // one stage): the fixed cost of one micro-batch's messages. Ranks 0 and 1 call it together.
+  double probeMessages();
+  MicroBatchChoice chooseMicroBatchCount(torch::nn::Sequential& model, const Batch& sample,
+                                         const std::vector<bool>& cutAfter, const std::vector<int>& counts,
+                                         double messageSeconds);
+  void printCut(const std::vector<double>& costs, const std::vector<int>& counts) const;
   torch::Tensor forwardCounting(const torch::Tensor& x, int64_t* bytes);
   int prevRank() const { return comm_->rank() - 1; }
   int nextRank() const { return comm_->rank() + 1; }
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ == options_.stages - 1; }
+
+  // One step's time, by where it went (seconds).
+  struct StepTimes {
+    double forward = 0;   // this stage's layers (and the loss, on the last stage)
+    double backward = 0;
+    double idle = 0;      // blocked on a neighbour's activation or gradient
+    double send = 0;      // posting sends
+    double sendWait = 0;  // waiting for the sends to finish, at the end of the step
+    double optimizer = 0;
+  };
 
   std::shared_ptr<Communicator> comm_;
   std::shared_ptr<Communicator> stageGroup_;  // this stage in every replica
@@ -73,6 +91,7 @@ class PipelineStrategy final : public Strategy {
   int replica_ = 0;
 
   std::vector<int> counts_;  // layers per stage
+  std::optional<MicroBatchChoice> autoChoice_;  // --micro-batches auto, on rank 0
   std::vector<std::string> layerNames_;
   std::vector<int64_t> inShape_;   // one example's input to this stage (stages > 0)
   std::vector<int64_t> outShape_;  // one example's output of this stage
@@ -84,13 +103,18 @@ class PipelineStrategy final : public Strategy {
   torch::nn::Sequential model_{nullptr};  // this stage's layers
   torch::optim::Optimizer* optimizer_ = nullptr;
   CommWork lossSend_;
+  // Receive buffers kept from step to step, as many as micro-batches can be in flight plus one
+  // (stages > 0: activations in; stages < S-1: gradients in). See step().
+  std::vector<torch::Tensor> activationBuffers_;
+  std::vector<torch::Tensor> gradientBuffers_;
 
   // Measured over the steps after the first few, for the report.
   int64_t steps_ = 0;
   int64_t peakActivationBytes_ = 0;
   double idleSeconds_ = 0;
   double stepSeconds_ = 0;
-  std::vector<double> gathered_;  // every stage's [peak bytes, idle s, step s], after finish()
+  StepTimes steadyTimes_;
+  std::vector<double> gathered_;  // every stage's kGathered values (pipeline.cpp), after finish()
 };
 
 // Layers [first, first + count) of `model`, the same module objects under the same names.

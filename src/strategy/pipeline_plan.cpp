@@ -111,4 +111,63 @@ std::vector<int> balanceStages(const std::vector<double>& costs, int stages, con
   return counts;
 }
 
+int parseMicroBatches(const std::string& text, int64_t batch) {
+  if (text == "auto") return kAutoMicroBatches;
+  long long value = 0;
+  size_t used = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  COHORT_CHECK(used == text.size() && !text.empty(), InvalidArgument, "--micro-batches '", text,
+               "' is not a number: give a count of micro-batches per batch (1 to --batch) or auto");
+  COHORT_CHECK(value >= 1, InvalidArgument, "--micro-batches ", text,
+               ": a batch needs at least 1 micro-batch: give 1 to --batch, or auto");
+  COHORT_CHECK(value <= batch, InvalidArgument, "--micro-batches ", text, " is more than --batch ", batch,
+               ": every micro-batch needs an example: give at most ", batch, ", or auto");
+  return int(value);
+}
+
+MicroBatchChoice predictStep(const MicroBatchCosts& costs, int64_t batch, int stages, const std::vector<int>& counts,
+                             int microBatches) {
+  const int64_t m = (batch + microBatches - 1) / microBatches;  // the largest micro-batch
+  double slowest = 0;
+  double fixed = 0;
+  for (size_t s = 0, j = 0; s < counts.size(); ++s) {
+    double cost = 0;
+    double overhead = 0;
+    for (int k = 0; k < counts[s]; ++k, ++j) {
+      cost += costs.perMicroBatch[j] + costs.perExample[j] * double(m);
+      overhead += costs.perMicroBatch[j];
+    }
+    if (cost > slowest) {
+      slowest = cost;
+      fixed = overhead;
+    }
+  }
+  const double message = stages > 1 ? costs.messageSeconds : 0.0;
+  const double slot = slowest + message;
+  return {microBatches, counts, double(microBatches + stages - 1) * slot, slot, fixed + message};
+}
+
+MicroBatchChoice chooseMicroBatches(const MicroBatchCosts& costs, int64_t batch, int stages,
+                                    const std::vector<int>& counts, const std::vector<bool>& cutAfter) {
+  const size_t layers = costs.perExample.size();
+  COHORT_CHECK(batch >= 1 && costs.perMicroBatch.size() == layers, InvalidArgument,
+               "chooseMicroBatches: a batch of ", batch, " and costs of ", costs.perMicroBatch.size(), " and ", layers,
+               " layers");
+  MicroBatchChoice best;
+  best.stepSeconds = std::numeric_limits<double>::infinity();
+  std::vector<double> layerCost(layers);
+  for (int64_t M = 1; M <= batch; ++M) {
+    const int64_t m = (batch + M - 1) / M;
+    for (size_t j = 0; j < layers; ++j) layerCost[j] = costs.perMicroBatch[j] + costs.perExample[j] * double(m);
+    const MicroBatchChoice c =
+        predictStep(costs, batch, stages, counts.empty() ? balanceStages(layerCost, stages, cutAfter) : counts, int(M));
+    if (c.stepSeconds < best.stepSeconds) best = c;
+  }
+  return best;
+}
+
 }  // namespace cohort

@@ -2,6 +2,7 @@
 // order (GPipe, 1F1B), and where the model is cut (by a list, or balanced by measured cost).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,43 @@ std::vector<int> parsePartition(const std::string& text, int stages, int layers)
 // `costs` in a stage (exact, by dynamic programming). `cutAfter[j]` says whether the model may be
 // cut after layer j (empty: anywhere). Throws InvalidArgument when no such cut exists.
 std::vector<int> balanceStages(const std::vector<double>& costs, int stages, const std::vector<bool>& cutAfter = {});
+
+// --micro-batches: "auto" (returns 0, kAutoMicroBatches) or a count in [1, batch]. Throws
+// InvalidArgument naming the problem (zero, not a number, more than the batch).
+constexpr int kAutoMicroBatches = 0;
+int parseMicroBatches(const std::string& text, int64_t batch);
+
+// What a micro-batch costs, measured at start (seconds). A layer's forward+backward on m examples
+// is modelled as perMicroBatch[j] + perExample[j] * m: the first part (per-op overheads) is paid
+// once per micro-batch whatever its size. messageSeconds is the fixed cost of a micro-batch's
+// messages between neighbouring stages (an activation one way and a gradient the other).
+struct MicroBatchCosts {
+  std::vector<double> perMicroBatch;  // per layer
+  std::vector<double> perExample;     // per layer
+  double messageSeconds = 0;
+};
+
+struct MicroBatchChoice {
+  int microBatches = 1;
+  std::vector<int> counts;      // layers per stage at that M
+  double stepSeconds = 0;       // predicted
+  double slotSeconds = 0;       // predicted time of the slowest stage on one micro-batch
+  double fixedSeconds = 0;      // of that: the part paid per micro-batch (overheads + messages)
+};
+
+// The predicted step of M micro-batches under the cut `counts` (layers per stage).
+MicroBatchChoice predictStep(const MicroBatchCosts& costs, int64_t batch, int stages, const std::vector<int>& counts,
+                             int microBatches);
+
+// --micro-batches auto: the M in [1, batch] that minimizes the predicted step time
+// (M + S - 1) * slot(M), where slot(M) is the slowest stage's time on a micro-batch of
+// ceil(batch / M) examples plus messageSeconds (S > 1). With per-micro-batch fixed cost F and
+// work W per stage per batch this is about the largest M whose work per micro-batch W/M stays at
+// least M/(S-1) times F (M ~ sqrt((S-1) W / F)): more micro-batches shrink the bubble, each one
+// adds F. `counts` fixes the cut (empty: balanced at each M, as balanceStages). Ties go to the
+// smaller M.
+MicroBatchChoice chooseMicroBatches(const MicroBatchCosts& costs, int64_t batch, int stages,
+                                    const std::vector<int>& counts, const std::vector<bool>& cutAfter = {});
 
 // "4,4" for {4, 4}.
 std::string joinCounts(const std::vector<int>& counts);
