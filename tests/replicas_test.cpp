@@ -269,9 +269,13 @@ TEST_P(MirroredAcrossProcesses, EqualsOneProcessOnAllBatches) {
   const Data d = batches(4, 8 * world);
   std::vector<std::vector<torch::Tensor>> got(world);
   std::vector<int64_t> sent(world);
+  // Built before the rank threads: two threads seeding torch's one generator at once would build
+  // other nets than smallNet(10) and smallNet(11).
+  std::vector<nn::Sequential> nets;
+  for (int r = 0; r < world; ++r) nets.push_back(smallNet(uint64_t(10 + r)));
   test::onRanks(world, [&](std::shared_ptr<Communicator> comm) {
     const int rank = comm->rank();
-    auto net = smallNet(uint64_t(10 + rank));  // rank 0's is broadcast
+    auto& net = nets[size_t(rank)];  // rank 0's is broadcast
     torch::optim::SGD opt(net->parameters(), 0.1);
     Mirrored mirrored(Job::fromCommunicator(comm), net.ptr(), opt,
                       {.replicas = R, .bucketMb = 0.0005, .overlap = GetParam()});
@@ -380,8 +384,10 @@ void expectTensorEqualsOneProcess(nn::Sequential (*make)(uint64_t), int ways, in
   }
   const auto expected = alone->forward(d.x[0]).detach();
   std::vector<double> worst(size_t(ways * replicas), 1.0);
+  std::vector<nn::Sequential> nets;  // built here, not in the threads that share torch's generator
+  for (int r = 0; r < ways * replicas; ++r) nets.push_back(make(1));
   test::onRanks(ways * replicas, [&](std::shared_ptr<Communicator> comm) {
-    auto net = make(1);
+    auto net = nets[size_t(comm->rank())];
     TensorParallel tp(Job::fromCommunicator(comm), net, d.x[0], {.ways = ways});
     auto local = tp.module();
     torch::optim::SGD opt(local->parameters(), 0.1);

@@ -468,9 +468,12 @@ TEST(SparseAllreduce, RanksEqualOneProcessWithTheCombinedBatch) {
     }
     std::vector<std::vector<torch::Tensor>> finals(2);
     std::vector<int64_t> bytes(2);
+    // Built here, not in the rank threads: torch's generator is one per process, and two threads
+    // seeding it at once build different models (the reference would then not be rank 0's start).
+    std::vector<torch::nn::Sequential> models = {embedModel(true), embedModel(true)};
     test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
       const int r = comm->rank();
-      auto model = embedModel(true);
+      auto& model = models[size_t(r)];
       LazyOptimizer opt(model->parameters(), "sgd", 0.5, 0);
       DataParallel dp(Job::fromCommunicator(comm), *model, {.codec = codec});
       Batch mine{whole.inputs.narrow(0, r * 4, 4), whole.targets.narrow(0, r * 4, 4)};
@@ -497,9 +500,10 @@ TEST(SparseAllreduce, RanksEqualOneProcessWithTheCombinedBatch) {
 TEST(SparseAverage, OnlyChangedRowsTravelAndReplicasAgree) {
   std::vector<std::vector<torch::Tensor>> finals(2);
   std::vector<int64_t> bytes(2);
+  std::vector<torch::nn::Sequential> models = {embedModel(true), embedModel(true)};  // not in the threads
   test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
     const int r = comm->rank();
-    auto model = embedModel(true);
+    auto& model = models[size_t(r)];
     LazyOptimizer opt(model->parameters(), "sgd", 0.5, 0);
     ParameterAveraging avg(Job::fromCommunicator(comm), *model, &opt, {.period = 2});
     const torch::Tensor start = table(model).detach().clone();
