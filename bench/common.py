@@ -96,15 +96,20 @@ def run(cmd, env=None, timeout=1800):
     return proc, time.time() - started
 
 
-def wait_all(procs, what, timeout=1800):
-    """Waits for every process (killing those past the timeout); raises RuntimeError with their
-    output when any failed."""
+def wait_all(procs, what, timeout=1800, shared_deadline=False):
+    """Waits for every process; raises RuntimeError with their output when any failed. By default
+    each process gets `timeout` seconds of its own and only a process past it is killed; with
+    shared_deadline=True the timeout is one deadline for them all, and the first process past it
+    has every process still running killed (a job whose processes wait on each other)."""
+    deadline = time.time() + timeout
     outputs, failed = [], False
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=timeout)
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.time()) if shared_deadline else timeout)
         except subprocess.TimeoutExpired:
-            p.kill()
+            for q in (procs if shared_deadline else [p]):
+                if q.poll() is None:
+                    q.kill()
             out, _ = p.communicate()
             failed = True
         outputs.append(out)

@@ -26,11 +26,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bandwidth import create, destroy, ns_name, set_rate  # noqa: E402
-from common import ROOT, done_event, machine, median  # noqa: E402
+from common import ROOT, done_event, machine, median, wait_all  # noqa: E402
 
 CONFIGS = {"ar": ("allreduce", "none", 0), "ar-thr": ("allreduce", "threshold:0.001", 0), "ps1": ("ps", "none", 1),
            "ps2": ("ps", "none", 2)}
@@ -129,22 +128,8 @@ def run_job(args, tmp, scheme, codec, workers, shards, rate):
                 cmd += ["--lr", args.ps_lr]
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns_name(ns)] + cmd, env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    # One deadline for the whole job (bench/common.py's wait_all gives each process its own).
-    deadline = time.time() + args.job_timeout
-    outputs, failed = [], False
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                if q.poll() is None:
-                    q.kill()
-            out, _ = proc.communicate()
-            failed = True
-        outputs.append(out)
-        failed = failed or proc.returncode != 0
-    if failed:
-        raise RuntimeError(f"{scheme} --codec {codec} x{workers} failed:\n" + "\n".join(outputs))
+    # One deadline for the whole job: its processes wait on each other.
+    wait_all(procs, f"{scheme} --codec {codec} x{workers}", timeout=args.job_timeout, shared_deadline=True)
     done = done_event(metrics)
     split = chief_split(metrics)
     if args.keep:
