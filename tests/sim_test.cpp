@@ -31,7 +31,7 @@ Calibration plain() {
   c.batch = 64;
   c.computeSecondsPerExample = 1e-3;
   c.sharedCores = 2;
-  c.computeSecondsPerExampleShared = 1e-3;
+  c.jobCompute = {{.ranks = 2, .secondsPerExample = 1e-3}};
   c.backwardFraction = 0.5;
   c.parameterCount = 1e6;
   c.parameterBytes = 4e6;
@@ -259,18 +259,27 @@ TEST(SimEvents, StragglersBackupWorkersAndBoundedStaleness) {
   EXPECT_GT(many.waitSeconds, 2 * few.waitSeconds);
 }
 
-TEST(SimEvents, SharedCoresSlowComputeWithMoreRanksThanCores) {
+TEST(SimEvents, SharedCoresComputeAtTheJobsMeasuredSpeed) {
   Scenario s = scenarioOf(Scheme::Allreduce);
   s.network.bandwidth = 0;
   s.cores = 2;
   s.overlap = false;
-  // Ranks sharing the cores compute at the speed measured with every core busy (1.25 ms per
-  // example), and slower still with more ranks than cores; one rank alone at the quiet 1 ms.
-  s.calibration.computeSecondsPerExampleShared = 1.25e-3;
-  const double c = 64 * 1.25e-3;
+  // Jobs of 2 and 4 ranks on the calibrating machine's 2 cores computed 1.25 and 2.6 ms per
+  // example; one rank alone computes at the quiet 1 ms.
+  s.calibration.jobCompute = {{.ranks = 4, .secondsPerExample = 2.6e-3}, {.ranks = 2, .secondsPerExample = 1.25e-3}};
+  auto ring = [](int p) { return ringAllreduceSeconds(p, 4e6, 50e-6, 0, 1e-10); };
   EXPECT_NEAR(simulateWorkers(s, 1).stepSeconds, 64e-3, 1e-12);
-  EXPECT_NEAR(simulateWorkers(s, 2).stepSeconds, c + ringAllreduceSeconds(2, 4e6, 50e-6, 0, 1e-10), 1e-12);
-  EXPECT_NEAR(simulateWorkers(s, 4).stepSeconds, 2 * c + ringAllreduceSeconds(4, 4e6, 50e-6, 0, 1e-10), 1e-12);
+  // A measured rank count: its job's compute.
+  EXPECT_NEAR(simulateWorkers(s, 2).stepSeconds, 64 * 1.25e-3 + ring(2), 1e-12);
+  EXPECT_NEAR(simulateWorkers(s, 4).stepSeconds, 64 * 2.6e-3 + ring(4), 1e-12);
+  // 3: the nearest counts tie, the smaller (2) is taken, slowed by 3 ranks on 2 cores.
+  EXPECT_NEAR(simulateWorkers(s, 3).stepSeconds, 1.5 * 64 * 1.25e-3 + ring(3), 1e-12);
+  // 8: the 4-rank job's speed per core (2.6 / 2 ms), slowed by 8 ranks on 2 cores.
+  EXPECT_NEAR(simulateWorkers(s, 8).computeSeconds, 4 * 64 * 1.3e-3, 1e-12);
+  // Asynchronous ps workers interleave compute with waiting: the speed per core, not slowed.
+  Scenario ps = s;
+  ps.scheme = Scheme::Ps;
+  EXPECT_NEAR(simulateWorkers(ps, 4).computeSeconds, 64 * 1.3e-3, 1e-12);
 }
 
 TEST(SimEvents, ParameterServerPaysTheMeasuredGrpcCosts) {
@@ -318,12 +327,18 @@ TEST(SimCalibration, RoundTripAndErrorsNameTheField) {
     }
   };
   std::string other = toJson(c);
-  other.replace(other.find("\"version\": 2"), 12, "\"version\": 1");
+  other.replace(other.find("\"version\": 3"), 12, "\"version\": 2");
   expectError(other, "\"version\"");
   std::string negative = toJson(c);
   negative.replace(negative.find("\"compute_seconds_per_example\": "), 31, "\"compute_seconds_per_example\": -");
   expectError(negative, "compute_seconds_per_example");
-  expectError("{\"version\": 2}", "\"machine\"");
+  expectError("{\"version\": 3}", "\"machine\"");
+  Calibration twice = c;
+  twice.jobCompute.push_back(twice.jobCompute.front());
+  expectError(toJson(twice), "job_compute");
+  Calibration none = c;
+  none.jobCompute.clear();
+  expectError(toJson(none), "job_compute");
   expectError("[1]", "JSON object");
 }
 
@@ -352,10 +367,13 @@ TEST(SimSetup, BadInputNamesTheOption) {
 
 // The arithmetic of a prediction from the calibration recorded on the 2-core VM (committed under
 // tests/data/): 2 workers on 2 cores at 100 Mbit/s, allreduce without overlap, is the recorded
-// compute plus the ring formula with the recorded a, b, g.
+// 2-rank job's compute plus the ring formula with the recorded a, b, g.
 TEST(SimCalibration, RecordedCalibrationFile) {
   const Calibration c = loadCalibration(std::string(COHORT_SOURCE_DIR) + "/tests/data/calibration_cnn.json");
   EXPECT_EQ(c.model, "cnn");
+  ASSERT_EQ(c.sharedCores, 2);
+  ASSERT_EQ(c.jobCompute.size(), 3u);
+  ASSERT_EQ(c.jobCompute[0].ranks, 2);
   Scenario s;
   s.calibration = c;
   s.network.bandwidth = 100e6 / 8;
@@ -364,11 +382,37 @@ TEST(SimCalibration, RecordedCalibrationFile) {
   s.batch = 64;
   s.steps = 20;
   const double b = 8 * kFrame / 100e6 + c.secondsPerByte;
-  const double step = 64 * c.computeSecondsPerExampleShared +
+  const double step = 64 * c.jobCompute[0].secondsPerExample +
                       ringAllreduceSeconds(2, c.parameterBytes, c.latencySeconds, b, c.reduceSecondsPerByte);
   const Prediction got = simulateWorkers(s, 2);
   EXPECT_NEAR(got.stepSeconds, step, 1e-12);
   EXPECT_NEAR(got.samplesPerSecond, 128 / step, 1e-9);
+}
+
+// The compute of ranks sharing the cores, from the recorded calibration's jobs (2, 3 and 4 ranks
+// of an allreduce job on the VM's 2 cores): a synchronous run of a measured rank count computes
+// exactly what that job's chief computed per step; 6 ranks, the 4-rank job's speed per core slowed
+// by 6 ranks on 2 cores; asynchronous ps workers that speed per core alone; one worker the quiet
+// profile.
+TEST(SimCalibration, RecordedJobComputeAtEachRankCount) {
+  const Calibration c = loadCalibration(std::string(COHORT_SOURCE_DIR) + "/tests/data/calibration_cnn.json");
+  ASSERT_EQ(c.sharedCores, 2);
+  ASSERT_EQ(c.jobCompute.size(), 3u);
+  Scenario s;
+  s.calibration = c;
+  s.network.bandwidth = 1e9 / 8;
+  s.cores = 2;
+  s.batch = 64;
+  s.steps = 20;
+  for (const JobCompute& job : c.jobCompute) {
+    EXPECT_NEAR(simulateWorkers(s, job.ranks).computeSeconds, 64 * job.secondsPerExample, 1e-12) << job.ranks;
+  }
+  EXPECT_EQ(c.jobCompute[2].ranks, 4);
+  EXPECT_NEAR(simulateWorkers(s, 6).computeSeconds, 64 * c.jobCompute[2].secondsPerExample * 6 / 4, 1e-12);
+  EXPECT_NEAR(simulateWorkers(s, 1).computeSeconds, 64 * c.computeSecondsPerExample, 1e-12);
+  s.scheme = Scheme::Ps;
+  s.shards = 2;
+  EXPECT_NEAR(simulateWorkers(s, 4).computeSeconds, 64 * c.jobCompute[2].secondsPerExample / 2, 1e-12);
 }
 
 TEST(SimCommand, BadInputIsOneLineNamingTheField) {
@@ -386,7 +430,7 @@ TEST(SimCommand, BadInputIsOneLineNamingTheField) {
   expectError("--strategy ps --shards 5000000", "--shards");
   expectError("--strategy pipeline --stages 40 --workers 40", "--stages");
   std::string text = test::readFile(cal);
-  text.replace(text.find("\"version\": 2"), 12, "\"version\": 7");
+  text.replace(text.find("\"version\": 3"), 12, "\"version\": 2");
   test::writeFile(dir.file("old.json"), text);
   const test::CommandResult r =
       test::runCommand(test::cohortBinary() + " simulate --calibration " + dir.file("old.json"), 60);
@@ -417,7 +461,7 @@ TEST(SimCommand, CalibrateWritesAFileThatLoads) {
   test::TempDir dir;
   const std::string path = dir.file("cal.json");
   const test::CommandResult r = test::runCommand(test::cohortBinary() + " simulate --calibrate --model mlp --batch 16 " +
-                                                     "--profile-steps 10 --codecs fp16 --calibration " + path,
+                                                     "--profile-steps 10 --codecs fp16 --job-ranks 2 --job-steps 10 --calibration " + path,
                                                  120);
   ASSERT_EQ(r.exitCode, 0) << r.output;
   const Calibration c = loadCalibration(path);
@@ -431,7 +475,9 @@ TEST(SimCommand, CalibrateWritesAFileThatLoads) {
   EXPECT_GT(c.reduceSecondsPerByte, 0);
   EXPECT_GT(c.shardSecondsPerByte, 0);
   EXPECT_GE(c.sharedCores, 1);
-  EXPECT_GT(c.computeSecondsPerExampleShared, 0);
+  ASSERT_EQ(c.jobCompute.size(), 1u);
+  EXPECT_EQ(c.jobCompute[0].ranks, 2);
+  EXPECT_GT(c.jobCompute[0].secondsPerExample, 0);
   EXPECT_GT(c.glooAllgatherSeconds, 0);
   EXPECT_LT(c.glooAllgatherSeconds, 0.1);
   EXPECT_GT(c.rpcCallSeconds, 0);

@@ -23,11 +23,9 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
-#include <functional>
 #include <numeric>
 #include <sstream>
 
-#include <poll.h>
 #include <unistd.h>
 
 namespace cohort::cli {
@@ -120,9 +118,8 @@ std::string machineName() {
 }
 
 // The model's compute per example with one thread, its parameters, and a few real gradients.
-// `beforeTiming`, when set, runs once the data and the model are ready, before the first step.
 void profileModel(sim::Calibration& c, const std::string& modelSpec, const std::string& dataSpec, int steps,
-                  std::vector<std::vector<float>>& gradients, const std::function<void()>& beforeTiming = {}) {
+                  std::vector<std::vector<float>>& gradients) {
   setComputeThreads(1);
   torch::manual_seed(1);
   DataSplits data = loadData(dataSpec, 1);
@@ -141,7 +138,6 @@ void profileModel(sim::Calibration& c, const std::string& modelSpec, const std::
   double nonzero = 0, entries = 0;
   const int64_t size = data.train.size();
   COHORT_CHECK(size >= c.batch, InvalidArgument, "--batch ", c.batch, ": larger than the data set (", size, ")");
-  if (beforeTiming) beforeTiming();
   for (int s = 0; s < steps; ++s) {
     for (int i = 0; i < c.batch; ++i) idx[i] = (int64_t(s) * c.batch + i) % size;
     const auto t0 = Clock::now();
@@ -216,6 +212,8 @@ struct Flags {
   std::string data = "fashion-mnist";
   std::string codecs = "fp16,bf16,topk:0.01,threshold:0.001,onebit";
   int profileSteps = 40;
+  std::string jobRanks;
+  int jobSteps = 25;
   double params = 0, exampleMs = 0;
   std::string bandwidth = "1gbit", serverBandwidth;
   double latencyUs = 0;
@@ -244,42 +242,27 @@ struct Flags {
 
 constexpr double kProbeTimeoutSeconds = 120;
 
-// `--probe compute`: profiles the model as --calibrate does, starting the timed steps when the
-// parent writes a line (so that every copy computes at once), and prints its seconds per example.
-int runComputeProbe(const Flags& f) {
-  sim::Calibration c;
-  c.batch = f.batch;
-  std::vector<std::vector<float>> gradients;
-  profileModel(c, f.model, f.data, f.profileSteps, gradients, [] {
-    std::printf("ready\n");
-    std::fflush(stdout);
-    pollfd p{0, POLLIN, 0};
-    COHORT_CHECK(::poll(&p, 1, int(kProbeTimeoutSeconds * 1000)) > 0, TimeoutError,
-                 "calibration: the compute probe got no start signal within ", kProbeTimeoutSeconds, " s");
-    char go[8];
-    COHORT_CHECK(::read(0, go, sizeof go) > 0, CommError, "calibration: the compute probe's parent went away");
-  });
-  std::printf("%.17g\n", c.computeSecondsPerExample);
-  std::fflush(stdout);
-  return 0;
-}
-
-// The compute per example while `cores` copies of the profile run at once, one per core: the
-// mean of their medians.
-double profileShared(const Flags& f, int cores) {
-  std::vector<std::unique_ptr<Child>> copies;
-  for (int i = 0; i < cores; ++i) {
-    copies.push_back(std::make_unique<Child>(
-        "compute probe " + std::to_string(i),
-        std::vector<std::string>{"simulate", "--probe", "compute", "--model", f.model, "--data", f.data, "--batch",
-                                 std::to_string(f.batch), "--profile-steps", std::to_string(f.profileSteps)}));
+// --job-ranks, or by default the machine's cores, one more, and twice as many (at least 2 each).
+std::vector<int> jobRanks(const std::string& text, int cores) {
+  std::vector<int> out;
+  if (text.empty()) {
+    out = {std::max(2, cores), std::max(2, cores + 1), std::max(2, 2 * cores)};
+  } else {
+    for (const std::string& item : splitList(text)) {
+      int r = 0;
+      try {
+        r = std::stoi(item);
+      } catch (const std::logic_error&) {
+        throw InvalidArgument("--job-ranks " + text + ": expected rank counts such as 2,3,4");
+      }
+      COHORT_CHECK(r >= 2, InvalidArgument, "--job-ranks: every count must be >= 2, got ", r);
+      out.push_back(r);
+    }
   }
-  for (auto& c : copies) COHORT_CHECK(c->readLine(kProbeTimeoutSeconds) == "ready", CommError, "calibration: a compute probe did not start");
-  for (auto& c : copies) c->write("go\n");
-  double sum = 0;
-  for (auto& c : copies) sum += std::stod(c->readLine(kProbeTimeoutSeconds));
-  for (auto& c : copies) c->wait(kProbeTimeoutSeconds);
-  return sum / cores;
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  COHORT_CHECK(!out.empty(), InvalidArgument, "--job-ranks: expected rank counts such as 2,3,4");
+  return out;
 }
 
 int runCalibrate(const Flags& f) {
@@ -289,6 +272,10 @@ int runCalibrate(const Flags& f) {
   c.batch = f.batch;
   COHORT_CHECK(f.batch >= 1, InvalidArgument, "--batch must be >= 1, got ", f.batch);
   COHORT_CHECK(f.profileSteps >= 10, InvalidArgument, "--profile-steps must be >= 10, got ", f.profileSteps);
+  COHORT_CHECK(f.jobSteps >= kJobWarmupSteps + 5, InvalidArgument, "--job-steps must be >= ", kJobWarmupSteps + 5,
+               ", got ", f.jobSteps);
+  c.sharedCores = std::max(1, int(::sysconf(_SC_NPROCESSORS_ONLN)));
+  const std::vector<int> ranks = jobRanks(f.jobRanks, c.sharedCores);
   std::fprintf(stderr, "calibrating: loopback a, b (2 processes, TCP)...\n");
   const sim::LinkProbe link = sim::probeLoopback();  // first: fork before torch starts its threads
   c.latencySeconds = link.latencySeconds;
@@ -302,9 +289,6 @@ int runCalibrate(const Flags& f) {
                f.profileSteps);
   std::vector<std::vector<float>> gradients;
   profileModel(c, f.model, f.data, f.profileSteps, gradients);
-  c.sharedCores = std::max(1, int(::sysconf(_SC_NPROCESSORS_ONLN)));
-  std::fprintf(stderr, "calibrating: the same in %d processes at once...\n", c.sharedCores);
-  c.computeSecondsPerExampleShared = profileShared(f, c.sharedCores);
   std::fprintf(stderr, "calibrating: gRPC to a cohort ps process, and codecs...\n");
   const RpcProbe rpc = probeRpc(gradients.front().size(), kProbeTimeoutSeconds);
   c.rpcCallSeconds = rpc.callSeconds;
@@ -313,6 +297,13 @@ int runCalibrate(const Flags& f) {
   for (const std::string& name : splitList(f.codecs)) {
     if (name == "none") continue;
     c.codecs.push_back(profileCodec(name, gradients));
+  }
+  // Last, on a machine left to them: real jobs, whose ranks compute beside each other on the cores.
+  const JobProbeOptions job{.model = f.model, .data = f.data, .batch = f.batch, .steps = f.jobSteps};
+  for (int r : ranks) {
+    std::fprintf(stderr, "calibrating: a %d-step allreduce job of %d ranks on the %d cores...\n", f.jobSteps, r,
+                 c.sharedCores);
+    c.jobCompute.push_back({.ranks = r, .secondsPerExample = probeJobCompute(job, r, kProbeTimeoutSeconds)});
   }
   sim::saveCalibration(c, f.calibration);
   std::printf("%s", sim::toJson(c).c_str());
@@ -358,6 +349,9 @@ int runSimulate(const Flags& f) {
   }
   if (f.exampleMs != 0) {
     COHORT_CHECK(f.exampleMs > 0, InvalidArgument, "--example-ms must be > 0, got ", f.exampleMs);
+    // The jobs' compute with the cores shared scales with the model's.
+    const double scale = f.exampleMs / 1000 / base.calibration.computeSecondsPerExample;
+    for (sim::JobCompute& j : base.calibration.jobCompute) j.secondsPerExample *= scale;
     base.calibration.computeSecondsPerExample = f.exampleMs / 1000;
   }
   base.network.bandwidth = parseRate(f.bandwidth, "--bandwidth");
@@ -467,6 +461,10 @@ Run addSimulateCommand(CLI::App& app) {
   cmd->add_option("--data", f.data, "--calibrate: the data the model is profiled on")->capture_default_str();
   cmd->add_option("--codecs", f.codecs, "--calibrate: the codecs to measure")->capture_default_str();
   cmd->add_option("--profile-steps", f.profileSteps, "--calibrate: steps profiled")->capture_default_str();
+  cmd->add_option("--job-ranks", f.jobRanks,
+                  "--calibrate: rank counts of the short allreduce jobs whose compute ranks sharing the cores take "
+                  "(default: the cores, one more, twice the cores)");
+  cmd->add_option("--job-steps", f.jobSteps, "--calibrate: steps of each of those jobs")->capture_default_str();
   const std::string model = "Model (override the calibration)";
   cmd->add_option("--params", f.params, "Parameters of the model")->group(model);
   cmd->add_option("--example-ms", f.exampleMs, "Compute per example, ms (forward, backward, step)")->group(model);
@@ -516,8 +514,7 @@ Run addSimulateCommand(CLI::App& app) {
   cmd->add_option("--probe-port", f.probePort)->group("");
   return [flags]() {
     if (flags->probe == "gloo") return runGlooProbeChild(flags->probeRank, flags->probePort);
-    if (flags->probe == "compute") return runComputeProbe(*flags);
-    COHORT_CHECK(flags->probe.empty(), InvalidArgument, "--probe ", flags->probe, ": expected gloo or compute");
+    COHORT_CHECK(flags->probe.empty(), InvalidArgument, "--probe ", flags->probe, ": expected gloo");
     return flags->calibrate ? runCalibrate(*flags) : runSimulate(*flags);
   };
 }

@@ -26,6 +26,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <fstream>
@@ -329,6 +330,50 @@ RpcProbe probeRpc(size_t floats, double timeoutSeconds) {
   client.reset();
   shard.wait(timeoutSeconds);
   return probe;
+}
+
+// ---- compute in a real job ----
+
+double jobComputeSecondsPerExample(const std::string& metricsPath, int batch) {
+  std::ifstream in(metricsPath);
+  std::vector<double> compute;
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto e = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!e.is_object() || e.value("event", "") != "step" || e.value("step", 0) <= kJobWarmupSteps) continue;
+    compute.push_back(e.value("compute_s", 0.0));
+  }
+  COHORT_CHECK(!compute.empty(), CommError, "calibration: the job's metrics ", metricsPath,
+               " hold no step after the warm-up (see the job's error above)");
+  return median(compute) / batch;
+}
+
+double probeJobCompute(const JobProbeOptions& o, int ranks, double timeoutSeconds) {
+  COHORT_CHECK(o.steps >= kJobWarmupSteps + 5, InvalidArgument, "--job-steps must be >= ", kJobWarmupSteps + 5,
+               ", got ", o.steps);
+  char dir[] = "/tmp/cohort-calibration-XXXXXX";
+  COHORT_CHECK(::mkdtemp(dir) != nullptr, IoError, "calibration: cannot make a directory in /tmp: ", std::strerror(errno));
+  const std::string metrics = std::string(dir) + "/metrics.jsonl";
+  char exe[4096] = {};
+  const ssize_t len = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  COHORT_CHECK(len > 0, IoError, "calibration: cannot read /proc/self/exe: ", std::strerror(errno));
+  double result = 0;
+  try {
+    Child job("the calibration job of " + std::to_string(ranks) + " ranks (cohort launch)",
+              {"launch", "-n", std::to_string(ranks), "--host", "127.0.0.1", "--", std::string(exe, size_t(len)),
+               "train", "--strategy", "allreduce", "--model", o.model, "--data", o.data, "--batch",
+               std::to_string(o.batch), "--threads", "1", "--steps", std::to_string(o.steps), "--progress", "off",
+               "--timeout", std::to_string(int(timeoutSeconds)), "--metrics", metrics});
+    job.wait(timeoutSeconds);
+    result = jobComputeSecondsPerExample(metrics, o.batch);
+  } catch (...) {
+    std::remove(metrics.c_str());
+    ::rmdir(dir);
+    throw;
+  }
+  std::remove(metrics.c_str());
+  ::rmdir(dir);
+  return result;
 }
 
 }  // namespace cohort::cli

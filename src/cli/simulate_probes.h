@@ -54,6 +54,23 @@ struct RpcProbe {
 };
 RpcProbe probeRpc(size_t floats, double timeoutSeconds);
 
+// A short real job of `ranks` ranks on this machine: `cohort launch -n RANKS -- cohort train
+// --strategy allreduce --threads 1 ...` over 127.0.0.1. Returns the median compute_s of the
+// chief's steps after the trainer's warm-up, per example: a rank's compute with the others on the
+// same cores, its hooks and its communication thread beside it.
+struct JobProbeOptions {
+  std::string model = "cnn";
+  std::string data = "fashion-mnist";
+  int batch = 64;
+  int steps = 25;  // at least kJobWarmupSteps + 5
+};
+inline constexpr int kJobWarmupSteps = 5;  // the trainer's steady state starts after these
+double probeJobCompute(const JobProbeOptions& options, int ranks, double timeoutSeconds);
+
+// The median compute_s per example of a metrics file's step events after kJobWarmupSteps;
+// throws CommError naming the file when it holds none.
+double jobComputeSecondsPerExample(const std::string& metricsPath, int batch);
+
 // CPU seconds a process (all its threads) has run, from /proc/PID/task/*/schedstat.
 double processCpuSeconds(int pid);
 

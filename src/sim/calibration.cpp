@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -19,6 +21,16 @@ const CodecCost& Calibration::codec(const std::string& name) const {
   for (const CodecCost& c : codecs) known += (known.empty() ? "" : ", ") + c.codec;
   throw InvalidArgument("--codec " + name + ": the calibration has no measurement of it (measured: " + known +
                         "); run cohort simulate --calibrate --codecs ...,"  + name);
+}
+
+double Calibration::sharedComputeSecondsPerExample(int ranks) const {
+  if (jobCompute.empty()) throw InvalidArgument("the calibration has no job_compute; run cohort simulate --calibrate again");
+  const JobCompute* nearest = &jobCompute.front();
+  for (const JobCompute& j : jobCompute) {
+    const int d = std::abs(j.ranks - ranks), best = std::abs(nearest->ranks - ranks);
+    if (d < best || (d == best && j.ranks < nearest->ranks)) nearest = &j;
+  }
+  return nearest->secondsPerExample / std::max(1.0, double(nearest->ranks) / sharedCores);
 }
 
 namespace {
@@ -51,7 +63,19 @@ void validate(const Calibration& c, const std::string& where) {
   requirePositive(c.batch, "batch", where);
   requirePositive(c.computeSecondsPerExample, "compute_seconds_per_example", where);
   requirePositive(c.sharedCores, "shared_cores", where);
-  requirePositive(c.computeSecondsPerExampleShared, "compute_seconds_per_example_shared", where);
+  if (c.jobCompute.empty()) throw InvalidArgument(where + ": field \"job_compute\" is empty");
+  for (size_t i = 0; i < c.jobCompute.size(); ++i) {
+    const JobCompute& j = c.jobCompute[i];
+    if (j.ranks < 2) {
+      throw InvalidArgument(where + ": field \"job_compute[].ranks\" must be >= 2, got " + std::to_string(j.ranks));
+    }
+    requirePositive(j.secondsPerExample, "job_compute[].seconds_per_example", where);
+    for (size_t k = 0; k < i; ++k) {
+      if (c.jobCompute[k].ranks == j.ranks) {
+        throw InvalidArgument(where + ": field \"job_compute\" lists ranks " + std::to_string(j.ranks) + " twice");
+      }
+    }
+  }
   if (!(c.backwardFraction >= 0 && c.backwardFraction <= 1)) {
     throw InvalidArgument(where + ": field \"backward_fraction\" must be in [0, 1]");
   }
@@ -85,6 +109,8 @@ std::string toJson(const Calibration& c) {
                       {"decode_seconds_per_byte", k.decodeSecondsPerByte},
                       {"sent_fraction", k.sentFraction}});
   }
+  json jobs = json::array();
+  for (const JobCompute& k : c.jobCompute) jobs.push_back({{"ranks", k.ranks}, {"seconds_per_example", k.secondsPerExample}});
   json j = {{"version", c.version},
             {"machine", c.machine},
             {"date", c.date},
@@ -92,7 +118,7 @@ std::string toJson(const Calibration& c) {
             {"batch", c.batch},
             {"compute_seconds_per_example", c.computeSecondsPerExample},
             {"shared_cores", c.sharedCores},
-            {"compute_seconds_per_example_shared", c.computeSecondsPerExampleShared},
+            {"job_compute", jobs},
             {"backward_fraction", c.backwardFraction},
             {"parameter_bytes", c.parameterBytes},
             {"parameter_count", c.parameterCount},
@@ -128,7 +154,10 @@ Calibration fromJson(const std::string& text, const std::string& where) {
   c.batch = field<int>(j, "batch", where);
   c.computeSecondsPerExample = field<double>(j, "compute_seconds_per_example", where);
   c.sharedCores = field<int>(j, "shared_cores", where);
-  c.computeSecondsPerExampleShared = field<double>(j, "compute_seconds_per_example_shared", where);
+  for (const json& k : field<json>(j, "job_compute", where)) {
+    const std::string w = where + " job_compute[]";
+    c.jobCompute.push_back({.ranks = field<int>(k, "ranks", w), .secondsPerExample = field<double>(k, "seconds_per_example", w)});
+  }
   c.backwardFraction = field<double>(j, "backward_fraction", where);
   c.parameterBytes = field<double>(j, "parameter_bytes", where);
   c.parameterCount = field<double>(j, "parameter_count", where);

@@ -7,7 +7,7 @@
 
 namespace cohort::sim {
 
-inline constexpr int kCalibrationVersion = 2;
+inline constexpr int kCalibrationVersion = 3;
 
 // One codec's CPU cost per byte of the dense float32 buffer, and what it sends, measured on a real
 // gradient of the calibrated model (so threshold's share is the model's own).
@@ -18,6 +18,17 @@ struct CodecCost {
   double sentFraction = 1;           // message bytes / dense float32 bytes
 };
 
+// The compute of a real training job's ranks sharing this machine's cores: `ranks` processes of
+// an allreduce job over 127.0.0.1, one compute thread each, all on the calibrating machine's
+// sharedCores cores. The chief's median compute per step (its forward, backward beside the
+// buckets' exchange, optimizer step; the wait for the exchange excluded), per example: what a
+// rank of an emulated cluster computes at, with its hooks, its communication thread and the other
+// ranks on the same cores.
+struct JobCompute {
+  int ranks = 2;
+  double secondsPerExample = 0;
+};
+
 struct Calibration {
   int version = kCalibrationVersion;
   std::string machine;  // where it was measured
@@ -26,11 +37,10 @@ struct Calibration {
   std::string model;
   int batch = 64;                        // the batch the compute was timed at
   double computeSecondsPerExample = 0;   // forward, backward and optimizer step
-  // The same, measured while sharedCores processes profile the model at once (the cores shared
-  // as the ranks of an emulated cluster share them, --cores): what a rank computes at when every
-  // core is busy.
+  // Short real jobs on this machine's sharedCores cores (--calibrate's last step; separate runs,
+  // never the runs a prediction is checked against), at one or more rank counts.
   int sharedCores = 1;
-  double computeSecondsPerExampleShared = 0;
+  std::vector<JobCompute> jobCompute;
   double backwardFraction = 0.6;         // share of the step in backward (what buckets overlap)
   double parameterBytes = 0;             // float32 bytes of the trainable parameters
   double parameterCount = 0;
@@ -53,6 +63,12 @@ struct Calibration {
   double rpcWorkerSecondsPerByte = 0;
   double shardSecondsPerByte = 0;
   std::vector<CodecCost> codecs;
+
+  // One rank's compute per example at its own speed when `ranks` ranks share the sharedCores
+  // cores (ranks > 1): the job measured at the rank count nearest to `ranks` (the smaller one on a
+  // tie), divided by max(1, its ranks / sharedCores), the share of a core each of its ranks had.
+  // The simulator slows it again by ranks / cores when more ranks than cores compute in step.
+  double sharedComputeSecondsPerExample(int ranks) const;
 
   // The measured cost of `codec`; throws InvalidArgument naming the codec when it was not measured.
   const CodecCost& codec(const std::string& name) const;

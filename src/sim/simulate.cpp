@@ -125,9 +125,11 @@ Derived derive(const Scenario& s, int workers) {
   // model's touched rows (--density) make fewer bytes. The calibration's density is the share of
   // nonzero entries, for information.
   d.density = s.density > 0 ? s.density : 1.0;
-  // Ranks sharing the cores (--cores) compute at the speed measured with every core busy.
+  // Ranks sharing the cores (--cores) compute at the speed a real job's ranks had on the
+  // calibrating machine's cores (its nearest rank count); simulateWorkers slows it by ranks / cores
+  // when more ranks than cores compute in step.
   const bool shared = s.cores > 0 && workers > 1;
-  d.compute = s.batch * (shared ? c.computeSecondsPerExampleShared : c.computeSecondsPerExample) / s.speed;
+  d.compute = s.batch * (shared ? c.sharedComputeSecondsPerExample(workers) : c.computeSecondsPerExample) / s.speed;
   d.backwardShare = c.backwardFraction;
   d.a = c.latencySeconds + s.network.latency;
   d.bCpu = c.secondsPerByte;
