@@ -7,8 +7,9 @@ the same configuration.
                                     [--calibration FILE] [--runs 1] [--configs ar,ar-thr,ps1,ps2]
                                     [--ps-lr LR] [--keep DIR]                # as root
 
-First `cohort simulate --calibrate` measures this machine (model cnn, batch 64, 1 thread), unless
---calibration names a file. Then, at each rate, for each worker count N: allreduce with --codec
+First `cohort simulate --calibrate` measures this machine (model cnn, batch 64, 1 thread; the
+compute of ranks sharing the cores from its own short allreduce jobs over loopback, never from the
+jobs below), unless --calibration names a file. Then, at each rate, for each worker count N: allreduce with --codec
 none and threshold:0.001, ps async with 1 and 2 shards. Every process (workers and shards) has its
 own namespace and a full-duplex link of the rate to a bridge; all of them share this machine's
 cores, which the simulator is told (--cores = the machine's cores). The table lists every pair
