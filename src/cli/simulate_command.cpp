@@ -462,8 +462,8 @@ Run addSimulateCommand(CLI::App& app) {
   cmd->add_option("--codecs", f.codecs, "--calibrate: the codecs to measure")->capture_default_str();
   cmd->add_option("--profile-steps", f.profileSteps, "--calibrate: steps profiled")->capture_default_str();
   cmd->add_option("--job-ranks", f.jobRanks,
-                  "--calibrate: rank counts of the short allreduce jobs whose compute ranks sharing the cores take "
-                  "(default: the cores, one more, twice the cores)");
+                  "--calibrate: ranks of the short allreduce jobs that measure what ranks sharing the cores "
+                  "compute at (default: the cores, one more, twice the cores)");
   cmd->add_option("--job-steps", f.jobSteps, "--calibrate: steps of each of those jobs")->capture_default_str();
   const std::string model = "Model (override the calibration)";
   cmd->add_option("--params", f.params, "Parameters of the model")->group(model);

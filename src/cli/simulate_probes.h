@@ -1,6 +1,6 @@
 // What `cohort simulate --calibrate` measures through cohort's own transports and with the cores
-// shared, each in separate processes: this binary run again (`cohort simulate --probe ...`, a
-// hidden option) or a real `cohort ps`. Every wait on a child is bounded; a child that does not
+// shared, each in separate processes: this binary run again (`cohort simulate --probe gloo`, a
+// hidden option), a real `cohort ps`, or a real job (`cohort launch ... cohort train`). Every wait on a child is bounded; a child that does not
 // answer in time is killed and the calibration fails naming it.
 #pragma once
 
