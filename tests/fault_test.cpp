@@ -420,6 +420,41 @@ TEST(DiskFull, UnderLaunchTheJobEndsWithTheErrorAndIsNotRestarted) {
       << done.dump();
 }
 
+// The same under ps: the shards write the checkpoints, and a shard's final one on a full disk ends
+// the job with its status, naming the shard, the directory and the cause, instead of a warning in
+// the shard's log and exit 0. The chief's done event is written and carries the error; the shard
+// and the chief both said "finished", so --max-restarts does not train again onto the same disk.
+TEST(DiskFull, AShardsFinalCheckpointEndsThePsJobWithTheErrorAndIsNotRestarted) {
+  test::TempDir dir;
+  const std::string disk = dir.file("disk");
+  std::filesystem::create_directories(disk);
+  auto r = test::runCommand("unshare -m sh -c 'mount -t tmpfs -o size=4k tmpfs " + disk + " && " +
+                                test::cohortBinary() + " launch -n 2 --ps 1 --max-restarts 1" +
+                                train("--strategy ps --ps-mode async --timeout 30 --steps 8 --checkpoint-every 4 "
+                                      "--checkpoint-dir " + disk + " --metrics " + dir.file("m.jsonl")) +
+                                "; echo exit=$?'",
+                            120);
+  EXPECT_NE(r.output.find("exit=1"), std::string::npos) << r.output;
+  EXPECT_EQ(count(r.output, "restarting every process"), 0u) << r.output;
+  EXPECT_EQ(count(r.output, "starting it again alone"), 0u) << r.output;
+  // The launcher's one line: whichever of the chief and the shard exits first, it names the shard,
+  // its directory and the errno text.
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("cohort launch: (rank 0|ps 0) exited with status 1: ps 0: the "
+                                                     "final checkpoint \\(version \\d+\\) could not be written to " +
+                                                     disk + "/ps-0: .*No space left on device.*; it had finished "
+                                                     "its run")))
+      << r.output;
+  EXPECT_NE(r.output.find("[ps 0] cohort ps: error: ps 0: the final checkpoint"), std::string::npos) << r.output;
+  const auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["steps"], 8);
+  EXPECT_NE(done.value("final_checkpoint_error", "").find("ps 0: the final checkpoint"), std::string::npos)
+      << done.dump();
+  EXPECT_NE(done.value("final_checkpoint_error", "").find("No space left on device"), std::string::npos) << done.dump();
+  ASSERT_EQ(done["ps_checkpoints_failed"].size(), 1u) << done.dump();
+  EXPECT_GE(done["ps_checkpoints_failed"][0].get<int64_t>(), 1) << done.dump();
+}
+
 // Input that used to slip through: refused with the bound or the reason, before anything starts.
 TEST(BadInput, IsRefusedWithTheReason) {
   const std::string base = test::cohortBinary() + " train --model mlp --data synthetic:200 --steps 2 --progress off ";
