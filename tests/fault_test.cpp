@@ -145,7 +145,7 @@ TEST(LaunchFaults, AShardThatCheckpointsIsRestartedAlone) {
   auto r = test::runCommand(
       launch("-n 2 --ps 1 --max-restarts 1" + kAnyPort +
              script("if [ -z \"$RANK\" ]; then " + kShardPort + "echo shard-checkpoints " + kSay + "; if [ $COHORT_RESTART_COUNT = 0 ]; "
-                    "then read x < " + d.fifo() + "; exit 5; fi; echo shard-back-$COHORT_RESTART_COUNT; exit 0; fi; "
+                    "then read x < " + d.fifo() + "; exit 5; fi; echo shard-back-$COHORT_RESTART_COUNT-alone-$COHORT_RESTARTED_ALONE; exit 0; fi; "
                     "if [ $RANK = 0 ]; then echo fault-policy rejoins " + kSay + "; echo go > " + d.fifo() +
                     "; fi; echo worker-$RANK-run-$COHORT_RESTART_COUNT")),
       60);
@@ -153,7 +153,7 @@ TEST(LaunchFaults, AShardThatCheckpointsIsRestartedAlone) {
   EXPECT_NE(r.output.find("cohort launch: ps 0 exited with status 5; starting it again alone (restart 1 of 1)\n"),
             std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("[ps 0] shard-back-1\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[ps 0] shard-back-1-alone-1\n"), std::string::npos) << r.output;
   EXPECT_EQ(count(r.output, "-run-"), 2u) << "the workers ran once each\n" << r.output;
 }
 

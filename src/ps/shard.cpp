@@ -902,6 +902,7 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
   stats_ = c.stats();
   stalenessSum_ = stats_.staleness_mean() * double(stats_.applied());
   initialized_ = true;
+  initSinceStart_ = options_.restartedInJob;  // ShardOptions::restartedInJob
   log("restored from " + path + " at version " + std::to_string(version_));
   return true;
 }

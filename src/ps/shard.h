@@ -47,6 +47,14 @@ struct ShardOptions {
   std::string checkpointDir;   // empty: no checkpoints
   // Where the shard reports what it refuses, loses or recovers; default: stderr.
   std::function<void(const std::string&)> log;
+  // This process was started again alone by its launcher inside a running job (cohort launch's
+  // COHORT_RESTARTED_ALONE=1): the checkpoint it restores is that job's own, so a worker's first
+  // pull (marked `initial`) is served from it at once. (Not after a group restart: there a worker
+  // served before the chief's resume Init could push, be held, and be aborted by that Init.) Otherwise a restored shard answers a first
+  // pull only after an Init, so that a new job never trains on an old run's state before its chief
+  // has chosen between a fresh start and --resume; but a worker still retrying its first pull
+  // when the shard died would then wait for an Init the running chief never sends again.
+  bool restartedInJob = false;
   // Testing: called with the version about to be written, after the state was copied and the
   // shard's lock released (pushes and pulls go on while a checkpoint is written).
   std::function<void(uint64_t version)> beforeCheckpointWrite;

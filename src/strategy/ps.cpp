@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <thread>
@@ -670,6 +671,9 @@ int serveParameterServerShard(const Job& job, const ParameterServerOptions& opti
   server.tlsKeyFile = options.tlsKey;
   server.shard.name = "ps " + std::to_string(cluster.rank);
   if (!checkpointDir.empty()) server.shard.checkpointDir = checkpointDir + "/ps-" + std::to_string(cluster.rank);
+  // cohort launch restarted this shard alone: the workers and the chief run on (ShardOptions::
+  // restartedInJob). Not after a group restart, where the chief's resume Init comes first.
+  if (const char* alone = std::getenv("COHORT_RESTARTED_ALONE")) server.shard.restartedInJob = std::string(alone) == "1";
   if (options.authToken.empty()) {
     std::fprintf(stderr, "cohort ps: warning: no auth token: this shard accepts requests from anyone who can reach it\n");
   }
