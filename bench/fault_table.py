@@ -244,6 +244,9 @@ def what_it_did(r):
         action = f"{r['failed_checkpoints']} checkpoint writes failed (ENOSPC), training went on"
     else:
         action = "-"
+    if r.get("lost") and "go on without it" not in said.split("starting it again alone")[0]:
+        # lost as well, after the fault (a restarted shard's workers that did not get back in time)
+        action += "; workers " + ", ".join(str(w) for w in r["lost"]) + " lost"
     if r["exit"] != 0:
         action += f"; ended with status {r['exit']}"
     return action
