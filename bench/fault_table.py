@@ -144,6 +144,7 @@ def run_one(args, scheme, fault, work):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     launcher_lines = []  # (time, line) of the launcher's own lines
     failed_checkpoints = [0]
+    restored = []  # a restarted shard's "restored from PATH at version V"
 
     log = open(os.path.join(args.log_dir, f"{scheme}-{fault}.log"), "w") if args.log_dir else None
 
@@ -155,6 +156,9 @@ def run_one(args, scheme, fault, work):
                 launcher_lines.append((time.monotonic(), line.strip()))
             elif "checkpoint failed" in line:
                 failed_checkpoints[0] += 1
+            m = re.search(r"restored from \S+ at version (\d+)", line)
+            if m:
+                restored.append(int(m.group(1)))
     reader = threading.Thread(target=read_err, daemon=True)
     reader.start()
     out_thread = threading.Thread(target=proc.stdout.read, daemon=True)
@@ -214,6 +218,11 @@ def run_one(args, scheme, fault, work):
         "accuracy": done["test_accuracy"] if done else None,
         "restarts": done.get("restarts") if done else None,
         "lost": done.get("workers_lost") if done else None,
+        # ps: updates applied in the end (a restored shard counts those of its checkpoint), and
+        # the version a restarted shard restored: with every push applied, S x workers - applied
+        # updates were lost with the shard's state since its last checkpoint.
+        "applied": done.get("gradients_applied") if done else None,
+        "restored_version": restored[0] if restored else None,
     }
 
 
@@ -235,6 +244,9 @@ def what_it_did(r):
         action = f"{r['failed_checkpoints']} checkpoint writes failed (ENOSPC), training went on"
     else:
         action = "-"
+    if r.get("lost") and "go on without it" not in said.split("starting it again alone")[0]:
+        # lost as well, after the fault (a restarted shard's workers that did not get back in time)
+        action += "; workers " + ", ".join(str(w) for w in r["lost"]) + " lost"
     if r["exit"] != 0:
         action += f"; ended with status {r['exit']}"
     return action

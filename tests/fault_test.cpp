@@ -145,7 +145,7 @@ TEST(LaunchFaults, AShardThatCheckpointsIsRestartedAlone) {
   auto r = test::runCommand(
       launch("-n 2 --ps 1 --max-restarts 1" + kAnyPort +
              script("if [ -z \"$RANK\" ]; then " + kShardPort + "echo shard-checkpoints " + kSay + "; if [ $COHORT_RESTART_COUNT = 0 ]; "
-                    "then read x < " + d.fifo() + "; exit 5; fi; echo shard-back-$COHORT_RESTART_COUNT; exit 0; fi; "
+                    "then read x < " + d.fifo() + "; exit 5; fi; echo shard-back-$COHORT_RESTART_COUNT-alone-$COHORT_RESTARTED_ALONE; exit 0; fi; "
                     "if [ $RANK = 0 ]; then echo fault-policy rejoins " + kSay + "; echo go > " + d.fifo() +
                     "; fi; echo worker-$RANK-run-$COHORT_RESTART_COUNT")),
       60);
@@ -153,7 +153,7 @@ TEST(LaunchFaults, AShardThatCheckpointsIsRestartedAlone) {
   EXPECT_NE(r.output.find("cohort launch: ps 0 exited with status 5; starting it again alone (restart 1 of 1)\n"),
             std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("[ps 0] shard-back-1\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[ps 0] shard-back-1-alone-1\n"), std::string::npos) << r.output;
   EXPECT_EQ(count(r.output, "-run-"), 2u) << "the workers ran once each\n" << r.output;
 }
 
@@ -418,6 +418,41 @@ TEST(DiskFull, UnderLaunchTheJobEndsWithTheErrorAndIsNotRestarted) {
   EXPECT_EQ(done["steps"], 8);
   EXPECT_NE(done.value("final_checkpoint_error", "").find("no earlier checkpoint is there"), std::string::npos)
       << done.dump();
+}
+
+// The same under ps: the shards write the checkpoints, and a shard's final one on a full disk ends
+// the job with its status, naming the shard, the directory and the cause, instead of a warning in
+// the shard's log and exit 0. The chief's done event is written and carries the error; the shard
+// and the chief both said "finished", so --max-restarts does not train again onto the same disk.
+TEST(DiskFull, AShardsFinalCheckpointEndsThePsJobWithTheErrorAndIsNotRestarted) {
+  test::TempDir dir;
+  const std::string disk = dir.file("disk");
+  std::filesystem::create_directories(disk);
+  auto r = test::runCommand("unshare -m sh -c 'mount -t tmpfs -o size=4k tmpfs " + disk + " && " +
+                                test::cohortBinary() + " launch -n 2 --ps 1 --max-restarts 1" +
+                                train("--strategy ps --ps-mode async --timeout 30 --steps 8 --checkpoint-every 4 "
+                                      "--checkpoint-dir " + disk + " --metrics " + dir.file("m.jsonl")) +
+                                "; echo exit=$?'",
+                            120);
+  EXPECT_NE(r.output.find("exit=1"), std::string::npos) << r.output;
+  EXPECT_EQ(count(r.output, "restarting every process"), 0u) << r.output;
+  EXPECT_EQ(count(r.output, "starting it again alone"), 0u) << r.output;
+  // The launcher's one line: whichever of the chief and the shard exits first, it names the shard,
+  // its directory and the errno text.
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("cohort launch: (rank 0|ps 0) exited with status 1: ps 0: the "
+                                                     "final checkpoint \\(version \\d+\\) could not be written to " +
+                                                     disk + "/ps-0: .*No space left on device.*; it had finished "
+                                                     "its run")))
+      << r.output;
+  EXPECT_NE(r.output.find("[ps 0] cohort ps: error: ps 0: the final checkpoint"), std::string::npos) << r.output;
+  const auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["steps"], 8);
+  EXPECT_NE(done.value("final_checkpoint_error", "").find("ps 0: the final checkpoint"), std::string::npos)
+      << done.dump();
+  EXPECT_NE(done.value("final_checkpoint_error", "").find("No space left on device"), std::string::npos) << done.dump();
+  ASSERT_EQ(done["ps_checkpoints_failed"].size(), 1u) << done.dump();
+  EXPECT_GE(done["ps_checkpoints_failed"][0].get<int64_t>(), 1) << done.dump();
 }
 
 // Input that used to slip through: refused with the bound or the reason, before anything starts.

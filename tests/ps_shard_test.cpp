@@ -14,11 +14,14 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <mutex>
@@ -488,6 +491,48 @@ TEST(PsShard, APushIsNotHeldWhileACheckpointIsWritten) {
   EXPECT_EQ(files.back().step, 1);
 }
 
+// A checkpoint that cannot be written (here: a directory stands where its temporary file goes,
+// from version 2 on) is counted in the statistics and training goes on; the final one, written
+// inside the last worker's Done, is answered in that Done's reply, naming the shard, the
+// directory, the cause and the newest checkpoint kept, and stays for the server's exit status.
+TEST(PsShard, AFailedCheckpointIsCountedAndAFailedFinalOneIsReported) {
+  test::TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  auto p = policy("async", 2);
+  p.set_checkpoint_every(1);
+  Fixture f(p, 4, 0.0f, ckpt, false, [&](uint64_t version) {
+    if (version < 2) return;
+    char name[64];
+    std::snprintf(name, sizeof name, "shard-%010llu.ckpt.tmp.%d", static_cast<unsigned long long>(version),
+                  int(::getpid()));
+    std::filesystem::create_directories(ckpt + "/" + name);
+  });
+  f.push(0, 0, 1.0f);  // version 1: written
+  f.push(1, 1, 1.0f);  // version 2: fails
+  f.push(0, 2, 1.0f);  // version 3: fails; training went on
+  EXPECT_EQ(f.values()[0], -3.0f);
+  const wire::StatsReply stats = f.stats();
+  EXPECT_EQ(stats.checkpoints_failed(), 2);
+  EXPECT_NE(stats.checkpoint_error().find("shard-0000000003.ckpt.tmp."), std::string::npos) << stats.checkpoint_error();
+  EXPECT_FALSE(f.shard->finalCheckpointError().has_value());
+  f.done(0);
+  wire::DoneRequest last;
+  last.set_protocol(kProtocolVersion);
+  last.set_worker(1);
+  wire::DoneReply reply;
+  ASSERT_TRUE(f.shard->done(last, &reply).ok());
+  EXPECT_TRUE(reply.all_done());
+  const std::string expected = "test: the final checkpoint (version 3) could not be written to " + ckpt + ": ";
+  EXPECT_EQ(reply.final_checkpoint_error().rfind(expected, 0), 0u) << reply.final_checkpoint_error();
+  EXPECT_NE(reply.final_checkpoint_error().find("the newest checkpoint kept there is " + ckpt +
+                                                "/shard-0000000001.ckpt (version 1)"),
+            std::string::npos)
+      << reply.final_checkpoint_error();
+  ASSERT_TRUE(f.shard->finalCheckpointError().has_value());
+  EXPECT_EQ(*f.shard->finalCheckpointError(), reply.final_checkpoint_error());
+  EXPECT_EQ(f.stats().checkpoints_failed(), 3);
+}
+
 TEST(PsShard, FinishesWhenEveryWorkerIsDone) {
   Fixture f(policy("async", 2));
   f.done(0);
@@ -557,6 +602,25 @@ TEST(PsShard, ARestoredShardServesAFirstPullOnlyAfterAnInit) {
   EXPECT_EQ(s.code, Code::kUnavailable) << s.message;
   pr.set_initial(false);
   EXPECT_TRUE(restored.pull(pr, &pulled).ok());
+}
+
+// Started again by its launcher inside the running job (restartedInJob), the state it restores is
+// that job's own: a worker whose first pull was still being retried when the shard died is served
+// at once, instead of waiting for an Init the chief, already training, will not send again.
+TEST(PsShard, AShardRestartedInItsJobServesAFirstPullAtOnce) {
+  test::TempDir dir;
+  auto p = policy("async", 2);
+  checkpointOneStep(p, dir.path());
+  Shard restored(ShardOptions{.name = "again", .checkpointDir = dir.path(), .log = [](const std::string&) {},
+                              .restartedInJob = true});
+  wire::PullRequest pr;
+  pr.set_protocol(kProtocolVersion);
+  pr.set_worker(1);
+  pr.set_initial(true);
+  wire::PullReply pulled;
+  const Status s = restored.pull(pr, &pulled);
+  EXPECT_TRUE(s.ok()) << s.message;
+  EXPECT_EQ(pulled.version(), 1u);
 }
 
 TEST(PsShard, ResumeRefusesToDeleteCheckpointsItCannotRead) {

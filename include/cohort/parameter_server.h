@@ -112,8 +112,14 @@ class ParameterServerClient {
   void requestStop();
   // With resume: the step this worker had reached (its clock on the shards).
   std::optional<int64_t> resumeStep() const;
-  // The chief's report after finish(): staleness histogram, drops, bytes per shard, lost workers.
+  // The chief's report after finish(): staleness histogram, drops, bytes per shard, lost workers,
+  // the periodic checkpoint writes each shard failed (ps_checkpoints_failed; training went on).
   MetricFields report();
+  // On the chief after finish(): why a shard's final checkpoint (written when the chief's Done
+  // ends the run) could not be written, naming the shard, its directory and the cause (a full
+  // disk); nullopt when every shard wrote it or none writes checkpoints. The model holds the final
+  // parameters either way, but the shards cannot resume from them: treat it as the job failing.
+  std::optional<std::string> finalCheckpointError() const;
 
   struct Impl;
 

@@ -211,6 +211,7 @@ struct Child {
   bool finished = false;           // it said "finished": its run is recorded (launch_policy.h)
   bool pending = false;            // not started yet: it needs a port the launcher does not know yet
   int port = -1;                   // what it said ("port P"; 0: "port none" or exited without); -1: nothing
+  bool restartedAlone = false;     // started again alone by the failure policy (COHORT_RESTARTED_ALONE=1)
 };
 
 // A pipe whose ends are closed on exec; the read end does not block.
@@ -501,6 +502,7 @@ class Launcher {
     env.push_back("MASTER_PORT=" + std::to_string(masterPort()));
     env.push_back("COHORT_LAUNCH_FD=" + std::to_string(kChannelFd));
     env.push_back("COHORT_RESTART_COUNT=" + std::to_string(restartsUsed_));
+    if (child.restartedAlone) env.push_back("COHORT_RESTARTED_ALONE=1");
     if (usesTfConfig()) env.push_back("TF_CONFIG=" + tfConfig(index));
     std::vector<char*> envp;
     for (std::string& entry : env) envp.push_back(entry.data());
@@ -701,6 +703,7 @@ class Launcher {
       case FailureAction::kRestartProcess:
         say(what + "; starting it again alone (" + restart + ")");
         ++restartsUsed_;
+        child.restartedAlone = true;
         start(index);
         return;
       case FailureAction::kRestartGroup:

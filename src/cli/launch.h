@@ -59,7 +59,8 @@
 //
 // The launcher channel. Every child also gets COHORT_LAUNCH_FD=3, a pipe to the launcher open at
 // descriptor 3 (base/launcher_channel.h; `echo ... >&3` from a shell), and COHORT_RESTART_COUNT
-// (0 at first). A child may write
+// (0 at first); a process restarted alone also gets COHORT_RESTARTED_ALONE=1 (a shard then serves
+// the state it restores to every worker at once: the others run on). A child may write
 // lines there: "fault-policy stops-group|tolerated|rejoins" (from rank 0: what the scheme survives),
 // "shard-checkpoints" (from a shard), "error REASON" (why it is about to fail), "finished" (it ran
 // every step and wrote its done event; a failure after this is not restarted), "port P" or

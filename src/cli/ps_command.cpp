@@ -50,7 +50,8 @@ Run addPsCommand(CLI::App& app) {
   command->footer(
       "The shard learns its model, update policy and optimizer from the chief worker's Init, and ends\n"
       "when every worker is done. With --checkpoint-dir it checkpoints there and, when restarted, resumes\n"
-      "from its newest checkpoint. Workers find it through TF_CONFIG's \"ps\" list or --ps-hosts.");
+      "from its newest checkpoint; a final checkpoint (when every worker is done) that cannot be written\n"
+      "ends it with status 1 and the reason. Workers find it through TF_CONFIG's \"ps\" list or --ps-hosts.");
   command->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   command->add_option("--host", flags->host, "Address to listen on")->capture_default_str();
   command->add_option("--port", flags->port, "Port to listen on (0: a free one, printed)")->capture_default_str();

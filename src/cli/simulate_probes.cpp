@@ -11,14 +11,11 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -47,22 +44,6 @@ double ownCpuSeconds() {
   timespec t{};
   ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
   return double(t.tv_sec) + double(t.tv_nsec) * 1e-9;
-}
-
-// A free TCP port on 127.0.0.1 (bound, read, closed: another process could take it in between,
-// which makes the probe fail with a clear error, not measure wrongly).
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  COHORT_CHECK(fd >= 0, CommError, "calibration: socket() failed: ", std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  ::close(fd);
-  COHORT_CHECK(ok, CommError, "calibration: cannot find a free port on 127.0.0.1: ", std::strerror(errno));
-  return ntohs(addr.sin_port);
 }
 
 int msLeft(Clock::time_point deadline) {
@@ -183,7 +164,18 @@ int runGlooProbeChild(int rank, int port) {
   spec.worldSize = 2;
   spec.master = {"127.0.0.1", port};
   spec.source = "calibration";
-  auto comm = Communicator::connect(spec, CommOptions{.timeout = std::chrono::milliseconds(30000)});
+  // Rank 0 is given port 0: its store binds a free port and it tells the parent which (the first
+  // line it prints), which only then starts rank 1 with it. No port is chosen by one process and
+  // bound by another.
+  CommOptions options;
+  options.timeout = std::chrono::milliseconds(30000);
+  if (rank == 0) {
+    options.onListening = [](int listening) {
+      std::printf("port %d\n", listening);
+      std::fflush(stdout);
+    };
+  }
+  auto comm = Communicator::connect(spec, options);
   auto small = torch::zeros({1}, torch::kInt64);
   auto big = torch::zeros({kGlooBig}, torch::kUInt8);
   for (int i = 0; i < 20; ++i) comm->allgather(small);
@@ -209,9 +201,13 @@ int runGlooProbeChild(int rank, int port) {
 }
 
 GlooProbe probeGloo(double timeoutSeconds) {
-  const std::string port = std::to_string(freePort());
-  Child rank0("the Gloo probe's rank 0", {"simulate", "--probe", "gloo", "--probe-rank", "0", "--probe-port", port});
-  Child rank1("the Gloo probe's rank 1", {"simulate", "--probe", "gloo", "--probe-rank", "1", "--probe-port", port});
+  Child rank0("the Gloo probe's rank 0", {"simulate", "--probe", "gloo", "--probe-rank", "0", "--probe-port", "0"});
+  const std::string told = rank0.readLine(timeoutSeconds);
+  int port = 0;
+  COHORT_CHECK(std::sscanf(told.c_str(), "port %d", &port) == 1 && port > 0 && port < 65536, CommError,
+               "calibration: the Gloo probe's rank 0 said \"", told, "\", expected \"port P\"");
+  Child rank1("the Gloo probe's rank 1",
+              {"simulate", "--probe", "gloo", "--probe-rank", "1", "--probe-port", std::to_string(port)});
   const std::string line = rank0.readLine(timeoutSeconds);
   rank0.wait(timeoutSeconds);
   rank1.wait(timeoutSeconds);

@@ -43,7 +43,8 @@ struct GlooProbe {
   double secondsPerByte = 0;    // (median time of a 1 MiB allgather - the above) / 1 MiB
 };
 GlooProbe probeGloo(double timeoutSeconds);
-// The child side (`--probe gloo --probe-rank R --probe-port P`); rank 0 prints the JSON line.
+// The child side (`--probe gloo --probe-rank R --probe-port P`). Rank 0 is given port 0: it prints
+// "port P" (the port its rendezvous store bound) as soon as it listens, then the JSON line.
 int runGlooProbeChild(int rank, int port);
 
 // gRPC to a `cohort ps` child on 127.0.0.1, with a call proof as the jobs use.

@@ -376,6 +376,14 @@ int runShardServer(const ServerOptions& options) {
     }
     if (shard->finished()) {
       server.shutdown();
+      if (const auto error = shard->finalCheckpointError()) {
+        // The run is over (every worker is done) but cannot be resumed: the job fails, naming the
+        // disk, and cohort launch does not restart it onto that disk again.
+        std::fprintf(stderr, "cohort ps: error: %s\n", error->c_str());
+        launcher::tellFinished();
+        launcher::tellError(*error);
+        return 1;
+      }
       return 0;
     }
     if (const int signal = stopSignal; signal != 0) {

@@ -48,8 +48,10 @@ class ShardServer {
   std::unique_ptr<Impl> impl_;
 };
 
-// `cohort ps`: serves until every worker is done (0) or the shard fails (1); SIGTERM or SIGINT
-// write a checkpoint and end it (0). Prints "cohort ps: listening on HOST:PORT" once ready.
+// `cohort ps`: serves until every worker is done (0) or the shard fails (1); every worker done but
+// the final checkpoint not written (a full disk) is a failure too (1, "finished" and the error told
+// to cohort launch, which then does not restart it); SIGTERM or SIGINT write a checkpoint and end
+// it (0). Prints "cohort ps: listening on HOST:PORT" once ready.
 int runShardServer(const ServerOptions& options);
 
 }  // namespace cohort::ps

@@ -666,6 +666,7 @@ Status Shard::done(const wire::DoneRequest& request, wire::DoneReply* reply) {
   changed_.notifyAll();
   finishIfAllDoneLocked();
   reply->set_all_done(finished_);
+  if (finalCheckpointError_) reply->set_final_checkpoint_error(*finalCheckpointError_);
   return Status::Ok();
 }
 
@@ -734,7 +735,17 @@ void Shard::checkpoint() {
     MutexLock lock(mu_);
     snapshot = snapshotLocked();
   }
-  if (snapshot) writeCheckpoint(*snapshot);
+  if (!snapshot) return;
+  if (const auto error = writeCheckpoint(*snapshot)) {
+    log("checkpoint failed: " + *error);
+    MutexLock lock(mu_);
+    noteCheckpointFailedLocked(*error);
+  }
+}
+
+std::optional<std::string> Shard::finalCheckpointError() const {
+  MutexLock lock(mu_);
+  return finalCheckpointError_;
 }
 
 void Shard::maybeCheckpointLocked() {
@@ -765,14 +776,35 @@ void Shard::writeDueCheckpoint() {
       }
       next.swap(nextCheckpoint_);
     }
-    writeCheckpoint(*next);
+    if (const auto error = writeCheckpoint(*next)) {
+      log("checkpoint failed, training goes on: " + *error);
+      MutexLock lock(mu_);
+      noteCheckpointFailedLocked(*error);
+    }
   }
 }
 
 // The final checkpoint, when every worker is done: nothing is pushed any more, so holding the lock
-// through the write stops no one, and waitFinished() returns only once it is on disk.
+// through the write stops no one, and waitFinished() returns only once it is on disk (or failed:
+// then finalCheckpointError_ says so before the last worker's Done is answered).
 void Shard::checkpointLocked() {
-  if (auto snapshot = snapshotLocked()) writeCheckpoint(*snapshot);
+  auto snapshot = snapshotLocked();
+  if (!snapshot) return;
+  const auto error = writeCheckpoint(*snapshot);
+  if (!error) return;
+  noteCheckpointFailedLocked(*error);
+  std::string message = options_.name + ": the final checkpoint (version " + std::to_string(snapshot->version()) +
+                        ") could not be written to " + store_->dir() + ": " + *error + "; ";
+  std::vector<CheckpointFile> kept;
+  {
+    MutexLock lock(writeMu_);  // store_ is not thread-safe
+    kept = store_->list();
+  }
+  message += kept.empty() ? "no earlier checkpoint is there"
+                          : "the newest checkpoint kept there is " + kept.front().path + " (version " +
+                                std::to_string(kept.front().step) + ")";
+  message += "; the run's result is in the chief's done event: free space on that disk or give another --checkpoint-dir";
+  finalCheckpointError_ = message;
 }
 
 std::optional<wire::ShardCheckpoint> Shard::snapshotLocked() {
@@ -793,20 +825,24 @@ std::optional<wire::ShardCheckpoint> Shard::snapshotLocked() {
   return c;
 }
 
-void Shard::writeCheckpoint(const wire::ShardCheckpoint& snapshot) {
+std::optional<std::string> Shard::writeCheckpoint(const wire::ShardCheckpoint& snapshot) {
   MutexLock lock(writeMu_);
   if (options_.beforeCheckpointWrite) options_.beforeCheckpointWrite(snapshot.version());
   std::string bytes;
   if (!snapshot.SerializeToString(&bytes)) {
-    log("checkpoint failed, training goes on: the state of version " + std::to_string(snapshot.version()) +
-        " could not be serialized (over 2 GiB?)");
-    return;
+    return "the state of version " + std::to_string(snapshot.version()) + " could not be serialized (over 2 GiB?)";
   }
   try {
     store_->save(int64_t(snapshot.version()), std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
   } catch (const Error& e) {
-    log(std::string("checkpoint failed, training goes on: ") + e.what());
+    return std::string(e.what());
   }
+  return std::nullopt;
+}
+
+void Shard::noteCheckpointFailedLocked(const std::string& error) {
+  stats_.set_checkpoints_failed(stats_.checkpoints_failed() + 1);
+  stats_.set_checkpoint_error(error);
 }
 
 bool Shard::loadCheckpoint() {
@@ -866,6 +902,7 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
   stats_ = c.stats();
   stalenessSum_ = stats_.staleness_mean() * double(stats_.applied());
   initialized_ = true;
+  initSinceStart_ = options_.restartedInJob;  // ShardOptions::restartedInJob
   log("restored from " + path + " at version " + std::to_string(version_));
   return true;
 }

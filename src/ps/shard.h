@@ -47,6 +47,14 @@ struct ShardOptions {
   std::string checkpointDir;   // empty: no checkpoints
   // Where the shard reports what it refuses, loses or recovers; default: stderr.
   std::function<void(const std::string&)> log;
+  // This process was started again alone by its launcher inside a running job (cohort launch's
+  // COHORT_RESTARTED_ALONE=1): the checkpoint it restores is that job's own, so a worker's first
+  // pull (marked `initial`) is served from it at once. (Not after a group restart: there a worker
+  // served before the chief's resume Init could push, be held, and be aborted by that Init.) Otherwise a restored shard answers a first
+  // pull only after an Init, so that a new job never trains on an old run's state before its chief
+  // has chosen between a fresh start and --resume; but a worker still retrying its first pull
+  // when the shard died would then wait for an Init the running chief never sends again.
+  bool restartedInJob = false;
   // Testing: called with the version about to be written, after the state was copied and the
   // shard's lock released (pushes and pulls go on while a checkpoint is written).
   std::function<void(uint64_t version)> beforeCheckpointWrite;
@@ -83,6 +91,14 @@ class Shard {
   // copied under the lock and written outside it: pushes are not held while it is written.
   void checkpoint();
 
+  // Once finished(): why the final checkpoint (written when every worker is done) could not be
+  // written, one line naming the shard, its directory and the cause; nullopt when it was, or when
+  // the shard writes none. A periodic checkpoint that fails is logged and counted in the stats
+  // (checkpoints_failed, checkpoint_error) and training goes on from the previous one; the final
+  // one failing is the run's end without a state to resume from, so the server exits non-zero
+  // (runShardServer) and the chief's Done reply carries it.
+  std::optional<std::string> finalCheckpointError() const;
+
   // The server is going down: every held push is let go at once with ABORTED and `reason`, and
   // so is every later call.
   void stop(const std::string& reason);
@@ -113,7 +129,9 @@ class Shard {
   // The state as a checkpoint (nullopt without a store or before Init), and its writing, which
   // takes writeMu_ only: never mu_, so that pushes go on meanwhile.
   std::optional<wire::ShardCheckpoint> snapshotLocked() REQUIRES(mu_);
-  void writeCheckpoint(const wire::ShardCheckpoint& snapshot) EXCLUDES(writeMu_);
+  // Returns why the write failed (the store's message, naming the file and the errno text).
+  std::optional<std::string> writeCheckpoint(const wire::ShardCheckpoint& snapshot) EXCLUDES(writeMu_);
+  void noteCheckpointFailedLocked(const std::string& error) REQUIRES(mu_);
   // Writes the checkpoint maybeCheckpointLocked() asked for, if any; called without mu_.
   void writeDueCheckpoint() EXCLUDES(mu_);
   bool loadCheckpoint();
@@ -153,6 +171,7 @@ class Shard {
   bool checkpointDue_ GUARDED_BY(mu_) = false;           // checkpoint_every updates since it
   std::optional<wire::ShardCheckpoint> nextCheckpoint_ GUARDED_BY(mu_);  // copied, to be written
   bool writingCheckpoints_ GUARDED_BY(mu_) = false;      // a pusher is writing them (writeDueCheckpoint)
+  std::optional<std::string> finalCheckpointError_ GUARDED_BY(mu_);
   // Serializes the writing of checkpoints (store_ is not thread-safe). Taken after mu_ or alone,
   // never the other way round.
   mutable Mutex writeMu_;

@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <thread>
@@ -324,7 +325,18 @@ struct ParameterServerClient::Impl {
     sayDone();
   }
 
+  std::optional<std::string> finalCheckpointError() const { return finalCheckpointError_; }
+
   MetricFields report() {
+    // A periodic checkpoint that failed while a later one (the final one) was written is a
+    // warning: the shard can resume, from an older state than it could have.
+    for (size_t s = 0; s < checkpointFailures_.size() && !finalCheckpointError_; ++s) {
+      if (checkpointFailures_[s].first == 0) continue;
+      std::fprintf(stderr,
+                   "cohort: warning: ps %zu: %lld periodic checkpoint write(s) failed, training went on (the last: %s); "
+                   "its final checkpoint was written\n",
+                   s, static_cast<long long>(checkpointFailures_[s].first), checkpointFailures_[s].second.c_str());
+    }
     if (!lostWorkers_.empty()) {
       std::string list;
       for (auto w : lostWorkers_) list += (list.empty() ? "" : ", ") + std::to_string(w);
@@ -336,7 +348,8 @@ struct ParameterServerClient::Impl {
 
   MetricFields gatherReport() {
     MetricFields fields;
-    std::vector<int64_t> histogram, pushed, pulled, lostWorkers;
+    std::vector<int64_t> histogram, pushed, pulled, lostWorkers, checkpointsFailed;
+    checkpointFailures_.clear();
     int64_t appliedAll = 0, late = 0, stale = 0, warmup = 0, rejected = 0, unauth = 0, gap = 0;
     double stalenessSum = 0, waitS = 0;
     int64_t stalenessMax = 0;
@@ -344,6 +357,8 @@ struct ParameterServerClient::Impl {
       ps::wire::StatsReply r = statsOf(s);
       pushed.push_back(r.bytes_pushed());
       pulled.push_back(r.bytes_pulled());
+      checkpointsFailed.push_back(r.checkpoints_failed());
+      checkpointFailures_.emplace_back(r.checkpoints_failed(), r.checkpoint_error());
       rejected += r.rejected();
       unauth += r.unauthenticated();
       if (s != 0) continue;
@@ -378,7 +393,8 @@ struct ParameterServerClient::Impl {
               {"bytes_pushed_per_shard", pushed},
               {"bytes_pulled_per_shard", pulled},
               {"whole_model_pull_bytes", int64_t(wholePullBytes_)},
-              {"workers_lost", lostWorkers}};
+              {"workers_lost", lostWorkers},
+              {"ps_checkpoints_failed", checkpointsFailed}};
     lostWorkers_ = lostWorkers;
     return fields;
   }
@@ -403,13 +419,21 @@ struct ParameterServerClient::Impl {
   void sayDone() {
     if (saidDone_) return;
     saidDone_ = true;
+    std::vector<std::string> errors(clients_.size());  // one slot per shard: the calls run in parallel
     forEachShard(clients_.size(), [&](size_t s) {
       ps::wire::DoneRequest request;
       request.set_protocol(ps::kProtocolVersion);
       request.set_worker(uint32_t(c_.rank));
       ps::wire::DoneReply reply;
       check(clients_[s]->done(request, &reply), c_.shards[s], "Done");
+      errors[s] = reply.final_checkpoint_error();
     });
+    // The last worker's Done (the chief's) ends the run on the shards: each writes its final
+    // checkpoint before answering, and says so when it could not.
+    for (const std::string& e : errors) {
+      if (e.empty()) continue;
+      finalCheckpointError_ = finalCheckpointError_ ? *finalCheckpointError_ + "; also " + e : e;
+    }
   }
 
   void initShards() {
@@ -591,6 +615,10 @@ struct ParameterServerClient::Impl {
   bool finished_ = false;  // finish() ran: the shards are no longer asked anything
   MetricFields report_;    // the chief's, gathered in finish()
   std::vector<int64_t> lostWorkers_;
+  // The chief's: per shard, its periodic checkpoint writes that failed and the last error; and
+  // the shards' final checkpoints that failed (the last Done's replies).
+  std::vector<std::pair<int64_t, std::string>> checkpointFailures_;
+  std::optional<std::string> finalCheckpointError_;
 };
 
 ParameterServerClient::ParameterServerClient(const Job& job, torch::nn::Module& module,
@@ -626,6 +654,9 @@ void ParameterServerClient::finish() { impl_->finish(); }
 void ParameterServerClient::requestStop() { impl_->requestStop(); }
 std::optional<int64_t> ParameterServerClient::resumeStep() const { return impl_->resumeStep(); }
 MetricFields ParameterServerClient::report() { return impl_->report(); }
+std::optional<std::string> ParameterServerClient::finalCheckpointError() const {
+  return impl_->finalCheckpointError();
+}
 
 int serveParameterServerShard(const Job& job, const ParameterServerOptions& options, const std::string& checkpointDir) {
   const ClusterSpec& cluster = job.cluster();
@@ -640,6 +671,9 @@ int serveParameterServerShard(const Job& job, const ParameterServerOptions& opti
   server.tlsKeyFile = options.tlsKey;
   server.shard.name = "ps " + std::to_string(cluster.rank);
   if (!checkpointDir.empty()) server.shard.checkpointDir = checkpointDir + "/ps-" + std::to_string(cluster.rank);
+  // cohort launch restarted this shard alone: the workers and the chief run on (ShardOptions::
+  // restartedInJob). Not after a group restart, where the chief's resume Init comes first.
+  if (const char* alone = std::getenv("COHORT_RESTARTED_ALONE")) server.shard.restartedInJob = std::string(alone) == "1";
   if (options.authToken.empty()) {
     std::fprintf(stderr, "cohort ps: warning: no auth token: this shard accepts requests from anyone who can reach it\n");
   }
@@ -713,6 +747,7 @@ class PsStrategy final : public Strategy {
   void finish() override { client_->finish(); }
   void requestStop() override { client_->requestStop(); }
   MetricFields report() override { return client_->report(); }
+  std::optional<std::string> finalCheckpointError() const override { return client_->finalCheckpointError(); }
 
  private:
   Job job_;

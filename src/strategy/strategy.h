@@ -143,6 +143,11 @@ class Strategy {
   // The chief's scheme-specific fields for the done event, once evaluation is over (ps: the
   // servers' staleness and byte counts).
   virtual MetricFields report() { return {}; }
+
+  // On the chief after finish(), for schemes that keep the checkpoints themselves
+  // (CheckpointPlan::keptByScheme; ps: the shards): why the final one could not be written, one
+  // line naming where and why. The trainer fails the run with it after its done event.
+  virtual std::optional<std::string> finalCheckpointError() const { return std::nullopt; }
 };
 
 // What `cohort train` asks for: the scheme, and each scheme's options.

@@ -712,6 +712,8 @@ TrainResult Trainer::run() {
     if (!stop) runEval();
     if (!o.checkpointDir.empty() && !serverCheckpoints) finalCheckpointError = s.saveCheckpoint(/*final=*/true);
   }
+  // Under ps the shards wrote the final checkpoint when the chief said Done (in finish()).
+  if (chief && serverCheckpoints && !finalCheckpointError) finalCheckpointError = s.strategy->finalCheckpointError();
   MetricFields schemeReport;
   if (chief) schemeReport = s.strategy->report();
 
