@@ -6,8 +6,12 @@
 mirrored: cnn on 2 cores, the same global batch (128): --strategy mirrored --replicas 2 (one
           process, 2 replica threads of 1 intra-op thread) against 2 processes of allreduce (batch
           64 each, 1 thread each) and one process with 2 intra-op threads; plus one single-threaded
-          worker at batch 64, whose double is the linear limit. Median of alternating runs, with the
-          median step time of each configuration and mirrored's waits of replicas for each other.
+          worker at batch 64, whose double is the linear limit; two such workers run at once as
+          independent processes (the machine's own ceiling for two workers); mirrored with one
+          replica at batch 64 (the scheme's costs without a second thread). Median of alternating
+          runs, with the median step time of each configuration and, for mirrored, where a
+          replica's step goes (the replica_*_s fields of the step events: hand-off, forward,
+          backward, copy into the buckets, sums, optimizer, waiting for the other replicas).
 hogwild:  mlp, global batch 128 for EPOCHS epochs: hogwild --replicas 2 against mirrored --replicas
           2 and ps async (2 workers of batch 64, 1 shard): samples/s, test accuracy.
 tensor:   mlp and mlp:4096 (hidden 4096), 2 processes: tensor --ways 2 against pipeline --stages 2
@@ -20,11 +24,12 @@ outer:    cnn, 2 and 4 workers, the same examples (STEPS_OUTER steps of batch 64
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, done_event, machine, median, run, single_thread_env  # noqa: E402
+from common import ROOT, done_event, machine, median, run, single_thread_env, wait_all  # noqa: E402
 
 STEPS_CNN = 120
 EPOCHS = 1
@@ -52,42 +57,87 @@ def train(build, tmp, workers, model, flags, threads="1", ps=0):
 
 def step_median_ms(tmp):
     """The median step time of the last run (its first 5 steps left out), in ms."""
-    with open(os.path.join(tmp, "m.jsonl")) as f:
-        steps = [e["step_s"] for e in map(json.loads, f) if e.get("event") == "step" and e["step"] > 5]
-    return 1000 * median(steps)
+    return 1000 * median(step_fields(tmp, ["step_s"])["step_s"])
+
+
+def step_fields(tmp, names, metrics="m.jsonl"):
+    """Each named field of the last run's step events (its first 5 steps left out)."""
+    with open(os.path.join(tmp, metrics)) as f:
+        steps = [e for e in map(json.loads, f) if e.get("event") == "step" and e["step"] > 5]
+    return {n: [e[n] for e in steps] for n in names}
+
+
+def train_pair(build, tmp, model, flags):
+    """Two independent single-threaded trainers at the same time (no exchange): what two cores give
+    two workers that share nothing but the machine. Returns the sum of their samples/s and the
+    median of their median step times."""
+    env = single_thread_env()
+    procs, paths = [], []
+    for i in range(2):
+        path = os.path.join(tmp, f"pair{i}.jsonl")
+        if os.path.exists(path):
+            os.remove(path)
+        paths.append(path)
+        cmd = [os.path.join(build, "cohort"), "train", "--model", model, "--data", "fashion-mnist", "--threads", "1",
+               "--optimizer", "momentum", "--lr", "0.01", "--progress", "off", "--metrics", path,
+               "--seed", str(i + 1)] + flags
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    wait_all(procs, "two independent trainers")
+    rate = sum(done_event(p)["samples_per_s"] for p in paths)
+    step = median([median(step_fields(tmp, ["step_s"], os.path.basename(p))["step_s"]) for p in paths])
+    return {"samples_per_s": rate}, 1000 * step
+
+
+BREAKDOWN = ["handoff", "forward", "backward", "copy", "sum", "optimizer", "wait"]
 
 
 def section_mirrored(args, tmp):
     steps = ["--steps", str(STEPS_CNN)]
+    # (name, processes, flags, intra-op threads); processes 0: two independent trainers at once.
     configs = [
         ("mirrored R=2, batch 128", 1, ["--strategy", "mirrored", "--replicas", "2", "--batch", "128"], "1"),
         ("allreduce 2 processes, batch 64 each", 2, ["--strategy", "allreduce", "--batch", "64"], "1"),
         ("1 process, 2 intra-op threads, batch 128", 1, ["--batch", "128"], "2"),
         ("1 process, 1 thread, batch 64", 1, ["--batch", "64"], "1"),
+        ("2 independent 1-thread processes at once, batch 64 each", 0, ["--batch", "64"], "1"),
+        ("mirrored R=1, batch 64", 1, ["--strategy", "mirrored", "--replicas", "1", "--batch", "64"], "1"),
     ]
+    if args.mirrored_only:
+        configs = [c for c in configs if c[0].split(",")[0] in args.mirrored_only.split(";")]
     rates = {name: [] for name, _, _, _ in configs}
     step_ms = {name: [] for name, _, _, _ in configs}
-    waits = []  # mirrored: the replicas' mean time waiting for each other per run, s
+    parts = {name: {b: [] for b in BREAKDOWN} for name, _, _, _ in configs}  # per run: median ms per step
     for i in range(args.runs):
         for name, workers, flags, threads in configs:
-            d = train(args.build, tmp, workers, "cnn", steps + flags, threads)
+            if workers == 0:
+                d, ms = train_pair(args.build, tmp, "cnn", steps + flags)
+            else:
+                d = train(args.build, tmp, workers, "cnn", steps + flags, threads)
+                ms = step_median_ms(tmp)
+                if "replica_wait_s" in d:
+                    fields = step_fields(tmp, [f"replica_{b}_s" for b in BREAKDOWN])
+                    for b in BREAKDOWN:
+                        parts[name][b].append(1000 * median(fields[f"replica_{b}_s"]))
             rates[name].append(d["samples_per_s"])
-            step_ms[name].append(step_median_ms(tmp))
-            if "replica_wait_s" in d:
-                waits.append(d["replica_wait_s"])
+            step_ms[name].append(ms)
         print(f"  run {i + 1}: " + ", ".join(f"{n.split(',')[0]} {rates[n][-1]:.1f}" for n, _, _, _ in configs),
               flush=True)
     m = {n: median(v) for n, v in rates.items()}
     spread = {n: (min(v), max(v)) for n, v in rates.items()}
     for n in m:
         print(f"cnn {n}: median {m[n]:.1f} samples/s (min {spread[n][0]:.1f}, max {spread[n][1]:.1f}); median step "
-              f"{median(step_ms[n]):.1f} ms", flush=True)
-    if waits:
-        print(f"mirrored: replicas waiting for each other {median(waits):.3f} s per replica over {STEPS_CNN} steps "
-              f"(median of runs)", flush=True)
-    mirrored, allreduce, intra, single = (m[c[0]] for c in configs)
-    print(f"mirrored / (2 x single-threaded worker) = {mirrored / (2 * single):.3f}; mirrored / allreduce = "
-          f"{mirrored / allreduce:.3f}x; mirrored / 2 intra-op threads = {mirrored / intra:.3f}x", flush=True)
+              f"{median(step_ms[n]):.2f} ms", flush=True)
+        if parts[n]["wait"]:
+            print("    per replica, median ms per step: " +
+                  ", ".join(f"{b} {median(parts[n][b]):.2f}" for b in BREAKDOWN) +
+                  f"; total {sum(median(parts[n][b]) for b in BREAKDOWN):.2f}", flush=True)
+    names = [c[0] for c in configs]
+    if len(names) == 6:
+        mirrored, allreduce, intra, single, pair, _ = (m[n] for n in names)
+        print(f"mirrored / (2 x single-threaded worker) = {mirrored / (2 * single):.3f}; mirrored / allreduce = "
+              f"{mirrored / allreduce:.3f}x; mirrored / 2 intra-op threads = {mirrored / intra:.3f}x; "
+              f"2 independent trainers / (2 x single) = {pair / (2 * single):.3f}; mirrored / 2 independent "
+              f"trainers = {mirrored / pair:.3f}", flush=True)
 
 
 def section_hogwild(args, tmp):
@@ -157,6 +207,9 @@ def main():
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--sections", default="mirrored,hogwild,outer,tensor")
+    p.add_argument("--mirrored-only", default="",
+                   help="mirrored section: only these configurations, by the name before the comma, ';'-separated "
+                        "(e.g. 'mirrored R=2;1 process')")
     args = p.parse_args()
     print(machine(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -150,6 +150,53 @@ TEST(DataParallel, AverageWithOuterNesterovResumesExactly) {
   }
 }
 
+// Runs `train` for `total` steps, and again stopped at `stopAt` (its final checkpoint) and resumed
+// to `total`; every rank's parameters must end alike.
+void expectResumesExactly(const std::string& train, int stopAt, int total) {
+  test::TempDir dir;
+  auto whole = test::runCommand(train + " --steps " + std::to_string(total) + " --save-model " +
+                                    dir.file("whole{rank}.pt"), 120);
+  ASSERT_EQ(whole.exitCode, 0) << whole.output;
+  const std::string ckpt = " --checkpoint-dir " + dir.file("ckpt");
+  auto first = test::runCommand(train + " --steps " + std::to_string(stopAt) + ckpt, 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  const auto saved = CheckpointStore(dir.file("ckpt")).list();
+  ASSERT_FALSE(saved.empty());
+  EXPECT_EQ(saved.front().step, stopAt);
+  auto resumed = test::runCommand(train + " --steps " + std::to_string(total) + " --resume" + ckpt +
+                                      " --save-model " + dir.file("resumed{rank}.pt"), 120);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + saved.front().path), std::string::npos) << resumed.output;
+  EXPECT_EQ(resumed.output.find("warning"), std::string::npos) << resumed.output;
+  for (const std::string rank : {"0", "1"}) {
+    EXPECT_LT(maxDifference(loadParameters(dir.file("whole" + rank + ".pt")),
+                            loadParameters(dir.file("resumed" + rank + ".pt"))),
+              1e-6)
+        << "rank " << rank;
+  }
+}
+
+// The codec's state is training state too: how many steps the warm-up has left, and the residual
+// of error feedback (what the threshold codec has not sent yet). Stopped inside the warm-up, a
+// run resumed without the count sends uncompressed for longer than the uninterrupted one.
+TEST(DataParallel, AverageWithCodecResumesExactlyInsideTheWarmUp) {
+  expectResumesExactly(launch(2) + test::cohortBinary() +
+                           " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                           " --optimizer sgd --lr 0.1 --strategy average --period 2 --codec threshold:0.005"
+                           " --codec-warmup-steps 5",
+                       4, 10);
+}
+
+// Stopped after compressed averages: resumed without the residual, the entries held back before
+// the checkpoint would never be sent. With the outer Nesterov optimizer too.
+TEST(DataParallel, AverageWithCodecAndOuterNesterovResumesExactlyAfterTheWarmUp) {
+  expectResumesExactly(launch(2) + test::cohortBinary() +
+                           " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                           " --optimizer sgd --lr 0.1 --strategy average --period 2 --codec threshold:0.005"
+                           " --codec-warmup-steps 2 --outer-optimizer nesterov --outer-lr 0.7 --outer-momentum 0.9",
+                       6, 10);
+}
+
 TEST(DataParallel, RunsUnderMpirun) {
   test::TempDir dir;
   const test::ReservedPort port;  // mpirun's ranks must all be told the port before rank 0 listens

@@ -453,6 +453,9 @@ TEST(ReplicasCli, BadInputIsOneLineErrors) {
       {"--strategy hogwild --replicas 2 --codec fp16", "--codec fp16 does not apply to --strategy hogwild"},
       {"--strategy central --replicas -2", "--replicas must be at least 1"},
       {"--strategy tensor --ways 3", "--strategy tensor --ways 3 needs a multiple of 3 processes"},
+      {"--strategy hogwild --replicas 2 --bucket-mb 1", "--bucket-mb does not apply to --strategy hogwild"},
+      {"--strategy mirrored --replicas 2 --first-bucket-mb 1", "--first-bucket-mb does not apply to --strategy mirrored"},
+      {"--strategy central --replicas 2 --bucket-mb 0", "--bucket-mb must be positive, got 0"},
   };
   for (const auto& c : cases) {
     auto r = test::runCommand(test::cohortBinary() + " train --model mlp --data synthetic:64 --steps 1 --progress off " +
@@ -460,6 +463,22 @@ TEST(ReplicasCli, BadInputIsOneLineErrors) {
     EXPECT_NE(r.exitCode, 0) << c.args;
     EXPECT_NE(r.output.find("cohort: error: " + c.expected), std::string::npos) << c.args << "\n" << r.output;
     EXPECT_EQ(test::lines(r.output).size(), 1u) << r.output;
+  }
+}
+
+// --bucket-mb sizes mirrored's and central's in-memory buckets: the mlp's 2.7 MB of gradients fit
+// one bucket of the default 4 MB, and with 0.01 MB every one of its 6 parameters has its own.
+TEST(ReplicasCli, BucketMbSizesTheInMemoryBuckets) {
+  for (const std::string scheme : {"mirrored", "central"}) {
+    test::TempDir dir;
+    const std::string train = test::cohortBinary() + " train --model mlp --data synthetic:64 --steps 1 --threads 1"
+                              " --progress off --batch 8 --replicas 2 --strategy " + scheme;
+    auto plain = test::runCommand(train + " --metrics " + dir.file("plain.jsonl"), 120);
+    ASSERT_EQ(plain.exitCode, 0) << plain.output;
+    EXPECT_EQ(test::lastEvent(dir.file("plain.jsonl"), "done")["buckets"], 1) << scheme;
+    auto small = test::runCommand(train + " --bucket-mb 0.01 --metrics " + dir.file("small.jsonl"), 120);
+    ASSERT_EQ(small.exitCode, 0) << small.output;
+    EXPECT_EQ(test::lastEvent(dir.file("small.jsonl"), "done")["buckets"], 6) << scheme;
   }
 }
 

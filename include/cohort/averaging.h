@@ -90,6 +90,19 @@ class ParameterAveraging {
   torch::Tensor outerMomentum() const;
   void setOuterMomentum(const torch::Tensor& momentum);
 
+  // The codec's state, training state as the outer momentum is and taken at the same point (after
+  // synchronize()): the calls to step() so far, which decide when codecWarmupSteps ends, and the
+  // residual of error feedback, flat over the dense parameters (undefined for a codec without one,
+  // or without a codec or a job). setCodecState() puts a saved state back (every rank its own: the
+  // residuals differ); it throws InvalidArgument for a residual of another size, or one given to a
+  // handle whose codec keeps none.
+  struct CodecState {
+    int64_t steps = 0;
+    torch::Tensor residual;
+  };
+  CodecState codecState() const;
+  void setCodecState(const CodecState& state);
+
   struct Impl;
 
  private:

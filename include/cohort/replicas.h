@@ -63,10 +63,25 @@ struct ReplicaOptions {
   std::chrono::milliseconds timeout{60000};  // every wait of one replica for another
 };
 
+// Where a replica thread's step time goes, in seconds summed over the steps and averaged over the
+// replicas. With waitSeconds they cover a step() call from its start to its return.
+struct ReplicaTimes {
+  double handOff = 0.0;    // step() waking the thread, and the last thread's end waking step()
+  double forward = 0.0;    // the loss function: forward and loss
+  double backward = 0.0;   // backward, less the time its gradient hooks spend on the buckets
+  double copy = 0.0;       // writing the weighted gradients into the buckets (Mirrored, CentralStorage)
+  double sum = 0.0;        // summing its chunks of the buckets (Mirrored, CentralStorage)
+  double optimizer = 0.0;  // its optimizer step (CentralStorage: replica 0's only)
+};
+
 struct ReplicaStats {
   int64_t steps = 0;
   int64_t bytesReduced = 0;      // gradient bytes summed in memory (Mirrored, CentralStorage)
-  double waitSeconds = 0.0;      // replica threads' time waiting for each other, per replica
+  int64_t buckets = 0;           // the buckets the sums go in (Mirrored, CentralStorage)
+  // Replica threads' time waiting for each other (at the sums, for the allreduces, for the last
+  // thread to end the step), per replica.
+  double waitSeconds = 0.0;
+  ReplicaTimes times;
   // Mirrored across processes: the averaged sums' traffic, and the time the step waited for it.
   int64_t bytesSent = 0;
   int64_t bytesReceived = 0;

@@ -103,6 +103,19 @@ int restartCountFromEnvironment() {
   return int(value);
 }
 
+// --bucket-mb is allreduce's and the in-memory sums' of mirrored and central (each scheme keeps its
+// own default); hogwild sums nothing and mirrored/central have no small first bucket.
+void applyBucketOptions(StrategyOptions& s, bool bucketGiven, bool firstBucketGiven) {
+  const bool inProcess = s.name == "mirrored" || s.name == "central" || s.name == "hogwild";
+  COHORT_CHECK(!(bucketGiven && s.name == "hogwild"), InvalidArgument,
+               "--bucket-mb does not apply to --strategy hogwild: its threads sum no gradients; drop --bucket-mb");
+  COHORT_CHECK(!(firstBucketGiven && inProcess), InvalidArgument, "--first-bucket-mb does not apply to --strategy ",
+               s.name, ": its in-memory sums use buckets of --bucket-mb alone; drop --first-bucket-mb");
+  COHORT_CHECK(!bucketGiven || s.allreduce.bucketMb > 0, InvalidArgument, "--bucket-mb must be positive, got ",
+               s.allreduce.bucketMb);
+  if (bucketGiven && inProcess) s.inProcess.bucketMb = s.allreduce.bucketMb;
+}
+
 }  // namespace
 
 Run addTrainCommand(CLI::App& app) {
@@ -172,10 +185,13 @@ Run addTrainCommand(CLI::App& app) {
                              "hogwild", "tensor"}))
       ->capture_default_str();
   auto* dp = "Data parallelism";
-  train->add_option("--bucket-mb", o.strategy.allreduce.bucketMb, "allreduce: gradient bucket size in MB")
-      ->group(dp)->capture_default_str();
-  train->add_option("--first-bucket-mb", o.strategy.allreduce.firstBucketMb,
-                    "allreduce: size of the first bucket, launched earliest")->group(dp)->capture_default_str();
+  CLI::Option* bucketMb =
+      train->add_option("--bucket-mb", o.strategy.allreduce.bucketMb,
+                        "allreduce, mirrored, central: gradient bucket size in MB (default 25 for allreduce, 4 for "
+                        "mirrored and central)")->group(dp);
+  CLI::Option* firstBucketMb =
+      train->add_option("--first-bucket-mb", o.strategy.allreduce.firstBucketMb,
+                        "allreduce: size of the first bucket, launched earliest")->group(dp)->capture_default_str();
   train->add_flag("--no-overlap{false}", o.strategy.allreduce.overlap,
                   "allreduce, mirrored, central: launch every allreduce (mirrored, central: every in-memory sum, "
                   "and mirrored's allreduce across processes) after backward instead of during it")->group(dp);
@@ -269,9 +285,10 @@ Run addTrainCommand(CLI::App& app) {
                     "Testing: an evaluator task SIGKILLs itself right after recording its N-th checkpoint "
                     "(once: restarted, it finds N recorded and goes on)")->group("Testing");
 
-  return [options, progress, microBatches, psFlags, evaluator]() {
+  return [options, progress, microBatches, psFlags, evaluator, bucketMb, firstBucketMb]() {
     TrainOptions& o = *options;
     checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
+    applyBucketOptions(o.strategy, bucketMb->count() > 0, firstBucketMb->count() > 0);
     o.strategy.pipeline.microBatches =
         parseMicroBatches(*microBatches, o.strategy.name == "pipeline" ? o.batch : INT64_MAX);
     auto& p = o.strategy.ps;

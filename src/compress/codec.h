@@ -101,6 +101,9 @@ class Encoder {
   std::span<const float> residual() const { return residual_; }
   // Forgets the residual (after a warm-up, or when the parameters were replaced).
   void resetResidual();
+  // Puts back a residual saved from residual() (a checkpoint); InvalidArgument when its size is not
+  // this encoder's residual's (0 for the codecs without one).
+  void setResidual(std::span<const float> residual);
   const CodecSpec& spec() const { return spec_; }
   size_t length() const { return length_; }
   // Entries sent by the last encode (all of them for the dense codecs and onebit).

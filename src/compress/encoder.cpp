@@ -682,6 +682,13 @@ Encoder& Encoder::operator=(Encoder&&) noexcept = default;
 
 void Encoder::resetResidual() { std::fill(residual_.begin(), residual_.end(), 0.0f); }
 
+void Encoder::setResidual(std::span<const float> residual) {
+  COHORT_CHECK(residual.size() == residual_.size(), InvalidArgument, "--codec ", kindName(spec_.kind), ": a saved residual of ",
+               residual.size(), " floats cannot be put back into an encoder whose residual has ", residual_.size(),
+               ": restore the residual saved with this model and codec");
+  std::copy(residual.begin(), residual.end(), residual_.begin());
+}
+
 std::vector<uint8_t> Encoder::encode(std::span<const float> input) {
   std::vector<uint8_t> message;
   encode(input, message);

@@ -300,4 +300,29 @@ void ParameterAveraging::setOuterMomentum(const torch::Tensor& momentum) {
   s.outerVelocity.copy_(momentum.to(torch::kFloat32));
 }
 
+ParameterAveraging::CodecState ParameterAveraging::codecState() const {
+  const Impl& s = *impl_;
+  CodecState state{.steps = s.stats.steps};
+  if (s.compressed != nullptr && !s.compressed->residual(0).empty()) {
+    const std::span<const float> r = s.compressed->residual(0);
+    state.residual = torch::from_blob(const_cast<float*>(r.data()), {int64_t(r.size())}, torch::kFloat32).clone();
+  }
+  return state;
+}
+
+void ParameterAveraging::setCodecState(const CodecState& state) {
+  Impl& s = *impl_;
+  COHORT_CHECK(state.steps >= 0, InvalidArgument, kWho, ": a saved step count must be at least 0, got ", state.steps);
+  if (state.residual.defined()) {
+    const bool keepsOne = s.compressed != nullptr && !s.compressed->residual(0).empty();
+    COHORT_CHECK(keepsOne, InvalidArgument, kWho, ": the saved state holds a codec residual, but --codec ",
+                 s.options.codec, " keeps none: resume with the codec the checkpoint was written with");
+    const torch::Tensor r = state.residual.to(torch::kFloat32).contiguous();
+    COHORT_CHECK(r.dim() == 1, InvalidArgument, kWho, ": the saved codec residual must be flat, got ", r.dim(),
+                 " dimensions");
+    s.compressed->setResidual(0, {r.data_ptr<float>(), size_t(r.numel())});
+  }
+  s.stats.steps = state.steps;
+}
+
 }  // namespace cohort

@@ -52,6 +52,10 @@ class CompressedSum {
   int64_t bytesReceived() const { return bytesReceived_; }
   // Forgets every residual (after the warm-up, or when the parameters are replaced).
   void resetResiduals();
+  // Buffer `id`'s residual (error feedback), empty for the codecs without one; setResidual() puts
+  // a saved one back (InvalidArgument for another size).
+  std::span<const float> residual(size_t id) const { return encoders_.at(id).residual(); }
+  void setResidual(size_t id, std::span<const float> residual) { encoders_.at(id).setResidual(residual); }
 
  private:
   std::shared_ptr<Communicator> comm_;

@@ -90,6 +90,9 @@ struct ReplicaGroup::Impl {
     bool inBackward = false;
     std::vector<unsigned> hooks;
     double waitSeconds = 0;
+    ReplicaTimes times;
+    double hookSeconds = 0;  // this step's time in the gradient hooks, taken out of backward
+    Clock::time_point endedAt;  // when the thread ended its part of the step
   };
 
   Kind kind = Kind::kMirrored;
@@ -124,6 +127,7 @@ struct ReplicaGroup::Impl {
   int errorReplica = -1;                 // GUARDED_BY(mutex)
   bool broken = false;                   // a failure after parameters changed: replicas may differ
   std::chrono::steady_clock::time_point deadline;
+  Clock::time_point wokenAt;  // when step() woke the threads
   ReplicaStats stats;
 
   // The worker threads.
@@ -212,14 +216,17 @@ struct ReplicaGroup::Impl {
   void onGradient(size_t r, size_t k, const torch::Tensor& grad) {
     Replica& self = replicas[r];
     if (!self.inBackward) return;  // a backward outside step(): not ours
+    const auto start = Clock::now();
     torch::NoGradGuard noGrad;
     auto [b, i] = slotOf[k];
     torch::mul_out(buckets[b]->localSlots[r][i], grad, self.weight);
+    self.times.copy += secondsSince(start);
     if (!self.filled[b][i]) {
       self.filled[b][i] = true;
       if (--self.pending[b] == 0) arrive(b);
     }
     if (options.overlap) sumReadyChunks(self, r, /*wait=*/false);
+    self.hookSeconds += secondsSince(start);
   }
 
   void arrive(size_t b) {
@@ -260,7 +267,9 @@ struct ReplicaGroup::Impl {
         if (!wait) return;
         waitUntil(self, ready, "to finish their backward pass");
       }
+      const auto start = Clock::now();
       sumChunk(r, bucket);
+      self.times.sum += secondsSince(start);
       ++self.nextToSum;
     }
   }
@@ -280,9 +289,13 @@ struct ReplicaGroup::Impl {
       self.pending[b] = buckets[b]->params.size();
     }
     self.nextToSum = 0;
+    self.hookSeconds = 0;
     if (x.size(0) > 0) {
+      auto start = Clock::now();
       torch::Tensor value = (*lossFn)(int(r), *self.module, x, shardTargets[r]);
       self.loss = value.item<double>();
+      self.times.forward += secondsSince(start);
+      start = Clock::now();
       self.inBackward = true;
       try {
         value.backward();
@@ -291,8 +304,10 @@ struct ReplicaGroup::Impl {
         throw;
       }
       self.inBackward = false;
+      self.times.backward += secondsSince(start) - self.hookSeconds;
     }
     // Parameters that got no gradient (and a replica without examples) contribute zeros.
+    const auto zeroStart = Clock::now();
     for (size_t b = 0; b < buckets.size(); ++b) {
       if (self.pending[b] == 0) continue;
       for (size_t i = 0; i < buckets[b]->params.size(); ++i) {
@@ -301,6 +316,7 @@ struct ReplicaGroup::Impl {
       self.pending[b] = 0;
       arrive(b);
     }
+    self.times.copy += secondsSince(zeroStart);
     sumReadyChunks(self, r, /*wait=*/true);
     finishedSums.fetch_add(1);
     notifyAll();
@@ -320,11 +336,13 @@ struct ReplicaGroup::Impl {
     }
     if (kind == Kind::kCentral && r != 0) return;  // one optimizer, on the one parameter set
     updating = true;
+    const auto start = Clock::now();
     for (size_t k = 0; k < self.params.size(); ++k) {
       auto [b, i] = slotOf[k];
       self.params[k].mutable_grad() = buckets[b]->sumSlots[i];
     }
     self.optimizer->step();
+    self.times.optimizer += secondsSince(start);
   }
 
   // On replica 0 once every chunk is summed: waits for the buckets' allreduces (launched while
@@ -351,14 +369,20 @@ struct ReplicaGroup::Impl {
     if (x.size(0) == 0) return;
     clearGradients(*self.module);
     const int64_t readAt = updates.load();
+    auto start = Clock::now();
     torch::Tensor value = (*lossFn)(int(r), *self.module, x, shardTargets[r]);
     self.loss = value.item<double>();
+    self.times.forward += secondsSince(start);
+    start = Clock::now();
     value.backward();
+    self.times.backward += secondsSince(start);
     // No lock: the update is written while other replicas read and write the same parameters.
+    start = Clock::now();
     const int64_t begunBefore = writesBegun.fetch_add(1);
     bool conflict = writers.fetch_add(1) > 0;
     self.optimizer->step();
     writers.fetch_sub(1);
+    self.times.optimizer += secondsSince(start);
     conflict = conflict || writesBegun.load() != begunBefore + 1;
     const int64_t staleness = updates.fetch_add(1) - readAt;
     std::lock_guard<std::mutex> lock(mutex);
@@ -383,12 +407,14 @@ struct ReplicaGroup::Impl {
         if (stopping) return;
         seen = generation;
       }
+      replicas[r].times.handOff += secondsSince(wokenAt);
       try {
         runReplica(r);
       } catch (const Aborted&) {
       } catch (...) {
         fail(int(r), std::current_exception());
       }
+      replicas[r].endedAt = Clock::now();
       std::lock_guard<std::mutex> lock(mutex);
       if (--running == 0) done.notify_all();
     }
@@ -565,9 +591,21 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
     s.errorReplica = -1;
     s.running = R;
     ++s.generation;
+    s.wokenAt = Clock::now();
     s.wake.notify_all();
     // The replicas' own waits end by the deadline; this one allows them a margin to unwind.
     const bool finished = s.done.wait_until(lock, s.deadline + s.options.timeout, [&] { return s.running == 0; });
+    if (finished) {
+      // A thread that ended first waited for the last; the last one's end waking this thread is
+      // the hand-off.
+      const auto now = Clock::now();
+      auto last = s.replicas[0].endedAt;
+      for (auto& replica : s.replicas) last = std::max(last, replica.endedAt);
+      for (auto& replica : s.replicas) {
+        replica.waitSeconds += std::chrono::duration<double>(last - replica.endedAt).count();
+        replica.times.handOff += std::chrono::duration<double>(now - last).count();
+      }
+    }
     if (!finished) {
       s.broken = true;
       throw TimeoutError(detail::concat(s.who, ": the replica threads did not finish their step within ",
@@ -644,9 +682,17 @@ ReplicaStats ReplicaGroup::stats() const {
     std::lock_guard<std::mutex> lock(s.mutex);
     out = s.stats;
   }
-  double wait = 0;
-  for (auto& replica : s.replicas) wait += replica.waitSeconds;
-  out.waitSeconds = wait / double(s.replicas.size());
+  out.buckets = int64_t(s.buckets.size());
+  const double R = double(s.replicas.size());
+  for (auto& replica : s.replicas) {
+    out.waitSeconds += replica.waitSeconds / R;
+    out.times.handOff += replica.times.handOff / R;
+    out.times.forward += replica.times.forward / R;
+    out.times.backward += replica.times.backward / R;
+    out.times.copy += replica.times.copy / R;
+    out.times.sum += replica.times.sum / R;
+    out.times.optimizer += replica.times.optimizer / R;
+  }
   return out;
 }
 

@@ -53,6 +53,17 @@ void AverageStrategy::synchronize() {
 void AverageStrategy::saveState(torch::serialize::OutputArchive& archive) {
   if (!averaging_) return;
   if (torch::Tensor momentum = averaging_->outerMomentum(); momentum.defined()) archive.write("outer_momentum", momentum);
+  archive.write("average_steps", torch::tensor(averaging_->codecState().steps, torch::kInt64));
+  if (!residuals_.empty()) archive.write("codec_residuals", torch::stack(residuals_));
+  residuals_.clear();
+}
+
+void AverageStrategy::prepareCheckpoint() {
+  if (!averaging_) return;
+  // Every rank keeps a residual of its own; the chief writes the checkpoint alone.
+  if (torch::Tensor residual = averaging_->codecState().residual; residual.defined()) {
+    residuals_ = comm_->allgather(residual);
+  }
 }
 
 void AverageStrategy::loadState(torch::serialize::InputArchive& archive) {
@@ -64,6 +75,37 @@ void AverageStrategy::loadState(torch::serialize::InputArchive& archive) {
     std::fprintf(stderr, "cohort: warning: the checkpoint holds no outer momentum (written without an outer "
                          "optimizer, or by an older cohort); the outer optimizer starts from zero momentum\n");
   }
+  // The codec's state: the steps taken (the warm-up's count) and this rank's residual.
+  ParameterAveraging::CodecState codec;
+  torch::Tensor steps;
+  const bool hasSteps = archive.try_read("average_steps", steps);
+  torch::Tensor residuals;  // [ranks, parameters]: every rank's, in rank order
+  bool hasResidual = archive.try_read("codec_residuals", residuals);
+  if (hasResidual && (residuals.dim() != 2 || residuals.size(0) != comm_->worldSize())) {
+    std::fprintf(stderr, "cohort: warning: the checkpoint's codec residuals are of %lld ranks, this job has %d; "
+                         "the residual starts at zero\n", residuals.dim() == 2 ? (long long)residuals.size(0) : -1LL,
+                 comm_->worldSize());
+    hasResidual = false;
+  }
+  if (hasResidual) codec.residual = residuals[comm_->rank()];
+  if (!hasSteps) {
+    if (options_.codec != "none") {
+      std::fprintf(stderr, "cohort: warning: the checkpoint holds no codec state (written by an older cohort); "
+                           "--codec-warmup-steps counts again from 0 and the codec's residual starts at zero\n");
+    }
+    return;
+  }
+  codec.steps = steps.item<int64_t>();
+  const bool keepsResidual = averaging_->codecState().residual.defined();
+  if (hasResidual && !keepsResidual) {
+    std::fprintf(stderr, "cohort: warning: the checkpoint holds a codec residual that --codec %s does not keep; it "
+                         "is dropped\n", options_.codec.c_str());
+    codec.residual = torch::Tensor();
+  } else if (!hasResidual && keepsResidual) {
+    std::fprintf(stderr, "cohort: warning: the checkpoint holds no codec residual (written with another --codec); "
+                         "the residual starts at zero\n");
+  }
+  averaging_->setCodecState(codec);
 }
 
 }  // namespace cohort

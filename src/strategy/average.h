@@ -22,7 +22,11 @@ class AverageStrategy final : public Strategy {
   StepStats step(const Batch& batch, const LossFn& loss) override;
   // Averages now if any step has been taken since the last average (every rank must call it).
   void synchronize() override;
-  // The outer optimizer's momentum ("outer_momentum"), when there is one.
+  // The outer optimizer's momentum ("outer_momentum"), when there is one; the steps taken
+  // ("average_steps", which decide when --codec-warmup-steps ends) and the codec's residual
+  // ("codec_residuals", every rank's error feedback, gathered by prepareCheckpoint()), when the
+  // codec keeps one.
+  void prepareCheckpoint() override;
   void saveState(torch::serialize::OutputArchive& archive) override;
   void loadState(torch::serialize::InputArchive& archive) override;
 
@@ -32,6 +36,7 @@ class AverageStrategy final : public Strategy {
   torch::nn::Sequential model_{nullptr};
   torch::optim::Optimizer* optimizer_ = nullptr;
   std::unique_ptr<ParameterAveraging> averaging_;
+  std::vector<torch::Tensor> residuals_;  // every rank's codec residual, from prepareCheckpoint()
 };
 
 }  // namespace cohort

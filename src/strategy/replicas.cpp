@@ -48,6 +48,13 @@ StepStats ReplicaStrategy::step(const Batch& batch, const LossFn& loss) {
   stats.commWaitSeconds = after.commWaitSeconds - before.commWaitSeconds;
   stats.computeSeconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() - stats.commWaitSeconds;
+  // Where a replica's time went in this step (means over the replicas).
+  stats.extra.emplace_back("replica_handoff_s", after.times.handOff - before.times.handOff);
+  stats.extra.emplace_back("replica_forward_s", after.times.forward - before.times.forward);
+  stats.extra.emplace_back("replica_backward_s", after.times.backward - before.times.backward);
+  stats.extra.emplace_back("replica_copy_s", after.times.copy - before.times.copy);
+  stats.extra.emplace_back("replica_sum_s", after.times.sum - before.times.sum);
+  stats.extra.emplace_back("replica_optimizer_s", after.times.optimizer - before.times.optimizer);
   stats.extra.emplace_back("replica_wait_s", after.waitSeconds - before.waitSeconds);
   if (name_ == "hogwild") {
     const int64_t updates = after.updates - before.updates;
@@ -72,6 +79,7 @@ MetricFields ReplicaStrategy::report() {
     fields.emplace_back("conflict_fraction", s.updates > 0 ? double(s.conflicts) / double(s.updates) : 0.0);
   } else {
     fields.emplace_back("bytes_reduced_in_memory", s.bytesReduced);
+    fields.emplace_back("buckets", s.buckets);
   }
   return fields;
 }

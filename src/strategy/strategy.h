@@ -99,6 +99,10 @@ class Strategy {
   // written without it).
   virtual void saveState(torch::serialize::OutputArchive& archive) {}
   virtual void loadState(torch::serialize::InputArchive& archive) {}
+  // Called on every process before each checkpoint, right after synchronize() (a collective where
+  // the scheme needs one): state that differs between processes reaches the writer here (average:
+  // every rank's codec residual), since saveState() runs on the writer alone.
+  virtual void prepareCheckpoint() {}
 
   // What a checkpoint must agree on beyond the run's options (pipeline: the stage and the cut).
   virtual std::string layout() const { return ""; }

@@ -300,6 +300,7 @@ struct Trainer::State {
   // and the previous checkpoints are kept (a save removes older ones only after it succeeded).
   std::optional<std::string> saveCheckpoint(bool final) {
     strategy->synchronize();
+    strategy->prepareCheckpoint();
     if (!checkpoints) return std::nullopt;
     try {
       checkpoints->save(step, serialize());
