@@ -2,6 +2,7 @@
 """Bandwidth saturation, emulated: workers in network namespaces joined by links that `tc tbf` limits.
 
     sudo /usr/bin/python3 bench/bandwidth.py [--build build] [--runs 1] [--steps 30] [--rates 100mbit,1gbit,unlimited]
+                                             [--schemes allreduce,ps]
 
 The script creates its own namespaces (root needed; they are removed at the end, also on error):
 one per process, each with an `eth0` veth whose other end sits on a bridge in a hub namespace.
@@ -13,11 +14,17 @@ one shard, each in its own namespace).
 Measured: samples/s (cohort's steady-state figure from the chief's done event) of the cnn on
 Fashion-MNIST, 2 workers x 1 thread, batch 64, for allreduce with --codec none / fp16 /
 threshold:0.001 and ps async with --codec none / threshold:0.001 (pushes are compressed; the pulled
-parameters are not), at each rate. Ratios are against `none` of the same scheme and rate.
+parameters are not), at each rate. Ratios are against `none` of the same scheme and rate. The runs of
+one rate alternate between the configurations; each row gives the median over the runs and, in
+parentheses, the lowest and highest run, and the ratio of the medians with the lowest and highest
+ratio of one run to the median of `none`. For allreduce, the chief's median step breaks down into
+backward_s (with the end-of-backward wait), comm_wait_s, and the codec's communication thread
+(encode_s, wire_s, decode_s), from its step events after step 10.
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +36,7 @@ TAG = f"cbw{os.getpid() % 100000}"
 HUB = f"{TAG}-hub"
 SCHEMES = [("allreduce", "none"), ("allreduce", "fp16"), ("allreduce", "threshold:0.001"),
            ("ps", "none"), ("ps", "threshold:0.001")]
+PHASES = ["step_s", "backward_s", "comm_wait_s", "encode_s", "wire_s", "decode_s"]
 
 
 def sh(*cmd, check=True):
@@ -106,7 +114,15 @@ def run_job(args, tmp, scheme, codec):
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns_name(ns)] + cmd, env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     wait_all(procs, f"{scheme} --codec {codec}")
-    return done_event(metrics)
+    done = done_event(metrics)
+    steps = []
+    with open(metrics) as f:
+        for line in f:
+            event = json.loads(line)
+            if event.get("event") == "step" and event["step"] > 10:
+                steps.append(event)
+    done["phases"] = {k: statistics.median(e[k] for e in steps) for k in PHASES if steps and k in steps[0]}
+    return done
 
 
 def main():
@@ -115,7 +131,11 @@ def main():
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rates", default="100mbit,1gbit,unlimited")
+    p.add_argument("--schemes", default="allreduce,ps", help="which schemes' rows to run")
     args = p.parse_args()
+    schemes = [s for s in SCHEMES if s[0] in args.schemes.split(",")]
+    if not schemes:
+        sys.exit(f"bench/bandwidth.py: --schemes {args.schemes} names none of allreduce, ps")
     if os.geteuid() != 0:
         sys.exit("bench/bandwidth.py needs root to create network namespaces (run it with sudo)")
     print(f"machine: {machine()}")
@@ -126,17 +146,23 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             for rate in args.rates.split(","):
                 set_rate(n, rate)
-                results = {s: [] for s in SCHEMES}
+                results = {s: [] for s in schemes}
                 for _ in range(args.runs):
-                    for scheme, codec in SCHEMES:
+                    for scheme, codec in schemes:
                         results[(scheme, codec)].append(run_job(args, tmp, scheme, codec))
-                for scheme, codec in SCHEMES:
+                for scheme, codec in schemes:
                     r = results[(scheme, codec)]
-                    rate_s = median([d["samples_per_s"] for d in r])
+                    rates = [d["samples_per_s"] for d in r]
+                    rate_s = median(rates)
                     base = median([d["samples_per_s"] for d in results[(scheme, "none")]])
                     sent = median([d["bytes_sent"] / d["steps"] for d in r]) / 1e6
-                    print(f"{rate:9s} {scheme:9s} --codec {codec:16s} {rate_s:8.1f} samples/s  {rate_s / base:6.2f}x "
-                          f"none   {sent:7.3f} MB sent per chief step", flush=True)
+                    print(f"{rate:9s} {scheme:9s} --codec {codec:16s} {rate_s:8.1f} ({min(rates):.1f}-{max(rates):.1f}) "
+                          f"samples/s  {rate_s / base:5.2f}x ({min(rates) / base:.2f}-{max(rates) / base:.2f}) none  "
+                          f"{sent:7.3f} MB sent per chief step", flush=True)
+                    phases = {k: median([d["phases"][k] for d in r]) for k in PHASES if k in r[0]["phases"]}
+                    if scheme == "allreduce" and phases:
+                        print("          median step ms: " + " ".join(f"{k}={1e3 * v:.2f}" for k, v in phases.items()),
+                              flush=True)
     finally:
         destroy(n)
 

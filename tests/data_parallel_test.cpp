@@ -204,7 +204,70 @@ TEST_P(DataParallelReplicas, EndBitIdenticalWithMomentumUnusedParametersAndBuffe
   expectEqual(buffers[0], buffers[1]);
 }
 
-INSTANTIATE_TEST_SUITE_P(Codecs, DataParallelReplicas, ::testing::Values("none", "fp16", "topk:0.3", "onebit"));
+INSTANTIATE_TEST_SUITE_P(Codecs, DataParallelReplicas,
+                         ::testing::Values("none", "fp16", "bf16", "topk:0.3", "threshold:0.01", "onebit"));
+
+// Every codec's buckets start from the gradient hooks, before backward ends (the sparse codecs
+// used to wait for its end): one bucket per parameter, and a hook of the test's own on the first
+// layer's weight, whose gradient comes last, sees the buckets of every later layer started. The
+// exchanges run on the codec's communication thread meanwhile; the replicas still agree.
+class DataParallelOverlap : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DataParallelOverlap, EveryCodecStartsItsBucketsBeforeBackwardEnds) {
+  const std::string codec = GetParam();
+  const Data d = makeData(32);
+  const auto init = initialParameters();
+  std::vector<std::vector<torch::Tensor>> finals(2);
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    Net net;
+    load(*net, init);
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    DataParallel dp(Job::fromCommunicator(comm), *net, {.bucketMb = 1e-6, .firstBucketMb = 1e-6, .codec = codec});
+    const int64_t buckets = int64_t(dp.stats().buckets);
+    EXPECT_EQ(buckets, int64_t(net->parameters().size()));
+    std::vector<int64_t> startedAtFirstLayer;
+    // Registered after the handle's own hook, so it runs after it for the same gradient.
+    net->in->weight.register_hook([&](torch::Tensor) {
+      startedAtFirstLayer.push_back(dp.stats().bucketsStartedInBackward);
+    });
+    const int steps = 3;
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      auto part = shard(d, s * 8, 4, r, 2);
+      const int64_t before = dp.stats().bucketsStartedInBackward;
+      lossOf(net->forward(part.x), part.y).backward();
+      ASSERT_EQ(startedAtFirstLayer.size(), size_t(s + 1));
+      // in.bias's bucket comes before in.weight's; autograd may run its hook after in.weight's.
+      EXPECT_GE(startedAtFirstLayer.back() - before, buckets - 2) << "step " << s;
+      EXPECT_EQ(dp.stats().bucketsStartedInBackward - before, buckets) << "step " << s;
+      opt.step();
+    }
+    EXPECT_EQ(dp.stats().syncSteps, steps);
+    if (codec != "none") EXPECT_GT(dp.stats().encodeSeconds + dp.stats().decodeSeconds, 0.0);
+    finals[size_t(r)] = snapshot(*net);
+  });
+  expectEqual(finals[0], finals[1]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, DataParallelOverlap,
+                         ::testing::Values("none", "fp16", "bf16", "topk:0.3", "threshold:0.01", "onebit"));
+
+// Without overlap every bucket starts at the end of backward, whatever the codec.
+TEST(DataParallel, NoOverlapStartsEveryBucketAtTheEndOfBackward) {
+  const Data d = makeData(8);
+  const auto init = initialParameters();
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    Net net;
+    load(*net, init);
+    DataParallel dp(Job::fromCommunicator(comm), *net,
+                    {.bucketMb = 1e-6, .firstBucketMb = 1e-6, .overlap = false, .codec = "threshold:0.01"});
+    auto part = shard(d, 0, 4, comm->rank(), 2);
+    lossOf(net->forward(part.x), part.y).backward();
+    EXPECT_EQ(dp.stats().syncSteps, 1);
+    EXPECT_EQ(dp.stats().bucketsStartedInBackward, 0);
+  });
+}
 
 // Rank 1 has fewer batches. Inside join() the run ends and the replicas agree; the shadow steps
 // are counted.

@@ -61,6 +61,16 @@ struct DataParallelStats {
   int64_t bytesReceived = 0;
   double commWaitSeconds = 0.0;  // time backward's end waited for communication (not hidden)
   size_t buckets = 0;
+  // Buckets whose exchange started from a gradient hook, before the end of backward (the others
+  // start at its end: with overlap off, or parameters that got no gradient).
+  int64_t bucketsStartedInBackward = 0;
+  // With a codec other than none, where the communication thread's time went (it runs while
+  // backward goes on, so these overlap compute and commWaitSeconds): encoding (the conversion to
+  // 16 bits, a sparse encode), waiting on the wire, summing (16-bit additions and the conversion
+  // back, decoding the messages). none: all zero (Gloo's allreduce is not broken down).
+  double encodeSeconds = 0.0;
+  double wireSeconds = 0.0;
+  double decodeSeconds = 0.0;
 };
 
 class DataParallel {

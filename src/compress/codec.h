@@ -141,5 +141,11 @@ void floatsToHalf(std::span<const float> in, std::span<uint16_t> out);
 void halfToFloats(std::span<const uint16_t> in, std::span<float> out);
 void floatsToBf16(std::span<const float> in, std::span<uint16_t> out);
 void bf16ToFloats(std::span<const uint16_t> in, std::span<float> out);
+// One hop of a ring allreduce in 16 bits, summed in float32: acc[i] += the float of received[i],
+// then rounded[i] = acc[i] in 16 bits (as floatsToHalf / floatsToBf16 round). In blocks that stay
+// in cache; acc, received and rounded must have one size (received and rounded may be the same
+// buffer).
+void addHalfAndRound(std::span<const uint16_t> received, std::span<float> acc, std::span<uint16_t> rounded);
+void addBf16AndRound(std::span<const uint16_t> received, std::span<float> acc, std::span<uint16_t> rounded);
 
 }  // namespace cohort::compress

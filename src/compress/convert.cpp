@@ -15,6 +15,7 @@
 #include "compress/codec.h"
 #include "compress/path.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -258,6 +259,33 @@ void floatsToBf16(std::span<const float> in, std::span<uint16_t> out) {
 void bf16ToFloats(std::span<const uint16_t> in, std::span<float> out) {
   COHORT_CHECK_EQ(out.size(), in.size(), InvalidArgument, "bf16ToFloats: the output's size");
   convert::fromBf16(in.data(), out.data(), in.size());
+}
+
+namespace {
+
+// 4096 entries: 16 KiB of acc and 8 KiB of each 16-bit buffer, so the rounding pass reads acc from
+// L1 where the addition left it.
+constexpr size_t kRoundBlock = 4096;
+
+template <typename Add, typename Round>
+void addAndRound(std::span<const uint16_t> received, std::span<float> acc, std::span<uint16_t> rounded, Add add,
+                 Round round, const char* who) {
+  COHORT_CHECK_EQ(acc.size(), received.size(), InvalidArgument, who, ": the accumulator's size");
+  COHORT_CHECK_EQ(rounded.size(), received.size(), InvalidArgument, who, ": the output's size");
+  for (size_t begin = 0; begin < acc.size(); begin += kRoundBlock) {
+    const size_t n = std::min(kRoundBlock, acc.size() - begin);
+    add(received.data() + begin, acc.data() + begin, n, 1.0f);
+    round(acc.data() + begin, rounded.data() + begin, n);
+  }
+}
+
+}  // namespace
+
+void addHalfAndRound(std::span<const uint16_t> received, std::span<float> acc, std::span<uint16_t> rounded) {
+  addAndRound(received, acc, rounded, convert::addHalf, convert::toHalf, "addHalfAndRound");
+}
+void addBf16AndRound(std::span<const uint16_t> received, std::span<float> acc, std::span<uint16_t> rounded) {
+  addAndRound(received, acc, rounded, convert::addBf16, convert::toBf16, "addBf16AndRound");
 }
 
 }  // namespace cohort::compress

@@ -48,7 +48,6 @@ struct DataParallel::Impl {
     std::vector<torch::Tensor> slots;
     std::vector<bool> filled;
     size_t pending = 0;  // gradients still to come this step
-    CommWork work;
   };
 
   // Constant after construction.
@@ -77,6 +76,7 @@ struct DataParallel::Impl {
   std::string broken;  // set when a communication failed: the group is unusable
   int64_t sentAtStart = 0;  // the step's exchange's byte counts when the step began
   int64_t receivedAtStart = 0;
+  CompressedSum::Phases phasesAtStart;
   DataParallelStats stats;
 
   CompressedSum& exchange() {
@@ -141,7 +141,6 @@ struct DataParallel::Impl {
     for (auto& bucket : buckets) {
       bucket.pending = bucket.params.size();
       bucket.filled.assign(bucket.params.size(), false);
-      bucket.work = CommWork();
     }
     nextToLaunch = 0;
     for (auto& g : sparseGrads) g = torch::Tensor();
@@ -196,15 +195,14 @@ struct DataParallel::Impl {
     if (options.overlap) guard([&] { launchReady(/*inBackward=*/true); });
   }
 
+  // Every codec's exchange is asynchronous (none: Gloo's allreduce; the others on CompressedSum's
+  // communication thread), so a bucket starts from the hook that completes it.
   void launchReady(bool duringBackward) {
     CompressedSum& sum = exchange();
-    // bf16 and the sparse codecs exchange synchronously: not from inside backward.
-    const bool async = sum.spec().kind == compress::CodecKind::None || sum.spec().kind == compress::CodecKind::Fp16;
-    if (duringBackward && !async) return;
     while (nextToLaunch < buckets.size() && buckets[nextToLaunch].pending == 0) {
-      Bucket& bucket = buckets[nextToLaunch];
-      bucket.work = sum.start(nextToLaunch, bucket.flat);
+      sum.start(nextToLaunch, buckets[nextToLaunch].flat);
       ++nextToLaunch;
+      if (duringBackward) ++stats.bucketsStartedInBackward;
     }
   }
 
@@ -249,18 +247,20 @@ struct DataParallel::Impl {
   void startCounting() {
     sentAtStart = exchange().bytesSent();
     receivedAtStart = exchange().bytesReceived();
+    phasesAtStart = exchange().phases();
   }
 
   // Launches what is left, waits for every bucket and writes the sums into the buckets.
   void exchangeAll() {
     CompressedSum& sum = exchange();
     launchReady(/*duringBackward=*/false);
-    for (auto& bucket : buckets) {
-      if (bucket.work.valid()) bucket.work.wait();
-    }
     for (size_t b = 0; b < buckets.size(); ++b) sum.finish(b, buckets[b].flat);
     stats.bytesSent += sum.bytesSent() - sentAtStart;
     stats.bytesReceived += sum.bytesReceived() - receivedAtStart;
+    const CompressedSum::Phases phases = sum.phases();
+    stats.encodeSeconds += phases.encodeSeconds - phasesAtStart.encodeSeconds;
+    stats.wireSeconds += phases.wireSeconds - phasesAtStart.wireSeconds;
+    stats.decodeSeconds += phases.decodeSeconds - phasesAtStart.decodeSeconds;
     for (size_t k = 0; k < params.size(); ++k) {
       if (rowSparse[k]) exchangeRows(k, sum.spec());
     }
@@ -292,7 +292,6 @@ struct DataParallel::Impl {
         for (auto& bucket : buckets) {
           bucket.flat.zero_();
           bucket.pending = 0;
-          bucket.work = CommWork();
         }
         nextToLaunch = 0;
         for (auto& g : sparseGrads) g = torch::Tensor();

@@ -39,7 +39,9 @@ StepStats AllreduceStrategy::step(const Batch& batch, const LossFn& loss) {
   // Dropping the gradients (rather than zero-filling them) saves the hooks an addition.
   clearGradients(*model_);
   auto value = loss(model_->forward(batch.inputs), batch.targets);
+  const auto forwardEnd = std::chrono::steady_clock::now();
   value.backward();
+  const auto backwardEnd = std::chrono::steady_clock::now();
   optimizer_->step();
   const DataParallelStats after = dp_->stats();
 
@@ -51,6 +53,15 @@ StepStats AllreduceStrategy::step(const Batch& batch, const LossFn& loss) {
   stats.commWaitSeconds = after.commWaitSeconds - before.commWaitSeconds;
   stats.computeSeconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() - stats.commWaitSeconds;
+  // Where the step went: backward_s includes the end-of-backward wait (comm_wait_s); encode_s,
+  // wire_s and decode_s are the codec's communication thread, which overlaps backward.
+  auto seconds = [](auto from, auto to) { return std::chrono::duration<double>(to - from).count(); };
+  stats.extra = {{"forward_s", seconds(start, forwardEnd)},
+                 {"backward_s", seconds(forwardEnd, backwardEnd)},
+                 {"encode_s", after.encodeSeconds - before.encodeSeconds},
+                 {"wire_s", after.wireSeconds - before.wireSeconds},
+                 {"decode_s", after.decodeSeconds - before.decodeSeconds},
+                 {"buckets_in_backward", after.bucketsStartedInBackward - before.bucketsStartedInBackward}};
   return stats;
 }
 
