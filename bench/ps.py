@@ -60,13 +60,15 @@ def train(build, tmp, workers, shards, model, flags, steps=None, epochs=None):
 def section_rate(args, tmp):
     for model in args.models.split(","):
         for shards in [int(m) for m in args.shards.split(",")]:
-            results = {name: [] for name, _ in MODES}
+            modes = [(name, flags) for name, flags in MODES if name == "allreduce" or not args.modes
+                     or name in args.modes.split(",")]
+            results = {name: [] for name, _ in modes}
             for _ in range(args.runs):
-                for name, flags in MODES:
+                for name, flags in modes:
                     results[name].append(train(args.build, tmp, 2, shards, model, flags, steps=STEPS[model]))
             base = median([d["samples_per_s"] for d in results["allreduce"]])
             print(f"{model}, 2 workers, {shards} shard(s), {STEPS[model]} steps, median of {args.runs}:", flush=True)
-            for name, _ in MODES:
+            for name, _ in modes:
                 r = results[name]
                 rate = median([d["samples_per_s"] for d in r])
                 print(f"  {name:18s} {rate:8.1f} samples/s  {rate / base:5.2f}x allreduce   step "
@@ -115,6 +117,8 @@ def main():
     p.add_argument("--sections", default="rate,accuracy,bandwidth,staleness")
     p.add_argument("--models", default="cnn,mlp", help="rate and accuracy: the models")
     p.add_argument("--shards", default="1,2", help="rate: the shard counts")
+    p.add_argument("--modes", default="", help="rate: only these ps modes (names as printed, e.g. 'ps async'), "
+                   "comma-separated, beside allreduce; default: all")
     args = p.parse_args()
     print(f"machine: {machine()}")
     sections = {"rate": section_rate, "accuracy": section_accuracy, "bandwidth": section_bandwidth,

@@ -1,10 +1,15 @@
 // Push+pull bandwidth of one parameter-server shard against raw loopback TCP, in separate
 // processes, on the same payload: Strom's 14.6M-parameter model (58.4 MB of float32).
 //
-//   ps_bandwidth [MILLIONS_OF_FLOATS] [ROUNDS]
+//   ps_bandwidth [MILLIONS_OF_FLOATS] [ROUNDS] [protobuf]
 //
-// Prints one JSON line per transport: {"transport": "tcp" | "grpc", "mb": ..., "gb_per_s": ...},
-// counting the bytes that went both ways (a push of the gradient, the parameters back).
+// Prints one JSON line per transport: {"transport": "tcp" | "grpc" | "grpc_protobuf", "mb": ...,
+// "gb_per_s": ...}, counting the bytes that went both ways (a push of the gradient, the parameters
+// back): raw TCP first, then "grpc", the zero-copy path workers take (PushFramed, ps/frame.h: the
+// gradient sent from its own memory, the reply's floats copied straight into the parameters), or
+// with `protobuf` "grpc_protobuf", the protobuf Push call with the same payload (the request built
+// once, the reply left in the message), as before the zero-copy path. One gRPC measurement per
+// process: the shard is forked, and a process cannot fork once gRPC's threads run.
 #include "ps/client.h"
 #include "ps/layout.h"
 #include "ps/service.h"
@@ -99,7 +104,7 @@ double rawTcp(size_t bytes, int rounds) {
 
 // A shard in its own process (async, plain SGD) and a worker pushing a gradient and getting the
 // parameters back in the reply, as `--strategy ps` does every step.
-double grpcShard(size_t floats, int rounds) {
+double grpcShard(size_t floats, int rounds, bool framed) {
   int port = 0;
   ::close(listenOn(&port));  // a free port
   const std::string address = "127.0.0.1:" + std::to_string(port);
@@ -151,10 +156,25 @@ double grpcShard(size_t floats, int rounds) {
     setTensor(push.add_values(), piece, grad.data() + at);
     at += piece.numel();
   }
+  // The zero-copy push: headers only in the request, the floats from where they lie.
+  FramedPush framedPush;
+  framedPush.request = push;
+  std::vector<FrameTarget> into;
+  at = 0;
+  for (int i = 0; i < framedPush.request.values_size(); ++i) {
+    wire::Tensor* t = framedPush.request.mutable_values(i);
+    t->clear_data();
+    framedPush.payload.emplace_back(grad.data() + at, size_t(t->numel()));
+    into.push_back({.key = t->key(), .values = std::span<float>(values.data() + at, size_t(t->numel()))});
+    at += size_t(t->numel());
+  }
   auto once = [&]() {
     wire::PushReply reply;
-    Status s = client->push(push, &reply);
-    if (!s.ok() || reply.values_size() != int(pieces.size())) std::exit(7);
+    Status s = framed ? client->pushFramed(framedPush, into, &reply) : client->push(push, &reply);
+    if (!s.ok() || reply.values_size() != int(pieces.size())) {
+      std::fprintf(stderr, "ps_bandwidth: push failed: %s\n", s.message.c_str());
+      std::exit(7);
+    }
   };
   once();  // warm-up
   const auto start = Clock::now();
@@ -177,6 +197,12 @@ int main(int argc, char** argv) {
   const double mb = double(floats * sizeof(float)) / 1e6;
   std::printf("{\"transport\": \"tcp\", \"mb\": %.1f, \"gb_per_s\": %.3f}\n", mb, rawTcp(floats * sizeof(float), rounds));
   std::fflush(stdout);
-  std::printf("{\"transport\": \"grpc\", \"mb\": %.1f, \"gb_per_s\": %.3f}\n", mb, grpcShard(floats, rounds));
+  const bool protobuf = argc > 3 && std::string(argv[3]) == "protobuf";
+  if (argc > 3 && !protobuf) {
+    std::fprintf(stderr, "ps_bandwidth: unknown argument '%s': the third is `protobuf` or nothing\n", argv[3]);
+    return 2;
+  }
+  std::printf("{\"transport\": \"%s\", \"mb\": %.1f, \"gb_per_s\": %.3f}\n", protobuf ? "grpc_protobuf" : "grpc", mb,
+              grpcShard(floats, rounds, !protobuf));
   return 0;
 }

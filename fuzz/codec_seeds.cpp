@@ -13,9 +13,9 @@
 
 namespace {
 
-// A PushRequest in protobuf's wire format, by hand: protocol 1, worker 0, samples 8, compressed.
+// A PushRequest in protobuf's wire format, by hand: protocol 2, worker 0, samples 8, compressed.
 std::string pushRequest(const std::vector<uint8_t>& message) {
-  std::string out = {0x08, 0x01, 0x10, 0x00, 0x28, 0x08, 0x42};
+  std::string out = {0x08, 0x02, 0x10, 0x00, 0x28, 0x08, 0x42};
   size_t n = message.size();
   while (n >= 0x80) {
     out.push_back(char(n | 0x80));

@@ -4,6 +4,8 @@
 #include "ps/client.h"
 #include "ps/service.h"
 #include "ps/call_auth.h"
+#include "ps/frame.h"
+#include "ps/grpc_frame.h"
 #include "ps/wire.h"
 #include "ps.grpc.pb.h"
 
@@ -14,6 +16,8 @@
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/client_unary_call.h>
+#include <grpcpp/impl/rpc_method.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -654,6 +658,270 @@ TEST(PsGrpcTest, StrangersOnTheShardPortAreDroppedAndItKeepsServing) {
     silent.clear();
   }
   EXPECT_EQ(test::waitForDescriptors(before, std::chrono::seconds(10)), before);
+}
+
+// ---- The zero-copy path (PushFramed, ps/frame.h) ----
+
+// Pieces large enough that a frame's payload spans several of gRPC's buffers.
+std::vector<wire::PieceSpec> largePieces() {
+  return {piece(0, "bias", 7), piece(1, "w[0:300000]", 300000), piece(2, "w[300000:450001]", 150001)};
+}
+
+std::vector<std::vector<float>> randomValues(const std::vector<wire::PieceSpec>& pieces, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<float>> out;
+  for (const auto& p : pieces) {
+    out.emplace_back(p.numel());
+    for (auto& v : out.back()) v = normal(rng);
+  }
+  return out;
+}
+
+// A push of `grads` as a protobuf Push and as the same push framed.
+wire::PushRequest protobufPush(const std::vector<wire::PieceSpec>& pieces, const std::vector<std::vector<float>>& grads,
+                               int64_t clock) {
+  wire::PushRequest r;
+  r.set_protocol(kProtocolVersion);
+  r.set_clock(clock);
+  r.set_pulled_version(uint64_t(clock));
+  r.set_samples(16);
+  r.set_want_values(true);
+  for (size_t i = 0; i < pieces.size(); ++i) setTensor(r.add_values(), pieces[i], grads[i].data());
+  return r;
+}
+
+FramedPush framedPush(const wire::PushRequest& protobuf, const std::vector<std::vector<float>>& grads) {
+  FramedPush f;
+  f.request = protobuf;
+  for (int i = 0; i < f.request.values_size(); ++i) {
+    f.request.mutable_values(i)->clear_data();
+    f.payload.emplace_back(grads[size_t(i)]);
+  }
+  return f;
+}
+
+struct FramedTargets {
+  std::vector<std::vector<float>> values;
+  std::vector<FrameTarget> into;
+  explicit FramedTargets(const std::vector<wire::PieceSpec>& pieces) {
+    for (const auto& p : pieces) values.emplace_back(p.numel(), -7.0f);
+    for (size_t i = 0; i < pieces.size(); ++i) into.push_back({.key = pieces[i].key(), .values = values[i]});
+  }
+  std::vector<float> all() const {
+    std::vector<float> out;
+    for (const auto& v : values) out.insert(out.end(), v.begin(), v.end());
+    return out;
+  }
+};
+
+// The same pushes, as protobuf to one shard and framed to another, leave both shards and both
+// workers' parameters bit-identical, under every optimizer the shards run.
+TEST(PsFrameTest, FramedPushesEqualProtobufPushes) {
+  const auto pieces = largePieces();
+  for (const char* optimizer : {"sgd", "momentum", "adam"}) {
+    for (const bool fake : {false, true}) {
+      SCOPED_TRACE(std::string(optimizer) + (fake ? " over the fake transport" : " over gRPC"));
+      TestServer protobufServer, framedServer;
+      auto fakeShard = std::make_shared<Shard>(ShardOptions{.log = [](const std::string&) {}});
+      auto protobufClient = protobufServer.client();
+      auto framedClient = fake ? makeFakeClient(fakeShard) : framedServer.client();
+      auto policy = asyncPolicy();
+      policy.set_optimizer(optimizer);
+      policy.set_momentum(0.9);
+      policy.set_lr(0.01);
+      const auto start = randomValues(pieces, 1);
+      wire::InitReply initReply;
+      ASSERT_TRUE(protobufClient->init(initOf(policy, pieces, start), &initReply).ok());
+      ASSERT_TRUE(framedClient->init(initOf(policy, pieces, start), &initReply).ok());
+      for (int step = 0; step < 4; ++step) {
+        const auto grads = randomValues(pieces, 100 + uint32_t(step));
+        const auto request = protobufPush(pieces, grads, step);
+        wire::PushReply viaProtobuf, viaFrame;
+        const Status a = protobufClient->push(request, &viaProtobuf);
+        ASSERT_TRUE(a.ok()) << a.message;
+        FramedTargets targets(pieces);
+        const Status b = framedClient->pushFramed(framedPush(request, grads), targets.into, &viaFrame);
+        ASSERT_TRUE(b.ok()) << codeName(b.code) << ": " << b.message;
+        EXPECT_EQ(viaFrame.applied(), viaProtobuf.applied());
+        EXPECT_EQ(viaFrame.version(), viaProtobuf.version());
+        EXPECT_EQ(viaFrame.staleness(), viaProtobuf.staleness());
+        EXPECT_EQ(viaFrame.samples_total(), viaProtobuf.samples_total());
+        std::vector<float> expected;
+        for (const auto& t : viaProtobuf.values()) appendFloats(t, expected);
+        ASSERT_EQ(targets.all().size(), expected.size());
+        EXPECT_TRUE(targets.all() == expected) << "step " << step << ": the framed reply differs";
+        ASSERT_EQ(viaFrame.values_size(), int(pieces.size()));
+        EXPECT_TRUE(viaFrame.values(1).data().empty());
+      }
+      EXPECT_EQ(pullAll(*framedClient), pullAll(*protobufClient));
+      const auto p = statsOf(*protobufClient), f = statsOf(*framedClient);
+      EXPECT_EQ(f.applied(), 4);
+      EXPECT_EQ(f.rejected(), 0);
+      EXPECT_EQ(f.bytes_pushed(), p.bytes_pushed());
+      EXPECT_EQ(f.bytes_pulled(), p.bytes_pulled());
+    }
+  }
+}
+
+// A frame split at every byte boundary reads back the same header and floats.
+TEST(PsFrameTest, AFrameCutAnywhereParsesTheSame) {
+  wire::PushRequest header;
+  header.set_protocol(kProtocolVersion);
+  header.set_clock(3);
+  auto* t = header.add_values();
+  t->set_key(5);
+  t->set_numel(6);
+  t->set_dtype(wire::FLOAT32);
+  const std::vector<float> floats{1.5f, -2, 3.25f, 1e-30f, -0.0f, 7};
+  std::string bytes = frameHead(header);
+  bytes.append(reinterpret_cast<const char*>(floats.data()), floats.size() * sizeof(float));
+  const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
+  const std::vector<wire::PieceSpec> pieces{piece(5, "w", 6)};
+  for (size_t cut = 0; cut <= bytes.size(); ++cut) {
+    for (size_t second = cut; second <= bytes.size(); second += 3) {
+      const std::vector<std::span<const uint8_t>> chunks{
+          {data, cut}, {data + cut, second - cut}, {data + second, bytes.size() - second}};
+      wire::PushRequest parsed;
+      FramePayload payload;
+      const Status s = parseFrame(chunks, &parsed, &payload, "push");
+      ASSERT_TRUE(s.ok()) << "cut at " << cut << ", " << second << ": " << s.message;
+      EXPECT_EQ(parsed.clock(), 3);
+      ASSERT_TRUE(checkFramedTensors(parsed.values(), pieces, payload.size(), "push").ok());
+      std::vector<float> scratch, copied(6);
+      const auto view = payload.floats(0, 6, scratch);
+      EXPECT_EQ(std::vector<float>(view.begin(), view.end()), floats);
+      payload.copyFloats(0, copied);
+      EXPECT_EQ(copied, floats);
+      const auto tail = payload.floats(8, 4, scratch);
+      EXPECT_EQ(std::vector<float>(tail.begin(), tail.end()), std::vector<float>(floats.begin() + 2, floats.end()));
+    }
+  }
+}
+
+// A frame's bytes sent as they are (no client-side checks): what a hostile or broken peer sends.
+grpc::Status sendRawFrame(const std::string& address, const std::string& head, const std::vector<float>& payload,
+                          IncomingFrame* reply) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  const grpc::internal::RpcMethod method(kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 20s);
+  OutgoingFrame frame{.head = head, .payload = {std::span<const float>(payload)}, .keepAlive = nullptr};
+  return grpc::internal::BlockingUnaryCall<OutgoingFrame, IncomingFrame, OutgoingFrame, IncomingFrame>(
+      channel.get(), method, &context, frame, reply);
+}
+
+std::string withLength(std::string head, uint32_t length) {
+  for (int i = 0; i < 4; ++i) head[4 + size_t(i)] = char((length >> (8 * i)) & 0xff);
+  return head;
+}
+
+TEST(PsFrameTest, BadFramesAreRefusedNamingTheProblemAndChangeNothing) {
+  TestServer server;
+  auto client = server.client();
+  expectInit(*client);
+  wire::PushRequest good;
+  good.set_protocol(kProtocolVersion);
+  good.set_want_values(true);
+  for (const auto& p : kPieces) {
+    auto* t = good.add_values();
+    t->set_key(p.key());
+    t->set_numel(p.numel());
+    t->set_dtype(wire::FLOAT32);
+  }
+  const std::vector<float> ones(5, 1.0f);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto spoiled = [&](const std::function<void(wire::PushRequest&)>& spoil) {
+    wire::PushRequest r = good;
+    spoil(r);
+    return frameHead(r);
+  };
+  struct Case {
+    const char* what;
+    std::string head;
+    std::vector<float> payload;
+    grpc::StatusCode expected;
+    const char* says;
+  };
+  const std::vector<Case> cases{
+      {"wrong magic", "XPSF" + frameHead(good).substr(4), ones, grpc::StatusCode::INVALID_ARGUMENT, "not a cohort frame"},
+      {"short prefix", "CPS", {}, grpc::StatusCode::INVALID_ARGUMENT, "shorter than its 8-byte prefix"},
+      {"header beyond the bytes", withLength(frameHead(good), 1000), {}, grpc::StatusCode::INVALID_ARGUMENT,
+       "truncated"},
+      {"header over the limit", withLength(frameHead(good), kMaxFrameHeaderBytes + 1), {},
+       grpc::StatusCode::INVALID_ARGUMENT, "over the limit"},
+      {"header that does not parse", withLength(std::string("CPSF\0\0\0\0\xff\xff", 10), 2), ones,
+       grpc::StatusCode::INVALID_ARGUMENT, "does not parse"},
+      {"payload short by a float", frameHead(good), std::vector<float>(4, 1.0f), grpc::StatusCode::INVALID_ARGUMENT,
+       "payload is 16 bytes, its pieces need 20"},
+      {"payload long by a float", frameHead(good), std::vector<float>(6, 1.0f), grpc::StatusCode::INVALID_ARGUMENT,
+       "payload is 24 bytes"},
+      {"unknown key", spoiled([](auto& r) { r.mutable_values(1)->set_key(42); }), ones,
+       grpc::StatusCode::INVALID_ARGUMENT, "key 42"},
+      {"wrong numel", spoiled([](auto& r) { r.mutable_values(0)->set_numel(4); }), ones,
+       grpc::StatusCode::INVALID_ARGUMENT, "4 elements, expected 3"},
+      {"data in the header", spoiled([](auto& r) { r.mutable_values(0)->set_data("abcd"); }), ones,
+       grpc::StatusCode::INVALID_ARGUMENT, "belong in the payload"},
+      {"a codec message", spoiled([](auto& r) { r.clear_values(); r.set_compressed("x"); }), {},
+       grpc::StatusCode::INVALID_ARGUMENT, "float32 values only"},
+      {"row-sparse", spoiled([](auto& r) { r.set_row_sparse(true); }), ones, grpc::StatusCode::INVALID_ARGUMENT,
+       "float32 values only"},
+      {"NaN", frameHead(good), {1, 1, 1, 1, nan}, grpc::StatusCode::INVALID_ARGUMENT, "b holds NaN at element 1"},
+      {"protocol 1", spoiled([](auto& r) { r.set_protocol(1); }), ones, grpc::StatusCode::FAILED_PRECONDITION,
+       "protocol version 1"},
+  };
+  for (const auto& c : cases) {
+    IncomingFrame reply;
+    const grpc::Status s = sendRawFrame(server.address(), c.head, c.payload, &reply);
+    EXPECT_EQ(s.error_code(), c.expected) << c.what << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(c.says), std::string::npos) << c.what << ": " << s.error_message();
+  }
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{1, 2, 3, -1, 4}));
+  const auto stats = statsOf(*client);
+  EXPECT_EQ(stats.version(), 0u);
+  EXPECT_EQ(stats.applied(), 0);
+  EXPECT_EQ(stats.rejected(), int64_t(cases.size()));
+
+  // The good frame, sent the same way, is applied (sgd, lr 0.5).
+  IncomingFrame reply;
+  const grpc::Status s = sendRawFrame(server.address(), frameHead(good), ones, &reply);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
+}
+
+// A reply whose pieces are not what the worker expects writes nothing into its parameters.
+TEST(PsFrameTest, AReplyThatDoesNotMatchTheTargetsWritesNothing) {
+  TestServer server;
+  auto client = server.client();
+  expectInit(*client);
+  const std::vector<std::vector<float>> grads{{1, 1, 1}, {1, 1}};
+  const auto request = protobufPush(kPieces, grads, 0);
+  std::vector<float> a(3, -7.0f), b(1, -7.0f);  // b is one short
+  const std::vector<FrameTarget> into{{.key = 0, .values = a}, {.key = 1, .values = b}};
+  wire::PushReply reply;
+  const Status s = client->pushFramed(framedPush(request, grads), into, &reply);
+  EXPECT_EQ(s.code, Code::kInternal) << s.message;
+  EXPECT_NE(s.message.find("malformed framed reply"), std::string::npos) << s.message;
+  EXPECT_EQ(a, std::vector<float>(3, -7.0f));
+  EXPECT_EQ(b, std::vector<float>(1, -7.0f));
+}
+
+// The zero-copy path keeps the shard's authentication: a framed push without the proof is refused.
+TEST(PsFrameTest, AFramedPushNeedsTheToken) {
+  TestServer server(ServerOptions{.authToken = "s3cret"});
+  auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
+  auto wrong = server.client({.authToken = "other", .timeoutSeconds = 5, .quiet = true});
+  expectInit(*right);
+  const std::vector<std::vector<float>> grads{{1, 1, 1}, {1, 1}};
+  const auto request = protobufPush(kPieces, grads, 0);
+  FramedTargets targets(kPieces);
+  wire::PushReply reply;
+  EXPECT_EQ(wrong->pushFramed(framedPush(request, grads), targets.into, &reply).code, Code::kUnauthenticated);
+  EXPECT_EQ(targets.all(), std::vector<float>(5, -7.0f));
+  const Status s = right->pushFramed(framedPush(request, grads), targets.into, &reply);
+  ASSERT_TRUE(s.ok()) << s.message;
+  EXPECT_EQ(targets.all(), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
+  EXPECT_EQ(statsOf(*right).unauthenticated(), 1);
 }
 
 }  // namespace

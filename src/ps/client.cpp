@@ -1,5 +1,6 @@
 #include "ps/client.h"
 #include "ps/call_auth.h"
+#include "ps/grpc_frame.h"
 
 #include "ps/shard.h"
 
@@ -8,6 +9,8 @@
 #include "ps.grpc.pb.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/client_unary_call.h>
+#include <grpcpp/impl/rpc_method.h>
 
 #include <malloc.h>
 
@@ -43,6 +46,47 @@ bool roundTrip(const Message& from, Message* to) {
   return from.SerializeToString(&bytes) && to->ParseFromString(bytes);
 }
 
+// A framed reply (its bytes in chunks) into `into`: the header checked against the targets, then
+// the floats copied straight from the chunks into the targets; nothing written when it does not
+// match. A malformed reply is the shard's fault, not the caller's: INTERNAL.
+Status readFramedReply(std::span<const std::span<const uint8_t>> chunks, std::span<const FrameTarget> into,
+                       wire::PushReply* reply) {
+  wire::PushReply header;
+  FramePayload payload;
+  Status s = parseFrame(chunks, &header, &payload, "reply");
+  if (s.ok()) {
+    std::vector<wire::PieceSpec> expected(into.size());
+    for (size_t i = 0; i < into.size(); ++i) {
+      expected[i].set_key(into[i].key);
+      expected[i].set_numel(into[i].values.size());
+      expected[i].set_name("piece " + std::to_string(into[i].key));
+    }
+    s = checkFramedTensors(header.values(), expected, payload.size(), "reply");
+  }
+  if (!s.ok()) return Status::error(Code::kInternal, "malformed framed reply: " + s.message);
+  size_t offset = 0;
+  for (const auto& target : into) {
+    payload.copyFloats(offset, target.values);
+    offset += target.values.size_bytes();
+  }
+  *reply = std::move(header);
+  return Status::Ok();
+}
+
+// Cuts bytes into chunks of uneven sizes (floats split across them, most not aligned), as a
+// transport delivers a message.
+std::vector<std::span<const uint8_t>> unevenChunks(const std::string& bytes) {
+  std::vector<std::span<const uint8_t>> chunks;
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  size_t at = 0;
+  for (size_t size = 4093; at < bytes.size(); size = size * 3 + 1) {
+    const size_t n = std::min(size, bytes.size() - at);
+    chunks.emplace_back(p + at, n);
+    at += n;
+  }
+  return chunks;
+}
+
 class FakeClient : public ShardClient {
  public:
   FakeClient(std::shared_ptr<Shard> shard, std::string name) : shard_(std::move(shard)), name_(std::move(name)) {}
@@ -53,6 +97,26 @@ class FakeClient : public ShardClient {
   Status done(const wire::DoneRequest& q, wire::DoneReply* r) override { return call(&Shard::done, q, r); }
   Status stats(const wire::StatsRequest& q, wire::StatsReply* r) override { return call(&Shard::stats, q, r); }
   std::string address() const override { return name_; }
+
+  // Through the frames' bytes both ways, cut into chunks as a transport would deliver them.
+  Status pushFramed(const FramedPush& push, std::span<const FrameTarget> into, wire::PushReply* reply) override {
+    std::string sent = frameHead(push.request);
+    for (const auto& v : push.payload) sent.append(reinterpret_cast<const char*>(v.data()), v.size_bytes());
+    wire::PushRequest request;
+    FramePayload payload;
+    Status status = parseFrame(unevenChunks(sent), &request, &payload, "push");
+    if (!status.ok()) {
+      shard_->countRejected(status);
+      return status;
+    }
+    wire::PushReply header;
+    std::vector<float> values;
+    status = shard_->pushFramed(request, payload, &header, &values);
+    if (!status.ok()) return status;
+    std::string back = frameHead(header);
+    back.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+    return readFramedReply(unevenChunks(back), into, reply);
+  }
 
  private:
   // Like gRPC, the reply is filled only when the call succeeds.
@@ -108,7 +172,9 @@ class GrpcClient : public ShardClient {
   GrpcClient(std::string address, ClientOptions options)
       : address_(std::move(address)),
         options_(std::move(options)),
-        stub_(wire::ParameterServer::NewStub(makeChannel(address_, options_))) {}
+        channel_(makeChannel(address_, options_)),
+        stub_(wire::ParameterServer::NewStub(channel_)),
+        pushFramedMethod_(kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel_) {}
 
   using Stub = wire::ParameterServer::Stub;
   Status init(const wire::InitRequest& q, wire::InitReply* r) override { return call(&Stub::Init, q, r); }
@@ -118,12 +184,33 @@ class GrpcClient : public ShardClient {
   Status stats(const wire::StatsRequest& q, wire::StatsReply* r) override { return call(&Stub::Stats, q, r); }
   std::string address() const override { return address_; }
 
+  Status pushFramed(const FramedPush& push, std::span<const FrameTarget> into, wire::PushReply* reply) override {
+    const OutgoingFrame out{.head = frameHead(push.request), .payload = push.payload, .keepAlive = push.keepAlive};
+    IncomingFrame in;
+    const Status status = retrying([&](grpc::ClientContext* context) {
+      in = IncomingFrame();
+      return grpc::internal::BlockingUnaryCall<OutgoingFrame, IncomingFrame, OutgoingFrame, IncomingFrame>(
+          channel_.get(), pushFramedMethod_, context, out, &in);
+    });
+    if (!status.ok()) return status;
+    const Status read = readFramedReply(in.chunks, into, reply);
+    if (!read.ok()) return Status::error(read.code, "ps shard " + address_ + ": " + read.message);
+    return read;
+  }
+
  private:
-  // One unary call, retried while the shard is UNAVAILABLE, until timeoutSeconds have passed
-  // since the first attempt. The one place where grpc::Status becomes a ps::Status.
   template <typename Request, typename Reply>
   Status call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Reply*), const Request& request,
               Reply* reply) {
+    return retrying(
+        [&](grpc::ClientContext* context) { return (stub_.get()->*method)(context, request, reply); });
+  }
+
+  // One unary call (`attempt` makes it on the context it is given), retried while the shard is
+  // UNAVAILABLE, until timeoutSeconds have passed since the first attempt. The one place where
+  // grpc::Status becomes a ps::Status.
+  template <typename Attempt>
+  Status retrying(const Attempt& attempt) {
     const auto timeout = std::chrono::duration_cast<Clock::duration>(
         std::chrono::duration<double>(options_.timeoutSeconds));
     const auto start = Clock::now();
@@ -138,7 +225,7 @@ class GrpcClient : public ShardClient {
                            std::chrono::seconds(5));
       // A fresh proof per attempt: a shard takes each once.
       if (!options_.authToken.empty()) context.AddMetadata("authorization", makeCallProof(options_.authToken));
-      const grpc::Status status = (stub_.get()->*method)(&context, request, reply);
+      const grpc::Status status = attempt(&context);
       if (status.ok()) return Status::Ok();
       const auto code = Code(status.error_code());
       if (code == Code::kDeadlineExceeded) {
@@ -164,7 +251,9 @@ class GrpcClient : public ShardClient {
 
   const std::string address_;
   const ClientOptions options_;
+  const std::shared_ptr<grpc::Channel> channel_;
   const std::unique_ptr<Stub> stub_;
+  const grpc::internal::RpcMethod pushFramedMethod_;
 };
 
 }  // namespace

@@ -6,9 +6,12 @@
 #include "ps/status.h"
 #include "ps.pb.h"
 
+#include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 namespace cohort::ps {
 
@@ -18,12 +21,30 @@ class Shard;
 constexpr int kHttp2MaxFrame = (1 << 24) - 1;
 constexpr int kHttp2Window = 64 << 20;
 
+// A push on the zero-copy path (ps/frame.h): float32 values only, no codec, not row-sparse.
+struct FramedPush {
+  wire::PushRequest request;  // values: each piece's key, numel and dtype FLOAT32, with empty data
+  std::vector<std::span<const float>> payload;  // values[i]'s floats, sent from where they lie
+  std::shared_ptr<const void> keepAlive;  // owns that memory until the transport lets go of it
+};
+
+// Where the floats of a framed reply's piece go.
+struct FrameTarget {
+  uint32_t key = 0;
+  std::span<float> values;  // the piece's numel floats
+};
+
 class ShardClient {
  public:
   virtual ~ShardClient() = default;
   virtual Status init(const wire::InitRequest& request, wire::InitReply* reply) = 0;
   virtual Status pull(const wire::PullRequest& request, wire::PullReply* reply) = 0;
   virtual Status push(const wire::PushRequest& request, wire::PushReply* reply) = 0;
+  // The zero-copy push. The reply's values carry headers only; their floats are written straight
+  // into `into` (one target per piece of the reply, in order; empty without want_values), and only
+  // after the reply's pieces were checked against the targets' keys and sizes: a reply that does
+  // not match writes nothing and fails with INTERNAL (the shard is at fault, not the caller).
+  virtual Status pushFramed(const FramedPush& push, std::span<const FrameTarget> into, wire::PushReply* reply) = 0;
   virtual Status done(const wire::DoneRequest& request, wire::DoneReply* reply) = 0;
   virtual Status stats(const wire::StatsRequest& request, wire::StatsReply* reply) = 0;
   virtual std::string address() const = 0;

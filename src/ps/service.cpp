@@ -1,6 +1,7 @@
 #include "ps/service.h"
 #include "base/launcher_channel.h"
 #include "ps/call_auth.h"
+#include "ps/grpc_frame.h"
 
 #include "ps/client.h"
 
@@ -9,6 +10,8 @@
 #include "ps.grpc.pb.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/codegen/method_handler.h>
+#include <grpcpp/impl/codegen/rpc_service_method.h>
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/auth_metadata_processor.h>
 
@@ -182,7 +185,16 @@ class Service final : public wire::ParameterServer::Service {
       : shard_(std::move(shard)),
         verifier_(std::move(verifier)),
         refusals_(std::move(refusals)),
-        initialized_(std::move(initialized)) {}
+        initialized_(std::move(initialized)) {
+    // The zero-copy push, beside proto/ps.proto's methods: its messages are frames, not protobuf.
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC,
+        new grpc::internal::RpcMethodHandler<Service, IncomingFrame, OutgoingFrame, IncomingFrame, OutgoingFrame>(
+            [](Service* service, grpc::ServerContext* c, const IncomingFrame* q, OutgoingFrame* r) {
+              return service->PushFramed(c, q, r);
+            },
+            this)));
+  }
 
   grpc::Status Init(grpc::ServerContext* c, const wire::InitRequest* q, wire::InitReply* r) override {
     return handle(c, [&] {
@@ -196,6 +208,26 @@ class Service final : public wire::ParameterServer::Service {
   }
   grpc::Status Push(grpc::ServerContext* c, const wire::PushRequest* q, wire::PushReply* r) override {
     return handle(c, [&] { return shard_->push(*q, r); });
+  }
+  // The push's floats are read where gRPC's slices hold them; the reply's are one copy of the
+  // shard's values, made under its lock, sent from that buffer without another.
+  grpc::Status PushFramed(grpc::ServerContext* c, const IncomingFrame* q, OutgoingFrame* r) {
+    return handle(c, [&] {
+      wire::PushRequest request;
+      FramePayload payload;
+      if (Status s = parseFrame(q->chunks, &request, &payload, "push"); !s.ok()) {
+        shard_->countRejected(s);
+        return s;
+      }
+      wire::PushReply reply;
+      auto values = std::make_shared<std::vector<float>>();
+      Status s = shard_->pushFramed(request, payload, &reply, values.get());
+      if (!s.ok()) return s;
+      r->head = frameHead(reply);
+      if (!values->empty()) r->payload.push_back(*values);
+      r->keepAlive = std::move(values);
+      return s;
+    });
   }
   grpc::Status Done(grpc::ServerContext* c, const wire::DoneRequest* q, wire::DoneReply* r) override {
     return handle(c, [&] { return shard_->done(*q, r); });

@@ -1,6 +1,7 @@
 #include "base/clock.h"
 #include "ps/shard.h"
 
+#include "ps/frame.h"
 #include "ps/optimizer.h"
 #include "ps/wire.h"
 
@@ -8,6 +9,7 @@
 #include <cohort/error.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -179,19 +181,27 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
   return Status::Ok();
 }
 
-void Shard::fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out) {
+void Shard::fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out, std::vector<float>* framed) {
   size_t at = 0;
   for (const auto& p : pieces_) {
-    setTensor(out->Add(), p, values_.data() + at);
+    if (framed == nullptr) {
+      setTensor(out->Add(), p, values_.data() + at);
+    } else {
+      wire::Tensor* t = out->Add();
+      t->set_key(p.key());
+      t->set_numel(p.numel());
+      t->set_dtype(wire::FLOAT32);
+    }
     at += p.numel();
   }
+  if (framed != nullptr) framed->insert(framed->end(), values_.begin(), values_.end());
   stats_.set_bytes_pulled(stats_.bytes_pulled() + int64_t(values_.size() * sizeof(float)));
 }
 
 // A push's reply: every piece, or (row-sparse) the dense pieces and the rows asked for.
-void Shard::fillReplyLocked(const wire::PushRequest& request, wire::PushReply* reply) {
+void Shard::fillReplyLocked(const wire::PushRequest& request, wire::PushReply* reply, std::vector<float>* framed) {
   if (!request.row_sparse() || request.want_all_rows()) {
-    fillValuesLocked(reply->mutable_values());
+    fillValuesLocked(reply->mutable_values(), framed);
     return;
   }
   size_t at = 0;
@@ -382,12 +392,26 @@ void Shard::finishIfAllDoneLocked() {
 }
 
 Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
-  const Status status = handlePush(request, reply);
+  const Status status = handlePush(request, nullptr, reply, nullptr);
   writeDueCheckpoint();  // after the reply is made and the lock released: the write holds no one
   return status;
 }
 
-Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* reply) {
+Status Shard::pushFramed(const wire::PushRequest& request, const FramePayload& payload, wire::PushReply* reply,
+                         std::vector<float>* replyValues) {
+  const Status status = handlePush(request, &payload, reply, replyValues);
+  writeDueCheckpoint();
+  return status;
+}
+
+void Shard::countRejected(const Status& why) {
+  MutexLock lock(mu_);
+  stats_.set_rejected(stats_.rejected() + 1);
+  if (stats_.rejected() <= 10 || stats_.rejected() % 100 == 0) log("refused a push: " + why.message);
+}
+
+Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* framed, wire::PushReply* reply,
+                         std::vector<float>* replyValues) {
   const auto arrived = Clock::now();
   std::vector<wire::PieceSpec> pieces;
   {
@@ -415,6 +439,11 @@ Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* repl
                      ? Status::error(Code::kInvalidArgument, "push: carries both values and a compressed message")
                  : !rowSparse && (request.rows_size() > 0 || request.want_rows_size() > 0)
                      ? Status::error(Code::kInvalidArgument, "push: carries rows but is not row_sparse")
+                 : framed != nullptr && (compressed || rowSparse)
+                     ? Status::error(Code::kInvalidArgument,
+                                     "push: a framed push carries float32 values only (no codec, no rows): send "
+                                     "compressed and row-sparse pushes with Push")
+                 : framed != nullptr ? checkFramedTensors(request.values(), densePieces, framed->size(), "push")
                  : compressed ? Status::Ok()
                               : checkTensors(request.values(), densePieces, true, "push");
   if (valid.ok() && rowSparse) valid = checkRows(request.rows(), pieces, true, true, "push");
@@ -428,6 +457,19 @@ Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* repl
     for (const auto& p : densePieces) {
       dense.push_back(std::span<const float>(decoded).subspan(offset, size_t(p.numel())));
       offset += size_t(p.numel());
+    }
+  } else if (valid.ok() && framed != nullptr) {
+    // In place where a piece lies in one of the transport's buffers, aligned; else one copy.
+    size_t offset = 0;
+    for (int i = 0; i < request.values_size() && valid.ok(); ++i) {
+      const size_t numel = size_t(request.values(i).numel());
+      dense.push_back(framed->floats(offset, numel, copies[size_t(i)]));
+      offset += numel * sizeof(float);
+      if (const size_t bad = firstNonFinite(dense.back()); bad < numel) {
+        valid = Status::error(Code::kInvalidArgument, "push: " + densePieces[size_t(i)].name() + " holds " +
+                                                          (std::isnan(dense.back()[bad]) ? "NaN" : "Inf") +
+                                                          " at element " + std::to_string(bad));
+      }
     }
   } else if (valid.ok()) {
     for (int i = 0; i < request.values_size(); ++i) dense.push_back(floatsOf(request.values(i), copies[size_t(i)]));
@@ -457,6 +499,7 @@ Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* repl
   }
   int64_t pushedBytes = compressed ? int64_t(request.compressed().size()) : 0;
   for (const auto& t : request.values()) pushedBytes += int64_t(t.data().size());
+  if (framed != nullptr) pushedBytes = int64_t(framed->size());
   for (const auto& r : request.rows()) pushedBytes += int64_t(r.ByteSizeLong());
 
   MutexLock lock(mu_);
@@ -496,7 +539,7 @@ Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* repl
     reply->set_dropped("duplicate");
     reply->set_version(version_);
     reply->set_samples_total(stats_.samples_total());
-    if (request.want_values()) fillReplyLocked(request, reply);
+    if (request.want_values()) fillReplyLocked(request, reply, replyValues);
     return Status::Ok();
   }
   // A shard restored from a checkpoint is behind the workers: their count is the true one.
@@ -528,7 +571,7 @@ Status Shard::handlePush(const wire::PushRequest& request, wire::PushReply* repl
     reply->set_wait_s(held);
     reply->set_stop_job(stopJob_);
     stats_.set_wait_s(stats_.wait_s() + held);
-    if (request.want_values()) fillReplyLocked(request, reply);
+    if (request.want_values()) fillReplyLocked(request, reply, replyValues);
     changed_.notifyAll();
     return Status::Ok();
   };

@@ -40,6 +40,7 @@ class CheckpointStore;
 
 namespace cohort::ps {
 
+class FramePayload;
 class ServerOptimizer;
 
 struct ShardOptions {
@@ -75,6 +76,15 @@ class Shard {
   Status pull(const wire::PullRequest& request, wire::PullReply* reply);
   // May block, as the policy says, for at most the policy's timeout.
   Status push(const wire::PushRequest& request, wire::PushReply* reply);
+  // The zero-copy push (ps/frame.h), float32 values only (no codec, not row-sparse):
+  // request.values carry each piece's key, numel and dtype, their floats lie in `payload` and are
+  // read where they lie when aligned. With want_values the reply's values carry the same headers
+  // and their floats are appended to *replyValues, in order. Same policies and checks as push().
+  Status pushFramed(const wire::PushRequest& request, const FramePayload& payload, wire::PushReply* reply,
+                    std::vector<float>* replyValues);
+  // A push the transport could not even read as one (a frame that does not parse): counted and
+  // logged as a refused push.
+  void countRejected(const Status& why);
   Status done(const wire::DoneRequest& request, wire::DoneReply* reply);
   Status stats(const wire::StatsRequest& request, wire::StatsReply* reply);
 
@@ -117,13 +127,18 @@ class Shard {
   using Parts = std::vector<Part>;
   void applyLocked(const Parts& parts, float scale) REQUIRES(mu_);
   void accumulateLocked(const Parts& parts, float scale) REQUIRES(mu_);
-  void fillReplyLocked(const wire::PushRequest& request, wire::PushReply* reply) REQUIRES(mu_);
+  void fillReplyLocked(const wire::PushRequest& request, wire::PushReply* reply, std::vector<float>* framed)
+      REQUIRES(mu_);
   void applyPendingLocked() REQUIRES(mu_);
   void noteStalenessLocked(int64_t tau) REQUIRES(mu_);
-  void fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out) REQUIRES(mu_);
+  // framed: the values' headers only in out, their floats appended to *framed.
+  void fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out, std::vector<float>* framed = nullptr)
+      REQUIRES(mu_);
   void markLostLocked(std::chrono::steady_clock::time_point now) REQUIRES(mu_);
   int64_t slowestClockLocked() const REQUIRES(mu_);
-  Status handlePush(const wire::PushRequest& request, wire::PushReply* reply) EXCLUDES(mu_);
+  // framed: the push's floats are there (pushFramed), and the reply's go to *replyValues.
+  Status handlePush(const wire::PushRequest& request, const FramePayload* framed, wire::PushReply* reply,
+                    std::vector<float>* replyValues) EXCLUDES(mu_);
   void maybeCheckpointLocked() REQUIRES(mu_);
   void checkpointLocked() REQUIRES(mu_);
   // The state as a checkpoint (nullopt without a store or before Init), and its writing, which

@@ -12,8 +12,9 @@
 
 namespace cohort::ps {
 
-// Bumped whenever a message changes meaning; a shard refuses every other version.
-constexpr uint32_t kProtocolVersion = 1;
+// Bumped whenever a message changes meaning; a shard refuses every other version. 2: pushes of
+// float32 values travel as frames (ps/frame.h, the PushFramed call).
+constexpr uint32_t kProtocolVersion = 2;
 
 Status checkProtocol(uint32_t protocol);
 

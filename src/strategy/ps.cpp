@@ -217,6 +217,10 @@ struct ParameterServerClient::Impl {
       request.set_want_values(true);
       request.set_row_sparse(anyRowSparse_);
       request.set_want_all_rows(anyRowSparse_ && !wantRows);
+      if (!compress && !anyRowSparse_) {
+        sent[s] = pushFramed(s, request, send, &replies[s]);
+        return;
+      }
       if (compress && !denseSpecs_[s].empty()) {
         // The shard's dense pieces side by side, through this shard's encoder (and its residual).
         float* flat = flat_[s].data();
@@ -402,8 +406,35 @@ struct ParameterServerClient::Impl {
   template <typename R>
   static int64_t payloadBytes(const R& tensors) {
     int64_t n = 0;
-    for (const auto& t : tensors) n += int64_t(t.data().size());
+    // A framed reply's values carry their numel only; their floats went straight to the parameters.
+    for (const auto& t : tensors) n += t.data().empty() ? int64_t(t.numel() * sizeof(float)) : int64_t(t.data().size());
     return n;
+  }
+
+  // A push of float32 gradients (or updates) to shard s on the zero-copy path: `send`'s memory goes
+  // to the wire as it lies (the tensors kept alive until the transport lets go of it), and the
+  // reply's parameters are written straight into params_. Returns the bytes pushed.
+  int64_t pushFramed(size_t s, const ps::wire::PushRequest& header, const std::vector<torch::Tensor>& send,
+                     ps::wire::PushReply* reply) {
+    ps::FramedPush push;
+    push.request = header;
+    std::vector<ps::FrameTarget> into;
+    int64_t bytes = 0;
+    for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
+      const ps::Piece& p = *shardPieces_[s][k];
+      ps::wire::Tensor* t = push.request.add_values();
+      t->set_key(p.key);
+      t->set_numel(p.numel);
+      t->set_dtype(ps::wire::FLOAT32);
+      push.payload.emplace_back(send[p.param].data_ptr<float>() + p.offset, size_t(p.numel));
+      into.push_back({.key = p.key, .values = std::span<float>(params_[p.param].data_ptr<float>() + p.offset,
+                                                               size_t(p.numel))});
+      bytes += int64_t(p.numel * sizeof(float));
+    }
+    push.keepAlive = std::make_shared<const std::vector<torch::Tensor>>(send);
+    check(clients_[s]->pushFramed(push, into, reply), c_.shards[s], "Push");
+    versions_[s] = reply->version();
+    return bytes;
   }
 
   ps::wire::StatsReply statsOf(size_t s, bool stopJob = false) {

@@ -1,0 +1,105 @@
+// libFuzzer target: arbitrary bytes as a framed push (ps/frame.h, the PushFramed call), cut into
+// chunks as gRPC's slices would deliver them, through parseFrame, checkFramedTensors and a live
+// Shard's pushFramed. A frame comes from anyone who can reach the shard (and holds the token), so
+// none may crash it or leave a non-finite value in it. Built by fuzz/CMakeLists.txt; run by the
+// ps_frame_fuzz test on the seeds in fuzz/frame_corpus (written by fuzz/ps_frame_seeds.py).
+#include "ps/frame.h"
+#include "ps/shard.h"
+#include "ps/wire.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace cohort::ps;
+
+wire::PieceSpec spec(uint32_t key, const char* name, uint64_t numel) {
+  wire::PieceSpec p;
+  p.set_key(key);
+  p.set_name(name);
+  p.set_numel(numel);
+  return p;
+}
+
+const std::vector<wire::PieceSpec>& pieces() {
+  static const std::vector<wire::PieceSpec> kPieces{spec(0, "bias", 1), spec(1, "small", 7), spec(2, "weight", 300)};
+  return kPieces;
+}
+constexpr size_t kTotal = 1 + 7 + 300;
+
+[[noreturn]] void fail(const char* why) {
+  std::fprintf(stderr, "ps_frame_fuzz: %s\n", why);
+  std::abort();
+}
+
+Shard& shard() {
+  static Shard* instance = [] {
+    auto* s = new Shard(ShardOptions{.name = "fuzz", .checkpointDir = "", .log = [](const std::string&) {}});
+    wire::InitRequest init;
+    init.set_protocol(kProtocolVersion);
+    wire::Policy* p = init.mutable_policy();
+    p->set_mode("async");
+    p->set_workers(1);
+    p->set_optimizer("sgd");
+    p->set_lr(0.1);
+    p->set_push("gradients");
+    p->set_staleness_lr("none");
+    p->set_max_staleness(-1);
+    p->set_timeout_s(5);
+    const std::vector<float> zeros(300, 0.0f);
+    for (const auto& piece : pieces()) {
+      *init.add_pieces() = piece;
+      setTensor(init.add_values(), piece, zeros.data());
+    }
+    wire::InitReply reply;
+    if (!s->init(init, &reply).ok()) fail("the fuzz shard's own Init was refused");
+    return s;
+  }();
+  return *instance;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  // The first byte chooses the chunk size (1..256 bytes, the last chunk shorter), the rest is the
+  // frame. Each chunk is copied to its own allocation, so that reads past a chunk are caught.
+  const size_t chunkSize = size_t(data[0]) + 1;
+  std::vector<std::vector<uint8_t>> owned;
+  std::vector<std::span<const uint8_t>> chunks;
+  for (size_t at = 1; at < size; at += chunkSize) {
+    owned.emplace_back(data + at, data + std::min(size, at + chunkSize));
+  }
+  for (const auto& c : owned) chunks.emplace_back(c.data(), c.size());
+
+  wire::PushRequest request;
+  FramePayload payload;
+  if (!parseFrame(chunks, &request, &payload, "push").ok()) return 0;
+  // What checkFramedTensors lets through reads back as exactly the pieces' floats.
+  if (checkFramedTensors(request.values(), pieces(), payload.size(), "push").ok()) {
+    if (payload.size() != kTotal * sizeof(float)) fail("checkFramedTensors passed a payload of another length");
+    std::vector<float> copied(kTotal), scratch;
+    payload.copyFloats(0, copied);
+    const auto view = payload.floats(0, kTotal, scratch);
+    for (size_t i = 0; i < kTotal; ++i) {
+      if (std::memcmp(&view[i], &copied[i], sizeof(float)) != 0) fail("floats() and copyFloats() disagree");
+    }
+  }
+  if (size % 2 == 0) request.set_protocol(kProtocolVersion);
+  request.set_worker(0);
+  wire::PushReply reply;
+  std::vector<float> values;
+  if (shard().pushFramed(request, payload, &reply, &values).ok() && request.want_values()) {
+    if (values.size() != kTotal) fail("a framed reply without every value");
+    for (const float v : values) {
+      if (!std::isfinite(v)) fail("the shard holds a non-finite value after a framed push");
+    }
+  }
+  return 0;
+}

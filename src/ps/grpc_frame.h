@@ -1,0 +1,73 @@
+// Frames (ps/frame.h) as gRPC messages: the client's and the service's private glue. gRPC calls
+// SerializationTraits<T> to turn a message into a ByteBuffer and back; these make a frame's
+// payload a slice over the sender's memory (no copy) and keep a received frame's slices as they
+// came, for the receiver to read in place.
+#pragma once
+
+#include "ps/frame.h"
+
+#include <grpcpp/impl/codegen/serialization_traits.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace cohort::ps {
+
+// A frame to send: its prefix and header (frameHead), then `payload`'s floats in order, each
+// handed to gRPC as a slice over that memory. `keepAlive` owns the memory: every slice holds a
+// reference to it until gRPC lets the slice go, which may be after the call returned (a cancelled
+// call's bytes can still sit in the transport).
+struct OutgoingFrame {
+  std::string head;
+  std::vector<std::span<const float>> payload;
+  std::shared_ptr<const void> keepAlive;
+};
+
+// A frame received: gRPC's slices, held here, and the chunks of bytes they cover, in order.
+// parseFrame reads the header and payload out of the chunks.
+struct IncomingFrame {
+  std::vector<grpc::Slice> slices;
+  std::vector<std::span<const uint8_t>> chunks;
+};
+
+}  // namespace cohort::ps
+
+template <>
+class grpc::SerializationTraits<cohort::ps::OutgoingFrame> {
+ public:
+  static grpc::Status Serialize(const cohort::ps::OutgoingFrame& frame, grpc::ByteBuffer* buffer, bool* ownBuffer) {
+    std::vector<grpc::Slice> slices;
+    slices.reserve(frame.payload.size() + 1);
+    slices.emplace_back(frame.head);  // small: copied
+    for (const auto& values : frame.payload) {
+      if (values.empty()) continue;
+      // gRPC calls release once it holds no reference to the slice any more.
+      auto* owner = new std::shared_ptr<const void>(frame.keepAlive);
+      slices.emplace_back(const_cast<float*>(values.data()), values.size_bytes(), &release, owner);
+    }
+    *buffer = grpc::ByteBuffer(slices.data(), slices.size());  // takes references, copies nothing
+    *ownBuffer = true;
+    return grpc::Status::OK;
+  }
+
+ private:
+  static void release(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
+};
+
+template <>
+class grpc::SerializationTraits<cohort::ps::IncomingFrame> {
+ public:
+  static grpc::Status Deserialize(grpc::ByteBuffer* buffer, cohort::ps::IncomingFrame* frame) {
+    if (buffer == nullptr) return grpc::Status(grpc::StatusCode::INTERNAL, "no payload");
+    const grpc::Status dumped = buffer->Dump(&frame->slices);  // references to the slices, no copy
+    buffer->Clear();
+    if (!dumped.ok()) return dumped;
+    frame->chunks.clear();
+    for (const auto& s : frame->slices) frame->chunks.emplace_back(s.begin(), s.size());
+    return grpc::Status::OK;
+  }
+};
