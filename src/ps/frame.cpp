@@ -1,4 +1,5 @@
 #include "ps/frame.h"
+#include "ps/wire.h"
 
 #include <algorithm>
 #include <cstring>
@@ -122,15 +123,7 @@ Status checkFramedTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>
       return invalid(w + ": key " + std::to_string(t.key()) + " where piece " + std::to_string(p.key()) + " (" +
                      p.name() + ") belongs");
     }
-    if (t.dtype() != wire::FLOAT32) {
-      const std::string name = wire::DType_Name(t.dtype());
-      return invalid(w + ": " + p.name() + " has dtype " + (name.empty() ? std::to_string(t.dtype()) : name) +
-                     ", expected FLOAT32");
-    }
-    if (t.numel() != p.numel()) {
-      return invalid(w + ": " + p.name() + " has " + std::to_string(t.numel()) + " elements, expected " +
-                     std::to_string(p.numel()));
-    }
+    if (Status s = checkPieceShape(t, p, w); !s.ok()) return s;
     if (!t.data().empty()) {
       return invalid(w + ": " + p.name() + " carries data in the frame's header; its values belong in the payload");
     }
@@ -145,23 +138,6 @@ Status checkFramedTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>
                    std::to_string(bytes));
   }
   return Status::Ok();
-}
-
-size_t firstNonFinite(std::span<const float> values) {
-  // Exponent bits all ones: NaN or Inf. Read as integers, so the loop vectorizes.
-  uint32_t worst = 0;
-  for (const float v : values) {
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    worst |= uint32_t((bits & 0x7f800000u) == 0x7f800000u);
-  }
-  if (worst == 0) return values.size();
-  for (size_t j = 0; j < values.size(); ++j) {
-    uint32_t bits;
-    std::memcpy(&bits, &values[j], sizeof(bits));
-    if ((bits & 0x7f800000u) == 0x7f800000u) return j;
-  }
-  return values.size();
 }
 
 }  // namespace cohort::ps

@@ -65,7 +65,4 @@ Status parseFrame(std::span<const std::span<const uint8_t>> chunks, google::prot
 Status checkFramedTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>& tensors,
                           std::span<const wire::PieceSpec> pieces, size_t payloadBytes, const char* what);
 
-// The index of the first NaN or Inf in values, or values.size() when all are finite.
-size_t firstNonFinite(std::span<const float> values);
-
 }  // namespace cohort::ps

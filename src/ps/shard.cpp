@@ -465,7 +465,7 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
       const size_t numel = size_t(request.values(i).numel());
       dense.push_back(framed->floats(offset, numel, copies[size_t(i)]));
       offset += numel * sizeof(float);
-      if (const size_t bad = firstNonFinite(dense.back()); bad < numel) {
+      if (const size_t bad = firstNonFinite(dense.back().data(), numel); bad < numel) {
         valid = Status::error(Code::kInvalidArgument, "push: " + densePieces[size_t(i)].name() + " holds " +
                                                           (std::isnan(dense.back()[bad]) ? "NaN" : "Inf") +
                                                           " at element " + std::to_string(bad));

@@ -21,6 +21,36 @@ Status checkProtocol(uint32_t protocol) {
                            std::to_string(kProtocolVersion) + ": run the same cohort on workers and servers");
 }
 
+Status checkPieceShape(const wire::Tensor& t, const wire::PieceSpec& p, const std::string& w) {
+  if (t.dtype() != wire::FLOAT32) {
+    const std::string name = wire::DType_Name(t.dtype());
+    return invalid(w + ": " + p.name() + " has dtype " + (name.empty() ? std::to_string(t.dtype()) : name) +
+                   ", expected FLOAT32");
+  }
+  if (t.numel() != p.numel()) {
+    return invalid(w + ": " + p.name() + " has " + std::to_string(t.numel()) + " elements, expected " +
+                   std::to_string(p.numel()));
+  }
+  return Status::Ok();
+}
+
+size_t firstNonFinite(const void* floats, size_t n) {
+  // Exponent bits all ones: NaN or Inf. Read as integers, so the loop vectorizes; any alignment.
+  const auto* bytes = static_cast<const char*>(floats);
+  auto bad = [&](size_t j) {
+    uint32_t bits;
+    std::memcpy(&bits, bytes + j * sizeof(float), sizeof(bits));
+    return (bits & 0x7f800000u) == 0x7f800000u;
+  };
+  uint32_t worst = 0;
+  for (size_t j = 0; j < n; ++j) worst |= uint32_t(bad(j));
+  if (worst == 0) return n;
+  for (size_t j = 0; j < n; ++j) {
+    if (bad(j)) return j;
+  }
+  return n;
+}
+
 Status checkTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>& tensors,
                     std::span<const wire::PieceSpec> pieces, bool finiteOnly, const char* what) {
   const std::string w = what;
@@ -41,37 +71,17 @@ Status checkTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>& tens
                                          "unknown key " + std::to_string(t.key())) +
                      " where piece " + std::to_string(p.key()) + " (" + p.name() + ") belongs");
     }
-    if (t.dtype() != wire::FLOAT32) {
-      const std::string name = wire::DType_Name(t.dtype());
-      return invalid(w + ": " + p.name() + " has dtype " + (name.empty() ? std::to_string(t.dtype()) : name) +
-                     ", expected FLOAT32");
-    }
-    if (t.numel() != p.numel()) {
-      return invalid(w + ": " + p.name() + " has " + std::to_string(t.numel()) + " elements, expected " +
-                     std::to_string(p.numel()));
-    }
+    if (Status s = checkPieceShape(t, p, w); !s.ok()) return s;
     if (t.data().size() != p.numel() * sizeof(float)) {
       return invalid(w + ": " + p.name() + " carries " + std::to_string(t.data().size()) + " bytes, expected " +
                      std::to_string(p.numel() * sizeof(float)));
     }
     if (finiteOnly) {
-      // Exponent bits all ones: NaN or Inf. Read as integers, so the loop vectorizes.
-      const char* bytes = t.data().data();
-      uint32_t worst = 0;
-      for (uint64_t j = 0; j < p.numel(); ++j) {
-        uint32_t bits;
-        std::memcpy(&bits, bytes + j * sizeof(float), sizeof(bits));
-        worst |= uint32_t((bits & 0x7f800000u) == 0x7f800000u);
-      }
-      if (worst != 0) {
-        for (uint64_t j = 0; j < p.numel(); ++j) {
-          float v;
-          std::memcpy(&v, bytes + j * sizeof(float), sizeof(float));
-          if (!std::isfinite(v)) {
-            return invalid(w + ": " + p.name() + " holds " + (std::isnan(v) ? "NaN" : "Inf") + " at element " +
-                           std::to_string(j));
-          }
-        }
+      if (const size_t j = firstNonFinite(t.data().data(), p.numel()); j < p.numel()) {
+        float v;
+        std::memcpy(&v, t.data().data() + j * sizeof(float), sizeof(float));
+        return invalid(w + ": " + p.name() + " holds " + (std::isnan(v) ? "NaN" : "Inf") + " at element " +
+                       std::to_string(j));
       }
     }
   }

@@ -25,6 +25,12 @@ Status checkProtocol(uint32_t protocol);
 Status checkTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>& tensors,
                     std::span<const wire::PieceSpec> pieces, bool finiteOnly, const char* what);
 
+// One tensor's dtype (FLOAT32) and element count against its piece; the error starts with what.
+Status checkPieceShape(const wire::Tensor& t, const wire::PieceSpec& p, const std::string& what);
+
+// The index of the first NaN or Inf among n floats at any alignment, or n when all are finite.
+size_t firstNonFinite(const void* floats, size_t n);
+
 // The values of a tensor checked by checkTensors, appended to out.
 void appendFloats(const wire::Tensor& tensor, std::vector<float>& out);
 
