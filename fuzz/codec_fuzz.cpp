@@ -1,5 +1,6 @@
 // libFuzzer target for one codec's decoder (COHORT_FUZZ_CODEC, a CodecKind; fuzz/CMakeLists.txt
-// builds one binary per sparse codec and one for the dense ones). Whatever arrives, decodeAdd must
+// builds one binary per sparse codec and one for the dense ones; topk and threshold get both forms of
+// their lists, the zstd'd list and the raw bitmap form). Whatever arrives, decodeAdd must
 // either add a message's values or throw MalformedMessage leaving the buffer as it was, and never
 // read out of bounds (ASan). Inputs whose length is a multiple of 3 are also used as floats for an
 // encoder, checking that its messages decode, that the split into sent + residual is exact, and
@@ -88,6 +89,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       message[5] = uint8_t(kKind);
     }
   }
+  // topk's and threshold's two forms (byte 6: the zstd'd list or the raw bitmap form), in equal
+  // measure; the other values of the byte are refused at once.
+  if (message.size() > 6 && (kKind == CodecKind::TopK || kKind == CodecKind::Threshold)) message[6] &= 1;
   uint64_t length = 0;
   try {
     length = decodedLength(message);

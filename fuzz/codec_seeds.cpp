@@ -50,8 +50,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::filesystem::path dir = argv[1];
-  const char* codecs[][2] = {{"dense", "none"},   {"dense", "fp16"},          {"dense", "bf16"},
-                             {"topk", "topk:0.3"}, {"threshold", "threshold:0.5"}, {"onebit", "onebit"}};
+  // topk and threshold twice: a dense list (the bitmap form) and a sparse one (the zstd'd list).
+  const char* codecs[][2] = {{"dense", "none"},           {"dense", "fp16"},          {"dense", "bf16"},
+                             {"topk", "topk:0.3"},         {"topk", "topk:0.05"},      {"threshold", "threshold:0.5"},
+                             {"threshold", "threshold:2"}, {"onebit", "onebit"}};
   for (const auto& [folder, text] : codecs) {
     for (size_t n : {0, 7, 64}) {
       std::vector<float> input(n);

@@ -443,7 +443,7 @@ TEST(CodecPaths, ConversionsAreBitIdentical) {
 // over several steps (so that residuals carry over) of adversarial and gaussian inputs.
 TEST(CodecPaths, EncodersAndDecodersAreBitIdentical) {
   const char* codecs[] = {"none",           "fp16",          "bf16",    "topk:0.1",  "topk:0.001", "topk:1",
-                          "threshold:0.5", "threshold:0.001", "onebit", "topk:0.3"};
+                          "threshold:0.5", "threshold:0.001", "onebit", "topk:0.3",   "threshold:0.01"};
   for (size_t n : {size_t(0), size_t(1), size_t(7), size_t(100), size_t(5003), size_t(70001)}) {
     for (const char* text : codecs) {
       SCOPED_TRACE(std::string(text) + " n=" + std::to_string(n));
@@ -628,8 +628,15 @@ TEST(CodecDecode, RejectsBrokenHeaders) {
   m[5] = 9;
   expectMalformed(m, 100, "unknown codec 9");
   m = good;
-  m[6] = 1;
+  m[6] = 2;
+  expectMalformed(m, 100, "form 2");
+  m = good;
+  m[7] = 1;
   expectMalformed(m, 100, "reserved");
+  Encoder onebit(CodecSpec::parse("onebit"), 100);
+  m = onebit.encode(gaussian(100, 3));
+  m[6] = 1;  // the bitmap form is topk's and threshold's only
+  expectMalformed(m, 100, "form 1 for codec 5");
   expectMalformed(good, 99, "holds 100 entries for a buffer of 99");
   expectMalformed(std::vector<uint8_t>(good.begin(), good.begin() + 10), 100, "truncated");
   expectMalformed({}, 100, "truncated");
@@ -659,8 +666,9 @@ TEST(CodecDecode, RejectsTruncatedOrPaddedMessagesOfEveryCodec) {
 
 TEST(CodecDecode, RejectsBadZstdFrames) {
   const auto input = gaussian(100, 5);
-  Encoder enc(CodecSpec::parse("topk:0.5"), input.size());
+  Encoder enc(CodecSpec::parse("topk:0.05"), input.size());
   auto m = enc.encode(input);
+  ASSERT_EQ(m[6], 0) << "a sparse topk message is a zstd'd list";
   // Garbage in place of the frame, keeping the length.
   for (size_t i = kHeaderBytes; i < m.size(); ++i) m[i] = uint8_t(i * 37);
   expectMalformed(m, 100, "zstd");
@@ -745,6 +753,130 @@ TEST(CodecDecode, RejectsBadIndices) {
   negScale[3] = 0xbf;
   expectMalformed(sparseMessage(CodecKind::OneBit, 10, 0.0f, withList(negScale, list(0, {}, 0, 0, {}))), 10,
                   "scales");
+}
+
+// The bitmap form of topk's and threshold's lists (header byte 6 = 1), by hand: u32 n, u32 v,
+// the sent bitmap, the value entries' u32 ordinals when 0 < v < n, the sign bitmap, the floats.
+std::vector<uint8_t> bitmapMessage(CodecKind kind, uint64_t length, float param, const std::vector<uint8_t>& body) {
+  auto m = header(kind, length, param, uint32_t(body.size()));
+  m[6] = 1;
+  m.insert(m.end(), body.begin(), body.end());
+  return m;
+}
+std::vector<uint8_t> bitmapBody(uint32_t n, uint32_t v, std::vector<uint8_t> bitmaps, std::vector<float> values = {}) {
+  std::vector<uint8_t> b;
+  for (int i = 0; i < 4; ++i) b.push_back(uint8_t(n >> (8 * i)));
+  for (int i = 0; i < 4; ++i) b.push_back(uint8_t(v >> (8 * i)));
+  b.insert(b.end(), bitmaps.begin(), bitmaps.end());
+  for (float x : values) {
+    const uint32_t bits = std::bit_cast<uint32_t>(x);
+    for (int i = 0; i < 4; ++i) b.push_back(uint8_t(bits >> (8 * i)));
+  }
+  return b;
+}
+
+TEST(Codec, DenseListsTakeTheBitmapForm) {
+  const size_t n = 100003;  // not a multiple of 8 or 64: the tails
+  const auto input = gaussian(n, 11, 1.0f);
+  struct Case {
+    const char* codec;
+    uint8_t form;
+  };
+  // |x| >= 0.5 for 62 % of N(0, 1), >= 2.5 for 1.2 %; topk:0.6 and topk:0.01 likewise.
+  for (const auto& [text, form] : {Case{"threshold:0.5", 1}, Case{"threshold:2.5", 0}, Case{"topk:0.6", 1},
+                                   Case{"topk:0.01", 0}}) {
+    SCOPED_TRACE(text);
+    Encoder enc(CodecSpec::parse(text), n);
+    std::vector<float> residual(n, 0.0f);
+    // Three steps: the residual carries over; the split stays exact in whichever form is sent.
+    for (uint32_t step = 0; step < 3; ++step) {
+      const auto in = step == 0 ? input : gaussian(n, 20 + step, 1.0f);
+      const auto message = enc.encode(in);
+      if (step == 0) {
+        EXPECT_EQ(message[6], form);
+        if (form == 1) {
+          // Raw: the header, two counts, the sent bitmap, the sign bits (threshold) or the floats.
+          const size_t sent = enc.lastSent();
+          const size_t expected = enc.spec().kind == CodecKind::Threshold ? (sent + 7) / 8 : 4 * sent;
+          EXPECT_EQ(message.size(), kHeaderBytes + 8 + (n + 7) / 8 + expected);
+        }
+      }
+      const auto out = decode(message, n);
+      for (size_t i = 0; i < n; ++i) {
+        const float acc = residual[i] + in[i];
+        ASSERT_EQ(double(out[i]) + double(enc.residual()[i]), double(acc)) << "step " << step << " entry " << i;
+        residual[i] = enc.residual()[i];
+      }
+    }
+  }
+}
+
+// Value entries inside a bitmap-form message: entries beyond 2^16 tau and non-finite ones, among
+// sign entries, decode to what the list form would give and keep the exact split.
+TEST(Codec, TheBitmapFormCarriesValueEntries) {
+  const size_t n = 1000;
+  auto input = gaussian(n, 12, 1.0f);
+  input[5] = 1e6f;
+  input[77] = -3e5f;
+  input[500] = NAN;
+  input[999] = INFINITY;
+  for (CodecPath path : {CodecPath::Fast, CodecPath::Reference}) {
+    const auto [message, residual] = onPath(path, [&] {
+      Encoder enc(CodecSpec::parse("threshold:0.5"), n);
+      auto m = enc.encode(input);
+      return std::pair(m, std::vector<float>(enc.residual().begin(), enc.residual().end()));
+    });
+    ASSERT_EQ(message[6], 1);
+    const auto out = decode(message, n);
+    for (size_t i = 0; i < n; ++i) {
+      if (!std::isfinite(input[i])) {
+        EXPECT_TRUE(sameBits(out[i], input[i])) << i;
+        EXPECT_EQ(residual[i], 0.0f);
+        continue;
+      }
+      ASSERT_EQ(double(out[i]) + double(residual[i]), double(input[i])) << i;
+    }
+    EXPECT_NEAR(out[5], 0.5f, 0.25f);  // about tau, from a value entry
+    EXPECT_NEAR(out[77], -0.5f, 0.25f);
+  }
+}
+
+TEST(CodecDecode, RejectsMalformedBitmapForms) {
+  const float tau = 0.5f;
+  const auto th = CodecKind::Threshold;
+  // 10 entries: 3 and 7 sent, 7 negative. Well-formed first, so that the cases fail for their own reason.
+  std::vector<float> out(10, 0.0f);
+  decodeAdd(bitmapMessage(th, 10, tau, bitmapBody(2, 0, {0x88, 0x00, 0b10})), out);
+  EXPECT_EQ(out, (std::vector<float>{0, 0, 0, 0.5f, 0, 0, 0, -0.5f, 0, 0}));
+  // With a value entry (7, 2.5) between two sign entries.
+  out.assign(10, 0.0f);
+  decodeAdd(bitmapMessage(th, 10, tau, bitmapBody(3, 1, {0x88, 0x02, 1, 0, 0, 0, 0b10}, {2.5f})), out);
+  EXPECT_EQ(out, (std::vector<float>{0, 0, 0, 0.5f, 0, 0, 0, 2.5f, 0, -0.5f}));
+
+  expectMalformed(bitmapMessage(th, 10, tau, bitmapBody(3, 0, {0x88, 0x00, 0b10})), 10, "2 bits set, the count says 3");
+  expectMalformed(bitmapMessage(th, 10, tau, bitmapBody(11, 0, {0x88, 0x00, 0b10})), 10, "11 entries");
+  expectMalformed(bitmapMessage(th, 10, tau, bitmapBody(2, 3, {0x88, 0x00, 0b10})), 10, "3 value entries of 2");
+  expectMalformed(bitmapMessage(th, 10, tau, bitmapBody(2, 0, {0x88, 0x04, 0b10})), 10, "the sent bitmap has bits set past");
+  expectMalformed(bitmapMessage(th, 10, tau, bitmapBody(2, 0, {0x88, 0x00, 0b110})), 10, "the sign bitmap has bits set past");
+  expectMalformed(bitmapMessage(th, 10, tau, bitmapBody(3, 1, {0x88, 0x02, 3, 0, 0, 0, 0b1}, {2.5f})), 10,
+                  "ordinal 3 of 3 entries");
+  expectMalformed(bitmapMessage(th, 10, tau, bitmapBody(3, 2, {0x88, 0x02, 1, 0, 0, 0, 1, 0, 0, 0, 0b1}, {2.5f, 1.0f})),
+                  10, "not increasing");
+  expectMalformed(bitmapMessage(th, 10, tau, bitmapBody(3, 1, {0x88, 0x02, 1, 0, 0, 0, 0b10})), 10, "truncated");
+  expectMalformed(bitmapMessage(th, 10, tau, bitmapBody(2, 0, {0x88, 0x00, 0b10, 0})), 10, "trailing");
+  expectMalformed(bitmapMessage(th, 10, tau, bitmapBody(2, 0, {0x88, 0x00})), 10, "truncated");
+  // topk carries value entries only.
+  expectMalformed(bitmapMessage(CodecKind::TopK, 10, 0.5f, bitmapBody(2, 1, {0x88, 0x00, 0b01, 0}, {1.0f})), 10,
+                  "sign entry");
+  out.assign(10, 0.0f);
+  decodeAdd(bitmapMessage(CodecKind::TopK, 10, 0.5f, bitmapBody(2, 2, {0x88, 0x00}, {1.0f, -2.0f})), out);
+  EXPECT_EQ(out, (std::vector<float>{0, 0, 0, 1.0f, 0, 0, 0, -2.0f, 0, 0}));
+  // The header's body size is the body's: no zstd frame to hide a difference.
+  auto m = bitmapMessage(th, 10, tau, bitmapBody(2, 0, {0x88, 0x00, 0b10}));
+  m[20] += 1;
+  expectMalformed(m, 10, "bitmap-form body of 11 bytes (header: 12)");
+  // More than any bitmap form of 10 entries can take, refused from the header.
+  expectMalformed(bitmapMessage(th, 10, tau, std::vector<uint8_t>(100, 0)), 10, "more than 10 entries can take");
 }
 
 TEST(Codec, CompressesSparseUpdates) {

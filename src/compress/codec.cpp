@@ -9,6 +9,7 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -68,46 +69,11 @@ class Reader {
   const char* what_;
 };
 
-bool bitAt(const uint8_t* bitmap, size_t i) { return (bitmap[i / 8] >> (i % 8)) & 1; }
-
 void checkPadding(const uint8_t* bitmap, uint64_t bits, const char* what) {
   if (bits % 8 != 0 && (bitmap[bits / 8] >> (bits % 8)) != 0) {
     malformed(std::string(what) + " has bits set past its end");
   }
 }
-
-// A sparse list inside a body, checked (every rule of the layout), read in place.
-struct ListView {
-  uint32_t count = 0;
-  const uint8_t* varints = nullptr;
-  const uint8_t* isValue = nullptr;   // bitmap
-  const uint8_t* negative = nullptr;  // bitmap
-  const uint8_t* values = nullptr;    // one little-endian f32 per value entry, in index order
-
-  // f(index, isValue, negative, value bits) for each entry, in index order. Only on a checked list.
-  template <typename F>
-  void forEach(F&& f) const {
-    const uint8_t* p = varints;
-    const uint8_t* value = values;
-    uint32_t index = 0;
-    for (uint32_t i = 0; i < count; ++i) {
-      uint32_t delta = 0;
-      for (int shift = 0;; shift += 7) {
-        const uint8_t b = *p++;
-        delta |= uint32_t(b & 0x7f) << shift;
-        if (!(b & 0x80)) break;
-      }
-      index += delta;  // the first varint is the index itself
-      const bool isValueEntry = bitAt(isValue, i);
-      uint32_t bits = 0;
-      if (isValueEntry) {
-        std::memcpy(&bits, value, 4);
-        value += 4;
-      }
-      f(index, isValueEntry, bitAt(negative, i), bits);
-    }
-  }
-};
 
 // Reads and checks a sparse list for a buffer of `length` entries.
 ListView readList(Reader& in, uint64_t length, bool signEntriesAllowed) {
@@ -141,6 +107,132 @@ ListView readList(Reader& in, uint64_t length, bool signEntriesAllowed) {
   }
   list.values = in.take(4 * values);
   return list;
+}
+
+// Reads and checks a bitmap-form body for a buffer of `length` entries: counts within bounds and
+// equal to the sent bitmap's bits, ordinals increasing and in range, padding bits zero.
+BitmapView readBitmap(Reader& in, uint64_t length, bool signEntriesAllowed) {
+  BitmapView view;
+  view.length = length;
+  const uint32_t n = in.u32();
+  const uint32_t v = in.u32();
+  if (n > length) malformed("the bitmap form has " + std::to_string(n) + " entries for a length of " + std::to_string(length));
+  if (v > n) malformed("the bitmap form has " + std::to_string(v) + " value entries of " + std::to_string(n));
+  if (!signEntriesAllowed && v != n) malformed("this codec's list has a sign entry");
+  view.count = n;
+  view.valueCount = v;
+  auto countBits = [](const uint8_t* bitmap, size_t bytes) {
+    uint64_t bits = 0;
+    size_t b = 0;
+    for (; b + 8 <= bytes; b += 8) {
+      uint64_t word;
+      std::memcpy(&word, bitmap + b, 8);
+      bits += uint64_t(std::popcount(word));
+    }
+    for (; b < bytes; ++b) bits += uint64_t(std::popcount(bitmap[b]));
+    return bits;
+  };
+  view.sent = in.take(bitmapBytes(length));
+  checkPadding(view.sent, length, "the sent bitmap");
+  if (const uint64_t set = countBits(view.sent, bitmapBytes(length)); set != n) {
+    malformed("the sent bitmap has " + std::to_string(set) + " bits set, the count says " + std::to_string(n));
+  }
+  if (v > 0 && v < n) {
+    view.ordinals = in.take(4 * size_t(v));
+    uint64_t previous = 0;
+    for (uint32_t i = 0; i < v; ++i) {
+      uint32_t ordinal;
+      std::memcpy(&ordinal, view.ordinals + 4 * size_t(i), 4);
+      if (ordinal >= n) malformed("value entry ordinal " + std::to_string(ordinal) + " of " + std::to_string(n) + " entries");
+      if (i > 0 && ordinal <= previous) malformed("the value entries' ordinals are not increasing");
+      previous = ordinal;
+    }
+  }
+  view.negative = in.take(bitmapBytes(n - v));
+  checkPadding(view.negative, n - v, "the sign bitmap");
+  view.values = in.take(4 * size_t(v));
+  return view;
+}
+
+// The 64 sign bits of a bitmap-form body from sign entry `at` on (zero past the end).
+uint64_t signsFrom(const BitmapView& view, size_t at) {
+  const size_t bytes = bitmapBytes(view.count - view.valueCount);
+  const size_t byte = at / 8;
+  uint8_t window[16] = {};
+  std::memcpy(window, view.negative + byte, std::min<size_t>(9, bytes - byte));
+  uint64_t low = 0;
+  std::memcpy(&low, window, 8);
+  const unsigned shift = unsigned(at % 8);
+  return shift == 0 ? low : (low >> shift) | uint64_t(window[8]) << (64 - shift);
+}
+
+// out[index] += (sign bit ? minus : plus) for a bitmap-form body of sign entries only: per 64-bit
+// word of the sent bitmap, the next popcount sign bits, and a loop over the word's set bits.
+void addSignEntriesScalar(const BitmapView& view, float plus, float minus, float* out) {
+  const float delta[2] = {plus, minus};
+  size_t sign = 0;
+  for (size_t w = 0; 64 * w < view.length; ++w) {
+    uint64_t m = view.sentWord(w);
+    if (m == 0) continue;
+    uint64_t s = signsFrom(view, sign);
+    sign += size_t(std::popcount(m));
+    float* o = out + 64 * w;
+    for (; m != 0; m &= m - 1) {
+      o[std::countr_zero(m)] += delta[s & 1];
+      s >>= 1;
+    }
+  }
+}
+
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+// kRanks[mask][j]: how many bits of mask lie below bit j (the sign bit's place for entry j).
+constexpr auto kRanks = [] {
+  std::array<std::array<int32_t, 8>, 256> table{};
+  for (unsigned mask = 0; mask < 256; ++mask) {
+    for (unsigned j = 0; j < 8; ++j) table[mask][j] = std::popcount(mask & ((1u << j) - 1));
+  }
+  return table;
+}();
+
+// The same, 8 entries at a time without a branch per entry: lane j of a block takes sign bit
+// rank(j) of the block's bits (kRanks) and adds +-tau where the sent bit is set; the other lanes
+// keep their value, bit for bit.
+COHORT_AVX2 void addSignEntriesAvx2(const BitmapView& view, float plus, float minus, float* out) {
+  const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 plusV = _mm256_set1_ps(plus);
+  const __m256 minusV = _mm256_set1_ps(minus);
+  const size_t full = view.length / 8;  // whole blocks; the rest goes the scalar way
+  size_t sign = 0;
+  for (size_t w = 0; 8 * w < full; ++w) {
+    const uint64_t word = view.sentWord(w);
+    if (word == 0) continue;
+    uint64_t s = signsFrom(view, sign);
+    const size_t blocks = std::min<size_t>(8, full - 8 * w);
+    for (size_t b = 0; b < blocks; ++b) {
+      const unsigned m = unsigned(word >> (8 * b)) & 0xffu;
+      const __m256i ranks = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kRanks[m].data()));
+      const __m256i negative = _mm256_slli_epi32(_mm256_srlv_epi32(_mm256_set1_epi32(int(uint32_t(s))), ranks), 31);
+      const __m256 delta = _mm256_blendv_ps(plusV, minusV, _mm256_castsi256_ps(negative));
+      const __m256i sentLanes = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(m)), lanes), lanes);
+      float* o = out + 64 * w + 8 * b;
+      const __m256 before = _mm256_loadu_ps(o);
+      _mm256_storeu_ps(o, _mm256_blendv_ps(before, _mm256_add_ps(before, delta), _mm256_castsi256_ps(sentLanes)));
+      s >>= std::popcount(m);
+      sign += size_t(std::popcount(m));
+    }
+  }
+  const float delta[2] = {plus, minus};
+  for (size_t i = 8 * full; i < view.length; ++i) {
+    if (bitAt(view.sent, i)) out[i] += delta[(signsFrom(view, sign++) & 1)];
+  }
+}
+#endif
+
+void addSignEntries(const BitmapView& view, float plus, float minus, float* out) {
+#if defined(COHORT_HAVE_AVX2_KERNELS)
+  if (useAvx2()) return addSignEntriesAvx2(view, plus, minus, out);
+#endif
+  addSignEntriesScalar(view, plus, minus, out);
 }
 
 // out[i] += (sign bit i ? minus : plus) for i in [from, to).
@@ -193,6 +285,7 @@ uint64_t maxSparseBody(CodecKind kind, uint64_t length) {
 
 struct Parsed {
   MessageInfo info;
+  uint8_t form = kFormList;
   uint32_t bodyBytes = 0;
   const uint8_t* body = nullptr;
   size_t bodySize = 0;  // bytes after the header
@@ -206,9 +299,16 @@ Parsed parseHeader(std::span<const uint8_t> message) {
   if (version != kVersion) malformed("version " + std::to_string(version) + " (this build reads version 1)");
   const uint8_t kind = *in.take(1);
   if (kind > uint8_t(CodecKind::OneBit)) malformed("unknown codec " + std::to_string(kind));
-  const uint8_t* reserved = in.take(2);
-  if (reserved[0] != 0 || reserved[1] != 0) malformed("reserved header bytes are not zero");
+  const uint8_t form = *in.take(1);
+  if (*in.take(1) != 0) malformed("the reserved header byte is not zero");
+  const bool listed = kind == uint8_t(CodecKind::TopK) || kind == uint8_t(CodecKind::Threshold);
+  if (form != kFormList && !(form == kFormBitmap && listed)) {
+    malformed("form " + std::to_string(form) + " for codec " + std::to_string(kind) + " (topk and threshold take " +
+              std::to_string(kFormList) + " or " + std::to_string(kFormBitmap) + ", the others " +
+              std::to_string(kFormList) + ")");
+  }
   Parsed p;
+  p.form = form;
   p.info.kind = CodecKind(kind);
   p.info.length = in.u64();
   p.info.param = in.f32();
@@ -233,6 +333,18 @@ Parsed parseHeader(std::span<const uint8_t> message) {
     if (uint64_t(p.bodyBytes) != p.info.length * elem || p.bodySize != p.bodyBytes) {
       malformed("a dense body of " + std::to_string(p.bodySize) + " bytes (header: " + std::to_string(p.bodyBytes) +
                 ") for " + std::to_string(p.info.length) + " entries of " + std::to_string(elem) + " bytes");
+    }
+  } else if (p.form == kFormBitmap) {
+    // Raw: the body is the rest of the message, at most what `length` entries can need.
+    if (p.bodySize != p.bodyBytes) {
+      malformed("a bitmap-form body of " + std::to_string(p.bodySize) + " bytes (header: " +
+                std::to_string(p.bodyBytes) + ")");
+    }
+    // The most: two bitmaps of length bits, and an ordinal and a float for every entry.
+    const uint64_t length = p.info.length;
+    if (p.bodyBytes > 8 + 2 * uint64_t(bitmapBytes(length)) + 8 * length) {
+      malformed("a body of " + std::to_string(p.bodyBytes) + " bytes is more than " + std::to_string(p.info.length) +
+                " entries can take");
     }
   } else if (p.bodyBytes > maxSparseBody(p.info.kind, p.info.length)) {
     malformed("a body of " + std::to_string(p.bodyBytes) + " bytes is more than " + std::to_string(p.info.length) +
@@ -364,12 +476,29 @@ void decodeAdd(std::span<const uint8_t> message, std::span<float> out, float sca
       return;
     case CodecKind::TopK:
     case CodecKind::Threshold: {
+      const uint32_t param = std::bit_cast<uint32_t>(p.info.param);
+      const bool signEntriesAllowed = p.info.kind == CodecKind::Threshold;
+      if (p.form == kFormBitmap) {
+        Reader in(p.body, p.bodySize, "the body");
+        const BitmapView view = readBitmap(in, length, signEntriesAllowed);
+        in.expectEnd();
+        if (view.valueCount == 0) {
+          // The same products as below: scale * (+-param).
+          addSignEntries(view, scale * std::bit_cast<float>(param), scale * std::bit_cast<float>(param ^ 0x80000000u),
+                         out.data());
+          return;
+        }
+        view.forEach([&](uint32_t index, bool isValue, bool negative, uint32_t value) {
+          const uint32_t bits = isValue ? value : param ^ (uint32_t(negative) << 31);
+          out[index] += scale * std::bit_cast<float>(bits);
+        });
+        return;
+      }
       const std::vector<uint8_t> body = inflate(p);
       Reader in(body.data(), body.size(), "the body");
-      const ListView list = readList(in, length, p.info.kind == CodecKind::Threshold);
+      const ListView list = readList(in, length, signEntriesAllowed);
       in.expectEnd();
       // A sign entry is +-param: param's bits with the sign bit flipped, chosen without a branch.
-      const uint32_t param = std::bit_cast<uint32_t>(p.info.param);
       list.forEach([&](uint32_t index, bool isValue, bool negative, uint32_t value) {
         const uint32_t bits = isValue ? value : param ^ (uint32_t(negative) << 31);
         out[index] += scale * std::bit_cast<float>(bits);

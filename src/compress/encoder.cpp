@@ -31,32 +31,17 @@ void putU64(std::vector<uint8_t>& out, uint64_t v) {
 }
 void putF32(std::vector<uint8_t>& out, float v) { putU32(out, std::bit_cast<uint32_t>(v)); }
 
-void putHeader(std::vector<uint8_t>& out, CodecKind kind, uint64_t length, float param, uint32_t bodyBytes) {
+void putHeader(std::vector<uint8_t>& out, CodecKind kind, uint64_t length, float param, uint32_t bodyBytes,
+               uint8_t form = kFormList) {
   out.insert(out.end(), kMagic, kMagic + 4);
   out.push_back(kVersion);
   out.push_back(uint8_t(kind));
-  out.push_back(0);
+  out.push_back(form);
   out.push_back(0);
   putU64(out, length);
   putF32(out, param);
   putU32(out, bodyBytes);
 }
-
-// For each 8-bit mask, the gaps between its consecutive set bits as bytes, lowest first.
-constexpr std::array<uint64_t, 256> kGaps = [] {
-  std::array<uint64_t, 256> gaps{};
-  for (unsigned mask = 1; mask < 256; ++mask) {
-    unsigned previous = unsigned(__builtin_ctz(mask));
-    unsigned byte = 0;
-    for (unsigned j = previous + 1; j < 8; ++j) {
-      if ((mask >> j) & 1) {
-        gaps[mask] |= uint64_t(j - previous) << (8 * byte++);
-        previous = j;
-      }
-    }
-  }
-  return gaps;
-}();
 
 // A sparse list: strictly increasing indices, each either a "sign entry" (decoded as +-magnitude,
 // the codec's parameter) or a "value entry" (an explicit float). Laid out as
@@ -103,39 +88,14 @@ class ListWriter {
     c.negativeBits |= uint64_t(negative) << (c.count % 64);
     advance(c);
   }
-  // Sign entries at base + j for every bit j of mask (8 bits, not 0), negative where negatives
-  // has bit j: the same bytes and bits as addSign for each, without a branch per entry.
-  void addSigns(Cursor& c, size_t base, unsigned mask, unsigned negatives) {
-    const unsigned first = unsigned(__builtin_ctz(mask));
-    putVarint(c, base + first);
-    // The gaps between the block's entries are below 8: one varint byte each, from a table.
-    const unsigned count = unsigned(__builtin_popcount(mask));
-    std::memcpy(c.next, &kGaps[mask], 8);
-    c.next += count - 1;
-    c.previous = uint32_t(base + 31 - unsigned(__builtin_clz(mask)));
-    uint64_t bits = 0;  // negatives of the masked lanes, side by side
-    unsigned at = 0;
-    negatives &= mask;
-    for (unsigned j = 0; j < 8; ++j) {
-      bits |= uint64_t((negatives >> j) & 1) << at;
-      at += (mask >> j) & 1;
-    }
-    const unsigned used = c.count % 64;
-    c.negativeBits |= bits << used;
-    c.count += count;
-    if (used + count >= 64) {
-      valueWords_.push_back(c.valueBits);
-      negativeWords_.push_back(c.negativeBits);
-      c.valueBits = 0;
-      c.negativeBits = bits >> (64 - used);  // used > 56 here
-    }
-  }
   void addValue(Cursor& c, size_t index, float value) {
     putVarint(c, index);
     c.valueBits |= uint64_t(1) << (c.count % 64);
     values_.push_back(value);
     advance(c);
   }
+  // Value entries added so far.
+  size_t values() const { return values_.size(); }
   void finish(Cursor c) {
     if (c.count % 64 != 0) {
       valueWords_.push_back(c.valueBits);
@@ -191,6 +151,119 @@ class ListWriter {
   std::vector<float> values_;
 };
 using Cursor = ListWriter::Cursor;
+
+// kCompact4[mask][bits]: the bits of the 4-bit `bits` selected by `mask`, side by side from bit 0.
+constexpr auto kCompact4 = [] {
+  std::array<std::array<uint8_t, 16>, 16> table{};
+  for (unsigned mask = 0; mask < 16; ++mask) {
+    for (unsigned bits = 0; bits < 16; ++bits) {
+      unsigned out = 0, at = 0;
+      for (unsigned j = 0; j < 4; ++j) {
+        if ((mask >> j) & 1) out |= ((bits >> j) & 1) << at++;
+      }
+      table[mask][bits] = uint8_t(out);
+    }
+  }
+  return table;
+}();
+
+// The bits of the 8-bit `bits` selected by `mask`, side by side from bit 0 (BMI2's pext, which is
+// slow on some CPUs this library runs on).
+inline uint64_t compactBits(unsigned bits, unsigned mask) {
+  const unsigned low = kCompact4[mask & 15][bits & 15];
+  const unsigned high = kCompact4[(mask >> 4) & 15][(bits >> 4) & 15];
+  return uint64_t(low | high << std::popcount(mask & 15));
+}
+
+// The bitmap form of the same entries (format.h): a sent bitmap of `length` bits written in place,
+// the sign entries' bits packed in 64-bit words, the value entries' ordinals and floats kept aside;
+// finish() lays them out. Entries arrive in index order; the hot loops hold the Cursor by value.
+class BitmapWriter {
+ public:
+  struct Cursor {
+    uint64_t signBits = 0;  // sign bits since the last full word
+    uint32_t signUsed = 0;
+    uint32_t count = 0;  // entries so far
+  };
+
+  Cursor begin(std::vector<uint8_t>& body, size_t length) {
+    body_ = &body;
+    body.assign(8 + bitmapBytes(length), 0);
+    signWords_.clear();
+    valueOrdinals_.clear();
+    values_.clear();
+    return {};
+  }
+  // The sent bitmap (length bits, zero at first).
+  uint8_t* sent() const { return body_->data() + 8; }
+
+  // `count` (<= 8) sign entries whose sent bits the caller set, negative where `negatives` (packed)
+  // has a bit.
+  void addSigns(Cursor& c, unsigned count, uint64_t negatives) {
+    c.signBits |= negatives << c.signUsed;
+    c.signUsed += count;
+    c.count += count;
+    if (c.signUsed >= 64) {
+      signWords_.push_back(c.signBits);
+      c.signUsed -= 64;
+      c.signBits = c.signUsed == 0 ? 0 : negatives >> (count - c.signUsed);
+    }
+  }
+  // A value entry whose sent bit the caller set.
+  void addValueEntry(Cursor& c, float value) {
+    valueOrdinals_.push_back(c.count++);
+    values_.push_back(value);
+  }
+  void addSign(Cursor& c, size_t index, bool negative) {
+    sent()[index / 8] |= uint8_t(1u << (index % 8));
+    addSigns(c, 1, uint64_t(negative));
+  }
+  void addValue(Cursor& c, size_t index, float value) {
+    sent()[index / 8] |= uint8_t(1u << (index % 8));
+    addValueEntry(c, value);
+  }
+  size_t values() const { return values_.size(); }
+
+  void finish(Cursor c) {
+    std::vector<uint8_t>& body = *body_;
+    const uint32_t n = c.count;
+    const uint32_t v = uint32_t(values_.size());
+    for (int i = 0; i < 4; ++i) body[size_t(i)] = uint8_t(n >> (8 * i));
+    for (int i = 0; i < 4; ++i) body[size_t(4 + i)] = uint8_t(v >> (8 * i));
+    if (v > 0 && v < n) {
+      const size_t at = body.size();
+      body.resize(at + 4 * size_t(v));
+      std::memcpy(body.data() + at, valueOrdinals_.data(), 4 * size_t(v));
+    }
+    if (c.signUsed > 0) signWords_.push_back(c.signBits);
+    const auto* signs = reinterpret_cast<const uint8_t*>(signWords_.data());
+    body.insert(body.end(), signs, signs + bitmapBytes(n - v));
+    const size_t floatsAt = body.size();
+    body.resize(floatsAt + 4 * size_t(v));
+    if (v > 0) std::memcpy(body.data() + floatsAt, values_.data(), 4 * size_t(v));
+  }
+
+ private:
+  std::vector<uint8_t>* body_ = nullptr;
+  std::vector<uint64_t> signWords_;
+  std::vector<uint32_t> valueOrdinals_;
+  std::vector<float> values_;
+};
+
+// Whether the bitmap form of n entries (v of them value entries) out of `length` is worth sending
+// instead of the zstd'd list. The list's size is estimated as what zstd reaches on it: the entropy
+// of the sent set, length * H(n / length) bits (the index gaps carry no more), plus the sign bits
+// and the floats (measured: within 15 % on the cnn's threshold messages). The bitmap form is never
+// smaller than that (H <= 1), but it takes neither zstd nor varints to write and read: it is chosen
+// while it stays within 25 % of the estimate: threshold from about 22 % of the entries sent on,
+// topk (whose floats weigh the same in both forms) from about 7 %.
+bool bitmapFormPays(uint64_t length, uint64_t n, uint64_t v) {
+  if (n == 0) return false;
+  const double p = double(n) / double(length);
+  const double entropy = p >= 1.0 ? 0.0 : -p * std::log2(p) - (1.0 - p) * std::log2(1.0 - p);
+  const double listBits = double(length) * entropy + double(n - v) + 32.0 * double(v);
+  return 8.0 * double(bitmapFormBytes(length, n, v)) <= 1.25 * listBits;
+}
 
 // acc[i] = residual[i] + input[i], in place.
 void accumulate(std::span<const float> input, float* residual) {
@@ -252,13 +325,15 @@ void encodeThresholdFused(std::span<const float> input, float* residual, float t
 }
 
 #if defined(COHORT_HAVE_AVX2_KERNELS)
-// encodeThresholdFused, 8 entries at a time: the sums, the test against tau and the sign entries'
-// residuals in vector lanes, so that the branches are per 8 entries (a fraction of the entries
-// passes tau at random: a branch per entry would be mispredicted at that rate). Entries beyond
-// 2^16 tau and NaN go through thresholdEntry.
-COHORT_AVX2 void encodeThresholdAvx2(std::span<const float> input, float* residual, float tau, ListWriter& list,
-                                     Cursor& cursor) {
-  Cursor c = cursor;
+// encodeThresholdFused, 8 entries at a time, writing the bitmap form: the sums, the test against
+// tau and the sign entries' residuals in vector lanes, so that the branches are per 8 entries (a
+// fraction of the entries passes tau at random: a branch per entry would be mispredicted at that
+// rate); a block's sent byte goes straight into the sent bitmap and its sign entries' bits are
+// packed onto the sign words. Entries beyond 2^16 tau and NaN go through thresholdEntry.
+COHORT_AVX2 void encodeThresholdBitmapAvx2(std::span<const float> input, float* residual, float tau,
+                                           BitmapWriter& writer, BitmapWriter::Cursor& cursor) {
+  BitmapWriter::Cursor c = cursor;
+  uint8_t* sent = writer.sent();
   const __m256 tauV = _mm256_set1_ps(tau);
   const __m256 limit = _mm256_set1_ps(tau * 65536.0f);
   const __m256 absMask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -272,30 +347,108 @@ COHORT_AVX2 void encodeThresholdAvx2(std::span<const float> input, float* residu
       _mm256_storeu_ps(residual + i, a);
       continue;
     }
+    sent[i / 8] = uint8_t(send);
     const __m256 negative = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
     const __m256 r = _mm256_blendv_ps(_mm256_sub_ps(a, tauV), _mm256_add_ps(a, tauV), negative);
     const __m256 signEntry = _mm256_and_ps(passes, _mm256_cmp_ps(m, limit, _CMP_LT_OQ));
     _mm256_storeu_ps(residual + i, _mm256_blendv_ps(a, r, signEntry));
     const unsigned signs = unsigned(_mm256_movemask_ps(signEntry));
     const unsigned negatives = unsigned(_mm256_movemask_ps(negative));
-    c = list.reserve(c, 8);
     if (send == signs) {
-      list.addSigns(c, i, signs, negatives);
+      writer.addSigns(c, unsigned(__builtin_popcount(signs)), compactBits(negatives, signs));
       continue;
     }
     for (unsigned bits = send; bits != 0; bits &= bits - 1) {
       const unsigned j = unsigned(__builtin_ctz(bits));
       if ((signs >> j) & 1) {
-        list.addSign(c, i + j, (negatives >> j) & 1);
+        writer.addSigns(c, 1, (negatives >> j) & 1);
       } else {
-        addThresholdEntry(list, c, i + j, residual[i + j], tau, residual);
+        const ThresholdEntry e = thresholdEntry(residual[i + j], tau);
+        if (e.isValue) {
+          writer.addValueEntry(c, e.value);
+        } else {
+          writer.addSigns(c, 1, residual[i + j] < 0.0f);
+        }
+        residual[i + j] = e.residual;
       }
     }
   }
-  encodeThresholdFused(input, residual, tau, list, c, i);
+  for (; i < input.size(); ++i) {
+    const float a = residual[i] + input[i];
+    residual[i] = a;
+    if (std::fabs(a) < tau) continue;
+    const ThresholdEntry e = thresholdEntry(a, tau);
+    if (e.isValue) {
+      writer.addValue(c, i, e.value);
+    } else {
+      writer.addSign(c, i, a < 0.0f);
+    }
+    residual[i] = e.residual;
+  }
   cursor = c;
 }
 #endif
+
+// ---- the two forms of a list ----------------------------------------------------------------------
+
+// The parts of a list-form body this file wrote.
+ListView viewList(const std::vector<uint8_t>& body) {
+  ListView view;
+  std::memcpy(&view.count, body.data(), 4);
+  view.varints = body.data() + 4;
+  const uint8_t* p = view.varints;
+  for (uint32_t i = 0; i < view.count; ++i) {
+    while (*p++ & 0x80) {
+    }
+  }
+  view.isValue = p;
+  view.negative = p + bitmapBytes(view.count);
+  view.values = view.negative + bitmapBytes(view.count);
+  return view;
+}
+
+// The parts of a bitmap-form body this file wrote.
+BitmapView viewBitmap(const std::vector<uint8_t>& body, size_t length) {
+  BitmapView view;
+  view.length = length;
+  std::memcpy(&view.count, body.data(), 4);
+  std::memcpy(&view.valueCount, body.data() + 4, 4);
+  view.sent = body.data() + 8;
+  const uint8_t* p = view.sent + bitmapBytes(length);
+  if (view.valueCount > 0 && view.valueCount < view.count) {
+    view.ordinals = p;
+    p += 4 * size_t(view.valueCount);
+  }
+  view.negative = p;
+  view.values = p + bitmapBytes(view.count - view.valueCount);
+  return view;
+}
+
+// Rewrites `from` (the form the encoding pass wrote) in the other form, into `to`.
+void listToBitmap(const std::vector<uint8_t>& from, size_t length, BitmapWriter& writer, std::vector<uint8_t>& to) {
+  BitmapWriter::Cursor c = writer.begin(to, length);
+  viewList(from).forEach([&](uint32_t index, bool isValue, bool negative, uint32_t bits) {
+    if (isValue) {
+      writer.addValue(c, index, std::bit_cast<float>(bits));
+    } else {
+      writer.addSign(c, index, negative);
+    }
+  });
+  writer.finish(c);
+}
+void bitmapToList(const std::vector<uint8_t>& from, size_t length, ListWriter& list, std::vector<uint8_t>& to) {
+  to.clear();
+  Cursor c = list.begin(to);
+  viewBitmap(from, length).forEach([&](uint32_t index, bool isValue, bool negative, uint32_t bits) {
+    c = list.reserve(c, 1);
+    if (isValue) {
+      list.addValue(c, index, std::bit_cast<float>(bits));
+    } else {
+      list.addSign(c, index, negative);
+    }
+  });
+  list.finish(c);
+}
 
 // ---- onebit ---------------------------------------------------------------------------------------
 
@@ -658,8 +811,10 @@ struct Encoder::Scratch {
   };
   std::unique_ptr<ZSTD_CCtx, CctxDeleter> cctx{ZSTD_createCCtx()};
   std::vector<uint8_t> body;
+  std::vector<uint8_t> otherForm;  // the body rewritten in the other form
   TopKScratch topk;
   ListWriter list;
+  BitmapWriter bitmap;
 };
 
 Encoder::Encoder(CodecSpec spec, size_t length)
@@ -733,30 +888,58 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
   body.clear();
   ListWriter& list = scratch_->list;
 
-  if (spec_.kind == CodecKind::TopK) {
-    param = float(spec_.ratio);
-    Cursor c = list.begin(body);
-    if (fused) {
-      encodeTopKSampled(input, acc, spec_.ratio, scratch_->topk, list, c);
-    } else {
-      encodeTopK(acc, n, spec_.ratio, scratch_->topk.magnitudes, list, c);
-    }
-    list.finish(c);
-    lastSent_ = c.count;
-  } else if (spec_.kind == CodecKind::Threshold) {
-    param = spec_.tau;
-    Cursor c = list.begin(body);
-    if (!fused) {
-      encodeThreshold(acc, n, spec_.tau, list, c);
-    } else if (useAvx2()) {
+  // topk and threshold: the pass writes one form of the list (the bitmap form on threshold's AVX2
+  // path, the list form elsewhere); the other is made from it when it is the one to send.
+  uint8_t form = kFormList;
+  if (spec_.kind == CodecKind::TopK || spec_.kind == CodecKind::Threshold) {
+    bool wroteBitmap = false;
+    size_t count = 0, values = 0;
+    if (spec_.kind == CodecKind::TopK) {
+      param = float(spec_.ratio);
+      Cursor c = list.begin(body);
+      if (fused) {
+        encodeTopKSampled(input, acc, spec_.ratio, scratch_->topk, list, c);
+      } else {
+        encodeTopK(acc, n, spec_.ratio, scratch_->topk.magnitudes, list, c);
+      }
+      list.finish(c);
+      count = c.count;
+      values = list.values();
+    } else if (fused && useAvx2()) {
+      param = spec_.tau;
 #if defined(COHORT_HAVE_AVX2_KERNELS)
-      encodeThresholdAvx2(input, acc, spec_.tau, list, c);
+      BitmapWriter& writer = scratch_->bitmap;
+      BitmapWriter::Cursor c = writer.begin(body, n);
+      encodeThresholdBitmapAvx2(input, acc, spec_.tau, writer, c);
+      writer.finish(c);
+      wroteBitmap = true;
+      count = c.count;
+      values = writer.values();
 #endif
     } else {
-      encodeThresholdFused(input, acc, spec_.tau, list, c);
+      param = spec_.tau;
+      Cursor c = list.begin(body);
+      if (fused) {
+        encodeThresholdFused(input, acc, spec_.tau, list, c);
+      } else {
+        encodeThreshold(acc, n, spec_.tau, list, c);
+      }
+      list.finish(c);
+      count = c.count;
+      values = list.values();
     }
-    list.finish(c);
-    lastSent_ = c.count;
+    lastSent_ = count;
+    const bool sendBitmap = bitmapFormPays(n, count, values);
+    if (sendBitmap != wroteBitmap) {
+      std::vector<uint8_t>& other = scratch_->otherForm;
+      if (sendBitmap) {
+        listToBitmap(body, n, scratch_->bitmap, other);
+      } else {
+        bitmapToList(body, n, list, other);
+      }
+      body.swap(other);
+    }
+    if (sendBitmap) form = kFormBitmap;
   } else {  // OneBit
     OneBitScales scales;
     if (!fused) {
@@ -789,6 +972,13 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
   COHORT_CHECK(body.size() <= kMaxBodyBytes, InvalidArgument, "--codec ", kindName(spec_.kind), ": a message body of ",
                body.size(), " bytes is beyond the format's ", kMaxBodyBytes, ": split the buffer of ", n,
                " floats (smaller buckets, more shards)");
+  if (form == kFormBitmap) {
+    // Raw: zstd finds next to nothing in random bitmaps (docs/BENCHMARKS.md).
+    message.reserve(kHeaderBytes + body.size());
+    putHeader(message, spec_.kind, n, param, uint32_t(body.size()), kFormBitmap);
+    message.insert(message.end(), body.begin(), body.end());
+    return;
+  }
   putHeader(message, spec_.kind, n, param, uint32_t(body.size()));
   message.resize(kHeaderBytes + bound);
   const size_t got = ZSTD_compressCCtx(scratch_->cctx.get(), message.data() + kHeaderBytes, bound, body.data(),
