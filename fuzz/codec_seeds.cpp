@@ -55,7 +55,9 @@ int main(int argc, char** argv) {
                              {"topk", "topk:0.3"},         {"topk", "topk:0.05"},      {"threshold", "threshold:0.5"},
                              {"threshold", "threshold:2"}, {"onebit", "onebit"}};
   for (const auto& [folder, text] : codecs) {
-    for (size_t n : {0, 7, 64}) {
+    // 512: long enough that threshold:0.5's list takes the bitmap form (shorter ones stay lists:
+    // the form's fixed bytes weigh more there).
+    for (size_t n : {0, 7, 64, 512}) {
       std::vector<float> input(n);
       for (size_t i = 0; i < n; ++i) input[i] = std::sin(float(i) * 1.7f) * (i % 5 == 0 ? 3.0f : 0.7f);
       if (n == 64) input[3] = INFINITY;
