@@ -151,7 +151,7 @@ def run_one(args, scheme, fault, work):
     def read_err():
         for line in proc.stderr:
             if log:
-                log.write(line)
+                log.write(f"{time.monotonic() - started:8.3f} {line}")
             if line.startswith("cohort launch:"):
                 launcher_lines.append((time.monotonic(), line.strip()))
             elif "checkpoint failed" in line:
@@ -190,6 +190,8 @@ def run_one(args, scheme, fault, work):
         if pid is not None and proc.poll() is None:
             os.kill(pid, signal.SIGKILL)
             killed_at = time.monotonic()
+            if log:
+                log.write(f"{killed_at - started:8.3f} fault_table.py: SIGKILL to {victim} (pid {pid})\n")
     try:
         code = proc.wait(timeout=max(1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -301,7 +303,7 @@ def main():
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--json", default="")
-    parser.add_argument("--log-dir", default="", help="write each row's stderr (every process's) to DIR/SCHEME-FAULT.log")
+    parser.add_argument("--log-dir", default="", help="write each row's stderr (every process's) to DIR/SCHEME-FAULT.log, each line after the seconds since the start, and the kill")
     parser.add_argument("--merge", default="",
                         help="A.json,B.json,...: print the table of several runs' --json files (medians and ranges); runs nothing")
     args = parser.parse_args()

@@ -17,8 +17,9 @@
 //
 // Contract: the chief (rank 0) initializes the shards with its parameters; every worker's model
 // must have the same parameters (names, shapes; float32). Calls come from the training thread.
-// Every call to a shard is bounded by the job's timeout (UNAVAILABLE is retried with back-off
-// until then, which is how a worker rides out a shard restart). Errors are cohort::Error
+// Every call to a shard is bounded by the job's timeout: UNAVAILABLE is retried with back-off
+// for up to the timeout after the shard went silent (or began refusing), which is how a worker
+// rides out a shard restart, and for at most 3 x the timeout per call. Errors are cohort::Error
 // subclasses: InvalidArgument for options and models that do not fit, CommError/TimeoutError for
 // shards that do not answer.
 #pragma once

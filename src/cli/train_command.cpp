@@ -177,7 +177,7 @@ Run addTrainCommand(CLI::App& app) {
       ->capture_default_str();
   train->add_option("--save-model", o.saveModelPath,
                     "Save the trained model here (torch::save); with {rank} in the path every rank saves");
-  train->add_option("--timeout", o.timeoutSeconds, "Seconds to wait for a peer before failing")
+  train->add_option("--timeout", o.timeoutSeconds, "Seconds to wait for a peer before failing (a ps shard: from when it went silent, at most 3x this per call)")
       ->capture_default_str();
   train->add_option("--strategy", o.strategy.name,
                     "local, allreduce, average, ps, gossip, pipeline, mirrored, central, hogwild or tensor")

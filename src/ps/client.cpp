@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -37,6 +38,14 @@ std::string seconds(double s) {
   char text[32];
   std::snprintf(text, sizeof(text), "%.3g", s);
   return text;
+}
+
+std::string secondsSince(Clock::time_point from, Clock::time_point to) {
+  return seconds(std::chrono::duration<double>(to - from).count());
+}
+
+Clock::duration toDuration(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
 }
 
 // Copies `from` into `to` through its wire form, as a transport would.
@@ -206,47 +215,89 @@ class GrpcClient : public ShardClient {
         [&](grpc::ClientContext* context) { return (stub_.get()->*method)(context, request, reply); });
   }
 
-  // One unary call (`attempt` makes it on the context it is given), retried while the shard is
-  // UNAVAILABLE, until timeoutSeconds have passed since the first attempt. The one place where
-  // grpc::Status becomes a ps::Status.
+  // One unary call (`attempt` makes it on the context it is given), retried while it fails with
+  // UNAVAILABLE. The one place where grpc::Status becomes a ps::Status.
+  //
+  // The failures come in spells of one kind: the shard unreachable (nothing of it answered: a
+  // refused connection, a reset) or the shard refusing (its own UNAVAILABLE, which it marks with
+  // kShardAnsweredKey). A spell begins with its first failure and ends with an answer of another
+  // kind; each spell may last timeoutSeconds, the call's retries kRetryBoundTimeouts x that. So the
+  // window restarts when the shard stops answering (a kill) and when it answers again (a restarted
+  // shard's "not initialized yet"): a call that was waiting for the chief's Init when its shard
+  // died still gets a whole window for the restart.
   template <typename Attempt>
   Status retrying(const Attempt& attempt) {
-    const auto timeout = std::chrono::duration_cast<Clock::duration>(
-        std::chrono::duration<double>(options_.timeoutSeconds));
+    const double timeout = options_.timeoutSeconds;
+    const double bound = kRetryBoundTimeouts * timeout;
     const auto start = Clock::now();
     auto backoff = std::chrono::duration_cast<Clock::duration>(kFirstBackoff);
-    for (bool first = true;; first = false) {
+    std::optional<bool> answering;  // the current spell's kind (shardAnswered); none before a failure
+    auto spellStart = start;
+    for (;;) {
       grpc::ClientContext context;
       // gRPC takes deadlines on the system clock only.
       // A shard may hold a push for up to its own timeout (a sync step, the ssp bound) before it
       // answers, so the call gets twice that and some: the shard names a lost worker first.
       context.set_deadline(std::chrono::system_clock::now() +
-                           std::chrono::duration_cast<std::chrono::system_clock::duration>(2 * timeout) +
+                           std::chrono::duration_cast<std::chrono::system_clock::duration>(2 * toDuration(timeout)) +
                            std::chrono::seconds(5));
       // A fresh proof per attempt: a shard takes each once.
       if (!options_.authToken.empty()) context.AddMetadata("authorization", makeCallProof(options_.authToken));
       const grpc::Status status = attempt(&context);
-      if (status.ok()) return Status::Ok();
+      const auto now = Clock::now();
+      if (status.ok()) {
+        if (answering == false) say("ps shard " + address_ + " answers again after " + secondsSince(spellStart, now) + " s");
+        return Status::Ok();
+      }
       const auto code = Code(status.error_code());
       if (code == Code::kDeadlineExceeded) {
         return Status::error(code, "ps shard " + address_ + " did not answer within " +
-                                       seconds(2 * options_.timeoutSeconds + 5) + " s: " + status.error_message());
+                                       seconds(2 * timeout + 5) + " s: " + status.error_message());
       }
       if (code != Code::kUnavailable) return Status::error(code, status.error_message());
-      const auto waited = Clock::now() - start;
-      if (waited >= timeout) {
-        return Status::error(code, "ps shard " + address_ + " unreachable for " +
-                                       seconds(std::chrono::duration<double>(waited).count()) +
-                                       " s: " + status.error_message());
+      const bool answered = context.GetServerTrailingMetadata().count(kShardAnsweredKey) > 0;
+      if (answering != answered) {
+        // A new spell: one line, its own window and back-off.
+        const std::string what = " (" + status.error_message() + "); retrying for up to " + seconds(timeout) + " s";
+        if (!answered) {
+          say("ps shard " + address_ + " unreachable" + what);
+        } else if (answering == false) {
+          say("ps shard " + address_ + " answers again after " + secondsSince(spellStart, now) + " s, refusing" + what);
+        } else {
+          say("ps shard " + address_ + " unavailable" + what);
+        }
+        answering = answered;
+        spellStart = now;
+        backoff = std::chrono::duration_cast<Clock::duration>(kFirstBackoff);
       }
-      if (first && options_.onRetry) options_.onRetry();
-      if (first && !options_.quiet) {
-        std::fprintf(stderr, "cohort: ps shard %s unavailable (%s); retrying for up to %s s\n", address_.c_str(),
-                     status.error_message().c_str(), seconds(options_.timeoutSeconds).c_str());
+      const auto spell = now - spellStart;
+      const auto call = now - start;
+      const std::string raise = "; raise --timeout (now " + seconds(timeout) + " s)";
+      if (spell >= toDuration(timeout)) {
+        return Status::error(code, "ps shard " + address_ + (answered ? " refused the call for " : " unreachable for ") +
+                                       secondsSince(spellStart, now) + " s: " + status.error_message() + raise +
+                                       (answered ? " if its chief needs longer to start" :
+                                                   " if it needs longer to come back"));
       }
-      std::this_thread::sleep_for(std::min(backoff, timeout - waited));
+      if (call >= toDuration(bound)) {
+        return Status::error(code, "ps shard " + address_ + ": gave up after " + secondsSince(start, now) +
+                                       " s of retries (one call retries for at most " +
+                                       std::to_string(kRetryBoundTimeouts) +
+                                       " x --timeout; the shard came and went): " + status.error_message() + raise);
+      }
+      if (options_.onRetry) {
+        options_.onRetry(RetryEvent{.shardAnswered = answered,
+                                    .callSeconds = std::chrono::duration<double>(call).count(),
+                                    .spellSeconds = std::chrono::duration<double>(spell).count()});
+      }
+      std::this_thread::sleep_for(std::min({backoff, toDuration(timeout) - spell, toDuration(bound) - call}));
       backoff = std::min(backoff * 2, std::chrono::duration_cast<Clock::duration>(kMaxBackoff));
     }
+  }
+
+  // One line on stderr, unless quiet.
+  void say(const std::string& line) const {
+    if (!options_.quiet) std::fprintf(stderr, "cohort: %s\n", line.c_str());
   }
 
   const std::string address_;

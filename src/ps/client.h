@@ -21,6 +21,13 @@ class Shard;
 constexpr int kHttp2MaxFrame = (1 << 24) - 1;
 constexpr int kHttp2Window = 64 << 20;
 
+// Trailing metadata a shard puts on an UNAVAILABLE it answers itself ("not initialized yet"), so
+// that the client can tell "the shard answered" from "nothing reached it" (both UNAVAILABLE).
+constexpr char kShardAnsweredKey[] = "cohort-shard-answered";
+
+// One call's retries end after at most this many times its timeout in all (see makeGrpcClient).
+constexpr int kRetryBoundTimeouts = 3;
+
 // A push on the zero-copy path (ps/frame.h): float32 values only, no codec, not row-sparse.
 struct FramedPush {
   wire::PushRequest request;  // values: each piece's key, numel and dtype FLOAT32, with empty data
@@ -50,14 +57,23 @@ class ShardClient {
   virtual std::string address() const = 0;
 };
 
+// An attempt of a call that failed with UNAVAILABLE and is about to be retried.
+struct RetryEvent {
+  bool shardAnswered = false;  // the shard itself refused it (not initialized yet); false: unreachable
+  double callSeconds = 0;      // since the call's first attempt
+  double spellSeconds = 0;     // since the first failure of this kind in a row (this spell)
+};
+
 struct ClientOptions {
   std::string authToken;      // every call proves it (ps/call_auth.h), never sends it; empty: none
   std::string tlsCaFile;      // PEM roots that sign the servers' certificates; empty: plaintext
-  double timeoutSeconds = 60; // how long an unreachable shard is retried; a call's deadline is 2x + 5 s
-  bool quiet = false;         // no line on stderr when a call starts retrying
-  // Called (from the calling thread) each time a call fails with UNAVAILABLE and starts
-  // retrying; tests wait on it instead of sleeping.
-  std::function<void()> onRetry;
+  // How long one spell of an unreachable (or refusing) shard is retried; a call's retries end after
+  // kRetryBoundTimeouts x this in all; one attempt's deadline is 2x + 5 s.
+  double timeoutSeconds = 60;
+  bool quiet = false;         // no line on stderr when a shard stops or starts answering
+  // Called (from the calling thread) after each attempt that failed with UNAVAILABLE, before the
+  // back-off, when the call will be retried; tests wait on it instead of sleeping.
+  std::function<void(const RetryEvent&)> onRetry;
 };
 
 // Pushes and pulls allocate and free buffers of tens of MB every step; glibc serves each from a
@@ -69,8 +85,15 @@ std::unique_ptr<ShardClient> makeFakeClient(std::shared_ptr<Shard> shard, std::s
 
 // A client of the shard at host:port. Calls that fail with UNAVAILABLE (the shard is down or
 // restarting, or not initialized yet) are retried with exponential back-off (50 ms doubling to
-// 2 s) until timeoutSeconds have passed since the first attempt. Throws InvalidArgument when a
-// TLS file cannot be read.
+// 2 s, from 50 ms again whenever the shard starts or stops answering). The window is per spell:
+// a call gives up once the shard has been unreachable for timeoutSeconds since the first failure
+// after its last answer (or since the call began), or has refused it ("not initialized yet") for
+// timeoutSeconds in a row. So a call begun before a shard was killed gets a whole window for the
+// shard's restart, however long it had waited before. Spells can follow each other (refused at the
+// start until the chief's Init, then cut off by a restart), so a call's retries also end after
+// kRetryBoundTimeouts x timeoutSeconds in all: no call waits for ever. Every error on giving up
+// names the shard, how long, and the timeout to raise. Throws InvalidArgument when a TLS file
+// cannot be read.
 std::unique_ptr<ShardClient> makeGrpcClient(const std::string& address, const ClientOptions& options);
 
 }  // namespace cohort::ps

@@ -247,7 +247,11 @@ class Service final : public wire::ParameterServer::Service {
       return refusals_->refuse(context->peer(), result);
     }
     try {
-      return toGrpc(call());
+      const Status status = call();
+      // The shard's own UNAVAILABLE (not initialized yet), told apart from a transport's: a
+      // client's retry window restarts when the shard answers (makeGrpcClient).
+      if (status.code == Code::kUnavailable) context->AddTrailingMetadata(kShardAnsweredKey, "1");
+      return toGrpc(status);
     } catch (const std::exception& e) {
       // Out of memory for a large Init, say: the caller gets the reason, the shard stays up.
       refusals_->wantTrim();
