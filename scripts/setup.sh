@@ -14,6 +14,7 @@ packages=(
   python3 python3-torch
   openmpi-bin iproute2
   libtomlplusplus-dev chromium librsvg2-bin slurm-wlm munge
+  openssh-server openssh-client
 )
 
 missing=()

@@ -2,6 +2,7 @@
 // resuming), the search space, the charts, and both commands' bad input. Fast: the jobs here are
 // shell one-liners, and the command-line errors come before anything runs.
 #include "experiment/plan.h"
+#include "experiment/remote.h"
 #include "experiment/runner.h"
 #include "experiment/svg_chart.h"
 #include "experiment/sweep.h"
@@ -73,6 +74,83 @@ TEST(Runner, ServersAreStoppedWhenTheWorkersAreDone) {
   const auto records = experiment::runJobs({job}, {.dir = dir.path(), .graceSeconds = 5});
   EXPECT_EQ(records[0].status, JobStatus::kOk);
   EXPECT_LT(records[0].wallSeconds, 30);
+}
+
+// A process with an input (a remote shell, experiment/remote.h) reads it, and is ended by its EOF
+// rather than by a signal: here a "shard" the job stops once its worker is done.
+TEST(Runner, AnInputIsReadAndItsEndStopsTheProcess) {
+  test::TempDir dir;
+  const std::string script = "IFS= read -r t; echo \"$t\" > " + dir.file("token") + "; cat > /dev/null; echo eof > " +
+                             dir.file("eof");
+  JobSpec job{.id = "remote",
+              .processes = {{.argv = {"/bin/sh", "-c", "exit 0"}},
+                            {.argv = {"/bin/sh", "-c", script}, .waitedFor = false, .input = "s3cret\n"}}};
+  const auto records = experiment::runJobs({job}, {.dir = dir.path(), .graceSeconds = 60});
+  EXPECT_EQ(records[0].status, JobStatus::kOk) << records[0].error;
+  EXPECT_LT(records[0].wallSeconds, 30);  // ended by the EOF, not by SIGKILL after the grace
+  EXPECT_EQ(test::readFile(dir.file("token")), "s3cret\n");
+  EXPECT_EQ(test::readFile(dir.file("eof")), "eof\n");
+  EXPECT_EQ(test::readFile(dir.file("runs/remote/status.json")).find("s3cret"), std::string::npos);
+}
+
+TEST(Remote, PlacementPortsAndVariables) {
+  experiment::RemoteHosts hosts{.hosts = {"a", "me@b"}, .shell = "rsh -l x {host}", .binary = "/opt/cohort",
+                                .workdir = "/shared/w", .basePort = 4000};
+  const std::vector<std::string> train{"/local/cohort", "train", "--metrics", "out/runs/x.r1/metrics.jsonl"};
+  // Three ranks and two shards on two hosts: process i on host i mod 2, at port 4000 + i.
+  const auto ps = experiment::remoteProcesses(hosts, 3, 2, train);
+  ASSERT_EQ(ps.size(), 5u);
+  const std::string cluster = R"("chief":["a:4000"],"worker":["b:4001","a:4002"],"ps":["b:4003","a:4004"])";
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const auto& argv = ps[i].argv;
+    ASSERT_EQ(argv.size(), 5u);
+    EXPECT_EQ(argv[0], "rsh");
+    EXPECT_EQ(argv[3], i % 2 == 0 ? "a" : "me@b");
+    const std::string& remote = argv[4];
+    EXPECT_NE(remote.find(cluster), std::string::npos) << remote;
+    EXPECT_NE(remote.find(" /opt/cohort train --metrics out/runs/x.r1/metrics.jsonl"), std::string::npos) << remote;
+    EXPECT_EQ(remote.find("/local/cohort"), std::string::npos) << remote;
+    EXPECT_NE(remote.find("cohort-remote /shared/w " + argv[3] + (i % 2 == 0 ? " 3 env" : " 2 env")), std::string::npos)
+        << remote;  // the job's processes on that host share its cores
+    ASSERT_TRUE(ps[i].input.has_value());
+    EXPECT_EQ(*ps[i].input, *ps[0].input);  // one token per job, on stdin only
+    EXPECT_GE(ps[i].input->size(), 17u);
+    EXPECT_EQ(remote.find(ps[i].input->substr(0, 16)), std::string::npos);
+    EXPECT_EQ(ps[i].waitedFor, i < 3);
+  }
+  EXPECT_NE(ps[0].argv[4].find(R"("task":{"type":"chief","index":0})"), std::string::npos);
+  EXPECT_NE(ps[2].argv[4].find(R"("task":{"type":"worker","index":1})"), std::string::npos);
+  EXPECT_NE(ps[4].argv[4].find(R"("task":{"type":"ps","index":1})"), std::string::npos);
+  // Three ranks of allreduce: torchrun's variables, the rendezvous on the first host.
+  const auto ar = experiment::remoteProcesses(hosts, 3, 0, train);
+  ASSERT_EQ(ar.size(), 3u);
+  EXPECT_NE(ar[2].argv[4].find("LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=a MASTER_PORT=4000 RANK=2 WORLD_SIZE=3"),
+            std::string::npos) << ar[2].argv[4];
+  EXPECT_NE(ar[1].argv[4].find("LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=a MASTER_PORT=4000 RANK=1 WORLD_SIZE=3"),
+            std::string::npos) << ar[1].argv[4];
+  // One process: on the first host, without rank variables.
+  const auto local = experiment::remoteProcesses(hosts, 1, 0, train);
+  ASSERT_EQ(local.size(), 1u);
+  EXPECT_EQ(local[0].argv[3], "a");
+  EXPECT_EQ(local[0].argv[4].find("RANK="), std::string::npos);
+}
+
+TEST(Remote, HostListsAndShellWords) {
+  EXPECT_EQ(experiment::parseHostList(" a, me@b ,,10.0.0.5", ',', "--hosts"),
+            (std::vector<std::string>{"a", "me@b", "10.0.0.5"}));
+  EXPECT_EQ(experiment::parseHostList("# the rack\nn1\nn2  # spare\n\n", '\n', "f"),
+            (std::vector<std::string>{"n1", "n2"}));
+  EXPECT_EQ(experiment::addressOf("me@b"), "b");
+  EXPECT_THROW(experiment::parseHostList("a;rm -rf x", ',', "--hosts"), InvalidArgument);
+  EXPECT_THROW(experiment::parseHostList(" , ", ',', "--hosts"), InvalidArgument);
+  EXPECT_THROW(experiment::parseHostList("-oProxyCommand=x", ',', "--hosts"), InvalidArgument);
+  EXPECT_EQ(experiment::splitShellWords("ssh -i 'my key' -o \"A=b c\" {host}"),
+            (std::vector<std::string>{"ssh", "-i", "my key", "-o", "A=b c", "{host}"}));
+  EXPECT_EQ(experiment::remoteShellArgv("ssh -l u{host}x {host}", "h", "true"),
+            (std::vector<std::string>{"ssh", "-l", "uhx", "h", "true"}));
+  EXPECT_THROW(experiment::splitShellWords("ssh 'open {host}"), InvalidArgument);
+  EXPECT_THROW(experiment::splitShellWords("ssh host"), InvalidArgument);
+  EXPECT_THROW(experiment::splitShellWords("  "), InvalidArgument);
 }
 
 TEST(Runner, BadIdsAreRefused) {
@@ -209,6 +287,24 @@ TEST(CompareCli, BadInputBeforeAnythingStarts) {
   test::writeFile(dir.file("d.toml"), "[[configuration]]\nstrategy = \"allreduce\"\nbukcet_mb = 4\n");
   expectOneLineError("compare " + dir.file("d.toml") + out, "unknown option 'bukcet_mb'");
   expectOneLineError("compare --model resnet --data synthetic:60" + out, "--model resnet cannot be trained by any scheme");
+  EXPECT_FALSE(std::filesystem::exists(dir.file("out")));
+}
+
+TEST(CompareCli, HostOptionsAreCheckedBeforeAnythingStarts) {
+  test::TempDir dir;
+  const std::string out = " --model mlp --data synthetic:60 --steps 2 --out " + dir.file("out");
+  expectOneLineError("compare --hosts a,b --network 100mbit" + out, "does not go with --hosts");
+  expectOneLineError("compare --remote-shell 'ssh {host}'" + out, "--remote-shell goes with --hosts");
+  expectOneLineError("compare --hosts a --hostfile " + dir.file("h") + out, "give --hosts or --hostfile, not both");
+  expectOneLineError("compare --hostfile " + dir.file("missing") + out, "cannot read");
+  expectOneLineError("compare --hosts 'a b'" + out, "'a b' is not a host");
+  expectOneLineError("compare --hosts a --remote-shell 'ssh -p 2222'" + out, "write {host}");
+  expectOneLineError("compare --hosts a --base-port 70000" + out, "--base-port 70000");
+  // A host that refuses the connection (nothing listens at a reserved port): named, nothing run.
+  test::ReservedPort closed;
+  expectOneLineError("compare --hosts 127.0.0.1 --remote-shell 'ssh -F /dev/null -o BatchMode=yes -p " +
+                         std::to_string(closed.port()) + " {host}'" + out,
+                     "host 127.0.0.1 does not answer through the remote shell");
   EXPECT_FALSE(std::filesystem::exists(dir.file("out")));
 }
 

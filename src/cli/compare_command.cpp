@@ -3,6 +3,7 @@
 #include "cli/experiment_common.h"
 
 #include "experiment/netns.h"
+#include "experiment/remote.h"
 #include "experiment/report.h"
 #include "experiment/run_data.h"
 #include "experiment/runner.h"
@@ -10,7 +11,12 @@
 #include <cohort/error.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <memory>
+#include <optional>
+#include <sstream>
 #include <set>
 
 namespace cohort::cli {
@@ -37,7 +43,50 @@ struct CompareFlags {
   std::string network;
   double runTimeout = 3600;
   bool noPng = false;
+  std::string hosts;
+  std::string hostfile;
+  std::string remoteShell = experiment::RemoteHosts{}.shell;
+  std::string remoteBinary;
+  int basePort = experiment::kDefaultBasePort;
 };
+
+// Variables of compare's own environment that every remote process gets too.
+constexpr const char* kPassedToHosts[] = {"GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                          "COHORT_FASHION_MNIST_DIR", "COHORT_CODEC_PATH"};
+
+// --hosts / --hostfile and their options, checked; nullopt without hosts.
+std::optional<experiment::RemoteHosts> remoteHostsFrom(const CompareFlags& f, const CLI::App& cmd,
+                                                       const std::string& binary) {
+  const bool given = !f.hosts.empty() || !f.hostfile.empty();
+  for (const char* option : {"--remote-shell", "--remote-binary", "--base-port"}) {
+    COHORT_CHECK(given || cmd.count(option) == 0, InvalidArgument, option, " goes with --hosts or --hostfile");
+  }
+  if (!given) return std::nullopt;
+  COHORT_CHECK(f.hosts.empty() || f.hostfile.empty(), InvalidArgument, "give --hosts or --hostfile, not both");
+  COHORT_CHECK(f.network.empty(), InvalidArgument,
+               "--network emulates links on this machine; it does not go with --hosts or --hostfile");
+  experiment::RemoteHosts h;
+  if (!f.hosts.empty()) {
+    h.hosts = experiment::parseHostList(f.hosts, ',', "--hosts");
+  } else {
+    std::ifstream in(f.hostfile);
+    COHORT_CHECK(in.good(), InvalidArgument, "--hostfile ", f.hostfile, ": cannot read");
+    std::stringstream text;
+    text << in.rdbuf();
+    h.hosts = experiment::parseHostList(text.str(), '\n', "--hostfile " + f.hostfile);
+  }
+  experiment::splitShellWords(f.remoteShell);  // its errors now, before anything runs
+  h.shell = f.remoteShell;
+  h.binary = f.remoteBinary.empty() ? binary : f.remoteBinary;
+  h.workdir = std::filesystem::current_path().string();
+  COHORT_CHECK(f.basePort >= 1 && f.basePort <= 65535, InvalidArgument, "--base-port ", f.basePort,
+               ": expected a port, 1 to 65535");
+  h.basePort = f.basePort;
+  for (const char* name : kPassedToHosts) {
+    if (const char* value = std::getenv(name); value != nullptr) h.env[name] = value;
+  }
+  return h;
+}
 
 std::vector<std::string> splitComma(const std::string& text) {
   std::vector<std::string> out;
@@ -94,7 +143,13 @@ Run addCompareCommand(CLI::App& app) {
       "worker, async, softsync, ssp, gossip and pipeline (with --codec C, the compressing ones again with C).\n"
       "FILE.toml: train options for all at the top level, then [[configuration]] tables with name, strategy,\n"
       "workers, ps and train options. Finished runs are kept in OUT/runs: run the same command again to go on.\n"
-      "OUT/report.html is the report (OUT/figures/*.svg|png, OUT/*.csv the data).");
+      "OUT/report.html is the report (OUT/figures/*.svg|png, OUT/*.csv the data).\n"
+      "--hosts H1,H2: every process runs on a host through --remote-shell, in this working folder, with the\n"
+      "variables cohort launch would set on its command line (the auth token on its stdin); process i of a run\n"
+      "(ranks, then ps shards) on host i mod n, port --base-port + i. Each host must answer, see OUT and this\n"
+      "folder as this machine does (a shared filesystem: the runs write their metrics there) and have\n"
+      "--remote-binary, or nothing runs. A run that ends (timeout, Ctrl-C) closes the remote shell's stdin,\n"
+      "and its remote process gets SIGTERM.");
   cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   cmd->add_option("file", f.file, "A TOML file listing the configurations (default: the seeds' set)");
   cmd->add_option("--model", f.model, "mlp, cnn, lstm or FILE.pt")->capture_default_str();
@@ -122,6 +177,18 @@ Run addCompareCommand(CLI::App& app) {
   cmd->add_option("--run-timeout", f.runTimeout, "Seconds after which a run is stopped and counted as failed")
       ->capture_default_str();
   cmd->add_flag("--no-png", f.noPng, "Do not render the figures as PNG (rsvg-convert)");
+  cmd->add_option("--hosts", f.hosts,
+                  "Run every process on these machines (H1,H2,...; user@H logs in as user): process i of a run on "
+                  "host i mod n, ranks first, then the ps shards. OUT and this folder must be on a filesystem the "
+                  "hosts share");
+  cmd->add_option("--hostfile", f.hostfile, "The hosts from a file, one a line (# comments), instead of --hosts");
+  cmd->add_option("--remote-shell", f.remoteShell,
+                  "How a process starts on a host ({host} is replaced; stdin must be passed on, so no ssh -n)")
+      ->capture_default_str();
+  cmd->add_option("--remote-binary", f.remoteBinary, "cohort's path on the hosts (default: this one's)");
+  cmd->add_option("--base-port", f.basePort,
+                  "Process i of a run listens on this port + i on its host (rank 0's rendezvous, the ps shards)")
+      ->capture_default_str();
 
   return [flags, &app]() {
     const CompareFlags& f = *flags;
@@ -194,6 +261,14 @@ Run addCompareCommand(CLI::App& app) {
     const std::string data = *experiment::findArg(shared, "--data");
     plan.trainExamples = experiment::trainingExamples(data);
 
+    const std::optional<experiment::RemoteHosts> hosts = remoteHostsFrom(f, *cmd, plan.binary);
+    if (hosts) {
+      int processes = 1;
+      for (const auto& c : configs) processes = std::max(processes, c.workers + c.shards);
+      COHORT_CHECK(hosts->basePort + processes - 1 <= 65535, InvalidArgument, "--base-port ", hosts->basePort, ": ",
+                   processes, " processes need ports up to ", hosts->basePort + processes - 1);
+      plan.hosts = &*hosts;
+    }
     std::unique_ptr<experiment::EmulatedNetwork> network;
     if (!f.network.empty()) {
       int processes = 1;
@@ -202,6 +277,17 @@ Run addCompareCommand(CLI::App& app) {
       plan.network = network.get();
     }
     checkModel(plan.binary, model);
+    if (hosts) {
+      std::error_code ec;
+      const bool created = std::filesystem::create_directories(f.out, ec);
+      COHORT_CHECK(!ec, IoError, f.out, ": cannot create the output folder: ", ec.message());
+      try {
+        experiment::checkHosts(*hosts, f.out);
+      } catch (const InvalidArgument&) {
+        if (created) std::filesystem::remove(f.out, ec);  // nothing ran: leave nothing behind
+        throw;
+      }
+    }
 
     const std::vector<experiment::JobSpec> jobs = experiment::planJobs(configs, plan);
     std::printf("cohort compare: %zu configurations x %d run%s = %zu runs of %s on %s, %s; output in %s\n",
@@ -231,6 +317,12 @@ Run addCompareCommand(CLI::App& app) {
                    (f.runs == 1 ? " run" : " runs") + " per configuration";
     input.network = f.network.empty() ? "loopback (one machine)"
                                       : "emulated: every process in its own network namespace, links of " + f.network;
+    if (hosts) {
+      std::string list;
+      for (const std::string& h : hosts->hosts) list += (list.empty() ? "" : ", ") + h;
+      input.network = "hosts " + list + " (process i on host i mod " + std::to_string(hosts->hosts.size()) +
+                      ", ps shards after the ranks), through " + hosts->shell;
+    }
     input.trainExamples = plan.trainExamples;
     size_t ok = 0;
     for (size_t i = 0; i < configs.size(); ++i) {

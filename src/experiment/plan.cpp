@@ -1,6 +1,7 @@
 #include "experiment/plan.h"
 
 #include "experiment/netns.h"
+#include "experiment/remote.h"
 #include "base/crypto.h"
 
 #include <toml++/toml.h>
@@ -323,6 +324,11 @@ std::vector<JobSpec> planJobs(const std::vector<Configuration>& configurations, 
       job.id = jobId(c, run);
       std::vector<std::string> train = trainCommand(c, options, metricsPathOf(options.dir, job.id));
       job.threadsShare = c.workers;
+      if (options.hosts != nullptr) {
+        job.processes = remoteProcesses(*options.hosts, c.workers, c.shards, train);
+        jobs.push_back(std::move(job));
+        continue;
+      }
       if (options.network != nullptr && (c.workers > 1 || c.shards > 0)) {
         job.processes = networkProcesses(c, *options.network, train);
         jobs.push_back(std::move(job));

@@ -14,6 +14,7 @@
 namespace cohort::experiment {
 
 class EmulatedNetwork;
+struct RemoteHosts;
 
 // `cohort train`'s long option names (without "--"), each with whether it takes a value (false: a
 // flag). Made by the CLI from the train command itself, so it is always the real set.
@@ -78,6 +79,9 @@ struct PlanOptions {
   // network, started by the runner with the variables `cohort launch` would set (TF_CONFIG for the
   // parameter server), instead of under `cohort launch`.
   const EmulatedNetwork* network = nullptr;
+  // When set, every process of every configuration runs on one of these hosts through its remote
+  // shell (experiment/remote.h), with the variables `cohort launch` would set. Not with `network`.
+  const RemoteHosts* hosts = nullptr;
 };
 
 // The job of run r (1-based) of a configuration: "NAME.rR". Runs alternate: run 1 of every

@@ -109,6 +109,7 @@ void writeStatus(const std::string& dir, const JobRecord& r) {
 
 struct Process {
   pid_t pid = -1;
+  int input = -1;  // the write end of its standard input (ProcessSpec::input), open until the job ends
   bool waitedFor = true;
   bool exited = false;
   int status = 0;
@@ -119,6 +120,7 @@ struct Running {
   JobRecord record;
   std::vector<Process> processes;
   pid_t group = -1;
+  bool hasInputs = false;  // some process has a ProcessSpec::input
   Clock::time_point start;
   bool ending = false;  // SIGTERM sent to the group
   Clock::time_point killAt;
@@ -216,6 +218,7 @@ class Runner {
     const int threads = std::max(1, cores_ / (std::max(1, options_.parallel) * std::max(1, job.threadsShare)));
     r.start = Clock::now();
     for (const ProcessSpec& spec : job.processes) {
+      r.hasInputs = r.hasInputs || spec.input.has_value();
       r.processes.push_back(spawn(spec, log, threads, r.group));
       if (r.group < 0) r.group = r.processes.back().pid;
     }
@@ -244,6 +247,13 @@ class Runner {
     for (auto& s : args) argv.push_back(s.data());
     argv.push_back(nullptr);
     const pid_t parent = ::getpid();
+    int input[2] = {-1, -1};
+    if (spec.input) {
+      COHORT_CHECK(::pipe2(input, O_CLOEXEC) == 0, Error, "cannot start a job: pipe: ", std::strerror(errno));
+      // Written before the fork, into an empty pipe: a short text never blocks nor meets SIGPIPE.
+      const ssize_t n = ::write(input[1], spec.input->data(), spec.input->size());
+      COHORT_CHECK(n == ssize_t(spec.input->size()), Error, "cannot start a job: its input does not fit a pipe");
+    }
 
     const pid_t pid = ::fork();
     COHORT_CHECK(pid >= 0, Error, "cannot start a job: fork failed: ", std::strerror(errno));
@@ -254,8 +264,7 @@ class Runner {
       sigset_t none;
       sigemptyset(&none);
       ::sigprocmask(SIG_SETMASK, &none, nullptr);
-      const int null = ::open("/dev/null", O_RDONLY);
-      ::dup2(null, STDIN_FILENO);
+      ::dup2(input[0] >= 0 ? input[0] : ::open("/dev/null", O_RDONLY), STDIN_FILENO);
       ::dup2(log, STDOUT_FILENO);
       ::dup2(log, STDERR_FILENO);
       ::execvpe(argv[0], argv.data(), envp.data());
@@ -265,7 +274,8 @@ class Runner {
       ::_exit(127);
     }
     ::setpgid(pid, group < 0 ? pid : group);  // also here, so that a kill right after cannot miss it
-    return Process{.pid = pid, .waitedFor = spec.waitedFor};
+    if (input[0] >= 0) ::close(input[0]);
+    return Process{.pid = pid, .input = input[1], .waitedFor = spec.waitedFor};
   }
 
   void reap() {
@@ -278,8 +288,31 @@ class Runner {
           if (p.pid == pid) {
             p.exited = true;
             p.status = status;
+            closeInput(p);
           }
         }
+      }
+    }
+  }
+
+  static void closeInput(Process& p) {
+    if (p.input >= 0) ::close(p.input);
+    p.input = -1;
+  }
+
+  // Asks every process of the job to end: `signo` to its group, or, in a job with inputs, EOF to
+  // the processes with one and `signo` to each of the others.
+  static void signalJob(Running& r, int signo) {
+    if (!r.hasInputs) {
+      ::kill(-r.group, signo);
+      return;
+    }
+    for (Process& p : r.processes) {
+      if (p.exited) continue;
+      if (p.input >= 0) {
+        closeInput(p);
+      } else {
+        ::kill(p.pid, signo);
       }
     }
   }
@@ -287,7 +320,7 @@ class Runner {
   void endGroup(Running& r) {
     if (r.ending) return;
     r.ending = true;
-    ::kill(-r.group, SIGTERM);
+    signalJob(r, SIGTERM);
     r.killAt = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.graceSeconds));
   }
 
@@ -347,7 +380,7 @@ class Runner {
   }
 
   [[noreturn]] void interrupt(int signo) {
-    for (Running& r : running_) ::kill(-r.group, signo);
+    for (Running& r : running_) signalJob(r, signo);
     const auto deadline = Clock::now() + std::chrono::duration<double>(options_.graceSeconds);
     while (Clock::now() < deadline) {
       reap();

@@ -22,7 +22,8 @@
 //
 // Ending. A job is ok when all its processes with `waitedFor` exit 0; the others (parameter-server
 // shards run by hand) then get SIGTERM and, graceSeconds later, SIGKILL. The first process to fail
-// fails the job: the rest of its group gets SIGTERM, then SIGKILL. A job still running after
+// fails the job: the rest of its group gets SIGTERM, then SIGKILL. (A process with `input` gets
+// its standard input closed instead of the SIGTERM.) A job still running after
 // `timeoutSeconds` fails the same way ("timed out after S s"). The recorded error is the first
 // "cohort: error:" line of the log (without its "[rank i]" prefix), else the launcher's line, else
 // the log's last line, else the exit status. SIGINT or SIGTERM sent to the runner ends every running
@@ -33,6 +34,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,6 +44,11 @@ struct ProcessSpec {
   std::vector<std::string> argv;  // argv[0] is looked up on PATH
   std::map<std::string, std::string> env;  // added to (and overriding) the runner's environment
   bool waitedFor = true;  // false: a server the job ends with SIGTERM once the others are done
+  // When set, the process's standard input is a pipe that starts with this text and that the
+  // runner keeps open until it ends the job, instead of /dev/null. Ending the job closes it
+  // instead of sending SIGTERM: the process (a remote shell, experiment/remote.h) is expected to
+  // end on that EOF; SIGKILL still follows graceSeconds later.
+  std::optional<std::string> input;
 };
 
 struct JobSpec {

@@ -1,0 +1,374 @@
+#include "experiment/remote.h"
+
+#include "base/crypto.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+extern char** environ;
+
+namespace cohort::experiment {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Run by `sh -c SCRIPT cohort-remote WORKDIR HOST SHARE COMMAND...` on the host (see remote.h,
+// "Ending"). The token is read with the shell's `read`, which takes one line and no more, so the
+// watcher sees the rest: nothing until EOF. An asynchronous list's standard input is /dev/null
+// in a shell without job control, hence fd 3 for the watcher.
+constexpr const char* kRemoteScript =
+    "dir=$1 host=$2 share=$3; shift 3\n"
+    "cd \"$dir\" || { echo \"cohort: error: $host: cannot enter $dir (--hosts needs the same folders on every host)\" "
+    ">&2; exit 1; }\n"
+    "IFS= read -r COHORT_AUTH_TOKEN || { echo \"cohort: error: $host: no token on standard input\" >&2; exit 1; }\n"
+    "export COHORT_AUTH_TOKEN\n"
+    "n=$(getconf _NPROCESSORS_ONLN 2>/dev/null) || n=1; t=$((n / share)); [ \"$t\" -ge 1 ] || t=1\n"
+    "exec 3<&0\n"
+    "OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=$t \"$@\" </dev/null 3<&- & child=$!\n"
+    "{ read -r _ <&3; kill -TERM $child 2>/dev/null; } & watcher=$!\n"
+    "exec 3<&-\n"
+    "wait $child; status=$?\n"
+    "kill $watcher 2>/dev/null; wait $watcher 2>/dev/null\n"
+    "exit $status";
+
+// Run by `sh -c SCRIPT cohort-check WORKDIR OUT MARKER BINARY` with "cohort\n" on standard input.
+constexpr const char* kCheckScript =
+    "cd \"$1\" 2>/dev/null || { echo \"cohort-check: has no folder $1 (--hosts runs in the same folder on every "
+    "host)\"; exit 0; }\n"
+    "[ -e \"$3\" ] || { echo \"cohort-check: does not see $2 as this machine does (OUT must be on a filesystem the "
+    "hosts share)\"; exit 0; }\n"
+    "[ -x \"$4\" ] || { echo \"cohort-check: has no executable $4 (--remote-binary)\"; exit 0; }\n"
+    "IFS= read -r line; [ \"$line\" = cohort ] || { echo \"cohort-check: does not get standard input through the "
+    "remote shell (it must pass it on: no ssh -n)\"; exit 0; }\n"
+    "echo \"cohort-check: ok\"";
+
+bool validHost(const std::string& host) {
+  const std::string address = addressOf(host);
+  if (address.empty() || host.back() == '@' || host.front() == '@' || host.front() == '-') return false;
+  return std::all_of(host.begin(), host.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || std::strchr(".-_:@", c) != nullptr;
+  });
+}
+
+std::string bracketed(const std::string& address) {
+  return address.find(':') != std::string::npos ? "[" + address + "]" : address;
+}
+
+std::string replaceAll(std::string text, const std::string& from, const std::string& to) {
+  for (size_t at = text.find(from); at != std::string::npos; at = text.find(from, at + to.size())) {
+    text.replace(at, from.size(), to);
+  }
+  return text;
+}
+
+std::string lastLine(const std::string& text) {
+  std::string last;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find('\n', at);
+    if (end == std::string::npos) end = text.size();
+    std::string line = text.substr(at, end - at);
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (!line.empty()) last = line;
+    at = end + 1;
+  }
+  return last;
+}
+
+struct Probe {
+  std::string host;
+  std::vector<std::string> argv;
+  pid_t pid = -1;
+  int out = -1;  // the probe's stdout and stderr
+  std::string output;
+  int status = 0;
+  bool timedOut = false;
+};
+
+// Starts argv with "cohort\n" on its standard input and its output on a pipe.
+void startProbe(Probe& p) {
+  int in[2], out[2];
+  COHORT_CHECK(::pipe2(in, O_CLOEXEC) == 0 && ::pipe2(out, O_CLOEXEC) == 0, Error,
+               "cannot check the hosts: pipe: ", std::strerror(errno));
+  // Written before the fork: a pipe holds far more, so this never blocks and never meets SIGPIPE.
+  [[maybe_unused]] ssize_t n = ::write(in[1], "cohort\n", 7);
+  ::close(in[1]);
+  std::vector<char*> argv;
+  for (std::string& word : p.argv) argv.push_back(word.data());
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  COHORT_CHECK(pid >= 0, Error, "cannot check the hosts: fork: ", std::strerror(errno));
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::dup2(in[0], STDIN_FILENO);
+    ::dup2(out[1], STDOUT_FILENO);
+    ::dup2(out[1], STDERR_FILENO);
+    ::execvp(argv[0], argv.data());
+    const std::string message = std::string("cannot run ") + argv[0] + ": " + std::strerror(errno) + "\n";
+    [[maybe_unused]] ssize_t w = ::write(STDERR_FILENO, message.data(), message.size());
+    ::_exit(127);
+  }
+  ::close(in[0]);
+  ::close(out[1]);
+  p.pid = pid;
+  p.out = out[0];
+}
+
+// Reads every probe's output until all have closed it or the deadline passes; kills what is left.
+void finishProbes(std::vector<Probe>& probes, double timeoutSeconds) {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeoutSeconds));
+  for (;;) {
+    std::vector<pollfd> fds;
+    std::vector<Probe*> owners;
+    for (Probe& p : probes) {
+      if (p.out >= 0) {
+        fds.push_back({.fd = p.out, .events = POLLIN, .revents = 0});
+        owners.push_back(&p);
+      }
+    }
+    if (fds.empty()) break;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) {
+      for (Probe* p : owners) {
+        p->timedOut = true;
+        ::kill(-p->pid, SIGKILL);
+        ::close(p->out);
+        p->out = -1;
+      }
+      break;
+    }
+    const int ready = ::poll(fds.data(), fds.size(), int(std::min<int64_t>(left, 1000)));
+    if (ready < 0 && errno != EINTR) break;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      char buf[4096];
+      const ssize_t n = ::read(fds[i].fd, buf, sizeof(buf));
+      if (n > 0) {
+        owners[i]->output.append(buf, size_t(n));
+      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+        ::close(owners[i]->out);
+        owners[i]->out = -1;
+      }
+    }
+  }
+  for (Probe& p : probes) {
+    if (p.out >= 0) ::close(p.out);
+    // The output is closed: the remote shell has exited or is about to (or was SIGKILLed).
+    while (::waitpid(p.pid, &p.status, 0) < 0 && errno == EINTR) {
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> parseHostList(const std::string& text, char separator, const std::string& where) {
+  std::vector<std::string> hosts;
+  std::string item;
+  auto flush = [&]() {
+    const size_t begin = item.find_first_not_of(" \t\r");
+    const size_t end = item.find_last_not_of(" \t\r");
+    const std::string host = begin == std::string::npos ? "" : item.substr(begin, end - begin + 1);
+    item.clear();
+    if (host.empty()) return;
+    COHORT_CHECK(validHost(host), InvalidArgument, where, ": '", host,
+                 "' is not a host (a name or address, optionally user@ before it)");
+    hosts.push_back(host);
+  };
+  bool comment = false;
+  for (char c : text) {
+    if (c == separator || c == '\n') {
+      flush();
+      comment = false;
+    } else if (c == '#' && separator == '\n') {
+      comment = true;
+    } else if (!comment) {
+      item += c;
+    }
+  }
+  flush();
+  COHORT_CHECK(!hosts.empty(), InvalidArgument, where, ": no hosts");
+  return hosts;
+}
+
+std::string addressOf(const std::string& host) {
+  const size_t at = host.rfind('@');
+  return at == std::string::npos ? host : host.substr(at + 1);
+}
+
+std::vector<std::string> splitShellWords(const std::string& text) {
+  std::vector<std::string> words;
+  std::string word;
+  bool inWord = false;
+  char quote = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (quote == '\'') {
+      if (c == '\'') {
+        quote = 0;
+      } else {
+        word += c;
+      }
+    } else if (quote == '"') {
+      if (c == '"') {
+        quote = 0;
+      } else if (c == '\\' && i + 1 < text.size() && std::strchr("\"\\$`", text[i + 1]) != nullptr) {
+        word += text[++i];
+      } else {
+        word += c;
+      }
+    } else if (c == '\'' || c == '"') {
+      quote = c;
+      inWord = true;
+    } else if (c == '\\' && i + 1 < text.size()) {
+      word += text[++i];
+      inWord = true;
+    } else if (c == ' ' || c == '\t' || c == '\n') {
+      if (inWord) words.push_back(word);
+      word.clear();
+      inWord = false;
+    } else {
+      word += c;
+      inWord = true;
+    }
+  }
+  COHORT_CHECK(quote == 0, InvalidArgument, "--remote-shell '", text, "': a quote is not closed");
+  if (inWord) words.push_back(word);
+  COHORT_CHECK(!words.empty(), InvalidArgument, "--remote-shell is empty");
+  const bool hasHost =
+      std::any_of(words.begin(), words.end(), [](const std::string& w) { return w.find("{host}") != std::string::npos; });
+  COHORT_CHECK(hasHost, InvalidArgument, "--remote-shell '", text,
+               "' does not say where the host goes: write {host} (ssh -p 2222 {host})");
+  return words;
+}
+
+std::vector<std::string> remoteShellArgv(const std::string& shellTemplate, const std::string& host,
+                                         const std::string& remoteCommand) {
+  std::vector<std::string> argv;
+  for (const std::string& word : splitShellWords(shellTemplate)) argv.push_back(replaceAll(word, "{host}", host));
+  argv.push_back(remoteCommand);
+  return argv;
+}
+
+std::vector<ProcessSpec> remoteProcesses(const RemoteHosts& hosts, int workers, int shards,
+                                         const std::vector<std::string>& train) {
+  COHORT_CHECK(!hosts.hosts.empty(), InvalidArgument, "--hosts: no hosts");
+  const int n = int(hosts.hosts.size());
+  const int total = workers + shards;
+  auto hostOf = [&](int i) { return hosts.hosts[size_t(i % n)]; };
+  auto portOf = [&](int i) { return hosts.basePort + i; };
+  // How many of this job's processes share process i's host, and which of them it is.
+  auto sharing = [&](int i, int limit) {
+    int count = 0, before = 0;
+    for (int j = 0; j < limit; ++j) {
+      if (hostOf(j) != hostOf(i)) continue;
+      ++count;
+      if (j < i) ++before;
+    }
+    return std::pair{count, before};
+  };
+  const std::string token = crypto::randomToken();
+  std::string tfCluster;
+  if (shards > 0) {
+    auto address = [&](int i) { return "\"" + bracketed(addressOf(hostOf(i))) + ":" + std::to_string(portOf(i)) + "\""; };
+    std::string others, servers;
+    for (int r = 1; r < workers; ++r) others += (others.empty() ? "" : ",") + address(r);
+    for (int k = 0; k < shards; ++k) servers += (servers.empty() ? "" : ",") + address(workers + k);
+    tfCluster = "{\"chief\":[" + address(0) + "],\"worker\":[" + others + "],\"ps\":[" + servers + "]}";
+  }
+  std::vector<ProcessSpec> out;
+  for (int i = 0; i < total; ++i) {
+    std::map<std::string, std::string> env = hosts.env;
+    if (shards > 0) {
+      const std::string type = i == 0 ? "chief" : i < workers ? "worker" : "ps";
+      const int index = i == 0 ? 0 : i < workers ? i - 1 : i - workers;
+      env["TF_CONFIG"] = "{\"cluster\":" + tfCluster + ",\"task\":{\"type\":\"" + type + "\",\"index\":" +
+                         std::to_string(index) + "}}";
+    } else if (total > 1) {
+      const auto [local, localRank] = sharing(i, workers);
+      env["RANK"] = std::to_string(i);
+      env["WORLD_SIZE"] = std::to_string(workers);
+      env["LOCAL_RANK"] = std::to_string(localRank);
+      env["LOCAL_WORLD_SIZE"] = std::to_string(local);
+      env["MASTER_ADDR"] = addressOf(hostOf(0));
+      env["MASTER_PORT"] = std::to_string(portOf(0));
+    }
+    std::vector<std::string> command{"exec", "sh", "-c", kRemoteScript, "cohort-remote", hosts.workdir, hostOf(i),
+                                     std::to_string(sharing(i, total).first), "env"};
+    for (const auto& [key, value] : env) command.push_back(key + "=" + value);
+    command.push_back(hosts.binary);
+    command.insert(command.end(), train.begin() + 1, train.end());
+    ProcessSpec p;
+    p.argv = remoteShellArgv(hosts.shell, hostOf(i), shellQuote(command));
+    p.input = token + "\n";
+    p.waitedFor = i < workers;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+void checkHosts(const RemoteHosts& hosts, const std::string& outDir, double timeoutSeconds) {
+  // A file only this check knows, made here and looked for there: OUT is shared, not merely
+  // present under the same name.
+  const std::string marker = (fs::path(outDir) / (".cohort-hosts-" + crypto::randomToken().substr(0, 16))).string();
+  {
+    std::ofstream touch(marker);
+    COHORT_CHECK(touch.good(), IoError, marker, ": cannot write");
+  }
+  std::vector<Probe> probes;
+  std::set<std::string> seen;
+  for (const std::string& host : hosts.hosts) {
+    if (!seen.insert(host).second) continue;
+    Probe p;
+    p.host = host;
+    p.argv = remoteShellArgv(hosts.shell, host,
+                             shellQuote({"exec", "sh", "-c", kCheckScript, "cohort-check", hosts.workdir, outDir, marker,
+                                         hosts.binary}));
+    probes.push_back(std::move(p));
+  }
+  try {
+    for (Probe& p : probes) startProbe(p);
+  } catch (...) {
+    finishProbes(probes, 0);
+    fs::remove(marker);
+    throw;
+  }
+  finishProbes(probes, timeoutSeconds);
+  std::error_code ec;
+  fs::remove(marker, ec);
+  const std::string& shellText = hosts.shell;
+  for (const Probe& p : probes) {
+    std::string seenLine;  // what the check script said, from the line it begins
+    for (size_t at = 0; at < p.output.size();) {
+      size_t end = p.output.find('\n', at);
+      if (end == std::string::npos) end = p.output.size();
+      if (p.output.compare(at, 14, "cohort-check: ") == 0) seenLine = lastLine(p.output.substr(at + 14, end - at - 14));
+      at = end + 1;
+    }
+    if (seenLine == "ok") continue;
+    COHORT_CHECK(!p.timedOut, InvalidArgument, "--hosts: host ", p.host, " did not answer within ", int(timeoutSeconds),
+                 " s through the remote shell (", shellText, ")");
+    if (!seenLine.empty()) throw InvalidArgument("--hosts: host " + p.host + " " + seenLine);
+    std::string why = lastLine(p.output);
+    if (why.empty()) {
+      why = WIFEXITED(p.status) ? "exit status " + std::to_string(WEXITSTATUS(p.status))
+                                : "killed by signal " + std::to_string(WTERMSIG(p.status));
+    }
+    throw InvalidArgument("--hosts: host " + p.host + " does not answer through the remote shell (" + shellText +
+                          "): " + why);
+  }
+}
+
+}  // namespace cohort::experiment
