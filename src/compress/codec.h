@@ -9,7 +9,8 @@
 // (at most half an ulp of the residual per entry and step: +-scale cannot be split off a float
 // exactly in general); `none`, `fp16` and `bf16` keep no residual.
 //
-// A message is self-describing (header: magic, version, codec, length, parameter, body size), so
+// A message is self-describing (header: magic, version, codec, form, length, parameter, body size:
+// topk and threshold lists go as an index list in a zstd frame or, when dense, as a raw bitmap), so
 // the receiver needs no state: decodeAdd() checks it as hostile input and adds its values into a
 // buffer. The layout is in docs/ARCHITECTURE.md.
 #pragma once
