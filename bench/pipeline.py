@@ -3,6 +3,7 @@
 
     /usr/bin/python3 bench/pipeline.py [--build build] [--runs 3] [--sections bubble,compare]
     /usr/bin/python3 bench/pipeline.py --sections fixed --before DIR [--ms 1,2,4,8] [--auto]
+        [--before-partition auto] [--partition auto|split|L1,L2,...]
 
 bubble:  cnn on Fashion-MNIST, --stages 2, batch 64 cut into M = 1, 2, 4, 8, 16 micro-batches,
          both schedules: the measured bubble (each stage's time blocked waiting for an activation
@@ -18,7 +19,9 @@ fixed:   cnn, --stages 2 (1f1b, --partition auto), batch 256 cut into M micro-ba
          e.g. the base commit's), runs alternating between the two; with --auto, also
          --micro-batches auto in --build. Where each stage's step went (compute, idle, sends,
          optimizer) when the binary reports it, and the bubble expected from the stages' measured
-         compute (bubble_fraction_expected: unequal stages included).
+         compute (bubble_fraction_expected: unequal stages included). --before-partition and
+         --partition set the cut of each side (default auto for both): with --before and --build the
+         same directory, the runs compare two cuts (e.g. auto against split) of one binary.
 """
 import argparse
 import os
@@ -102,15 +105,15 @@ def section_fixed(args, tmp):
     ms = [int(m) for m in args.ms.split(",")]
     configs = []
     for m in ms:
-        configs.append((f"before M={m}", args.before, str(m)))
-        configs.append((f"after  M={m}", args.build, str(m)))
+        configs.append((f"before M={m}", args.before, str(m), args.before_partition))
+        configs.append((f"after  M={m}", args.build, str(m), args.partition))
     if args.auto:
-        configs.append(("after  M=auto", args.build, "auto"))
+        configs.append(("after  M=auto", args.build, "auto", args.partition))
     results = {name: [] for name, *_ in configs}
     for _ in range(args.runs):
-        for name, build, m in configs:
+        for name, build, m, partition in configs:
             flags = ["--strategy", "pipeline", "--stages", "2", "--micro-batches", m, "--schedule", "1f1b",
-                     "--partition", "auto"]
+                     "--partition", partition]
             results[name].append(cohort_train(args, tmp, 2, flags, 256, build=build, steps=FIXED_STEPS))
     for name, *_ in configs:
         r = results[name]
@@ -120,7 +123,8 @@ def section_fixed(args, tmp):
                 f"{median(bubble):.3f} (runs {fmt(bubble)}), theory {median([d['bubble_fraction_theory'] for d in r]):.3f}")
         if "bubble_fraction_expected" in r[0]:
             line += f", expected from the stages' compute {median([d['bubble_fraction_expected'] for d in r]):.3f}"
-        line += f"; {median(rate):.1f} samples/s (runs {fmt(rate, 1)}); cuts {sorted(set(tuple(d['cut']) for d in r))}"
+        cuts = sorted(set((tuple(d["cut"]), tuple(d.get("cut_split_channels", []))) for d in r))
+        line += f"; {median(rate):.1f} samples/s (runs {fmt(rate, 1)}); cuts (layers, split channels) {cuts}"
         if "stage_compute_fraction" in r[0]:
             for key in ["stage_compute_fraction", "stage_idle_fraction", "stage_send_fraction", "stage_optimizer_fraction"]:
                 per_stage = [median([d[key][s] for d in r]) for s in range(2)]
@@ -136,6 +140,8 @@ def main():
     p.add_argument("--before", help="fixed: the build directory of the binary to compare against")
     p.add_argument("--ms", default="1,2,4,8", help="fixed: micro-batch counts")
     p.add_argument("--auto", action="store_true", help="fixed: also --micro-batches auto")
+    p.add_argument("--before-partition", default="auto", help="fixed: --partition of the --before runs")
+    p.add_argument("--partition", default="auto", help="fixed: --partition of the --build runs")
     args = p.parse_args()
     print(f"machine: {machine()}; {STEPS} steps per run ({FIXED_STEPS} in the fixed section), medians of {args.runs} runs")
     sections = {"bubble": section_bubble, "compare": section_compare, "fixed": section_fixed}

@@ -94,6 +94,64 @@ TEST(PipelinePlan, PartitionListsAreChecked) {
   EXPECT_THROW(parseSchedule("zigzag"), InvalidArgument);
 }
 
+TEST(PipelinePlan, SplitCutsAreParsedAndChecked) {
+  std::vector<int> splits;
+  EXPECT_EQ(parsePartition("2+19,6", 2, 8, &splits), (std::vector<int>{2, 6}));
+  EXPECT_EQ(splits, (std::vector<int>{19, 0}));
+  EXPECT_EQ(parsePartition("1,3+7,2", 3, 6, &splits), (std::vector<int>{1, 3, 2}));
+  EXPECT_EQ(splits, (std::vector<int>{0, 7, 0}));
+  EXPECT_EQ(joinCut({1, 3, 2}, {0, 7, 0}), "1,3+7,2");
+  EXPECT_EQ(joinCut({2, 6}, {}), "2,6");
+  auto message = [](const std::string& text, bool allowSplits) {
+    std::vector<int> out;
+    try {
+      parsePartition(text, 2, 8, allowSplits ? &out : nullptr);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message("2+0,6", true).find("'2+0' is not a positive number of channels"), std::string::npos);
+  EXPECT_NE(message("2+x,6", true).find("'2+x' is not a positive number of channels"), std::string::npos);
+  EXPECT_NE(message("2++3,6", true).find("is not a positive number of channels"), std::string::npos);
+  EXPECT_NE(message("+2,6", true).find("is not a positive number of layers"), std::string::npos);
+  EXPECT_NE(message("2,6+3", true).find("the last stage has no next layer to split"), std::string::npos);
+  EXPECT_NE(message("2+3,6", false).find("splits a layer, which is not allowed here"), std::string::npos);
+}
+
+TEST(PipelinePlan, SplitBalanceCutsInsideALayerOnlyWhereItPays) {
+  // Layer 1 (4 channels) holds 3 of the 4: whole layers leave 1 | 3; a split gives stage 0 one
+  // of its channels: 1.75 | 2.25.
+  SplitCut c = balanceStagesSplit({1, 3}, 2, {}, {0, 4});
+  EXPECT_EQ(c.counts, (std::vector<int>{1, 1}));
+  EXPECT_EQ(c.splits, (std::vector<int>{1, 0}));
+  EXPECT_DOUBLE_EQ(c.slowest, 2.25);
+  // Equal layers: nothing to gain, no split.
+  c = balanceStagesSplit({1, 1}, 2, {}, {4, 4});
+  EXPECT_EQ(c.splits, (std::vector<int>{0, 0}));
+  EXPECT_DOUBLE_EQ(c.slowest, 1.0);
+  // A gain under 5% is not worth the split: 1 | 1.09 whole, 1.045 with a split.
+  c = balanceStagesSplit({1, 1.09}, 2, {}, {0, 100});
+  EXPECT_EQ(c.splits, (std::vector<int>{0, 0}));
+  // Layer 2's input does not have the batch first (no cut after layer 1), so it is not split.
+  c = balanceStagesSplit({1, 1, 4}, 2, {true, false, true}, {0, 0, 8});
+  EXPECT_EQ(c.counts, (std::vector<int>{1, 2}));
+  EXPECT_EQ(c.splits, (std::vector<int>{0, 0}));
+  // Three stages around one large layer of 64 channels: it is split once, never into three.
+  c = balanceStagesSplit({1, 6, 1}, 3, {}, {0, 64, 0});
+  int split = 0;
+  for (int x : c.splits) split += x > 0;
+  EXPECT_EQ(split, 1);
+  EXPECT_EQ(c.counts[0] + c.counts[1] + c.counts[2], 3);
+  for (int n : c.counts) EXPECT_GE(n, 1);
+  EXPECT_LT(c.slowest, 6.0 * 0.95);
+  // More than 64 channels: split points on a grid of 64 evenly spaced counts.
+  c = balanceStagesSplit({0, 1}, 2, {}, {0, 1000});
+  EXPECT_EQ(c.counts, (std::vector<int>{1, 1}));
+  EXPECT_NEAR(c.splits[0], 500, 1000 / 64);
+  EXPECT_NEAR(c.slowest, 0.5, 1.0 / 64);
+}
+
 TEST(PipelinePlan, MicroBatchCountsAreChecked) {
   EXPECT_EQ(parseMicroBatches("auto", 64), kAutoMicroBatches);
   EXPECT_EQ(parseMicroBatches("8", 64), 8);

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <map>
 
 #include <torch/torch.h>
 
@@ -45,6 +46,28 @@ std::vector<torch::Tensor> loadStages(const std::vector<std::string>& files, con
     torch::load(stage, files[s]);
     for (auto& p : parametersOf(*stage)) out.push_back(p);
     first += cut[s];
+  }
+  return out;
+}
+
+// The whole model's parameters from the stages' files, by name: a layer split between two stages
+// (--partition L+C) is its parts' rows concatenated in stage order.
+std::vector<torch::Tensor> loadSplitStages(const std::vector<std::string>& files, const std::string& model) {
+  auto whole = makeModel(model, {});
+  std::vector<torch::serialize::InputArchive> archives(files.size());
+  for (size_t s = 0; s < files.size(); ++s) archives[s].load_from(files[s]);
+  std::vector<torch::Tensor> out;
+  for (const auto& layer : whole->named_children()) {
+    for (const auto& p : layer.value()->named_parameters(/*recurse=*/false)) {
+      std::vector<torch::Tensor> parts;
+      for (auto& archive : archives) {
+        torch::serialize::InputArchive sub;
+        torch::Tensor t;
+        if (archive.try_read(layer.key(), sub) && sub.try_read(p.key(), t)) parts.push_back(t);
+      }
+      EXPECT_FALSE(parts.empty()) << "no stage holds " << layer.key() << "." << p.key();
+      if (!parts.empty()) out.push_back(torch::cat(parts, 0));
+    }
   }
   return out;
 }
@@ -172,6 +195,99 @@ TEST(Pipeline, BadInputIsRefusedBeforeTraining) {
   ASSERT_EQ(script.exitCode, 0) << script.output;
   expectRefused(launch(2) + train + " --model " + dir.file("custom.pt") + " --stages 2",
                 "top level is not an nn.Sequential");
+}
+
+// A layer split by output channels between two stages: a Linear of the mlp (the first, whose
+// input is the data's, and a hidden one) and the cnn's second convolution; the step still equals
+// one step on the whole batch, up to the order of the sums over the split layer's channels.
+TEST(Pipeline, SplitLayerCutsEqualOneProcess) {
+  test::TempDir dir;
+  for (const std::string model : {"mlp", "cnn"}) {
+    const std::string common = " train --model " + model +
+                               " --data synthetic:1200 --optimizer sgd --lr 0.1 --steps 4 --threads 1 --progress off"
+                               " --batch 8";
+    auto r = test::runCommand(test::cohortBinary() + common + " --save-model " + dir.file(model + ".pt"), 120);
+    ASSERT_EQ(r.exitCode, 0) << r.output;
+    const auto single = test::loadParameters(dir.file(model + ".pt"), model);
+    if (model == "mlp") ASSERT_GT(maxDifference(initialMlp(), single), 1e-3);  // training moved the parameters
+    struct Case {
+      std::string cut;
+      std::vector<int> counts;
+      int channels;
+    };
+    const std::vector<Case> cases = model == "mlp"
+                                        ? std::vector<Case>{{"1+100,5", {1, 5}, 100}, {"3+7,3", {3, 3}, 7}}
+                                        : std::vector<Case>{{"2+19,6", {2, 6}, 19}};
+    for (const auto& c : cases) {
+      for (const std::string schedule : {"gpipe", "1f1b"}) {
+        SCOPED_TRACE(model + " cut " + c.cut + " " + schedule);
+        const std::string metrics = dir.file("split.jsonl");
+        std::filesystem::remove(metrics);
+        r = test::runCommand(launch(2) + test::cohortBinary() + common +
+                                 " --strategy pipeline --stages 2 --micro-batches 3 --schedule " + schedule +
+                                 " --partition " + c.cut + " --metrics " + metrics + " --save-model " +
+                                 dir.file("stage{rank}.pt"),
+                             120);
+        ASSERT_EQ(r.exitCode, 0) << r.output;
+        EXPECT_LT(maxDifference(single, loadSplitStages({dir.file("stage0.pt"), dir.file("stage1.pt")}, model)), 1e-5);
+        const auto done = test::lastEvent(metrics, "done");
+        EXPECT_EQ(cutOf(done), c.counts);
+        EXPECT_EQ(done["cut_split_channels"], nlohmann::json::array({c.channels, 0}));
+      }
+    }
+  }
+}
+
+// --partition split picks a valid cut (whole layers or one split), prints it, and trains exactly
+// as that cut given explicitly.
+TEST(Pipeline, SplitPartitionPicksAValidCutAndTrainsAsThatCutGiven) {
+  test::TempDir dir;
+  const std::string common = launch(2) + test::cohortBinary() +
+                             " train --model cnn --data synthetic:1200 --optimizer sgd --lr 0.1 --steps 4 --threads 1"
+                             " --progress off --batch 16 --strategy pipeline --stages 2 --micro-batches 2"
+                             " --save-model " + dir.file("{rank}");
+  auto r = test::runCommand(common + " --partition split --metrics " + dir.file("auto.jsonl"), 120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("--partition split measured forward+backward per layer"), std::string::npos) << r.output;
+  const auto done = test::lastEvent(dir.file("auto.jsonl"), "done");
+  const std::vector<int> counts = cutOf(done);
+  std::vector<int> splits;
+  for (const auto& c : done["cut_split_channels"]) splits.push_back(c.get<int>());
+  ASSERT_EQ(counts.size(), 2u);
+  ASSERT_EQ(splits.size(), 2u);
+  EXPECT_EQ(counts[0] + counts[1], 8);
+  EXPECT_GE(counts[0], 1);
+  EXPECT_GE(counts[1], 1);
+  EXPECT_EQ(splits[1], 0);
+  if (splits[0] > 0) {  // only the convolutions (32, 64 channels) and the Linears (1024, 10) split
+    const std::map<int, int> channels{{0, 32}, {2, 64}, {5, 1024}, {7, 10}};
+    ASSERT_EQ(channels.count(counts[0]), 1u) << joinCut(counts, splits);
+    EXPECT_LT(splits[0], channels.at(counts[0]));
+  }
+  const std::string cut = joinCut(counts, splits);
+  EXPECT_NE(r.output.find("cut " + cut + " ("), std::string::npos) << r.output;
+  for (int s = 0; s < 2; ++s) std::filesystem::rename(dir.file(std::to_string(s)), dir.file("auto" + std::to_string(s)));
+  const auto automatic = loadSplitStages({dir.file("auto0"), dir.file("auto1")}, "cnn");
+
+  r = test::runCommand(common + " --partition " + cut + " --metrics " + dir.file("explicit.jsonl"), 120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto given = loadSplitStages({dir.file("0"), dir.file("1")}, "cnn");
+  EXPECT_EQ(maxDifference(automatic, given), 0.0);
+}
+
+TEST(Pipeline, BadSplitCutsAreRefusedInOneLine) {
+  const std::string train = launch(2) + test::cohortBinary() +
+                            " train --model mlp --data synthetic:600 --steps 2 --threads 1 --progress off"
+                            " --strategy pipeline --stages 2 --batch 8";
+  expectRefused(train + " --partition 2+3,4",
+                "--partition 2+3,4 splits layer 2 (ReLU), but only a Conv2d or a Linear on [batch, features] can be "
+                "split by output channels");
+  expectRefused(train + " --partition 1+512,5",
+                "--partition 1+512,5 gives stage 0 512 output channels of layer 1 (Linear), which has 512: give 1 to "
+                "511");
+  expectRefused(train + " --partition 1,5+2", "the last stage has no next layer to split");
+  expectRefused(train + " --partition split --micro-batches auto",
+                "--partition split splits a layer, which --micro-batches auto does not model");
 }
 
 // Micro-batches of unequal sizes (8 = 3 + 3 + 2) share the kept receive buffers, each sized for

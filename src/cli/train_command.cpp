@@ -233,7 +233,10 @@ Run addTrainCommand(CLI::App& app) {
                     "gpipe (all forwards, then all backwards) or 1f1b (at most S micro-batches held per stage)")
       ->check(CLI::IsMember({"gpipe", "1f1b"}))->group(mp)->capture_default_str();
   train->add_option("--partition", pl.partition,
-                    "auto (balance measured forward+backward time per layer) or L1,L2,... layers per stage")
+                    "auto (balance measured forward+backward time per layer), split (as auto, and a stage may end "
+                    "inside a Conv2d or Linear, taking its first output channels: balances models whose layers are "
+                    "unequal), or L1,L2,... layers per stage, where L+C also gives the stage the first C output "
+                    "channels of the next stage's first layer")
       ->group(mp)->capture_default_str();
 
   auto* codecGroup = "Compression (allreduce, average, ps, gossip)";

@@ -61,6 +61,7 @@ struct Manifest {
   int stages = 0;
   int replicas = 0;
   std::vector<int> counts;
+  std::vector<int> splits;  // as PipelineStrategy::splits_
 };
 
 std::optional<Manifest> readManifest(const std::string& path) {
@@ -80,9 +81,16 @@ std::optional<Manifest> readManifest(const std::string& path) {
   for (std::string item; std::getline(items, item, ',');) {
     char* end = nullptr;
     const long v = std::strtol(item.c_str(), &end, 10);
+    long c = 0;
+    if (end != item.c_str() && *end == '+') {
+      const char* channels = end + 1;
+      c = std::strtol(channels, &end, 10);
+      if (end == channels || c <= 0) end = const_cast<char*>(item.c_str());
+    }
     COHORT_CHECK(end != item.c_str() && *end == '\0' && v > 0, IoError, path, ": not a pipeline manifest (cut ",
                  cut, ")");
     m.counts.push_back(int(v));
+    m.splits.push_back(int(c));
   }
   return m;
 }
@@ -93,13 +101,120 @@ void writeManifest(const std::string& dir, const Manifest& m, const std::vector<
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
-    out << "stages " << m.stages << "\nreplicas " << m.replicas << "\ncut " << joinCounts(m.counts) << "\n";
-    out << "# layers per stage; stage K's checkpoints are in stage-K/\n";
+    out << "stages " << m.stages << "\nreplicas " << m.replicas << "\ncut " << joinCut(m.counts, m.splits) << "\n";
+    out << "# layers per stage (L+C: and the first C output channels of the next layer); stage K's checkpoints "
+           "are in stage-K/\n";
     for (size_t j = 0; j < layers.size(); ++j) out << "# layer " << j << " " << layers[j] << "\n";
     COHORT_CHECK(out.good(), IoError, tmp, ": cannot write the pipeline manifest");
   }
   std::filesystem::rename(tmp, path);
 }
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+}
+
+// Output channels of a layer that a cut may split by channels (0: not splittable): a Conv2d of
+// one group, a Linear on [batch, features]. `output` is its output in the dry run.
+int64_t splittableChannels(const torch::nn::Module& layer, const torch::Tensor& output) {
+  if (const auto* conv = dynamic_cast<const torch::nn::Conv2dImpl*>(&layer)) {
+    return conv->options.groups() == 1 && output.dim() == 4 ? conv->options.out_channels() : 0;
+  }
+  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&layer)) {
+    return output.dim() == 2 ? linear->options.out_features() : 0;
+  }
+  return 0;
+}
+
+// Output channels [from, from + count) of a splittable layer: a new Conv2d or Linear of `count`
+// channels with copies of those rows of the weight and bias. Constructing it draws nothing from
+// the generator (its state is put back), so every stage's generator stays as in one process.
+torch::nn::AnyModule channelSlice(const torch::nn::Module& layer, int64_t from, int64_t count) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  torch::Tensor rng;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng = gen.get_state();
+  }
+  torch::nn::AnyModule out;
+  torch::Tensor weight;
+  torch::Tensor bias;
+  if (const auto* conv = dynamic_cast<const torch::nn::Conv2dImpl*>(&layer)) {
+    const auto& o = conv->options;
+    torch::nn::Conv2d part(torch::nn::Conv2dOptions(o.in_channels(), count, o.kernel_size())
+                               .stride(o.stride())
+                               .padding(o.padding())
+                               .dilation(o.dilation())
+                               .groups(o.groups())
+                               .bias(o.bias())
+                               .padding_mode(o.padding_mode()));
+    weight = part->weight;
+    bias = part->bias;
+    out = torch::nn::AnyModule(part);
+    torch::NoGradGuard noGrad;
+    weight.copy_(conv->weight.narrow(0, from, count));
+    if (bias.defined()) bias.copy_(conv->bias.narrow(0, from, count));
+  } else {
+    const auto& linear = dynamic_cast<const torch::nn::LinearImpl&>(layer);
+    auto options = linear.options;
+    torch::nn::Linear part(options.out_features(count));
+    weight = part->weight;
+    bias = part->bias;
+    out = torch::nn::AnyModule(part);
+    torch::NoGradGuard noGrad;
+    weight.copy_(linear.weight.narrow(0, from, count));
+    if (bias.defined()) bias.copy_(linear.bias.narrow(0, from, count));
+  }
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(rng);
+  return out;
+}
+
+// A layer split between stages s and s+1 (--partition L+C): stage s runs SplitHead, its first C
+// output channels, and sends them with the layer's input, packed in one [m, X + Y] tensor, so
+// that one message each way still carries a micro-batch. The packing is by blocks, not by rows:
+// the m inputs (m X values), then the m first parts (m Y values), so that both sides unpack
+// contiguous tensors (a row-wise packing gave the convolution strided inputs and gradients,
+// measured 10-25% slower on the cnn's). The m rows of a kept receive buffer are one contiguous
+// block, so this holds on the wire as well. Stage s+1's SplitTail unpacks, computes the other channels from the input and
+// outputs the layer's whole output. The gradient of the packed tensor goes back the same way:
+// the input's part (from the second part's channels) joins, through the packing, the first
+// part's gradient on stage s. Each part registers its slice of the weight and bias under the
+// layer's names ("weight", "bias"), so a stage's checkpoint holds its rows of them.
+class SplitPart : public torch::nn::Module {
+ protected:
+  explicit SplitPart(torch::nn::AnyModule part) : part_(std::move(part)) {
+    for (const auto& p : part_.ptr()->named_parameters(/*recurse=*/false)) register_parameter(p.key(), p.value());
+  }
+  torch::nn::AnyModule part_;
+};
+
+class SplitHeadImpl : public SplitPart {
+ public:
+  explicit SplitHeadImpl(torch::nn::AnyModule part) : SplitPart(std::move(part)) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::cat({x.reshape({-1}), part_.forward(x).reshape({-1})}).view({x.size(0), -1});
+  }
+};
+
+class SplitTailImpl : public SplitPart {
+ public:
+  // One example's input of the layer, and its first part's output.
+  SplitTailImpl(torch::nn::AnyModule part, std::vector<int64_t> input, std::vector<int64_t> head)
+      : SplitPart(std::move(part)), input_(std::move(input)), head_(std::move(head)) {}
+  torch::Tensor forward(const torch::Tensor& packed) {
+    const int64_t m = packed.size(0);
+    const int64_t x = m * numel(input_);
+    const auto flat = packed.reshape({-1});
+    const auto in = flat.narrow(0, 0, x).view(withBatch(m, input_));
+    const auto first = flat.narrow(0, x, m * numel(head_)).view(withBatch(m, head_));
+    return torch::cat({first, part_.forward(in)}, 1);
+  }
+
+ private:
+  std::vector<int64_t> input_;
+  std::vector<int64_t> head_;
+};
 
 }  // namespace
 
@@ -126,6 +241,10 @@ PipelineStrategy::PipelineStrategy(std::shared_ptr<Communicator> comm, Options o
   COHORT_CHECK(comm_ != nullptr && comm_->worldSize() == S * R, InvalidArgument, "--strategy pipeline --stages ", S,
                " --replicas ", R, " needs ", S * R, " processes (cohort launch -n ", S * R, "), but this job has ",
                comm_ ? comm_->worldSize() : 1);
+  const bool splitCut = options_.partition == "split" || options_.partition.find('+') != std::string::npos;
+  COHORT_CHECK(!(splitCut && options_.microBatches == kAutoMicroBatches), InvalidArgument, "--partition ",
+               options_.partition, " splits a layer, which --micro-batches auto does not model: give a count of "
+               "micro-batches, or a cut between layers (auto or L1,L2,...)");
   stage_ = comm_->rank() % S;
   replica_ = comm_->rank() / S;
   comm_->setRankNames([S, R](int rank) {
@@ -143,7 +262,7 @@ CheckpointPlan PipelineStrategy::checkpointPlan() const {
 }
 
 std::string PipelineStrategy::layout() const {
-  return "stage=" + std::to_string(stage_) + "/" + std::to_string(options_.stages) + " cut=" + joinCounts(counts_);
+  return "stage=" + std::to_string(stage_) + "/" + std::to_string(options_.stages) + " cut=" + joinCut(counts_, splits_);
 }
 
 torch::Tensor PipelineStrategy::forwardCounting(const torch::Tensor& x, int64_t* bytes) {
@@ -225,24 +344,45 @@ std::vector<double> PipelineStrategy::timeLayers(torch::nn::Sequential& model, c
   return best;
 }
 
-void PipelineStrategy::printCut(const std::vector<double>& costs, const std::vector<int>& counts) const {
+void PipelineStrategy::printCut(const std::vector<double>& costs, const std::vector<int>& counts,
+                                const std::vector<int>& splits, const std::vector<int64_t>& channels) const {
   const int S = int(counts.size());
   std::string stages;
   double slowest = 0;
   double total = 0;
+  double carried = 0;  // the second part of a split layer, on the next stage
+  bool split = false;
   for (int s = 0, j = 0; s < S; ++s) {
-    double cost = 0;
-    for (int k = 0; k < counts[size_t(s)]; ++k) cost += costs[size_t(j++)];
+    double cost = carried;
+    carried = 0;
+    const bool tail = s > 0 && size_t(s) - 1 < splits.size() && splits[size_t(s) - 1] > 0;
+    for (int k = 0; k < counts[size_t(s)]; ++k, ++j) cost += (k == 0 && tail) ? 0.0 : costs[size_t(j)];
+    if (size_t(s) < splits.size() && splits[size_t(s)] > 0) {
+      const double share = double(splits[size_t(s)]) / double(channels[size_t(j)]);
+      cost += costs[size_t(j)] * share;
+      carried = costs[size_t(j)] * (1 - share);
+      split = true;
+    }
     slowest = std::max(slowest, cost);
     total += cost;
     char item[64];
     std::snprintf(item, sizeof(item), "%s%.2f ms", s == 0 ? "" : ", ", cost * 1e3);
     stages += item;
   }
+  std::string how = "layers per stage";
+  if (split) {
+    for (int s = 0, j = 0; s + 1 < S; ++s) {
+      j += counts[size_t(s)];
+      if (splits[size_t(s)] == 0) continue;
+      how += "; stage " + std::to_string(s) + " also computes " + std::to_string(splits[size_t(s)]) + " of the " +
+             std::to_string(channels[size_t(j)]) + " output channels of layer " + std::to_string(j) + " (" +
+             layerNames_[size_t(j)] + "), stage " + std::to_string(s + 1) + " the others";
+    }
+  }
   std::fprintf(stderr,
-               "cohort: pipeline: cut %s (layers per stage); predicted time per stage %s; slowest stage %.2fx the "
-               "mean (1.00 is perfect balance)\n",
-               joinCounts(counts).c_str(), stages.c_str(), slowest / (total / S));
+               "cohort: pipeline: cut %s (%s); predicted time per stage %s; slowest stage %.2fx the mean (1.00 is "
+               "perfect balance)\n",
+               joinCut(counts, splits).c_str(), how.c_str(), stages.c_str(), slowest / (total / S));
 }
 
 // --micro-batches auto, on rank 0: every layer timed on 1 example and on the whole batch gives
@@ -278,14 +418,16 @@ MicroBatchChoice PipelineStrategy::chooseMicroBatchCount(torch::nn::Sequential& 
   return choice;
 }
 
-std::vector<int> PipelineStrategy::chooseCut(torch::nn::Sequential& model, const Batch& sample,
-                                             const std::vector<bool>& cutAfter) {
+void PipelineStrategy::chooseCut(torch::nn::Sequential& model, const Batch& sample, const std::vector<bool>& cutAfter,
+                                 const std::vector<int64_t>& channels) {
   const int S = options_.stages;
   const int L = int(model->size());
+  const bool automatic = options_.partition == "auto" || options_.partition == "split";
   std::vector<int> counts;
-  if (options_.partition != "auto") counts = parsePartition(options_.partition, S, L);
-  // Layers per stage, then M.
-  std::vector<int64_t> wire(size_t(S) + 1, options_.microBatches);
+  std::vector<int> splits(size_t(S), 0);
+  if (!automatic) counts = parsePartition(options_.partition, S, L, &splits);
+  // Layers per stage, the splits, then M.
+  std::vector<int64_t> wire(2 * size_t(S) + 1, options_.microBatches);
   const bool autoMicroBatches = options_.microBatches == kAutoMicroBatches;
   // Ranks 0 and 1 time the messages first (every rank calls chooseCut).
   const double messageSeconds = autoMicroBatches ? probeMessages() : 0.0;
@@ -295,47 +437,61 @@ std::vector<int> PipelineStrategy::chooseCut(torch::nn::Sequential& model, const
     std::optional<Manifest> manifest;
     if (resume_ && !checkpointDir_.empty()) manifest = readManifest(manifestPath);
     if (manifest) {
+      const std::string theirs = joinCut(manifest->counts, manifest->splits);
       COHORT_CHECK(manifest->stages == S, InvalidArgument, manifestPath, ": the checkpoints are of a ",
-                   manifest->stages, "-stage pipeline (cut ", joinCounts(manifest->counts), "), but this run has --stages ",
-                   S, ": resume with --stages ", manifest->stages, " --partition ", joinCounts(manifest->counts),
+                   manifest->stages, "-stage pipeline (cut ", theirs, "), but this run has --stages ", S,
+                   ": resume with --stages ", manifest->stages, " --partition ", theirs,
                    ", or start in a new --checkpoint-dir");
-      if (options_.partition == "auto") {
+      if (automatic) {
         counts = manifest->counts;
-        std::fprintf(stderr, "cohort: pipeline: resuming with the checkpoints' cut %s (%s)\n",
-                     joinCounts(counts).c_str(), manifestPath.c_str());
+        splits = manifest->splits;
+        std::fprintf(stderr, "cohort: pipeline: resuming with the checkpoints' cut %s (%s)\n", theirs.c_str(),
+                     manifestPath.c_str());
       }
-      COHORT_CHECK(counts == manifest->counts, InvalidArgument, manifestPath, ": the checkpoints cut the model as ",
-                   joinCounts(manifest->counts), " (layers per stage), but this run asks for --partition ",
-                   joinCounts(counts), ": resume with --partition ", joinCounts(manifest->counts),
-                   " (or auto), or start in a new --checkpoint-dir");
+      COHORT_CHECK(counts == manifest->counts && splits == manifest->splits, InvalidArgument, manifestPath,
+                   ": the checkpoints cut the model as ", theirs,
+                   " (layers per stage), but this run asks for --partition ", joinCut(counts, splits),
+                   ": resume with --partition ", theirs, " (or auto), or start in a new --checkpoint-dir");
     }
     if (autoMicroBatches) {
       const MicroBatchChoice choice = chooseMicroBatchCount(model, sample, cutAfter, counts, messageSeconds);
       counts = choice.counts;
-      wire[size_t(S)] = choice.microBatches;
+      wire[2 * size_t(S)] = choice.microBatches;
     } else if (counts.empty()) {
       const int64_t micro = std::max<int64_t>(1, (sample.size() + options_.microBatches - 1) / options_.microBatches);
       const std::vector<double> costs = timeLayers(model, sample.inputs.narrow(0, 0, std::min(micro, sample.size())));
-      counts = balanceStages(costs, S, cutAfter);
-      std::string text = "cohort: pipeline: --partition auto measured forward+backward per layer on a micro-batch of " +
-                         std::to_string(micro) + ":";
+      if (options_.partition == "split") {
+        const SplitCut cut = balanceStagesSplit(costs, S, cutAfter, channels);
+        counts = cut.counts;
+        splits = cut.splits;
+      } else {
+        counts = balanceStages(costs, S, cutAfter);
+      }
+      std::string text = "cohort: pipeline: --partition " + options_.partition +
+                         " measured forward+backward per layer on a micro-batch of " + std::to_string(micro) + ":";
       for (int j = 0; j < L; ++j) {
         char item[96];
         std::snprintf(item, sizeof(item), " %s %.2f ms", layerNames_[size_t(j)].c_str(), costs[size_t(j)] * 1e3);
         text += item;
       }
       std::fprintf(stderr, "%s\n", text.c_str());
-      printCut(costs, counts);
+      printCut(costs, counts, splits, channels);
     }
-    for (int s = 0; s < S; ++s) wire[size_t(s)] = counts[size_t(s)];
+    for (int s = 0; s < S; ++s) {
+      wire[size_t(s)] = counts[size_t(s)];
+      wire[size_t(S + s)] = splits[size_t(s)];
+    }
   }
   // Rank 0's cut is everyone's (timing differs between processes).
   auto shared = torch::tensor(wire, torch::kInt64);
   comm_->broadcast(shared, 0);
-  counts.assign(size_t(S), 0);
-  for (int s = 0; s < S; ++s) counts[size_t(s)] = int(shared[s].item<int64_t>());
-  options_.microBatches = int(shared[S].item<int64_t>());
-  return counts;
+  counts_.assign(size_t(S), 0);
+  splits_.assign(size_t(S), 0);
+  for (int s = 0; s < S; ++s) {
+    counts_[size_t(s)] = int(shared[s].item<int64_t>());
+    splits_[size_t(s)] = int(shared[S + s].item<int64_t>());
+  }
+  options_.microBatches = int(shared[2 * S].item<int64_t>());
 }
 
 torch::nn::Sequential PipelineStrategy::localModel(torch::nn::Sequential model, const Batch& sample) {
@@ -366,26 +522,74 @@ torch::nn::Sequential PipelineStrategy::localModel(torch::nn::Sequential model, 
   }
   const int64_t n = std::min<int64_t>(2, sample.size());
   std::vector<bool> cutAfter(size_t(L), false);
-  for (int j = 0; j < L; ++j) cutAfter[size_t(j)] = outputs[size_t(j)].dim() >= 1 && outputs[size_t(j)].size(0) == n;
-  counts_ = chooseCut(model, sample, cutAfter);
+  std::vector<int64_t> channels(size_t(L), 0);
+  for (int j = 0; j < L; ++j) {
+    cutAfter[size_t(j)] = outputs[size_t(j)].dim() >= 1 && outputs[size_t(j)].size(0) == n;
+    channels[size_t(j)] = splittableChannels(*named[size_t(j)].value(), outputs[size_t(j)]);
+  }
+  chooseCut(model, sample, cutAfter, channels);
+  const std::string cut = joinCut(counts_, splits_);
   int firstLayer = 0;
   for (int s = 0; s < stage_; ++s) firstLayer += counts_[size_t(s)];
   for (int s = 0, j = 0; s + 1 < S; ++s) {
     j += counts_[size_t(s)];
-    COHORT_CHECK(cutAfter[size_t(j - 1)], InvalidArgument, "--partition ", joinCounts(counts_),
-                 " cuts after layer ", j - 1, " (", layerNames_[size_t(j - 1)],
-                 "), whose output does not have the batch as its first dimension: cut elsewhere");
+    COHORT_CHECK(cutAfter[size_t(j - 1)], InvalidArgument, "--partition ", cut, " cuts after layer ", j - 1, " (",
+                 layerNames_[size_t(j - 1)], "), whose output does not have the batch as its first dimension: cut elsewhere");
+    const int c = splits_[size_t(s)];
+    COHORT_CHECK(c == 0 || channels[size_t(j)] > 0, InvalidArgument, "--partition ", cut, " splits layer ", j, " (",
+                 layerNames_[size_t(j)], "), but only a Conv2d or a Linear on [batch, features] can be split by "
+                 "output channels");
+    COHORT_CHECK(c < channels[size_t(j)] || c == 0, InvalidArgument, "--partition ", cut, " gives stage ", s, " ", c,
+                 " output channels of layer ", j, " (", layerNames_[size_t(j)], "), which has ", channels[size_t(j)],
+                 ": give 1 to ", channels[size_t(j)] - 1);
   }
+  // Layer j split after its first c channels: one example's input, the first part's output, and
+  // what crosses between the stages (both, packed).
+  auto layerInput = [&](int j) { return exampleShape(j == 0 ? sample.inputs : outputs[size_t(j - 1)]); };
+  auto headShape = [&](int j, int c) {
+    auto shape = exampleShape(outputs[size_t(j)]);
+    shape[0] = c;
+    return shape;
+  };
+  auto packedShape = [&](int j, int c) { return std::vector<int64_t>{numel(layerInput(j)) + numel(headShape(j, c))}; };
   const int lastLayer = firstLayer + counts_[size_t(stage_)] - 1;
-  if (stage_ > 0) {
+  if (stage_ > 0 && splits_[size_t(stage_) - 1] > 0) {
+    inShape_ = packedShape(firstLayer, splits_[size_t(stage_) - 1]);
+    inType_ = outputs[size_t(firstLayer)].scalar_type();
+  } else if (stage_ > 0) {
     inShape_ = exampleShape(outputs[size_t(firstLayer - 1)]);
     inType_ = outputs[size_t(firstLayer - 1)].scalar_type();
   }
-  outShape_ = exampleShape(outputs[size_t(lastLayer)]);
-  outType_ = outputs[size_t(lastLayer)].scalar_type();
+  if (splits_[size_t(stage_)] > 0) {
+    outShape_ = packedShape(lastLayer + 1, splits_[size_t(stage_)]);
+    outType_ = outputs[size_t(lastLayer + 1)].scalar_type();
+  } else {
+    outShape_ = exampleShape(outputs[size_t(lastLayer)]);
+    outType_ = outputs[size_t(lastLayer)].scalar_type();
+  }
   modelOutShape_ = exampleShape(outputs.back());
   modelOutType_ = outputs.back().scalar_type();
-  return sliceModel(model, firstLayer, counts_[size_t(stage_)]);
+  auto local = sliceModel(model, firstLayer, counts_[size_t(stage_)]);
+  if (stage_ == 0 && splits_[0] == 0) return local;
+  // Put the split layers' parts in place of (or after) the whole layers.
+  torch::nn::Sequential out;
+  const auto& mine = local->named_children();
+  for (int k = 0; k < int(mine.size()); ++k) {
+    const int j = firstLayer + k;
+    const int c = stage_ > 0 ? splits_[size_t(stage_) - 1] : 0;
+    if (k == 0 && c > 0) {
+      out->push_back(mine[0].key(), std::make_shared<SplitTailImpl>(channelSlice(*mine[0].value(), c,
+                                                                                 channels[size_t(j)] - c),
+                                                                    layerInput(j), headShape(j, c)));
+    } else {
+      out->push_back(mine[size_t(k)].key(), *(local->begin() + k));
+    }
+  }
+  if (const int c = splits_[size_t(stage_)]; c > 0) {
+    const int j = lastLayer + 1;
+    out->push_back(named[size_t(j)].key(), std::make_shared<SplitHeadImpl>(channelSlice(*named[size_t(j)].value(), 0, c)));
+  }
+  return out;
 }
 
 void PipelineStrategy::attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) {
@@ -395,7 +599,7 @@ void PipelineStrategy::attach(torch::nn::Sequential model, torch::optim::Optimiz
   // The stage's replicas start alike (after a resume too: each restored the same bytes).
   if (options_.replicas > 1) broadcastModel(*stageGroup_, *model_);
   if (comm_->rank() == 0 && !checkpointDir_.empty()) {
-    writeManifest(checkpointDir_, {options_.stages, options_.replicas, counts_}, layerNames_);
+    writeManifest(checkpointDir_, {options_.stages, options_.replicas, counts_, splits_}, layerNames_);
   }
 }
 
@@ -646,6 +850,7 @@ MetricFields PipelineStrategy::report() {
     for (double c : compute) expected += (step > 0 ? 1.0 - double(M) * c / step : 0.0) / double(compute.size());
   }
   std::vector<int64_t> cut(counts_.begin(), counts_.end());
+  std::vector<int64_t> splits(splits_.begin(), splits_.end());
   const int M = options_.microBatches;
   MetricFields fields{{"stages", int64_t(S)},
                       {"replicas", int64_t(options_.replicas)},
@@ -653,6 +858,7 @@ MetricFields PipelineStrategy::report() {
                       {"micro_batches_auto", autoChoice_.has_value()},
                       {"schedule", options_.schedule},
                       {"cut", cut},
+                      {"cut_split_channels", splits},
                       {"stage_peak_activation_bytes", peaks},
                       {"stage_idle_fraction", idle},
                       {"stage_compute_fraction", compute},

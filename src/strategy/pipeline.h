@@ -54,9 +54,13 @@ class PipelineStrategy final : public Strategy {
   MetricFields report() override;
 
   const std::vector<int>& cut() const { return counts_; }
+  const std::vector<int>& splits() const { return splits_; }
 
  private:
-  std::vector<int> chooseCut(torch::nn::Sequential& model, const Batch& sample, const std::vector<bool>& cutAfter);
+  // Sets counts_ and splits_ (rank 0 decides, everyone gets its choice). channels[j]: layer j's
+  // output channels when a cut may split it (0: not splittable).
+  void chooseCut(torch::nn::Sequential& model, const Batch& sample, const std::vector<bool>& cutAfter,
+                 const std::vector<int64_t>& channels);
   std::vector<double> timeLayers(torch::nn::Sequential& model, const torch::Tensor& inputs);
   // The median round trip of a small message between ranks 0 and 1 (0 on other ranks, or with
   // one stage): the fixed cost of one micro-batch's messages. Ranks 0 and 1 call it together.
@@ -64,7 +68,8 @@ class PipelineStrategy final : public Strategy {
   MicroBatchChoice chooseMicroBatchCount(torch::nn::Sequential& model, const Batch& sample,
                                          const std::vector<bool>& cutAfter, const std::vector<int>& counts,
                                          double messageSeconds);
-  void printCut(const std::vector<double>& costs, const std::vector<int>& counts) const;
+  void printCut(const std::vector<double>& costs, const std::vector<int>& counts, const std::vector<int>& splits = {},
+                const std::vector<int64_t>& channels = {}) const;
   torch::Tensor forwardCounting(const torch::Tensor& x, int64_t* bytes);
   int prevRank() const { return comm_->rank() - 1; }
   int nextRank() const { return comm_->rank() + 1; }
@@ -90,7 +95,10 @@ class PipelineStrategy final : public Strategy {
   int stage_ = 0;
   int replica_ = 0;
 
-  std::vector<int> counts_;  // layers per stage
+  std::vector<int> counts_;  // layers per stage (a split layer counts in the later stage)
+  // Per stage: output channels of the next stage's first layer that this stage computes (0: the
+  // stages meet between layers; the last stage's is 0). See SplitHead in pipeline.cpp.
+  std::vector<int> splits_;
   std::optional<MicroBatchChoice> autoChoice_;  // --micro-batches auto, on rank 0
   std::vector<std::string> layerNames_;
   std::vector<int64_t> inShape_;   // one example's input to this stage (stages > 0)

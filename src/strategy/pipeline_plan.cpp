@@ -48,30 +48,54 @@ std::string joinCounts(const std::vector<int>& counts) {
   return out;
 }
 
-std::vector<int> parsePartition(const std::string& text, int stages, int layers) {
+std::string joinCut(const std::vector<int>& counts, const std::vector<int>& splits) {
+  std::string out;
+  for (size_t s = 0; s < counts.size(); ++s) {
+    out += (s ? "," : "") + std::to_string(counts[s]);
+    if (s < splits.size() && splits[s] > 0) out += "+" + std::to_string(splits[s]);
+  }
+  return out;
+}
+
+std::vector<int> parsePartition(const std::string& text, int stages, int layers, std::vector<int>* splits) {
   std::vector<int> counts;
+  std::vector<int> channels;
   size_t at = 0;
-  while (at <= text.size()) {
-    const size_t comma = std::min(text.find(',', at), text.size());
-    const std::string item = text.substr(at, comma - at);
+  auto number = [&](const std::string& item, const std::string& part, const char* what) {
     size_t used = 0;
     int value = 0;
     try {
-      value = std::stoi(item, &used);
+      value = std::stoi(part, &used);
     } catch (const std::exception&) {
       used = 0;
     }
-    COHORT_CHECK(used == item.size() && !item.empty() && value > 0, InvalidArgument, "--partition '", text,
-                 "': '", item, "' is not a positive number of layers (expected auto or L1,L2,... layers per stage)");
-    counts.push_back(value);
+    COHORT_CHECK(used == part.size() && !part.empty() && part[0] != '+' && part[0] != '-' && value > 0,
+                 InvalidArgument, "--partition '", text, "': '", item, "' is not a positive number of ", what,
+                 " (expected auto, split or L1,L2,... layers per stage, each optionally +C channels of the next layer)");
+    return value;
+  };
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    const size_t plus = item.find('+');
+    counts.push_back(number(item, item.substr(0, plus), "layers"));
+    channels.push_back(0);
+    if (plus != std::string::npos) {
+      COHORT_CHECK(splits != nullptr, InvalidArgument, "--partition '", text, "': '", item,
+                   "' splits a layer, which is not allowed here");
+      channels.back() = number(item, item.substr(plus + 1), "channels");
+    }
     at = comma + 1;
   }
   COHORT_CHECK(int(counts.size()) == stages, InvalidArgument, "--partition ", text, " has ", counts.size(),
                " stages but --stages is ", stages, ": give one layer count per stage");
+  COHORT_CHECK(channels.back() == 0, InvalidArgument, "--partition ", text,
+               ": the last stage has no next layer to split (+C goes on a stage before another)");
   int sum = 0;
   for (int c : counts) sum += c;
   COHORT_CHECK(sum == layers, InvalidArgument, "--partition ", text, " covers ", sum, " layers but the model has ",
                layers, ": the counts must add up to ", layers);
+  if (splits != nullptr) *splits = channels;
   return counts;
 }
 
@@ -109,6 +133,76 @@ std::vector<int> balanceStages(const std::vector<double>& costs, int stages, con
     j = i;
   }
   return counts;
+}
+
+SplitCut balanceStagesSplit(const std::vector<double>& costs, int stages, const std::vector<bool>& cutAfter,
+                            const std::vector<int64_t>& channels, double gain) {
+  const int n = int(costs.size());
+  SplitCut whole;
+  whole.counts = balanceStages(costs, stages, cutAfter);
+  whole.splits.assign(size_t(stages), 0);
+  for (size_t s = 0, j = 0; s < whole.counts.size(); ++s) {
+    double cost = 0;
+    for (int k = 0; k < whole.counts[s]; ++k) cost += costs[j++];
+    whole.slowest = std::max(whole.slowest, cost);
+  }
+  auto mayCut = [&](int j) { return cutAfter.empty() || cutAfter[size_t(j)]; };  // after layer j
+  std::vector<double> prefix(size_t(n) + 1, 0.0);
+  for (int j = 0; j < n; ++j) prefix[size_t(j) + 1] = prefix[size_t(j)] + costs[size_t(j)];
+  // The points where a stage may end: before layer j with its first c channels (c = 0: a cut
+  // between layers), in model order.
+  struct Point {
+    int layer;
+    int64_t channel;
+    double at;
+  };
+  std::vector<Point> points;
+  for (int j = 0; j <= n; ++j) {
+    const bool inputHasBatch = j == 0 || mayCut(j - 1);
+    if (j == 0 || j == n || inputHasBatch) points.push_back({j, 0, prefix[size_t(j)]});
+    if (j == n || !inputHasBatch || j >= int(channels.size()) || channels[size_t(j)] < 2) continue;
+    const int64_t out = channels[size_t(j)];
+    const int64_t steps = std::min<int64_t>(out - 1, 64);
+    int64_t previous = 0;
+    for (int64_t i = 1; i <= steps; ++i) {
+      const int64_t c = out - 1 <= 64 ? i : std::max<int64_t>(1, (out * i) / (steps + 1));
+      if (c <= previous || c >= out) continue;
+      previous = c;
+      points.push_back({j, c, prefix[size_t(j)] + costs[size_t(j)] * double(c) / double(out)});
+    }
+  }
+  const int P = int(points.size());
+  constexpr double kNone = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(size_t(stages) + 1, std::vector<double>(size_t(P), kNone));
+  std::vector<std::vector<int>> from(size_t(stages) + 1, std::vector<int>(size_t(P), -1));
+  best[0][0] = 0;
+  for (int s = 1; s <= stages; ++s) {
+    for (int p = 1; p < P; ++p) {
+      for (int q = 0; q < p; ++q) {
+        if (best[size_t(s) - 1][size_t(q)] == kNone) continue;
+        // At least one layer whole, or a split layer's second part: never a middle slice.
+        if (points[size_t(p)].layer - points[size_t(q)].layer < 1) continue;
+        const double cost = std::max(best[size_t(s) - 1][size_t(q)], points[size_t(p)].at - points[size_t(q)].at);
+        if (cost < best[size_t(s)][size_t(p)]) {
+          best[size_t(s)][size_t(p)] = cost;
+          from[size_t(s)][size_t(p)] = q;
+        }
+      }
+    }
+  }
+  const double split = best[size_t(stages)][size_t(P) - 1];
+  if (!(split < gain * whole.slowest)) return whole;
+  SplitCut out;
+  out.slowest = split;
+  out.counts.assign(size_t(stages), 0);
+  out.splits.assign(size_t(stages), 0);
+  for (int s = stages, p = P - 1; s >= 1; --s) {
+    const int q = from[size_t(s)][size_t(p)];
+    out.counts[size_t(s) - 1] = points[size_t(p)].layer - points[size_t(q)].layer;
+    out.splits[size_t(s) - 1] = int(points[size_t(p)].channel);
+    p = q;
+  }
+  return out;
 }
 
 int parseMicroBatches(const std::string& text, int64_t batch) {

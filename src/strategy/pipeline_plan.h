@@ -31,8 +31,30 @@ std::vector<PipeOp> makeSchedule(PipeSchedule schedule, int stages, int stage, i
 int peakInFlight(const std::vector<PipeOp>& ops);
 
 // Layers per stage from "L1,L2,...": one positive count per stage, adding up to `layers`.
-// Throws InvalidArgument naming what is wrong.
-std::vector<int> parsePartition(const std::string& text, int stages, int layers);
+// Throws InvalidArgument naming what is wrong. With `splits`, an item may be "L+C": the stage
+// also computes the first C output channels of the next stage's first layer (a split layer,
+// counted in the next stage); splits[s] is that C (0: none), splits[S-1] always 0. Without
+// `splits`, "+C" is refused.
+std::vector<int> parsePartition(const std::string& text, int stages, int layers, std::vector<int>* splits = nullptr);
+
+// "2+20,6" for counts {2, 6} and splits {20, 0}; "2,6" without splits.
+std::string joinCut(const std::vector<int>& counts, const std::vector<int>& splits);
+
+struct SplitCut {
+  std::vector<int> counts;  // layers per stage; a split layer counts in the later stage
+  std::vector<int> splits;  // per stage: output channels of the next stage's first layer computed here
+  double slowest = 0;       // the predicted cost of the slowest stage
+};
+
+// --partition split: as balanceStages, but a stage may also end inside a layer j that
+// `channels[j]` > 0 marks as splittable (its output channels), taking its first C channels, the
+// next stage the others; the cost of a part is costs[j] * C / channels[j]. Every stage keeps at
+// least one whole layer or a split layer's second part, each layer is split at most once, and C
+// runs over every channel up to 64 channels and over 64 evenly spaced counts above. A split cut is
+// taken only when its slowest stage is below `gain` times that of the best whole-layer cut (split
+// layers cost more messages); otherwise the whole-layer cut is returned (splits all 0).
+SplitCut balanceStagesSplit(const std::vector<double>& costs, int stages, const std::vector<bool>& cutAfter,
+                            const std::vector<int64_t>& channels, double gain = 0.95);
 
 // Layers per stage: contiguous groups, at least one layer each, that minimize the largest sum of
 // `costs` in a stage (exact, by dynamic programming). `cutAfter[j]` says whether the model may be

@@ -178,7 +178,7 @@ struct StrategyOptions {
     int replicas = 1;
     int microBatches = 4;
     std::string schedule = "1f1b";   // gpipe | 1f1b
-    std::string partition = "auto";  // auto | L1,L2,... (layers per stage)
+    std::string partition = "auto";  // auto | split | L1,L2,... (layers per stage, each L or L+C)
   } pipeline;
   // --replicas: pipeline copies, or the in-process schemes' replica threads; 0: the scheme's
   // default (pipeline: 1; mirrored, central, hogwild: this host's cores).
