@@ -1,17 +1,86 @@
 // Gossip with real processes on 127.0.0.1: a peer killed midway stops no one and the chief's
-// model still learns; a frozen peer makes no one wait.
+// model still learns; a frozen peer makes no one wait. And, in one process over loopback
+// sockets, how a peer joins (GossipHandle).
 #include <nlohmann/json.hpp>
 
+#include "comm/store.h"
+#include "gossip/peer.h"
 #include "test_util.h"
+
+#include <cohort/gossip.h>
+#include <cohort/job.h>
+
+#include <torch/torch.h>
 
 #include <csignal>
 
 #include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <thread>
 
 namespace cohort {
 namespace {
 
 std::string train() { return test::cohortBinary() + " train --threads 1 --progress off --strategy gossip"; }
+
+// A peer publishes its address only once it holds the chief's parameters. Every peer waits for
+// all addresses before its first step, so no one trains alone while another still reads the
+// chief's parameters from the store (1 s for the embed model's 128 MB: most of a short run, whose
+// updates then reached the chief only after its last step). Here the test is the chief: it hosts
+// the store and plays rank 0 with the transport alone; rank 1 is the Gossip handle.
+TEST(GossipHandle, APeerPublishesItsAddressOnlyOnceItHoldsTheChiefsParameters) {
+  using namespace std::chrono_literals;
+  const std::string secret = "g0ss1p";
+  torch::nn::Linear net(3, 2);  // 8 parameters; made before the thread that attaches it
+  auto server = store::Server::start({.host = "127.0.0.1", .port = 0, .secret = secret});
+  auto chief = store::Client::connect("127.0.0.1", server->port(), secret, 5s);
+  ClusterSpec spec;
+  spec.rank = 1;
+  spec.worldSize = 2;
+  spec.master = {"127.0.0.1", server->port()};
+  spec.secret = secret;
+  const Job job = Job::fromSpec(spec, {.timeout = 30s});
+  std::unique_ptr<Gossip> gossip;
+  std::exception_ptr failed;
+  std::thread joining([&] {
+    try {
+      gossip = std::make_unique<Gossip>(job, *net);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  });
+  // The chief has not published its parameters: rank 1 has bound its socket but says nowhere
+  // where it is.
+  EXPECT_FALSE(chief->get("cohort/gossip/addr/1", 1s).has_value()) << "published before it had the parameters";
+  gossip::Peer rank0({.rank = 0, .worldSize = 2, .token = secret, .timeoutSeconds = 30, .numel = 8});
+  const std::string address = rank0.address().str();
+  chief->set("cohort/gossip/addr/0", std::vector<uint8_t>(address.begin(), address.end()));
+  std::vector<float> init(8);
+  for (size_t i = 0; i < init.size(); ++i) init[i] = 0.25f * float(i) - 1.0f;
+  std::vector<uint8_t> bytes(init.size() * sizeof(float));
+  std::memcpy(bytes.data(), init.data(), bytes.size());
+  chief->set("cohort/gossip/init", bytes);
+  const auto published = chief->get("cohort/gossip/addr/1", 30s);
+  joining.join();
+  if (failed) std::rethrow_exception(failed);
+  ASSERT_TRUE(published.has_value());
+  // Attached: the replica is the chief's parameters.
+  std::vector<float> held;
+  for (const auto& p : net->parameters()) {
+    const auto flat = p.detach().flatten();
+    held.insert(held.end(), flat.data_ptr<float>(), flat.data_ptr<float>() + flat.numel());
+  }
+  EXPECT_EQ(held, init);
+  rank0.connect({rank0.address(), gossip::parsePeerAddress(std::string(published->begin(), published->end()))});
+  std::thread finishing([&] { gossip->finish(); });
+  rank0.finish(gossip::PeerReport{});
+  finishing.join();
+  const auto counters = rank0.counters();
+  EXPECT_TRUE(counters[1].finished);
+  EXPECT_FALSE(counters[1].lost);
+}
 
 // Three peers on Fashion-MNIST; peer 2 is SIGKILLed after the chief's 60th step. The other two
 // finish their 300 steps, the chief names the lost peer and its model reaches the bound.

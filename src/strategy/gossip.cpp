@@ -114,8 +114,6 @@ struct Gossip::Impl {
                                                                .codec = c_.options.codec,
                                                                .codecWarmupSteps = c_.options.codecWarmupSteps,
                                                                .tables = tables_});
-    rendezvous_->set("cohort/gossip/addr/" + std::to_string(cl.rank),
-                     HostPort{advertise, peer_->address().port}.str());
     // Every replica starts from the chief's parameters (TorchScript models are not seeded alike).
     if (cl.isChief()) {
       copyOut(before_);
@@ -130,6 +128,13 @@ struct Gossip::Impl {
                    "gossip: the chief's initial parameters hold a NaN or Inf: refusing to start from them");
       copyIn(before_);
     }
+    // A peer publishes its address only once it holds the chief's parameters, and every peer
+    // waits for all addresses: so no one takes its first step before every replica is ready to
+    // take its own. (Published before the copy, the chief trained alone while the others read
+    // its parameters from the store: 1 s for the embed model's 128 MB, most of a short run, and
+    // the chief received most of their updates only after its last step.)
+    rendezvous_->set("cohort/gossip/addr/" + std::to_string(cl.rank),
+                     HostPort{advertise, peer_->address().port}.str());
     std::vector<HostPort> addresses;
     for (int r = 0; r < cl.worldSize; ++r) {
       addresses.push_back(r == cl.rank ? peer_->address()
