@@ -4,6 +4,7 @@
 // ports and the addresses are exercised as on two hosts). The runs ok and in the report; a run
 // stopped by --run-timeout and a comparison stopped by SIGINT leave no process on the "hosts"; an
 // unreachable host is a one-line error before any run. A test that cannot start sshd fails.
+#include "process_list.h"
 #include "test_util.h"
 
 #include <sys/syscall.h>
@@ -134,21 +135,6 @@ size_t count(const std::string& text, const std::string& needle) {
   return n;
 }
 
-// Processes whose command line mentions `needle` (other than this test's own): the ssh clients,
-// the remote wrappers and the `cohort train`s of a comparison all name its OUT/runs/.
-std::vector<int> processesMentioning(const std::string& needle) {
-  std::vector<int> out;
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    const int pid = std::stoi(name);
-    if (pid == ::getpid()) continue;
-    std::string cmdline = test::readFile(entry.path().string() + "/cmdline");
-    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
-    if (cmdline.find(needle) != std::string::npos) out.push_back(pid);
-  }
-  return out;
-}
 
 std::string compareArgs(const PrivateSshd& sshd, const ReservedPorts& ports, const std::string& out) {
   return " --hosts 127.0.0.1,localhost --base-port " + std::to_string(ports.base()) + " --remote-shell '" +
@@ -213,7 +199,7 @@ TEST(CompareHosts, EveryProcessRunsOnAHostThroughSsh) {
   EXPECT_EQ(count(ps, cluster), 3u) << ps;
   // Every process came in through sshd: 2 + 3, and one check per distinct host.
   EXPECT_EQ(count(sshd.log(), "Accepted publickey"), 7u) << sshd.log();
-  EXPECT_TRUE(processesMentioning(out + "/runs/").empty());
+  EXPECT_TRUE(test::processesMentioning(out + "/runs/").empty());
 }
 
 TEST(CompareHosts, ARunStoppedByTheRunTimeoutLeavesNoProcessOnTheHosts) {
@@ -233,7 +219,7 @@ TEST(CompareHosts, ARunStoppedByTheRunTimeoutLeavesNoProcessOnTheHosts) {
   EXPECT_NE(test::readFile(out + "/runs/ps-async.r1/output.log").find("cohort ps: SIGTERM"), std::string::npos)
       << test::readFile(out + "/runs/ps-async.r1/output.log");
   // compare returns once the remote shells have, and they return once their processes have.
-  EXPECT_TRUE(processesMentioning(out + "/runs/").empty()) << "a remote process outlived its run";
+  EXPECT_TRUE(test::processesMentioning(out + "/runs/").empty()) << "a remote process outlived its run";
 }
 
 TEST(CompareHosts, SigintStopsTheRemoteProcesses) {
@@ -257,7 +243,7 @@ TEST(CompareHosts, SigintStopsTheRemoteProcesses) {
   const std::string metrics = out + "/runs/allreduce.r1/metrics.jsonl";
   const bool training = test::waitForPath(metrics, std::chrono::seconds(120)) &&
                         test::waitForFileText(metrics, "\"event\":\"step\"", std::chrono::seconds(60));
-  const size_t running = processesMentioning(out + "/runs/").size();
+  const size_t running = test::processesMentioning(out + "/runs/").size();
   ::kill(pid, SIGINT);  // what Ctrl-C sends compare (its jobs are in process groups of their own)
   pollfd p{pidfd, POLLIN, 0};
   const bool ended = ::poll(&p, 1, 60000) == 1;
@@ -271,7 +257,7 @@ TEST(CompareHosts, SigintStopsTheRemoteProcesses) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0);
   EXPECT_NE(test::readFile(dir.file("log")).find("interrupted by SIGINT"), std::string::npos)
       << test::readFile(dir.file("log"));
-  EXPECT_TRUE(processesMentioning(out + "/runs/").empty()) << "a remote process outlived compare";
+  EXPECT_TRUE(test::processesMentioning(out + "/runs/").empty()) << "a remote process outlived compare";
 }
 
 TEST(CompareHosts, AnUnreachableHostIsAOneLineErrorBeforeAnyRun) {

@@ -2,6 +2,7 @@
 // real headless Chromium with the network off, the CSV against the runs' JSON lines, a failing
 // configuration reported while the others run, a killed comparison or sweep resumed without
 // rerunning what finished.
+#include "process_list.h"
 #include "test_util.h"
 
 #include <poll.h>
@@ -239,26 +240,12 @@ class Background {
 // Waits (at most `seconds`) until path exists.
 bool waitForFile(const std::string& path, int seconds) { return test::waitForPath(path, std::chrono::seconds(seconds)); }
 
-// Processes whose command line mentions `needle` (other than this test's own).
-std::vector<int> processesMentioning(const std::string& needle) {
-  std::vector<int> out;
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    const int pid = std::stoi(name);
-    if (pid == ::getpid()) continue;
-    std::string cmdline = test::readFile(entry.path().string() + "/cmdline");
-    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
-    if (cmdline.find(needle) != std::string::npos) out.push_back(pid);
-  }
-  return out;
-}
 
 // The jobs of a killed runner end with it (they get SIGTERM when it dies): waits at most 60 s, on
 // each job's exit (a pidfd turns readable when its process ends).
 void expectJobsEnd(const std::string& out) {
   const auto deadline = Clock::now() + std::chrono::seconds(60);
-  for (int pid : processesMentioning(out + "/runs/")) {
+  for (int pid : test::processesMentioning(out + "/runs/")) {
     const int fd = int(::syscall(SYS_pidfd_open, pid, 0));
     if (fd < 0) continue;  // already gone
     pollfd p{fd, POLLIN, 0};
@@ -266,7 +253,7 @@ void expectJobsEnd(const std::string& out) {
     ::poll(&p, 1, int(std::max<int64_t>(0, left.count())));
     ::close(fd);
   }
-  EXPECT_TRUE(processesMentioning(out + "/runs/").empty()) << "a job outlived its killed runner";
+  EXPECT_TRUE(test::processesMentioning(out + "/runs/").empty()) << "a job outlived its killed runner";
 }
 
 TEST(Compare, AKilledComparisonResumes) {

@@ -293,7 +293,9 @@ inline ThresholdEntry thresholdEntry(float a, float tau) {
   if (std::isfinite(a) && r != a) return {true, a - r, r};
   return {true, a, 0.0f};
 }
-inline void addThresholdEntry(ListWriter& list, Cursor& c, size_t i, float a, float tau, float* residual) {
+// One entry with |a| >= tau into either form's writer (both take addValue / addSign by index).
+template <typename Writer>
+inline void addThresholdEntry(Writer& list, typename Writer::Cursor& c, size_t i, float a, float tau, float* residual) {
   const ThresholdEntry e = thresholdEntry(a, tau);
   if (e.isValue) {
     list.addValue(c, i, e.value);
@@ -377,13 +379,7 @@ COHORT_AVX2 void encodeThresholdBitmapAvx2(std::span<const float> input, float* 
     const float a = residual[i] + input[i];
     residual[i] = a;
     if (std::fabs(a) < tau) continue;
-    const ThresholdEntry e = thresholdEntry(a, tau);
-    if (e.isValue) {
-      writer.addValue(c, i, e.value);
-    } else {
-      writer.addSign(c, i, a < 0.0f);
-    }
-    residual[i] = e.residual;
+    addThresholdEntry(writer, c, i, a, tau, residual);
   }
   cursor = c;
 }
