@@ -397,5 +397,37 @@ TEST(Pipeline, ResumeFromStageCheckpointsIsExactAndAnotherCutIsRefused) {
   EXPECT_NE(refused.output.find("the checkpoints cut the model as 3,3"), std::string::npos) << refused.output;
 }
 
+// A cut that splits a layer by output channels checkpoints and resumes like a whole-layer cut:
+// the resumed run ends where an uninterrupted one does, `split` takes the checkpoints' cut
+// instead of timing a new one, and another split of the same layer is refused.
+TEST(Pipeline, ResumeFromSplitCutCheckpointsIsExactAndAnotherSplitIsRefused) {
+  test::TempDir dir;
+  const std::string train = launch(2) + test::cohortBinary() +
+                            " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                            " --optimizer momentum --strategy pipeline --stages 2 --micro-batches 2";
+  auto whole = test::runCommand(train + " --partition 1+100,5 --steps 8 --save-model " + dir.file("whole{rank}.pt"),
+                                120);
+  ASSERT_EQ(whole.exitCode, 0) << whole.output;
+  const std::string ckpt = " --checkpoint-dir " + dir.file("ckpt");
+  auto first = test::runCommand(train + " --partition 1+100,5 --steps 5" + ckpt, 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  const auto saved = CheckpointStore(dir.file("ckpt/stage-0")).list();
+  ASSERT_FALSE(saved.empty());
+  EXPECT_EQ(saved.front().step, 5);
+  auto resumed = test::runCommand(train + " --partition split --steps 8 --resume" + ckpt + " --save-model " +
+                                      dir.file("resumed{rank}.pt"),
+                                  120);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resuming with the checkpoints' cut 1+100,5"), std::string::npos) << resumed.output;
+  EXPECT_EQ(resumed.output.find("measured forward+backward per layer"), std::string::npos) << resumed.output;
+  const auto expected = loadSplitStages({dir.file("whole0.pt"), dir.file("whole1.pt")}, "mlp");
+  const auto got = loadSplitStages({dir.file("resumed0.pt"), dir.file("resumed1.pt")}, "mlp");
+  ASSERT_EQ(expected.size(), got.size());
+  EXPECT_LT(maxDifference(expected, got), 1e-6);
+  auto refused = test::runCommand(train + " --partition 1+50,5 --steps 10 --resume" + ckpt, 120);
+  EXPECT_EQ(refused.exitCode, 2) << refused.output;
+  EXPECT_NE(refused.output.find("the checkpoints cut the model as 1+100,5"), std::string::npos) << refused.output;
+}
+
 }  // namespace
 }  // namespace cohort
