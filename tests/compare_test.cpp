@@ -355,18 +355,25 @@ namespace cohort {
 namespace {
 
 // --network: every process in a namespace of its own, the rendezvous at 10.77.0.1, which only the
-// namespaces can reach; the namespaces are gone afterwards. Needs root (fails, never skips).
+// namespaces can reach (gossip's peers too, at their namespaces' addresses); the namespaces are
+// gone afterwards. Needs root (fails, never skips).
 TEST(Compare, EmulatedNetworkRunsEveryProcessInItsOwnNamespace) {
   ASSERT_EQ(::geteuid(), 0u) << "--network needs root to create network namespaces";
   test::TempDir dir;
   const std::string out = dir.file("out");
   auto r = test::runCommand(test::cohortBinary() +
-                                " compare --only allreduce,ps-async --model mlp --data synthetic:600 --batch 16"
+                                " compare --only allreduce,ps-async,gossip --model mlp --data synthetic:600 --batch 16"
                                 " --steps 6 --evaluations 1 --no-png --network 100mbit --out " + out,
                             300);
   ASSERT_EQ(r.exitCode, 0) << r.output;
   EXPECT_NE(r.output.find("allreduce.r1: ok"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("ps-async.r1: ok"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("gossip.r1: ok"), std::string::npos) << r.output;
+  // Gossip peers publish the namespace's address, not the host's name (which names the machine
+  // outside the namespace): no peer is lost.
+  const std::string gossip = test::readFile(out + "/runs/gossip.r1/output.log");
+  EXPECT_EQ(gossip.find("is lost"), std::string::npos) << gossip;
+  EXPECT_EQ(gossip.find("stopped before the end"), std::string::npos) << gossip;
   const std::string status = test::readFile(out + "/runs/allreduce.r1/status.json");
   EXPECT_NE(status.find("MASTER_ADDR=10.77.0.1"), std::string::npos) << status;
   EXPECT_NE(status.find("ip netns exec cohort-"), std::string::npos) << status;

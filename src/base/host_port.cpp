@@ -1,6 +1,15 @@
 #include "base/host_port.h"
 
+#include <cohort/error.h>
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <charconv>
+#include <cstdlib>
 
 namespace cohort {
 
@@ -24,6 +33,77 @@ std::optional<HostPort> parseHostPort(const std::string& text, bool allowPortZer
   const auto [ptr, ec] = std::from_chars(port.data(), port.data() + port.size(), value);
   if (ec != std::errc() || ptr != port.data() + port.size() || value < (allowPortZero ? 0 : 1) || value > 65535) return std::nullopt;
   return HostPort{host, value};
+}
+
+namespace {
+
+std::string numericAddress(const sockaddr* a) {
+  char text[INET6_ADDRSTRLEN] = {};
+  if (a->sa_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a)->sin_addr, text, sizeof(text));
+  } else if (a->sa_family == AF_INET6) {
+    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr, text, sizeof(text));
+  }
+  return text;
+}
+
+bool loopbackAddress(const std::string& a) { return a.rfind("127.", 0) == 0 || a == "::1"; }
+
+// The interface's IPv4 address, else its first IPv6 one that is not link-local; "" if none.
+std::string interfaceAddress(const std::string& name) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return "";
+  std::string v4, v6;
+  for (const ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || name != i->ifa_name) continue;
+    if (i->ifa_addr->sa_family == AF_INET && v4.empty()) v4 = numericAddress(i->ifa_addr);
+    if (i->ifa_addr->sa_family == AF_INET6 && v6.empty() &&
+        !IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr)) {
+      v6 = numericAddress(i->ifa_addr);
+    }
+  }
+  ::freeifaddrs(list);
+  return v4.empty() ? v6 : v4;
+}
+
+// connect() on a datagram socket only chooses the route and the source address; nothing is sent.
+std::string routeSource(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return "";
+  std::string source;
+  for (const addrinfo* ai = found; ai != nullptr && source.empty(); ai = ai->ai_next) {
+    const int fd = ::socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      source = numericAddress(reinterpret_cast<const sockaddr*>(&local));
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return source;
+}
+
+}  // namespace
+
+std::string addressTowards(const std::string& rendezvousHost, int rendezvousPort) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
+    const std::string address = interfaceAddress(ifname);
+    COHORT_CHECK(!address.empty(), InvalidArgument, "GLOO_SOCKET_IFNAME=", ifname,
+                 " names no interface with an address on this machine: set it to one `ip -brief addr` lists, or unset it");
+    return address;
+  }
+  if (const std::string source = routeSource(rendezvousHost, rendezvousPort);
+      !source.empty() && !loopbackAddress(source)) {
+    return source;
+  }
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  return name;
 }
 
 }  // namespace cohort

@@ -13,4 +13,12 @@ namespace cohort {
 // host without brackets.
 std::optional<HostPort> parseHostPort(const std::string& text, bool allowPortZero = false);
 
+// The address the job's other processes reach this one at, for a process that listens on every
+// interface and publishes where: GLOO_SOCKET_IFNAME's address when it is set (the interface Gloo
+// uses too; an unknown name throws InvalidArgument), else this machine's end of the route toward
+// the rendezvous host (the source address the kernel picks, found without sending anything), else
+// this host's name. Not the host's name first: Debian maps it to 127.0.1.1, and inside a network
+// namespace it names the machine outside.
+std::string addressTowards(const std::string& rendezvousHost, int rendezvousPort);
+
 }  // namespace cohort

@@ -1,5 +1,6 @@
 #include "base/clock.h"
 #include "base/crypto.h"
+#include "base/host_port.h"
 #include "strategy/gossip.h"
 
 #include "gossip/peer.h"
@@ -94,16 +95,14 @@ struct Gossip::Impl {
       token = rendezvous_->get("cohort/gossip/job");
     }
     // Where to listen, and the address to publish: the cluster spec's, loopback on one machine,
-    // else every interface under this host's name.
+    // else every interface under the address the store's host is reached from (addressTowards).
     std::string bind = "0.0.0.0", advertise;
     if (!cl.workers.empty()) {
       bind = advertise = cl.workers[size_t(cl.rank)].host;
     } else if (isLoopback(cl.master.host)) {
       bind = advertise = "127.0.0.1";
     } else {
-      char name[256] = {};
-      ::gethostname(name, sizeof(name) - 1);
-      advertise = name;
+      advertise = addressTowards(cl.master.host, cl.master.port);
     }
     peer_ = std::make_unique<gossip::Peer>(gossip::PeerOptions{.rank = cl.rank,
                                                                .worldSize = cl.worldSize,
