@@ -148,10 +148,16 @@ def run_one(args, scheme, fault, work):
 
     log = open(os.path.join(args.log_dir, f"{scheme}-{fault}.log"), "w") if args.log_dir else None
 
-    def read_err():
-        for line in proc.stderr:
+    log_lock = threading.Lock()
+
+    def log_line(line):
+        with log_lock:
             if log:
                 log.write(f"{time.monotonic() - started:8.3f} {line}")
+
+    def read_err():
+        for line in proc.stderr:
+            log_line(line)
             if line.startswith("cohort launch:"):
                 launcher_lines.append((time.monotonic(), line.strip()))
             elif "checkpoint failed" in line:
@@ -161,7 +167,11 @@ def run_one(args, scheme, fault, work):
                 restored.append(int(m.group(1)))
     reader = threading.Thread(target=read_err, daemon=True)
     reader.start()
-    out_thread = threading.Thread(target=proc.stdout.read, daemon=True)
+    def read_out():
+        # stdout too: a shard's "listening on" line says when a restarted one can be reached.
+        for line in proc.stdout:
+            log_line(line)
+    out_thread = threading.Thread(target=read_out, daemon=True)
     out_thread.start()
 
     victim = {"worker": f"rank {WORKERS - 1}", "worker+restart": f"rank {WORKERS - 1}", "chief": "rank 0",
@@ -191,15 +201,19 @@ def run_one(args, scheme, fault, work):
             os.kill(pid, signal.SIGKILL)
             killed_at = time.monotonic()
             if log:
-                log.write(f"{killed_at - started:8.3f} fault_table.py: SIGKILL to {victim} (pid {pid})\n")
+                with log_lock:
+                    log.write(f"{killed_at - started:8.3f} fault_table.py: SIGKILL to {victim} (pid {pid})\n")
     try:
         code = proc.wait(timeout=max(1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         proc.kill()
         code = "hang"
     reader.join(timeout=5)
+    out_thread.join(timeout=5)
     if log:
-        log.close()
+        with log_lock:
+            log.close()
+            log = None
     wall = time.monotonic() - started
     if mounted:
         subprocess.run(["umount", ckpt], check=False)
@@ -303,7 +317,7 @@ def main():
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--json", default="")
-    parser.add_argument("--log-dir", default="", help="write each row's stderr (every process's) to DIR/SCHEME-FAULT.log, each line after the seconds since the start, and the kill")
+    parser.add_argument("--log-dir", default="", help="write each row's output (every process's stderr and stdout) to DIR/SCHEME-FAULT.log, each line after the seconds since the start, and the kill")
     parser.add_argument("--merge", default="",
                         help="A.json,B.json,...: print the table of several runs' --json files (medians and ranges); runs nothing")
     args = parser.parse_args()

@@ -546,9 +546,9 @@ TEST(PsGrpcTest, AShardThatComesAndGoesEndsTheCallAtTheOverallBound) {
 }
 
 // A shard that comes back after a long silence (many failed connections: gRPC's reconnect back-off
-// and the client's at their caps) is found at the client's next retry, at most 2 s later. (In the
-// fault table's ps-async shard runs, across processes, the workers found their restarted shard 5-9 s
-// after it listened, which this in-process case does not reproduce: docs/BENCHMARKS.md.)
+// and the client's at their caps) is found at the client's next retry, at most 2 s later. (In one
+// process the server's threads poll for the client's connection too; across processes, where the
+// fault table found restarted shards 5-10 s late: PsRestartTest in ps_restart_test.cpp.)
 TEST(PsGrpcTest, AShardBackAfterALongSilenceIsFoundAtTheNextRetry) {
   const test::ReservedPort reserved;
   const std::string address = "127.0.0.1:" + std::to_string(reserved.port());

@@ -32,6 +32,21 @@ using Clock = std::chrono::steady_clock;
 // Back-off between attempts at an unavailable shard.
 constexpr auto kFirstBackoff = std::chrono::milliseconds(50);
 constexpr auto kMaxBackoff = std::chrono::milliseconds(2000);
+// gRPC's own back-off between connection attempts while the shard is unreachable (gRPC's default
+// grows to 2 minutes). A refused connection costs nothing; a shard that is back is then connected
+// to within this (+20% jitter) of its listening.
+constexpr auto kMaxReconnectBackoff = std::chrono::milliseconds(500);
+
+const char* stateName(grpc_connectivity_state state) {
+  switch (state) {
+    case GRPC_CHANNEL_IDLE: return "IDLE";
+    case GRPC_CHANNEL_CONNECTING: return "CONNECTING";
+    case GRPC_CHANNEL_READY: return "READY";
+    case GRPC_CHANNEL_TRANSIENT_FAILURE: return "TRANSIENT_FAILURE";
+    case GRPC_CHANNEL_SHUTDOWN: return "SHUTDOWN";
+  }
+  return "unknown";
+}
 
 // "60", "1.5": seconds as a person would write them.
 std::string seconds(double s) {
@@ -169,10 +184,8 @@ std::shared_ptr<grpc::Channel> makeChannel(const std::string& address, const Cli
   args.SetMaxSendMessageSize(-1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kHttp2MaxFrame);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kHttp2Window);
-  // gRPC's own reconnect back-off grows to 2 minutes; cap it at ours so that a shard that comes
-  // back is found within one of our retries.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, int(kFirstBackoff.count()));
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, int(kMaxBackoff.count()));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, int(kMaxReconnectBackoff.count()));
   return grpc::CreateCustomChannel(address, credentials, args);
 }
 
@@ -274,8 +287,9 @@ class GrpcClient : public ShardClient {
       const auto call = now - start;
       const std::string raise = "; raise --timeout (now " + seconds(timeout) + " s)";
       if (spell >= toDuration(timeout)) {
+        const std::string channel = answered ? "" : std::string(" (gRPC channel ") + stateName(channel_->GetState(false)) + ")";
         return Status::error(code, "ps shard " + address_ + (answered ? " refused the call for " : " unreachable for ") +
-                                       secondsSince(spellStart, now) + " s: " + status.error_message() + raise +
+                                       secondsSince(spellStart, now) + " s: " + status.error_message() + channel + raise +
                                        (answered ? " if its chief needs longer to start" :
                                                    " if it needs longer to come back"));
       }
@@ -290,8 +304,35 @@ class GrpcClient : public ShardClient {
                                     .callSeconds = std::chrono::duration<double>(call).count(),
                                     .spellSeconds = std::chrono::duration<double>(spell).count()});
       }
-      std::this_thread::sleep_for(std::min({backoff, toDuration(timeout) - spell, toDuration(bound) - call}));
+      const auto pause = std::min({backoff, toDuration(timeout) - spell, toDuration(bound) - call});
+      if (answered) {
+        std::this_thread::sleep_for(pause);
+      } else {
+        waitForConnection(Clock::now() + pause);
+      }
       backoff = std::min(backoff * 2, std::chrono::duration_cast<Clock::duration>(kMaxBackoff));
+    }
+  }
+
+  // Waits until the channel is connected (READY) or `until`, whichever comes first. Waiting on the
+  // channel's state, rather than sleeping, is what lets a connection attempt finish: gRPC learns
+  // that a connect() ended only while some thread polls the channel, and a call made in
+  // TRANSIENT_FAILURE fails at once without polling; with nobody waiting, only gRPC's backup
+  // poller (every 5 s) saw the restarted shard, which left workers 5-10 s behind it and once lost
+  // one (the fault table's ps-async shard row, docs/BENCHMARKS.md).
+  // A channel that is READY already (a call failed on a connection that still stands) is not
+  // waited on: that is a plain back-off, not a loop of immediate retries.
+  void waitForConnection(Clock::time_point until) const {
+    if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) {
+      std::this_thread::sleep_until(until);
+      return;
+    }
+    for (;;) {
+      const grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/true);
+      const auto left = until - Clock::now();
+      if (state == GRPC_CHANNEL_READY || left <= Clock::duration::zero()) return;
+      channel_->WaitForStateChange(
+          state, std::chrono::system_clock::now() + std::chrono::duration_cast<std::chrono::system_clock::duration>(left));
     }
   }
 

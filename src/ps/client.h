@@ -85,7 +85,9 @@ std::unique_ptr<ShardClient> makeFakeClient(std::shared_ptr<Shard> shard, std::s
 
 // A client of the shard at host:port. Calls that fail with UNAVAILABLE (the shard is down or
 // restarting, or not initialized yet) are retried with exponential back-off (50 ms doubling to
-// 2 s, from 50 ms again whenever the shard starts or stops answering). The window is per spell:
+// 2 s, from 50 ms again whenever the shard starts or stops answering). While the shard is
+// unreachable the back-off is spent waiting on the channel, which gRPC tries to connect at least
+// every 0.5 s: a shard that listens again is called within about that. The window is per spell:
 // a call gives up once the shard has been unreachable for timeoutSeconds since the first failure
 // after its last answer (or since the call began), or has refused it ("not initialized yet") for
 // timeoutSeconds in a row. So a call begun before a shard was killed gets a whole window for the
