@@ -4,8 +4,9 @@
     /usr/bin/python3 bench/replicas.py [--build build] [--runs 5] [--sections mirrored,hogwild,outer]
 
 mirrored: cnn on 2 cores, the same global batch (128): --strategy mirrored --replicas 2 (one
-          process, 2 replica threads of 1 intra-op thread) against 2 processes of allreduce (batch
-          64 each, 1 thread each) and one process with 2 intra-op threads; plus one single-threaded
+          process, 2 replica threads of 1 intra-op thread), split evenly and with --balance-shards
+          (its median largest shard is printed), against 2 processes of allreduce (batch 64 each,
+          1 thread each) and one process with 2 intra-op threads; plus one single-threaded
           worker at batch 64, whose double is the linear limit; two such workers run at once as
           independent processes (the machine's own ceiling for two workers); mirrored with one
           replica at batch 64 (the scheme's costs without a second thread). Median of alternating
@@ -96,6 +97,8 @@ def section_mirrored(args, tmp):
     # (name, processes, flags, intra-op threads); processes 0: two independent trainers at once.
     configs = [
         ("mirrored R=2, batch 128", 1, ["--strategy", "mirrored", "--replicas", "2", "--batch", "128"], "1"),
+        ("mirrored R=2 balanced, batch 128", 1,
+         ["--strategy", "mirrored", "--replicas", "2", "--batch", "128", "--balance-shards"], "1"),
         ("allreduce 2 processes, batch 64 each", 2, ["--strategy", "allreduce", "--batch", "64"], "1"),
         ("1 process, 2 intra-op threads, batch 128", 1, ["--batch", "128"], "2"),
         ("1 process, 1 thread, batch 64", 1, ["--batch", "64"], "1"),
@@ -107,6 +110,7 @@ def section_mirrored(args, tmp):
     rates = {name: [] for name, _, _, _ in configs}
     step_ms = {name: [] for name, _, _, _ in configs}
     parts = {name: {b: [] for b in BREAKDOWN} for name, _, _, _ in configs}  # per run: median ms per step
+    largest = {name: [] for name, _, _, _ in configs}  # --balance-shards: per run, the median largest shard
     for i in range(args.runs):
         for name, workers, flags, threads in configs:
             if workers == 0:
@@ -118,6 +122,8 @@ def section_mirrored(args, tmp):
                     fields = step_fields(tmp, [f"replica_{b}_s" for b in BREAKDOWN])
                     for b in BREAKDOWN:
                         parts[name][b].append(1000 * median(fields[f"replica_{b}_s"]))
+                if "--balance-shards" in flags:
+                    largest[name].append(median(step_fields(tmp, ["replica_largest_shard"])["replica_largest_shard"]))
             rates[name].append(d["samples_per_s"])
             step_ms[name].append(ms)
         print(f"  run {i + 1}: " + ", ".join(f"{n.split(',')[0]} {rates[n][-1]:.1f}" for n, _, _, _ in configs),
@@ -131,13 +137,16 @@ def section_mirrored(args, tmp):
             print("    per replica, median ms per step: " +
                   ", ".join(f"{b} {median(parts[n][b]):.2f}" for b in BREAKDOWN) +
                   f"; total {sum(median(parts[n][b]) for b in BREAKDOWN):.2f}", flush=True)
+        if largest[n]:
+            print(f"    largest shard, median per run: {', '.join(str(v) for v in largest[n])}", flush=True)
     names = [c[0] for c in configs]
-    if len(names) == 6:
-        mirrored, allreduce, intra, single, pair, _ = (m[n] for n in names)
-        print(f"mirrored / (2 x single-threaded worker) = {mirrored / (2 * single):.3f}; mirrored / allreduce = "
-              f"{mirrored / allreduce:.3f}x; mirrored / 2 intra-op threads = {mirrored / intra:.3f}x; "
-              f"2 independent trainers / (2 x single) = {pair / (2 * single):.3f}; mirrored / 2 independent "
-              f"trainers = {mirrored / pair:.3f}", flush=True)
+    if len(names) == 7:
+        mirrored, balanced, allreduce, intra, single, pair, _ = (m[n] for n in names)
+        for label, rate in (("mirrored", mirrored), ("mirrored balanced", balanced)):
+            print(f"{label} / (2 x single-threaded worker) = {rate / (2 * single):.3f}; {label} / allreduce = "
+                  f"{rate / allreduce:.3f}x; {label} / 2 intra-op threads = {rate / intra:.3f}x; {label} / 2 "
+                  f"independent trainers = {rate / pair:.3f}", flush=True)
+        print(f"2 independent trainers / (2 x single) = {pair / (2 * single):.3f}", flush=True)
 
 
 def section_hogwild(args, tmp):

@@ -15,6 +15,8 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 
 #include "rank_threads.h"
 #include "test_util.h"
@@ -227,6 +229,58 @@ TEST(Replicas, RefuseABatchSmallerThanTheReplicas) {
     FAIL() << "no error";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("a batch of 2 examples cannot be split over 3 replicas"), std::string::npos)
+        << e.what();
+  }
+}
+
+// --balance-shards: the last replica is made slow (it sleeps 3 ms per example of its shard, as a
+// core three times slower would; the sleep is its work, not a synchronization), so the split moves
+// the batch to the others within a few steps: the slow one keeps about the floor of max(1, n / 4R)
+// examples. The step still equals one process on the whole batch, the copies stay bit-identical.
+class BalancedShards : public ::testing::TestWithParam<std::tuple<Scheme, int>> {};
+
+TEST_P(BalancedShards, MoveExamplesFromASlowReplicaAndStillEqualOneProcess) {
+  const auto [scheme, R] = GetParam();
+  constexpr int64_t n = 16;
+  const Data d = batches(8, n);
+  const auto expected = trainAlone(d, 0.1);
+  auto net = smallNet(1);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  auto group = makeGroup(scheme, net, opt, {.replicas = R, .balance = true});
+  std::vector<std::vector<int64_t>> seen(d.x.size(), std::vector<int64_t>(size_t(R), 0));
+  for (size_t i = 0; i < d.x.size(); ++i) {
+    group->step(d.x[i], d.y[i], [&, i](int r, nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
+      seen[i][size_t(r)] = x.size(0);
+      if (r == R - 1) std::this_thread::sleep_for(std::chrono::milliseconds(3 * x.size(0)));
+      return kLoss(r, m, x, y);
+    });
+    int64_t total = 0;
+    for (int64_t examples : seen[i]) total += examples;
+    EXPECT_EQ(total, n) << "step " << i;
+    EXPECT_EQ(group->stats().lastShards, seen[i]) << "step " << i;
+  }
+  // The first step, before any measurement, is even.
+  for (int r = 0; r < R; ++r) EXPECT_LE(std::abs(seen[0][size_t(r)] - n / R), 1) << r;
+  const int64_t floor = std::max<int64_t>(1, n / (4 * R));
+  const auto& last = seen.back();
+  EXPECT_GE(last[size_t(R - 1)], floor);
+  EXPECT_LE(last[size_t(R - 1)], floor + 2) << "the slow replica kept " << last[size_t(R - 1)] << " of " << n;
+  EXPECT_LT(maxDifference(parametersOf(*net), expected), 1e-5);
+  for (int r = 1; r < R; ++r) EXPECT_TRUE(identical(parametersOf(group->replica(r)), parametersOf(*net))) << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Replicas, BalancedShards,
+                         ::testing::Values(std::make_tuple(Scheme::kMirrored, 2), std::make_tuple(Scheme::kMirrored, 3),
+                                           std::make_tuple(Scheme::kCentral, 2)));
+
+TEST(Replicas, HogwildRefusesBalance) {
+  auto net = smallNet(1);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  try {
+    Hogwild hogwild(net.ptr(), opt, {.replicas = 2, .balance = true});
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("balance applies to Mirrored and CentralStorage"), std::string::npos)
         << e.what();
   }
 }
@@ -456,6 +510,8 @@ TEST(ReplicasCli, BadInputIsOneLineErrors) {
       {"--strategy hogwild --replicas 2 --bucket-mb 1", "--bucket-mb does not apply to --strategy hogwild"},
       {"--strategy mirrored --replicas 2 --first-bucket-mb 1", "--first-bucket-mb does not apply to --strategy mirrored"},
       {"--strategy central --replicas 2 --bucket-mb 0", "--bucket-mb must be positive, got 0"},
+      {"--strategy hogwild --replicas 2 --balance-shards", "--balance-shards applies to --strategy mirrored and central only"},
+      {"--strategy allreduce --balance-shards", "--balance-shards applies to --strategy mirrored and central only"},
   };
   for (const auto& c : cases) {
     auto r = test::runCommand(test::cohortBinary() + " train --model mlp --data synthetic:64 --steps 1 --progress off " +
@@ -480,6 +536,19 @@ TEST(ReplicasCli, BucketMbSizesTheInMemoryBuckets) {
     ASSERT_EQ(small.exitCode, 0) << small.output;
     EXPECT_EQ(test::lastEvent(dir.file("small.jsonl"), "done")["buckets"], 6) << scheme;
   }
+}
+
+// --balance-shards reaches the replicas: every step event of mirrored names its largest shard.
+TEST(ReplicasCli, BalanceShardsReportsTheSplit) {
+  test::TempDir dir;
+  auto r = test::runCommand(test::cohortBinary() + " train --model mlp --data synthetic:64 --steps 3 --threads 1"
+                            " --progress off --batch 8 --replicas 2 --strategy mirrored --balance-shards --metrics " +
+                            dir.file("m.jsonl"), 120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto step = test::lastEvent(dir.file("m.jsonl"), "step");
+  ASSERT_TRUE(step.contains("replica_largest_shard")) << step.dump();
+  EXPECT_GE(step["replica_largest_shard"].get<int64_t>(), 4);
+  EXPECT_LE(step["replica_largest_shard"].get<int64_t>(), 7);
 }
 
 }  // namespace

@@ -22,7 +22,7 @@
 //   }
 //
 // step() owns the whole step: it splits the batch along its first dimension into R shards (sizes
-// differing by at most one), runs forward, loss and backward of each shard on its replica's thread,
+// differing by at most one, or with `balance` in proportion to the replicas' speeds), runs forward, loss and backward of each shard on its replica's thread,
 // and the optimizer. The loss function runs on a replica thread and must touch only its arguments.
 // The gradient is the shards' gradients weighted by their sizes: for Mirrored and CentralStorage a
 // step equals one step of a single process on the whole batch.
@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 namespace cohort {
 
@@ -60,6 +61,13 @@ struct ReplicaOptions {
   // across processes) allreduced with the other processes as soon as it is summed.
   double bucketMb = 4.0;
   bool overlap = true;
+  // Mirrored and CentralStorage: split each batch in proportion to the replicas' measured speeds
+  // (their forward and backward time per example over recent steps, smoothed) instead of evenly,
+  // so that a replica on a slower core does not hold the others at the sums; every replica keeps at
+  // least max(1, batch / 4R) examples. A step still equals one step on the whole batch (each shard's
+  // gradient is weighted by its size) and the replicas stay bit-identical, but the split, and so
+  // the rounding of the sums, depends on timing: two runs are no longer bit for bit the same.
+  bool balance = false;
   std::chrono::milliseconds timeout{60000};  // every wait of one replica for another
 };
 
@@ -76,6 +84,7 @@ struct ReplicaTimes {
 
 struct ReplicaStats {
   int64_t steps = 0;
+  std::vector<int64_t> lastShards;  // the last step's examples per replica
   int64_t bytesReduced = 0;      // gradient bytes summed in memory (Mirrored, CentralStorage)
   int64_t buckets = 0;           // the buckets the sums go in (Mirrored, CentralStorage)
   // Replica threads' time waiting for each other (at the sums, for the allreduces, for the last

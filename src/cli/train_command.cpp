@@ -105,8 +105,12 @@ int restartCountFromEnvironment() {
 
 // --bucket-mb is allreduce's and the in-memory sums' of mirrored and central (each scheme keeps its
 // own default); hogwild sums nothing and mirrored/central have no small first bucket.
+// --balance-shards is mirrored's and central's alone (their replicas meet at the sums).
 void applyBucketOptions(StrategyOptions& s, bool bucketGiven, bool firstBucketGiven) {
   const bool inProcess = s.name == "mirrored" || s.name == "central" || s.name == "hogwild";
+  COHORT_CHECK(!s.inProcess.balance || s.name == "mirrored" || s.name == "central", InvalidArgument,
+               "--balance-shards applies to --strategy mirrored and central only, not ", s.name,
+               ": drop --balance-shards");
   COHORT_CHECK(!(bucketGiven && s.name == "hogwild"), InvalidArgument,
                "--bucket-mb does not apply to --strategy hogwild: its threads sum no gradients; drop --bucket-mb");
   COHORT_CHECK(!(firstBucketGiven && inProcess), InvalidArgument, "--first-bucket-mb does not apply to --strategy ",
@@ -195,6 +199,11 @@ Run addTrainCommand(CLI::App& app) {
   train->add_flag("--no-overlap{false}", o.strategy.allreduce.overlap,
                   "allreduce, mirrored, central: launch every allreduce (mirrored, central: every in-memory sum, "
                   "and mirrored's allreduce across processes) after backward instead of during it")->group(dp);
+  train->add_flag("--balance-shards", o.strategy.inProcess.balance,
+                  "mirrored, central: split each batch over the replica threads in proportion to their measured "
+                  "speed (forward and backward time per example, smoothed over steps) instead of evenly, so a "
+                  "replica on a slower core does not hold the others at the sums; the step still equals one on the "
+                  "whole batch, but runs are no longer bit-reproducible")->group(dp);
   train->add_option("--period", o.strategy.average.period, "average: average the parameters every K steps")
       ->group(dp)->capture_default_str();
   train->add_flag("--average-optimizer-state", o.strategy.average.averageOptimizerState,

@@ -22,6 +22,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <exception>
@@ -92,6 +93,7 @@ struct ReplicaGroup::Impl {
     double waitSeconds = 0;
     ReplicaTimes times;
     double hookSeconds = 0;  // this step's time in the gradient hooks, taken out of backward
+    double computeSeconds = 0;  // this step's forward and backward, less the hooks
     Clock::time_point endedAt;  // when the thread ended its part of the step
   };
 
@@ -103,6 +105,12 @@ struct ReplicaGroup::Impl {
   std::vector<Replica> replicas;
   std::vector<std::unique_ptr<Bucket>> buckets;
   std::vector<std::pair<size_t, size_t>> slotOf;  // param -> (bucket, index in bucket)
+  // With options.balance: each replica's forward and backward seconds per example, smoothed over
+  // the steps (0 until measured), and the split in use for batches of balancedFor examples. Read
+  // and written by step() only, between steps.
+  std::vector<double> secondsPerExample;
+  std::vector<int64_t> balanced;
+  int64_t balancedFor = 0;
 
   // The step under way, set by step() before the threads start.
   const ShardLoss* lossFn = nullptr;
@@ -290,12 +298,14 @@ struct ReplicaGroup::Impl {
     }
     self.nextToSum = 0;
     self.hookSeconds = 0;
+    self.computeSeconds = 0;
     if (x.size(0) > 0) {
-      auto start = Clock::now();
+      const auto forwardStart = Clock::now();
       torch::Tensor value = (*lossFn)(int(r), *self.module, x, shardTargets[r]);
       self.loss = value.item<double>();
-      self.times.forward += secondsSince(start);
-      start = Clock::now();
+      const double forward = secondsSince(forwardStart);
+      self.times.forward += forward;
+      const auto start = Clock::now();
       self.inBackward = true;
       try {
         value.backward();
@@ -304,7 +314,9 @@ struct ReplicaGroup::Impl {
         throw;
       }
       self.inBackward = false;
-      self.times.backward += secondsSince(start) - self.hookSeconds;
+      const double backward = secondsSince(start) - self.hookSeconds;
+      self.times.backward += backward;
+      self.computeSeconds = forward + backward;
     }
     // Parameters that got no gradient (and a replica without examples) contribute zeros.
     const auto zeroStart = Clock::now();
@@ -392,6 +404,78 @@ struct ReplicaGroup::Impl {
     if (conflict) ++stats.conflicts;
   }
 
+  // The examples of each replica in a batch of n (n >= R). Even (sizes differing by at most one),
+  // or with options.balance, once every replica has been measured, in proportion to its speed
+  // (1 / secondsPerExample) in units of g = max(1, n / 32) examples, each at least max(1, n / 4R)
+  // examples. Every new shard size costs oneDNN a new primitive (its kernels generated at the
+  // first call), so the split changes only when its predicted step (the slowest shard's time)
+  // is more than kGain shorter than the current split's: for a steady speed gap it settles on one.
+  std::vector<int64_t> shardSizes(int64_t n) {
+    constexpr double kGain = 0.03;
+    const size_t R = replicas.size();
+    std::vector<int64_t> even(R);
+    for (size_t r = 0; r < R; ++r) even[r] = n / int64_t(R) + (int64_t(r) < n % int64_t(R) ? 1 : 0);
+    if (!options.balance) return even;
+    double speedSum = 0;
+    for (double s : secondsPerExample) {
+      if (s <= 0) return even;
+      speedSum += 1.0 / s;
+    }
+    const int64_t g = std::max<int64_t>(1, n / 32), units = n / g, rest = n % g;
+    const int64_t least = std::max<int64_t>(1, units / (4 * int64_t(R)));
+    std::vector<double> target(R);
+    std::vector<int64_t> count(R);
+    int64_t total = 0;
+    for (size_t r = 0; r < R; ++r) {
+      target[r] = double(units) / secondsPerExample[r] / speedSum;
+      count[r] = std::max(least, int64_t(target[r]));
+      total += count[r];
+    }
+    // Rounding and the floor: give to whoever is furthest below its target, take from whoever
+    // is furthest above it (never below the floor).
+    while (total != units) {
+      size_t pick = R;
+      for (size_t r = 0; r < R; ++r) {
+        if (total > units && count[r] <= least) continue;
+        const double gap = target[r] - double(count[r]);
+        if (pick == R || (total < units ? gap > target[pick] - double(count[pick]) : gap < target[pick] - double(count[pick]))) {
+          pick = r;
+        }
+      }
+      const int64_t change = total < units ? 1 : -1;
+      count[pick] += change;
+      total += change;
+    }
+    std::vector<int64_t> candidate(R);
+    for (size_t r = 0; r < R; ++r) candidate[r] = count[r] * g + (int64_t(r) < rest ? 1 : 0);
+    auto predicted = [&](const std::vector<int64_t>& sizes) {
+      double slowest = 0;
+      for (size_t r = 0; r < R; ++r) slowest = std::max(slowest, double(sizes[r]) * secondsPerExample[r]);
+      return slowest;
+    };
+    if (balancedFor == 0) {
+      balancedFor = n;
+      balanced = even;
+    }
+    if (n != balancedFor) {  // another batch size (an epoch's last batch): the split kept is for balancedFor
+      return predicted(candidate) < (1 - kGain) * predicted(even) ? candidate : even;
+    }
+    if (predicted(candidate) < (1 - kGain) * predicted(balanced)) balanced = candidate;
+    return balanced;
+  }
+
+  // After a step with options.balance: smooths each replica's measured time per example.
+  void measureSpeeds() {
+    constexpr double kWeight = 0.3;  // of the newest step
+    for (size_t r = 0; r < replicas.size(); ++r) {
+      const int64_t examples = shardInputs[r].size(0);
+      if (examples == 0 || replicas[r].computeSeconds <= 0) continue;
+      const double measured = replicas[r].computeSeconds / double(examples);
+      double& s = secondsPerExample[r];
+      s = s <= 0 ? measured : (1 - kWeight) * s + kWeight * measured;
+    }
+  }
+
   void threadMain(size_t r) {
     // ATen sets a thread's OpenMP count to the process-wide at::set_num_threads value at the
     // thread's first parallel operation (at::internal::lazy_init_num_threads, once per thread),
@@ -432,8 +516,11 @@ ReplicaGroup::ReplicaGroup(Kind kind, const Job* job, std::shared_ptr<torch::nn:
   COHORT_CHECK(options.replicas >= 1, InvalidArgument, s.who, ": replicas must be at least 1, got ", options.replicas);
   COHORT_CHECK(options.bucketMb > 0, InvalidArgument, s.who, ": bucketMb must be positive, got ", options.bucketMb);
   COHORT_CHECK(options.timeout.count() > 0, InvalidArgument, s.who, ": the timeout must be positive");
+  COHORT_CHECK(!(options.balance && kind == Kind::kHogwild), InvalidArgument, s.who,
+               ": balance applies to Mirrored and CentralStorage, whose replicas meet at the sums; Hogwild's do not");
   s.options = options;
   const size_t R = size_t(options.replicas);
+  s.secondsPerExample.assign(R, 0.0);
 
   std::vector<std::pair<std::string, torch::Tensor>> named;
   for (auto& [name, p] : uniqueParameters(*model)) {
@@ -561,9 +648,10 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
   COHORT_CHECK(targets.size(0) == n, InvalidArgument, s.who, ": ", n, " inputs but ", targets.size(0), " targets");
   s.shardInputs.clear();
   s.shardTargets.clear();
+  const std::vector<int64_t> sizes = s.shardSizes(n);
   int64_t offset = 0;
   for (int r = 0; r < R; ++r) {
-    const int64_t size = n / R + (r < n % R ? 1 : 0);
+    const int64_t size = sizes[size_t(r)];
     s.shardInputs.push_back(inputs.narrow(0, offset, size));
     s.shardTargets.push_back(targets.narrow(0, offset, size));
     s.replicas[size_t(r)].weight = double(size) / double(n);
@@ -641,7 +729,9 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
   }
   double total = 0;
   for (auto& replica : s.replicas) total += replica.weight * replica.loss;
+  if (s.options.balance) s.measureSpeeds();
   ++s.stats.steps;
+  s.stats.lastShards = sizes;
   if (s.sumsGradients()) {
     for (auto& bucket : s.buckets) s.stats.bytesReduced += bucket->numel * int64_t(sizeof(float)) * R;
   }

@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 
 namespace cohort {
@@ -56,6 +57,11 @@ StepStats ReplicaStrategy::step(const Batch& batch, const LossFn& loss) {
   stats.extra.emplace_back("replica_sum_s", after.times.sum - before.times.sum);
   stats.extra.emplace_back("replica_optimizer_s", after.times.optimizer - before.times.optimizer);
   stats.extra.emplace_back("replica_wait_s", after.waitSeconds - before.waitSeconds);
+  if (options_.balance && !after.lastShards.empty()) {
+    // The split of this step's batch: the largest shard's examples.
+    stats.extra.emplace_back("replica_largest_shard",
+                             *std::max_element(after.lastShards.begin(), after.lastShards.end()));
+  }
   if (name_ == "hogwild") {
     const int64_t updates = after.updates - before.updates;
     stats.extra.emplace_back("staleness", updates > 0 ? (after.stalenessSum - before.stalenessSum) / double(updates) : 0.0);
