@@ -915,7 +915,7 @@ TEST(PsFrameTest, FramedPushesEqualProtobufPushes) {
   const auto pieces = largePieces();
   for (const char* optimizer : {"sgd", "momentum", "adam"}) {
     for (const bool fake : {false, true}) {
-     for (const size_t chunkBytes : {size_t(0), kDefaultPushChunkBytes}) {
+     for (const size_t chunkBytes : {size_t(0), size_t(1) << 20}) {
       SCOPED_TRACE(std::string(optimizer) + (fake ? " over the fake transport" : " over gRPC") +
                    (chunkBytes == 0 ? ", one message" : ", streamed"));
       TestServer protobufServer, framedServer;
@@ -1174,17 +1174,17 @@ std::vector<ModeCase> modeCases() {
 TEST(PsStreamTest, StreamedPushesEqualOneMessagePushesInEveryMode) {
   const auto pieces = largePieces();
   for (const auto& mode : modeCases()) {
-    // Chunks of one piece each (1 MB), of several (2 MB: bias and the first large piece), and
-    // over the fake transport, whose messages arrive cut into uneven bits.
+    // Chunks of one piece each (1 MB), of several (1.5 MB: bias and the first large piece), and
+    // over the fake transport, whose messages arrive cut into uneven bits (the push is 1.8 MB).
     for (const int transport : {0, 1, 2}) {
       SCOPED_TRACE(std::string(mode.name) + (transport == 2 ? ", fake transport" : ", gRPC, chunks of ") +
-                   (transport == 0 ? "1 MB" : transport == 1 ? "2 MB" : ""));
+                   (transport == 0 ? "1 MB" : transport == 1 ? "1.5 MB" : ""));
       TestServer unaryServer, streamServer;
       auto unary = unaryServer.client({.timeoutSeconds = 5, .quiet = true, .pushChunkBytes = 0});
       auto streamed = transport == 2 ? makeFakeClient(std::make_shared<Shard>(ShardOptions{.log = [](const std::string&) {}}),
                                                       "fake", size_t(700) << 10)
                                      : streamServer.client({.timeoutSeconds = 5, .quiet = true,
-                                                            .pushChunkBytes = size_t(transport + 1) << 20});
+                                                            .pushChunkBytes = (size_t(2 + transport) << 20) / 2});
       const auto start = randomValues(pieces, 7);
       wire::InitReply initReply;
       ASSERT_TRUE(unary->init(initOf(mode.policy, pieces, start), &initReply).ok());
@@ -1375,6 +1375,21 @@ TEST(PsStreamTest, AStreamCutOffByTheWorkerChangesNothing) {
   EXPECT_EQ(stats.applied(), 1);
   EXPECT_EQ(stats.version(), 1u);
   EXPECT_LE(stats.rejected(), 1);
+}
+
+// A push no larger than one chunk goes as one message: a stream would have nothing to overlap.
+// (The pushes of the tests above, 1.8 MB, stream under their chunks of 1 to 1.5 MB.)
+TEST(PsStreamTest, OnlyAPushOfMoreThanOneChunkStreams) {
+  const auto pieces = largePieces();  // 1800032 bytes in all
+  const auto grads = randomValues(pieces, 4);
+  const auto push = framedPush(protobufPush(pieces, grads, 0), grads);
+  EXPECT_FALSE(pushStreams(push, kDefaultPushChunkBytes));
+  EXPECT_FALSE(pushStreams(push, 1800032));
+  EXPECT_TRUE(pushStreams(push, 1800031));
+  EXPECT_TRUE(pushStreams(push, size_t(1) << 20));
+  EXPECT_TRUE(pushStreams(push, (size_t(3) << 20) / 2));
+  EXPECT_TRUE(pushStreams(push, size_t(700) << 10));
+  EXPECT_FALSE(pushStreams(push, 0));
 }
 
 // The client's streamed push keeps the shard's authentication.

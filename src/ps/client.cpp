@@ -142,7 +142,7 @@ class FakeClient : public ShardClient {
 
   // Through the frames' bytes both ways, cut into chunks as a transport would deliver them.
   Status pushFramed(const FramedPush& push, std::span<const FrameTarget> into, wire::PushReply* reply) override {
-    if (pushChunkBytes_ > 0) return pushStream(push, into, reply);
+    if (pushStreams(push, pushChunkBytes_)) return pushStream(push, into, reply);
     std::string sent = frameHead(push.request);
     for (const auto& v : push.payload) sent.append(reinterpret_cast<const char*>(v.data()), v.size_bytes());
     wire::PushRequest request;
@@ -263,7 +263,7 @@ class GrpcClient : public ShardClient {
   Status pushFramed(const FramedPush& push, std::span<const FrameTarget> into, wire::PushReply* reply) override {
     IncomingFrame in;
     Status status;
-    if (options_.pushChunkBytes > 0) {
+    if (pushStreams(push, options_.pushChunkBytes)) {
       // A retry sends the whole push again (the shard drops a duplicate by its clock).
       const std::vector<OutgoingFrame> frames = streamFrames(push, options_.pushChunkBytes);
       status = retrying([&](grpc::ClientContext* context) {
@@ -395,6 +395,13 @@ class GrpcClient : public ShardClient {
 };
 
 }  // namespace
+
+bool pushStreams(const FramedPush& push, size_t chunkBytes) {
+  if (chunkBytes == 0) return false;
+  size_t bytes = 0;
+  for (const auto& v : push.payload) bytes += v.size_bytes();
+  return bytes > chunkBytes;
+}
 
 void keepFreedMemory() {
   ::mallopt(M_MMAP_MAX, 0);

@@ -77,11 +77,17 @@ struct ClientOptions {
   // Called (from the calling thread) after each attempt that failed with UNAVAILABLE, before the
   // back-off, when the call will be retried; tests wait on it instead of sleeping.
   std::function<void(const RetryEvent&)> onRetry;
-  // A zero-copy push goes as a stream of chunks of whole pieces, each of at most this many bytes
-  // (a larger piece alone), which the shard checks as they arrive (the PushStream call); 0: as one
-  // message (the PushFramed call).
+  // A zero-copy push of more than this many bytes goes as a stream of chunks of whole pieces, each
+  // of at most this many bytes (a larger piece alone), which the shard checks as they arrive (the
+  // PushStream call); a smaller push, or any push when 0, goes as one message (PushFramed).
   size_t pushChunkBytes = kDefaultPushChunkBytes;
 };
+
+// Whether both clients send `push` as a stream (PushStream) under ClientOptions::pushChunkBytes:
+// only when it is more than one chunk. A push that fits in one has nothing to overlap, and the
+// stream's extra message and per-message waits made the cnn's 2.2 MB pushes slower
+// (docs/BENCHMARKS.md, "The streamed push").
+bool pushStreams(const FramedPush& push, size_t chunkBytes);
 
 // Pushes and pulls allocate and free buffers of tens of MB every step; glibc serves each from a
 // fresh mmap and unmaps it on free, so every byte costs a page fault, twice a step. This makes
