@@ -5,8 +5,9 @@
                                   [--models cnn,mlp] [--shards 1,2]
 
 rate:       cnn and mlp, 2 workers x 1 thread, batch 64, with 1 and 2 shards: samples/s of
-            ps sync, sync --backup-workers 1, async, softsync 2, ssp 2 against allreduce, alternating
-            runs (median); where the time went (compute, waiting on the shards, bytes per step).
+            ps sync, sync --backup-workers 1, async (and async with each push as one message:
+            --ps-push-chunk-mb 0), softsync 2, ssp 2 against allreduce, alternating runs (median,
+            and every run); where the time went (compute, waiting on the shards, bytes per step).
 accuracy:   test accuracy after 2 epochs of each mode (1 shard; mlp and cnn): best per epoch, and
             samples/s: best per second.
 bandwidth:  push+pull of one shard for a 58.4 MB model (14.6M floats) against raw loopback TCP.
@@ -27,6 +28,8 @@ MODES = [("allreduce", ["--strategy", "allreduce"]),
          ("ps sync", ["--strategy", "ps", "--ps-mode", "sync"]),
          ("ps sync backup 1", ["--strategy", "ps", "--ps-mode", "sync", "--backup-workers", "1"]),
          ("ps async", ["--strategy", "ps", "--ps-mode", "async"]),
+         # The push as one message (PushFramed) instead of the default stream of chunks (PushStream).
+         ("ps async one message", ["--strategy", "ps", "--ps-mode", "async", "--ps-push-chunk-mb", "0"]),
          ("ps softsync 2", ["--strategy", "ps", "--ps-mode", "softsync", "--softsync", "2"]),
          ("ps ssp 2", ["--strategy", "ps", "--ps-mode", "ssp", "--staleness-bound", "2"])]
 
@@ -74,7 +77,8 @@ def section_rate(args, tmp):
                 print(f"  {name:18s} {rate:8.1f} samples/s  {rate / base:5.2f}x allreduce   step "
                       f"{median([d['step_ms'] for d in r]):6.1f} ms = compute {median([d['compute_ms'] for d in r]):6.1f}"
                       f" + waiting {median([d['wait_ms'] for d in r]):6.1f} ms, {median([d['mb_per_step'] for d in r]):.2f}"
-                      f" MB/step", flush=True)
+                      f" MB/step; runs (samples/s, in order): {', '.join('%.1f' % d['samples_per_s'] for d in r)}",
+                      flush=True)
 
 
 def section_accuracy(args, tmp):

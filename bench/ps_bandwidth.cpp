@@ -1,15 +1,18 @@
 // Push+pull bandwidth of one parameter-server shard against raw loopback TCP, in separate
 // processes, on the same payload: Strom's 14.6M-parameter model (58.4 MB of float32).
 //
-//   ps_bandwidth [MILLIONS_OF_FLOATS] [ROUNDS] [protobuf]
+//   ps_bandwidth [MILLIONS_OF_FLOATS] [ROUNDS] [stream | framed | protobuf]
 //
-// Prints one JSON line per transport: {"transport": "tcp" | "grpc" | "grpc_protobuf", "mb": ...,
-// "gb_per_s": ...}, counting the bytes that went both ways (a push of the gradient, the parameters
-// back): raw TCP first, then "grpc", the zero-copy path workers take (PushFramed, ps/frame.h: the
-// gradient sent from its own memory, the reply's floats copied straight into the parameters), or
-// with `protobuf` "grpc_protobuf", the protobuf Push call with the same payload (the request built
-// once, the reply left in the message), as before the zero-copy path. One gRPC measurement per
-// process: the shard is forked, and a process cannot fork once gRPC's threads run.
+// Prints one JSON line per transport: {"transport": "tcp" | "grpc_stream" | "grpc" |
+// "grpc_protobuf", "mb": ..., "gb_per_s": ...}, counting the bytes that went both ways (a push of
+// the gradient, the parameters back): raw TCP first, then one gRPC path. `stream` (the default,
+// what workers do unless --ps-push-chunk-mb 0): the zero-copy push as a stream of chunks of whole
+// pieces (PushStream), each checked by the shard while the next arrives; `framed` ("grpc"): the
+// same push as one message (PushFramed, ps/frame.h); either way the gradient is sent from its own
+// memory and the reply's floats are copied straight into the parameters. `protobuf`: the protobuf
+// Push call with the same payload (the request built once, the reply left in the message), as
+// before the zero-copy path. One gRPC measurement per process: the shard is forked, and a process
+// cannot fork once gRPC's threads run.
 #include "ps/client.h"
 #include "ps/layout.h"
 #include "ps/service.h"
@@ -104,7 +107,7 @@ double rawTcp(size_t bytes, int rounds) {
 
 // A shard in its own process (async, plain SGD) and a worker pushing a gradient and getting the
 // parameters back in the reply, as `--strategy ps` does every step.
-double grpcShard(size_t floats, int rounds, bool framed) {
+double grpcShard(size_t floats, int rounds, bool framed, size_t chunkBytes) {
   int port = 0;
   ::close(listenOn(&port));  // a free port
   const std::string address = "127.0.0.1:" + std::to_string(port);
@@ -116,7 +119,7 @@ double grpcShard(size_t floats, int rounds, bool framed) {
     std::_Exit(runShardServer(options));
   }
   keepFreedMemory();
-  auto client = makeGrpcClient(address, ClientOptions{.timeoutSeconds = 60, .quiet = true});
+  auto client = makeGrpcClient(address, ClientOptions{.timeoutSeconds = 60, .quiet = true, .pushChunkBytes = chunkBytes});
   // The model as the worker's layout sends it: pieces of at most ps::kMaxPieceElements.
   std::vector<wire::PieceSpec> pieces;
   for (size_t at = 0; at < floats; at += kMaxPieceElements) {
@@ -195,14 +198,15 @@ int main(int argc, char** argv) {
   const int rounds = argc > 2 ? std::atoi(argv[2]) : 10;
   const size_t floats = size_t(millions * 1e6);
   const double mb = double(floats * sizeof(float)) / 1e6;
-  std::printf("{\"transport\": \"tcp\", \"mb\": %.1f, \"gb_per_s\": %.3f}\n", mb, rawTcp(floats * sizeof(float), rounds));
-  std::fflush(stdout);
-  const bool protobuf = argc > 3 && std::string(argv[3]) == "protobuf";
-  if (argc > 3 && !protobuf) {
-    std::fprintf(stderr, "ps_bandwidth: unknown argument '%s': the third is `protobuf` or nothing\n", argv[3]);
+  const std::string path = argc > 3 ? argv[3] : "stream";
+  if (path != "stream" && path != "framed" && path != "protobuf") {
+    std::fprintf(stderr, "ps_bandwidth: unknown argument '%s': the third is stream, framed or protobuf\n", argv[3]);
     return 2;
   }
-  std::printf("{\"transport\": \"%s\", \"mb\": %.1f, \"gb_per_s\": %.3f}\n", protobuf ? "grpc_protobuf" : "grpc", mb,
-              grpcShard(floats, rounds, !protobuf));
+  std::printf("{\"transport\": \"tcp\", \"mb\": %.1f, \"gb_per_s\": %.3f}\n", mb, rawTcp(floats * sizeof(float), rounds));
+  std::fflush(stdout);
+  const char* name = path == "stream" ? "grpc_stream" : path == "framed" ? "grpc" : "grpc_protobuf";
+  std::printf("{\"transport\": \"%s\", \"mb\": %.1f, \"gb_per_s\": %.3f}\n", name, mb,
+              grpcShard(floats, rounds, path != "protobuf", path == "stream" ? kDefaultPushChunkBytes : 0));
   return 0;
 }

@@ -1,7 +1,10 @@
 // libFuzzer target: arbitrary bytes as a framed push (ps/frame.h, the PushFramed call), cut into
 // chunks as gRPC's slices would deliver them, through parseFrame, checkFramedTensors and a live
-// Shard's pushFramed. A frame comes from anyone who can reach the shard (and holds the token), so
-// none may crash it or leave a non-finite value in it. Built by fuzz/CMakeLists.txt; run by the
+// Shard's pushFramed; or (first byte >= 128) as the chunk messages of a streamed push (the
+// PushStream call) after a valid header, through parseFrame and the Shard's beginStream, addChunk
+// and finishStream. A frame comes from anyone who can reach the shard (and holds the token), so
+// none may crash it or leave a non-finite value in it, and a stream that is refused anywhere must
+// leave the parameters bit for bit as they were. Built by fuzz/CMakeLists.txt; run by the
 // ps_frame_fuzz test on the seeds in fuzz/frame_corpus (written by fuzz/ps_frame_seeds.py).
 #include "ps/frame.h"
 #include "ps/shard.h"
@@ -13,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -64,19 +68,83 @@ Shard& shard() {
   return *instance;
 }
 
+// Bytes cut into chunks of chunkSize (the last shorter), each copied to its own allocation, so
+// that reads past a chunk are caught.
+struct Cut {
+  std::vector<std::vector<uint8_t>> owned;
+  std::vector<std::span<const uint8_t>> chunks;
+  Cut(const uint8_t* data, size_t size, size_t chunkSize) {
+    for (size_t at = 0; at < size; at += chunkSize) owned.emplace_back(data + at, data + std::min(size, at + chunkSize));
+    for (const auto& c : owned) chunks.emplace_back(c.data(), c.size());
+  }
+};
+
+std::vector<float> shardValues() {
+  wire::PullRequest request;
+  request.set_protocol(kProtocolVersion);
+  wire::PullReply reply;
+  if (!shard().pull(request, &reply).ok()) fail("the fuzz shard refused a pull");
+  std::vector<float> out;
+  for (const auto& t : reply.values()) appendFloats(t, out);
+  return out;
+}
+
+// A streamed push: a valid header, then the messages of `data`, each a u16 little-endian length
+// and that many bytes (a frame whose header should be a PushChunk), the last one cut short by the
+// input's end. Refused anywhere: the parameters are bit for bit as before.
+void streamedPush(const uint8_t* data, size_t size, size_t chunkSize) {
+  wire::PushRequest request;
+  request.set_protocol(kProtocolVersion);
+  request.set_worker(0);
+  request.set_samples(8);
+  request.set_want_values(true);
+  for (const auto& piece : pieces()) {
+    auto* t = request.add_values();
+    t->set_key(piece.key());
+    t->set_numel(piece.numel());
+    t->set_dtype(wire::FLOAT32);
+  }
+  const std::vector<float> before = shardValues();
+  std::unique_ptr<Shard::Stream> stream;
+  if (!shard().beginStream(request, &stream).ok()) fail("the fuzz shard refused a valid stream header");
+  std::vector<Cut> messages;  // every message's bytes live until finishStream, as the service keeps them
+  bool refused = false;
+  for (size_t at = 0; at + 2 <= size && !refused;) {
+    const size_t length = std::min<size_t>(size_t(data[at]) | size_t(data[at + 1]) << 8, size - at - 2);
+    messages.emplace_back(data + at + 2, length, chunkSize);
+    at += 2 + length;
+    wire::PushChunk chunk;
+    FramePayload payload;
+    refused = !parseFrame(messages.back().chunks, &chunk, &payload, "push chunk").ok() ||
+              !shard().addChunk(*stream, chunk, payload).ok();
+  }
+  wire::PushReply reply;
+  std::vector<float> values;
+  if (!refused && shard().finishStream(*stream, &reply, &values).ok()) {
+    for (const float v : values) {
+      if (!std::isfinite(v)) fail("the shard holds a non-finite value after a streamed push");
+    }
+    return;
+  }
+  const std::vector<float> after = shardValues();
+  if (after.size() != before.size() || std::memcmp(after.data(), before.data(), after.size() * sizeof(float)) != 0) {
+    fail("a refused stream changed the parameters");
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
-  // The first byte chooses the chunk size (1..256 bytes, the last chunk shorter), the rest is the
-  // frame. Each chunk is copied to its own allocation, so that reads past a chunk are caught.
-  const size_t chunkSize = size_t(data[0]) + 1;
-  std::vector<std::vector<uint8_t>> owned;
-  std::vector<std::span<const uint8_t>> chunks;
-  for (size_t at = 1; at < size; at += chunkSize) {
-    owned.emplace_back(data + at, data + std::min(size, at + chunkSize));
+  // The first byte chooses the mode (its top bit: a stream) and the chunk size (its low 7 bits:
+  // 1..128 bytes), the rest is the frame or the stream's messages.
+  const size_t chunkSize = size_t(data[0] & 0x7f) + 1;
+  if (data[0] & 0x80) {
+    streamedPush(data + 1, size - 1, chunkSize);
+    return 0;
   }
-  for (const auto& c : owned) chunks.emplace_back(c.data(), c.size());
+  Cut cut(data + 1, size - 1, chunkSize);
+  const auto& chunks = cut.chunks;
 
   wire::PushRequest request;
   FramePayload payload;

@@ -915,11 +915,14 @@ TEST(PsFrameTest, FramedPushesEqualProtobufPushes) {
   const auto pieces = largePieces();
   for (const char* optimizer : {"sgd", "momentum", "adam"}) {
     for (const bool fake : {false, true}) {
-      SCOPED_TRACE(std::string(optimizer) + (fake ? " over the fake transport" : " over gRPC"));
+     for (const size_t chunkBytes : {size_t(0), size_t(1) << 20}) {
+      SCOPED_TRACE(std::string(optimizer) + (fake ? " over the fake transport" : " over gRPC") +
+                   (chunkBytes == 0 ? ", one message" : ", streamed"));
       TestServer protobufServer, framedServer;
       auto fakeShard = std::make_shared<Shard>(ShardOptions{.log = [](const std::string&) {}});
       auto protobufClient = protobufServer.client();
-      auto framedClient = fake ? makeFakeClient(fakeShard) : framedServer.client();
+      auto framedClient = fake ? makeFakeClient(fakeShard, "fake", chunkBytes)
+                               : framedServer.client({.timeoutSeconds = 5, .quiet = true, .pushChunkBytes = chunkBytes});
       auto policy = asyncPolicy();
       policy.set_optimizer(optimizer);
       policy.set_momentum(0.9);
@@ -954,6 +957,7 @@ TEST(PsFrameTest, FramedPushesEqualProtobufPushes) {
       EXPECT_EQ(f.rejected(), 0);
       EXPECT_EQ(f.bytes_pushed(), p.bytes_pushed());
       EXPECT_EQ(f.bytes_pulled(), p.bytes_pulled());
+     }
     }
   }
 }
@@ -1116,6 +1120,296 @@ TEST(PsFrameTest, AFramedPushNeedsTheToken) {
   ASSERT_TRUE(s.ok()) << s.message;
   EXPECT_EQ(targets.all(), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
   EXPECT_EQ(statsOf(*right).unauthenticated(), 1);
+}
+
+
+// ---- The streamed push (PushStream: a chunk of whole pieces per message) ----
+
+struct ModeCase {
+  const char* name;
+  wire::Policy policy;
+  int workers;
+};
+
+// The ps modes and staleness remedies, each with a policy under which pushes from one thread never
+// wait on another worker: sync with one worker, or with a backup worker (a step closes on the
+// first gradient, the other worker's comes late); ssp whose bound the round-robin pushes keep.
+std::vector<ModeCase> modeCases() {
+  std::vector<ModeCase> out;
+  auto with = [](const char* mode, int workers, const char* optimizer) {
+    wire::Policy p = asyncPolicy();
+    p.set_mode(mode);
+    p.set_workers(uint32_t(workers));
+    p.set_optimizer(optimizer);
+    p.set_momentum(0.9);
+    p.set_lr(0.01);
+    return p;
+  };
+  out.push_back({"async sgd", with("async", 2, "sgd"), 2});
+  out.push_back({"async momentum", with("async", 2, "momentum"), 2});
+  out.push_back({"async adam", with("async", 2, "adam"), 2});
+  auto remedies = with("async", 3, "momentum");
+  remedies.set_staleness_lr("inverse");
+  remedies.set_max_staleness(2);
+  out.push_back({"async, staleness_lr inverse, max_staleness 2", remedies, 3});
+  auto softsync = with("softsync", 2, "sgd");
+  softsync.set_softsync(2);
+  out.push_back({"softsync 2", softsync, 2});
+  out.push_back({"sync, one worker", with("sync", 1, "momentum"), 1});
+  auto backup = with("sync", 2, "sgd");
+  backup.set_backup_workers(1);
+  out.push_back({"sync, a backup worker", backup, 2});
+  auto ssp = with("ssp", 2, "adam");
+  ssp.set_staleness_bound(2);
+  out.push_back({"ssp 2", ssp, 2});
+  auto updates = with("async", 2, "sgd");
+  updates.set_push("updates");
+  out.push_back({"async, pushed updates", updates, 2});
+  return out;
+}
+
+// The same pushes, as one framed message to one shard and streamed in chunks to another, leave
+// both shards and both workers' parameters bit-identical in every mode, with the same replies
+// (applied, dropped, staleness, version), the same stats, and a retried push dropped alike.
+TEST(PsStreamTest, StreamedPushesEqualOneMessagePushesInEveryMode) {
+  const auto pieces = largePieces();
+  for (const auto& mode : modeCases()) {
+    // Chunks of one piece each (1 MB), of several (1.5 MB: bias and the first large piece), and
+    // over the fake transport, whose messages arrive cut into uneven bits (the push is 1.8 MB).
+    for (const int transport : {0, 1, 2}) {
+      SCOPED_TRACE(std::string(mode.name) + (transport == 2 ? ", fake transport" : ", gRPC, chunks of ") +
+                   (transport == 0 ? "1 MB" : transport == 1 ? "1.5 MB" : ""));
+      TestServer unaryServer, streamServer;
+      auto unary = unaryServer.client({.timeoutSeconds = 5, .quiet = true, .pushChunkBytes = 0});
+      auto streamed = transport == 2 ? makeFakeClient(std::make_shared<Shard>(ShardOptions{.log = [](const std::string&) {}}),
+                                                      "fake", size_t(700) << 10)
+                                     : streamServer.client({.timeoutSeconds = 5, .quiet = true,
+                                                            .pushChunkBytes = (size_t(2 + transport) << 20) / 2});
+      const auto start = randomValues(pieces, 7);
+      wire::InitReply initReply;
+      ASSERT_TRUE(unary->init(initOf(mode.policy, pieces, start), &initReply).ok());
+      ASSERT_TRUE(streamed->init(initOf(mode.policy, pieces, start), &initReply).ok());
+      std::vector<int64_t> clocks(size_t(mode.workers), 0);
+      uint64_t version = 0;
+      for (int i = 0; i < 9; ++i) {
+        const uint32_t worker = uint32_t(i % mode.workers);
+        const auto grads = randomValues(pieces, 200 + uint32_t(i));
+        // Push 5 is a retry of its worker's previous one (a clock already seen: a duplicate);
+        // every third lags a version behind (late under sync, stale under async).
+        const bool retry = i == 5;
+        auto request = protobufPush(pieces, grads, 0);
+        request.set_worker(worker);
+        request.set_clock(retry ? clocks[worker] - 1 : clocks[worker]);
+        request.set_pulled_version(i % 3 == 2 && version > 0 ? version - 1 : version);
+        if (!retry) ++clocks[worker];
+        const auto push = framedPush(request, grads);
+        FramedTargets a(pieces), b(pieces);
+        wire::PushReply viaOne, viaStream;
+        const Status sa = unary->pushFramed(push, a.into, &viaOne);
+        ASSERT_TRUE(sa.ok()) << codeName(sa.code) << ": " << sa.message;
+        const Status sb = streamed->pushFramed(push, b.into, &viaStream);
+        ASSERT_TRUE(sb.ok()) << codeName(sb.code) << ": " << sb.message;
+        EXPECT_EQ(viaStream.applied(), viaOne.applied()) << "push " << i;
+        EXPECT_EQ(viaStream.dropped(), viaOne.dropped()) << "push " << i;
+        EXPECT_EQ(viaStream.staleness(), viaOne.staleness()) << "push " << i;
+        EXPECT_EQ(viaStream.version(), viaOne.version()) << "push " << i;
+        EXPECT_EQ(viaStream.samples_total(), viaOne.samples_total()) << "push " << i;
+        const auto one = a.all(), two = b.all();
+        ASSERT_EQ(one.size(), two.size());
+        EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)), 0)
+            << "push " << i << ": the parameters differ";
+        version = viaOne.version();
+      }
+      const auto p = pullAll(*unary), q = pullAll(*streamed);
+      ASSERT_EQ(p.size(), q.size());
+      EXPECT_EQ(std::memcmp(p.data(), q.data(), p.size() * sizeof(float)), 0);
+      const auto x = statsOf(*unary), y = statsOf(*streamed);
+      EXPECT_GT(x.version(), 0u);
+      EXPECT_EQ(y.version(), x.version());
+      EXPECT_EQ(y.applied(), x.applied());
+      EXPECT_EQ(y.dropped_late(), x.dropped_late());
+      EXPECT_EQ(y.dropped_stale(), x.dropped_stale());
+      EXPECT_EQ(y.dropped_duplicate(), x.dropped_duplicate());
+      EXPECT_EQ(y.rejected(), 0);
+      EXPECT_EQ(y.bytes_pushed(), x.bytes_pushed());
+      EXPECT_EQ(y.samples_total(), x.samples_total());
+    }
+  }
+}
+
+// A stream's messages sent as they are (no client-side checks), optionally cancelled after
+// `cancelAfter` of them: what a hostile, broken or dying worker sends.
+grpc::Status sendRawStream(const std::string& address, const std::vector<OutgoingFrame>& messages,
+                           const std::string& token = "", size_t cancelAfter = SIZE_MAX) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  const grpc::internal::RpcMethod method(kPushStreamMethod, grpc::internal::RpcMethod::CLIENT_STREAMING, channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 20s);
+  if (!token.empty()) context.AddMetadata("authorization", makeCallProof(token));
+  IncomingFrame reply;
+  std::unique_ptr<grpc::ClientWriter<OutgoingFrame>> writer(
+      grpc::internal::ClientWriterFactory<OutgoingFrame>::Create(channel.get(), method, &context, &reply));
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (i == cancelAfter) {
+      context.TryCancel();
+      break;
+    }
+    if (!writer->Write(messages[i])) break;
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+// The message of a chunk: pieces [first, first + count) with `floats` as their payload.
+OutgoingFrame chunkMessage(uint32_t first, uint32_t count, const std::vector<float>& floats) {
+  wire::PushChunk chunk;
+  chunk.set_first_piece(first);
+  chunk.set_pieces(count);
+  return {.head = frameHead(chunk), .payload = {std::span<const float>(floats)}, .keepAlive = nullptr};
+}
+
+// A bad chunk anywhere in a stream, or a stream cut off, refuses the whole push: the pieces that
+// came before it and passed their checks are not applied, the parameters stay bit for bit.
+TEST(PsStreamTest, ABadOrMissingChunkRefusesTheWholePushAndChangesNothing) {
+  TestServer server(ServerOptions{.authToken = "s3cret"});
+  auto client = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
+  expectInit(*client);
+  wire::PushRequest header;
+  header.set_protocol(kProtocolVersion);
+  header.set_want_values(true);
+  for (const auto& p : kPieces) {
+    auto* t = header.add_values();
+    t->set_key(p.key());
+    t->set_numel(p.numel());
+    t->set_dtype(wire::FLOAT32);
+  }
+  const OutgoingFrame head{.head = frameHead(header), .payload = {}, .keepAlive = nullptr};
+  const std::vector<float> a{1, 1, 1}, b{1, 1}, both{1, 1, 1, 1, 1}, none;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> bNan{1, nan}, bInf{std::numeric_limits<float>::infinity(), 1}, bShort{1};
+  auto oldHeader = header;
+  oldHeader.set_protocol(2);
+  const std::vector<float> stray{1};
+  struct Case {
+    const char* what;
+    std::vector<OutgoingFrame> messages;
+    grpc::StatusCode expected;
+    const char* says;
+    size_t cancelAfter = SIZE_MAX;
+  };
+  const std::vector<Case> cases{
+      {"NaN in the second chunk", {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bNan)},
+       grpc::StatusCode::INVALID_ARGUMENT, "b holds NaN at element 1"},
+      {"Inf in the second chunk", {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bInf)},
+       grpc::StatusCode::INVALID_ARGUMENT, "b holds Inf at element 0"},
+      {"a chunk of the wrong size", {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bShort)},
+       grpc::StatusCode::INVALID_ARGUMENT, "carries 4 bytes, its pieces need 8"},
+      {"out of order", {head, chunkMessage(1, 1, b), chunkMessage(0, 1, a)}, grpc::StatusCode::INVALID_ARGUMENT,
+       "begins at piece 1 where piece 0 comes next"},
+      {"a piece twice", {head, chunkMessage(0, 1, a), chunkMessage(0, 1, a), chunkMessage(1, 1, b)},
+       grpc::StatusCode::INVALID_ARGUMENT, "begins at piece 0 where piece 1 comes next"},
+      {"more pieces than the shard has", {head, chunkMessage(0, 3, both)}, grpc::StatusCode::INVALID_ARGUMENT,
+       "a chunk of 3 pieces from piece 0, the shard has 2"},
+      {"an empty chunk", {head, chunkMessage(0, 0, none)}, grpc::StatusCode::INVALID_ARGUMENT,
+       "a chunk of 0 pieces"},
+      {"truncated after the first chunk", {head, chunkMessage(0, 1, a)}, grpc::StatusCode::INVALID_ARGUMENT,
+       "the stream ended after 1 of its 2 pieces"},
+      {"no header", {}, grpc::StatusCode::INVALID_ARGUMENT, "ended before its header"},
+      {"floats in the header frame", {{.head = frameHead(header), .payload = {stray}, .keepAlive = nullptr}},
+       grpc::StatusCode::INVALID_ARGUMENT, "header frame carries 4 payload bytes"},
+      {"a chunk header that does not parse",
+       {head, {.head = withLength(std::string("CPSF\0\0\0\0\xff\xff", 10), 2), .payload = {}, .keepAlive = nullptr}},
+       grpc::StatusCode::INVALID_ARGUMENT, "does not parse"},
+      {"protocol 2 (an older worker)", {{.head = frameHead(oldHeader), .payload = {}, .keepAlive = nullptr}},
+       grpc::StatusCode::FAILED_PRECONDITION, "protocol version 2 is not this server's 3"},
+  };
+  for (const auto& c : cases) {
+    const grpc::Status s = sendRawStream(server.address(), c.messages, "s3cret", c.cancelAfter);
+    EXPECT_EQ(s.error_code(), c.expected) << c.what << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(c.says), std::string::npos) << c.what << ": " << s.error_message();
+  }
+  // Without the token: refused before a chunk is read, counted apart.
+  const grpc::Status s = sendRawStream(server.address(), {head, chunkMessage(0, 2, both)}, "other");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+
+  const auto stats = statsOf(*client);
+  EXPECT_EQ(stats.rejected(), int64_t(cases.size()));
+  EXPECT_EQ(stats.unauthenticated(), 1);
+  EXPECT_EQ(stats.version(), 0u);
+  EXPECT_EQ(stats.applied(), 0);
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{1, 2, 3, -1, 4}));
+
+  // The good stream, sent the same way, is applied (sgd, lr 0.5), whether cut per piece or whole.
+  ASSERT_TRUE(sendRawStream(server.address(), {head, chunkMessage(0, 1, a), chunkMessage(1, 1, b)}, "s3cret").ok());
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
+  wire::PushRequest second = header;
+  second.set_clock(1);
+  const OutgoingFrame secondHead{.head = frameHead(second), .payload = {}, .keepAlive = nullptr};
+  ASSERT_TRUE(sendRawStream(server.address(), {secondHead, chunkMessage(0, 2, both)}, "s3cret").ok());
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{0, 1, 2, -2, 3}));
+}
+
+// A worker that dies (or cancels) after some chunks: those chunks are never applied, and the
+// shard takes the next push as if the cut stream had not been. (Whether the shard's handler saw
+// the cut stream at all depends on when the cancel reached it: at most one refusal is counted.)
+TEST(PsStreamTest, AStreamCutOffByTheWorkerChangesNothing) {
+  TestServer server;
+  auto client = server.client();
+  expectInit(*client);
+  wire::PushRequest header;
+  header.set_protocol(kProtocolVersion);
+  for (const auto& p : kPieces) {
+    auto* t = header.add_values();
+    t->set_key(p.key());
+    t->set_numel(p.numel());
+    t->set_dtype(wire::FLOAT32);
+  }
+  const OutgoingFrame head{.head = frameHead(header), .payload = {}, .keepAlive = nullptr};
+  const std::vector<float> big(3, 100.0f), b{1, 1}, a{1, 1, 1};
+  const grpc::Status cut = sendRawStream(server.address(), {head, chunkMessage(0, 1, big), chunkMessage(1, 1, b)}, "", 2);
+  EXPECT_EQ(cut.error_code(), grpc::StatusCode::CANCELLED) << cut.error_message();
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{1, 2, 3, -1, 4}));
+  ASSERT_TRUE(sendRawStream(server.address(), {head, chunkMessage(0, 1, a), chunkMessage(1, 1, b)}).ok());
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
+  const auto stats = statsOf(*client);
+  EXPECT_EQ(stats.applied(), 1);
+  EXPECT_EQ(stats.version(), 1u);
+  EXPECT_LE(stats.rejected(), 1);
+}
+
+// A push no larger than one chunk goes as one message: a stream would have nothing to overlap.
+// (The pushes of the tests above, 1.8 MB, stream under their chunks of 1 to 1.5 MB.)
+TEST(PsStreamTest, OnlyAPushOfMoreThanOneChunkStreams) {
+  const auto pieces = largePieces();  // 1800032 bytes in all
+  const auto grads = randomValues(pieces, 4);
+  const auto push = framedPush(protobufPush(pieces, grads, 0), grads);
+  EXPECT_FALSE(pushStreams(push, kDefaultPushChunkBytes));
+  EXPECT_FALSE(pushStreams(push, 1800032));
+  EXPECT_TRUE(pushStreams(push, 1800031));
+  EXPECT_TRUE(pushStreams(push, size_t(1) << 20));
+  EXPECT_TRUE(pushStreams(push, (size_t(3) << 20) / 2));
+  EXPECT_TRUE(pushStreams(push, size_t(700) << 10));
+  EXPECT_FALSE(pushStreams(push, 0));
+}
+
+// The client's streamed push keeps the shard's authentication.
+TEST(PsStreamTest, AStreamedPushNeedsTheToken) {
+  TestServer server(ServerOptions{.authToken = "s3cret"});
+  auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true, .pushChunkBytes = 4});
+  auto wrong = server.client({.authToken = "other", .timeoutSeconds = 5, .quiet = true, .pushChunkBytes = 4});
+  expectInit(*right);
+  const std::vector<std::vector<float>> grads{{1, 1, 1}, {1, 1}};
+  const auto request = protobufPush(kPieces, grads, 0);
+  FramedTargets targets(kPieces);
+  wire::PushReply reply;
+  EXPECT_EQ(wrong->pushFramed(framedPush(request, grads), targets.into, &reply).code, Code::kUnauthenticated);
+  EXPECT_EQ(targets.all(), std::vector<float>(5, -7.0f));
+  const Status s = right->pushFramed(framedPush(request, grads), targets.into, &reply);
+  ASSERT_TRUE(s.ok()) << s.message;
+  EXPECT_EQ(targets.all(), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
+  const auto stats = statsOf(*right);
+  EXPECT_EQ(stats.unauthenticated(), 1);
+  EXPECT_EQ(stats.applied(), 1);
 }
 
 }  // namespace

@@ -60,6 +60,10 @@ struct ParameterServerOptions {
   std::string tlsKey;
   int64_t checkpointEvery = 0;  // shard versions between shard checkpoints
   bool resume = false;          // continue from the shards' checkpoints
+  // A float32 push (no codec, no row-sparse table) to one shard of more than this many MB travels
+  // as a stream of chunks of whole pieces of at most this size (a larger piece alone), each checked
+  // by the shard as it arrives; a smaller push, or every push when 0, as one message.
+  double pushChunkMb = 4;
   std::string codec = "none";   // what pushes travel as (any --codec)
   int64_t codecWarmupSteps = 0;
   // Pushes and pulls allocate and free buffers of tens of MB every step, which glibc serves from

@@ -274,6 +274,10 @@ Run addTrainCommand(CLI::App& app) {
       ->group(psGroup)->capture_default_str();
   train->add_option("--push", p.push, "gradients (the shards run the optimizer) or updates (the workers do)")
       ->check(CLI::IsMember({"gradients", "updates"}))->group(psGroup)->capture_default_str();
+  train->add_option("--ps-push-chunk-mb", p.pushChunkMb,
+                    "A float32 push to a shard of more than this many MB goes in chunks of at most this size, "
+                    "which the shard checks while the next arrives; a smaller one, or any when 0, as one message")
+      ->check(CLI::Range(0.0, 1024.0))->group(psGroup)->capture_default_str();
   train->add_option("--ps-hosts", psFlags->hosts, "Shard addresses HOST:PORT,... (default: TF_CONFIG's ps list)")
       ->group(psGroup);
   train->add_option("--auth-token", p.authToken,

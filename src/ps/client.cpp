@@ -11,6 +11,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/client_unary_call.h>
 #include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/sync_stream.h>
 
 #include <malloc.h>
 
@@ -111,9 +112,41 @@ std::vector<std::span<const uint8_t>> unevenChunks(const std::string& bytes) {
   return chunks;
 }
 
+// A push as PushStream's messages: the header frame (the request, no payload), then chunks of
+// consecutive whole pieces of at most chunkBytes each (a larger piece alone), their payload the
+// pieces' own memory.
+std::vector<OutgoingFrame> streamFrames(const FramedPush& push, size_t chunkBytes) {
+  std::vector<OutgoingFrame> frames;
+  frames.push_back({.head = frameHead(push.request), .payload = {}, .keepAlive = push.keepAlive});
+  const size_t n = push.payload.size();
+  for (size_t k = 0; k < n;) {
+    wire::PushChunk chunk;
+    chunk.set_first_piece(uint32_t(k));
+    OutgoingFrame frame{.head = {}, .payload = {}, .keepAlive = push.keepAlive};
+    size_t bytes = 0;
+    do {
+      frame.payload.push_back(push.payload[k]);
+      bytes += push.payload[k].size_bytes();
+      ++k;
+    } while (k < n && bytes + push.payload[k].size_bytes() <= chunkBytes);
+    chunk.set_pieces(uint32_t(frame.payload.size()));
+    frame.head = frameHead(chunk);
+    frames.push_back(std::move(frame));
+  }
+  return frames;
+}
+
+// A frame's bytes in one string, as they would go to the wire.
+std::string frameBytes(const OutgoingFrame& frame) {
+  std::string bytes = frame.head;
+  for (const auto& v : frame.payload) bytes.append(reinterpret_cast<const char*>(v.data()), v.size_bytes());
+  return bytes;
+}
+
 class FakeClient : public ShardClient {
  public:
-  FakeClient(std::shared_ptr<Shard> shard, std::string name) : shard_(std::move(shard)), name_(std::move(name)) {}
+  FakeClient(std::shared_ptr<Shard> shard, std::string name, size_t pushChunkBytes)
+      : shard_(std::move(shard)), name_(std::move(name)), pushChunkBytes_(pushChunkBytes) {}
 
   Status init(const wire::InitRequest& q, wire::InitReply* r) override { return call(&Shard::init, q, r); }
   Status pull(const wire::PullRequest& q, wire::PullReply* r) override { return call(&Shard::pull, q, r); }
@@ -124,6 +157,7 @@ class FakeClient : public ShardClient {
 
   // Through the frames' bytes both ways, cut into chunks as a transport would deliver them.
   Status pushFramed(const FramedPush& push, std::span<const FrameTarget> into, wire::PushReply* reply) override {
+    if (pushStreams(push, pushChunkBytes_)) return pushStream(push, into, reply);
     std::string sent = frameHead(push.request);
     for (const auto& v : push.payload) sent.append(reinterpret_cast<const char*>(v.data()), v.size_bytes());
     wire::PushRequest request;
@@ -143,6 +177,37 @@ class FakeClient : public ShardClient {
   }
 
  private:
+  // As the service's PushStream: every message's bytes kept until the push is applied.
+  Status pushStream(const FramedPush& push, std::span<const FrameTarget> into, wire::PushReply* reply) {
+    const std::vector<OutgoingFrame> frames = streamFrames(push, pushChunkBytes_);
+    std::vector<std::string> sent;
+    for (const auto& f : frames) sent.push_back(frameBytes(f));
+    wire::PushRequest request;
+    FramePayload none;
+    Status status = parseFrame(unevenChunks(sent[0]), &request, &none, "push stream");
+    if (!status.ok()) {
+      shard_->countRejected(status);
+      return status;
+    }
+    std::unique_ptr<Shard::Stream> stream;
+    if (status = shard_->beginStream(request, &stream); !status.ok()) return status;
+    for (size_t i = 1; i < sent.size(); ++i) {
+      wire::PushChunk chunk;
+      FramePayload payload;
+      if (status = parseFrame(unevenChunks(sent[i]), &chunk, &payload, "push chunk"); !status.ok()) {
+        shard_->countRejected(status);
+        return status;
+      }
+      if (status = shard_->addChunk(*stream, chunk, payload); !status.ok()) return status;
+    }
+    wire::PushReply header;
+    std::vector<float> values;
+    if (status = shard_->finishStream(*stream, &header, &values); !status.ok()) return status;
+    std::string back = frameHead(header);
+    back.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+    return readFramedReply(unevenChunks(back), into, reply);
+  }
+
   // Like gRPC, the reply is filled only when the call succeeds.
   template <typename Request, typename Reply>
   Status call(Status (Shard::*method)(const Request&, Reply*), const Request& request, Reply* reply) {
@@ -157,6 +222,7 @@ class FakeClient : public ShardClient {
 
   std::shared_ptr<Shard> shard_;
   std::string name_;
+  size_t pushChunkBytes_;
 };
 
 std::string readPem(const std::string& path) {
@@ -196,7 +262,8 @@ class GrpcClient : public ShardClient {
         options_(std::move(options)),
         channel_(makeChannel(address_, options_)),
         stub_(wire::ParameterServer::NewStub(channel_)),
-        pushFramedMethod_(kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel_) {}
+        pushFramedMethod_(kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel_),
+        pushStreamMethod_(kPushStreamMethod, grpc::internal::RpcMethod::CLIENT_STREAMING, channel_) {}
 
   using Stub = wire::ParameterServer::Stub;
   Status init(const wire::InitRequest& q, wire::InitReply* r) override { return call(&Stub::Init, q, r); }
@@ -207,13 +274,32 @@ class GrpcClient : public ShardClient {
   std::string address() const override { return address_; }
 
   Status pushFramed(const FramedPush& push, std::span<const FrameTarget> into, wire::PushReply* reply) override {
-    const OutgoingFrame out{.head = frameHead(push.request), .payload = push.payload, .keepAlive = push.keepAlive};
     IncomingFrame in;
-    const Status status = retrying([&](grpc::ClientContext* context) {
-      in = IncomingFrame();
-      return grpc::internal::BlockingUnaryCall<OutgoingFrame, IncomingFrame, OutgoingFrame, IncomingFrame>(
-          channel_.get(), pushFramedMethod_, context, out, &in);
-    });
+    Status status;
+    if (pushStreams(push, options_.pushChunkBytes)) {
+      // A retry sends the whole push again (the shard drops a duplicate by its clock).
+      const std::vector<OutgoingFrame> frames = streamFrames(push, options_.pushChunkBytes);
+      status = retrying([&](grpc::ClientContext* context) {
+        in = IncomingFrame();
+        std::unique_ptr<grpc::ClientWriter<OutgoingFrame>> writer(
+            grpc::internal::ClientWriterFactory<OutgoingFrame>::Create(channel_.get(), pushStreamMethod_, context,
+                                                                       &in));
+        // A failed write means the call is over (the shard refused a chunk, or the connection
+        // broke): Finish() says why.
+        for (const auto& frame : frames) {
+          if (!writer->Write(frame)) break;
+        }
+        writer->WritesDone();
+        return writer->Finish();
+      });
+    } else {
+      const OutgoingFrame out{.head = frameHead(push.request), .payload = push.payload, .keepAlive = push.keepAlive};
+      status = retrying([&](grpc::ClientContext* context) {
+        in = IncomingFrame();
+        return grpc::internal::BlockingUnaryCall<OutgoingFrame, IncomingFrame, OutgoingFrame, IncomingFrame>(
+            channel_.get(), pushFramedMethod_, context, out, &in);
+      });
+    }
     if (!status.ok()) return status;
     const Status read = readFramedReply(in.chunks, into, reply);
     if (!read.ok()) return Status::error(read.code, "ps shard " + address_ + ": " + read.message);
@@ -346,17 +432,25 @@ class GrpcClient : public ShardClient {
   const std::shared_ptr<grpc::Channel> channel_;
   const std::unique_ptr<Stub> stub_;
   const grpc::internal::RpcMethod pushFramedMethod_;
+  const grpc::internal::RpcMethod pushStreamMethod_;
 };
 
 }  // namespace
+
+bool pushStreams(const FramedPush& push, size_t chunkBytes) {
+  if (chunkBytes == 0) return false;
+  size_t bytes = 0;
+  for (const auto& v : push.payload) bytes += v.size_bytes();
+  return bytes > chunkBytes;
+}
 
 void keepFreedMemory() {
   ::mallopt(M_MMAP_MAX, 0);
   ::mallopt(M_TRIM_THRESHOLD, INT_MAX);
 }
 
-std::unique_ptr<ShardClient> makeFakeClient(std::shared_ptr<Shard> shard, std::string name) {
-  return std::make_unique<FakeClient>(std::move(shard), std::move(name));
+std::unique_ptr<ShardClient> makeFakeClient(std::shared_ptr<Shard> shard, std::string name, size_t pushChunkBytes) {
+  return std::make_unique<FakeClient>(std::move(shard), std::move(name), pushChunkBytes);
 }
 
 std::unique_ptr<ShardClient> makeGrpcClient(const std::string& address, const ClientOptions& options) {

@@ -28,6 +28,9 @@ constexpr char kShardAnsweredKey[] = "cohort-shard-answered";
 // One call's retries end after at most this many times its timeout in all (see makeGrpcClient).
 constexpr int kRetryBoundTimeouts = 3;
 
+// ClientOptions::pushChunkBytes unless told otherwise.
+constexpr size_t kDefaultPushChunkBytes = size_t(4) << 20;
+
 // A push on the zero-copy path (ps/frame.h): float32 values only, no codec, not row-sparse.
 struct FramedPush {
   wire::PushRequest request;  // values: each piece's key, numel and dtype FLOAT32, with empty data
@@ -74,14 +77,27 @@ struct ClientOptions {
   // Called (from the calling thread) after each attempt that failed with UNAVAILABLE, before the
   // back-off, when the call will be retried; tests wait on it instead of sleeping.
   std::function<void(const RetryEvent&)> onRetry;
+  // A zero-copy push of more than this many bytes goes as a stream of chunks of whole pieces, each
+  // of at most this many bytes (a larger piece alone), which the shard checks as they arrive (the
+  // PushStream call); a smaller push, or any push when 0, goes as one message (PushFramed).
+  size_t pushChunkBytes = kDefaultPushChunkBytes;
 };
+
+// Whether both clients send `push` as a stream (PushStream) under ClientOptions::pushChunkBytes:
+// only when it is more than one chunk. A push that fits in one has nothing to overlap, and the
+// stream's extra message and per-message waits made the cnn's 2.2 MB pushes slower
+// (docs/BENCHMARKS.md, "The streamed push").
+bool pushStreams(const FramedPush& push, size_t chunkBytes);
 
 // Pushes and pulls allocate and free buffers of tens of MB every step; glibc serves each from a
 // fresh mmap and unmaps it on free, so every byte costs a page fault, twice a step. This makes
 // freed memory stay in the process's heap for reuse instead. Called by shards and ps workers.
 void keepFreedMemory();
 
-std::unique_ptr<ShardClient> makeFakeClient(std::shared_ptr<Shard> shard, std::string name = "fake");
+// pushChunkBytes: as ClientOptions's (the fake's pushes go through Shard::beginStream and its
+// chunks when > 0); 0 by default.
+std::unique_ptr<ShardClient> makeFakeClient(std::shared_ptr<Shard> shard, std::string name = "fake",
+                                            size_t pushChunkBytes = 0);
 
 // A client of the shard at host:port. Calls that fail with UNAVAILABLE (the shard is down or
 // restarting, or not initialized yet) are retried with exponential back-off (50 ms doubling to

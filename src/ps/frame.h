@@ -1,4 +1,5 @@
-// The zero-copy framing of a push and its reply (the PushFramed call, protocol 2): a small
+// The zero-copy framing of a push and its reply (the PushFramed call, protocol 2, and the
+// PushStream call, protocol 3, whose messages are frames too): a small
 // protobuf header, then the float32 payload as raw bytes, so that the payload travels as gRPC
 // slices over the sender's own memory and is read where it lands on the receiver.
 //
@@ -21,6 +22,10 @@ namespace cohort::ps {
 
 // The gRPC method that carries frames, beside the protobuf ones of proto/ps.proto.
 inline constexpr const char* kPushFramedMethod = "/cohort.ps.wire.ParameterServer/PushFramed";
+// The same push as a client stream (protocol 3): a frame whose header is the PushRequest and whose
+// payload is empty, then one frame per chunk of whole pieces (header: a PushChunk; payload: those
+// pieces' floats). The reply is one frame, as PushFramed's.
+inline constexpr const char* kPushStreamMethod = "/cohort.ps.wire.ParameterServer/PushStream";
 inline constexpr char kFrameMagic[4] = {'C', 'P', 'S', 'F'};
 inline constexpr size_t kFramePrefixBytes = 8;
 // A header holds piece names and row lists at most; a larger one is refused before it is copied.

@@ -194,6 +194,13 @@ class Service final : public wire::ParameterServer::Service {
               return service->PushFramed(c, q, r);
             },
             this)));
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        kPushStreamMethod, grpc::internal::RpcMethod::CLIENT_STREAMING,
+        new grpc::internal::ClientStreamingHandler<Service, IncomingFrame, OutgoingFrame>(
+            [](Service* service, grpc::ServerContext* c, grpc::ServerReader<IncomingFrame>* q, OutgoingFrame* r) {
+              return service->PushStream(c, q, r);
+            },
+            this)));
   }
 
   grpc::Status Init(grpc::ServerContext* c, const wire::InitRequest* q, wire::InitReply* r) override {
@@ -222,6 +229,55 @@ class Service final : public wire::ParameterServer::Service {
       wire::PushReply reply;
       auto values = std::make_shared<std::vector<float>>();
       Status s = shard_->pushFramed(request, payload, &reply, values.get());
+      if (!s.ok()) return s;
+      r->head = frameHead(reply);
+      if (!values->empty()) r->payload.push_back(*values);
+      r->keepAlive = std::move(values);
+      return s;
+    });
+  }
+  // The push in chunks: each is checked and scanned as it arrives (Shard::addChunk) while gRPC
+  // reads the next; the push is applied once the last is in. Every chunk's slices are kept until
+  // then, so that the floats are still read where they landed. The token was checked before the
+  // first chunk was read (handle()).
+  grpc::Status PushStream(grpc::ServerContext* c, grpc::ServerReader<IncomingFrame>* q, OutgoingFrame* r) {
+    return handle(c, [&] {
+      std::vector<std::unique_ptr<IncomingFrame>> received;
+      auto refuse = [&](const Status& s) {
+        shard_->countRejected(s);
+        return s;
+      };
+      received.push_back(std::make_unique<IncomingFrame>());
+      if (!q->Read(received.back().get())) {
+        return refuse(Status::error(Code::kInvalidArgument, "push stream: it ended before its header"));
+      }
+      wire::PushRequest request;
+      FramePayload none;
+      if (Status s = parseFrame(received.back()->chunks, &request, &none, "push stream"); !s.ok()) return refuse(s);
+      if (none.size() != 0) {
+        return refuse(Status::error(Code::kInvalidArgument, "push stream: its header frame carries " +
+                                                                std::to_string(none.size()) +
+                                                                " payload bytes; the floats belong in the chunks"));
+      }
+      std::unique_ptr<Shard::Stream> stream;
+      if (Status s = shard_->beginStream(request, &stream); !s.ok()) return s;
+      for (;;) {
+        auto frame = std::make_unique<IncomingFrame>();
+        if (!q->Read(frame.get())) break;
+        wire::PushChunk chunk;
+        FramePayload payload;
+        if (Status s = parseFrame(frame->chunks, &chunk, &payload, "push chunk"); !s.ok()) return refuse(s);
+        if (Status s = shard_->addChunk(*stream, chunk, payload); !s.ok()) return s;
+        received.push_back(std::move(frame));
+      }
+      if (c->IsCancelled()) {
+        return refuse(Status::error(Code::kCancelled, "push stream: cancelled by the worker (or its connection "
+                                                      "broke) after " + std::to_string(stream->nextPiece) + " of " +
+                                                      std::to_string(stream->pieces.size()) + " pieces"));
+      }
+      wire::PushReply reply;
+      auto values = std::make_shared<std::vector<float>>();
+      Status s = shard_->finishStream(*stream, &reply, values.get());
       if (!s.ok()) return s;
       r->head = frameHead(reply);
       if (!values->empty()) r->payload.push_back(*values);

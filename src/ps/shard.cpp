@@ -392,14 +392,102 @@ void Shard::finishIfAllDoneLocked() {
 }
 
 Status Shard::push(const wire::PushRequest& request, wire::PushReply* reply) {
-  const Status status = handlePush(request, nullptr, reply, nullptr);
+  const Status status = handlePush(request, nullptr, nullptr, reply, nullptr);
   writeDueCheckpoint();  // after the reply is made and the lock released: the write holds no one
   return status;
 }
 
 Status Shard::pushFramed(const wire::PushRequest& request, const FramePayload& payload, wire::PushReply* reply,
                          std::vector<float>* replyValues) {
-  const Status status = handlePush(request, &payload, reply, replyValues);
+  const Status status = handlePush(request, &payload, nullptr, reply, replyValues);
+  writeDueCheckpoint();
+  return status;
+}
+
+namespace {
+
+Status nonFinite(const wire::PieceSpec& piece, std::span<const float> values, size_t bad) {
+  return Status::error(Code::kInvalidArgument, "push: " + piece.name() + " holds " +
+                                                   (std::isnan(values[bad]) ? "NaN" : "Inf") + " at element " +
+                                                   std::to_string(bad));
+}
+
+}  // namespace
+
+Status Shard::beginStream(const wire::PushRequest& request, std::unique_ptr<Stream>* stream) {
+  std::vector<wire::PieceSpec> pieces;
+  if (Status s = admitPush(request, &pieces); !s.ok()) return s;
+  uint64_t bytes = 0;
+  for (const auto& p : pieces) bytes += p.numel() * sizeof(float);
+  Status s = !request.compressed().empty() || request.row_sparse() || request.rows_size() > 0 ||
+                     request.want_rows_size() > 0
+                 ? Status::error(Code::kInvalidArgument,
+                                 "push: a streamed push carries float32 values only (no codec, no rows): send "
+                                 "compressed and row-sparse pushes with Push")
+                 : checkFramedTensors(request.values(), pieces, size_t(bytes), "push");
+  if (!s.ok()) {
+    countRejected(s);
+    return s;
+  }
+  auto opened = std::make_unique<Stream>();
+  opened->request = request;
+  opened->dense.resize(pieces.size());
+  opened->copies.resize(pieces.size());
+  opened->pieces = std::move(pieces);
+  *stream = std::move(opened);
+  return Status::Ok();
+}
+
+Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const FramePayload& payload) {
+  const size_t first = chunk.first_piece();
+  const size_t count = chunk.pieces();
+  const size_t total = stream.pieces.size();
+  Status s = Status::Ok();
+  if (first != stream.nextPiece) {
+    s = Status::error(Code::kInvalidArgument, "push: a chunk begins at piece " + std::to_string(first) +
+                                                  " where piece " + std::to_string(stream.nextPiece) +
+                                                  " comes next (chunks come in order, each piece once)");
+  } else if (count == 0 || count > total - first) {
+    s = Status::error(Code::kInvalidArgument, "push: a chunk of " + std::to_string(count) + " pieces from piece " +
+                                                  std::to_string(first) + ", the shard has " + std::to_string(total));
+  }
+  size_t bytes = 0;
+  for (size_t k = first; s.ok() && k < first + count; ++k) bytes += size_t(stream.pieces[k].numel()) * sizeof(float);
+  if (s.ok() && bytes != payload.size()) {
+    s = Status::error(Code::kInvalidArgument, "push: the chunk of pieces " + std::to_string(first) + " to " +
+                                                  std::to_string(first + count - 1) + " carries " +
+                                                  std::to_string(payload.size()) + " bytes, its pieces need " +
+                                                  std::to_string(bytes));
+  }
+  // In place where a piece lies in one of the transport's buffers, aligned; else one copy. The
+  // finite check runs now, while the next chunk is still arriving.
+  size_t offset = 0;
+  for (size_t k = first; s.ok() && k < first + count; ++k) {
+    const size_t numel = size_t(stream.pieces[k].numel());
+    stream.dense[k] = payload.floats(offset, numel, stream.copies[k]);
+    offset += numel * sizeof(float);
+    if (const size_t bad = firstNonFinite(stream.dense[k].data(), numel); bad < numel) {
+      s = nonFinite(stream.pieces[k], stream.dense[k], bad);
+    }
+  }
+  if (!s.ok()) {
+    countRejected(s);
+    return s;
+  }
+  stream.nextPiece = first + count;
+  stream.bytes += int64_t(payload.size());
+  return Status::Ok();
+}
+
+Status Shard::finishStream(Stream& stream, wire::PushReply* reply, std::vector<float>* replyValues) {
+  if (stream.nextPiece != stream.pieces.size()) {
+    const Status s = Status::error(Code::kInvalidArgument, "push: the stream ended after " +
+                                                               std::to_string(stream.nextPiece) + " of its " +
+                                                               std::to_string(stream.pieces.size()) + " pieces");
+    countRejected(s);
+    return s;
+  }
+  const Status status = handlePush(stream.request, nullptr, &stream, reply, replyValues);
   writeDueCheckpoint();
   return status;
 }
@@ -410,23 +498,26 @@ void Shard::countRejected(const Status& why) {
   if (stats_.rejected() <= 10 || stats_.rejected() % 100 == 0) log("refused a push: " + why.message);
 }
 
-Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* framed, wire::PushReply* reply,
-                         std::vector<float>* replyValues) {
+Status Shard::admitPush(const wire::PushRequest& request, std::vector<wire::PieceSpec>* pieces) {
+  MutexLock lock(mu_);
+  // The protocol first: a worker of another version must hear so, not retry "not initialized".
+  Status s = checkProtocol(request.protocol());
+  if (s.ok() && !initialized_) return notInitialized();
+  if (s.ok()) s = checkWorker(request.worker());
+  if (!s.ok()) {
+    stats_.set_rejected(stats_.rejected() + 1);
+    if (stats_.rejected() <= 10 || stats_.rejected() % 100 == 0) log("refused a push: " + s.message);
+    return s;
+  }
+  *pieces = pieces_;
+  return Status::Ok();
+}
+
+Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* framed, const Stream* streamed,
+                         wire::PushReply* reply, std::vector<float>* replyValues) {
   const auto arrived = Clock::now();
   std::vector<wire::PieceSpec> pieces;
-  {
-    MutexLock lock(mu_);
-    // The protocol first: a worker of another version must hear so, not retry "not initialized".
-    Status s = checkProtocol(request.protocol());
-    if (s.ok() && !initialized_) return notInitialized();
-    if (s.ok()) s = checkWorker(request.worker());
-    if (!s.ok()) {
-      stats_.set_rejected(stats_.rejected() + 1);
-      if (stats_.rejected() <= 10 || stats_.rejected() % 100 == 0) log("refused a push: " + s.message);
-      return s;
-    }
-    pieces = pieces_;
-  }
+  if (Status s = admitPush(request, &pieces); !s.ok()) return s;
   // Checked and decoded outside the lock: a large push does not stall the others.
   // A row-sparse push: values (or compressed) hold the dense pieces only; rows the others' rows.
   const bool rowSparse = request.row_sparse();
@@ -435,7 +526,16 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
     if (!rowSparse || p.row_dim() == 0) densePieces.push_back(p);
   }
   const bool compressed = !request.compressed().empty();
-  Status valid = compressed && request.values_size() > 0
+  // A streamed push's header and chunks were checked as they arrived (beginStream, addChunk),
+  // against the layout of then.
+  const bool relaid = streamed != nullptr &&
+                      !std::equal(pieces.begin(), pieces.end(), streamed->pieces.begin(), streamed->pieces.end(),
+                                  [](const wire::PieceSpec& a, const wire::PieceSpec& b) {
+                                    return a.key() == b.key() && a.numel() == b.numel() && a.row_dim() == b.row_dim();
+                                  });
+  Status valid = relaid ? Status::error(Code::kAborted, "the shard was re-initialized during the push")
+                 : streamed != nullptr ? Status::Ok()
+                 : compressed && request.values_size() > 0
                      ? Status::error(Code::kInvalidArgument, "push: carries both values and a compressed message")
                  : !rowSparse && (request.rows_size() > 0 || request.want_rows_size() > 0)
                      ? Status::error(Code::kInvalidArgument, "push: carries rows but is not row_sparse")
@@ -452,7 +552,9 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
   std::vector<std::vector<float>> copies(size_t(request.values_size()));  // for misaligned data only
   std::vector<float> decoded;                                             // a compressed push
   if (valid.ok() && compressed) valid = decodeCompressed(request.compressed(), densePieces, true, "push", decoded);
-  if (valid.ok() && compressed) {
+  if (valid.ok() && streamed != nullptr) {
+    dense = streamed->dense;
+  } else if (valid.ok() && compressed) {
     size_t offset = 0;
     for (const auto& p : densePieces) {
       dense.push_back(std::span<const float>(decoded).subspan(offset, size_t(p.numel())));
@@ -466,9 +568,7 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
       dense.push_back(framed->floats(offset, numel, copies[size_t(i)]));
       offset += numel * sizeof(float);
       if (const size_t bad = firstNonFinite(dense.back().data(), numel); bad < numel) {
-        valid = Status::error(Code::kInvalidArgument, "push: " + densePieces[size_t(i)].name() + " holds " +
-                                                          (std::isnan(dense.back()[bad]) ? "NaN" : "Inf") +
-                                                          " at element " + std::to_string(bad));
+        valid = nonFinite(densePieces[size_t(i)], dense.back(), bad);
       }
     }
   } else if (valid.ok()) {
@@ -500,6 +600,7 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
   int64_t pushedBytes = compressed ? int64_t(request.compressed().size()) : 0;
   for (const auto& t : request.values()) pushedBytes += int64_t(t.data().size());
   if (framed != nullptr) pushedBytes = int64_t(framed->size());
+  if (streamed != nullptr) pushedBytes = streamed->bytes;
   for (const auto& r : request.rows()) pushedBytes += int64_t(r.ByteSizeLong());
 
   MutexLock lock(mu_);

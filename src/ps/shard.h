@@ -82,8 +82,21 @@ class Shard {
   // and their floats are appended to *replyValues, in order. Same policies and checks as push().
   Status pushFramed(const wire::PushRequest& request, const FramePayload& payload, wire::PushReply* reply,
                     std::vector<float>* replyValues);
-  // A push the transport could not even read as one (a frame that does not parse): counted and
-  // logged as a refused push.
+  // A push streamed in chunks (the PushStream call, ps/frame.h): float32 values only, as for
+  // pushFramed. beginStream checks the header (request.values: each piece's key, numel and dtype,
+  // no data) before any chunk is read; addChunk checks each chunk (in order, whole pieces, the
+  // payload's length) and scans its floats for NaN and Inf as it arrives, while the next one is
+  // still on the wire; finishStream applies the push, with push()'s policies and checks, once
+  // every piece has arrived. So a push is applied whole or not at all: a bad chunk, or a stream
+  // that ends early, is refused (counted as rejected) and leaves the parameters as they were. The
+  // chunks' floats are read where they lie in `payload`, which the caller keeps alive until
+  // finishStream returns.
+  struct Stream;
+  Status beginStream(const wire::PushRequest& request, std::unique_ptr<Stream>* stream);
+  Status addChunk(Stream& stream, const wire::PushChunk& chunk, const FramePayload& payload);
+  Status finishStream(Stream& stream, wire::PushReply* reply, std::vector<float>* replyValues);
+  // A push the transport could not even read as one (a frame that does not parse, a stream cut
+  // off): counted and logged as a refused push.
   void countRejected(const Status& why);
   Status done(const wire::DoneRequest& request, wire::DoneReply* reply);
   Status stats(const wire::StatsRequest& request, wire::StatsReply* reply);
@@ -136,9 +149,12 @@ class Shard {
       REQUIRES(mu_);
   void markLostLocked(std::chrono::steady_clock::time_point now) REQUIRES(mu_);
   int64_t slowestClockLocked() const REQUIRES(mu_);
-  // framed: the push's floats are there (pushFramed), and the reply's go to *replyValues.
-  Status handlePush(const wire::PushRequest& request, const FramePayload* framed, wire::PushReply* reply,
-                    std::vector<float>* replyValues) EXCLUDES(mu_);
+  // The checks every push passes first (protocol, initialized, worker); gives the layout.
+  Status admitPush(const wire::PushRequest& request, std::vector<wire::PieceSpec>* pieces) EXCLUDES(mu_);
+  // framed: the push's floats are there (pushFramed); streamed: they were checked as they arrived
+  // (finishStream). Either way the reply's floats go to *replyValues.
+  Status handlePush(const wire::PushRequest& request, const FramePayload* framed, const Stream* streamed,
+                    wire::PushReply* reply, std::vector<float>* replyValues) EXCLUDES(mu_);
   void maybeCheckpointLocked() REQUIRES(mu_);
   void checkpointLocked() REQUIRES(mu_);
   // The state as a checkpoint (nullopt without a store or before Init), and its writing, which
@@ -192,6 +208,16 @@ class Shard {
   mutable Mutex writeMu_;
   wire::StatsReply stats_ GUARDED_BY(mu_);
   double stalenessSum_ GUARDED_BY(mu_) = 0;
+};
+
+// One streamed push being received (Shard::beginStream): the caller only passes it back.
+struct Shard::Stream {
+  wire::PushRequest request;
+  std::vector<wire::PieceSpec> pieces;        // the shard's layout when the stream began
+  std::vector<std::span<const float>> dense;  // each piece's floats, once its chunk has arrived
+  std::vector<std::vector<float>> copies;     // pieces that did not lie float-aligned in one slice
+  size_t nextPiece = 0;                       // the first piece not received yet
+  int64_t bytes = 0;                          // payload received
 };
 
 }  // namespace cohort::ps

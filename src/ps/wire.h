@@ -13,8 +13,9 @@
 namespace cohort::ps {
 
 // Bumped whenever a message changes meaning; a shard refuses every other version. 2: pushes of
-// float32 values travel as frames (ps/frame.h, the PushFramed call).
-constexpr uint32_t kProtocolVersion = 2;
+// float32 values travel as frames (ps/frame.h, the PushFramed call). 3: or as a stream of frames,
+// a chunk of pieces each (the PushStream call).
+constexpr uint32_t kProtocolVersion = 3;
 
 Status checkProtocol(uint32_t protocol);
 

@@ -94,8 +94,12 @@ struct ParameterServerClient::Impl {
     for (size_t i = 0; i < c_.shards.size(); ++i) {
       {
         clients_.push_back(ps::makeGrpcClient(
-            c_.shards[i], ps::ClientOptions{.authToken = o.authToken, .tlsCaFile = o.tlsCa,
-                                            .timeoutSeconds = c_.timeoutSeconds}));
+            c_.shards[i], ps::ClientOptions{.authToken = o.authToken,
+                                            .tlsCaFile = o.tlsCa,
+                                            .timeoutSeconds = c_.timeoutSeconds,
+                                            .quiet = false,
+                                            .onRetry = {},
+                                            .pushChunkBytes = size_t(o.pushChunkMb * double(1 << 20))}));
       }
     }
     versions_.assign(c_.shards.size(), 0);
