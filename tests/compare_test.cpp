@@ -382,6 +382,19 @@ TEST(Compare, EmulatedNetworkRunsEveryProcessInItsOwnNamespace) {
   ASSERT_TRUE(std::regex_search(status, tag, std::regex("ip netns exec (cohort-[0-9]+)-")));
   auto list = test::runCommand("ip netns list", 30);
   EXPECT_EQ(list.output.find(tag[1].str() + "-"), std::string::npos) << list.output;
+
+  // Run again: the finished run is kept though its namespaces had other names, and only run 2 is
+  // new; on another link's rate it is another run.
+  const std::string again = test::cohortBinary() +
+                            " compare --only allreduce --model mlp --data synthetic:600 --batch 16 --steps 6"
+                            " --evaluations 1 --no-png --out " + out;
+  r = test::runCommand(again + " --runs 2 --network 100mbit", 300);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("allreduce.r1: ok (finished earlier)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("allreduce.r2: ok, "), std::string::npos) << r.output;
+  r = test::runCommand(again + " --runs 1 --network 1gbit", 300);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("allreduce.r1: ok, "), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <filesystem>
 #include <set>
@@ -58,6 +59,28 @@ int positiveInt(const toml::node& node, const std::string& where, const std::str
 
 constexpr int kMasterPort = 29500;
 constexpr int kShardPort = 2222;
+
+// A run on an emulated network is the same run when its commands are the same but for the
+// namespaces' names (new with every invocation) and the link's rate is the same.
+std::string networkIdentity(const JobSpec& job, const EmulatedNetwork& net) {
+  std::string text = commandOf(job);
+  for (int i = 0; i < net.size(); ++i) {
+    const std::string name = net.namespaceOf(i);
+    const std::string stable = "NAMESPACE-" + std::to_string(i);
+    size_t at = text.find(name);
+    while (at != std::string::npos) {
+      const size_t after = at + name.size();
+      // only the whole name: "cohort-123-1" is not the start of "cohort-123-10"
+      if (after < text.size() && std::isdigit(static_cast<unsigned char>(text[after]))) {
+        at = text.find(name, after);
+        continue;
+      }
+      text.replace(at, name.size(), stable);
+      at = text.find(name, at + stable.size());
+    }
+  }
+  return text + "\nnetwork " + net.rate();
+}
 
 // The processes of a distributed configuration on an emulated network: process i in namespace i,
 // with what `cohort launch` would have given it.
@@ -331,6 +354,7 @@ std::vector<JobSpec> planJobs(const std::vector<Configuration>& configurations, 
       }
       if (options.network != nullptr && (c.workers > 1 || c.shards > 0)) {
         job.processes = networkProcesses(c, *options.network, train);
+        job.identity = networkIdentity(job, *options.network);
         jobs.push_back(std::move(job));
         continue;
       }

@@ -60,18 +60,8 @@ bool validId(const std::string& id) {
   });
 }
 
-std::string commandOf(const JobSpec& job) {
-  std::string out;
-  for (const ProcessSpec& p : job.processes) {
-    if (!out.empty()) out += "\n";
-    std::vector<std::string> words;
-    for (const auto& [key, value] : p.env) {
-      if (key != "COHORT_AUTH_TOKEN") words.push_back(key + "=" + value);  // a secret is never written down
-    }
-    words.insert(words.end(), p.argv.begin(), p.argv.end());
-    out += shellQuote(words);
-  }
-  return out;
+std::string identityOf(const JobSpec& job, const std::string& command) {
+  return job.identity.empty() ? command : job.identity;
 }
 
 std::optional<JobRecord> finishedRecord(const std::string& dir, const JobSpec& job, const std::string& command) {
@@ -79,14 +69,16 @@ std::optional<JobRecord> finishedRecord(const std::string& dir, const JobSpec& j
   if (!fs::exists(path)) return std::nullopt;
   try {
     const auto j = nlohmann::json::parse(readText(path));
-    if (j.at("command").get<std::string>() != command) return std::nullopt;
+    const std::string recorded = j.contains("identity") ? j.at("identity").get<std::string>() : j.at("command").get<std::string>();
+    if (recorded != identityOf(job, command)) return std::nullopt;
     JobRecord r;
     r.id = job.id;
     r.status = j.at("status").get<std::string>() == "ok" ? JobStatus::kOk : JobStatus::kFailed;
     r.exitCode = j.at("exit_code").get<int>();
     r.error = j.at("error").get<std::string>();
     r.wallSeconds = j.at("wall_s").get<double>();
-    r.command = command;
+    r.command = j.at("command").get<std::string>();  // as it ran
+    r.identity = recorded;
     r.resumed = true;
     r.metricsPath = metricsPathOf(dir, job.id);
     r.logPath = jobDirOf(dir, job.id) + "/output.log";
@@ -104,6 +96,7 @@ void writeStatus(const std::string& dir, const JobRecord& r) {
   j["error"] = r.error;
   j["wall_s"] = r.wallSeconds;
   j["command"] = r.command;
+  if (r.identity != r.command) j["identity"] = r.identity;
   writeFileAtomically(jobDirOf(dir, r.id) + "/status.json", j.dump(2) + "\n");
 }
 
@@ -206,6 +199,7 @@ class Runner {
     r.index = index;
     r.record.id = job.id;
     r.record.command = commandOf(job);
+    r.record.identity = identityOf(job, r.record.command);
     r.record.metricsPath = metricsPathOf(options_.dir, job.id);
     const std::string dir = jobDirOf(options_.dir, job.id);
     r.record.logPath = dir + "/output.log";
@@ -415,6 +409,20 @@ class Runner {
 };
 
 }  // namespace
+
+std::string commandOf(const JobSpec& job) {
+  std::string out;
+  for (const ProcessSpec& p : job.processes) {
+    if (!out.empty()) out += "\n";
+    std::vector<std::string> words;
+    for (const auto& [key, value] : p.env) {
+      if (key != "COHORT_AUTH_TOKEN") words.push_back(key + "=" + value);  // a secret is never written down
+    }
+    words.insert(words.end(), p.argv.begin(), p.argv.end());
+    out += shellQuote(words);
+  }
+  return out;
+}
 
 std::string jobDirOf(const std::string& dir, const std::string& id) { return dir + "/runs/" + id; }
 

@@ -55,7 +55,15 @@ struct JobSpec {
   std::string id;  // a folder name: letters, digits, '-', '_', '.'
   std::vector<ProcessSpec> processes;
   int threadsShare = 1;  // how many processes of this job compute at once (the cores are split)
+  // What a finished run must have recorded to be kept instead of run again: its command
+  // (commandOf) when empty. Set where the command holds what changes from one invocation to the
+  // next (an emulated network's namespace names) or misses what makes the run (the link's rate).
+  std::string identity;
 };
+
+// The job's processes as a shell would run them: environment and argv, shell-quoted, one process
+// per line (an auth token is left out).
+std::string commandOf(const JobSpec& job);
 
 struct RunnerOptions {
   std::string dir;  // jobs live in dir/runs/ID
@@ -74,6 +82,7 @@ struct JobRecord {
   std::string error;  // one line; empty when ok
   double wallSeconds = 0;
   std::string command;  // the processes' argv, shell-quoted, one process per line
+  std::string identity;  // JobSpec::identity, or the command
   bool resumed = false;  // finished by an earlier runner: not run this time
   std::string metricsPath;
   std::string logPath;
