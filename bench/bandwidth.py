@@ -2,7 +2,7 @@
 """Bandwidth saturation, emulated: workers in network namespaces joined by links that `tc tbf` limits.
 
     sudo /usr/bin/python3 bench/bandwidth.py [--build build] [--runs 1] [--steps 30] [--rates 100mbit,1gbit,unlimited]
-                                             [--schemes allreduce,ps]
+                                             [--schemes allreduce,ps] [--codecs none,fp16]
 
 The script creates its own namespaces (root needed; they are removed at the end, also on error):
 one per process, each with an `eth0` veth whose other end sits on a bridge in a hub namespace.
@@ -132,8 +132,11 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rates", default="100mbit,1gbit,unlimited")
     p.add_argument("--schemes", default="allreduce,ps", help="which schemes' rows to run")
+    p.add_argument("--codecs", default=",".join(sorted({c for _, c in SCHEMES})),
+                   help="which codecs' rows to run (none always runs: the ratios are against it)")
     args = p.parse_args()
-    schemes = [s for s in SCHEMES if s[0] in args.schemes.split(",")]
+    codecs = set(args.codecs.split(",")) | {"none"}
+    schemes = [s for s in SCHEMES if s[0] in args.schemes.split(",") and s[1] in codecs]
     if not schemes:
         sys.exit(f"bench/bandwidth.py: --schemes {args.schemes} names none of allreduce, ps")
     if os.geteuid() != 0:

@@ -58,11 +58,12 @@ struct RingCase {
 
 class SixteenBitRing : public ::testing::TestWithParam<RingCase> {};
 
-// Lengths that leave chunks of unequal size and, with 3 ranks and 2 entries, an empty one.
+// Lengths that leave chunks of unequal size and, with 3 ranks and 2 entries, an empty one; the
+// longest sends each chunk as several segments (3 with 2 ranks, 2 with 3: chunks of 600 and 400 KB).
 TEST_P(SixteenBitRing, EqualsThePathItReplacedWithinRoundingAndEveryRankGetsTheSameBits) {
   const auto [codec, world] = GetParam();
   const auto spec = compress::CodecSpec::parse(codec);
-  const std::vector<int64_t> lengths = {1, 2, 7, 1000, 40001};
+  const std::vector<int64_t> lengths = {1, 2, 7, 1000, 40001, 600001};
   const auto inputs = makeInputs(world, lengths, 1.0);
   std::vector<std::vector<torch::Tensor>> sums(static_cast<size_t>(world)), olds(static_cast<size_t>(world));
   onRanks(world, [&](std::shared_ptr<Communicator> comm) {

@@ -10,6 +10,7 @@
 #include "ps.grpc.pb.h"
 
 #include "hostile.h"
+#include "ps_test_util.h"
 #include "test_util.h"
 
 #include <cohort/error.h>
@@ -381,46 +382,6 @@ TEST(PsGrpcTest, UnreachableShardFailsInTimeNamingIt) {
   EXPECT_THROW(makeGrpcClient(address, {.timeoutSeconds = 0}), InvalidArgument);
 }
 
-// A client's failed attempts as they come (ClientOptions::onRetry), for a test to wait on.
-class Retries {
- public:
-  std::function<void(const RetryEvent&)> hook() {
-    return [this](const RetryEvent& e) {
-      std::lock_guard<std::mutex> lock(mu_);
-      events_.push_back(e);
-      changed_.notify_all();
-    };
-  }
-  // The call has returned: no retry will come.
-  void finished() {
-    std::lock_guard<std::mutex> lock(mu_);
-    finished_ = true;
-    changed_.notify_all();
-  }
-  // Waits (at most `limit`) for a retry after the last one accepted that `accept` accepts; false
-  // when the call returned or the time ran out first.
-  bool waitFor(const std::function<bool(const RetryEvent&)>& accept, std::chrono::seconds limit = 30s) {
-    std::unique_lock<std::mutex> lock(mu_);
-    bool found = false;
-    changed_.wait_for(lock, limit, [&] {
-      for (; seen_ < events_.size() && !found; ++seen_) found = accept(events_[seen_]);
-      return found || finished_;
-    });
-    return found;
-  }
-  std::vector<RetryEvent> all() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return events_;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable changed_;
-  std::vector<RetryEvent> events_;
-  size_t seen_ = 0;
-  bool finished_ = false;
-};
-
 // A Pull in a thread: its status, values, and how long it took.
 struct PullResult {
   Status status;
@@ -428,7 +389,7 @@ struct PullResult {
   std::chrono::steady_clock::duration took{};
 };
 
-std::future<PullResult> pullInThread(ShardClient& client, Retries& retries, bool initial) {
+std::future<PullResult> pullInThread(ShardClient& client, test::Retries& retries, bool initial) {
   return std::async(std::launch::async, [&client, &retries, initial] {
     wire::PullRequest request = withProtocol<wire::PullRequest>();
     request.set_initial(initial);
@@ -458,7 +419,7 @@ TEST(PsGrpcTest, ACallRidesOutAShardRestartAfterWaitingLongerThanOneWindow) {
   const test::ReservedPort reserved;
   const std::string address = "127.0.0.1:" + std::to_string(reserved.port());
   constexpr double kWindow = 3;
-  Retries retries;
+  test::Retries retries;
   auto worker = makeGrpcClient(address, {.timeoutSeconds = kWindow, .quiet = true, .onRetry = retries.hook()});
   // Started in a new job (not by a launcher inside this one): it answers a first pull only after
   // an Init, which this test never sends.
@@ -485,7 +446,7 @@ TEST(PsGrpcTest, AShardThatNeverComesBackEndsTheCallOneWindowAfterItWentSilent) 
   const test::ReservedPort reserved;
   const std::string address = "127.0.0.1:" + std::to_string(reserved.port());
   constexpr double kWindow = 1.5;
-  Retries retries;
+  test::Retries retries;
   auto worker = makeGrpcClient(address, {.timeoutSeconds = kWindow, .quiet = true, .onRetry = retries.hook()});
   auto shard = std::make_unique<TestServer>(ServerOptions{.address = address});  // no Init: refuses
   auto pulled = pullInThread(*worker, retries, /*initial=*/false);
@@ -510,7 +471,7 @@ TEST(PsGrpcTest, AShardThatComesAndGoesEndsTheCallAtTheOverallBound) {
   const test::ReservedPort reserved;
   const std::string address = "127.0.0.1:" + std::to_string(reserved.port());
   constexpr double kWindow = 1;
-  Retries retries;
+  test::Retries retries;
   auto worker = makeGrpcClient(address, {.timeoutSeconds = kWindow, .quiet = true, .onRetry = retries.hook()});
   auto shard = std::make_unique<TestServer>(ServerOptions{.address = address});  // no Init: refuses
   auto pulled = pullInThread(*worker, retries, /*initial=*/false);
@@ -552,7 +513,7 @@ TEST(PsGrpcTest, AShardThatComesAndGoesEndsTheCallAtTheOverallBound) {
 TEST(PsGrpcTest, AShardBackAfterALongSilenceIsFoundAtTheNextRetry) {
   const test::ReservedPort reserved;
   const std::string address = "127.0.0.1:" + std::to_string(reserved.port());
-  Retries retries;
+  test::Retries retries;
   auto worker = makeGrpcClient(address, {.timeoutSeconds = 30, .quiet = true, .onRetry = retries.hook()});
   auto shard = std::make_unique<TestServer>(ServerOptions{.address = address});
   expectInit(*shard->client());
@@ -1104,11 +1065,13 @@ TEST(PsFrameTest, AReplyThatDoesNotMatchTheTargetsWritesNothing) {
   EXPECT_EQ(b, std::vector<float>(1, -7.0f));
 }
 
-// The zero-copy path keeps the shard's authentication: a framed push without the proof is refused.
-TEST(PsFrameTest, AFramedPushNeedsTheToken) {
+// A zero-copy push to a shard with a token, sent in one message or (pushChunkBytes small enough) as
+// a stream: from a client with the wrong token it is refused and writes nothing; from one with the
+// right token it is applied.
+void expectAFramedPushNeedsTheToken(size_t pushChunkBytes) {
   TestServer server(ServerOptions{.authToken = "s3cret"});
-  auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
-  auto wrong = server.client({.authToken = "other", .timeoutSeconds = 5, .quiet = true});
+  auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true, .pushChunkBytes = pushChunkBytes});
+  auto wrong = server.client({.authToken = "other", .timeoutSeconds = 5, .quiet = true, .pushChunkBytes = pushChunkBytes});
   expectInit(*right);
   const std::vector<std::vector<float>> grads{{1, 1, 1}, {1, 1}};
   const auto request = protobufPush(kPieces, grads, 0);
@@ -1119,8 +1082,13 @@ TEST(PsFrameTest, AFramedPushNeedsTheToken) {
   const Status s = right->pushFramed(framedPush(request, grads), targets.into, &reply);
   ASSERT_TRUE(s.ok()) << s.message;
   EXPECT_EQ(targets.all(), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
-  EXPECT_EQ(statsOf(*right).unauthenticated(), 1);
+  const auto stats = statsOf(*right);
+  EXPECT_EQ(stats.unauthenticated(), 1);
+  EXPECT_EQ(stats.applied(), 1);
 }
+
+// The zero-copy path keeps the shard's authentication: a framed push without the proof is refused.
+TEST(PsFrameTest, AFramedPushNeedsTheToken) { expectAFramedPushNeedsTheToken(kDefaultPushChunkBytes); }
 
 
 // ---- The streamed push (PushStream: a chunk of whole pieces per message) ----
@@ -1393,24 +1361,7 @@ TEST(PsStreamTest, OnlyAPushOfMoreThanOneChunkStreams) {
 }
 
 // The client's streamed push keeps the shard's authentication.
-TEST(PsStreamTest, AStreamedPushNeedsTheToken) {
-  TestServer server(ServerOptions{.authToken = "s3cret"});
-  auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true, .pushChunkBytes = 4});
-  auto wrong = server.client({.authToken = "other", .timeoutSeconds = 5, .quiet = true, .pushChunkBytes = 4});
-  expectInit(*right);
-  const std::vector<std::vector<float>> grads{{1, 1, 1}, {1, 1}};
-  const auto request = protobufPush(kPieces, grads, 0);
-  FramedTargets targets(kPieces);
-  wire::PushReply reply;
-  EXPECT_EQ(wrong->pushFramed(framedPush(request, grads), targets.into, &reply).code, Code::kUnauthenticated);
-  EXPECT_EQ(targets.all(), std::vector<float>(5, -7.0f));
-  const Status s = right->pushFramed(framedPush(request, grads), targets.into, &reply);
-  ASSERT_TRUE(s.ok()) << s.message;
-  EXPECT_EQ(targets.all(), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
-  const auto stats = statsOf(*right);
-  EXPECT_EQ(stats.unauthenticated(), 1);
-  EXPECT_EQ(stats.applied(), 1);
-}
+TEST(PsStreamTest, AStreamedPushNeedsTheToken) { expectAFramedPushNeedsTheToken(4); }
 
 }  // namespace
 }  // namespace cohort::ps

@@ -6,6 +6,7 @@
 #include "ps/client.h"
 #include "ps/wire.h"
 
+#include "ps_test_util.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -34,41 +35,6 @@ wire::StatsRequest statsRequest() {
   return r;
 }
 
-// The client's failed attempts as they come (ClientOptions::onRetry).
-class Retries {
- public:
-  std::function<void(const RetryEvent&)> hook() {
-    return [this](const RetryEvent& e) {
-      std::lock_guard<std::mutex> lock(mu_);
-      events_.push_back(e);
-      changed_.notify_all();
-    };
-  }
-  void finished() {
-    std::lock_guard<std::mutex> lock(mu_);
-    finished_ = true;
-    changed_.notify_all();
-  }
-  // Waits (at most `limit`) for a retry that `accept` accepts; false when the call returned or the
-  // time ran out first.
-  bool waitFor(const std::function<bool(const RetryEvent&)>& accept, std::chrono::seconds limit) {
-    std::unique_lock<std::mutex> lock(mu_);
-    bool found = false;
-    changed_.wait_for(lock, limit, [&] {
-      for (; seen_ < events_.size() && !found; ++seen_) found = accept(events_[seen_]);
-      return found || finished_;
-    });
-    return found;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable changed_;
-  std::vector<RetryEvent> events_;
-  size_t seen_ = 0;
-  bool finished_ = false;
-};
-
 // The fault table's ps-async shard row (docs/BENCHMARKS.md): a worker retrying a call while its
 // shard is down must find the restarted shard within about a second of its listening, not at gRPC's
 // or its own next back-off (in 1 of 3 runs a worker's window ran out 5 s after the shard was back).
@@ -79,7 +45,7 @@ TEST(PsRestartTest, AClientFindsAShardRestartedOnItsPortWithinASecondOfListening
   const int port = first.port(60s);
   ASSERT_GT(port, 0);
   const std::string address = "127.0.0.1:" + std::to_string(port);
-  Retries retries;
+  test::Retries retries;
   auto client = makeGrpcClient(address, {.timeoutSeconds = 30, .quiet = true, .onRetry = retries.hook()});
   wire::StatsReply reply;
   const Status connected = client->stats(statsRequest(), &reply);

@@ -3,6 +3,7 @@
 #include "comm/store.h"
 
 #include "base/crypto.h"
+#include "base/host_port.h"
 #include "hostile.h"
 
 #include <cohort/error.h>
@@ -214,13 +215,30 @@ TEST(Store, AFrameWithAWrongTagIsRefused) {
   EXPECT_EQ(server->stats().malformed, 1);
 }
 
+// base/host_port's, which the store, the communicator, gossip and the ps service all ask.
 TEST(Store, LoopbackNames) {
   EXPECT_TRUE(isLoopbackHost("127.0.0.1"));
   EXPECT_TRUE(isLoopbackHost("127.1.2.3"));
   EXPECT_TRUE(isLoopbackHost("localhost"));
   EXPECT_TRUE(isLoopbackHost("::1"));
+  EXPECT_TRUE(isLoopbackHost("[::1]"));
   EXPECT_FALSE(isLoopbackHost("10.0.0.1"));
   EXPECT_FALSE(isLoopbackHost("127.example.com"));
+  EXPECT_FALSE(isLoopbackHost("::2"));
+}
+
+TEST(Store, AddressText) {
+  sockaddr_in v4{};
+  v4.sin_family = AF_INET;
+  v4.sin_addr.s_addr = htonl(0x0a000002);
+  EXPECT_EQ(addressText(reinterpret_cast<const sockaddr*>(&v4)), "10.0.0.2");
+  sockaddr_in6 v6{};
+  v6.sin6_family = AF_INET6;
+  v6.sin6_addr = in6addr_loopback;
+  EXPECT_EQ(addressText(reinterpret_cast<const sockaddr*>(&v6)), "::1");
+  sockaddr other{};
+  other.sa_family = AF_UNIX;
+  EXPECT_EQ(addressText(&other), "");
 }
 
 }  // namespace

@@ -35,19 +35,23 @@ std::optional<HostPort> parseHostPort(const std::string& text, bool allowPortZer
   return HostPort{host, value};
 }
 
-namespace {
-
-std::string numericAddress(const sockaddr* a) {
+std::string addressText(const sockaddr* address) {
   char text[INET6_ADDRSTRLEN] = {};
-  if (a->sa_family == AF_INET) {
-    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a)->sin_addr, text, sizeof(text));
-  } else if (a->sa_family == AF_INET6) {
-    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr, text, sizeof(text));
+  if (address->sa_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(address)->sin_addr, text, sizeof(text));
+  } else if (address->sa_family == AF_INET6) {
+    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(address)->sin6_addr, text, sizeof(text));
   }
   return text;
 }
 
-bool loopbackAddress(const std::string& a) { return a.rfind("127.", 0) == 0 || a == "::1"; }
+bool isLoopbackHost(const std::string& host) {
+  if (host == "localhost" || host == "::1" || host == "[::1]") return true;
+  in_addr a4{};
+  return ::inet_pton(AF_INET, host.c_str(), &a4) == 1 && (ntohl(a4.s_addr) >> 24) == 127;
+}
+
+namespace {
 
 // The interface's IPv4 address, else its first IPv6 one that is not link-local; "" if none.
 std::string interfaceAddress(const std::string& name) {
@@ -56,10 +60,10 @@ std::string interfaceAddress(const std::string& name) {
   std::string v4, v6;
   for (const ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
     if (i->ifa_addr == nullptr || name != i->ifa_name) continue;
-    if (i->ifa_addr->sa_family == AF_INET && v4.empty()) v4 = numericAddress(i->ifa_addr);
+    if (i->ifa_addr->sa_family == AF_INET && v4.empty()) v4 = addressText(i->ifa_addr);
     if (i->ifa_addr->sa_family == AF_INET6 && v6.empty() &&
         !IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr)) {
-      v6 = numericAddress(i->ifa_addr);
+      v6 = addressText(i->ifa_addr);
     }
   }
   ::freeifaddrs(list);
@@ -80,7 +84,7 @@ std::string routeSource(const std::string& host, int port) {
     socklen_t len = sizeof(local);
     if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-      source = numericAddress(reinterpret_cast<const sockaddr*>(&local));
+      source = addressText(reinterpret_cast<const sockaddr*>(&local));
     }
     ::close(fd);
   }
@@ -98,7 +102,7 @@ std::string addressTowards(const std::string& rendezvousHost, int rendezvousPort
     return address;
   }
   if (const std::string source = routeSource(rendezvousHost, rendezvousPort);
-      !source.empty() && !loopbackAddress(source)) {
+      !source.empty() && !isLoopbackHost(source)) {
     return source;
   }
   char name[256] = {};

@@ -6,12 +6,21 @@
 #include <optional>
 #include <string>
 
+struct sockaddr;
+
 namespace cohort {
 
 // The host (brackets removed) and a port in 1..65535 (0..65535 with allowPortZero: a task that
 // listens on any free port and tells its launcher); nullopt for anything else, including an IPv6
 // host without brackets.
 std::optional<HostPort> parseHostPort(const std::string& text, bool allowPortZero = false);
+
+// An IPv4 or IPv6 socket address's host as text ("10.0.0.2", "fd00::2"); "" for other families.
+std::string addressText(const sockaddr* address);
+
+// True for names and addresses that mean this machine's loopback: localhost, 127.0.0.0/8, ::1
+// (bare or in brackets). A name that merely starts with "127." is not one.
+bool isLoopbackHost(const std::string& host);
 
 // The address the job's other processes reach this one at, for a process that listens on every
 // interface and publishes where: GLOO_SOCKET_IFNAME's address when it is set (the interface Gloo

@@ -1,3 +1,4 @@
+#include "base/host_port.h"
 #include "base/launcher_channel.h"
 #include "comm/store.h"
 
@@ -31,7 +32,7 @@ std::string firstLine(const std::string& s) { return s.substr(0, s.find('\n')); 
 std::string heartbeatKey(int rank) { return "cohort/heartbeat/" + std::to_string(rank); }
 
 std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& masterHost) {
-  if (store::isLoopbackHost(masterHost)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  if (isLoopbackHost(masterHost)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
   }

@@ -1,6 +1,7 @@
 #include "comm/store.h"
 
 #include "base/crypto.h"
+#include "base/host_port.h"
 #include "base/thread_annotations.h"
 
 #include <cohort/error.h>
@@ -259,37 +260,13 @@ void setNoDelay(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
-std::string addressText(const sockaddr* sa) {
-  char host[INET6_ADDRSTRLEN] = {};
-  if (sa->sa_family == AF_INET) {
-    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(sa)->sin_addr, host, sizeof(host));
-  } else if (sa->sa_family == AF_INET6) {
-    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr, host, sizeof(host));
-  }
-  return host;
-}
-
 bool isLiteralAddress(const std::string& host) {
   in6_addr a6{};
   in_addr a4{};
   return ::inet_pton(AF_INET, host.c_str(), &a4) == 1 || ::inet_pton(AF_INET6, host.c_str(), &a6) == 1;
 }
 
-bool isLoopbackAddress(const sockaddr* sa) {
-  if (sa->sa_family == AF_INET) {
-    return (ntohl(reinterpret_cast<const sockaddr_in*>(sa)->sin_addr.s_addr) >> 24) == 127;
-  }
-  if (sa->sa_family == AF_INET6) return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr);
-  return false;
-}
-
 }  // namespace
-
-bool isLoopbackHost(const std::string& host) {
-  if (host == "localhost" || host == "::1" || host == "[::1]") return true;
-  in_addr a4{};
-  return ::inet_pton(AF_INET, host.c_str(), &a4) == 1 && (ntohl(a4.s_addr) >> 24) == 127;
-}
 
 // ---- the server -------------------------------------------------------------------------------
 
@@ -624,7 +601,7 @@ std::unique_ptr<Server> Server::start(const ServerOptions& options) {
   // A name (not an address) that resolves to loopback, such as a Debian host name in /etc/hosts
   // (127.0.1.1), is still how other machines reach this one: listen everywhere then.
   const bool nameToLoopback = !isLiteralAddress(options.host) && !isLoopbackHost(options.host) &&
-                              isLoopbackAddress(found->ai_addr);
+                              isLoopbackHost(addressText(found->ai_addr));
 
   int lastErrno = 0;
   for (int attempt = 0; attempt < 2 && impl->listenFd < 0; ++attempt) {

@@ -99,7 +99,4 @@ class Client {
   std::unique_ptr<Impl> impl_;
 };
 
-// True for names and addresses that mean this machine's loopback: localhost, 127.0.0.0/8, ::1.
-bool isLoopbackHost(const std::string& host);
-
 }  // namespace cohort::store

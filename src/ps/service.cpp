@@ -1,4 +1,5 @@
 #include "ps/service.h"
+#include "base/host_port.h"
 #include "base/launcher_channel.h"
 #include "ps/call_auth.h"
 #include "ps/grpc_frame.h"
@@ -64,10 +65,10 @@ std::string readPem(const std::string& path, const char* flag) {
   return text.str();
 }
 
+// The listening address ("host:port", "[v6]:port") is on loopback.
 bool isLoopbackAddress(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  const std::string host = colon == std::string::npos ? address : address.substr(0, colon);
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "[::1]";
+  const auto hostPort = parseHostPort(address, /*allowPortZero=*/true);
+  return isLoopbackHost(hostPort ? hostPort->host : address);
 }
 
 // What the service does with a caller that has not shown the token: counts it, logs it

@@ -6,8 +6,10 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace cohort {
 
@@ -16,8 +18,10 @@ using compress::CodecKind;
 namespace {
 
 // The point-to-point tag of the 16-bit ring's messages. Only the communication thread sends and
-// receives with it, one hop after the other, so the messages of one pair of ranks pair in order.
+// receives with it, in the same order on every rank, so the messages of one pair of ranks pair in order.
 constexpr int kRingTag = 0x7c16;
+// The 16-bit ring's segment: each hop's chunk goes as pieces of at most this many bytes.
+constexpr int64_t kRingSegmentBytes = 256 << 10;
 
 std::span<uint16_t> bits16(torch::Tensor& t) {
   return {reinterpret_cast<uint16_t*>(t.data_ptr()), size_t(t.numel())};
@@ -155,43 +159,72 @@ void CompressedSum::ring16(size_t id, torch::Tensor& flat) {
   const int64_t n = flat.numel();
   const int size = comm_->worldSize();
   const int rank = comm_->rank();
-  // Chunk c is [n c / N, n (c+1) / N): sizes differ by at most one; some are empty when n < N.
-  auto first = [&](int c) { return n * c / size; };
-  auto length = [&](int c) { return first(c + 1) - first(c); };
-  auto acc = [&](int c) { return floats(flat).subspan(size_t(first(c)), size_t(length(c))); };
-  auto bits = [&](int c) { return bits16(wire).subspan(size_t(first(c)), size_t(length(c))); };
   auto mod = [&](int c) { return ((c % size) + size) % size; };
+  // Chunk c is [n c / N, n (c+1) / N): sizes differ by at most one; some are empty when n < N.
+  // Each chunk is cut into `segments` pieces the same way, the same number on every rank.
+  const int64_t segments = std::max<int64_t>(1, (2 * (n / size + 1) + kRingSegmentBytes - 1) / kRingSegmentBytes);
+  auto first = [&](int c, int64_t k) {
+    const int64_t start = n * c / size, length = n * (c + 1) / size - start;
+    return start + length * k / segments;
+  };
+  auto length = [&](int c, int64_t k) { return first(c, k + 1) - first(c, k); };
+  auto acc = [&](int c, int64_t k) { return floats(flat).subspan(size_t(first(c, k)), size_t(length(c, k))); };
+  auto bits = [&](int c, int64_t k) { return bits16(wire).subspan(size_t(first(c, k)), size_t(length(c, k))); };
   Phases spent;
   auto timed = [](double& into, auto&& f) {
     const auto t = Clock::now();
     f();
     into += secondsSince(t);
   };
-  // One hop: chunk `out` (16 bits) to the next rank, chunk `in` from the previous one.
-  auto hop = [&](int out, int in) {
-    timed(spent.wireSeconds, [&] {
-      CommWork send, receive;
-      if (length(out) > 0) send = comm_->sendAsync(wire.narrow(0, first(out), length(out)), (rank + 1) % size, kRingTag);
-      if (length(in) > 0) receive = comm_->recvAsync(wire.narrow(0, first(in), length(in)), mod(rank - 1), kRingTag);
-      send.wait();
-      receive.wait();
-    });
-    bytesSent_ += 2 * length(out);
-    bytesReceived_ += 2 * length(in);
-  };
   if (size == 1) {
     timed(spent.encodeSeconds, [&] { to16(floats(flat), bits16(wire)); });
   } else {
-    timed(spent.encodeSeconds, [&] { to16(acc(rank), bits(rank)); });
-    // Reduce-scatter: after hop s, this rank holds the partial sum of chunk rank - s - 1 over
-    // s + 2 ranks, rounded; after the last, the whole sum of chunk rank + 1.
-    for (int s = 0; s + 1 < size; ++s) {
-      const int in = mod(rank - s - 1);
-      hop(mod(rank - s), in);
-      timed(spent.decodeSeconds, [&] { addAndRound(bits(in), acc(in), bits(in)); });
+    // Hops 0..N-2 reduce-scatter: after hop h this rank holds the partial sum of chunk rank-h-1
+    // over h+2 ranks, rounded; after the last, the whole sum of chunk rank+1. Hops N-1..2N-3
+    // gather the owners' 16-bit sums, passed on unchanged. What a hop receives is what the next
+    // one sends (out(h+1) == in(h)).
+    const int hops = 2 * (size - 1);
+    auto out = [&](int h) { return h < size - 1 ? mod(rank - h) : mod(rank + 1 - (h - size + 1)); };
+    auto in = [&](int h) { return h < size - 1 ? mod(rank - h - 1) : mod(rank - (h - size + 1)); };
+    std::vector<CommWork> sends, receives(size_t(hops * segments));
+    auto receive = [&](int h) {
+      for (int64_t k = 0; k < segments; ++k) {
+        if (length(in(h), k) == 0) continue;
+        receives[size_t(h * segments + k)] =
+            comm_->recvAsync(wire.narrow(0, first(in(h), k), length(in(h), k)), mod(rank - 1), kRingTag);
+        bytesReceived_ += 2 * length(in(h), k);
+      }
+    };
+    auto send = [&](int h, int64_t k) {
+      if (length(out(h), k) == 0) return;
+      sends.push_back(comm_->sendAsync(wire.narrow(0, first(out(h), k), length(out(h), k)), (rank + 1) % size, kRingTag));
+      bytesSent_ += 2 * length(out(h), k);
+    };
+    // Pipelined by segment, so that the link carries the next hop while this one's tail is still
+    // arriving: a segment goes on as soon as it has arrived (and, reducing, been added). A hop's
+    // receives are posted one hop ahead: Gloo sends only to a posted receive, and the peer learns
+    // of it from a message that would otherwise queue behind this rank's own segments. (With 2
+    // ranks hop h+1 lands in the chunk hop h sends; the peer sends a segment of it only after
+    // this rank's segment of hop h has all arrived there, so its bytes have left this buffer.)
+    // Both ranks post sends and receives hop by hop, segment by segment, so the messages of one
+    // tag pair in order.
+    receive(0);
+    const int64_t mine = first(rank, 0), mineLength = first(rank, segments) - mine;
+    timed(spent.encodeSeconds, [&] {
+      to16(floats(flat).subspan(size_t(mine), size_t(mineLength)), bits16(wire).subspan(size_t(mine), size_t(mineLength)));
+    });
+    for (int64_t k = 0; k < segments; ++k) send(0, k);
+    for (int h = 0; h < hops; ++h) {
+      if (h + 1 < hops) receive(h + 1);
+      for (int64_t k = 0; k < segments; ++k) {
+        timed(spent.wireSeconds, [&] { receives[size_t(h * segments + k)].wait(); });
+        if (h < size - 1) timed(spent.decodeSeconds, [&] { addAndRound(bits(in(h), k), acc(in(h), k), bits(in(h), k)); });
+        if (h + 1 < hops) send(h + 1, k);
+      }
     }
-    // Allgather: the owners' 16-bit sums, passed on unchanged.
-    for (int s = 0; s + 1 < size; ++s) hop(mod(rank + 1 - s), mod(rank - s));
+    timed(spent.wireSeconds, [&] {
+      for (auto& s : sends) s.wait();
+    });
   }
   // Every rank converts the same bits: the same floats everywhere.
   timed(spent.decodeSeconds, [&] { from16(bits16(wire), floats(flat)); });

@@ -33,10 +33,6 @@ struct GossipContext {
 
 constexpr size_t kHistogramBins = 64;  // staleness >= 63 counts in the last bin
 
-bool isLoopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1"; }
-
-
-
 // Per sender: what this replica applied from it.
 struct Received {
   int64_t messages = 0;
@@ -84,7 +80,7 @@ struct Gossip::Impl {
     const auto timeout = std::chrono::milliseconds(int64_t(c_.timeoutSeconds * 1000));
     std::string token = c_.options.authToken.empty() ? cl.secret : c_.options.authToken;
     // No shared secret: only on loopback, where the store and the peers are this machine's.
-    COHORT_CHECK(!token.empty() || isLoopback(cl.master.host), InvalidArgument,
+    COHORT_CHECK(!token.empty() || isLoopbackHost(cl.master.host), InvalidArgument,
                  "gossip between machines needs the job's secret, or any host that reaches the store could "
                  "join: set COHORT_AUTH_TOKEN (or --auth-token) to the same random value on every process "
                  "(cohort launch makes one)");
@@ -99,7 +95,7 @@ struct Gossip::Impl {
     std::string bind = "0.0.0.0", advertise;
     if (!cl.workers.empty()) {
       bind = advertise = cl.workers[size_t(cl.rank)].host;
-    } else if (isLoopback(cl.master.host)) {
+    } else if (isLoopbackHost(cl.master.host)) {
       bind = advertise = "127.0.0.1";
     } else {
       advertise = addressTowards(cl.master.host, cl.master.port);
