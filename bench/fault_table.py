@@ -145,6 +145,8 @@ def run_one(args, scheme, fault, work):
     launcher_lines = []  # (time, line) of the launcher's own lines
     failed_checkpoints = [0]
     restored = []  # a restarted shard's "restored from PATH at version V"
+    resumed = []  # the chief's "resumed from PATH (step N, ..." or "... from the parameter servers at step N"
+    resumed_re = re.compile(r"\[rank 0\] cohort: resumed from (?:\S+ \(step |the parameter servers at step )(\d+)")
 
     log = open(os.path.join(args.log_dir, f"{scheme}-{fault}.log"), "w") if args.log_dir else None
 
@@ -165,12 +167,18 @@ def run_one(args, scheme, fault, work):
             m = re.search(r"restored from \S+ at version (\d+)", line)
             if m:
                 restored.append(int(m.group(1)))
+            m = resumed_re.search(line)
+            if m:
+                resumed.append(int(m.group(1)))
     reader = threading.Thread(target=read_err, daemon=True)
     reader.start()
     def read_out():
         # stdout too: a shard's "listening on" line says when a restarted one can be reached.
         for line in proc.stdout:
             log_line(line)
+            m = resumed_re.search(line)
+            if m:
+                resumed.append(int(m.group(1)))
     out_thread = threading.Thread(target=read_out, daemon=True)
     out_thread.start()
 
@@ -239,6 +247,8 @@ def run_one(args, scheme, fault, work):
         # updates were lost with the shard's state since its last checkpoint.
         "applied": done.get("gradients_applied") if done else None,
         "restored_version": restored[0] if restored else None,
+        # The step the restarted chief resumed at (None: it started from scratch, or no restart).
+        "resumed_step": resumed[-1] if resumed else None,
     }
 
 
@@ -248,8 +258,12 @@ def what_it_did(r):
         action = (f"{r['failed_checkpoints']} periodic checkpoint writes failed (ENOSPC), training went on; the final "
                   "one failed after the done event, not restarted")
     elif "restarting every process" in said:
-        # gossip's replicas differ: a restarted gossip job trains again from scratch
-        action = "group restarted from scratch" if r["scheme"] == "gossip" else "group restarted from its checkpoint"
+        if r.get("resumed_step"):
+            action = f"group restarted, resumed at step {r['resumed_step']}"
+        elif "resumed_step" in r:
+            action = "group restarted from scratch"
+        else:  # a --json file from before the resumed step was recorded
+            action = "group restarted from its checkpoint"
     elif "starting it again alone" in said:
         action = "restarted alone, rejoined"
     elif "go on without it" in said:

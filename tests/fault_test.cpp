@@ -288,6 +288,45 @@ TEST(LaunchRestarts, AnAllreduceJobResumesFromItsCheckpoint) {
   EXPECT_EQ(done["restarts"], 1);
 }
 
+// gossip loses its chief: the group restarts, and every peer resumes from the chief's newest
+// checkpoint (its step, optimizer state and sampler position), not from scratch.
+TEST(LaunchRestarts, AGossipGroupResumesFromTheChiefsCheckpoint) {
+  test::TempDir dir;
+  auto r = test::runCommand(launch("-n 2 --max-restarts 1" +
+                                   train("--strategy gossip --timeout 20 --steps 60 --checkpoint-every 20 "
+                                         "--checkpoint-dir " + dir.file("ckpt") + " --test-kill-at 0:30 --metrics " +
+                                         dir.file("m.jsonl"))),
+                            180);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 0 was killed by signal 9 (SIGKILL); restarting every process from the "
+                          "newest checkpoint (restart 1 of 1)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[rank 0] cohort: resumed from " + dir.file("ckpt") + "/ckpt-0000000020.ckpt (step 20, "),
+            std::string::npos)
+      << r.output;
+  // The chief's step events: 1..29 from the first run (it died at step 30, before writing it),
+  // then the restarted run's, which must begin after the checkpoint's step.
+  std::vector<int64_t> steps;
+  for (const auto& line : test::lines(test::readFile(dir.file("m.jsonl")))) {
+    const auto event = nlohmann::json::parse(line);
+    if (event["event"] == "step") steps.push_back(event["step"].get<int64_t>());
+  }
+  size_t restart = 1;
+  while (restart < steps.size() && steps[restart] > steps[restart - 1]) ++restart;
+  ASSERT_LT(restart, steps.size()) << "no restarted run in the step events\n" << r.output;
+  EXPECT_EQ(steps[restart - 1], 29);
+  EXPECT_EQ(steps[restart], 21) << "the restarted group's first step";
+  EXPECT_EQ(steps.back(), 60);
+  auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["steps"], 60);
+  EXPECT_EQ(done["restarts"], 1);
+  EXPECT_EQ(done["workers_lost"].size(), 0u) << done.dump();
+  // Rank 1 resumed at the chief's step too: it took the 40 steps left in the restarted run, not 60.
+  EXPECT_EQ(done["peer_steps"], nlohmann::json::array({40, 40})) << done.dump();
+}
+
 // In the asynchronous ps modes a dead worker is restarted alone and takes up its clock.
 TEST(LaunchRestarts, AnAsyncPsWorkerRejoinsAtItsClock) {
   test::TempDir dir;

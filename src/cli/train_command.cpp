@@ -330,8 +330,8 @@ Run addTrainCommand(CLI::App& app) {
     }
     launcher::tellFaultPolicy(workerLossOf(o.strategy));
     o.restartCount = restartCountFromEnvironment();
-    // A restarted job resumes by itself (gossip cannot: its replicas differ; it starts afresh).
-    if (o.restartCount > 0 && !o.checkpointDir.empty() && o.strategy.name != "gossip") o.resume = true;
+    // A restarted job resumes by itself.
+    if (o.restartCount > 0 && !o.checkpointDir.empty()) o.resume = true;
     // An evaluator task (TF_CONFIG type "evaluator", cohort launch --evaluator) runs the same command too.
     if (cluster.role == Role::kEvaluator) return runEvaluator(o, cluster, *evaluator);
     static const std::map<std::string, ProgressMode> kModes{{"auto", ProgressMode::kAuto},

@@ -249,7 +249,8 @@ struct Trainer::State {
   }
 
   // The writer (the chief) reads the checkpoint and sends it to the processes that restore the
-  // same model (every worker), so all resume alike even when only it can see the directory.
+  // same model (every worker), so all resume alike even when only it can see the directory: over
+  // the communicator, or for a scheme without one (gossip) through the scheme.
   void resume() {
     std::vector<uint8_t> payload;
     std::string path;
@@ -260,7 +261,7 @@ struct Trainer::State {
       }
     }
     Communicator* group = checkpointPlan.group ? checkpointPlan.group.get() : comm.get();
-    if (group != nullptr) payload = group->broadcastBytes(payload, 0);
+    payload = group != nullptr ? group->broadcastBytes(payload, 0) : strategy->shareCheckpoint(std::move(payload));
     if (!payload.empty()) {
       restore(LoadedCheckpoint{{path.empty() ? "the chief's checkpoint" : path, 0}, std::move(payload)});
       if (checkpointPlan.writes) {
