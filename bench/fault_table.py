@@ -2,11 +2,11 @@
 """The fault table: each fault under each scheme, run through `cohort launch`.
 
     flock -x /tmp/cohort-machine.lock python3 bench/fault_table.py [--build build] [--steps 300]
-        [--schemes allreduce,ps-sync,ps-async,ps-ssp,gossip] [--faults none,worker,chief,shard,ckpt,disk]
+        [--schemes allreduce,ps-sync,ps-async,ps-ssp,gossip,average,pipeline,ps-softsync,ps-sync-backup] [--faults none,worker,chief,shard,ckpt,disk]
         [--log-dir DIR] [--json FILE]
     python3 bench/fault_table.py --merge run1.json,run2.json,run3.json   # medians and ranges of several runs
 
-3 workers (and 1 shard under ps) x 1 thread, the mlp on Fashion-MNIST, batch 64, momentum SGD
+3 workers (2 under pipeline: --stages 2, one process per stage; and 1 shard under ps) x 1 thread, the mlp on Fashion-MNIST, batch 64, momentum SGD
 lr 0.01, --steps S, checkpoints every 50 steps, --timeout 10, under
 `cohort launch --max-restarts 1 --grace 5` (0 restarts for the fault "worker"). For each scheme an undisturbed run, then one run per
 fault: once the chief's metrics reach step S/3 the victim is sent SIGKILL by this script
@@ -50,6 +50,11 @@ SCHEMES = {
     "ps-async": (["--strategy", "ps", "--ps-mode", "async"], 1),
     "ps-ssp": (["--strategy", "ps", "--ps-mode", "ssp", "--staleness-bound", "2"], 1),
     "gossip": (["--strategy", "gossip"], 0),
+    "average": (["--strategy", "average", "--period", "4"], 0),
+    # 2 stages of one pipeline: 2 processes (rank 1 is the last stage, the "worker" victim).
+    "pipeline": (["--strategy", "pipeline", "--stages", "2", "--micro-batches", "4"], 0, 2),
+    "ps-softsync": (["--strategy", "ps", "--ps-mode", "softsync", "--softsync", "2"], 1),
+    "ps-sync-backup": (["--strategy", "ps", "--ps-mode", "sync", "--backup-workers", "1"], 1),
 }
 FAULTS = ["none", "worker", "worker+restart", "chief", "shard", "ckpt", "disk", "evaluator"]
 EVALUATOR_SCHEMES = {"allreduce"}
@@ -121,7 +126,8 @@ def done_event(metrics):
 
 
 def run_one(args, scheme, fault, work):
-    flags, shards = SCHEMES[scheme]
+    flags, shards, *rest = SCHEMES[scheme]
+    workers = rest[0] if rest else WORKERS
     if (fault == "shard" and shards == 0) or (fault == "evaluator" and scheme not in EVALUATOR_SCHEMES):
         return None  # no such process in this scheme
     ckpt = os.path.join(work, "ckpt")
@@ -134,7 +140,7 @@ def run_one(args, scheme, fault, work):
     cohort = os.path.join(args.build, "cohort")
     restarts = "0" if fault == "worker" else "1"
     evaluator = ["--evaluator"] if fault == "evaluator" else []
-    cmd = [cohort, "launch", "-n", str(WORKERS), "--ps", str(shards)] + evaluator + [
+    cmd = [cohort, "launch", "-n", str(workers), "--ps", str(shards)] + evaluator + [
            "--max-restarts", restarts, "--grace", "5", "--",
            cohort, "train", "--model", "mlp", "--data", "fashion-mnist", "--batch", "64", "--threads", "1",
            "--optimizer", "momentum", "--lr", "0.01", "--steps", str(args.steps), "--progress", "off",
@@ -182,7 +188,7 @@ def run_one(args, scheme, fault, work):
     out_thread = threading.Thread(target=read_out, daemon=True)
     out_thread.start()
 
-    victim = {"worker": f"rank {WORKERS - 1}", "worker+restart": f"rank {WORKERS - 1}", "chief": "rank 0",
+    victim = {"worker": f"rank {workers - 1}", "worker+restart": f"rank {workers - 1}", "chief": "rank 0",
               "shard": "ps 0", "evaluator": "evaluator",
               "ckpt": "ps 0" if shards else "rank 0"}.get(fault)
     killed_at = None
