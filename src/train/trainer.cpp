@@ -637,6 +637,10 @@ TrainResult Trainer::run() {
       const int64_t begin = s.stepInEpoch * o.batch;
       const int64_t count = std::min(o.batch, n - begin);
       Batch batch = makeBatch(s.data.train, std::span(indices).subspan(size_t(begin), size_t(count)));
+      if (o.testNanAtStep > 0 && s.step + 1 == o.testNanAtStep && o.restartCount == 0 &&
+          batch.inputs.is_floating_point()) {  // --test-nan-at
+        batch.inputs = torch::full_like(batch.inputs, std::nan(""));
+      }
       if (s.strategy->readsAhead()) s.strategy->upcoming(nextBatch(indices, begin + o.batch));
       StepStats stats = s.strategy->step(batch, loss);
       ++s.step;
