@@ -254,8 +254,25 @@ struct Trainer::State {
   void resume() {
     std::vector<uint8_t> payload;
     std::string path;
-    if (checkpointPlan.writes) {
-      if (auto loaded = loadChiefCheckpoint()) {
+    // Processes that restore different checkpoints (pipeline stages) take the newest step that
+    // every one of them has: a kill inside one stage's write leaves the others a step ahead.
+    int64_t upTo = INT64_MAX;
+    if (comm && checkpointPlan.group) {
+      int64_t newest = INT64_MAX;
+      if (checkpointPlan.writes) {
+        const auto files = checkpoints->list();
+        newest = files.empty() ? -1 : files.front().step;
+      }
+      for (const auto& t : comm->allgather(torch::tensor({newest}, torch::kInt64))) {
+        upTo = std::min(upTo, t.item<int64_t>());
+      }
+      if (checkpointPlan.writes && upTo >= 0 && upTo < newest) {
+        warn("--resume: this stage's newest checkpoint is step " + std::to_string(newest) + ", another stage's step " +
+             std::to_string(upTo) + " (a save was interrupted): resuming every stage from step " + std::to_string(upTo));
+      }
+    }
+    if (checkpointPlan.writes && upTo >= 0) {
+      if (auto loaded = loadChiefCheckpoint(upTo)) {
         payload = std::move(loaded->payload);
         path = loaded->file.path;
       }
@@ -281,9 +298,23 @@ struct Trainer::State {
     }
   }
 
-  std::optional<LoadedCheckpoint> loadChiefCheckpoint() {
+  // The newest checkpoint that verifies, at or before step `upTo`.
+  std::optional<LoadedCheckpoint> loadChiefCheckpoint(int64_t upTo = INT64_MAX) {
     std::vector<std::string> corrupt;
-    auto loaded = checkpoints->loadNewest([&](const std::string& m) { corrupt.push_back(m); });
+    std::optional<LoadedCheckpoint> loaded;
+    if (upTo == INT64_MAX) {
+      loaded = checkpoints->loadNewest([&](const std::string& m) { corrupt.push_back(m); });
+    } else {
+      for (const auto& file : checkpoints->list()) {
+        if (file.step > upTo) continue;
+        try {
+          loaded = LoadedCheckpoint{file, CheckpointStore::readVerified(file.path)};
+          break;
+        } catch (const IoError& e) {
+          corrupt.push_back(std::string(e.what()) + "; trying the next older one");
+        }
+      }
+    }
     if (!loaded) {
       std::string all;
       for (const auto& m : corrupt) all += (all.empty() ? "" : " | ") + m.substr(0, m.find("; trying"));
