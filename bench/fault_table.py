@@ -2,11 +2,11 @@
 """The fault table: each fault under each scheme, run through `cohort launch`.
 
     flock -x /tmp/cohort-machine.lock python3 bench/fault_table.py [--build build] [--steps 300]
-        [--schemes allreduce,ps-sync,ps-async,ps-ssp,gossip] [--faults none,worker,chief,shard,ckpt,disk]
+        [--schemes allreduce,ps-sync,ps-async,ps-ssp,gossip,average,pipeline,ps-softsync,ps-sync-backup] [--faults none,worker,chief,shard,ckpt,disk]
         [--log-dir DIR] [--json FILE]
     python3 bench/fault_table.py --merge run1.json,run2.json,run3.json   # medians and ranges of several runs
 
-3 workers (and 1 shard under ps) x 1 thread, the mlp on Fashion-MNIST, batch 64, momentum SGD
+3 workers (2 under pipeline: --stages 2, one process per stage; and 1 shard under ps) x 1 thread, the mlp on Fashion-MNIST, batch 64, momentum SGD
 lr 0.01, --steps S, checkpoints every 50 steps, --timeout 10, under
 `cohort launch --max-restarts 1 --grace 5` (0 restarts for the fault "worker"). For each scheme an undisturbed run, then one run per
 fault: once the chief's metrics reach step S/3 the victim is sent SIGKILL by this script
@@ -50,6 +50,11 @@ SCHEMES = {
     "ps-async": (["--strategy", "ps", "--ps-mode", "async"], 1),
     "ps-ssp": (["--strategy", "ps", "--ps-mode", "ssp", "--staleness-bound", "2"], 1),
     "gossip": (["--strategy", "gossip"], 0),
+    "average": (["--strategy", "average", "--period", "4"], 0),
+    # 2 stages of one pipeline: 2 processes (rank 1 is the last stage, the "worker" victim).
+    "pipeline": (["--strategy", "pipeline", "--stages", "2", "--micro-batches", "4"], 0, 2),
+    "ps-softsync": (["--strategy", "ps", "--ps-mode", "softsync", "--softsync", "2"], 1),
+    "ps-sync-backup": (["--strategy", "ps", "--ps-mode", "sync", "--backup-workers", "1"], 1),
 }
 FAULTS = ["none", "worker", "worker+restart", "chief", "shard", "ckpt", "disk", "evaluator"]
 EVALUATOR_SCHEMES = {"allreduce"}
@@ -121,7 +126,8 @@ def done_event(metrics):
 
 
 def run_one(args, scheme, fault, work):
-    flags, shards = SCHEMES[scheme]
+    flags, shards, *rest = SCHEMES[scheme]
+    workers = rest[0] if rest else WORKERS
     if (fault == "shard" and shards == 0) or (fault == "evaluator" and scheme not in EVALUATOR_SCHEMES):
         return None  # no such process in this scheme
     ckpt = os.path.join(work, "ckpt")
@@ -134,7 +140,7 @@ def run_one(args, scheme, fault, work):
     cohort = os.path.join(args.build, "cohort")
     restarts = "0" if fault == "worker" else "1"
     evaluator = ["--evaluator"] if fault == "evaluator" else []
-    cmd = [cohort, "launch", "-n", str(WORKERS), "--ps", str(shards)] + evaluator + [
+    cmd = [cohort, "launch", "-n", str(workers), "--ps", str(shards)] + evaluator + [
            "--max-restarts", restarts, "--grace", "5", "--",
            cohort, "train", "--model", "mlp", "--data", "fashion-mnist", "--batch", "64", "--threads", "1",
            "--optimizer", "momentum", "--lr", "0.01", "--steps", str(args.steps), "--progress", "off",
@@ -145,6 +151,8 @@ def run_one(args, scheme, fault, work):
     launcher_lines = []  # (time, line) of the launcher's own lines
     failed_checkpoints = [0]
     restored = []  # a restarted shard's "restored from PATH at version V"
+    resumed = []  # the chief's "resumed from PATH (step N, ..." or "... from the parameter servers at step N"
+    resumed_re = re.compile(r"\[rank 0\] cohort: resumed from (?:\S+ \(step |the parameter servers at step )(\d+)")
 
     log = open(os.path.join(args.log_dir, f"{scheme}-{fault}.log"), "w") if args.log_dir else None
 
@@ -165,16 +173,22 @@ def run_one(args, scheme, fault, work):
             m = re.search(r"restored from \S+ at version (\d+)", line)
             if m:
                 restored.append(int(m.group(1)))
+            m = resumed_re.search(line)
+            if m:
+                resumed.append(int(m.group(1)))
     reader = threading.Thread(target=read_err, daemon=True)
     reader.start()
     def read_out():
         # stdout too: a shard's "listening on" line says when a restarted one can be reached.
         for line in proc.stdout:
             log_line(line)
+            m = resumed_re.search(line)
+            if m:
+                resumed.append(int(m.group(1)))
     out_thread = threading.Thread(target=read_out, daemon=True)
     out_thread.start()
 
-    victim = {"worker": f"rank {WORKERS - 1}", "worker+restart": f"rank {WORKERS - 1}", "chief": "rank 0",
+    victim = {"worker": f"rank {workers - 1}", "worker+restart": f"rank {workers - 1}", "chief": "rank 0",
               "shard": "ps 0", "evaluator": "evaluator",
               "ckpt": "ps 0" if shards else "rank 0"}.get(fault)
     killed_at = None
@@ -239,6 +253,8 @@ def run_one(args, scheme, fault, work):
         # updates were lost with the shard's state since its last checkpoint.
         "applied": done.get("gradients_applied") if done else None,
         "restored_version": restored[0] if restored else None,
+        # The step the restarted chief resumed at (None: it started from scratch, or no restart).
+        "resumed_step": resumed[-1] if resumed else None,
     }
 
 
@@ -248,8 +264,12 @@ def what_it_did(r):
         action = (f"{r['failed_checkpoints']} periodic checkpoint writes failed (ENOSPC), training went on; the final "
                   "one failed after the done event, not restarted")
     elif "restarting every process" in said:
-        # gossip's replicas differ: a restarted gossip job trains again from scratch
-        action = "group restarted from scratch" if r["scheme"] == "gossip" else "group restarted from its checkpoint"
+        if r.get("resumed_step"):
+            action = f"group restarted, resumed at step {r['resumed_step']}"
+        elif "resumed_step" in r:
+            action = "group restarted from scratch"
+        else:  # a --json file from before the resumed step was recorded
+            action = "group restarted from its checkpoint"
     elif "starting it again alone" in said:
         action = "restarted alone, rejoined"
     elif "go on without it" in said:

@@ -288,6 +288,45 @@ TEST(LaunchRestarts, AnAllreduceJobResumesFromItsCheckpoint) {
   EXPECT_EQ(done["restarts"], 1);
 }
 
+// gossip loses its chief: the group restarts, and every peer resumes from the chief's newest
+// checkpoint (its step, optimizer state and sampler position), not from scratch.
+TEST(LaunchRestarts, AGossipGroupResumesFromTheChiefsCheckpoint) {
+  test::TempDir dir;
+  auto r = test::runCommand(launch("-n 2 --max-restarts 1" +
+                                   train("--strategy gossip --timeout 20 --steps 60 --checkpoint-every 20 "
+                                         "--checkpoint-dir " + dir.file("ckpt") + " --test-kill-at 0:30 --metrics " +
+                                         dir.file("m.jsonl"))),
+                            180);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 0 was killed by signal 9 (SIGKILL); restarting every process from the "
+                          "newest checkpoint (restart 1 of 1)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[rank 0] cohort: resumed from " + dir.file("ckpt") + "/ckpt-0000000020.ckpt (step 20, "),
+            std::string::npos)
+      << r.output;
+  // The chief's step events: 1..29 from the first run (it died at step 30, before writing it),
+  // then the restarted run's, which must begin after the checkpoint's step.
+  std::vector<int64_t> steps;
+  for (const auto& line : test::lines(test::readFile(dir.file("m.jsonl")))) {
+    const auto event = nlohmann::json::parse(line);
+    if (event["event"] == "step") steps.push_back(event["step"].get<int64_t>());
+  }
+  size_t restart = 1;
+  while (restart < steps.size() && steps[restart] > steps[restart - 1]) ++restart;
+  ASSERT_LT(restart, steps.size()) << "no restarted run in the step events\n" << r.output;
+  EXPECT_EQ(steps[restart - 1], 29);
+  EXPECT_EQ(steps[restart], 21) << "the restarted group's first step";
+  EXPECT_EQ(steps.back(), 60);
+  auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["steps"], 60);
+  EXPECT_EQ(done["restarts"], 1);
+  EXPECT_EQ(done["workers_lost"].size(), 0u) << done.dump();
+  // Rank 1 resumed at the chief's step too: it took the 40 steps left in the restarted run, not 60.
+  EXPECT_EQ(done["peer_steps"], nlohmann::json::array({40, 40})) << done.dump();
+}
+
 // In the asynchronous ps modes a dead worker is restarted alone and takes up its clock.
 TEST(LaunchRestarts, AnAsyncPsWorkerRejoinsAtItsClock) {
   test::TempDir dir;
@@ -310,14 +349,17 @@ TEST(LaunchRestarts, AnAsyncPsWorkerRejoinsAtItsClock) {
 }
 
 // --target-accuracy stops every worker and shard, in the schemes without a collective too: the
-// others stop at their next step instead of running on to their last.
+// others stop at their next step instead of running on to their last (allreduce, average: at the
+// step's collective, not hanging in it).
 class TargetStopsEveryone : public testing::TestWithParam<std::string> {};
 
 TEST_P(TargetStopsEveryone, NoOneRunsOnOrWaitsOutTheTimeout) {
   test::TempDir dir;
   const bool gossip = GetParam() == "gossip";
-  const std::string scheme = gossip ? "--strategy gossip" : "--strategy ps --ps-mode " + GetParam();
-  auto r = test::runCommand(launch(std::string("-n 3") + (gossip ? "" : " --ps 1") +
+  const bool ps = GetParam() == "sync" || GetParam() == "async" || GetParam() == "ssp";
+  const std::string scheme = ps ? "--strategy ps --ps-mode " + GetParam()
+                                : "--strategy " + GetParam() + (GetParam() == "average" ? " --period 4" : "");
+  auto r = test::runCommand(launch(std::string("-n 3") + (ps ? " --ps 1" : "") +
                                    train(scheme + " --staleness-bound 2 --timeout 60 --steps 100000 --eval-every 20 "
                                                   "--target-accuracy 0.3 --metrics " + dir.file("m.jsonl"))),
                             110);
@@ -329,12 +371,14 @@ TEST_P(TargetStopsEveryone, NoOneRunsOnOrWaitsOutTheTimeout) {
   EXPECT_LT(done["wall_s"].get<double>(), 60) << "the chief waited for the others";
   if (gossip) {
     for (int peer = 1; peer < 3; ++peer) EXPECT_LT(done["peer_steps"][peer].get<int64_t>(), 100000) << done.dump();
-  } else {
+  } else if (ps) {
     EXPECT_LT(done["gradients_applied"].get<int64_t>(), 3 * 100000) << done.dump();
   }
+  EXPECT_EQ(r.output.find("timed out"), std::string::npos) << r.output;
 }
 
-INSTANTIATE_TEST_SUITE_P(Schemes, TargetStopsEveryone, testing::Values("sync", "async", "ssp", "gossip"));
+INSTANTIATE_TEST_SUITE_P(Schemes, TargetStopsEveryone,
+                         testing::Values("sync", "async", "ssp", "gossip", "allreduce", "average"));
 
 // A diverging allreduce job: every rank reports the non-finite loss with its cause (not "lost
 // rank k"), and the launcher's line about the first exit carries it.
@@ -348,6 +392,24 @@ TEST(LaunchFaults, ANonFiniteLossIsReportedByEveryRankWithItsCause) {
   }
   EXPECT_TRUE(std::regex_search(r.output, std::regex("cohort launch: rank \\d exited with status 1: the loss became")))
       << r.output;
+  EXPECT_EQ(r.output.find("lost rank"), std::string::npos) << r.output;
+}
+
+// Non-finite values that came from a peer: rank 1's inputs of step 4 are NaN (--test-nan-at), so
+// its parameters are, and --period 4 averages them into rank 0's at that step. Rank 0's loss was
+// finite at step 4 and is NaN at step 5: its error names the last update, which holds the other
+// workers' parameters, as the cause, not divergence.
+TEST(LaunchFaults, ANonFiniteLossFromAPeerNamesTheLastUpdate) {
+  auto r = test::runCommand(launch("-n 2" + train("--strategy average --period 4 --steps 50 --test-nan-at 1:4")), 120);
+  EXPECT_EQ(r.exitCode, 1) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("\\[rank 0\\] cohort: error: the loss became -?nan at step 5 on rank 0 "
+                                                     "after a finite loss of \\S+ at step 4: the last update \\(which "
+                                                     "holds the other workers' contributions under --strategy average\\) "
+                                                     "brought non-finite values")))
+      << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("\\[rank 1\\] cohort: error: the loss became -?nan at step 4 on rank 1 ")))
+      << r.output;
+  EXPECT_EQ(r.output.find("training diverged"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("lost rank"), std::string::npos) << r.output;
 }
 

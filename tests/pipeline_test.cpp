@@ -397,6 +397,38 @@ TEST(Pipeline, ResumeFromStageCheckpointsIsExactAndAnotherCutIsRefused) {
   EXPECT_NE(refused.output.find("the checkpoints cut the model as 3,3"), std::string::npos) << refused.output;
 }
 
+// A stage killed inside a checkpoint write (its step-6 file missing while the other stage's is
+// there): the resumed run takes the newest step both stages have, 4, and ends where an
+// uninterrupted one does.
+TEST(Pipeline, StagesWhoseNewestCheckpointsDifferResumeFromTheNewestCommonStep) {
+  test::TempDir dir;
+  const std::string train = launch(2) + test::cohortBinary() +
+                            " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                            " --optimizer momentum --strategy pipeline --stages 2 --micro-batches 2 --partition 3,3";
+  auto whole = test::runCommand(train + " --steps 8 --save-model " + dir.file("whole{rank}.pt"), 120);
+  ASSERT_EQ(whole.exitCode, 0) << whole.output;
+  const std::string ckpt = " --checkpoint-dir " + dir.file("ckpt") + " --checkpoint-every 2";
+  auto first = test::runCommand(train + " --steps 6" + ckpt, 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  auto stage0 = CheckpointStore(dir.file("ckpt/stage-0")).list();
+  ASSERT_GE(stage0.size(), 2u);
+  ASSERT_EQ(stage0[0].step, 6);
+  ASSERT_EQ(stage0[1].step, 4);
+  ASSERT_EQ(CheckpointStore(dir.file("ckpt/stage-1")).list().front().step, 6);
+  std::filesystem::remove(stage0[0].path);
+  auto resumed = test::runCommand(train + " --steps 8 --resume" + ckpt + " --save-model " + dir.file("resumed{rank}.pt"),
+                                  120);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resuming every stage from step 4"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + dir.file("ckpt/stage-1") + "/ckpt-0000000004.ckpt (step 4"),
+            std::string::npos)
+      << resumed.output;
+  const std::vector<int> cut{3, 3};
+  EXPECT_LT(maxDifference(loadStages({dir.file("whole0.pt"), dir.file("whole1.pt")}, cut),
+                          loadStages({dir.file("resumed0.pt"), dir.file("resumed1.pt")}, cut)),
+            1e-6);
+}
+
 // A cut that splits a layer by output channels checkpoints and resumes like a whole-layer cut:
 // the resumed run ends where an uninterrupted one does, `split` takes the checkpoints' cut
 // instead of timing a new one, and another split of the same layer is refused.

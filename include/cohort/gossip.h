@@ -21,6 +21,7 @@
 
 #include <cohort/job.h>
 #include <cohort/metrics.h>
+#include <cohort/rendezvous.h>
 
 #include <torch/nn/module.h>
 
@@ -56,6 +57,11 @@ class Gossip {
   // parameters. Throws InvalidArgument for fewer than 2 workers, bad options or a model that
   // differs from the chief's.
   Gossip(const Job& job, torch::nn::Module& module, GossipOptions options = {});
+  // The same through a rendezvous already connected to the job's store (Rendezvous::connect with
+  // the job's cluster), for a caller that used the store before: e.g. the chief sending its
+  // checkpoint to every worker before training resumes. Null: the handle connects one itself.
+  Gossip(const Job& job, std::unique_ptr<Rendezvous> rendezvous, torch::nn::Module& module,
+         GossipOptions options = {});
   ~Gossip();
   Gossip(const Gossip&) = delete;
   Gossip& operator=(const Gossip&) = delete;

@@ -131,6 +131,7 @@ Run addTrainCommand(CLI::App& app) {
     std::string authTokenFile;
     std::string slowWorker;
     std::string killAt;
+    std::string nanAt;
   };
   auto psFlags = std::make_shared<PsFlags>();
   auto evaluator = std::make_shared<EvaluatorOptions>();
@@ -297,6 +298,9 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--test-kill-at", psFlags->killAt,
                     "Testing: RANK:STEP[,...] makes those workers SIGKILL themselves after that step "
                     "(in their first run, not after a cohort launch --max-restarts restart)")->group("Testing");
+  train->add_option("--test-nan-at", psFlags->nanAt,
+                    "Testing: RANK:STEP[,...] fills those workers' inputs of that step with NaN, so that their loss "
+                    "and gradients become non-finite (in their first run only)")->group("Testing");
   train->add_option("--test-kill-evaluator-after", evaluator->testKillAfter,
                     "Testing: an evaluator task SIGKILLs itself right after recording its N-th checkpoint "
                     "(once: restarted, it finds N recorded and goes on)")->group("Testing");
@@ -321,6 +325,7 @@ Run addTrainCommand(CLI::App& app) {
       o.strategy.slowSeconds = std::stod(*seconds);
     }
     if (auto step = valueForRank(psFlags->killAt, myRank, "--test-kill-at", "RANK:STEP")) o.testKillAtStep = std::stoll(*step);
+    if (auto step = valueForRank(psFlags->nanAt, myRank, "--test-nan-at", "RANK:STEP")) o.testNanAtStep = std::stoll(*step);
     // Under TF_CONFIG (cohort launch --ps) the same command runs on the shards: serve one.
     // It binds the address TF_CONFIG gives this task, not every interface: on one machine (cohort
     // launch) that is loopback, where strangers on the network cannot reach the shard at all.
@@ -330,8 +335,8 @@ Run addTrainCommand(CLI::App& app) {
     }
     launcher::tellFaultPolicy(workerLossOf(o.strategy));
     o.restartCount = restartCountFromEnvironment();
-    // A restarted job resumes by itself (gossip cannot: its replicas differ; it starts afresh).
-    if (o.restartCount > 0 && !o.checkpointDir.empty() && o.strategy.name != "gossip") o.resume = true;
+    // A restarted job resumes by itself.
+    if (o.restartCount > 0 && !o.checkpointDir.empty()) o.resume = true;
     // An evaluator task (TF_CONFIG type "evaluator", cohort launch --evaluator) runs the same command too.
     if (cluster.role == Role::kEvaluator) return runEvaluator(o, cluster, *evaluator);
     static const std::map<std::string, ProgressMode> kModes{{"auto", ProgressMode::kAuto},

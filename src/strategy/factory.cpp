@@ -66,9 +66,6 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
   if (name == "gossip") {
     // Peers talk over sockets of their own (gossip/peer.h): a Gloo group would make one dead peer
     // everyone's failure.
-    COHORT_CHECK(!options.resume, InvalidArgument,
-                 "--resume does not apply to --strategy gossip: the replicas differ and only the chief's is "
-                 "checkpointed; start a new run (from --save-model's file with --model FILE.pt, for instance)");
     GossipOptions gossip = options.gossip;
     gossip.codec = options.codec;
     gossip.codecWarmupSteps = options.codecWarmupSteps;

@@ -55,7 +55,8 @@ struct Gossip::Impl {
     histogram_.assign(kHistogramBins, 0);
   }
 
-  void attach(torch::nn::Module& model) {
+  // `rendezvous`: one the caller connected already (GossipStrategy, to share a checkpoint), or null.
+  void attach(torch::nn::Module& model, std::unique_ptr<Rendezvous> rendezvous) {
     numel_ = 0;
     for (const auto& [name, p] : uniqueParameters(model)) {
       COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous(), InvalidArgument,
@@ -84,7 +85,7 @@ struct Gossip::Impl {
                  "gossip between machines needs the job's secret, or any host that reaches the store could "
                  "join: set COHORT_AUTH_TOKEN (or --auth-token) to the same random value on every process "
                  "(cohort launch makes one)");
-    rendezvous_ = Rendezvous::connect(cl, timeout);
+    rendezvous_ = rendezvous ? std::move(rendezvous) : Rendezvous::connect(cl, timeout);
     if (token.empty()) {
       // A random one for this job that the chief publishes, so streams are at least bound to it.
       if (cl.isChief()) rendezvous_->set("cohort/gossip/job", crypto::randomToken());
@@ -408,11 +409,15 @@ struct Gossip::Impl {
   std::vector<Received> received_;  // by sender rank
 };
 
-Gossip::Gossip(const Job& job, torch::nn::Module& module, GossipOptions options) {
+Gossip::Gossip(const Job& job, torch::nn::Module& module, GossipOptions options)
+    : Gossip(job, nullptr, module, std::move(options)) {}
+
+Gossip::Gossip(const Job& job, std::unique_ptr<Rendezvous> rendezvous, torch::nn::Module& module,
+               GossipOptions options) {
   impl_ = std::make_unique<Impl>(GossipContext{.options = std::move(options),
                                                .cluster = job.cluster(),
                                                .timeoutSeconds = double(job.timeout().count()) / 1000.0});
-  impl_->attach(module);
+  impl_->attach(module, std::move(rendezvous));
 }
 
 Gossip::~Gossip() = default;
@@ -424,6 +429,8 @@ MetricFields Gossip::report() { return impl_->report(); }
 
 namespace {
 
+constexpr const char* kCheckpointKey = "cohort/gossip/checkpoint";
+
 // `--strategy gossip`: the CLI's adapter over the handle.
 class GossipStrategy final : public Strategy {
  public:
@@ -432,10 +439,24 @@ class GossipStrategy final : public Strategy {
   std::string name() const override { return "gossip"; }
   ReplicaInfo replica() const override { return {job_.rank(), job_.worldSize()}; }
 
+  // Every peer restores the chief's checkpoint (the rule of the other schemes): the chief puts
+  // its bytes in the store it hosts, the others read them there. The replicas differed when the
+  // checkpoint was written; the chief's is the one checkpointed, and the one every peer would
+  // copy at the start anyway. Connects the store the Gossip handle then uses.
+  std::vector<uint8_t> shareCheckpoint(std::vector<uint8_t> payload) override {
+    rendezvous_ = Rendezvous::connect(job_.cluster(), job_.timeout());
+    if (job_.isChief()) {
+      rendezvous_->set(kCheckpointKey, std::string(payload.begin(), payload.end()));  // empty: none
+      return payload;
+    }
+    const std::string bytes = rendezvous_->get(kCheckpointKey);
+    return std::vector<uint8_t>(bytes.begin(), bytes.end());
+  }
+
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override {
     model_ = model;
     optimizer_ = &optimizer;
-    gossip_ = std::make_unique<Gossip>(job_, *model, options_);
+    gossip_ = std::make_unique<Gossip>(job_, std::move(rendezvous_), *model, options_);
   }
 
   StepStats step(const Batch& batch, const LossFn& loss) override {
@@ -466,6 +487,7 @@ class GossipStrategy final : public Strategy {
   GossipOptions options_;
   torch::nn::Sequential model_{nullptr};
   torch::optim::Optimizer* optimizer_ = nullptr;
+  std::unique_ptr<Rendezvous> rendezvous_;  // from shareCheckpoint() until attach() hands it over
   std::unique_ptr<Gossip> gossip_;
 };
 

@@ -104,6 +104,12 @@ class Strategy {
   // every rank's codec residual), since saveState() runs on the writer alone.
   virtual void prepareCheckpoint() {}
 
+  // On --resume, for a scheme without a communicator whose processes all restore the writer's
+  // checkpoint (gossip): sends `payload` (the writer's checkpoint; empty when it has none, and
+  // on every other process) to every process, and returns the writer's there. Called on every
+  // process before attach(). The default has no one to send to.
+  virtual std::vector<uint8_t> shareCheckpoint(std::vector<uint8_t> payload) { return payload; }
+
   // What a checkpoint must agree on beyond the run's options (pipeline: the stage and the cut).
   virtual std::string layout() const { return ""; }
 

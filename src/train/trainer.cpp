@@ -249,18 +249,36 @@ struct Trainer::State {
   }
 
   // The writer (the chief) reads the checkpoint and sends it to the processes that restore the
-  // same model (every worker), so all resume alike even when only it can see the directory.
+  // same model (every worker), so all resume alike even when only it can see the directory: over
+  // the communicator, or for a scheme without one (gossip) through the scheme.
   void resume() {
     std::vector<uint8_t> payload;
     std::string path;
-    if (checkpointPlan.writes) {
-      if (auto loaded = loadChiefCheckpoint()) {
+    // Processes that restore different checkpoints (pipeline stages) take the newest step that
+    // every one of them has: a kill inside one stage's write leaves the others a step ahead.
+    int64_t upTo = INT64_MAX;
+    if (comm && checkpointPlan.group) {
+      int64_t newest = INT64_MAX;
+      if (checkpointPlan.writes) {
+        const auto files = checkpoints->list();
+        newest = files.empty() ? -1 : files.front().step;
+      }
+      for (const auto& t : comm->allgather(torch::tensor({newest}, torch::kInt64))) {
+        upTo = std::min(upTo, t.item<int64_t>());
+      }
+      if (checkpointPlan.writes && upTo >= 0 && upTo < newest) {
+        warn("--resume: this stage's newest checkpoint is step " + std::to_string(newest) + ", another stage's step " +
+             std::to_string(upTo) + " (a save was interrupted): resuming every stage from step " + std::to_string(upTo));
+      }
+    }
+    if (checkpointPlan.writes && upTo >= 0) {
+      if (auto loaded = loadChiefCheckpoint(upTo)) {
         payload = std::move(loaded->payload);
         path = loaded->file.path;
       }
     }
     Communicator* group = checkpointPlan.group ? checkpointPlan.group.get() : comm.get();
-    if (group != nullptr) payload = group->broadcastBytes(payload, 0);
+    payload = group != nullptr ? group->broadcastBytes(payload, 0) : strategy->shareCheckpoint(std::move(payload));
     if (!payload.empty()) {
       restore(LoadedCheckpoint{{path.empty() ? "the chief's checkpoint" : path, 0}, std::move(payload)});
       if (checkpointPlan.writes) {
@@ -280,9 +298,23 @@ struct Trainer::State {
     }
   }
 
-  std::optional<LoadedCheckpoint> loadChiefCheckpoint() {
+  // The newest checkpoint that verifies, at or before step `upTo`.
+  std::optional<LoadedCheckpoint> loadChiefCheckpoint(int64_t upTo = INT64_MAX) {
     std::vector<std::string> corrupt;
-    auto loaded = checkpoints->loadNewest([&](const std::string& m) { corrupt.push_back(m); });
+    std::optional<LoadedCheckpoint> loaded;
+    if (upTo == INT64_MAX) {
+      loaded = checkpoints->loadNewest([&](const std::string& m) { corrupt.push_back(m); });
+    } else {
+      for (const auto& file : checkpoints->list()) {
+        if (file.step > upTo) continue;
+        try {
+          loaded = LoadedCheckpoint{file, CheckpointStore::readVerified(file.path)};
+          break;
+        } catch (const IoError& e) {
+          corrupt.push_back(std::string(e.what()) + "; trying the next older one");
+        }
+      }
+    }
     if (!loaded) {
       std::string all;
       for (const auto& m : corrupt) all += (all.empty() ? "" : " | ") + m.substr(0, m.find("; trying"));
@@ -636,6 +668,10 @@ TrainResult Trainer::run() {
       const int64_t begin = s.stepInEpoch * o.batch;
       const int64_t count = std::min(o.batch, n - begin);
       Batch batch = makeBatch(s.data.train, std::span(indices).subspan(size_t(begin), size_t(count)));
+      if (o.testNanAtStep > 0 && s.step + 1 == o.testNanAtStep && o.restartCount == 0 &&
+          batch.inputs.is_floating_point()) {  // --test-nan-at
+        batch.inputs = torch::full_like(batch.inputs, std::nan(""));
+      }
       if (s.strategy->readsAhead()) s.strategy->upcoming(nextBatch(indices, begin + o.batch));
       StepStats stats = s.strategy->step(batch, loss);
       ++s.step;

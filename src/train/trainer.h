@@ -40,6 +40,8 @@ struct TrainOptions {
   // Testing (--test-kill-at): after this many steps the process kills itself with SIGKILL, in its
   // first run only (restartCount 0); 0: never.
   int64_t testKillAtStep = 0;
+  // Testing (--test-nan-at): the inputs of this step (1-based) are NaN, in the first run only; 0: never.
+  int64_t testNanAtStep = 0;
   std::string metricsPath;  // JSON lines; empty = none
   std::string tensorboardDir;  // the chief's TensorBoard event files; empty = none
   std::string saveModelPath;  // the trained model (torch::save); "{rank}" in it: every rank writes
