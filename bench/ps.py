@@ -6,7 +6,8 @@
 
 rate:       cnn and mlp, 2 workers x 1 thread, batch 64, with 1 and 2 shards: samples/s of
             ps sync, sync --backup-workers 1, async (and async with each push as one message:
-            --ps-push-chunk-mb 0), softsync 2, ssp 2 against allreduce, alternating runs (median,
+            --ps-push-chunk-mb 0, or streamed in chunks of at most 1 MB, which the shards apply as
+            they arrive), softsync 2, ssp 2 against allreduce, alternating runs (median,
             and every run); where the time went (compute, waiting on the shards, bytes per step).
 accuracy:   test accuracy after 2 epochs of each mode (1 shard; mlp and cnn): best per epoch, and
             samples/s: best per second.
@@ -28,8 +29,11 @@ MODES = [("allreduce", ["--strategy", "allreduce"]),
          ("ps sync", ["--strategy", "ps", "--ps-mode", "sync"]),
          ("ps sync backup 1", ["--strategy", "ps", "--ps-mode", "sync", "--backup-workers", "1"]),
          ("ps async", ["--strategy", "ps", "--ps-mode", "async"]),
-         # The push as one message (PushFramed) instead of the default stream of chunks (PushStream).
+         # Every push as one message (PushFramed); by default only a push of more than 4 MB to a shard
+         # streams, so the cnn's (~2.2 MB per shard with 2 shards) go as one message either way.
          ("ps async one message", ["--strategy", "ps", "--ps-mode", "async", "--ps-push-chunk-mb", "0"]),
+         # The cnn's pushes streamed (PushStream) in chunks of at most 1 MB, applied chunk by chunk.
+         ("ps async streamed 1 MB", ["--strategy", "ps", "--ps-mode", "async", "--ps-push-chunk-mb", "1"]),
          ("ps softsync 2", ["--strategy", "ps", "--ps-mode", "softsync", "--softsync", "2"]),
          ("ps ssp 2", ["--strategy", "ps", "--ps-mode", "ssp", "--staleness-bound", "2"])]
 

@@ -6,8 +6,9 @@
 // Prints one JSON line per transport: {"transport": "tcp" | "grpc_stream" | "grpc" |
 // "grpc_protobuf", "mb": ..., "gb_per_s": ...}, counting the bytes that went both ways (a push of
 // the gradient, the parameters back): raw TCP first, then one gRPC path. `stream` (the default,
-// what workers do unless --ps-push-chunk-mb 0): the zero-copy push as a stream of chunks of whole
-// pieces (PushStream), each checked by the shard while the next arrives; `framed` ("grpc"): the
+// what workers do with a push of more than --ps-push-chunk-mb): the zero-copy push as a stream of
+// chunks of whole pieces (PushStream), each checked and applied by the shard while the next
+// arrives; `framed` ("grpc"): the
 // same push as one message (PushFramed, ps/frame.h); either way the gradient is sent from its own
 // memory and the reply's floats are copied straight into the parameters. `protobuf`: the protobuf
 // Push call with the same payload (the request built once, the reply left in the message), as

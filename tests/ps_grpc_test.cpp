@@ -6,6 +6,7 @@
 #include "ps/call_auth.h"
 #include "ps/frame.h"
 #include "ps/grpc_frame.h"
+#include "ps/optimizer.h"
 #include "ps/wire.h"
 #include "ps.grpc.pb.h"
 
@@ -1199,6 +1200,7 @@ TEST(PsStreamTest, StreamedPushesEqualOneMessagePushesInEveryMode) {
       EXPECT_EQ(y.dropped_stale(), x.dropped_stale());
       EXPECT_EQ(y.dropped_duplicate(), x.dropped_duplicate());
       EXPECT_EQ(y.rejected(), 0);
+      EXPECT_EQ(y.partial_pushes(), 0);
       EXPECT_EQ(y.bytes_pushed(), x.bytes_pushed());
       EXPECT_EQ(y.samples_total(), x.samples_total());
     }
@@ -1236,25 +1238,38 @@ OutgoingFrame chunkMessage(uint32_t first, uint32_t count, const std::vector<flo
   return {.head = frameHead(chunk), .payload = {std::span<const float>(floats)}, .keepAlive = nullptr};
 }
 
-// A bad chunk anywhere in a stream, or a stream cut off, refuses the whole push: the pieces that
-// came before it and passed their checks are not applied, the parameters stay bit for bit.
-TEST(PsStreamTest, ABadOrMissingChunkRefusesTheWholePushAndChangesNothing) {
-  TestServer server(ServerOptions{.authToken = "s3cret"});
-  auto client = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
-  expectInit(*client);
+// The header of a streamed push of `pieces` (keys, sizes, no data).
+wire::PushRequest streamHeader(const std::vector<wire::PieceSpec>& pieces, uint32_t worker = 0, int64_t clock = 0,
+                               uint64_t pulled = 0) {
   wire::PushRequest header;
   header.set_protocol(kProtocolVersion);
+  header.set_worker(worker);
+  header.set_clock(clock);
+  header.set_pulled_version(pulled);
   header.set_want_values(true);
-  for (const auto& p : kPieces) {
+  for (const auto& p : pieces) {
     auto* t = header.add_values();
     t->set_key(p.key());
     t->set_numel(p.numel());
     t->set_dtype(wire::FLOAT32);
   }
+  return header;
+}
+
+// A bad chunk anywhere in a stream, or a stream that ends early, refuses the push there: the
+// pieces of the valid chunks before it were applied as they arrived and stay (the error and the
+// stats say so), the pieces from the bad chunk on are unchanged bit for bit, and the push is not
+// counted as an update (no version, no applied, the worker's clock unchanged).
+TEST(PsStreamTest, ABadChunkOrAnEarlyEndKeepsThePiecesOfTheValidChunksBeforeIt) {
+  TestServer server(ServerOptions{.authToken = "s3cret"});
+  auto client = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
+  expectInit(*client);
+  const wire::PushRequest header = streamHeader(kPieces);
   const OutgoingFrame head{.head = frameHead(header), .payload = {}, .keepAlive = nullptr};
   const std::vector<float> a{1, 1, 1}, b{1, 1}, both{1, 1, 1, 1, 1}, none;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const std::vector<float> bNan{1, nan}, bInf{std::numeric_limits<float>::infinity(), 1}, bShort{1};
+  const std::vector<float> abNan{1, 1, 1, nan, 1};
   auto oldHeader = header;
   oldHeader.set_protocol(2);
   const std::vector<float> stray{1};
@@ -1263,39 +1278,71 @@ TEST(PsStreamTest, ABadOrMissingChunkRefusesTheWholePushAndChangesNothing) {
     std::vector<OutgoingFrame> messages;
     grpc::StatusCode expected;
     const char* says;
-    size_t cancelAfter = SIZE_MAX;
+    bool keepsFirstPiece;  // piece a's chunk came first and was valid: applied (sgd, lr 0.5: a - 0.5)
   };
+  const char* kept = "1 of its 2 pieces, received before, were applied and stay";
   const std::vector<Case> cases{
       {"NaN in the second chunk", {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bNan)},
-       grpc::StatusCode::INVALID_ARGUMENT, "b holds NaN at element 1"},
+       grpc::StatusCode::INVALID_ARGUMENT, "b holds NaN at element 1", true},
       {"Inf in the second chunk", {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bInf)},
-       grpc::StatusCode::INVALID_ARGUMENT, "b holds Inf at element 0"},
+       grpc::StatusCode::INVALID_ARGUMENT, "b holds Inf at element 0", true},
       {"a chunk of the wrong size", {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bShort)},
-       grpc::StatusCode::INVALID_ARGUMENT, "carries 4 bytes, its pieces need 8"},
-      {"out of order", {head, chunkMessage(1, 1, b), chunkMessage(0, 1, a)}, grpc::StatusCode::INVALID_ARGUMENT,
-       "begins at piece 1 where piece 0 comes next"},
+       grpc::StatusCode::INVALID_ARGUMENT, "carries 4 bytes, its pieces need 8", true},
       {"a piece twice", {head, chunkMessage(0, 1, a), chunkMessage(0, 1, a), chunkMessage(1, 1, b)},
-       grpc::StatusCode::INVALID_ARGUMENT, "begins at piece 0 where piece 1 comes next"},
-      {"more pieces than the shard has", {head, chunkMessage(0, 3, both)}, grpc::StatusCode::INVALID_ARGUMENT,
-       "a chunk of 3 pieces from piece 0, the shard has 2"},
-      {"an empty chunk", {head, chunkMessage(0, 0, none)}, grpc::StatusCode::INVALID_ARGUMENT,
-       "a chunk of 0 pieces"},
+       grpc::StatusCode::INVALID_ARGUMENT, "begins at piece 0 where piece 1 comes next", true},
       {"truncated after the first chunk", {head, chunkMessage(0, 1, a)}, grpc::StatusCode::INVALID_ARGUMENT,
-       "the stream ended after 1 of its 2 pieces"},
-      {"no header", {}, grpc::StatusCode::INVALID_ARGUMENT, "ended before its header"},
+       "the stream ended after 1 of its 2 pieces", true},
+      {"a chunk header that does not parse after a good chunk",
+       {head, chunkMessage(0, 1, a),
+        {.head = withLength(std::string("CPSF\0\0\0\0\xff\xff", 10), 2), .payload = {}, .keepAlive = nullptr}},
+       grpc::StatusCode::INVALID_ARGUMENT, "does not parse", true},
+      {"out of order", {head, chunkMessage(1, 1, b), chunkMessage(0, 1, a)}, grpc::StatusCode::INVALID_ARGUMENT,
+       "begins at piece 1 where piece 0 comes next", false},
+      {"NaN in the first chunk of two pieces", {head, chunkMessage(0, 2, abNan)},
+       grpc::StatusCode::INVALID_ARGUMENT, "b holds NaN at element 0", false},
+      {"more pieces than the shard has", {head, chunkMessage(0, 3, both)}, grpc::StatusCode::INVALID_ARGUMENT,
+       "a chunk of 3 pieces from piece 0, the shard has 2", false},
+      {"an empty chunk", {head, chunkMessage(0, 0, none)}, grpc::StatusCode::INVALID_ARGUMENT, "a chunk of 0 pieces",
+       false},
+      {"no header", {}, grpc::StatusCode::INVALID_ARGUMENT, "ended before its header", false},
       {"floats in the header frame", {{.head = frameHead(header), .payload = {stray}, .keepAlive = nullptr}},
-       grpc::StatusCode::INVALID_ARGUMENT, "header frame carries 4 payload bytes"},
+       grpc::StatusCode::INVALID_ARGUMENT, "header frame carries 4 payload bytes", false},
       {"a chunk header that does not parse",
        {head, {.head = withLength(std::string("CPSF\0\0\0\0\xff\xff", 10), 2), .payload = {}, .keepAlive = nullptr}},
-       grpc::StatusCode::INVALID_ARGUMENT, "does not parse"},
+       grpc::StatusCode::INVALID_ARGUMENT, "does not parse", false},
       {"protocol 2 (an older worker)", {{.head = frameHead(oldHeader), .payload = {}, .keepAlive = nullptr}},
-       grpc::StatusCode::FAILED_PRECONDITION, "protocol version 2 is not this server's 3"},
+       grpc::StatusCode::FAILED_PRECONDITION, "protocol version 2 is not this server's 3", false},
   };
+  std::vector<float> expected{1, 2, 3, -1, 4};
+  int64_t partial = 0;
   for (const auto& c : cases) {
-    const grpc::Status s = sendRawStream(server.address(), c.messages, "s3cret", c.cancelAfter);
+    const grpc::Status s = sendRawStream(server.address(), c.messages, "s3cret");
     EXPECT_EQ(s.error_code(), c.expected) << c.what << ": " << s.error_message();
     EXPECT_NE(s.error_message().find(c.says), std::string::npos) << c.what << ": " << s.error_message();
+    EXPECT_EQ(s.error_message().find(kept) != std::string::npos, c.keepsFirstPiece) << c.what << ": "
+                                                                                    << s.error_message();
+    if (c.keepsFirstPiece) {
+      for (size_t i = 0; i < 3; ++i) expected[i] -= 0.5f;
+      ++partial;
+    }
+    EXPECT_EQ(pullAll(*client), expected) << c.what;
+    const auto stats = statsOf(*client);
+    EXPECT_EQ(stats.partial_pushes(), partial) << c.what;
+    EXPECT_EQ(stats.version(), 0u) << c.what;
+    EXPECT_EQ(stats.applied(), 0) << c.what;
+    ASSERT_EQ(stats.clocks_size(), 1);
+    EXPECT_EQ(stats.clocks(0), 0) << c.what;
   }
+  EXPECT_EQ(partial, 6);
+  // The shard's log names the worker and what stayed, once per partial push.
+  int logged = 0;
+  for (const auto& line : server.log()) {
+    if (line.find("a streamed push of worker 0 ended early") != std::string::npos &&
+        line.find(kept) != std::string::npos) {
+      ++logged;
+    }
+  }
+  EXPECT_EQ(logged, 6);
   // Without the token: refused before a chunk is read, counted apart.
   const grpc::Status s = sendRawStream(server.address(), {head, chunkMessage(0, 2, both)}, "other");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
@@ -1303,46 +1350,276 @@ TEST(PsStreamTest, ABadOrMissingChunkRefusesTheWholePushAndChangesNothing) {
   const auto stats = statsOf(*client);
   EXPECT_EQ(stats.rejected(), int64_t(cases.size()));
   EXPECT_EQ(stats.unauthenticated(), 1);
-  EXPECT_EQ(stats.version(), 0u);
-  EXPECT_EQ(stats.applied(), 0);
-  EXPECT_EQ(pullAll(*client), (std::vector<float>{1, 2, 3, -1, 4}));
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{-2, -1, 0, -1, 4}));
 
-  // The good stream, sent the same way, is applied (sgd, lr 0.5), whether cut per piece or whole.
+  // The good stream, sent the same way, is applied (sgd, lr 0.5) and counted, whether cut per
+  // piece or whole.
   ASSERT_TRUE(sendRawStream(server.address(), {head, chunkMessage(0, 1, a), chunkMessage(1, 1, b)}, "s3cret").ok());
-  EXPECT_EQ(pullAll(*client), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{-2.5f, -1.5f, -0.5f, -1.5f, 3.5f}));
   wire::PushRequest second = header;
   second.set_clock(1);
   const OutgoingFrame secondHead{.head = frameHead(second), .payload = {}, .keepAlive = nullptr};
   ASSERT_TRUE(sendRawStream(server.address(), {secondHead, chunkMessage(0, 2, both)}, "s3cret").ok());
-  EXPECT_EQ(pullAll(*client), (std::vector<float>{0, 1, 2, -2, 3}));
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{-3, -2, -1, -2, 3}));
+  const auto after = statsOf(*client);
+  EXPECT_EQ(after.version(), 2u);
+  EXPECT_EQ(after.applied(), 2);
+  EXPECT_EQ(after.partial_pushes(), 6);
 }
 
-// A worker that dies (or cancels) after some chunks: those chunks are never applied, and the
-// shard takes the next push as if the cut stream had not been. (Whether the shard's handler saw
-// the cut stream at all depends on when the cancel reached it: at most one refusal is counted.)
-TEST(PsStreamTest, AStreamCutOffByTheWorkerChangesNothing) {
+// Waits (polling, up to 10 s) until `done` holds; false if it never did.
+template <typename Condition>
+bool eventually(const Condition& done) {
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+// A worker that dies (or cancels) after its first chunk: that chunk was applied as it arrived and
+// stays, the other piece is unchanged, the push is not counted, and the shard says so; the next
+// push is taken as usual.
+TEST(PsStreamTest, AStreamCutOffByTheWorkerKeepsTheChunksItSent) {
   TestServer server;
   auto client = server.client();
   expectInit(*client);
-  wire::PushRequest header;
-  header.set_protocol(kProtocolVersion);
-  for (const auto& p : kPieces) {
-    auto* t = header.add_values();
-    t->set_key(p.key());
-    t->set_numel(p.numel());
-    t->set_dtype(wire::FLOAT32);
-  }
-  const OutgoingFrame head{.head = frameHead(header), .payload = {}, .keepAlive = nullptr};
+  const OutgoingFrame head{.head = frameHead(streamHeader(kPieces)), .payload = {}, .keepAlive = nullptr};
   const std::vector<float> big(3, 100.0f), b{1, 1}, a{1, 1, 1};
-  const grpc::Status cut = sendRawStream(server.address(), {head, chunkMessage(0, 1, big), chunkMessage(1, 1, b)}, "", 2);
-  EXPECT_EQ(cut.error_code(), grpc::StatusCode::CANCELLED) << cut.error_message();
-  EXPECT_EQ(pullAll(*client), (std::vector<float>{1, 2, 3, -1, 4}));
+  {
+    auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+    const grpc::internal::RpcMethod method(kPushStreamMethod, grpc::internal::RpcMethod::CLIENT_STREAMING, channel);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + 20s);
+    IncomingFrame reply;
+    std::unique_ptr<grpc::ClientWriter<OutgoingFrame>> writer(
+        grpc::internal::ClientWriterFactory<OutgoingFrame>::Create(channel.get(), method, &context, &reply));
+    ASSERT_TRUE(writer->Write(head));
+    ASSERT_TRUE(writer->Write(chunkMessage(0, 1, big)));
+    // The shard applies the chunk while the stream is still open: piece a moves before the end.
+    ASSERT_TRUE(eventually([&] { return pullAll(*client)[0] == 1.0f - 50.0f; }))
+        << "the first chunk was not applied before the stream ended";
+    context.TryCancel();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  ASSERT_TRUE(eventually([&] { return statsOf(*client).partial_pushes() == 1; }));
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{-49, -48, -47, -1, 4}));
+  auto stats = statsOf(*client);
+  EXPECT_EQ(stats.applied(), 0);
+  EXPECT_EQ(stats.version(), 0u);
+  EXPECT_EQ(stats.rejected(), 1);
+  bool logged = false;
+  for (const auto& line : server.log()) {
+    logged = logged || (line.find("ended early: push stream: cancelled by the worker") != std::string::npos &&
+                        line.find("1 of its 2 pieces") != std::string::npos);
+  }
+  EXPECT_TRUE(logged);
   ASSERT_TRUE(sendRawStream(server.address(), {head, chunkMessage(0, 1, a), chunkMessage(1, 1, b)}).ok());
-  EXPECT_EQ(pullAll(*client), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
-  const auto stats = statsOf(*client);
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{-49.5f, -48.5f, -47.5f, -1.5f, 3.5f}));
+  stats = statsOf(*client);
   EXPECT_EQ(stats.applied(), 1);
   EXPECT_EQ(stats.version(), 1u);
-  EXPECT_LE(stats.rejected(), 1);
+  EXPECT_EQ(stats.partial_pushes(), 1);
+}
+
+// A streamed push driven on a Shard directly, as the service does, so that the test decides what
+// happens between two chunks.
+struct DirectStream {
+  Shard& shard;
+  std::unique_ptr<Shard::Stream> stream;
+  DirectStream(Shard& s, const wire::PushRequest& header) : shard(s) {
+    const Status st = shard.beginStream(header, &stream);
+    EXPECT_TRUE(st.ok()) << st.message;
+  }
+  Status chunk(uint32_t first, const std::vector<float>& floats) {
+    wire::PushChunk c;
+    c.set_first_piece(first);
+    c.set_pieces(1);
+    const FramePayload payload({std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(floats.data()),
+                                                         floats.size() * sizeof(float))});
+    return shard.addChunk(*stream, c, payload);
+  }
+  Status finish(wire::PushReply* reply) {
+    std::vector<float> values;
+    return shard.finishStream(*stream, reply, &values);
+  }
+};
+
+std::vector<float> pullShard(Shard& shard) {
+  wire::PullReply reply;
+  const Status s = shard.pull(withProtocol<wire::PullRequest>(), &reply);
+  EXPECT_TRUE(s.ok()) << s.message;
+  std::vector<float> out;
+  for (const auto& t : reply.values()) appendFloats(t, out);
+  return out;
+}
+
+wire::Policy streamPolicy(const char* mode, const char* optimizer, int workers) {
+  wire::Policy p = asyncPolicy();
+  p.set_mode(mode);
+  p.set_optimizer(optimizer);
+  p.set_workers(uint32_t(workers));
+  return p;
+}
+
+// Another worker's push lands between two chunks of a streamed one (async, Adam): each piece gets
+// both updates whole, in the order they reached it (a: the stream's first, b: the other's first),
+// each at the piece's own step count (Adam's bias correction), bit for bit as two optimizers
+// stepping the pieces apart; the version counts each push once, when it completes.
+TEST(PsStreamTest, AnotherPushBetweenTwoChunksAppliesWholeToEachPiece) {
+  Shard shard(ShardOptions{.log = [](const std::string&) {}});
+  wire::Policy policy = streamPolicy("async", "adam", 2);
+  policy.set_lr(0.01);
+  wire::InitReply initReply;
+  ASSERT_TRUE(shard.init(initOf(policy, kPieces, kStart), &initReply).ok());
+  const std::vector<float> a0{0.5f, -1.0f, 2.0f}, a1{-0.25f, 3.0f}, b0{-2.0f, 0.75f, 1.5f}, b1{1.0f, -0.5f};
+
+  DirectStream streamed(shard, streamHeader(kPieces, 0, 0, 0));
+  ASSERT_TRUE(streamed.chunk(0, a0).ok());
+  wire::PushRequest other = pushOf({b0, b1}, 1);
+  other.set_clock(0);
+  wire::PushReply otherReply;
+  ASSERT_TRUE(shard.push(other, &otherReply).ok());
+  EXPECT_TRUE(otherReply.applied());
+  EXPECT_EQ(otherReply.version(), 1u);  // the stream is not counted yet
+  ASSERT_TRUE(streamed.chunk(1, a1).ok());
+  wire::PushReply reply;
+  ASSERT_TRUE(streamed.finish(&reply).ok());
+  EXPECT_TRUE(reply.applied());
+  EXPECT_EQ(reply.version(), 2u);
+  EXPECT_EQ(reply.staleness(), 0);  // as when it began
+
+  std::vector<float> p0 = kStart[0], p1 = kStart[1];
+  ServerOptimizer first("adam", 0.01, 0.0, 3), second("adam", 0.01, 0.0, 2);
+  first.apply(p0, a0);
+  first.apply(p0, b0);
+  second.apply(p1, b1);
+  second.apply(p1, a1);
+  std::vector<float> expected = p0;
+  expected.insert(expected.end(), p1.begin(), p1.end());
+  const auto got = pullShard(shard);
+  ASSERT_EQ(got.size(), expected.size());
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0);
+  wire::StatsReply stats;
+  ASSERT_TRUE(shard.stats(withProtocol<wire::StatsRequest>(), &stats).ok());
+  EXPECT_EQ(stats.applied(), 2);
+  EXPECT_EQ(stats.partial_pushes(), 0);
+  EXPECT_EQ(stats.clocks(0), 1);
+  EXPECT_EQ(stats.clocks(1), 1);
+}
+
+// sync with a backup worker: the step closes on the other worker's push while a stream is half
+// in. The stream's first piece made the step (that piece averaged over both gradients), its second
+// did not (that piece over the other's alone); the stream is late, counted partial, and nothing
+// of it leaks into the next step.
+TEST(PsStreamTest, ASyncStepClosingMidStreamTakesThePiecesThatArrived) {
+  Shard shard(ShardOptions{.log = [](const std::string&) {}});
+  wire::Policy policy = streamPolicy("sync", "sgd", 2);
+  policy.set_backup_workers(1);
+  wire::InitReply initReply;
+  ASSERT_TRUE(shard.init(initOf(policy, kPieces, kStart), &initReply).ok());
+
+  DirectStream streamed(shard, streamHeader(kPieces, 0, 0, 0));
+  ASSERT_TRUE(streamed.chunk(0, {1, 1, 1}).ok());
+  wire::PushRequest other = pushOf({{3, 3, 3}, {2, 2}}, 1);
+  wire::PushReply otherReply;
+  ASSERT_TRUE(shard.push(other, &otherReply).ok());  // one gradient closes the step (2 workers, 1 backup)
+  EXPECT_TRUE(otherReply.applied());
+  EXPECT_EQ(otherReply.version(), 1u);
+  // a: 1 - 0.5 (1 + 3) / 2 ...; b: -1 - 0.5 * 2, 4 - 0.5 * 2.
+  EXPECT_EQ(pullShard(shard), (std::vector<float>{0, 1, 2, -2, 3}));
+  ASSERT_TRUE(streamed.chunk(1, {100, 100}).ok());
+  wire::PushReply reply;
+  ASSERT_TRUE(streamed.finish(&reply).ok());
+  EXPECT_FALSE(reply.applied());
+  EXPECT_EQ(reply.dropped(), "late");
+  EXPECT_EQ(pullShard(shard), (std::vector<float>{0, 1, 2, -2, 3}));
+  wire::StatsReply stats;
+  ASSERT_TRUE(shard.stats(withProtocol<wire::StatsRequest>(), &stats).ok());
+  EXPECT_EQ(stats.partial_pushes(), 1);
+  EXPECT_EQ(stats.dropped_late(), 1);
+  EXPECT_EQ(stats.version(), 1u);
+
+  // The next step holds only what is pushed for it: a zero gradient changes nothing.
+  wire::PushRequest zero = pushOf({{0, 0, 0}, {0, 0}}, 1);
+  zero.set_clock(1);
+  zero.set_pulled_version(1);
+  ASSERT_TRUE(shard.push(zero, &otherReply).ok());
+  EXPECT_TRUE(otherReply.applied());
+  EXPECT_EQ(otherReply.version(), 2u);
+  EXPECT_EQ(pullShard(shard), (std::vector<float>{0, 1, 2, -2, 3}));
+}
+
+// softsync 2: a group closes on two other pushes while a stream is half in. The stream's first
+// piece is averaged in that group (over three gradients), its second in the next group (over two,
+// with the push that closes it); the stream counts in the next group, whole.
+TEST(PsStreamTest, ASoftsyncGroupClosingMidStreamAveragesEachPieceOverWhatItGot) {
+  Shard shard(ShardOptions{.log = [](const std::string&) {}});
+  wire::Policy policy = streamPolicy("softsync", "sgd", 2);
+  policy.set_softsync(2);
+  wire::InitReply initReply;
+  ASSERT_TRUE(shard.init(initOf(policy, kPieces, kStart), &initReply).ok());
+
+  DirectStream streamed(shard, streamHeader(kPieces, 0, 0, 0));
+  ASSERT_TRUE(streamed.chunk(0, {3, 3, 3}).ok());
+  wire::PushReply r;
+  for (int64_t clock : {0, 1}) {
+    wire::PushRequest other = pushOf({{3, 3, 3}, {2, 2}}, 1);
+    other.set_clock(clock);
+    ASSERT_TRUE(shard.push(other, &r).ok());
+  }
+  EXPECT_EQ(r.version(), 1u);
+  // a: 1 - 0.5 * (9 / 3); b: -1 - 0.5 * (4 / 2).
+  EXPECT_EQ(pullShard(shard), (std::vector<float>{-0.5f, 0.5f, 1.5f, -2, 3}));
+  ASSERT_TRUE(streamed.chunk(1, {6, 6}).ok());
+  ASSERT_TRUE(streamed.finish(&r).ok());
+  EXPECT_TRUE(r.applied());
+  EXPECT_EQ(r.version(), 1u);  // one push in the new group
+  wire::PushRequest closing = pushOf({{2, 2, 2}, {2, 2}}, 1);
+  closing.set_clock(2);
+  ASSERT_TRUE(shard.push(closing, &r).ok());
+  EXPECT_EQ(r.version(), 2u);
+  // a: -0.5 - 0.5 * 2 (the closing push alone); b: -2 - 0.5 * (6 + 2) / 2.
+  EXPECT_EQ(pullShard(shard), (std::vector<float>{-1.5f, -0.5f, 0.5f, -4, 1}));
+  wire::StatsReply stats;
+  ASSERT_TRUE(shard.stats(withProtocol<wire::StatsRequest>(), &stats).ok());
+  EXPECT_EQ(stats.applied(), 4);
+  EXPECT_EQ(stats.partial_pushes(), 0);
+}
+
+// A stream cut after its first piece leaves that piece one Adam step ahead of the other; a
+// checkpoint keeps each piece's step count, so a shard restored from it goes on exactly as the
+// one that wrote it (the same next push, bit for bit).
+TEST(PsStreamTest, ACheckpointKeepsEachPiecesOptimizerSteps) {
+  TempDir dir;
+  wire::Policy policy = streamPolicy("async", "adam", 1);
+  policy.set_lr(0.01);
+  Shard first(ShardOptions{.name = "first", .checkpointDir = dir.path(), .log = [](const std::string&) {}});
+  wire::InitReply initReply;
+  ASSERT_TRUE(first.init(initOf(policy, kPieces, kStart), &initReply).ok());
+  {
+    DirectStream cut(first, streamHeader(kPieces, 0, 0, 0));
+    ASSERT_TRUE(cut.chunk(0, {0.5f, -1.0f, 2.0f}).ok());
+    wire::PushReply reply;
+    EXPECT_EQ(cut.finish(&reply).code, Code::kInvalidArgument);  // ended after 1 of its 2 pieces
+  }
+  first.checkpoint();
+  Shard second(ShardOptions{.name = "second", .checkpointDir = dir.path(), .log = [](const std::string&) {}});
+  EXPECT_EQ(pullShard(second), pullShard(first));
+  for (Shard* shard : {&first, &second}) {
+    wire::PushRequest next = pushOf({{1.0f, 0.25f, -0.5f}, {-2.0f, 0.125f}});
+    wire::PushReply reply;
+    ASSERT_TRUE(shard->push(next, &reply).ok());
+    EXPECT_TRUE(reply.applied());
+  }
+  const auto a = pullShard(first), b = pullShard(second);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  // Piece b's first Adam step moves each value by about lr (the bias-corrected first step); at
+  // the step count of piece a (its second) it would move by less.
+  EXPECT_NEAR(b[3], -1.0f + 0.01f, 1e-6);
+  EXPECT_NEAR(b[4], 4.0f - 0.01f, 1e-6);
 }
 
 // A push no larger than one chunk goes as one message: a stream would have nothing to overlap.

@@ -277,7 +277,8 @@ Run addTrainCommand(CLI::App& app) {
       ->check(CLI::IsMember({"gradients", "updates"}))->group(psGroup)->capture_default_str();
   train->add_option("--ps-push-chunk-mb", p.pushChunkMb,
                     "A float32 push to a shard of more than this many MB goes in chunks of at most this size, "
-                    "which the shard checks while the next arrives; a smaller one, or any when 0, as one message")
+                    "which the shard checks and applies while the next arrives (a bad chunk ends the push, the "
+                    "chunks before it stay applied); a smaller one, or any when 0, as one message")
       ->check(CLI::Range(0.0, 1024.0))->group(psGroup)->capture_default_str();
   train->add_option("--ps-hosts", psFlags->hosts, "Shard addresses HOST:PORT,... (default: TF_CONFIG's ps list)")
       ->group(psGroup);

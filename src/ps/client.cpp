@@ -177,7 +177,8 @@ class FakeClient : public ShardClient {
   }
 
  private:
-  // As the service's PushStream: every message's bytes kept until the push is applied.
+  // As the service's PushStream (which keeps a chunk's bytes only for a push handled at the end;
+  // here every message's bytes are kept until the reply).
   Status pushStream(const FramedPush& push, std::span<const FrameTarget> into, wire::PushReply* reply) {
     const std::vector<OutgoingFrame> frames = streamFrames(push, pushChunkBytes_);
     std::vector<std::string> sent;
@@ -195,8 +196,7 @@ class FakeClient : public ShardClient {
       wire::PushChunk chunk;
       FramePayload payload;
       if (status = parseFrame(unevenChunks(sent[i]), &chunk, &payload, "push chunk"); !status.ok()) {
-        shard_->countRejected(status);
-        return status;
+        return shard_->refuseStream(*stream, status);
       }
       if (status = shard_->addChunk(*stream, chunk, payload); !status.ok()) return status;
     }

@@ -28,7 +28,8 @@ int ServerOptimizer::slotCount(const std::string& name) {
   return -1;
 }
 
-void ServerOptimizer::applyPart(size_t offset, std::span<float> p, std::span<const float> g, float scale) {
+void ServerOptimizer::applyPartAtStep(size_t offset, std::span<float> p, std::span<const float> g, float scale,
+                                      int64_t step) {
   const size_t n = p.size();
   const float lr = float(lr_);
   if (name_ == "sgd") {
@@ -39,7 +40,7 @@ void ServerOptimizer::applyPart(size_t offset, std::span<float> p, std::span<con
     // torch::optim::SGD: the buffer starts as the first gradient, then b = m b + g (dampening 0).
     float* b = slots_[0].data() + offset;
     const float m = float(momentum_);
-    if (steps_ == 1) {
+    if (step == 1) {
       for (size_t i = 0; i < n; ++i) b[i] = scale * g[i];
     } else {
       for (size_t i = 0; i < n; ++i) b[i] = m * b[i] + scale * g[i];
@@ -61,8 +62,8 @@ void ServerOptimizer::applyPart(size_t offset, std::span<float> p, std::span<con
   // adam, as torch::optim::Adam (no weight decay, no amsgrad)
   float* m1 = slots_[0].data() + offset;
   float* m2 = slots_[1].data() + offset;
-  const double c1 = 1.0 - std::pow(kBeta1, double(steps_));
-  const double c2 = 1.0 - std::pow(kBeta2, double(steps_));
+  const double c1 = 1.0 - std::pow(kBeta1, double(step));
+  const double c2 = 1.0 - std::pow(kBeta2, double(step));
   const float stepSize = float(lr_ / c1);
   const float sqrtC2 = float(std::sqrt(c2));
   const float b1 = float(kBeta1), b2 = float(kBeta2), eps = float(kEps);

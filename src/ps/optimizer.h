@@ -30,7 +30,12 @@ class ServerOptimizer {
   // The same in parts: beginStep(), then applyPart() for each run of elements, where `offset` is
   // the run's first element (so the right optimizer state is used).
   void beginStep() { ++steps_; }
-  void applyPart(size_t offset, std::span<float> values, std::span<const float> g, float scale);
+  void applyPart(size_t offset, std::span<float> values, std::span<const float> g, float scale) {
+    applyPartAtStep(offset, values, g, scale, steps_);
+  }
+  // The same as the `step`-th step of these elements (1 for the first), whatever steps() says:
+  // for a caller that counts steps per run of elements (a shard, per piece).
+  void applyPartAtStep(size_t offset, std::span<float> values, std::span<const float> g, float scale, int64_t step);
 
   // Per-element state vectors the optimizer `name` keeps (sgd 0, momentum and adagrad 1, adam 2);
   // -1 for an unknown name.

@@ -237,10 +237,11 @@ class Service final : public wire::ParameterServer::Service {
       return s;
     });
   }
-  // The push in chunks: each is checked and scanned as it arrives (Shard::addChunk) while gRPC
-  // reads the next; the push is applied once the last is in. Every chunk's slices are kept until
-  // then, so that the floats are still read where they landed. The token was checked before the
-  // first chunk was read (handle()).
+  // The push in chunks: each is checked as it arrives and, unless the push is to be dropped or
+  // refused whole at the end, applied (or added to the step being gathered) by Shard::addChunk
+  // while gRPC reads the next; the reply is made once the last is in. A chunk's slices are kept
+  // only for a push handled at the end (Stream::keepsChunks), whose floats are read where they
+  // landed. The token was checked before the first chunk was read (handle()).
   grpc::Status PushStream(grpc::ServerContext* c, grpc::ServerReader<IncomingFrame>* q, OutgoingFrame* r) {
     return handle(c, [&] {
       std::vector<std::unique_ptr<IncomingFrame>> received;
@@ -262,19 +263,21 @@ class Service final : public wire::ParameterServer::Service {
       }
       std::unique_ptr<Shard::Stream> stream;
       if (Status s = shard_->beginStream(request, &stream); !s.ok()) return s;
+      auto refuseStream = [&](const Status& s) { return shard_->refuseStream(*stream, s); };
       for (;;) {
         auto frame = std::make_unique<IncomingFrame>();
         if (!q->Read(frame.get())) break;
         wire::PushChunk chunk;
         FramePayload payload;
-        if (Status s = parseFrame(frame->chunks, &chunk, &payload, "push chunk"); !s.ok()) return refuse(s);
+        if (Status s = parseFrame(frame->chunks, &chunk, &payload, "push chunk"); !s.ok()) return refuseStream(s);
         if (Status s = shard_->addChunk(*stream, chunk, payload); !s.ok()) return s;
-        received.push_back(std::move(frame));
+        if (stream->keepsChunks()) received.push_back(std::move(frame));
       }
       if (c->IsCancelled()) {
-        return refuse(Status::error(Code::kCancelled, "push stream: cancelled by the worker (or its connection "
-                                                      "broke) after " + std::to_string(stream->nextPiece) + " of " +
-                                                      std::to_string(stream->pieces.size()) + " pieces"));
+        return refuseStream(Status::error(Code::kCancelled, "push stream: cancelled by the worker (or its connection "
+                                                            "broke) after " + std::to_string(stream->nextPiece) +
+                                                            " of " + std::to_string(stream->pieces.size()) +
+                                                            " pieces"));
       }
       wire::PushReply reply;
       auto values = std::make_shared<std::vector<float>>();

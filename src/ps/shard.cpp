@@ -154,6 +154,7 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
   values_.clear();
   for (const auto& t : request.values()) appendFloats(t, values_);
   optimizer_ = std::make_unique<ServerOptimizer>(policy_.optimizer(), policy_.lr(), policy_.momentum(), values_.size());
+  pieceSteps_.assign(pieces_.size(), 0);
   version_ = 0;
   lastCheckpointVersion_ = 0;
   workers_.assign(policy_.workers(), Worker{});
@@ -161,6 +162,7 @@ Status Shard::init(const wire::InitRequest& request, wire::InitReply* reply) {
   pendingMarked_.assign(pieces_.size(), {});
   pendingRows_.assign(pieces_.size(), {});
   pendingCount_ = 0;
+  pendingPieceCount_.assign(pieces_.size(), 0);
   pendingFrom_.assign(policy_.workers(), false);
   failure_.reset();
   finished_ = false;
@@ -248,84 +250,102 @@ void Shard::noteStalenessLocked(int64_t tau) {
   stats_.set_staleness_max(std::max(stats_.staleness_max(), tau));
 }
 
-void Shard::applyLocked(const Parts& parts, float scale) {
+void Shard::applyPieceLocked(size_t k, size_t at, const Part& part, float scale) {
   const bool updates = policy_.push() == "updates";
-  if (!updates) optimizer_->beginStep();
-  size_t at = 0;
+  const int64_t step = updates ? 0 : ++pieceSteps_[k];
   // A row-sparse part updates its rows alone: untouched rows and their optimizer state are left
-  // as they are (lazy updates).
+  // as they are (lazy updates); the piece's step counts all the same (Adam's bias correction
+  // counts every step).
   auto apply = [&](size_t offset, std::span<const float> g) {
-    mu_.assertHeld();  // called below, under the lock applyLocked requires
+    mu_.assertHeld();  // called below, under the lock applyPieceLocked requires
     std::span<float> v(values_.data() + offset, g.size());
     if (updates) {
       for (size_t i = 0; i < g.size(); ++i) v[i] += scale * g[i];
     } else {
-      optimizer_->applyPart(offset, v, g, scale);
+      optimizer_->applyPartAtStep(offset, v, g, scale, step);
     }
   };
-  for (const Part& part : parts) {
-    if (part.rowDim == 0) {
-      apply(at, part.values);
-    } else {
-      for (size_t i = 0; i < part.rows.size(); ++i) {
-        apply(at + size_t(part.rows[i]) * part.rowDim, part.values.subspan(i * part.rowDim, part.rowDim));
-      }
+  if (part.rowDim == 0) {
+    apply(at, part.values);
+  } else {
+    for (size_t i = 0; i < part.rows.size(); ++i) {
+      apply(at + size_t(part.rows[i]) * part.rowDim, part.values.subspan(i * part.rowDim, part.rowDim));
     }
-    at += part.numel;
   }
+}
+
+void Shard::finishUpdateLocked() {
   ++version_;
   changed_.notifyAll();
   maybeCheckpointLocked();
 }
 
+void Shard::applyLocked(const Parts& parts, float scale) {
+  size_t at = 0;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    applyPieceLocked(k, at, parts[k], scale);
+    at += parts[k].numel;
+  }
+  finishUpdateLocked();
+}
+
+void Shard::accumulatePieceLocked(size_t k, size_t at, const Part& part, float scale) {
+  if (part.rowDim == 0) {
+    float* p = pending_.data() + at;
+    for (size_t i = 0; i < part.values.size(); ++i) p[i] += scale * part.values[i];
+  } else {
+    if (pendingMarked_[k].empty()) pendingMarked_[k].assign(part.numel / part.rowDim, 0);
+    for (size_t i = 0; i < part.rows.size(); ++i) {
+      const uint32_t r = part.rows[i];
+      float* p = pending_.data() + at + size_t(r) * part.rowDim;
+      const float* g = part.values.data() + i * part.rowDim;
+      for (size_t j = 0; j < part.rowDim; ++j) p[j] += scale * g[j];
+      if (!pendingMarked_[k][r]) {
+        pendingMarked_[k][r] = 1;
+        pendingRows_[k].push_back(r);
+      }
+    }
+  }
+  pendingPieceCount_[k] += 1;
+}
+
 void Shard::accumulateLocked(const Parts& parts, float scale) {
   size_t at = 0;
   for (size_t k = 0; k < parts.size(); ++k) {
-    const Part& part = parts[k];
-    if (part.rowDim == 0) {
-      float* p = pending_.data() + at;
-      for (size_t i = 0; i < part.values.size(); ++i) p[i] += scale * part.values[i];
-    } else {
-      if (pendingMarked_[k].empty()) pendingMarked_[k].assign(part.numel / part.rowDim, 0);
-      for (size_t i = 0; i < part.rows.size(); ++i) {
-        const uint32_t r = part.rows[i];
-        float* p = pending_.data() + at + size_t(r) * part.rowDim;
-        const float* g = part.values.data() + i * part.rowDim;
-        for (size_t j = 0; j < part.rowDim; ++j) p[j] += scale * g[j];
-        if (!pendingMarked_[k][r]) {
-          pendingMarked_[k][r] = 1;
-          pendingRows_[k].push_back(r);
-        }
-      }
-    }
-    at += part.numel;
+    accumulatePieceLocked(k, at, parts[k], scale);
+    at += parts[k].numel;
   }
   pendingCount_ += 1;
 }
 
 // Applies the average of the gathered gradients (sync, softsync) and starts a new gathering.
 void Shard::applyPendingLocked() {
-  Parts parts;
-  std::vector<std::vector<float>> gathered(pieces_.size());
+  // Each piece averaged over the gradients it was given: pendingCount_ for all of them unless a
+  // streamed push ended midway, or a sync step closed on one midway. A piece given none is left
+  // alone (no optimizer step).
+  std::vector<float> gathered;
   size_t at = 0;
   for (size_t k = 0; k < pieces_.size(); ++k) {
     const size_t numel = size_t(pieces_[k].numel());
     const size_t dim = size_t(pieces_[k].row_dim());
-    if (dim == 0) {
-      parts.push_back({.values = std::span<const float>(pending_).subspan(at, numel), .rows = {}, .numel = numel});
-    } else {
+    const int count = pendingPieceCount_[k];
+    if (count > 0 && dim == 0) {
+      applyPieceLocked(k, at,
+                       {.values = std::span<const float>(pending_).subspan(at, numel), .rows = {}, .numel = numel},
+                       1.0f / float(count));
+    } else if (count > 0) {
       // The touched rows, in increasing order, gathered side by side.
       std::vector<uint32_t>& rows = pendingRows_[k];
       std::sort(rows.begin(), rows.end());
-      gathered[k].resize(rows.size() * dim);
+      gathered.resize(rows.size() * dim);
       for (size_t i = 0; i < rows.size(); ++i) {
-        std::memcpy(gathered[k].data() + i * dim, pending_.data() + at + size_t(rows[i]) * dim, dim * sizeof(float));
+        std::memcpy(gathered.data() + i * dim, pending_.data() + at + size_t(rows[i]) * dim, dim * sizeof(float));
       }
-      parts.push_back({.values = gathered[k], .rows = rows, .numel = numel, .rowDim = dim});
+      applyPieceLocked(k, at, {.values = gathered, .rows = rows, .numel = numel, .rowDim = dim}, 1.0f / float(count));
     }
     at += numel;
   }
-  applyLocked(parts, 1.0f / float(pendingCount_));
+  finishUpdateLocked();
   at = 0;
   for (size_t k = 0; k < pieces_.size(); ++k) {
     const size_t numel = size_t(pieces_[k].numel());
@@ -342,6 +362,7 @@ void Shard::applyPendingLocked() {
     at += numel;
   }
   pendingCount_ = 0;
+  std::fill(pendingPieceCount_.begin(), pendingPieceCount_.end(), 0);
   std::fill(pendingFrom_.begin(), pendingFrom_.end(), false);
 }
 
@@ -434,11 +455,42 @@ Status Shard::beginStream(const wire::PushRequest& request, std::unique_ptr<Stre
   opened->dense.resize(pieces.size());
   opened->copies.resize(pieces.size());
   opened->pieces = std::move(pieces);
+  Stream& st = *opened;
+
+  // The plan: what push() would do with this push now. Whatever ends in a drop (a duplicate, a
+  // sync push already late, a warm-up or stale one) or a refusal is left to finishStream, whole;
+  // the rest is applied or gathered chunk by chunk.
+  MutexLock lock(mu_);
+  st.generation = generation_;
+  st.version = version_;
+  const uint32_t id = request.worker();
+  const bool layoutHolds = st.pieces.size() == pieces_.size() && id < workers_.size() &&
+                           std::equal(st.pieces.begin(), st.pieces.end(), pieces_.begin(),
+                                      [](const wire::PieceSpec& a, const wire::PieceSpec& b) {
+                                        return a.key() == b.key() && a.numel() == b.numel();
+                                      });
+  if (!layoutHolds || failure_ || request.clock() < 0 || request.clock() > kMaxClock ||
+      request.clock() < workers_[id].clock) {
+    *stream = std::move(opened);
+    return Status::Ok();
+  }
+  const uint64_t pulled = std::min<uint64_t>(request.pulled_version(), version_);
+  st.tau = int64_t(version_ - pulled);
+  if (policy_.mode() == "sync") {
+    if (request.pulled_version() >= version_ && !pendingFrom_[id]) st.plan = Stream::Plan::kAccumulate;
+  } else if (policy_.warmup_steps() > 0 && id != 0 && version_ < uint64_t(policy_.warmup_steps())) {
+    // held, then dropped: at the end
+  } else if (policy_.max_staleness() < 0 || st.tau <= policy_.max_staleness()) {
+    st.scale = (policy_.staleness_lr() == "inverse" && st.tau > 1) ? 1.0f / float(st.tau) : 1.0f;
+    st.plan = policy_.mode() == "softsync" ? Stream::Plan::kAccumulate : Stream::Plan::kApply;
+  }
+  workers_[id].lastSeen = Clock::now();
   *stream = std::move(opened);
   return Status::Ok();
 }
 
 Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const FramePayload& payload) {
+  if (stream.ended) return Status::error(Code::kInvalidArgument, "push: a chunk after the stream was refused");
   const size_t first = chunk.first_piece();
   const size_t count = chunk.pieces();
   const size_t total = stream.pieces.size();
@@ -460,7 +512,7 @@ Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const Frame
                                                   std::to_string(bytes));
   }
   // In place where a piece lies in one of the transport's buffers, aligned; else one copy. The
-  // finite check runs now, while the next chunk is still arriving.
+  // whole chunk is checked before any of its pieces is applied.
   size_t offset = 0;
   for (size_t k = first; s.ok() && k < first + count; ++k) {
     const size_t numel = size_t(stream.pieces[k].numel());
@@ -470,26 +522,82 @@ Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const Frame
       s = nonFinite(stream.pieces[k], stream.dense[k], bad);
     }
   }
-  if (!s.ok()) {
-    countRejected(s);
-    return s;
-  }
+  if (!s.ok()) return refuseStream(stream, s);
   stream.nextPiece = first + count;
   stream.bytes += int64_t(payload.size());
+  if (stream.keepsChunks()) return Status::Ok();
+
+  // Applied (or gathered) now, piece by piece: between two pieces the lock is free for the other
+  // workers' pushes and pulls. Each piece is one whole optimizer step at its own count.
+  size_t at = 0;
+  for (size_t k = 0; k < first; ++k) at += size_t(stream.pieces[k].numel());
+  for (size_t k = first; k < first + count; ++k) {
+    const size_t numel = size_t(stream.pieces[k].numel());
+    {
+      MutexLock lock(mu_);
+      if (generation_ != stream.generation || failure_) {
+        const Status why = failure_ ? Status::error(Code::kAborted, *failure_)
+                                    : Status::error(Code::kAborted, "the shard was re-initialized during the push");
+        return endStreamLocked(stream, why, false);
+      }
+      workers_[stream.request.worker()].lastSeen = Clock::now();
+      const Part part{.values = stream.dense[k], .rows = {}, .numel = numel};
+      if (stream.plan == Stream::Plan::kApply) {
+        applyPieceLocked(k, at, part, stream.scale);
+        ++stream.applied;
+      } else if (policy_.mode() != "sync" || version_ == stream.version) {
+        accumulatePieceLocked(k, at, part, stream.scale);
+        ++stream.applied;
+      }  // else sync's step closed meanwhile: the rest of the push is late (finishStream says so)
+    }
+    stream.dense[k] = {};
+    std::vector<float>().swap(stream.copies[k]);
+    at += numel;
+  }
   return Status::Ok();
 }
 
 Status Shard::finishStream(Stream& stream, wire::PushReply* reply, std::vector<float>* replyValues) {
+  if (stream.ended) return Status::error(Code::kInvalidArgument, "push: the stream was refused");
   if (stream.nextPiece != stream.pieces.size()) {
     const Status s = Status::error(Code::kInvalidArgument, "push: the stream ended after " +
                                                                std::to_string(stream.nextPiece) + " of its " +
                                                                std::to_string(stream.pieces.size()) + " pieces");
-    countRejected(s);
-    return s;
+    return refuseStream(stream, s);
   }
   const Status status = handlePush(stream.request, nullptr, &stream, reply, replyValues);
+  if (stream.applied > 0 && (!status.ok() || !reply->applied())) {
+    // Its pieces were applied or gathered, but it does not count as an update: sync's step closed
+    // while it arrived (late), the job stopped, or the shard failed.
+    MutexLock lock(mu_);
+    endStreamLocked(stream, status.ok() ? Status::error(Code::kAborted, "dropped (" + reply->dropped() + ")") : status,
+                    false);
+  }
   writeDueCheckpoint();
   return status;
+}
+
+Status Shard::refuseStream(Stream& stream, const Status& why) {
+  MutexLock lock(mu_);
+  return endStreamLocked(stream, why, true);
+}
+
+Status Shard::endStreamLocked(Stream& stream, const Status& why, bool rejected) {
+  if (stream.ended) return why;
+  stream.ended = true;
+  if (rejected) stats_.set_rejected(stats_.rejected() + 1);
+  if (stream.applied == 0 || generation_ != stream.generation) {
+    if (rejected && (stats_.rejected() <= 10 || stats_.rejected() % 100 == 0)) log("refused a push: " + why.message);
+    return why;
+  }
+  stats_.set_partial_pushes(stats_.partial_pushes() + 1);
+  const std::string kept = std::to_string(stream.applied) + " of its " + std::to_string(stream.pieces.size()) +
+                           " pieces, received before, were " +
+                           (stream.plan == Stream::Plan::kApply ? "applied" : "added to the step being gathered") +
+                           " and stay (the push is not counted as an update)";
+  log("a streamed push of worker " + std::to_string(stream.request.worker()) + " ended early: " + why.message +
+      "; " + kept);
+  return Status::error(why.code, why.message + "; " + kept);
 }
 
 void Shard::countRejected(const Status& why) {
@@ -526,6 +634,9 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
     if (!rowSparse || p.row_dim() == 0) densePieces.push_back(p);
   }
   const bool compressed = !request.compressed().empty();
+  // A streamed push whose pieces were applied or gathered as they arrived (Stream::Plan): here it
+  // is only counted, as the plan made when it began says.
+  const bool early = streamed != nullptr && !streamed->keepsChunks();
   // A streamed push's header and chunks were checked as they arrived (beginStream, addChunk),
   // against the layout of then.
   const bool relaid = streamed != nullptr &&
@@ -617,6 +728,9 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
     return s;
   }
   if (failure_) return Status::error(Code::kAborted, *failure_);
+  if (early && generation_ != streamed->generation) {
+    return Status::error(Code::kAborted, "the shard was re-initialized during the push");
+  }
   const uint32_t id = request.worker();
   // Never a reference across a wait: an Init while the push is held may replace workers_.
   const uint64_t generation = generation_;
@@ -632,7 +746,7 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
     me().lost = false;
     log("worker " + std::to_string(id) + " is back");
   }
-  if (request.clock() < me().clock) {
+  if (!early && request.clock() < me().clock) {
     // A retry of a push this shard has already handled (the reply was lost with the connection):
     // it must not count twice.
     stats_.set_dropped_duplicate(stats_.dropped_duplicate() + 1);
@@ -679,14 +793,19 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
 
   if (sync) {
     const uint64_t step = version_;
-    if (request.pulled_version() < step || pendingFrom_[id]) {
+    // A gathered stream is late when its step closed while it arrived (some of its pieces made it).
+    if (early ? version_ != streamed->version : (request.pulled_version() < step || pendingFrom_[id])) {
       // Its step closed without it (backup workers), or it already gave a gradient for this one.
       dropped = "late";
       reply->set_staleness(tau());
       stats_.set_dropped_late(stats_.dropped_late() + 1);
       return finishReply(false);
     }
-    accumulateLocked(grad, 1.0f);
+    if (early) {
+      pendingCount_ += 1;  // its pieces are in
+    } else {
+      accumulateLocked(grad, 1.0f);
+    }
     pendingFrom_[id] = true;
     reply->set_staleness(0);
     noteStalenessLocked(0);
@@ -731,7 +850,7 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
   }
 
   // The asynchronous modes.
-  if (policy_.warmup_steps() > 0 && id != 0 && version_ < uint64_t(policy_.warmup_steps())) {
+  if (!early && policy_.warmup_steps() > 0 && id != 0 && version_ < uint64_t(policy_.warmup_steps())) {
     // Worker 0 trains alone until version W; the others wait, then start from its parameters.
     // A push is held for at most the timeout (the worker then pushes again and is held again), so
     // that no call outlives the client's deadline; the held worker counts as heard from.
@@ -757,9 +876,10 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
     return finishReply(false);
   }
 
-  const int64_t t = tau();
+  // A stream applied as it arrived keeps the staleness, and so the scale, of when it began.
+  const int64_t t = early ? streamed->tau : tau();
   reply->set_staleness(t);
-  if (policy_.max_staleness() >= 0 && t > policy_.max_staleness()) {
+  if (!early && policy_.max_staleness() >= 0 && t > policy_.max_staleness()) {
     dropped = "stale";
     stats_.set_dropped_stale(stats_.dropped_stale() + 1);
   } else {
@@ -767,8 +887,14 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
     noteStalenessLocked(t);
     stats_.set_applied(stats_.applied() + 1);
     if (policy_.mode() == "softsync") {
-      accumulateLocked(grad, scale);
+      if (early) {
+        pendingCount_ += 1;
+      } else {
+        accumulateLocked(grad, scale);
+      }
       if (pendingCount_ >= int(policy_.softsync())) applyPendingLocked();
+    } else if (early) {
+      finishUpdateLocked();
     } else {
       applyLocked(grad, scale);
     }
@@ -961,7 +1087,12 @@ std::optional<wire::ShardCheckpoint> Shard::snapshotLocked() {
   for (const auto& slot : optimizer_->slots()) {
     c.add_optimizer_slots(reinterpret_cast<const char*>(slot.data()), slot.size() * sizeof(float));
   }
-  c.set_optimizer_steps(optimizer_->steps());
+  int64_t steps = 0;
+  for (const int64_t n : pieceSteps_) {
+    c.add_piece_steps(n);
+    steps = std::max(steps, n);
+  }
+  c.set_optimizer_steps(steps);
   for (const auto& w : workers_) c.add_clocks(w.clock + (w.inClosedStep ? 1 : 0));
   *c.mutable_stats() = stats_;
   c.mutable_stats()->set_staleness_mean(stats_.applied() > 0 ? stalenessSum_ / double(stats_.applied()) : 0.0);
@@ -1026,7 +1157,11 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
     std::memcpy(optimizer->slots()[s].data(), slot.data(), slot.size());
   }
   if (c.clocks_size() != int(c.policy().workers())) return corrupt("its worker clocks do not match its policy");
-  optimizer->steps() = c.optimizer_steps();
+  if (c.piece_steps_size() != 0 && c.piece_steps_size() != int(pieces.size())) {
+    return corrupt("its optimizer steps do not match its pieces");
+  }
+  std::vector<int64_t> pieceSteps(pieces.size(), c.optimizer_steps());
+  for (int k = 0; k < c.piece_steps_size(); ++k) pieceSteps[size_t(k)] = c.piece_steps(k);
 
   MutexLock lock(mu_);
   policy_ = c.policy();
@@ -1034,6 +1169,7 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
   values_.resize(size_t(total));
   std::memcpy(values_.data(), c.values().data(), c.values().size());
   optimizer_ = std::move(optimizer);
+  pieceSteps_ = std::move(pieceSteps);
   version_ = c.version();
   lastCheckpointVersion_ = version_;
   workers_.assign(policy_.workers(), Worker{});
@@ -1042,6 +1178,7 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
   pendingMarked_.assign(pieces_.size(), {});
   pendingRows_.assign(pieces_.size(), {});
   pendingCount_ = 0;
+  pendingPieceCount_.assign(pieces_.size(), 0);
   pendingFrom_.assign(policy_.workers(), false);
   stats_ = c.stats();
   stalenessSum_ = stats_.staleness_mean() * double(stats_.applied());

@@ -84,19 +84,31 @@ class Shard {
                     std::vector<float>* replyValues);
   // A push streamed in chunks (the PushStream call, ps/frame.h): float32 values only, as for
   // pushFramed. beginStream checks the header (request.values: each piece's key, numel and dtype,
-  // no data) before any chunk is read; addChunk checks each chunk (in order, whole pieces, the
-  // payload's length) and scans its floats for NaN and Inf as it arrives, while the next one is
-  // still on the wire; finishStream applies the push, with push()'s policies and checks, once
-  // every piece has arrived. So a push is applied whole or not at all: a bad chunk, or a stream
-  // that ends early, is refused (counted as rejected) and leaves the parameters as they were. The
-  // chunks' floats are read where they lie in `payload`, which the caller keeps alive until
-  // finishStream returns.
+  // no data) before any chunk is read and decides, as push() would at that moment, what becomes of
+  // the push: applied (async, ssp), added to the step or group being gathered (sync, softsync), or
+  // kept for the end (a duplicate, a sync push already late, a warm-up push, a stale one). addChunk
+  // checks each chunk (in order, whole pieces, the payload's length, NaN and Inf) and then, when
+  // the push is applied or gathered, applies or adds its pieces at once, piece by piece under the
+  // shard's lock, while the next chunk is still on the wire; finishStream counts the push as one
+  // update (the version, staleness, the worker's clock, sync's step, softsync's group, ssp's hold)
+  // once every piece is in, and makes the reply. The guarantee is per chunk: a chunk's pieces are
+  // applied only if the whole chunk is valid, and a stream that fails midway (a bad chunk, an
+  // early end, a cancel: refuseStream) leaves the pieces already applied, is not counted as an
+  // update (no version, no clock) and is counted in partial_pushes and logged. Each piece keeps its
+  // own optimizer step count, so another worker's push may apply between two pieces of this one
+  // and each piece's state stays that of a sequence of whole updates (as each shard's is when a
+  // push goes to several). A push kept for the end reads its floats where they lie in `payload`,
+  // which the caller then keeps alive until finishStream returns (Stream::keepsChunks).
   struct Stream;
   Status beginStream(const wire::PushRequest& request, std::unique_ptr<Stream>* stream);
   Status addChunk(Stream& stream, const wire::PushChunk& chunk, const FramePayload& payload);
   Status finishStream(Stream& stream, wire::PushReply* reply, std::vector<float>* replyValues);
+  // A stream the transport ends before its last chunk (a chunk that does not parse, a cancel):
+  // counted as rejected, and as partial when some pieces were applied. Once per stream. Returns
+  // the error for the worker: `why`, and which pieces were applied and stay, if any.
+  Status refuseStream(Stream& stream, const Status& why);
   // A push the transport could not even read as one (a frame that does not parse, a stream cut
-  // off): counted and logged as a refused push.
+  // off before its header was admitted): counted and logged as a refused push.
   void countRejected(const Status& why);
   Status done(const wire::DoneRequest& request, wire::DoneReply* reply);
   Status stats(const wire::StatsRequest& request, wire::StatsReply* reply);
@@ -138,8 +150,18 @@ class Shard {
     size_t rowDim = 0;   // > 0: values are `rows` rows of this width
   };
   using Parts = std::vector<Part>;
+  // One piece (k, starting at element `at`): an optimizer step at the piece's own count, or (push
+  // updates) the update added; and the same into the step or group being gathered.
+  void applyPieceLocked(size_t k, size_t at, const Part& part, float scale) REQUIRES(mu_);
+  void accumulatePieceLocked(size_t k, size_t at, const Part& part, float scale) REQUIRES(mu_);
+  // Every piece, then the version (one update).
   void applyLocked(const Parts& parts, float scale) REQUIRES(mu_);
   void accumulateLocked(const Parts& parts, float scale) REQUIRES(mu_);
+  // An update's end: the version bumped, waiters woken, a checkpoint asked for when due.
+  void finishUpdateLocked() REQUIRES(mu_);
+  // A streamed push that will not count as an update ends (refused, cut, late, aborted).
+  // Returns `why`, saying which pieces stay applied, if any.
+  Status endStreamLocked(Stream& stream, const Status& why, bool rejected) REQUIRES(mu_);
   void fillReplyLocked(const wire::PushRequest& request, wire::PushReply* reply, std::vector<float>* framed)
       REQUIRES(mu_);
   void applyPendingLocked() REQUIRES(mu_);
@@ -185,6 +207,8 @@ class Shard {
   std::vector<wire::PieceSpec> pieces_ GUARDED_BY(mu_);
   std::vector<float> values_ GUARDED_BY(mu_);
   std::unique_ptr<ServerOptimizer> optimizer_ GUARDED_BY(mu_);
+  // Per piece: the optimizer steps applied to it (the step number its next update runs at).
+  std::vector<int64_t> pieceSteps_ GUARDED_BY(mu_);
   uint64_t version_ GUARDED_BY(mu_) = 0;
   std::vector<Worker> workers_ GUARDED_BY(mu_);
   // sync and softsync: the step being gathered
@@ -193,7 +217,11 @@ class Shard {
   // listed in arrival order), so that a step applies and clears those rows alone.
   std::vector<std::vector<uint8_t>> pendingMarked_ GUARDED_BY(mu_);
   std::vector<std::vector<uint32_t>> pendingRows_ GUARDED_BY(mu_);
-  int pendingCount_ GUARDED_BY(mu_) = 0;
+  int pendingCount_ GUARDED_BY(mu_) = 0;  // pushes counted in the step or group (whole ones)
+  // Per piece: the gradients added to it in this step or group (pendingCount_, but for the pieces
+  // of streamed pushes that ended midway, or that a sync step closed on midway). Each piece is
+  // averaged over its own.
+  std::vector<int> pendingPieceCount_ GUARDED_BY(mu_);
   std::vector<bool> pendingFrom_ GUARDED_BY(mu_);
   std::optional<std::string> failure_ GUARDED_BY(mu_);
   bool finished_ GUARDED_BY(mu_) = false;
@@ -212,12 +240,29 @@ class Shard {
 
 // One streamed push being received (Shard::beginStream): the caller only passes it back.
 struct Shard::Stream {
+  // What becomes of the push's pieces as they arrive (decided by beginStream).
+  enum class Plan {
+    kAtTheEnd,    // kept, and handled whole by finishStream (dropped or refused there)
+    kApply,       // applied chunk by chunk (async, ssp)
+    kAccumulate,  // added chunk by chunk to the step (sync) or group (softsync) being gathered
+  };
+  // Whether the caller must keep every chunk's bytes until finishStream (kAtTheEnd reads them
+  // there); otherwise a chunk's bytes are done with once addChunk returns.
+  bool keepsChunks() const { return plan == Plan::kAtTheEnd; }
+
   wire::PushRequest request;
   std::vector<wire::PieceSpec> pieces;        // the shard's layout when the stream began
-  std::vector<std::span<const float>> dense;  // each piece's floats, once its chunk has arrived
+  std::vector<std::span<const float>> dense;  // kAtTheEnd: each piece's floats, once its chunk has arrived
   std::vector<std::vector<float>> copies;     // pieces that did not lie float-aligned in one slice
   size_t nextPiece = 0;                       // the first piece not received yet
   int64_t bytes = 0;                          // payload received
+  Plan plan = Plan::kAtTheEnd;
+  uint64_t generation = 0;  // the shard's Init when the plan was made: a new one ends the push
+  uint64_t version = 0;     // the version then (sync: the step the push belongs to)
+  int64_t tau = 0;          // its staleness then
+  float scale = 1.0f;       // staleness_lr's factor
+  size_t applied = 0;       // pieces applied or gathered so far
+  bool ended = false;       // refused or aborted: counted once
 };
 
 }  // namespace cohort::ps

@@ -358,7 +358,7 @@ struct ParameterServerClient::Impl {
     MetricFields fields;
     std::vector<int64_t> histogram, pushed, pulled, lostWorkers, checkpointsFailed;
     checkpointFailures_.clear();
-    int64_t appliedAll = 0, late = 0, stale = 0, warmup = 0, rejected = 0, unauth = 0, gap = 0;
+    int64_t appliedAll = 0, late = 0, stale = 0, warmup = 0, rejected = 0, partial = 0, unauth = 0, gap = 0;
     double stalenessSum = 0, waitS = 0;
     int64_t stalenessMax = 0;
     for (size_t s = 0; s < clients_.size(); ++s) {
@@ -368,6 +368,7 @@ struct ParameterServerClient::Impl {
       checkpointsFailed.push_back(r.checkpoints_failed());
       checkpointFailures_.emplace_back(r.checkpoints_failed(), r.checkpoint_error());
       rejected += r.rejected();
+      partial += r.partial_pushes();
       unauth += r.unauthenticated();
       if (s != 0) continue;
       // Every shard sees every push; shard 0 speaks for the staleness of all.
@@ -395,6 +396,7 @@ struct ParameterServerClient::Impl {
               {"dropped_stale", stale},
               {"dropped_warmup", warmup},
               {"rejected", rejected},
+              {"partial_pushes", partial},
               {"unauthenticated", unauth},
               {"max_clock_gap", gap},
               {"server_wait_s", waitS},
