@@ -268,6 +268,28 @@ TEST_P(LaunchLosesAWorker, TheOthersFinishAndTheChiefNamesIt) {
 
 INSTANTIATE_TEST_SUITE_P(Schemes, LaunchLosesAWorker, testing::Values("async", "ssp", "gossip"));
 
+// ps sync with a backup worker loses one of 3: the chief ends first and waits in finish while
+// worker 1, slowed, is behind (its pushes were the late third of each step while all 3 ran, so
+// its clock is behind the chief's). Its remaining steps close without the waiting chief; before,
+// they waited for the chief's gradient and the chief's end wait ran out (status 1).
+TEST(LaunchLosesAWorker, PsSyncWithABackupWorkerFinishesWhenTheChiefEndsFirst) {
+  test::TempDir dir;
+  auto r = test::runCommand(
+      launch("-n 3 --ps 1" + train("--strategy ps --ps-mode sync --backup-workers 1 --timeout 5 --steps 100 "
+                                   "--test-slow-worker 1:0.05 --test-kill-at 2:20 --metrics " + dir.file("m.jsonl"))),
+      180);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: rank 2 was killed by signal 9 (SIGKILL); the others go on without it"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("did not finish within"), std::string::npos) << r.output;
+  auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["steps"], 100);
+  ASSERT_EQ(done["workers_lost"].size(), 1u) << done.dump();
+  EXPECT_EQ(done["workers_lost"][0], 2);
+}
+
 // allreduce loses a rank: the group restarts and resumes from its newest checkpoint by itself.
 TEST(LaunchRestarts, AnAllreduceJobResumesFromItsCheckpoint) {
   test::TempDir dir;

@@ -59,6 +59,9 @@ struct Shard::Worker {
   bool done = false;
   bool lost = false;
   bool held = false;  // ssp: a push of its is waiting for the slowest to catch up
+  // It made its last push and waits for the others (StatsRequest.finishing): a sync step closes
+  // without it, as without a worker that said Done. A push of its (a restarted worker) clears it.
+  bool finishing = false;
   // sync: its gradient is in a step that has closed, and the push's reply, which counts it in
   // `clock`, has not run yet (it waits for the lock). A checkpoint taken meanwhile counts it: every
   // worker's clock in a checkpoint of version V is then V, and all resume at the same step.
@@ -742,6 +745,7 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
     return Status::error(Code::kAborted, "the shard was re-initialized by a new Init while this push was held");
   };
   me().lastSeen = arrived;
+  me().finishing = false;
   if (me().lost) {
     me().lost = false;
     log("worker " + std::to_string(id) + " is back");
@@ -813,7 +817,7 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
     auto closeIfReady = [&]() {
       mu_.assertHeld();
       int live = 0;
-      for (const auto& w : workers_) live += (!w.done && !w.lost) ? 1 : 0;
+      for (const auto& w : workers_) live += (!w.done && !w.lost && !w.finishing) ? 1 : 0;
       const int needed = std::max(1, std::min(int(policy_.workers() - policy_.backup_workers()), live));
       if (version_ != step || pendingCount_ < needed) return;
       for (size_t i = 0; i < workers_.size(); ++i) workers_[i].inClosedStep = pendingFrom_[i];
@@ -952,6 +956,10 @@ Status Shard::stats(const wire::StatsRequest& request, wire::StatsReply* reply) 
     Worker& w = workers_[request.worker()];  // waiting on the others, not lost
     w.lastSeen = Clock::now();
     w.lost = false;
+    if (request.finishing() && !w.finishing) {
+      w.finishing = true;
+      changed_.notifyAll();  // a sync step held for it may close now
+    }
   }
   *reply = stats_;
   reply->set_initialized(initialized_);

@@ -316,10 +316,15 @@ struct ParameterServerClient::Impl {
       sayDone();
       return;
     }
-    // The chief reports for the job, so it waits until every other worker is done or lost.
+    // The chief reports for the job, so it waits until every other worker is done or lost. It
+    // tells every shard, on every round (a shard restarted meanwhile learns it too), that it will
+    // push no more: a sync step then closes without its gradient, or a worker still behind (its
+    // clock put apart by a kill or a restart) would wait for it in vain.
     const auto start = Clock::now();
     while (true) {
-      ps::wire::StatsReply reply = statsOf(0);
+      std::vector<ps::wire::StatsReply> replies(clients_.size());
+      forEachShard(clients_.size(), [&](size_t s) { replies[s] = statsOf(s, false, /*finishing=*/true); });
+      const ps::wire::StatsReply& reply = replies[0];
       bool others = true;
       for (int w = 1; w < reply.done_size(); ++w) others = others && (reply.done(w) || reply.lost(w));
       if (others) break;
@@ -443,11 +448,12 @@ struct ParameterServerClient::Impl {
     return bytes;
   }
 
-  ps::wire::StatsReply statsOf(size_t s, bool stopJob = false) {
+  ps::wire::StatsReply statsOf(size_t s, bool stopJob = false, bool finishing = false) {
     ps::wire::StatsRequest request;
     request.set_protocol(ps::kProtocolVersion);
     request.set_worker(uint32_t(c_.rank));
     request.set_stop_job(stopJob);
+    request.set_finishing(finishing);
     ps::wire::StatsReply reply;
     check(clients_[s]->stats(request, &reply), c_.shards[s], "Stats");
     return reply;
