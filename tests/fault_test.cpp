@@ -32,7 +32,8 @@ size_t count(const std::string& text, const std::string& needle) {
 
 TEST(LaunchPolicy, EachFailureByKindSchemeAndRestartsLeft) {
   auto action = [](ProcessKind kind, WorkerLoss scheme, bool checkpoints, int restarts) {
-    return onFailure({.kind = kind, .scheme = scheme, .writesCheckpoints = checkpoints, .restartsLeft = restarts});
+    return onFailure({.kind = kind, .scheme = scheme, .writesCheckpoints = checkpoints, .hasCheckpoint = checkpoints,
+                      .restartsLeft = restarts});
   };
   // Synchronous: any failure stops the group, or restarts it.
   for (ProcessKind kind : {ProcessKind::kChief, ProcessKind::kWorker, ProcessKind::kShard}) {
@@ -52,6 +53,10 @@ TEST(LaunchPolicy, EachFailureByKindSchemeAndRestartsLeft) {
   EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, true, 0), FailureAction::kEndJob);
   EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, false, 1), FailureAction::kRestartGroup);
   EXPECT_EQ(action(ProcessKind::kShard, WorkerLoss::kRejoins, true, 1), FailureAction::kRestartProcess);
+  // ... and only once it has one on disk: before its first, the group is restarted instead.
+  EXPECT_EQ(onFailure({.kind = ProcessKind::kShard, .scheme = WorkerLoss::kRejoins, .writesCheckpoints = true,
+                       .hasCheckpoint = false, .restartsLeft = 1}),
+            FailureAction::kRestartGroup);
   // A process whose run is recorded ("finished") is never restarted, in any scheme.
   for (WorkerLoss scheme : {WorkerLoss::kStopsGroup, WorkerLoss::kRejoins}) {
     EXPECT_EQ(onFailure({.kind = ProcessKind::kChief, .scheme = scheme, .restartsLeft = 3, .finished = true}),
@@ -144,7 +149,8 @@ TEST(LaunchFaults, AShardThatCheckpointsIsRestartedAlone) {
   FifoDir d;
   auto r = test::runCommand(
       launch("-n 2 --ps 1 --max-restarts 1" + kAnyPort +
-             script("if [ -z \"$RANK\" ]; then " + kShardPort + "echo shard-checkpoints " + kSay + "; if [ $COHORT_RESTART_COUNT = 0 ]; "
+             script("if [ -z \"$RANK\" ]; then " + kShardPort + "echo shard-checkpoints " + kSay + "; echo shard-has-checkpoint " + kSay +
+                    "; if [ $COHORT_RESTART_COUNT = 0 ]; "
                     "then read x < " + d.fifo() + "; exit 5; fi; echo shard-back-$COHORT_RESTART_COUNT-alone-$COHORT_RESTARTED_ALONE; exit 0; fi; "
                     "if [ $RANK = 0 ]; then echo fault-policy rejoins " + kSay + "; echo go > " + d.fifo() +
                     "; fi; echo worker-$RANK-run-$COHORT_RESTART_COUNT")),
@@ -368,6 +374,29 @@ TEST(LaunchRestarts, AnAsyncPsWorkerRejoinsAtItsClock) {
   ASSERT_FALSE(done.is_null()) << r.output;
   EXPECT_EQ(done["workers_lost"].size(), 0u) << done.dump();
   EXPECT_EQ(done["restarts"], 0) << "the chief itself was not restarted";
+}
+
+// A shard killed before its first checkpoint has nothing to restore: restarted alone it would wait
+// for a chief's Init that never comes (every worker failing after --timeout). The launcher restarts
+// the group instead, which starts afresh here (no checkpoint anywhere yet) and finishes.
+TEST(LaunchRestarts, AShardKilledBeforeItsFirstCheckpointRestartsTheGroup) {
+  test::TempDir dir;
+  // --checkpoint-every 0: the shard writes only its final checkpoint; it kills itself at version 15.
+  auto r = test::runCommand("env COHORT_TEST_KILL_SHARD_AT=15 " +
+                                launch("-n 2 --ps 1 --max-restarts 1" +
+                                       train("--strategy ps --ps-mode softsync --softsync 2 --timeout 20 --steps 60 "
+                                             "--checkpoint-every 0 --checkpoint-dir " + dir.file("ckpt") +
+                                             " --metrics " + dir.file("m.jsonl"))),
+                            180);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("cohort launch: ps 0 was killed by signal 9 (SIGKILL); shard 0 restarted with no checkpoint "
+                          "to restore: restarting the group"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("starting it again alone"), std::string::npos) << r.output;
+  auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["restarts"], 1) << done.dump();
 }
 
 // --target-accuracy stops every worker and shard, in the schemes without a collective too: the

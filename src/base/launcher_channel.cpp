@@ -43,6 +43,11 @@ std::atomic<bool> portTold{false};
 
 void tellFaultPolicy(std::string_view policy) { tell("fault-policy " + std::string(policy)); }
 void tellShardCheckpoints() { tell("shard-checkpoints"); }
+
+void tellShardHasCheckpoint() {
+  static std::atomic<bool> told{false};
+  if (!told.exchange(true)) tell("shard-has-checkpoint");
+}
 void tellError(std::string_view message) { tell("error " + std::string(message)); }
 void tellFinished() { tell("finished"); }
 

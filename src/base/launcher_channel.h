@@ -17,6 +17,11 @@ void tellFaultPolicy(std::string_view policy);
 // started again, so the launcher may restart it alone.
 void tellShardCheckpoints();
 
+// "shard-has-checkpoint": this shard has a checkpoint on disk to restore (it restored one or wrote
+// one). Until it says so, a shard restarted alone would have no state and wait for a chief's Init
+// that a running chief never sends again, so the launcher restarts the group instead. Said once.
+void tellShardHasCheckpoint();
+
 // "error <one line>": the reason this process is about to exit with a failure.
 void tellError(std::string_view message);
 

@@ -207,6 +207,7 @@ struct Child {
   std::unique_ptr<LineForwarder> err;
   std::unique_ptr<ChannelReader> channel;
   bool writesCheckpoints = false;  // a shard that said "shard-checkpoints"
+  bool hasCheckpoint = false;      // a shard that said "shard-has-checkpoint" since it was started
   std::string error;               // what it said before failing ("error ...")
   bool finished = false;           // it said "finished": its run is recorded (launch_policy.h)
   bool pending = false;            // not started yet: it needs a port the launcher does not know yet
@@ -466,6 +467,7 @@ class Launcher {
                   : child.server  ? "ps " + std::to_string(index - options_.processes)
                                   : "rank " + std::to_string(index);
     child.writesCheckpoints = false;
+    child.hasCheckpoint = false;
     child.error.clear();
     child.finished = false;
     const std::string name = child.label;
@@ -607,6 +609,8 @@ class Launcher {
         if (auto loss = parseWorkerLoss(rest)) scheme_ = *loss;
       } else if (verb == "shard-checkpoints" && child.server) {
         child.writesCheckpoints = true;
+      } else if (verb == "shard-has-checkpoint" && child.server) {
+        child.hasCheckpoint = true;
       } else if (verb == "finished") {
         child.finished = true;
       } else if (verb == "error") {
@@ -691,6 +695,7 @@ class Launcher {
     const FailureAction action = onFailure({.kind = kind,
                                             .scheme = scheme_,
                                             .writesCheckpoints = child.writesCheckpoints,
+                                            .hasCheckpoint = child.hasCheckpoint,
                                             .restartsLeft = restartsLeft,
                                             .finished = child.finished});
     const std::string restart = "restart " + std::to_string(restartsUsed_ + 1) + " of " +
@@ -707,6 +712,18 @@ class Launcher {
         start(index);
         return;
       case FailureAction::kRestartGroup:
+        if (kind == ProcessKind::kShard && scheme_ != WorkerLoss::kStopsGroup && child.writesCheckpoints &&
+            !child.hasCheckpoint) {
+          // Restarted alone it would have no state and wait for the chief's Init, which a running
+          // chief never sends again: every worker would fail after --timeout.
+          say(what + "; shard " + std::to_string(index - options_.processes) +
+              " restarted with no checkpoint to restore: restarting the group (it died before its first "
+              "checkpoint; the group starts afresh from what --checkpoint-dir holds) (" + restart + ")");
+          ++restartsUsed_;
+          restartGroup_ = true;
+          endJob(SIGTERM);
+          return;
+        }
         say(what + "; restarting every process from the newest checkpoint (" + restart + ")");
         ++restartsUsed_;
         restartGroup_ = true;

@@ -62,7 +62,7 @@
 // (0 at first); a process restarted alone also gets COHORT_RESTARTED_ALONE=1 (a shard then serves
 // the state it restores to every worker at once: the others run on). A child may write
 // lines there: "fault-policy stops-group|tolerated|rejoins" (from rank 0: what the scheme survives),
-// "shard-checkpoints" (from a shard), "error REASON" (why it is about to fail), "finished" (it ran
+// "shard-checkpoints" and "shard-has-checkpoint" (from a shard), "error REASON" (why it is about to fail), "finished" (it ran
 // every step and wrote its done event; a failure after this is not restarted), "port P" or
 // "port none" (from rank 0 and the shards: see "Ports"). Other lines are ignored; a program that
 // writes nothing gets the behaviour of a synchronous scheme.

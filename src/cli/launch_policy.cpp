@@ -27,7 +27,9 @@ FailureAction onFailure(const FailedProcess& failed) {
       return failed.scheme == WorkerLoss::kRejoins && canRestart ? FailureAction::kRestartProcess
                                                                   : FailureAction::kGoOn;
     case ProcessKind::kShard:
-      if (tolerant && failed.writesCheckpoints && canRestart) return FailureAction::kRestartProcess;
+      if (tolerant && failed.writesCheckpoints && failed.hasCheckpoint && canRestart) {
+        return FailureAction::kRestartProcess;
+      }
       break;
     case ProcessKind::kChief:
       break;

@@ -13,7 +13,9 @@
 //     scheme also lets it rejoin (the asynchronous ps modes) and restarts > 0, it is restarted
 //     alone and resumes at its clock on the shards;
 //   a shard: restarted alone from its checkpoint when the scheme tolerates a lost worker (the
-//     workers wait for it and retry), it writes checkpoints and restarts > 0; else as the chief;
+//     workers wait for it and retry), it writes checkpoints, has written or restored one already
+//     and restarts > 0; else as the chief (one killed before its first checkpoint would come back
+//     with no state, waiting for the chief's Init: the group is restarted instead);
 //   the chief, or any process of a scheme that does not tolerate losses: the group is restarted
 //     (every process, a fresh rendezvous on a new port, resuming from the newest checkpoint) when
 //     restarts > 0, else the job ends with the failure's status;
@@ -44,6 +46,7 @@ struct FailedProcess {
   ProcessKind kind = ProcessKind::kWorker;
   WorkerLoss scheme = WorkerLoss::kStopsGroup;  // as the chief said, kStopsGroup until it has
   bool writesCheckpoints = false;               // a shard that said "shard-checkpoints"
+  bool hasCheckpoint = false;                   // a shard that said "shard-has-checkpoint" (in this run)
   int restartsLeft = 0;
   bool finished = false;  // it said "finished" (its run is recorded): no restart, whatever is left
 };

@@ -1,4 +1,5 @@
 #include "base/clock.h"
+#include "base/launcher_channel.h"
 #include "ps/shard.h"
 
 #include "ps/frame.h"
@@ -10,11 +11,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
 namespace cohort::ps {
+
+static void killIfTestSaysSo(uint64_t version);  // testing; below
 
 namespace {
 
@@ -279,6 +284,7 @@ void Shard::applyPieceLocked(size_t k, size_t at, const Part& part, float scale)
 
 void Shard::finishUpdateLocked() {
   ++version_;
+  killIfTestSaysSo(version_);
   changed_.notifyAll();
   maybeCheckpointLocked();
 }
@@ -1108,6 +1114,18 @@ std::optional<wire::ShardCheckpoint> Shard::snapshotLocked() {
   return c;
 }
 
+// Testing: COHORT_TEST_KILL_SHARD_AT=V makes a shard process SIGKILL itself when it reaches version
+// V, in its first run only (COHORT_RESTART_COUNT unset or 0): a shard dying at a known point.
+static void killIfTestSaysSo(uint64_t version) {
+  static const uint64_t killAt = [] {
+    const char* at = std::getenv("COHORT_TEST_KILL_SHARD_AT");
+    const char* restarts = std::getenv("COHORT_RESTART_COUNT");
+    if (!at || (restarts && std::string(restarts) != "0")) return uint64_t(0);
+    return uint64_t(std::strtoull(at, nullptr, 10));
+  }();
+  if (killAt != 0 && version == killAt) std::raise(SIGKILL);
+}
+
 std::optional<std::string> Shard::writeCheckpoint(const wire::ShardCheckpoint& snapshot) {
   MutexLock lock(writeMu_);
   if (options_.beforeCheckpointWrite) options_.beforeCheckpointWrite(snapshot.version());
@@ -1120,6 +1138,7 @@ std::optional<std::string> Shard::writeCheckpoint(const wire::ShardCheckpoint& s
   } catch (const Error& e) {
     return std::string(e.what());
   }
+  launcher::tellShardHasCheckpoint();  // a restart alone now has a state to come back to
   return std::nullopt;
 }
 
@@ -1193,6 +1212,7 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
   initialized_ = true;
   initSinceStart_ = options_.restartedInJob;  // ShardOptions::restartedInJob
   log("restored from " + path + " at version " + std::to_string(version_));
+  launcher::tellShardHasCheckpoint();
   return true;
 }
 
