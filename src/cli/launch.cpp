@@ -692,12 +692,13 @@ class Launcher {
     const ProcessKind kind = child.server ? ProcessKind::kShard : child.rank == 0 ? ProcessKind::kChief
                                                                                   : ProcessKind::kWorker;
     const int restartsLeft = options_.maxRestarts - restartsUsed_;
-    const FailureAction action = onFailure({.kind = kind,
-                                            .scheme = scheme_,
-                                            .writesCheckpoints = child.writesCheckpoints,
-                                            .hasCheckpoint = child.hasCheckpoint,
-                                            .restartsLeft = restartsLeft,
-                                            .finished = child.finished});
+    const FailedProcess failed{.kind = kind,
+                               .scheme = scheme_,
+                               .writesCheckpoints = child.writesCheckpoints,
+                               .hasCheckpoint = child.hasCheckpoint,
+                               .restartsLeft = restartsLeft,
+                               .finished = child.finished};
+    const FailureAction action = onFailure(failed);
     const std::string restart = "restart " + std::to_string(restartsUsed_ + 1) + " of " +
                                 std::to_string(options_.maxRestarts);
     switch (action) {
@@ -712,8 +713,7 @@ class Launcher {
         start(index);
         return;
       case FailureAction::kRestartGroup:
-        if (kind == ProcessKind::kShard && scheme_ != WorkerLoss::kStopsGroup && child.writesCheckpoints &&
-            !child.hasCheckpoint) {
+        if (shardDiedBeforeItsFirstCheckpoint(failed)) {
           // Restarted alone it would have no state and wait for the chief's Init, which a running
           // chief never sends again: every worker would fail after --timeout.
           say(what + "; shard " + std::to_string(index - options_.processes) +

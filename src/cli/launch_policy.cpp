@@ -18,6 +18,11 @@ std::string_view workerLossName(WorkerLoss loss) {
   return "stops-group";
 }
 
+bool shardDiedBeforeItsFirstCheckpoint(const FailedProcess& failed) {
+  return failed.kind == ProcessKind::kShard && failed.scheme != WorkerLoss::kStopsGroup && failed.writesCheckpoints &&
+         !failed.hasCheckpoint;
+}
+
 FailureAction onFailure(const FailedProcess& failed) {
   const bool tolerant = failed.scheme != WorkerLoss::kStopsGroup;
   const bool canRestart = failed.restartsLeft > 0 && !failed.finished;
@@ -27,7 +32,7 @@ FailureAction onFailure(const FailedProcess& failed) {
       return failed.scheme == WorkerLoss::kRejoins && canRestart ? FailureAction::kRestartProcess
                                                                   : FailureAction::kGoOn;
     case ProcessKind::kShard:
-      if (tolerant && failed.writesCheckpoints && failed.hasCheckpoint && canRestart) {
+      if (tolerant && failed.writesCheckpoints && !shardDiedBeforeItsFirstCheckpoint(failed) && canRestart) {
         return FailureAction::kRestartProcess;
       }
       break;

@@ -60,4 +60,8 @@ enum class FailureAction {
 
 FailureAction onFailure(const FailedProcess& failed);
 
+// A shard of a scheme that restarts shards alone, but that died before its first checkpoint: it
+// would come back with no state, so onFailure restarts the group instead (the launcher says why).
+bool shardDiedBeforeItsFirstCheckpoint(const FailedProcess& failed);
+
 }  // namespace cohort::cli
