@@ -26,7 +26,15 @@ TORCH_MODULE(Net);
 void rank(std::shared_ptr<cohort::Communicator> comm, std::vector<torch::Tensor>& grads) {
   const int r = comm->rank();
   Net net;
-  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  {
+    // Every hidden unit alive for both ranks' inputs (|w.x| <= 1.5 x 4 x 0.5 = 3): with the default
+    // initialization all 8 could be dead at both, about once in 256 runs, and then the ranks'
+    // outputs, hence gradients, are equal without the handle. A small learning rate keeps the
+    // softmax from saturating, where every gradient is exactly 0 (a fresh clone's run, 2026-11-26).
+    torch::NoGradGuard noGrad;
+    net->a->bias.fill_(3.5f);
+  }
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   auto x = torch::full({4, 4}, 0.5f + float(r));
   auto y = torch::zeros({4}, torch::kInt64);
   {

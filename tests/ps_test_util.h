@@ -14,8 +14,11 @@ namespace cohort::test {
 // A client's failed attempts as they come (ClientOptions::onRetry), for a test to wait on.
 class Retries {
  public:
-  std::function<void(const ps::RetryEvent&)> hook() {
-    return [this](const ps::RetryEvent& e) {
+  // `act`, if given, runs in the client's thread before the client's next attempt: a test that
+  // must change the shard between two attempts does it there, not racing the client's back-off.
+  std::function<void(const ps::RetryEvent&)> hook(std::function<void(const ps::RetryEvent&)> act = {}) {
+    return [this, act = std::move(act)](const ps::RetryEvent& e) {
+      if (act) act(e);
       std::lock_guard<std::mutex> lock(mu_);
       events_.push_back(e);
       changed_.notify_all();

@@ -464,13 +464,18 @@ TEST(SimCommand, CalibrateWritesAFileThatLoads) {
                                                      "--profile-steps 10 --codecs fp16 --job-ranks 2 --job-steps 10 --calibration " + path,
                                                  120);
   ASSERT_EQ(r.exitCode, 0) << r.output;
+  // Any failure below shows what was measured, and what the command said.
+  SCOPED_TRACE("the calibration: " + test::readFile(path) + "\nthe command's output:\n" + r.output);
   const Calibration c = loadCalibration(path);
   EXPECT_EQ(c.model, "mlp");
   EXPECT_EQ(c.parameterCount, 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10);
   EXPECT_EQ(c.parameterBytes, 4 * c.parameterCount);
   EXPECT_GT(c.computeSecondsPerExample, 0);
+  // Upper bounds a unit mix-up would break (ms for s: 1000x) but no load can. CI failed this test
+  // once (2026-11-26) with its output cut off; bounds 100x tighter were the only assertions a
+  // loaded machine could break, so they were loosened, and the trace above now shows the figures.
   EXPECT_GT(c.latencySeconds, 0);
-  EXPECT_LT(c.latencySeconds, 0.01);
+  EXPECT_LT(c.latencySeconds, 1);
   EXPECT_GT(c.secondsPerByte, 0);
   EXPECT_GT(c.reduceSecondsPerByte, 0);
   EXPECT_GT(c.shardSecondsPerByte, 0);
@@ -479,7 +484,7 @@ TEST(SimCommand, CalibrateWritesAFileThatLoads) {
   EXPECT_EQ(c.jobCompute[0].ranks, 2);
   EXPECT_GT(c.jobCompute[0].secondsPerExample, 0);
   EXPECT_GT(c.glooAllgatherSeconds, 0);
-  EXPECT_LT(c.glooAllgatherSeconds, 0.1);
+  EXPECT_LT(c.glooAllgatherSeconds, 5);
   EXPECT_GT(c.rpcCallSeconds, 0);
   EXPECT_GT(c.rpcWorkerSecondsPerByte, 0);
   ASSERT_EQ(c.codecs.size(), 1u);
