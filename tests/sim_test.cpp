@@ -3,6 +3,7 @@
 // staleness behaviour, the calibration file, and the command's bad input.
 #include "sim/calibration.h"
 #include "sim/cost.h"
+#include "sim/probe.h"
 #include "sim/simulate.h"
 
 #include "test_util.h"
@@ -12,6 +13,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <chrono>
+#include <thread>
+
+#include <poll.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace cohort::sim {
 namespace {
@@ -457,6 +464,47 @@ TEST(SimCommand, BadInputIsOneLineNamingTheField) {
 // --calibrate measures for real (a forked peer over loopback TCP, the model on Fashion-MNIST, a
 // shard, a codec) and writes a file that loads back; its numbers are machine-dependent, so only
 // their sanity is checked here.
+// The calibration's shard cost is the difference of two readings of the shard's CPU time; a
+// thread that ended between them must not take its time away (the calibration once measured a
+// negative cost, reading only the live threads).
+TEST(SimProbe, AProcesssCpuTimeKeepsItsEndedThreads) {
+  int ready[2], release[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(release), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(ready[0]);
+    ::close(release[1]);
+    std::thread([] {  // 0.2 s on a CPU, then the thread ends
+      timespec t{};
+      do ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+      while (t.tv_sec == 0 && t.tv_nsec < 200'000'000);
+    }).join();
+    const char byte = 1;
+    if (::write(ready[1], &byte, 1) != 1) ::_exit(1);
+    char back = 0;
+    (void)!::read(release[0], &back, 1);  // until the parent closes its end
+    ::_exit(0);
+  }
+  ::close(ready[1]);
+  ::close(release[0]);
+  pollfd p{ready[0], POLLIN, 0};
+  const bool told = ::poll(&p, 1, 30'000) == 1;
+  char byte = 0;
+  const bool read = told && ::read(ready[0], &byte, 1) == 1;
+  const double seconds = read ? processCpuSeconds(child) : 0;
+  ::close(release[1]);
+  ::close(ready[0]);
+  if (!read) ::kill(child, SIGKILL);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ASSERT_TRUE(read) << "the child did not end its busy thread within 30 s";
+  EXPECT_GE(seconds, 0.19) << "the ended thread's CPU time is not counted";
+  EXPECT_LT(seconds, 30);
+  EXPECT_THROW(processCpuSeconds(child), CommError) << "a process that has been reaped";
+}
+
 TEST(SimCommand, CalibrateWritesAFileThatLoads) {
   test::TempDir dir;
   const std::string path = dir.file("cal.json");

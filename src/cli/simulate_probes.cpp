@@ -7,11 +7,11 @@
 
 #include "ps/client.h"
 #include "ps/wire.h"
+#include "sim/probe.h"
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -133,21 +133,6 @@ void Child::wait(double timeoutSeconds) {
   pid_ = -1;
   COHORT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, CommError, "calibration: ", what_,
                " failed (exit status ", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), ")");
-}
-
-double processCpuSeconds(int pid) {
-  double total = 0;
-  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
-  DIR* d = ::opendir(dir.c_str());
-  COHORT_CHECK(d != nullptr, CommError, "calibration: cannot read ", dir, ": ", std::strerror(errno));
-  while (dirent* e = ::readdir(d)) {
-    if (e->d_name[0] == '.') continue;
-    std::ifstream in(dir + "/" + e->d_name + "/schedstat");
-    double ns = 0;
-    if (in >> ns) total += ns * 1e-9;  // the first field: nanoseconds on a CPU
-  }
-  ::closedir(d);
-  return total;
 }
 
 // ---- Gloo ----
@@ -297,7 +282,7 @@ RpcProbe probeRpc(size_t floats, double timeoutSeconds) {
   for (int i = 0; i < kRpcWarmup + kRpcPushes; ++i) {
     if (i == kRpcWarmup) {
       ownStart = ownCpuSeconds();
-      shardStart = processCpuSeconds(shard.pid());
+      shardStart = sim::processCpuSeconds(shard.pid());
     }
     ps::wire::PushRequest request;
     request.set_protocol(ps::kProtocolVersion);
@@ -316,7 +301,7 @@ RpcProbe probeRpc(size_t floats, double timeoutSeconds) {
   }
   const double bytes = double(kRpcPushes) * double(floats) * 4;
   probe.workerSecondsPerByte = (ownCpuSeconds() - ownStart) / bytes;
-  probe.shardSecondsPerByte = (processCpuSeconds(shard.pid()) - shardStart) / bytes;
+  probe.shardSecondsPerByte = (sim::processCpuSeconds(shard.pid()) - shardStart) / bytes;
 
   ps::wire::DoneRequest done;
   done.set_protocol(ps::kProtocolVersion);

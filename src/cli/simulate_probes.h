@@ -72,7 +72,5 @@ double probeJobCompute(const JobProbeOptions& options, int ranks, double timeout
 // throws CommError naming the file when it holds none.
 double jobComputeSecondsPerExample(const std::string& metricsPath, int batch);
 
-// CPU seconds a process (all its threads) has run, from /proc/PID/task/*/schedstat.
-double processCpuSeconds(int pid);
 
 }  // namespace cohort::cli

@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 #include <vector>
 
 namespace cohort::sim {
@@ -144,6 +145,19 @@ double probeReduce(double bytes) {
   volatile float sink = out[n / 2];
   (void)sink;
   return median(passes) / double(n * sizeof(float));
+}
+
+double processCpuSeconds(int pid) {
+  // A sum over the live threads' /proc/PID/task/*/schedstat (what the calibration read before)
+  // fell when one of the shard's gRPC threads ended between two readings, and the calibration
+  // failed with a negative cost; the process's CPU clock keeps the ended threads' time.
+  clockid_t clock{};
+  const int rc = ::clock_getcpuclockid(pid_t(pid), &clock);
+  COHORT_CHECK(rc == 0, CommError, "calibration: cannot read the CPU clock of process ", pid, ": ", std::strerror(rc));
+  timespec t{};
+  COHORT_CHECK(::clock_gettime(clock, &t) == 0, CommError, "calibration: cannot read the CPU clock of process ", pid,
+               ": ", std::strerror(errno));
+  return double(t.tv_sec) + double(t.tv_nsec) * 1e-9;
 }
 
 }  // namespace cohort::sim

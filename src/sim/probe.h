@@ -16,4 +16,8 @@ LinkProbe probeLoopback(double timeoutSeconds = 30);
 // Seconds per byte of out += in over two float32 buffers of `bytes` (median of several passes).
 double probeReduce(double bytes = 16 << 20);
 
+// CPU seconds another process has run, all its threads together, those that have ended included
+// (its CPU clock). Throws CommError when the process cannot be read.
+double processCpuSeconds(int pid);
+
 }  // namespace cohort::sim
