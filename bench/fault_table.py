@@ -2,11 +2,11 @@
 """The fault table: each fault under each scheme, run through `cohort launch`.
 
     flock -x /tmp/cohort-machine.lock python3 bench/fault_table.py [--build build] [--steps 300]
-        [--schemes allreduce,ps-sync,ps-async,ps-ssp,gossip,average,pipeline,ps-softsync,ps-sync-backup] [--faults none,worker,chief,shard,ckpt,disk]
+        [--schemes allreduce,ps-sync,ps-async,ps-ssp,gossip,average,pipeline,ps-softsync,ps-sync-backup,tensor] [--faults none,worker,chief,shard,ckpt,disk]
         [--log-dir DIR] [--json FILE]
     python3 bench/fault_table.py --merge run1.json,run2.json,run3.json   # medians and ranges of several runs
 
-3 workers (2 under pipeline: --stages 2, one process per stage; and 1 shard under ps) x 1 thread, the mlp on Fashion-MNIST, batch 64, momentum SGD
+3 workers (2 under pipeline: --stages 2, one process per stage; 2 under tensor: --ways 2; and 1 shard under ps) x 1 thread, the mlp on Fashion-MNIST, batch 64, momentum SGD
 lr 0.01, --steps S, checkpoints every 50 steps, --timeout 10, under
 `cohort launch --max-restarts 1 --grace 5` (0 restarts for the fault "worker"). For each scheme an undisturbed run, then one run per
 fault: once the chief's metrics reach step S/3 the victim is sent SIGKILL by this script
@@ -55,6 +55,8 @@ SCHEMES = {
     "pipeline": (["--strategy", "pipeline", "--stages", "2", "--micro-batches", "4"], 0, 2),
     "ps-softsync": (["--strategy", "ps", "--ps-mode", "softsync", "--softsync", "2"], 1),
     "ps-sync-backup": (["--strategy", "ps", "--ps-mode", "sync", "--backup-workers", "1"], 1),
+    # Géron's vertical split over 2 processes, each writing its own half's checkpoints (way-0, way-1).
+    "tensor": (["--strategy", "tensor", "--ways", "2"], 0, 2),
 }
 FAULTS = ["none", "worker", "worker+restart", "chief", "shard", "ckpt", "disk", "evaluator"]
 EVALUATOR_SCHEMES = {"allreduce"}
@@ -341,6 +343,8 @@ def main():
     parser.add_argument("--merge", default="",
                         help="A.json,B.json,...: print the table of several runs' --json files (medians and ranges); runs nothing")
     args = parser.parse_args()
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
     if args.merge:
         merge(args.merge.split(","))
         return

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 
 #include <torch/torch.h>
@@ -397,36 +398,64 @@ TEST(Pipeline, ResumeFromStageCheckpointsIsExactAndAnotherCutIsRefused) {
   EXPECT_NE(refused.output.find("the checkpoints cut the model as 3,3"), std::string::npos) << refused.output;
 }
 
-// A stage killed inside a checkpoint write (its step-6 file missing while the other stage's is
-// there): the resumed run takes the newest step both stages have, 4, and ends where an
-// uninterrupted one does.
+// Two parts of one model, each writing its own checkpoints under `subdir`-0/ and -1/ (pipeline
+// stages, tensor ways), part 0 killed inside its step-6 write (its step-6 file removed while part
+// 1's is there): the resumed run takes the newest step both parts have, 4. Runs an uninterrupted
+// 8 steps (`outputs` given "whole"), the 6 steps with checkpoints, and the resumed 8 (`outputs`
+// given "resumed"); the caller compares the two runs' ends.
+void expectPartsResumeFromTheNewestCommonStep(const test::TempDir& dir, const std::string& train,
+                                              const std::string& subdir,
+                                              const std::function<std::string(const std::string&)>& outputs) {
+  auto whole = test::runCommand(train + " --steps 8" + outputs("whole"), 120);
+  ASSERT_EQ(whole.exitCode, 0) << whole.output;
+  const std::string ckpt = " --checkpoint-dir " + dir.file("ckpt") + " --checkpoint-every 2";
+  auto first = test::runCommand(train + " --steps 6" + ckpt, 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  auto part0 = CheckpointStore(dir.file("ckpt/" + subdir + "-0")).list();
+  ASSERT_GE(part0.size(), 2u);
+  ASSERT_EQ(part0[0].step, 6);
+  ASSERT_EQ(part0[1].step, 4);
+  ASSERT_EQ(CheckpointStore(dir.file("ckpt/" + subdir + "-1")).list().front().step, 6);
+  std::filesystem::remove(part0[0].path);
+  auto resumed = test::runCommand(train + " --steps 8 --resume" + ckpt + outputs("resumed"), 120);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resuming every part from step 4"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + dir.file("ckpt/" + subdir + "-1") + "/ckpt-0000000004.ckpt (step 4"),
+            std::string::npos)
+      << resumed.output;
+}
+
+// Pipeline stages: the resumed run's stages end where an uninterrupted run's do.
 TEST(Pipeline, StagesWhoseNewestCheckpointsDifferResumeFromTheNewestCommonStep) {
   test::TempDir dir;
   const std::string train = launch(2) + test::cohortBinary() +
                             " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
                             " --optimizer momentum --strategy pipeline --stages 2 --micro-batches 2 --partition 3,3";
-  auto whole = test::runCommand(train + " --steps 8 --save-model " + dir.file("whole{rank}.pt"), 120);
-  ASSERT_EQ(whole.exitCode, 0) << whole.output;
-  const std::string ckpt = " --checkpoint-dir " + dir.file("ckpt") + " --checkpoint-every 2";
-  auto first = test::runCommand(train + " --steps 6" + ckpt, 120);
-  ASSERT_EQ(first.exitCode, 0) << first.output;
-  auto stage0 = CheckpointStore(dir.file("ckpt/stage-0")).list();
-  ASSERT_GE(stage0.size(), 2u);
-  ASSERT_EQ(stage0[0].step, 6);
-  ASSERT_EQ(stage0[1].step, 4);
-  ASSERT_EQ(CheckpointStore(dir.file("ckpt/stage-1")).list().front().step, 6);
-  std::filesystem::remove(stage0[0].path);
-  auto resumed = test::runCommand(train + " --steps 8 --resume" + ckpt + " --save-model " + dir.file("resumed{rank}.pt"),
-                                  120);
-  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("resuming every stage from step 4"), std::string::npos) << resumed.output;
-  EXPECT_NE(resumed.output.find("resumed from " + dir.file("ckpt/stage-1") + "/ckpt-0000000004.ckpt (step 4"),
-            std::string::npos)
-      << resumed.output;
+  expectPartsResumeFromTheNewestCommonStep(dir, train, "stage", [&](const std::string& run) {
+    return " --save-model " + dir.file(run + "{rank}.pt");
+  });
+  if (HasFatalFailure()) return;
   const std::vector<int> cut{3, 3};
   EXPECT_LT(maxDifference(loadStages({dir.file("whole0.pt"), dir.file("whole1.pt")}, cut),
                           loadStages({dir.file("resumed0.pt"), dir.file("resumed1.pt")}, cut)),
             1e-6);
+}
+
+// Tensor ways (the fault table's tensor ckpt row): the resumed run ends with the uninterrupted
+// run's test loss (the chief's, computed over both halves of every split layer).
+TEST(Pipeline, TensorWaysWhoseNewestCheckpointsDifferResumeFromTheNewestCommonStep) {
+  test::TempDir dir;
+  const std::string train = launch(2) + test::cohortBinary() +
+                            " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                            " --optimizer momentum --strategy tensor --ways 2";
+  expectPartsResumeFromTheNewestCommonStep(dir, train, "way", [&](const std::string& run) {
+    return " --metrics " + dir.file(run + ".jsonl");
+  });
+  if (HasFatalFailure()) return;
+  const auto whole = test::lastEvent(dir.file("whole.jsonl"), "done");
+  const auto resumed = test::lastEvent(dir.file("resumed.jsonl"), "done");
+  EXPECT_EQ(resumed.value("steps", 0), 8);
+  EXPECT_NEAR(resumed.value("test_loss", -1.0), whole.value("test_loss", 1.0), 1e-6);
 }
 
 // A cut that splits a layer by output channels checkpoints and resumes like a whole-layer cut:

@@ -254,8 +254,8 @@ struct Trainer::State {
   void resume() {
     std::vector<uint8_t> payload;
     std::string path;
-    // Processes that restore different checkpoints (pipeline stages) take the newest step that
-    // every one of them has: a kill inside one stage's write leaves the others a step ahead.
+    // Processes that restore different checkpoints (pipeline stages, tensor ways) take the newest
+    // step that every one of them has: a kill inside one part's write leaves the others ahead.
     int64_t upTo = INT64_MAX;
     if (comm && checkpointPlan.group) {
       int64_t newest = INT64_MAX;
@@ -267,8 +267,9 @@ struct Trainer::State {
         upTo = std::min(upTo, t.item<int64_t>());
       }
       if (checkpointPlan.writes && upTo >= 0 && upTo < newest) {
-        warn("--resume: this stage's newest checkpoint is step " + std::to_string(newest) + ", another stage's step " +
-             std::to_string(upTo) + " (a save was interrupted): resuming every stage from step " + std::to_string(upTo));
+        warn("--resume: the newest checkpoint of this rank's part of the model (a pipeline stage, a tensor way) is step " +
+             std::to_string(newest) + ", another part's step " + std::to_string(upTo) +
+             " (a save was interrupted): resuming every part from step " + std::to_string(upTo));
       }
     }
     if (checkpointPlan.writes && upTo >= 0) {
