@@ -9,6 +9,8 @@ rate:       cnn and mlp, 2 workers x 1 thread, batch 64, with 1 and 2 shards: sa
             --ps-push-chunk-mb 0, or streamed in chunks of at most 1 MB, which the shards apply as
             they arrive), softsync 2, ssp 2 against allreduce, alternating runs (median,
             and every run); where the time went (compute, waiting on the shards, bytes per step).
+            A second rate counts the chief's steps only from the first one that has every worker's
+            samples: in the asynchronous modes the chief starts before the other worker pushes.
 accuracy:   test accuracy after 2 epochs of each mode (1 shard; mlp and cnn): best per epoch, and
             samples/s: best per second.
 bandwidth:  push+pull of one shard for a 58.4 MB model (14.6M floats) against raw loopback TCP.
@@ -56,6 +58,16 @@ def train(build, tmp, workers, shards, model, flags, steps=None, epochs=None):
             if e.get("event") == "step" and e["step"] > 5:
                 steps_seen.append(e)
     done = done_event(metrics)
+    # The rate with every worker running: the chief's steps from the first one that counts every
+    # worker's samples (workers x 64). In the asynchronous modes the chief's first steps run alone
+    # while the other workers start (their samples are missing there, not late); allreduce's
+    # start waits in its warm-up steps, which the trainer's own rate leaves out already.
+    full = workers * 64
+    first = next((i for i, e in enumerate(steps_seen) if e["samples"] >= full), None)
+    running = steps_seen[first:] if first is not None else []
+    seconds = sum(e["step_s"] for e in running)
+    done["running_samples_per_s"] = sum(e["samples"] for e in running) / seconds if seconds > 0 else 0.0
+    done["alone_steps"] = (first if first is not None else len(steps_seen))
     n = max(len(steps_seen), 1)
     done["step_ms"] = 1000 * sum(e["step_s"] for e in steps_seen) / n
     done["compute_ms"] = 1000 * sum(e["compute_s"] for e in steps_seen) / n
@@ -75,14 +87,19 @@ def section_rate(args, tmp):
                     results[name].append(train(args.build, tmp, 2, shards, model, flags, steps=STEPS[model]))
             base = median([d["samples_per_s"] for d in results["allreduce"]])
             print(f"{model}, 2 workers, {shards} shard(s), {STEPS[model]} steps, median of {args.runs}:", flush=True)
+            running_base = median([d["running_samples_per_s"] for d in results["allreduce"]])
             for name, _ in modes:
                 r = results[name]
                 rate = median([d["samples_per_s"] for d in r])
+                running = median([d["running_samples_per_s"] for d in r])
                 print(f"  {name:18s} {rate:8.1f} samples/s  {rate / base:5.2f}x allreduce   step "
                       f"{median([d['step_ms'] for d in r]):6.1f} ms = compute {median([d['compute_ms'] for d in r]):6.1f}"
                       f" + waiting {median([d['wait_ms'] for d in r]):6.1f} ms, {median([d['mb_per_step'] for d in r]):.2f}"
                       f" MB/step; runs (samples/s, in order): {', '.join('%.1f' % d['samples_per_s'] for d in r)}",
                       flush=True)
+                print(f"  {'':18s} every worker running: {running:8.1f} samples/s  {running / running_base:5.2f}x allreduce"
+                      f" (after the chief's first {median([d['alone_steps'] for d in r]):.0f} steps counted without the"
+                      f" other worker; runs: {', '.join('%.1f' % d['running_samples_per_s'] for d in r)})", flush=True)
 
 
 def section_accuracy(args, tmp):

@@ -429,6 +429,11 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   s.strategy = makeStrategy(so, job);
   s.comm = s.strategy->communicator();
   s.replica = s.strategy->replica();
+  // A ps chief hosts no store: cohort launch may start the other workers now, while this one loads
+  // the data and sends the shards their Init (they wait for it at the shards). Said once attached,
+  // as for the schemes below, the others began ~1.3 s after the chief on the cnn, and the chief's
+  // first ~20 steps ran alone, which bench/ps.py's rate counted (docs/BENCHMARKS.md).
+  if (s.cluster.isChief() && s.strategy->name() == "ps") launcher::tellNoPort();
   s.data = loadData(o.data, o.seed);
   holdOutValidation(s.data, o.validation, o.validationSeed);
   if (s.data.bags()) {
@@ -484,7 +489,7 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   // attach after resume: it makes every replica start from the chief's (restored) parameters.
   // Gossip binds its store when it attaches the model, blocking until its peers have joined: the
   // chief tells cohort launch the port first (Rendezvous::connect). A chief whose scheme hosts no
-  // store (ps, one process) says so once attached, and the launcher starts the others.
+  // store (one process; ps said so above) says so once attached, and the launcher starts the others.
   s.strategy->attach(s.model, *s.optimizer);
   if (s.strategyState) {
     s.strategy->loadState(*s.strategyState);
