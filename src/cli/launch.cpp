@@ -713,18 +713,15 @@ class Launcher {
         start(index);
         return;
       case FailureAction::kRestartGroup:
-        if (shardDiedBeforeItsFirstCheckpoint(failed)) {
-          // Restarted alone it would have no state and wait for the chief's Init, which a running
-          // chief never sends again: every worker would fail after --timeout.
-          say(what + "; shard " + std::to_string(index - options_.processes) +
-              " restarted with no checkpoint to restore: restarting the group (it died before its first "
-              "checkpoint; the group starts afresh from what --checkpoint-dir holds) (" + restart + ")");
-          ++restartsUsed_;
-          restartGroup_ = true;
-          endJob(SIGTERM);
-          return;
-        }
-        say(what + "; restarting every process from the newest checkpoint (" + restart + ")");
+        // A shard that died before its first checkpoint, restarted alone, would have no state and
+        // wait for the chief's Init, which a running chief never sends again: every worker would
+        // fail after --timeout. So the group restarts, and the line says why.
+        say(what + (shardDiedBeforeItsFirstCheckpoint(failed)
+                        ? "; shard " + std::to_string(index - options_.processes) +
+                              " restarted with no checkpoint to restore: restarting the group (it died before its "
+                              "first checkpoint; the group starts afresh from what --checkpoint-dir holds)"
+                        : std::string("; restarting every process from the newest checkpoint")) +
+            " (" + restart + ")");
         ++restartsUsed_;
         restartGroup_ = true;
         endJob(SIGTERM);
