@@ -2,6 +2,8 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
+# The virtual environment scripts/setup.sh fills with PyPI's torch 2.11 (LibTorch and the Python peer).
+export COHORT_VENV ?= $(CURDIR)/.venv
 
 .PHONY: all setup configure build build-demo test test-unit demo bench clean install
 
@@ -11,7 +13,7 @@ setup:
 	@bash scripts/setup.sh
 
 $(BUILD)/build.ninja:
-	cmake -S . -B $(BUILD) -G Ninja $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -G Ninja -DCOHORT_PYTHON=$(COHORT_VENV)/bin/python $(CMAKE_FLAGS)
 
 configure: $(BUILD)/build.ninja
 

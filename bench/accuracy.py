@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Test accuracy of cohort's built-in models on Fashion-MNIST, as the trunk issue states them.
 
-    /usr/bin/python3 bench/accuracy.py [--build build]
+    .venv/bin/python bench/accuracy.py [--build build]
 
 cnn: 3 epochs, mlp: 1 epoch; both momentum 0.9, lr 0.01, batch 64, seed 1, all cores.
 Prints the test accuracy after each epoch and the final figures.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hostile peers against a running job: the attack table of docs/BENCHMARKS.md.
 
-    /usr/bin/python3 bench/attack.py [--build build] [--steps 300] [--model cnn] [--schemes allreduce,gossip,ps]
+    .venv/bin/python bench/attack.py [--build build] [--steps 300] [--model cnn] [--schemes allreduce,gossip,ps]
 
 For each scheme the same job runs twice under `cohort launch` (2 workers, cnn on Fashion-MNIST,
 fixed seed): once undisturbed, once while a stranger who does not know the job's secret attacks

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Bandwidth saturation, emulated: workers in network namespaces joined by links that `tc tbf` limits.
 
-    sudo /usr/bin/python3 bench/bandwidth.py [--build build] [--runs 1] [--steps 30] [--rates 100mbit,1gbit,unlimited]
+    sudo .venv/bin/python bench/bandwidth.py [--build build] [--runs 1] [--steps 30] [--rates 100mbit,1gbit,unlimited]
                                              [--schemes allreduce,ps] [--codecs none,fp16]
 
 The script creates its own namespaces (root needed; they are removed at the end, also on error):

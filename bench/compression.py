@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compression on the wire (--codec): Strom's table on real gradients, and the accuracy cost.
 
-    /usr/bin/python3 bench/compression.py [--build build] [--table-steps 60] [--epochs 2] [--skip-table] [--skip-accuracy]
+    .venv/bin/python bench/compression.py [--build build] [--table-steps 60] [--epochs 2] [--skip-table] [--skip-accuracy]
 
 1. Bytes per update (build/bench/codec_table): a 14.6M-parameter mlp (784-2510-2510-2510-10) and
    the cnn train briefly on Fashion-MNIST (SGD, momentum 0.9, lr 0.01, batch 64); every step's

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Synchronous data parallelism: cohort's allreduce and average against PyTorch DDP, side by side.
 
-    /usr/bin/python3 bench/dataparallel.py [--build build] [--runs 5] [--sections ddp,overlap,average,bandwidth]
+    .venv/bin/python bench/dataparallel.py [--build build] [--runs 5] [--sections ddp,overlap,average,bandwidth]
 
 ddp:       cohort --strategy allreduce vs PyTorch DDP (gloo), 2 workers x 1 thread, batch 64 per
            worker, mlp and cnn, alternating runs; plus cohort's 1-worker 1-thread rate, whose

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Evaluation off the critical path, and 8-bit models.
 
-    /usr/bin/python3 bench/evaluation.py [--build build] [--runs 3] [--sections evaluator,quantize]
+    .venv/bin/python bench/evaluation.py [--build build] [--runs 3] [--sections evaluator,quantize]
 
 evaluator: allreduce, 2 workers x 1 thread, cnn, batch 64, evaluation (test + 5000 validation
            examples) every 200 steps: training throughput when the chief evaluates (every rank

@@ -2,7 +2,7 @@
 """Géron's exercise 9: train several networks with different hyper-parameters, keep the top three
 on a validation set, ensemble them: does the ensemble beat the individual networks?
 
-    /usr/bin/python3 bench/exercise9.py [--build build] [--sweep bench/exercise9.toml] [--parallel 2]
+    .venv/bin/python bench/exercise9.py [--build build] [--sweep bench/exercise9.toml] [--parallel 2]
 
 1. cohort sweep FILE --parallel P --top 3: the trials (each one process, the cores split among
    the P running at once), ranked by validation accuracy; the best 3 models kept.

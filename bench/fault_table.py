@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """The fault table: each fault under each scheme, run through `cohort launch`.
 
-    flock -x /tmp/cohort-machine.lock python3 bench/fault_table.py [--build build] [--steps 300]
+    flock -x /tmp/cohort-machine.lock .venv/bin/python bench/fault_table.py [--build build] [--steps 300]
         [--schemes allreduce,ps-sync,ps-async,ps-ssp,gossip,average,pipeline,ps-softsync,ps-sync-backup,tensor] [--faults none,worker,chief,shard,ckpt,disk]
         [--log-dir DIR] [--json FILE]
-    python3 bench/fault_table.py --merge run1.json,run2.json,run3.json   # medians and ranges of several runs
+    .venv/bin/python bench/fault_table.py --merge run1.json,run2.json,run3.json   # medians and ranges of several runs
 
 3 workers (2 under pipeline: --stages 2, one process per stage; 2 under tensor: --ways 2; and 1 shard under ps) x 1 thread, the mlp on Fashion-MNIST, batch 64, momentum SGD
 lr 0.01, --steps S, checkpoints every 50 steps, --timeout 10, under

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """gossip against ps --ps-mode async and allreduce, with one worker slowed on purpose.
 
-    /usr/bin/python3 bench/gossip.py [--build build] [--runs 3] [--epochs 2] [--slow 0.05] [--model mlp]
+    .venv/bin/python bench/gossip.py [--build build] [--runs 3] [--epochs 2] [--slow 0.05] [--model mlp]
 
 3 workers x 1 thread on Fashion-MNIST, batch 64, momentum SGD lr 0.01; worker 2 sleeps --slow
 seconds in every step (--test-slow-worker). gossip sends to all peers every step, or (K=1) to one

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """cohort as a library, measured against the command line and against PyTorch.
 
-    /usr/bin/python3 bench/library.py [--build build] [--runs 5] [--sections train,resnet]
+    .venv/bin/python bench/library.py [--build build] [--runs 5] [--sections train,resnet]
 
 train:  the cnn, 2 workers x 1 thread, batch 64: `cohort train --strategy allreduce` against the
         same loop written by a user with the library (bench/library_loop.cpp), with the gradients

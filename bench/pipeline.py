@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Model parallelism: the pipeline's bubble against theory, and pipeline / hybrid / allreduce side by side.
 
-    /usr/bin/python3 bench/pipeline.py [--build build] [--runs 3] [--sections bubble,compare]
-    /usr/bin/python3 bench/pipeline.py --sections fixed --before DIR [--ms 1,2,4,8] [--auto]
+    .venv/bin/python bench/pipeline.py [--build build] [--runs 3] [--sections bubble,compare]
+    .venv/bin/python bench/pipeline.py --sections fixed --before DIR [--ms 1,2,4,8] [--auto]
         [--before-partition auto] [--partition auto|split|L1,L2,...]
 
 bubble:  cnn on Fashion-MNIST, --stages 2, batch 64 cut into M = 1, 2, 4, 8, 16 micro-batches,

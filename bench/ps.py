@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The parameter server: every update policy against allreduce in the same run.
 
-    /usr/bin/python3 bench/ps.py [--build build] [--runs 3] [--sections rate,accuracy,bandwidth,staleness]
+    .venv/bin/python bench/ps.py [--build build] [--runs 3] [--sections rate,accuracy,bandwidth,staleness]
                                   [--models cnn,mlp] [--shards 1,2]
 
 rate:       cnn and mlp, 2 workers x 1 thread, batch 64, with 1 and 2 shards: samples/s of

@@ -2,7 +2,7 @@
 """PyTorch's DistributedDataParallel (gloo) on the same loop as cohort's allreduce strategy.
 
 Run under any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, e.g.
-    build/cohort launch -n 2 -- /usr/bin/python3 bench/pytorch_ddp.py --model cnn --steps 150
+    build/cohort launch -n 2 -- .venv/bin/python bench/pytorch_ddp.py --model cnn --steps 150
 Each rank takes the strided shard of the epoch's permutation (as cohort's sampler does). Rank 0
 prints one JSON line: samples_per_s over all workers (steps after the first 5).
 """

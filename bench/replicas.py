@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Replicas as threads of one process, and averaging with an outer optimizer.
 
-    /usr/bin/python3 bench/replicas.py [--build build] [--runs 5] [--sections mirrored,hogwild,outer]
+    .venv/bin/python bench/replicas.py [--build build] [--runs 5] [--sections mirrored,hogwild,outer]
 
 mirrored: cnn on 2 cores, the same global batch (128): --strategy mirrored --replicas 2 (one
           process, 2 replica threads of 1 intra-op thread), split evenly and with --balance-shards

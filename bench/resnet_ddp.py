@@ -4,7 +4,7 @@ stages with BatchNorm and skip connections, global average pooling), the same lo
 --batch per worker, momentum SGD, lr 0.05, zero_grad / forward / cross-entropy / backward / step),
 under PyTorch's DistributedDataParallel (gloo), one thread per worker.
 
-    build/cohort launch -n 2 -- /usr/bin/python3 bench/resnet_ddp.py --steps 60
+    build/cohort launch -n 2 -- .venv/bin/python bench/resnet_ddp.py --steps 60
 
 Rank 0 prints one JSON line: samples_per_s over all workers, steps after the first 5.
 """

@@ -3,14 +3,16 @@
 set -euo pipefail
 build=${1:-build}
 here=$(cd "$(dirname "$0")" && pwd)
-/usr/bin/python3 "$here/single_process.py" --build "$build"
+# The Python peer is the torch 2.11 wheel that scripts/setup.sh installed (COHORT_VENV, default .venv).
+python="${COHORT_VENV:-$here/../.venv}/bin/python"
+"$python" "$here/single_process.py" --build "$build"
 "$build/bench/codec_throughput" --reps 31
-/usr/bin/python3 "$here/accuracy.py" --build "$build"
-/usr/bin/python3 "$here/dataparallel.py" --build "$build"
-/usr/bin/python3 "$here/library.py" --build "$build"
-/usr/bin/python3 "$here/ps.py" --build "$build"
-/usr/bin/python3 "$here/pipeline.py" --build "$build"
-/usr/bin/python3 "$here/gossip.py" --build "$build"
-/usr/bin/python3 "$here/replicas.py" --build "$build"
+"$python" "$here/accuracy.py" --build "$build"
+"$python" "$here/dataparallel.py" --build "$build"
+"$python" "$here/library.py" --build "$build"
+"$python" "$here/ps.py" --build "$build"
+"$python" "$here/pipeline.py" --build "$build"
+"$python" "$here/gossip.py" --build "$build"
+"$python" "$here/replicas.py" --build "$build"
 # Needs root (network namespaces, tc).
-/usr/bin/python3 "$here/bandwidth.py" --build "$build"
+"$python" "$here/bandwidth.py" --build "$build"

@@ -3,7 +3,7 @@
 `tc tbf`-limited links (bench/bandwidth.py's set-up), each beside the simulator's prediction for
 the same configuration.
 
-    /usr/bin/python3 bench/simulate_check.py [--build build] [--rates 100mbit,1gbit] [--workers 2,3,4] [--steps 30]
+    .venv/bin/python bench/simulate_check.py [--build build] [--rates 100mbit,1gbit] [--workers 2,3,4] [--steps 30]
                                     [--calibration FILE] [--runs 1] [--configs ar,ar-thr,ps1,ps2]
                                     [--ps-lr LR] [--keep DIR]                # as root
 

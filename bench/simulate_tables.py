@@ -3,7 +3,7 @@
 from a calibration of this machine (the link, reduction, shard and codec costs) and the stated
 assumptions about the 2016 hardware and models. Prints markdown tables.
 
-    python3 bench/simulate_tables.py [--build build] [--calibration tests/data/calibration_cnn.json]
+    .venv/bin/python bench/simulate_tables.py [--build build] [--calibration tests/data/calibration_cnn.json]
 """
 import argparse
 import json

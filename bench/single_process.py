@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """cohort's single-process throughput against Python PyTorch on the same model, side by side.
 
-    /usr/bin/python3 bench/single_process.py [--build build] [--runs 5] [--models mlp,cnn]
+    .venv/bin/python bench/single_process.py [--build build] [--runs 5] [--models mlp,cnn]
 
 Both: Fashion-MNIST, batch 64, momentum SGD, 1 intra-op thread, data preloaded; runs alternate
 cohort / PyTorch so that machine noise hits both. Prints each run, then the medians and the ratio.

@@ -2,7 +2,7 @@
 """Sparse models: the embed model (1M x 32 table, sum pooling, MLP 64) on synthetic bags of 20-50
 power-law ids, its gradients as rows against the same model forced dense (embed:sparse=0).
 
-    flock -x /tmp/cohort-machine.lock python3 bench/sparse.py [--build build] [--runs 3]
+    flock -x /tmp/cohort-machine.lock .venv/bin/python bench/sparse.py [--build build] [--runs 3]
                                                             [--sections bytes,rate,accuracy]
 
 bytes:     payload bytes per step of the chief (sent + received, from its step events), 2 workers,

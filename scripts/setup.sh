@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# Installs every Debian package cohort needs to build, test, benchmark and run its demo.
-# Idempotent: installs only what is missing. Works as root or through sudo.
+# Installs what cohort needs to build, test, benchmark and run its demo, and only what is missing:
+#  - Debian packages (apt-get; as root or through sudo);
+#  - LibTorch 2.11: PyPI's torch==2.11.0 wheel (built for CUDA 13.0) with its CUDA libraries, in a
+#    virtual environment the project owns (COHORT_VENV, default .venv beside this folder), never in
+#    the system Python. The build finds LibTorch there (CMake asks that Python for
+#    torch.utils.cmake_prefix_path) and the benchmarks' Python peer is the same torch.
+# Idempotent: a second run checks and exits.
 set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+venv="${COHORT_VENV:-$root/.venv}"
+torch_version="2.11.0"
 
+# gloo's headers (libgloo-dev) only: ProcessGroupGloo.hpp includes them and the wheel does not ship
+# them. cohort never links Debian's libgloo; the Gloo it runs is the one inside libtorch_cpu.
 packages=(
   cmake ninja-build ccache g++ make pkg-config
-  libtorch-dev libopenblas0-pthread libgloo-dev
+  libopenblas0-pthread libgloo-dev
   libgrpc++-dev libprotobuf-dev libssl-dev protobuf-compiler protobuf-compiler-grpc
   libcli11-dev nlohmann-json3-dev libspdlog-dev zlib1g-dev libzstd-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev openssl
   dataset-fashion-mnist
-  python3 python3-torch
+  python3 python3-venv
   openmpi-bin iproute2
   libtomlplusplus-dev chromium librsvg2-bin slurm-wlm munge
   openssh-server openssh-client
@@ -25,18 +35,34 @@ for p in "${packages[@]}"; do
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "setup: all ${#packages[@]} Debian packages are installed"
-  exit 0
+else
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1; then
+      sudo="sudo"
+    else
+      echo "setup: these packages are missing and I am neither root nor have sudo: ${missing[*]}" >&2
+      exit 1
+    fi
+  fi
+  echo "setup: installing ${missing[*]}"
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-sudo=""
-if [ "$(id -u)" -ne 0 ]; then
-  if command -v sudo >/dev/null 2>&1; then
-    sudo="sudo"
-  else
-    echo "setup: these packages are missing and I am neither root nor have sudo: ${missing[*]}" >&2
-    exit 1
-  fi
+# The Python the venv is made from: Debian's (python3-venv above), unless COHORT_BASE_PYTHON says.
+base_python="${COHORT_BASE_PYTHON:-/usr/bin/python3}"
+have=""
+if [ -x "$venv/bin/python" ]; then
+  have="$("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
 fi
-echo "setup: installing ${missing[*]}"
-$sudo apt-get update -q
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+case "$have" in
+  "$torch_version"*) echo "setup: torch $have is in $venv" ;;
+  *)
+    if [ -n "$have" ]; then echo "setup: $venv has torch $have, want $torch_version: reinstalling"; fi
+    echo "setup: installing torch==$torch_version (LibTorch, CUDA 13.0 build) and numpy into $venv"
+    "$base_python" -m venv "$venv"
+    "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version" numpy
+    "$venv/bin/python" -c 'import torch; print("setup: torch", torch.__version__, "in", torch.__file__)'
+    ;;
+esac

@@ -62,7 +62,7 @@ TEST(Models, NotTorchScriptIsRejectedWithItsPath) {
 
 std::string makeScript(const test::TempDir& dir, const std::string& name, const std::string& flags) {
   const std::string path = dir.file(name);
-  auto r = test::runCommand("/usr/bin/python3 " + test::sourceDir() + "/examples/make_torchscript.py " +
+  auto r = test::runCommand(test::python() + " " + test::sourceDir() + "/examples/make_torchscript.py " +
                             path + " " + flags);
   EXPECT_EQ(r.exitCode, 0) << r.output;
   return path;

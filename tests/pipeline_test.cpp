@@ -191,7 +191,7 @@ TEST(Pipeline, BadInputIsRefusedBeforeTraining) {
   expectRefused(launch(4) + train + " --model lstm --stages 4",
                 "--stages 4 is more than the model's 3 layers (0 RowsAsSequence, 1 LastStepLstm, 2 Linear)");
   test::TempDir dir;
-  auto script = test::runCommand("/usr/bin/python3 " + test::sourceDir() + "/examples/make_torchscript.py " +
+  auto script = test::runCommand(test::python() + " " + test::sourceDir() + "/examples/make_torchscript.py " +
                                  dir.file("custom.pt") + " --custom");
   ASSERT_EQ(script.exitCode, 0) << script.output;
   expectRefused(launch(2) + train + " --model " + dir.file("custom.pt") + " --stages 2",

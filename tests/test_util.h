@@ -99,6 +99,8 @@ class ReservedPort {
 
 inline std::string cohortBinary() { return COHORT_BINARY; }
 inline std::string sourceDir() { return COHORT_SOURCE_DIR; }
+// The Python with the torch wheel cohort was built against (scripts/setup.sh's .venv by default).
+inline std::string python() { return COHORT_PYTHON; }
 
 // "cohort launch -n N [--ps M] -- ": the prefix of a local job. No --port: the chief and the
 // shards listen on ports they choose and tell the launcher.

@@ -31,7 +31,7 @@ TEST(TrainE2E, MlpReaches80PercentInOneEpoch) {
 TEST(TrainE2E, TorchScriptModelTrainsFromCpp) {
   test::TempDir dir;
   const std::string model = dir.file("net.pt");
-  auto made = test::runCommand("/usr/bin/python3 " + test::sourceDir() + "/examples/make_torchscript.py " + model);
+  auto made = test::runCommand(test::python() + " " + test::sourceDir() + "/examples/make_torchscript.py " + model);
   ASSERT_EQ(made.exitCode, 0) << made.output;
   auto r = test::runCommand(test::cohortBinary() + " train --model " + model +
                                 " --data fashion-mnist --steps 400 --progress off --metrics " + dir.file("m.jsonl"),

@@ -42,10 +42,21 @@ std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& masterH
 // c10d's Store over cohort's own (comm/store.h), which authenticates its clients: what Gloo's
 // group formation reads from it is what the job's own processes wrote. Failures are thrown as
 // c10d's errors are (std::runtime_error with a message), and caught by Communicator::connect.
+//
+// c10d 2.x asks a store for clone(): an independent connection to the same store, for a thread
+// that must not wait behind another's request. Ours connects a new Client with the same secret.
 class AuthenticatedStore : public c10d::Store {
  public:
-  AuthenticatedStore(std::unique_ptr<store::Client> client, std::chrono::milliseconds timeout)
-      : c10d::Store(timeout), client_(std::move(client)) {}
+  AuthenticatedStore(std::string host, int port, std::string secret, std::chrono::milliseconds timeout)
+      : c10d::Store(timeout),
+        host_(std::move(host)),
+        port_(port),
+        secret_(std::move(secret)),
+        client_(store::Client::connect(host_, port_, secret_, timeout)) {}
+
+  c10::intrusive_ptr<c10d::Store> clone() override {
+    return c10::make_intrusive<AuthenticatedStore>(host_, port_, secret_, timeout_);
+  }
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override { client_->set(key, value); }
   std::vector<uint8_t> get(const std::string& key) override {
@@ -69,6 +80,9 @@ class AuthenticatedStore : public c10d::Store {
   }
 
  private:
+  std::string host_;
+  int port_;
+  std::string secret_;
   std::unique_ptr<store::Client> client_;
 };
 
@@ -233,8 +247,7 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
       if (options.onListening) options.onListening(impl->master.port);
     }
     const int port = impl->master.port;
-    impl->store = c10::make_intrusive<AuthenticatedStore>(
-        store::Client::connect(spec.master.host, port, spec.secret, options.timeout), options.timeout);
+    impl->store = c10::make_intrusive<AuthenticatedStore>(spec.master.host, port, spec.secret, options.timeout);
     impl->heartbeatStore = store::Client::connect(spec.master.host, port, spec.secret, options.timeout);
     impl->heartbeatStore->add(heartbeatKey(spec.rank), 1);
   } catch (const Error& e) {

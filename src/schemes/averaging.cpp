@@ -27,7 +27,7 @@ std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimi
   auto& state = optimizer.state();
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
-      auto it = state.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      auto it = state.find(p.unsafeGetTensorImpl());
       if (it == state.end()) {
         // No state yet (the parameter never had a gradient here): a zero placeholder of the
         // kind the optimizer keeps for this parameter's group, so that every rank packs the same

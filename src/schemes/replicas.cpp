@@ -480,8 +480,12 @@ struct ReplicaGroup::Impl {
     // ATen sets a thread's OpenMP count to the process-wide at::set_num_threads value at the
     // thread's first parallel operation (at::internal::lazy_init_num_threads, once per thread),
     // which would undo a count set before it: with --threads 2, every replica ran 2 OpenMP
-    // threads. Running that initialization first makes the count below stick.
+    // threads. Running that initialization first makes the count below stick. It is an inline
+    // function with a thread_local flag, and LibTorch 2.x's libtorch_cpu keeps its own copy of the
+    // flag: at::get_num_threads(), compiled there, runs libtorch's (calling only the inline one
+    // here left every replica at 2 threads on LibTorch 2.11).
     at::internal::lazy_init_num_threads();
+    (void)at::get_num_threads();
     setOpenMpThreadsOfThisThread(1);
     int64_t seen = 0;
     while (true) {

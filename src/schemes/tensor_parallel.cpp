@@ -82,7 +82,7 @@ bool isFlatten(const std::shared_ptr<nn::Module>& m) {
 
 nn::Conv2dImpl* plainConv(const std::shared_ptr<nn::Module>& m) {
   auto* conv = m->as<nn::Conv2dImpl>();
-  if (conv == nullptr || conv->options.groups() != 1 || !c10::get_if<torch::enumtype::kZeros>(&conv->options.padding_mode())) {
+  if (conv == nullptr || conv->options.groups() != 1 || !std::holds_alternative<torch::enumtype::kZeros>(conv->options.padding_mode())) {
     return nullptr;
   }
   return conv;
