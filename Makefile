@@ -25,11 +25,12 @@ build: setup configure
 build-demo: setup configure
 	cmake --build $(BUILD) -j $(JOBS) --target cohort_cli
 
-# Every test: the unit tests two at a time, then the multi-process and slow ones one at a time
-# (each of those already runs several processes on the machine's cores).
+# Every test that runs without a GPU: the unit tests two at a time, then the multi-process and
+# slow ones one at a time (each of those already runs several processes on the machine's cores).
+# The gpu and multigpu labels run on a GPU machine, through scripts/gpu-check.sh.
 test: build
 	cd $(BUILD) && ctest --output-on-failure --timeout 900 -L unit -j 2
-	cd $(BUILD) && ctest --output-on-failure --timeout 900 -LE unit
+	cd $(BUILD) && ctest --output-on-failure --timeout 900 -LE 'unit|gpu|multigpu'
 
 test-unit: build
 	cd $(BUILD) && ctest --output-on-failure -L unit

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-FASHION = "/usr/share/datasets/fashion-mnist"
+FASHION = os.environ.get("COHORT_FASHION_MNIST_DIR") or "/usr/share/datasets/fashion-mnist"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -127,10 +127,11 @@ def single_thread_env():
 WARMUP = 5
 
 
-def train_loop(model, images, labels, indices, batch, steps, world=1):
+def train_loop(model, images, labels, indices, batch, steps, world=1, device="cpu"):
     """cohort's loop in Python: gather by index, scale to [0, 1], forward, cross-entropy, backward,
     momentum SGD step, loss.item(). Returns (samples over all workers, seconds) for the steps after
-    the first WARMUP, cohort's steady-state rule."""
+    the first WARMUP, cohort's steady-state rule. On a GPU, as cohort does: the batch is assembled
+    in host memory, pinned, and copied without blocking."""
     import torch.nn.functional as F
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -142,6 +143,9 @@ def train_loop(model, images, labels, indices, batch, steps, world=1):
         idx = indices[k * batch:(k + 1) * batch]
         x = images.index_select(0, idx).float().div_(255.0)
         y = labels.index_select(0, idx)
+        if device != "cpu":
+            x = x.pin_memory().to(device, non_blocking=True)
+            y = y.pin_memory().to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
         loss.backward()

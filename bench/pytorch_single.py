@@ -19,14 +19,16 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     images, labels = load_fashion("train")
-    model = make_model(args.model)
+    model = make_model(args.model).to(args.device)
     perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(args.seed))
-    samples, timed = train_loop(model, images, labels, perm, args.batch, args.steps)
-    print(json.dumps({"samples_per_s": samples / timed, "steps": args.steps, "model": args.model}))
+    samples, timed = train_loop(model, images, labels, perm, args.batch, args.steps, device=args.device)
+    print(json.dumps({"samples_per_s": samples / timed, "steps": args.steps, "model": args.model,
+                      "device": args.device}))
 
 
 if __name__ == "__main__":

@@ -18,17 +18,17 @@ from common import ROOT, done_event, machine, median, run, single_thread_env  # 
 STEPS = {"mlp": 600, "cnn": 150}
 
 
-def cohort_rate(build, model, steps, tmp):
+def cohort_rate(binary, model, steps, tmp, device):
     metrics = os.path.join(tmp, "m.jsonl")
-    run([os.path.join(build, "cohort"), "train", "--model", model, "--data", "fashion-mnist", "--steps",
+    run([binary, "train", "--model", model, "--data", "fashion-mnist", "--steps",
          str(steps), "--batch", "64", "--threads", "1", "--optimizer", "momentum", "--lr", "0.01",
-         "--progress", "off", "--metrics", metrics], env=single_thread_env())
+         "--progress", "off", "--device", device, "--metrics", metrics], env=single_thread_env())
     return done_event(metrics)["samples_per_s"]
 
 
-def pytorch_rate(model, steps):
+def pytorch_rate(model, steps, device):
     proc, _ = run([sys.executable, os.path.join(ROOT, "bench", "pytorch_single.py"), "--model", model,
-                   "--steps", str(steps), "--threads", "1"], env=single_thread_env())
+                   "--steps", str(steps), "--threads", "1", "--device", device], env=single_thread_env())
     return json.loads(proc.stdout.strip().splitlines()[-1])["samples_per_s"]
 
 
@@ -37,15 +37,18 @@ def main():
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--models", default="mlp,cnn")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for both loops")
+    p.add_argument("--cohort", help="the cohort binary (default: BUILD/cohort)")
     args = p.parse_args()
-    print(f"machine: {machine()}")
+    binary = args.cohort or os.path.join(args.build, "cohort")
+    print(f"machine: {machine()}, device {args.device}")
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             steps = STEPS.get(model, 200)
             ours, theirs = [], []
             for i in range(args.runs):
-                ours.append(cohort_rate(args.build, model, steps, tmp))
-                theirs.append(pytorch_rate(model, steps))
+                ours.append(cohort_rate(binary, model, steps, tmp, args.device))
+                theirs.append(pytorch_rate(model, steps, args.device))
                 print(f"  {model} run {i + 1}: cohort {ours[-1]:8.1f}  pytorch {theirs[-1]:8.1f} samples/s",
                       flush=True)
             ratios = sorted(a / b for a, b in zip(ours, theirs))

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -97,8 +98,14 @@ class ReservedPort {
   int port_ = 0;
 };
 
-inline std::string cohortBinary() { return COHORT_BINARY; }
-inline std::string sourceDir() { return COHORT_SOURCE_DIR; }
+// The build's paths, unless the environment moves them (scripts/gpu-check.sh runs the tests from a
+// bundle on another machine: COHORT_TEST_BINARY, COHORT_TEST_SOURCE_DIR).
+inline std::string fromEnvironmentOr(const char* name, const char* built) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : built;
+}
+inline std::string cohortBinary() { return fromEnvironmentOr("COHORT_TEST_BINARY", COHORT_BINARY); }
+inline std::string sourceDir() { return fromEnvironmentOr("COHORT_TEST_SOURCE_DIR", COHORT_SOURCE_DIR); }
 // The Python with the torch wheel cohort was built against (scripts/setup.sh's .venv by default).
 inline std::string python() { return COHORT_PYTHON; }
 

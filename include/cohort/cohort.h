@@ -13,6 +13,7 @@
 #include <cohort/communicator.h>
 #include <cohort/data.h>
 #include <cohort/data_parallel.h>
+#include <cohort/device.h>
 #include <cohort/error.h>
 #include <cohort/gossip.h>
 #include <cohort/job.h>

@@ -11,8 +11,11 @@
 
 #include <cohort/cluster.h>
 
+#include <c10/core/Device.h>
+
 #include <chrono>
 #include <memory>
+#include <string>
 
 namespace cohort {
 
@@ -22,6 +25,9 @@ struct JobOptions {
   // Every wait on another process (rendezvous, collectives, servers) ends after this long with a
   // cohort::TimeoutError naming who did not answer.
   std::chrono::milliseconds timeout{60000};
+  // Where this process trains (resolveDevice in <cohort/device.h>): "auto" (the local rank's GPU
+  // when there is one, else the CPU), "cpu", "cuda" (cuda:LOCAL_RANK mod the GPU count), "cuda:N".
+  std::string device = "auto";
 };
 
 class Job {
@@ -44,6 +50,9 @@ class Job {
   int worldSize() const;
   bool isChief() const { return role() == Role::kWorker && rank() == 0; }
   std::chrono::milliseconds timeout() const;
+  // The device JobOptions::device named, resolved when the Job was made (which throws
+  // InvalidArgument for a device this machine does not have).
+  c10::Device device() const;
 
   // The workers' communicator (c10d Gloo over the chief's rendezvous store). Connects on the first call,
   // which is therefore collective: every worker must make it (the data-parallel and averaging

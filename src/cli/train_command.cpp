@@ -153,6 +153,11 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--optimizer", o.optimizer, "sgd, momentum, adam or adagrad (lazy on sparse embedding rows)")->capture_default_str();
   train->add_option("--momentum", o.momentum, "Momentum of the momentum optimizer")->capture_default_str();
   train->add_option("--threads", o.threads, "Intra-op threads (0: all cores)")->capture_default_str();
+  train->add_option("--device", o.device,
+                    "Where the model trains: auto (the local rank's GPU when there is one and the scheme trains on "
+                    "devices, else the CPU), cpu, cuda (cuda:LOCAL_RANK mod the GPU count) or cuda:N. On a device so "
+                    "far: --strategy local and allreduce")
+      ->capture_default_str();
   train->add_option("--seed", o.seed, "Seed for initialization and data order")->capture_default_str();
   train->add_option("--eval-every", o.evalEvery, "Evaluate on the test set every N steps (0: at the end)")
       ->capture_default_str();

@@ -109,13 +109,15 @@ struct DataParallel::Impl {
       Bucket bucket;
       int64_t numel = 0;
       for (size_t k : group) numel += params[k].numel();
-      bucket.flat = torch::zeros({numel}, torch::TensorOptions().dtype(torch::kFloat32));
+      // On the parameters' device (a CUDA model's buckets are CUDA memory).
+      const auto options = torch::TensorOptions().dtype(torch::kFloat32).device(params[group.front()].device());
+      bucket.flat = torch::zeros({numel}, options);
       int64_t offset = 0;
       for (size_t k : group) {
         slotOf[k] = {buckets.size(), bucket.params.size()};
         bucket.params.push_back(k);
         bucket.slots.push_back(torch::from_blob(bucket.flat.data_ptr<float>() + offset, params[k].sizes(),
-                                                [keep = bucket.flat](void*) {}, torch::kFloat32));
+                                                [keep = bucket.flat](void*) {}, options));
         offset += params[k].numel();
       }
       bucket.filled.assign(group.size(), false);
@@ -348,8 +350,9 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
     if (!p.requires_grad()) continue;
     COHORT_CHECK(p.scalar_type() == torch::kFloat32, InvalidArgument, kWho, ": parameter ", name, " is ", p.dtype(),
                  "; DataParallel averages float32 parameters");
-    COHORT_CHECK(p.device().is_cpu(), InvalidArgument, kWho, ": parameter ", name, " is on ", p.device(),
-                 "; cohort runs on the CPU");
+    COHORT_CHECK(s.params.empty() || p.device() == s.params.front().device(), InvalidArgument, kWho, ": parameter ",
+                 name, " is on ", p.device(), " but ", s.names.front(), " on ", s.params.front().device(),
+                 "; DataParallel needs the whole model on one device: call module->to(device) first");
     s.names.push_back(name);
     s.params.push_back(p);
     s.rowSparse.push_back(p.dim() == 2 && hasRowSparseGradient(module, p));
@@ -357,12 +360,25 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
   s.sparseGrads.resize(s.params.size());
   COHORT_CHECK(!s.params.empty(), InvalidArgument, kWho,
                ": the module has no parameters that require gradients; there is nothing to average");
+  const c10::Device device = s.params.front().device();
+  if (!device.is_cpu()) {
+    // On a device, the buckets live there and go through c10d's Gloo, which stages CUDA tensors
+    // through host memory. The codecs and the row exchange work on host memory: not yet on devices.
+    COHORT_CHECK(compress::CodecSpec::parse(s.options.codec).kind == compress::CodecKind::None, InvalidArgument,
+                 kWho, ": codec ", s.options.codec, " on a model on ", device,
+                 " is not implemented yet (the codecs run on host memory); use codec none, or train on the CPU");
+    for (size_t k = 0; k < s.params.size(); ++k) {
+      COHORT_CHECK(!s.rowSparse[k], InvalidArgument, kWho, ": parameter ", s.names[k], " is a sparse embedding on ",
+                   device, "; row-sparse gradients are exchanged on the CPU only so far: train on the CPU");
+    }
+  }
   s.comm = job.communicator();
   if (s.comm == nullptr) return;  // one process: nothing to exchange, nothing hooked
   checkSameModel(*s.comm, module, kWho,
                  detail::concat("options codec=", s.options.codec, " codecWarmupSteps=", s.options.codecWarmupSteps,
                                 " bucketMb=", s.options.bucketMb, " firstBucketMb=", s.options.firstBucketMb,
-                                " overlap=", s.options.overlap, " buffers=", int(s.options.buffers)));
+                                " overlap=", s.options.overlap, " buffers=", int(s.options.buffers),
+                                " device=", c10::DeviceTypeName(device.type(), /*lower_case=*/true)));
   broadcastModel(*s.comm, module);
   s.buildBuckets();
   Impl* impl = impl_.get();

@@ -1,4 +1,5 @@
 #include <cohort/communicator.h>
+#include <cohort/device.h>
 #include <cohort/error.h>
 #include <cohort/job.h>
 
@@ -9,6 +10,7 @@ namespace cohort {
 struct Job::State {
   ClusterSpec spec;
   JobOptions options;
+  c10::Device device{c10::kCPU};
   std::mutex mutex;
   std::shared_ptr<Communicator> comm;  // GUARDED_BY(mutex); connected on first use
   bool given = false;                  // comm came from fromCommunicator()
@@ -22,6 +24,7 @@ Job Job::fromSpec(const ClusterSpec& spec, const JobOptions& options) {
   auto state = std::make_shared<State>();
   state->spec = spec;
   state->options = options;
+  state->device = resolveDevice(options.device, spec.localRank);
   return Job(std::move(state));
 }
 
@@ -32,6 +35,7 @@ Job Job::fromCommunicator(std::shared_ptr<Communicator> comm) {
   state->spec.worldSize = comm->worldSize();
   state->spec.source = "communicator";
   state->options.timeout = comm->options().timeout;
+  state->device = resolveDevice("auto", state->spec.rank);
   state->comm = std::move(comm);
   state->given = true;
   return Job(std::move(state));
@@ -43,6 +47,7 @@ const ClusterSpec& Job::cluster() const { return state_->spec; }
 int Job::rank() const { return state_->spec.rank; }
 int Job::worldSize() const { return state_->spec.worldSize; }
 std::chrono::milliseconds Job::timeout() const { return state_->options.timeout; }
+c10::Device Job::device() const { return state_->device; }
 
 std::shared_ptr<Communicator> Job::communicator() const {
   std::lock_guard<std::mutex> lock(state_->mutex);

@@ -18,6 +18,7 @@ class AllreduceStrategy final : public Strategy {
   ~AllreduceStrategy() override;
 
   std::string name() const override { return "allreduce"; }
+  bool trainsOnDevices() const override { return true; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override;
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;

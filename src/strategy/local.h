@@ -9,6 +9,7 @@ namespace cohort {
 class LocalStrategy final : public Strategy {
  public:
   std::string name() const override { return "local"; }
+  bool trainsOnDevices() const override { return true; }
   ReplicaInfo replica() const override { return {}; }
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;
   StepStats step(const Batch& batch, const LossFn& loss) override;

@@ -72,6 +72,8 @@ class Strategy {
 
   virtual std::string name() const = 0;
   virtual ReplicaInfo replica() const = 0;
+  // Whether this scheme trains a model on a CUDA device (--device); the others train on the CPU.
+  virtual bool trainsOnDevices() const { return false; }
   // The job's communicator when the scheme formed one (the Trainer broadcasts checkpoints and the
   // stop decision through it); null for ps, gossip and a single process.
   virtual std::shared_ptr<Communicator> communicator() const { return nullptr; }

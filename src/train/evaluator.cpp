@@ -55,7 +55,7 @@ void loadCheckpointModel(const std::vector<uint8_t>& payload, const std::string&
                          torch::nn::Sequential& model) {
   try {
     torch::serialize::InputArchive archive;
-    archive.load_from(reinterpret_cast<const char*>(payload.data()), payload.size());
+    archive.load_from(reinterpret_cast<const char*>(payload.data()), payload.size(), torch::Device(torch::kCPU));
     c10::IValue fingerprint;
     archive.read("fingerprint", fingerprint);
     const std::string expected = "model=" + o.model + " data=" + o.data + " ";

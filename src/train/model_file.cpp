@@ -72,7 +72,7 @@ ModelFile loadModelFile(const std::string& path) {
   torch::serialize::InputArchive archive;
   c10::IValue value;
   try {
-    archive.load_from(path);
+    archive.load_from(path, torch::Device(torch::kCPU));  // written on any device, read on the CPU
   } catch (const c10::Error& e) {
     throw IoError(path + ": not a model file (not a torch archive): give a file written by cohort train --save-model");
   }

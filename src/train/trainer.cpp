@@ -1,6 +1,7 @@
 #include <cohort/checkpoint.h>
 #include <cohort/cluster.h>
 #include <cohort/communicator.h>
+#include <cohort/device.h>
 #include <cohort/error.h>
 #include <cohort/job.h>
 #include <cohort/metrics.h>
@@ -45,6 +46,29 @@ constexpr int kThreadsPerCore = 16;
 constexpr double kMaxTimeoutSeconds = 7 * 24 * 3600;
 // A loss above this before one that is not finite is called divergence.
 constexpr double kDivergingLoss = 1e4;
+
+// Where this process trains: --device resolved on this machine, for a scheme that trains on
+// devices; the CPU for the others ("auto"), or an error naming the scheme (an explicit device).
+c10::Device chooseDevice(const TrainOptions& o, const Strategy& strategy, int localRank) {
+  const c10::Device device = resolveDevice(o.device, localRank);  // throws for a device that is not here
+  if (device.is_cpu() || strategy.trainsOnDevices()) return device;
+  if (!isExplicitDevice(o.device)) return c10::Device(c10::kCPU);
+  COHORT_CHECK(strategy.name() != "hogwild", InvalidArgument,
+               "--strategy hogwild is a CPU scheme (its threads update one copy of the parameters in host memory "
+               "without locks); use --device cpu, or --strategy mirrored");
+  throw InvalidArgument("--device " + o.device + ": --strategy " + strategy.name() +
+                        " trains on the CPU only in this version (on a device so far: local and allreduce); "
+                        "use --device cpu");
+}
+
+// The batch on `device`: assembled in host memory, pinned, and copied without blocking the host
+// (the copy is ordered before the step's kernels on the same stream).
+Batch onDevice(Batch batch, const c10::Device& device) {
+  if (device.is_cpu() || !batch.inputs.defined()) return batch;
+  batch.inputs = batch.inputs.pin_memory().to(device, /*non_blocking=*/true);
+  batch.targets = batch.targets.pin_memory().to(device, /*non_blocking=*/true);
+  return batch;
+}
 
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o, torch::nn::Module& model) {
   const std::vector<torch::Tensor> params = model.parameters();
@@ -163,6 +187,7 @@ struct Trainer::State {
   ClusterSpec cluster;
   std::shared_ptr<Communicator> comm;  // null for a single process
   std::unique_ptr<Strategy> strategy;
+  c10::Device device{c10::kCPU};  // where the model, its batches and its optimizer state are
   std::unique_ptr<ShardSampler> sampler;
   CheckpointPlan checkpointPlan;
   std::unique_ptr<CheckpointStore> checkpoints;  // on the processes that write checkpoints
@@ -212,7 +237,8 @@ struct Trainer::State {
     torch::serialize::InputArchive archive;
     c10::IValue value;
     try {
-      archive.load_from(reinterpret_cast<const char*>(ckpt.payload.data()), ckpt.payload.size());
+      // Onto this run's device, whichever device wrote it (a GPU run resumes on a CPU and back).
+      archive.load_from(reinterpret_cast<const char*>(ckpt.payload.data()), ckpt.payload.size(), device);
       archive.read("fingerprint", value);
     } catch (const c10::Error& e) {
       throw IoError(path + ": checkpoint payload is unreadable");
@@ -241,7 +267,7 @@ struct Trainer::State {
       archive.read("rng", rng);
       auto gen = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(rng);
+      gen.set_state(rng.to(torch::kCPU));  // the CPU generator's state, mapped to the device with the rest
     } catch (const c10::Error& e) {
       std::string what = e.what_without_backtrace();
       throw IoError(path + ": checkpoint does not fit this model: " + what.substr(0, what.find('\n')));
@@ -382,8 +408,9 @@ struct Trainer::State {
       idx.resize(size_t(count));
       std::iota(idx.begin(), idx.end(), start);
       Batch batch = makeBatch(set, idx);
-      auto out = strategy->infer(model, batch.inputs);
+      auto out = strategy->infer(model, onDevice(batch, device).inputs);
       if (!out.defined()) continue;  // the chief has the outputs
+      out = out.to(torch::kCPU);
       if (options.evaluate) {
         const auto [loss, metric] = options.evaluate(out, batch.targets);
         lossSum += loss;
@@ -453,6 +480,8 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
     std::iota(first.begin(), first.end(), 0);
     s.model = s.strategy->localModel(s.model, makeBatch(s.data.train, first));
   }
+  s.device = chooseDevice(o, *s.strategy, s.cluster.localRank);
+  if (!s.device.is_cpu()) s.model->to(s.device);  // before the optimizer: its state follows the parameters
   s.optimizer = makeOptimizer(o, *s.model);
   const DataShard shard = s.strategy->dataShard();
   s.sampler = std::make_unique<ShardSampler>(SamplerOptions{.datasetSize = s.data.train.size(),
@@ -673,7 +702,8 @@ TrainResult Trainer::run() {
       }
       const int64_t begin = s.stepInEpoch * o.batch;
       const int64_t count = std::min(o.batch, n - begin);
-      Batch batch = makeBatch(s.data.train, std::span(indices).subspan(size_t(begin), size_t(count)));
+      Batch batch = onDevice(makeBatch(s.data.train, std::span(indices).subspan(size_t(begin), size_t(count))),
+                             s.device);
       if (o.testNanAtStep > 0 && s.step + 1 == o.testNanAtStep && o.restartCount == 0 &&
           batch.inputs.is_floating_point()) {  // --test-nan-at
         batch.inputs = torch::full_like(batch.inputs, std::nan(""));

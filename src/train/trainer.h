@@ -23,6 +23,9 @@ struct TrainOptions {
   std::string optimizer = "momentum";  // sgd | momentum | adam | adagrad
   double momentum = 0.9;
   int threads = 0;  // intra-op threads; 0 = $OMP_NUM_THREADS, else cores / workers on this host
+  // Where the model trains (resolveDevice): "auto" is the local rank's GPU for the schemes that
+  // train on devices (Strategy::trainsOnDevices) when there is one, else the CPU.
+  std::string device = "auto";
   uint64_t seed = 1;
   int64_t evalEvery = 0;  // steps; 0 = at the end only
   double targetAccuracy = 0.0;  // stop at the first evaluation that reaches it; 0 = never

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU check: run on a machine with a CUDA GPU and PyTorch 2.11 (the device tool's), from the
+# repository root, with build-gpu/ (scripts/gpu-bundle.sh, made on a cpp-kernels machine) carried:
+#
+#   device run, carry ["build-gpu"]:  bash scripts/gpu-check.sh
+#
+# Runs the gpu tests, then the figures, and writes a report to $OUT (or ./gpu-out): the machine,
+# each test's result, and each figure with the command that produced it. Needs about 8 minutes.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+bundle="$root/build-gpu"
+out="${OUT:-$root/gpu-out}"
+mkdir -p "$out"
+report="$out/gpu-report.md"
+python="${COHORT_GPU_PYTHON:-python3}"
+
+[ -x "$bundle/bin/cohort" ] || { echo "gpu-check: $bundle/bin/cohort is missing: run scripts/gpu-bundle.sh first and carry build-gpu" >&2; exit 1; }
+torch_lib="$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')" ||
+  { echo "gpu-check: $python has no torch" >&2; exit 1; }
+export LD_LIBRARY_PATH="$bundle/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export COHORT_TEST_BINARY="$bundle/bin/cohort"
+export COHORT_TEST_SOURCE_DIR="$root"
+export COHORT_FASHION_MNIST_DIR="$bundle/data/fashion-mnist"
+
+{
+  echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  echo '```'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())'
+  nproc
+  echo '```'
+} > "$report"
+
+echo "## gpu tests" >> "$report"
+timeout 360 "$bundle/bin/gpu_tests" --gtest_output="xml:$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
+tests_status=$?
+{
+  echo '```'
+  grep -E '^\[ +(OK|FAILED|PASSED) +\]|^\[==========\]' "$out/gpu_tests.log"
+  echo "exit status $tests_status"
+  echo '```'
+} >> "$report"
+
+# Figures: cohort train against the same loop in the machine's PyTorch on the same GPU (samples/s
+# in steady state, alternating runs, medians and per-pair ratios): bench/single_process.py.
+echo "## figures" >> "$report"
+{
+  echo '```'
+  timeout 300 "$python" "$root/bench/single_process.py" --cohort "$bundle/bin/cohort" --device cuda --runs 3 \
+    --models cnn,mlp 2>&1 | tail -12
+  echo '```'
+} >> "$report"
+cat "$report"
+exit $tests_status

@@ -1,0 +1,103 @@
+// Device names and the checks that run without a GPU (tests/gpu_test.cpp has those that need one).
+#include <cohort/data_parallel.h>
+#include <cohort/device.h>
+#include <cohort/error.h>
+#include <cohort/job.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+
+#include "test_util.h"
+
+namespace cohort {
+namespace {
+
+std::string errorOf(const std::string& name) {
+  try {
+    resolveDevice(name);
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Device, CpuIsTheCpuAndAutoIsTheGpuOnlyWhereThereIsOne) {
+  EXPECT_EQ(resolveDevice("cpu"), c10::Device(c10::kCPU));
+  const c10::Device automatic = resolveDevice("auto", /*localRank=*/3);
+  if (cudaDeviceCount() == 0) {
+    EXPECT_EQ(automatic, c10::Device(c10::kCPU));
+    EXPECT_EQ(resolveDevice(""), c10::Device(c10::kCPU));
+  } else {
+    EXPECT_EQ(automatic, c10::Device(c10::kCUDA, c10::DeviceIndex(3 % cudaDeviceCount())));
+  }
+}
+
+TEST(Device, NamesThatAreNoDeviceAreRefusedWithTheForms) {
+  for (const std::string name : {"gpu", "cuda:", "cuda:x", "cuda:-1", "cuda0", "CPU", "cuda:123456"}) {
+    EXPECT_NE(errorOf(name).find("expected cpu, cuda, cuda:N (N a GPU index) or auto"), std::string::npos)
+        << name << ": " << errorOf(name);
+  }
+}
+
+TEST(Device, AGpuThisProcessDoesNotSeeIsNamedWithWhatItSees) {
+  const std::string message = errorOf("cuda:99");
+  if (cudaDeviceCount() == 0) {
+    EXPECT_NE(message.find("device \"cuda:99\": this process sees no CUDA device"), std::string::npos) << message;
+    EXPECT_NE(message.find("use --device cpu"), std::string::npos) << message;
+  } else {
+    EXPECT_NE(message.find("this process sees " + std::to_string(cudaDeviceCount()) + " CUDA device"),
+              std::string::npos)
+        << message;
+  }
+}
+
+TEST(Device, CudaWhereThereIsNoGpuIsOneLineNamingTheFix) {
+  if (cudaDeviceCount() > 0) {
+    EXPECT_EQ(resolveDevice("cuda", 0), c10::Device(c10::kCUDA, 0));
+    return;
+  }
+  const std::string message = errorOf("cuda");
+  EXPECT_NE(message.find("this process sees no CUDA device"), std::string::npos) << message;
+  EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+}
+
+TEST(Device, AJobResolvesItsDeviceWhenMadeAndRefusesABadOne) {
+  EXPECT_EQ(Job::fromSpec(ClusterSpec{}, {.device = "cpu"}).device(), c10::Device(c10::kCPU));
+  EXPECT_THROW(Job::fromSpec(ClusterSpec{}, {.device = "tpu"}), InvalidArgument);
+}
+
+// The meta device stands in for a second device on a machine without one.
+struct OnTwoDevices : torch::nn::Module {
+  OnTwoDevices() {
+    register_parameter("host", torch::zeros({3}));
+    register_parameter("elsewhere", torch::zeros({3}, torch::TensorOptions().device(torch::kMeta)));
+  }
+};
+
+TEST(Device, DataParallelRefusesAModelOnTwoDevices) {
+  OnTwoDevices net;
+  try {
+    DataParallel dp(Job::single(), net);
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("needs the whole model on one device"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("meta"), std::string::npos) << e.what();
+  }
+}
+
+TEST(DeviceCli, AnUnknownOrAbsentDeviceEndsTheRunWithOneLine) {
+  const std::string base = test::cohortBinary() + " train --model mlp --data synthetic:200 --steps 2 --progress off";
+  auto bad = test::runCommand(base + " --device tpu");
+  EXPECT_EQ(bad.exitCode, 2) << bad.output;
+  EXPECT_NE(bad.output.find("device \"tpu\": expected cpu, cuda, cuda:N"), std::string::npos) << bad.output;
+  auto absent = test::runCommand(base + " --device cuda:99");
+  EXPECT_EQ(absent.exitCode, 2) << absent.output;
+  EXPECT_NE(absent.output.find("device \"cuda:99\": this process sees"), std::string::npos) << absent.output;
+  auto cpu = test::runCommand(base + " --device cpu");
+  EXPECT_EQ(cpu.exitCode, 0) << cpu.output;
+}
+
+}  // namespace
+}  // namespace cohort
