@@ -57,7 +57,8 @@ inline double testAccuracy(ResNet& net, const cohort::Dataset& test) {
     std::vector<int64_t> idx;
     for (int64_t i = start; i < std::min(start + 1000, test.size()); ++i) idx.push_back(i);
     auto batch = cohort::makeBatch(test, idx);
-    correct += net->forward(batch.inputs).argmax(1).eq(batch.targets).sum().item<int64_t>();
+    const auto device = net->parameters().front().device();
+    correct += net->forward(batch.inputs.to(device)).argmax(1).cpu().eq(batch.targets).sum().item<int64_t>();
   }
   net->train();
   return double(correct) / double(test.size());

@@ -14,9 +14,11 @@ int main(int argc, char** argv) try {
   torch::manual_seed(1);
   const auto data = cohort::loadData("fashion-mnist", 1);
   ResNet net;
+  auto job = cohort::Job::fromEnvironment();                                  // [cohort]
+  const torch::Device device = job.device();  // [cohort] the local rank's GPU when there is one, else the CPU
+  net->to(device);
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
 
-  auto job = cohort::Job::fromEnvironment();                                  // [cohort]
   cohort::DataParallel dp(job, *net, {.codec = args.codec});                  // [cohort]
   cohort::DistributedSampler sampler(data.train.size(), job, /*seed=*/1);     // [cohort]
 
@@ -28,8 +30,12 @@ int main(int argc, char** argv) try {
       if (args.steps > 0 && step >= args.steps) break;
       const auto start = std::chrono::steady_clock::now();
       auto batch = cohort::makeBatch(data.train, std::span(order).subspan(at, size_t(args.batch)));
+      // Pinned first, so that the copy to a GPU does not block the host (nothing to do on the CPU).
+      const bool gpu = device.is_cuda();
+      const auto inputs = gpu ? batch.inputs.pin_memory().to(device, /*non_blocking=*/true) : batch.inputs;
+      const auto targets = gpu ? batch.targets.pin_memory().to(device, /*non_blocking=*/true) : batch.targets;
       optimizer.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(net->forward(batch.inputs), batch.targets);
+      auto loss = torch::nn::functional::cross_entropy(net->forward(inputs), targets);
       loss.backward();
       optimizer.step();
       if (++step > 5) trainSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

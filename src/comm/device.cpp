@@ -54,7 +54,8 @@ c10::Device resolveDevice(const std::string& name, int localRank) {
                "LibTorch (scripts/setup.sh installs PyPI's torch==2.11.0, built for CUDA 13.0)");
   const int count = cudaDeviceCount();
   COHORT_CHECK(count > 0, InvalidArgument, "device \"", name, "\": this process sees no CUDA device (",
-               visibleDevicesNote(), "); use --device cpu, or run where an NVIDIA GPU and its driver are");
+               visibleDevicesNote(), "; no GPU, or a driver too old for CUDA 13.0, which needs 580 or later); "
+               "use --device cpu, or run where an NVIDIA GPU and its driver are");
   if (index < 0) return c10::Device(c10::kCUDA, c10::DeviceIndex(localRank % count));
   COHORT_CHECK(index < count, InvalidArgument, "device \"", name, "\": this process sees ", count, " CUDA device",
                count == 1 ? "" : "s", " (cuda:0", count == 1 ? "" : " to cuda:" + std::to_string(count - 1), "; ",

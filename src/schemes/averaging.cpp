@@ -223,6 +223,7 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
   COHORT_CHECK(options.outerMomentum >= 0 && options.outerMomentum < 1, InvalidArgument, kWho,
                ": outerMomentum must be in [0, 1), got ", options.outerMomentum);
   s.codec = compress::CodecSpec::parse(options.codec);
+  requireCpuModel(module, kWho);
   s.options = std::move(options);
   s.module = &module;
   s.optimizer = optimizer;

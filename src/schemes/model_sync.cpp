@@ -172,6 +172,14 @@ void unflattenParameters(const std::vector<torch::Tensor>& params, std::span<con
   }
 }
 
+void requireCpuModel(torch::nn::Module& model, const std::string& who) {
+  for (const auto& [name, p] : uniqueParameters(model)) {
+    COHORT_CHECK(p.device().is_cpu(), InvalidArgument, who, ": parameter ", name, " is on ", p.device(), "; ", who,
+                 " trains on the CPU only so far (on a device: DataParallel): call module->to(torch::kCPU), or "
+                 "--device cpu");
+  }
+}
+
 void clearGradients(torch::nn::Module& model) {
   for (auto& p : model.parameters()) p.mutable_grad().reset();
 }

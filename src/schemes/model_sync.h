@@ -56,4 +56,8 @@ std::pair<torch::Tensor, torch::Tensor> gradientRows(const torch::Tensor& grad);
 // of adding to zeros.
 void clearGradients(torch::nn::Module& model);
 
+// Throws InvalidArgument when a parameter of `model` is not on the CPU, for the handles whose
+// exchange works on host memory (all but DataParallel, so far): `who` names the handle.
+void requireCpuModel(torch::nn::Module& model, const std::string& who);
+
 }  // namespace cohort

@@ -5,6 +5,7 @@
 #include <cohort/communicator.h>
 #include <cohort/error.h>
 #include <cohort/tensor_parallel.h>
+#include "schemes/model_sync.h"
 
 #include <torch/torch.h>
 
@@ -137,6 +138,7 @@ TensorParallel::TensorParallel(const Job& job, const nn::Sequential& model, cons
                                TensorParallelOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
+  requireCpuModel(const_cast<torch::nn::SequentialImpl&>(*model), kWho);
   const int world = job.worldSize();
   s.ways = options.ways > 0 ? options.ways : world;
   COHORT_CHECK(world % s.ways == 0, InvalidArgument, kWho, ": ", world, " processes cannot hold copies of ", s.ways,

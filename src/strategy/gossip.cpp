@@ -414,6 +414,7 @@ Gossip::Gossip(const Job& job, torch::nn::Module& module, GossipOptions options)
 
 Gossip::Gossip(const Job& job, std::unique_ptr<Rendezvous> rendezvous, torch::nn::Module& module,
                GossipOptions options) {
+  requireCpuModel(module, "cohort::Gossip");
   impl_ = std::make_unique<Impl>(GossipContext{.options = std::move(options),
                                                .cluster = job.cluster(),
                                                .timeoutSeconds = double(job.timeout().count()) / 1000.0});

@@ -666,6 +666,7 @@ struct ParameterServerClient::Impl {
 
 ParameterServerClient::ParameterServerClient(const Job& job, torch::nn::Module& module,
                                              torch::optim::Optimizer* optimizer, ParameterServerOptions options) {
+  requireCpuModel(module, "cohort::ParameterServerClient");
   PsContext c;
   c.rank = job.rank();
   c.workers = job.worldSize();

@@ -1,6 +1,7 @@
 #include "train/lazy_optimizer.h"
 
 #include "ps/optimizer.h"
+#include <cohort/error.h>
 #include "schemes/model_sync.h"
 
 #include <torch/torch.h>
@@ -28,6 +29,8 @@ torch::Tensor LazyOptimizer::step(LossClosure closure) {
     const torch::Tensor& p = params[i];
     const torch::Tensor& g = p.grad();
     if (!g.defined()) continue;
+    COHORT_CHECK(p.device().is_cpu(), InvalidArgument, "the lazy optimizer of a sparse model updates host memory; "
+                 "parameter ", i, " is on ", p.device(), ": train a sparse model with --device cpu");
     ps::ServerOptimizer& opt = *perParameter_[i];
     opt.beginStep();
     float* values = p.data_ptr<float>();

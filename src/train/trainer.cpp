@@ -47,18 +47,36 @@ constexpr double kMaxTimeoutSeconds = 7 * 24 * 3600;
 // A loss above this before one that is not finite is called divergence.
 constexpr double kDivergingLoss = 1e4;
 
-// Where this process trains: --device resolved on this machine, for a scheme that trains on
-// devices; the CPU for the others ("auto"), or an error naming the scheme (an explicit device).
-c10::Device chooseDevice(const TrainOptions& o, const Strategy& strategy, int localRank) {
+// Why this run trains on the CPU whatever --device says; "" when it can train on a device.
+std::string cpuOnlyReason(const TrainOptions& o, const Strategy& strategy, torch::nn::Module& model) {
+  if (!strategy.trainsOnDevices()) {
+    return "--strategy " + strategy.name() + " trains on the CPU only in this version (on a device so far: local "
+           "and allreduce)";
+  }
+  if (strategy.name() == "allreduce" && o.strategy.codec != "none") {
+    return "--codec " + o.strategy.codec + " works on host memory only so far";
+  }
+  for (const auto& p : model.parameters()) {
+    if (hasRowSparseGradient(model, p)) {
+      return "--model " + o.model + " has sparse embeddings, whose optimizer and exchange work on host memory only "
+             "so far";
+    }
+  }
+  return "";
+}
+
+// Where this process trains: --device resolved on this machine when the run can train there; the
+// CPU under "auto" when it cannot, and an error naming why for an explicit device.
+c10::Device chooseDevice(const TrainOptions& o, const Strategy& strategy, torch::nn::Module& model, int localRank) {
   const c10::Device device = resolveDevice(o.device, localRank);  // throws for a device that is not here
-  if (device.is_cpu() || strategy.trainsOnDevices()) return device;
+  if (device.is_cpu()) return device;
+  const std::string reason = cpuOnlyReason(o, strategy, model);
+  if (reason.empty()) return device;
   if (!isExplicitDevice(o.device)) return c10::Device(c10::kCPU);
   COHORT_CHECK(strategy.name() != "hogwild", InvalidArgument,
                "--strategy hogwild is a CPU scheme (its threads update one copy of the parameters in host memory "
-               "without locks); use --device cpu, or --strategy mirrored");
-  throw InvalidArgument("--device " + o.device + ": --strategy " + strategy.name() +
-                        " trains on the CPU only in this version (on a device so far: local and allreduce); "
-                        "use --device cpu");
+               "without locks); use --device cpu, or --strategy local or allreduce on the GPU");
+  throw InvalidArgument("--device " + o.device + ": " + reason + "; use --device cpu");
 }
 
 // The batch on `device`: assembled in host memory, pinned, and copied without blocking the host
@@ -480,7 +498,7 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
     std::iota(first.begin(), first.end(), 0);
     s.model = s.strategy->localModel(s.model, makeBatch(s.data.train, first));
   }
-  s.device = chooseDevice(o, *s.strategy, s.cluster.localRank);
+  s.device = chooseDevice(o, *s.strategy, *s.model, s.cluster.localRank);
   if (!s.device.is_cpu()) s.model->to(s.device);  // before the optimizer: its state follows the parameters
   s.optimizer = makeOptimizer(o, *s.model);
   const DataShard shard = s.strategy->dataShard();
