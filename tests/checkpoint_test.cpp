@@ -2,7 +2,9 @@
 #include <cohort/error.h>
 
 #include <filesystem>
+#include <new>
 
+#include "hostile.h"
 #include "test_util.h"
 
 namespace cohort {
@@ -91,6 +93,54 @@ TEST(Checkpoint, TruncatedFileIsRefusedWithItsPath) {
     EXPECT_NE(std::string(e.what()).find(path + ": corrupt checkpoint"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(store.loadNewest(nullptr).has_value());
+}
+
+// A sparse file of 20 GB behind a valid header that claims all of it: the header agrees with the
+// file's size, so only the limit on a checkpoint's size stops it, before anything is read. Under a
+// cap on the address space a reader that allocates first fails with bad_alloc instead.
+TEST(Checkpoint, SparseFileClaimingTwentyGigabytesIsRefusedBeforeReading) {
+  test::TempDir dir;
+  CheckpointStore store(dir.path());
+  const std::string path = store.save(7, payloadFor(7, 16));
+  const uint64_t claimed = 20'000'000'000;
+  std::string header = test::readFile(path).substr(0, 24);
+  for (int i = 0; i < 8; ++i) header[12 + i] = char(claimed >> (8 * i));
+  test::writeFile(path, header);
+  std::filesystem::resize_file(path, 24 + claimed);
+  test::AddressSpaceCap cap(int64_t{1} << 30);
+  ASSERT_TRUE(cap.ok());
+  try {
+    CheckpointStore::readVerified(path);
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(path + ": the header's payload length is 20000000000 bytes, more than a "
+                                                "checkpoint may hold (17179869184)"),
+              std::string::npos)
+        << e.what();
+  } catch (const std::bad_alloc&) {
+    FAIL() << "allocated what the header claims";
+  }
+}
+
+// ckpt-<step>.ckpt whose step does not fit int64 is no checkpoint of this store: left out of the
+// list, and the good one beside it is loaded (Trainer.ResumeSkipsAFileWhoseStepIsBeyondInt64: the
+// warning).
+TEST(Checkpoint, StepBeyondInt64IsSkipped) {
+  test::TempDir dir;
+  CheckpointStore store(dir.path());
+  store.save(5, payloadFor(5, 100));
+  test::writeFile(dir.file("ckpt-99999999999999999999.ckpt"), "stray");
+  std::vector<CheckpointFile> files;
+  try {
+    files = store.list();
+  } catch (const std::exception& e) {
+    FAIL() << e.what();
+  }
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0].step, 5);
+  auto loaded = store.loadNewest(nullptr);
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->file.step, 5);
 }
 
 TEST(Checkpoint, ForeignFileIsNotACheckpoint) {

@@ -61,7 +61,7 @@ TEST(Cli, WrongMagicIdxFile) {
 TEST(Cli, NotATorchScriptFile) {
   test::TempDir dir;
   test::writeFile(dir.file("model.pt"), "definitely not torchscript");
-  expectOneLineError("train --model " + dir.file("model.pt") + " --data synthetic:60 --steps 1",
+  expectOneLineError("train --model " + dir.file("model.pt") + " --data synthetic:60 --batch 16 --steps 1",
                      dir.file("model.pt") + ": not a TorchScript module");
 }
 
@@ -82,8 +82,44 @@ TEST(Cli, ConfigFileSetsOptions) {
 TEST(Cli, ResumeWithOnlyCorruptCheckpointsNamesThem) {
   test::TempDir dir;
   test::writeFile(dir.file("ckpt-0000000004.ckpt"), "COHORTCK garbage");
-  expectOneLineError("train --data synthetic:60 --steps 5 --checkpoint-dir " + dir.path() + " --resume",
+  expectOneLineError("train --data synthetic:60 --batch 16 --steps 5 --checkpoint-dir " + dir.path() + " --resume",
                      "no readable checkpoint in " + dir.path());
+}
+
+// A quick run, so that a flag that is wrongly accepted ends in "done" rather than in a timeout.
+const std::string kQuickRun = "train --model mlp --data synthetic:60 --batch 8 --steps 1 --progress off --threads 1 ";
+
+TEST(Cli, StepsBeyondTheLimitNamesTheRange) {
+  expectOneLineError(kQuickRun + "--steps 1e23", "--steps: Value 1e23 not in range 0 to 1000000000000", 2);
+  expectOneLineError(kQuickRun + "--steps 100000000000000000000000",
+                     "--steps: Value 100000000000000000000000 not in range 0 to 1000000000000", 2);
+}
+
+TEST(Cli, NegativeSeedIsRefused) {
+  expectOneLineError(kQuickRun + "--seed -1", "--seed: Value -1 is not a seed: a whole number in 0..18446744073709551615",
+                     2);
+}
+
+TEST(Cli, EmptySaveModelPathIsRefused) {
+  expectOneLineError(kQuickRun + "--save-model ''", "--save-model needs a file to write the model to", 2);
+}
+
+TEST(Cli, ConfigKeyWithoutAValueNamesTheFile) {
+  test::TempDir dir;
+  test::writeFile(dir.file("c.toml"), "model = \"mlp\"\nbatch =\n");
+  expectOneLineError("train --config " + dir.file("c.toml"), dir.file("c.toml") + ": key 'batch' has no value", 2);
+}
+
+// A 10 MB value is refused naming the file, and the message shows only its beginning.
+TEST(Cli, ConfigValueOfTenMegabytesNamesTheFileAndEchoesAPrefix) {
+  test::TempDir dir;
+  test::writeFile(dir.file("c.toml"), "steps = 1\ndata = \"" + std::string(10'000'000, 'A') + "\"\n");
+  auto r = test::runCommand(test::cohortBinary() + " train --config " + dir.file("c.toml"), 120);
+  EXPECT_EQ(r.exitCode, 2) << r.output.substr(0, 300);
+  EXPECT_LT(r.output.size(), 400u) << r.output.substr(0, 300);
+  EXPECT_NE(r.output.find("cohort: error: " + dir.file("c.toml") + ": key 'data' has a value of 10000000 bytes"),
+            std::string::npos)
+      << r.output.substr(0, 300);
 }
 
 TEST(Cli, HelpListsTheTrainOptions) {

@@ -1,10 +1,11 @@
-// Tools for tests that play strangers on a listening port (torch-free): raw TCP connections,
-// the process's open descriptors, and its peak memory.
+// Tools for tests that play strangers on a listening port or in a file (torch-free): raw TCP
+// connections, the process's open descriptors, its peak memory and a cap on its address space.
 #pragma once
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -67,6 +68,32 @@ inline bool resetPeakMemory() {
   out.flush();
   return out.good();
 }
+
+// Caps the process's address space (RLIMIT_AS) at its size now plus `extra` bytes while it lives,
+// so that code trying a huge allocation fails at once with std::bad_alloc instead of taking the
+// machine's memory; the limit it had comes back at the end. For single-threaded stretches of a
+// test only: other threads' allocations would meet the cap too.
+class AddressSpaceCap {
+ public:
+  explicit AddressSpaceCap(int64_t extra) {
+    const int64_t size = statusBytes("VmSize");
+    ok_ = size > 0 && ::getrlimit(RLIMIT_AS, &old_) == 0;
+    rlimit capped = old_;
+    capped.rlim_cur = rlim_t(size + extra);
+    if (old_.rlim_cur != RLIM_INFINITY) capped.rlim_cur = std::min(capped.rlim_cur, old_.rlim_cur);
+    ok_ = ok_ && ::setrlimit(RLIMIT_AS, &capped) == 0;
+  }
+  ~AddressSpaceCap() {
+    if (ok_) ::setrlimit(RLIMIT_AS, &old_);
+  }
+  AddressSpaceCap(const AddressSpaceCap&) = delete;
+  AddressSpaceCap& operator=(const AddressSpaceCap&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  rlimit old_{};
+  bool ok_ = false;
+};
 
 // A raw TCP connection to 127.0.0.1:port.
 class RawConnection {

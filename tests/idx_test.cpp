@@ -4,6 +4,7 @@
 
 #include <zlib.h>
 
+#include "hostile.h"
 #include "test_util.h"
 
 namespace cohort {
@@ -96,6 +97,41 @@ TEST(Idx, RejectsTruncatedGzipStream) {
   test::writeFile(dir.file("cut.gz"), packed.substr(0, packed.size() / 2));
   const std::string message = errorOf([&] { readIdxFile(dir.file("cut.gz")); });
   EXPECT_NE(message.find(dir.file("cut.gz")), std::string::npos) << message;
+}
+
+// A gzip bomb: a header promising 10 images of 28x28 (7840 bytes), then 128 MiB of zeros, which
+// pack into about 130 KB. The reader stops 1 MiB past the promise instead of unpacking it all.
+TEST(Idx, StopsReadingAGzipBombPastWhatItsHeaderPromises) {
+  test::TempDir dir;
+  const std::string path = dir.file("train-images-idx3-ubyte.gz");
+  {
+    gzFile f = gzopen(path.c_str(), "wb1");
+    ASSERT_NE(f, nullptr);
+    const auto header = idxBytes(0x08, {10, 28, 28}, 0);
+    ASSERT_EQ(gzwrite(f, header.data(), unsigned(header.size())), int(header.size()));
+    const std::vector<uint8_t> zeros(size_t{1} << 20, 0);
+    for (int i = 0; i < 128; ++i) ASSERT_EQ(gzwrite(f, zeros.data(), unsigned(zeros.size())), int(zeros.size()));
+    ASSERT_EQ(gzclose(f), Z_OK);
+  }
+  ASSERT_TRUE(test::resetPeakMemory());
+  const int64_t before = test::statusBytes("VmRSS");
+  const std::string message = errorOf([&] { readIdxFile(path); });
+  const int64_t peak = test::statusBytes("VmHWM");
+  EXPECT_NE(message.find(path + ": the file goes on past the 7840 bytes of data its IDX header promises"),
+            std::string::npos)
+      << message;
+  EXPECT_LT(peak - before, int64_t{32} << 20) << "the reader unpacked the bomb";
+}
+
+// Dimensions that promise 8 GiB are refused from the header alone.
+TEST(Idx, RefusesAHeaderPromisingMoreThanTheLimit) {
+  test::TempDir dir;
+  const std::string path = dir.file("big-idx3-ubyte");
+  const auto header = idxBytes(0x08, {131072, 256, 256}, 0);
+  test::writeFile(path, std::string(header.begin(), header.end()));
+  const std::string message = errorOf([&] { readIdxFile(path); });
+  EXPECT_NE(message.find(path + ": the IDX header's dimensions promise more than 4294967296 bytes"), std::string::npos)
+      << message;
 }
 
 TEST(Idx, MissingFileNamesThePath) {

@@ -1,5 +1,6 @@
 #include <cohort/error.h>
 #include <cohort/models.h>
+#include "train/model_file.h"
 
 #include <torch/torch.h>
 
@@ -100,6 +101,47 @@ TEST(Models, ScriptedCustomModuleIsOneLayerWithBuffers) {
   EXPECT_EQ(model->size(), 1u);
   EXPECT_EQ(model->buffers().size(), 3u);  // BatchNorm: running mean, running var, batches seen
   expectTrains(model);
+}
+
+// A torch archive of a model without cohort_model and cohort_shape (torch::save of the Sequential):
+// libtorch 2.x reports the missing key with an exception that is not a c10::Error.
+TEST(ModelFile, AnArchiveWithoutCohortsKeysNamesTheFile) {
+  test::TempDir dir;
+  torch::nn::Sequential model(torch::nn::Linear(4, 3));
+  torch::save(model, dir.file("plain.pt"));
+  try {
+    loadModelFile(dir.file("plain.pt"));
+    FAIL() << "loaded a file without cohort's keys";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir.file("plain.pt") + ": a torch archive without cohort's model description"),
+              std::string::npos)
+        << e.what();
+  } catch (const std::exception& e) {
+    FAIL() << "not an IoError naming the file: " << e.what();
+  }
+}
+
+// A description whose shape would make the model's layers gigabytes is refused before the model
+// is made.
+TEST(ModelFile, AShapeBeyondTheLimitIsRefusedBeforeTheModelIsMade) {
+  test::TempDir dir;
+  torch::nn::Sequential model(torch::nn::Linear(4, 3));
+  torch::serialize::OutputArchive archive;
+  model->save(archive);
+  archive.write("cohort_model", c10::IValue(std::string("mlp")));
+  archive.write("cohort_shape", c10::IValue(std::vector<int64_t>{1, 1000000, 1000, 10}));
+  archive.save_to(dir.file("huge.pt"));
+  try {
+    loadModelFile(dir.file("huge.pt"));
+    FAIL() << "accepted cohort_shape [1, 1000000, 1000, 10]";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir.file("huge.pt") + ": cohort_shape [1, 1000000, 1000, 10] is not a model "
+                                                               "cohort makes"),
+              std::string::npos)
+        << e.what();
+  } catch (const std::exception& e) {
+    FAIL() << "not an IoError naming the file: " << e.what();
+  }
 }
 
 }  // namespace

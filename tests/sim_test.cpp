@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <chrono>
+#include <limits>
 #include <thread>
 
 #include <poll.h>
@@ -370,6 +371,49 @@ TEST(SimSetup, BadInputNamesTheOption) {
   s = scenarioOf(Scheme::Allreduce);
   s.codec = "onebit";
   expectError(s, 2, "--codec onebit");
+}
+
+// A calibration whose model is too large to simulate (1e308 bytes: the simulator would list its
+// buckets without end) is refused naming the file and the field.
+TEST(SimCalibration, ParameterBytesAboveTheLimitNamesTheFileAndField) {
+  Calibration huge = plain();
+  huge.parameterBytes = 1e308;
+  try {
+    fromJson(toJson(huge), "cal.json");
+    ADD_FAILURE() << "accepted parameter_bytes 1e308";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("cal.json: field \"parameter_bytes\" is 1e+308, above the limit of 1e+13"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// More workers than the simulator takes (2^31 - 1 ran for minutes) are refused with the range.
+TEST(SimSetup, WorkersBeyondTheLimitAreRefusedWithTheRange) {
+  for (const int workers : {4097, std::numeric_limits<int>::max()}) {
+    try {
+      simulateWorkers(scenarioOf(Scheme::Allreduce), workers);
+      ADD_FAILURE() << "accepted --workers " << workers;
+      return;  // the larger count would run for minutes
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("--workers: every count must be in 1..4096, got " + std::to_string(workers)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+// As cohort train: a pipeline exchanges nothing a codec compresses.
+TEST(SimSetup, PipelineRefusesACodec) {
+  Scenario s = scenarioOf(Scheme::Pipeline);
+  s.codec = "fp16";  // measured by plain()
+  try {
+    simulateWorkers(s, 4);
+    ADD_FAILURE() << "accepted --strategy pipeline --codec fp16";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("--codec fp16 applies to allreduce, average, ps and gossip"), std::string::npos)
+        << e.what();
+  }
 }
 
 // The arithmetic of a prediction from the calibration recorded on the 2-core VM (committed under

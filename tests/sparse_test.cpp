@@ -116,6 +116,21 @@ TEST(SparseModel, RowsReadAreTheBatchIdsAndRefusesImagesAndSmallTables) {
   EXPECT_THROW(makeModel("embed:pool=max", bagShape()), InvalidArgument);
 }
 
+// Writes each text to a file of its own and expects loadData("libsvm:FILE") to throw an IoError
+// whose message holds FILE followed by the expected suffix.
+void expectEachFileRefused(test::TempDir& dir, const std::vector<std::pair<std::string, std::string>>& bad) {
+  for (size_t i = 0; i < bad.size(); ++i) {
+    const std::string path = dir.file("bad" + std::to_string(i) + ".txt");
+    std::ofstream(path) << bad[i].first;
+    try {
+      loadData("libsvm:" + path, 1);
+      ADD_FAILURE() << "accepted " << bad[i].first;
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find(path + bad[i].second), std::string::npos) << e.what();
+    }
+  }
+}
+
 // The reader: the line number of the first bad line, for each kind of bad line.
 TEST(BagReader, ReadsLibsvmAndVowpalLinesAndRefusesMalformedOnesWithTheLine) {
   test::TempDir dir;
@@ -139,18 +154,21 @@ TEST(BagReader, ReadsLibsvmAndVowpalLinesAndRefusesMalformedOnesWithTheLine) {
       {"1 2:0.5\n", ":1: the feature '2:0.5' has value 0.5"},
       {"1 2\n0 3\n1 4:\n", ":3: the feature '4:' has no number after the colon"},
   };
-  for (size_t i = 0; i < bad.size(); ++i) {
-    const std::string path = dir.file("bad" + std::to_string(i) + ".txt");
-    std::ofstream(path) << bad[i].first;
-    try {
-      loadData("libsvm:" + path, 1);
-      ADD_FAILURE() << "accepted " << bad[i].first;
-    } catch (const IoError& e) {
-      EXPECT_NE(std::string(e.what()).find(path + bad[i].second), std::string::npos) << e.what();
-    }
-  }
+  expectEachFileRefused(dir, bad);
   EXPECT_THROW(loadData("libsvm:" + dir.file("missing.txt"), 1), IoError);
   EXPECT_THROW(loadData("synthetic-bags:0", 1), InvalidArgument);
+}
+
+// Labels and ids that would size the model's last layer or its table at gigabytes are refused
+// with FILE:LINE and the limit, before a model is made.
+TEST(BagReader, RefusesLabelsAndFeatureIdsBeyondTheLimits) {
+  test::TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"1 2\n10000000 3\n", ":2: the label 10000000 is above 4095, the largest class this reader takes"},
+      {"2000000000 3\n", ":1: the label 2000000000 is above 4095"},
+      {"1 2\n0 5 10000000\n", ":2: the feature id 10000000 is above 8388607, the largest id this reader takes"},
+  };
+  expectEachFileRefused(dir, bad);
 }
 
 TEST(BagReader, SyntheticBagsAreSeededPowerLawWithAKnownOptimum) {

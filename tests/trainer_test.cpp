@@ -6,6 +6,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <limits>
+
 #include "test_util.h"
 
 namespace cohort {
@@ -20,6 +23,15 @@ TrainOptions smallRun() {
   o.seed = 3;
   o.progress = ProgressMode::kOff;
   o.optimizer = "momentum";
+  return o;
+}
+
+// Runs smallRun() for 5 steps with checkpoints in DIR and returns its options.
+TrainOptions checkpointedRunOf5Steps(test::TempDir& dir) {
+  TrainOptions o = smallRun();
+  o.steps = 5;
+  o.checkpointDir = dir.path();
+  Trainer(o).run();
   return o;
 }
 
@@ -94,12 +106,54 @@ TEST(Trainer, ResumeSkipsACorruptCheckpoint) {
   expectIdentical(parametersOf(reference), parametersOf(resumed));
 }
 
+// A stray ckpt-<20 digits>.ckpt beside a good checkpoint: a warning naming it, and the run resumes
+// from the good one.
+TEST(Trainer, ResumeSkipsAFileWhoseStepIsBeyondInt64) {
+  test::TempDir dir;
+  TrainOptions o = checkpointedRunOf5Steps(dir);
+  const std::string stray = dir.file("ckpt-99999999999999999999.ckpt");
+  test::writeFile(stray, "stray");
+  TrainOptions again = o;
+  again.resume = true;
+  testing::internal::CaptureStderr();
+  try {
+    Trainer resumed(again);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << e.what();
+  }
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("cohort: warning: " + stray + ": not a checkpoint cohort wrote"), std::string::npos) << err;
+  EXPECT_NE(err.find("resumed from " + dir.file("ckpt-0000000005.ckpt")), std::string::npos) << err;
+}
+
+// A checkpoint whose data was damaged before its checksum was made (here: the archive's code
+// indented wrongly, which TorchScript's reader refuses with an exception of its own): one error
+// naming the file.
+TEST(Trainer, ResumeNamesACheckpointWhoseDataIsCorruptUnderAValidChecksum) {
+  test::TempDir dir;
+  TrainOptions o = checkpointedRunOf5Steps(dir);
+  CheckpointStore store(dir.path());
+  std::vector<uint8_t> payload = CheckpointStore::readVerified(store.list()[0].path);
+  const std::string code = "\n  __buffers__";
+  const auto at = std::search(payload.begin(), payload.end(), code.begin(), code.end());
+  ASSERT_NE(at, payload.end());
+  at[2] = 'u';
+  const std::string path = store.save(6, payload);  // a valid checksum of the damaged data
+  TrainOptions again = o;
+  again.resume = true;
+  try {
+    Trainer t(again);
+    FAIL() << "resumed from damaged data";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(path + ": checkpoint payload is unreadable"), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    FAIL() << "not an IoError naming the file: " << e.what();
+  }
+}
+
 TEST(Trainer, ResumeRefusesACheckpointOfAnotherRun) {
   test::TempDir dir;
-  TrainOptions o = smallRun();
-  o.steps = 5;
-  o.checkpointDir = dir.path();
-  Trainer(o).run();
+  TrainOptions o = checkpointedRunOf5Steps(dir);
   TrainOptions other = o;
   other.batch = 32;
   other.resume = true;
@@ -153,6 +207,39 @@ TEST(Trainer, TargetAccuracyStopsEarly) {
   ASSERT_TRUE(r.secondsToTarget.has_value());
   EXPECT_GE(r.testAccuracy, 0.9);
   EXPECT_LT(r.steps, 20 * 1200 / 16);
+}
+
+// The message of the InvalidArgument that Trainer(o) throws; empty when it throws none.
+std::string refusalOf(const TrainOptions& o) {
+  try {
+    Trainer t(o);
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Trainer, RefusesStepsBeyondTheLimit) {
+  TrainOptions o = smallRun();
+  o.steps = std::numeric_limits<int64_t>::max();  // what CLI11 makes of --steps 100000000000000000000000
+  EXPECT_NE(refusalOf(o).find("--steps must be in 0..1000000000000, got 9223372036854775807"), std::string::npos)
+      << refusalOf(o);
+}
+
+TEST(Trainer, RefusesAnOuterLearningRateThatIsNotFinite) {
+  TrainOptions o = smallRun();
+  o.strategy.average.outerLr = std::numeric_limits<double>::infinity();
+  EXPECT_NE(refusalOf(o).find("--outer-lr must be a positive number, got inf"), std::string::npos) << refusalOf(o);
+}
+
+TEST(Trainer, RefusesABatchLargerThanTheTrainingSet) {
+  TrainOptions o = smallRun();
+  o.data = "synthetic:60";
+  o.batch = 100;
+  EXPECT_NE(refusalOf(o).find("--batch 100 is larger than the 60 training examples of --data synthetic:60: use "
+                              "--batch of at most 60"),
+            std::string::npos)
+      << refusalOf(o);
 }
 
 TEST(Trainer, RejectsBadOptions) {

@@ -36,15 +36,18 @@ class CheckpointStore {
   // Returns the path written. Throws IoError.
   std::string save(int64_t step, std::span<const uint8_t> payload);
 
-  // Complete checkpoint files (temporary files excluded), newest first.
-  std::vector<CheckpointFile> list() const;
+  // Complete checkpoint files (temporary files excluded), newest first. A file named like one
+  // whose step does not fit int64 is no checkpoint of this store: it is left out, and passed to
+  // `onSkipped` (when given) with a message naming its path.
+  std::vector<CheckpointFile> list(const std::function<void(const std::string& message)>& onSkipped = nullptr) const;
 
   // The newest checkpoint that verifies. Each one that does not is passed to `onCorrupt` with a
   // message naming its path and what is wrong, and the next older one is tried.
   std::optional<LoadedCheckpoint> loadNewest(
       const std::function<void(const std::string& message)>& onCorrupt) const;
 
-  // Reads and verifies one file. Throws IoError naming the path.
+  // Reads and verifies one file. Throws IoError naming the path, before allocating anything when
+  // the header's payload length is not the file's or is above 16 GiB.
   static std::vector<uint8_t> readVerified(const std::string& path);
 
   const std::string& dir() const { return dir_; }

@@ -8,10 +8,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <regex>
 
 namespace cohort {
@@ -23,6 +25,11 @@ namespace {
 constexpr char kMagic[8] = {'C', 'O', 'H', 'O', 'R', 'T', 'C', 'K'};
 constexpr uint32_t kFormatVersion = 1;
 constexpr size_t kHeaderSize = 8 + 4 + 8 + 4;
+// The most payload bytes a header may claim. A payload is one process's model, optimizer state and
+// scheme state, which a resume holds twice (the bytes and the tensors made from them): 16 GiB is a
+// billion float32 parameters with Adam's two moments, beyond what cohort trains on CPUs. A header
+// claiming more (a sparse file, a damaged or hostile one) is refused before anything is allocated.
+constexpr uint64_t kMaxPayloadBytes = uint64_t{16} << 30;
 
 void putLe(std::vector<uint8_t>& out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out.push_back(uint8_t(v >> (8 * i)));
@@ -128,16 +135,25 @@ std::string CheckpointStore::save(int64_t step, std::span<const uint8_t> payload
   return finalPath;
 }
 
-std::vector<CheckpointFile> CheckpointStore::list() const {
+std::vector<CheckpointFile> CheckpointStore::list(const std::function<void(const std::string&)>& onSkipped) const {
   const std::regex pattern(prefix_ + "-([0-9]+)\\.ckpt");
   std::vector<CheckpointFile> files;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir_, ec)) {
     std::smatch m;
     const std::string name = entry.path().filename().string();
-    if (std::regex_match(name, m, pattern)) {
-      files.push_back({entry.path().string(), std::stoll(m[1].str())});
+    if (!std::regex_match(name, m, pattern)) continue;
+    const std::string digits = m[1].str();
+    int64_t step = 0;
+    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
+    if (error != std::errc() || end != digits.data() + digits.size()) {
+      if (onSkipped) {
+        onSkipped(entry.path().string() + ": not a checkpoint cohort wrote (its step " + digits +
+                  " does not fit a 64-bit step count); skipped, remove it");
+      }
+      continue;
     }
+    files.push_back({entry.path().string(), step});
   }
   std::sort(files.begin(), files.end(),
             [](const CheckpointFile& a, const CheckpointFile& b) { return a.step > b.step; });
@@ -147,17 +163,34 @@ std::vector<CheckpointFile> CheckpointStore::list() const {
 std::vector<uint8_t> CheckpointStore::readVerified(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   COHORT_CHECK(in.good(), IoError, path, ": cannot open checkpoint: ", std::strerror(errno));
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  COHORT_CHECK(bytes.size() >= kHeaderSize && std::memcmp(bytes.data(), kMagic, 8) == 0, IoError,
-               path, ": not a cohort checkpoint (bad header)");
-  const uint32_t version = uint32_t(getLe(&bytes[8], 4));
+  std::error_code ec;
+  const uint64_t fileSize = fs::file_size(path, ec);
+  COHORT_CHECK(!ec, IoError, path, ": cannot read the checkpoint's size: ", ec.message());
+  uint8_t header[kHeaderSize];
+  in.read(reinterpret_cast<char*>(header), kHeaderSize);
+  COHORT_CHECK(size_t(in.gcount()) == kHeaderSize && std::memcmp(header, kMagic, 8) == 0, IoError, path,
+               ": not a cohort checkpoint (bad header)");
+  const uint32_t version = uint32_t(getLe(&header[8], 4));
   COHORT_CHECK(version == kFormatVersion, IoError, path, ": checkpoint format version ", version,
                " is not supported (this build reads version ", kFormatVersion, ")");
-  const uint64_t length = getLe(&bytes[12], 8);
-  const uint32_t crc = uint32_t(getLe(&bytes[20], 4));
-  COHORT_CHECK(bytes.size() - kHeaderSize == length, IoError, path, ": corrupt checkpoint: ",
-               bytes.size() - kHeaderSize, " payload bytes where the header says ", length);
-  std::vector<uint8_t> payload(bytes.begin() + kHeaderSize, bytes.end());
+  // Both checks before the allocation: the header's length must be what the file holds, and a
+  // size a checkpoint can have.
+  const uint64_t length = getLe(&header[12], 8);
+  const uint32_t crc = uint32_t(getLe(&header[20], 4));
+  COHORT_CHECK(fileSize - kHeaderSize == length, IoError, path, ": corrupt checkpoint: ", fileSize - kHeaderSize,
+               " payload bytes where the header says ", length);
+  COHORT_CHECK(length <= kMaxPayloadBytes, IoError, path, ": the header's payload length is ", length,
+               " bytes, more than a checkpoint may hold (", kMaxPayloadBytes,
+               "): not a checkpoint cohort wrote; remove it");
+  std::vector<uint8_t> payload;
+  try {
+    payload.resize(length);
+  } catch (const std::bad_alloc&) {
+    throw IoError(path + ": the checkpoint's " + std::to_string(length) + " payload bytes do not fit in memory");
+  }
+  in.read(reinterpret_cast<char*>(payload.data()), std::streamsize(length));
+  COHORT_CHECK(uint64_t(in.gcount()) == length, IoError, path, ": corrupt checkpoint: it ended after ",
+               in.gcount(), " of its ", length, " payload bytes");
   COHORT_CHECK(crc32Of(payload) == crc, IoError, path, ": corrupt checkpoint: checksum mismatch");
   return payload;
 }

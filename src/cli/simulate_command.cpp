@@ -343,7 +343,8 @@ int runSimulate(const Flags& f) {
   sim::Scenario base;
   base.calibration = sim::loadCalibration(f.calibration);
   if (f.params != 0) {
-    COHORT_CHECK(f.params > 0, InvalidArgument, "--params must be > 0, got ", f.params);
+    COHORT_CHECK(f.params > 0 && f.params <= sim::kMaxParameterBytes / 4, InvalidArgument, "--params must be in (0, ",
+                 sim::kMaxParameterBytes / 4, "], got ", f.params);
     base.calibration.parameterCount = f.params;
     base.calibration.parameterBytes = 4 * f.params;
   }

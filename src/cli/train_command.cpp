@@ -15,10 +15,38 @@
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
+#include <charconv>
+#include <limits>
 #include <map>
 #include <optional>
 
 namespace cohort::cli {
+
+namespace {
+
+// The longest value a config key may have: the longest values are paths, and PATH_MAX is 4096. A
+// longer one (megabytes of junk) is refused, and messages show only its beginning.
+constexpr size_t kMaxConfigValueBytes = 4096;
+constexpr size_t kEchoedBytes = 40;
+
+// The start of a text that may be long, for a one-line message.
+std::string excerpt(const std::string& text) {
+  return text.size() <= kEchoedBytes ? text : text.substr(0, kEchoedBytes) + "...";
+}
+
+// A seed is a whole number in 0..2^64-1. Without this check CLI11 reads "-1" into a uint64_t as
+// 2^64-1, silently.
+const CLI::Validator kSeedValidator(
+    [](std::string& text) -> std::string {
+      uint64_t seed = 0;
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), seed);
+      if (ec == std::errc() && end == text.data() + text.size()) return "";
+      return "Value " + excerpt(text) + " is not a seed: a whole number in 0.." +
+             std::to_string(std::numeric_limits<uint64_t>::max());
+    },
+    "SEED");
+
+}  // namespace
 
 std::vector<std::string> configToArgs(const CLI::App& command, const std::string& path) {
   std::vector<CLI::ConfigItem> items;
@@ -30,13 +58,18 @@ std::vector<std::string> configToArgs(const CLI::App& command, const std::string
   std::vector<std::string> args;
   for (const auto& item : items) {
     if (item.name == "++" || item.name == "--") continue;  // section markers
-    COHORT_CHECK(item.parents.empty(), InvalidArgument, path, ": unknown key '", item.fullname(),
+    COHORT_CHECK(item.parents.empty(), InvalidArgument, path, ": unknown key '", excerpt(item.fullname()),
                  "': sections are not used, write the keys at the top level");
     std::string flag = "--" + item.name;
     std::replace(flag.begin() + 2, flag.end(), '_', '-');
     const CLI::Option* option = command.get_option_no_throw(flag);
     COHORT_CHECK(option != nullptr && flag != "--config" && flag != "--help", InvalidArgument, path,
-                 ": unknown key '", item.name, "' (see cohort ", command.get_name(), " --help)");
+                 ": unknown key '", excerpt(item.name), "' (see cohort ", command.get_name(), " --help)");
+    for (const std::string& input : item.inputs) {
+      COHORT_CHECK(input.size() <= kMaxConfigValueBytes, InvalidArgument, path, ": key '", item.name, "' has a value of ",
+                   input.size(), " bytes, more than the ", kMaxConfigValueBytes, " a value may have: '",
+                   excerpt(input), "'");
+    }
     if (option->get_expected_max() == 0) {  // a flag: true or false
       COHORT_CHECK(item.inputs.size() == 1 && (item.inputs[0] == "true" || item.inputs[0] == "false"),
                    InvalidArgument, path, ": key '", item.name, "' takes true or false");
@@ -45,6 +78,8 @@ std::vector<std::string> configToArgs(const CLI::App& command, const std::string
     }
     COHORT_CHECK(item.inputs.size() == 1, InvalidArgument, path, ": key '", item.name,
                  "' takes one value");
+    COHORT_CHECK(!item.inputs[0].empty(), InvalidArgument, path, ": key '", item.name,
+                 "' has no value: write ", item.name, " = VALUE, or remove the line");
     args.push_back(flag);
     args.push_back(item.inputs[0]);
   }
@@ -147,7 +182,8 @@ Run addTrainCommand(CLI::App& app) {
       ->capture_default_str();
   train->add_option("--data", o.data, "fashion-mnist, mnist:DIR, synthetic[:N], libsvm:TRAIN[,TEST] or synthetic-bags[:N[,ROWS]] (bags of ids)")->capture_default_str();
   train->add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str();
-  train->add_option("--steps", o.steps, "Steps to train in all (overrides --epochs)");
+  train->add_option("--steps", o.steps, "Steps to train in all (overrides --epochs)")
+      ->check(CLI::Range(int64_t{0}, kMaxSteps));
   train->add_option("--batch", o.batch, "Batch size per worker (pipeline: per replica)")->capture_default_str();
   train->add_option("--lr", o.lr, "Learning rate")->capture_default_str();
   train->add_option("--optimizer", o.optimizer, "sgd, momentum, adam or adagrad (lazy on sparse embedding rows)")->capture_default_str();
@@ -158,7 +194,8 @@ Run addTrainCommand(CLI::App& app) {
                     "devices, else the CPU), cpu, cuda (cuda:LOCAL_RANK mod the GPU count) or cuda:N. On a device so "
                     "far: --strategy local and allreduce")
       ->capture_default_str();
-  train->add_option("--seed", o.seed, "Seed for initialization and data order")->capture_default_str();
+  train->add_option("--seed", o.seed, "Seed for initialization and data order")
+      ->check(kSeedValidator)->capture_default_str();
   train->add_option("--eval-every", o.evalEvery, "Evaluate on the test set every N steps (0: at the end)")
       ->capture_default_str();
   train->add_option("--target-accuracy", o.targetAccuracy,
@@ -174,7 +211,7 @@ Run addTrainCommand(CLI::App& app) {
                     "val_loss")->capture_default_str();
   train->add_option("--validation-seed", o.validationSeed,
                     "Which examples --validation holds out (independent of --seed, so that trials share them)")
-      ->capture_default_str();
+      ->check(kSeedValidator)->capture_default_str();
   train->add_option("--metrics", o.metricsPath, "Write JSON-lines metrics to this file");
   train->add_option("--tensorboard", o.tensorboardDir,
                     "Write TensorBoard event files (events.out.tfevents.*) to this directory (an evaluator task: "
@@ -185,8 +222,9 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--progress", *progress, "auto, bar, lines or off")
       ->check(CLI::IsMember({"auto", "bar", "lines", "off"}))
       ->capture_default_str();
-  train->add_option("--save-model", o.saveModelPath,
-                    "Save the trained model here (torch::save); with {rank} in the path every rank saves");
+  CLI::Option* saveModel =
+      train->add_option("--save-model", o.saveModelPath,
+                        "Save the trained model here (torch::save); with {rank} in the path every rank saves");
   train->add_option("--timeout", o.timeoutSeconds, "Seconds to wait for a peer before failing (a ps shard: from when it went silent, at most 3x this per call)")
       ->capture_default_str();
   train->add_option("--strategy", o.strategy.name,
@@ -311,8 +349,10 @@ Run addTrainCommand(CLI::App& app) {
                     "Testing: an evaluator task SIGKILLs itself right after recording its N-th checkpoint "
                     "(once: restarted, it finds N recorded and goes on)")->group("Testing");
 
-  return [options, progress, microBatches, psFlags, evaluator, bucketMb, firstBucketMb]() {
+  return [options, progress, microBatches, psFlags, evaluator, bucketMb, firstBucketMb, saveModel]() {
     TrainOptions& o = *options;
+    COHORT_CHECK(saveModel->count() == 0 || !o.saveModelPath.empty(), InvalidArgument, "--save-model needs a file "
+                 "to write the model to, got an empty path: give --save-model FILE or drop it");
     checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
     applyBucketOptions(o.strategy, bucketMb->count() > 0, firstBucketMb->count() > 0);
     o.strategy.pipeline.microBatches =

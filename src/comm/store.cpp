@@ -429,8 +429,10 @@ struct Server::Impl {
       const crypto::Digest want = proof(options.secret, "cohort-store client", serverNonce.data(), clientNonce);
       std::array<uint8_t, kAnswerBytes> answer{};
       if (!crypto::equalConstantTime(std::span<const uint8_t>(hello.data() + kNonceBytes, kProofBytes), want)) {
+        // Counted before the client hears it: a caller that saw the refusal sees the count.
+        refuse();
         writeFull(fd, answer.data(), answer.size(), handshakeDeadline);  // 0: refused
-        return refuse();
+        return;
       }
       answer[0] = 1;
       const crypto::Digest mine = proof(options.secret, "cohort-store server", serverNonce.data(), clientNonce);

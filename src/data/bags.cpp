@@ -14,6 +14,18 @@ namespace cohort {
 
 namespace {
 
+// The most classes a file's labels may make (labels 0..kMaxClasses-1). The model's last layer has
+// hidden x classes weights and the evaluation counts a classes x classes confusion matrix of int64
+// (128 MiB at this count); libsvm's multi-class sets have at most 1000 classes (aloi). A label of
+// 10^7 would make the layer alone 2.5 GB.
+constexpr int64_t kMaxClasses = 4096;
+// The most rows a file's feature ids may ask of the embedding table (ids 0..kMaxFeatureRows-1).
+// The table is rows x dim float32 and the optimizer may keep two more of it (Adam): at this count
+// and the default 32 dimensions, 1 GiB and 3 GiB, as much as a training process here should hold.
+// Hashed feature spaces are usually smaller (Vowpal Wabbit's default is 2^18); a larger one must
+// be hashed below this.
+constexpr int64_t kMaxFeatureRows = int64_t{1} << 23;
+
 // Examples as read, before they become tensors.
 struct Bags {
   std::vector<int64_t> ids;
@@ -61,6 +73,8 @@ void readBagFile(const std::string& path, Bags& out) {
       const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), label);
       COHORT_CHECK(ec == std::errc() && end == t.data() + t.size() && label >= -1, IoError, where, ": the label '",
                    std::string(t), "' is not a class (a whole number >= 0, or -1 for class 0)");
+      COHORT_CHECK(label < kMaxClasses, IoError, where, ": the label ", label, " is above ", kMaxClasses - 1,
+                   ", the largest class this reader takes (", kMaxClasses, " classes at most)");
       if (label == -1) label = 0;
     }
     const size_t before = out.ids.size();
@@ -74,6 +88,9 @@ void readBagFile(const std::string& path, Bags& out) {
       COHORT_CHECK(ec == std::errc() && end == idText.data() + idText.size() && !idText.empty(), IoError, where,
                    ": the feature '", std::string(t), "' is not ID or ID:VALUE with ID a whole number");
       COHORT_CHECK(id >= 0, IoError, where, ": the feature id ", id, " is negative (ids index the embedding table)");
+      COHORT_CHECK(id < kMaxFeatureRows, IoError, where, ": the feature id ", id, " is above ", kMaxFeatureRows - 1,
+                   ", the largest id this reader takes (ids index an embedding table of at most ", kMaxFeatureRows,
+                   " rows): hash the ids below ", kMaxFeatureRows);
       if (colon != std::string_view::npos) {
         const std::string value(t.substr(colon + 1));
         char* stop = nullptr;

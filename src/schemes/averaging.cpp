@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
 
 namespace cohort {
 
@@ -219,7 +220,8 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
                    dynamic_cast<torch::optim::AdamW*>(optimizer) != nullptr,
                InvalidArgument, kWho, ": averageOptimizerState knows SGD, Adam and AdamW; this optimizer's state "
                "would not be averaged");
-  COHORT_CHECK(options.outerLr > 0, InvalidArgument, kWho, ": outerLr must be positive, got ", options.outerLr);
+  COHORT_CHECK(options.outerLr > 0 && std::isfinite(options.outerLr), InvalidArgument, kWho,
+               ": outerLr must be a positive number, got ", options.outerLr);
   COHORT_CHECK(options.outerMomentum >= 0 && options.outerMomentum < 1, InvalidArgument, kWho,
                ": outerMomentum must be in [0, 1), got ", options.outerMomentum);
   s.codec = compress::CodecSpec::parse(options.codec);

@@ -43,6 +43,13 @@ void requireNonNegative(double value, const char* field, const std::string& wher
   if (!(value >= 0)) throw InvalidArgument(where + ": field \"" + field + "\" must be >= 0, got " + std::to_string(value));
 }
 
+void requireAtMost(double value, double limit, const char* field, const std::string& where) {
+  if (!(value <= limit)) {
+    throw InvalidArgument(detail::concat(where, ": field \"", field, "\" is ", value, ", above the limit of ", limit,
+                                         ": not a calibration cohort wrote; run cohort simulate --calibrate again"));
+  }
+}
+
 template <typename T>
 T field(const json& j, const char* name, const std::string& where) {
   if (!j.contains(name)) throw InvalidArgument(where + ": field \"" + std::string(name) + "\" is missing");
@@ -80,7 +87,9 @@ void validate(const Calibration& c, const std::string& where) {
     throw InvalidArgument(where + ": field \"backward_fraction\" must be in [0, 1]");
   }
   requirePositive(c.parameterBytes, "parameter_bytes", where);
+  requireAtMost(c.parameterBytes, kMaxParameterBytes, "parameter_bytes", where);
   requirePositive(c.parameterCount, "parameter_count", where);
+  requireAtMost(c.parameterCount, kMaxParameterBytes / 4, "parameter_count", where);
   requirePositive(c.layers, "layers", where);
   if (!(c.gradientDensity > 0 && c.gradientDensity <= 1)) {
     throw InvalidArgument(where + ": field \"gradient_density\" must be in (0, 1]");

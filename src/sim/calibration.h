@@ -9,6 +9,12 @@ namespace cohort::sim {
 
 inline constexpr int kCalibrationVersion = 3;
 
+// The most float32 bytes of parameters a calibration (or --params) may give a model: 10^13, 2.5
+// trillion parameters, above today's largest models. The simulator splits a model into buckets
+// of --bucket-mb, a list as long as the model is large, so a figure above this (1e308 in a damaged
+// or hostile file) would make it allocate without end.
+inline constexpr double kMaxParameterBytes = 1e13;
+
 // One codec's CPU cost per byte of the dense float32 buffer, and what it sends, measured on a real
 // gradient of the calibrated model (so threshold's share is the model's own).
 struct CodecCost {

@@ -608,7 +608,10 @@ void checkSetup(const Scenario& s, int workers) {
   }
   if (!(s.network.latency >= 0)) throw InvalidArgument("--latency must be >= 0, got " + std::to_string(s.network.latency));
   if (s.network.ranksPerHost < 1) throw InvalidArgument("--ranks-per-host must be >= 1");
-  if (workers < 1) throw InvalidArgument("--workers: every count must be >= 1, got " + std::to_string(workers));
+  if (workers < 1 || workers > kMaxWorkers) {
+    throw InvalidArgument("--workers: every count must be in 1.." + std::to_string(kMaxWorkers) + ", got " +
+                          std::to_string(workers));
+  }
   if (s.batch < 1) throw InvalidArgument("--batch must be >= 1, got " + std::to_string(s.batch));
   if (!(s.speed > 0)) throw InvalidArgument("--speed must be > 0, got " + std::to_string(s.speed));
   if (s.cores < 0) throw InvalidArgument("--cores must be >= 0");
@@ -640,6 +643,11 @@ void checkSetup(const Scenario& s, int workers) {
       if (s.gossipPeers < 1) throw InvalidArgument("--peers must be >= 1");
       break;
     case Scheme::Pipeline:
+      // As cohort train: the codecs compress what data-parallel schemes exchange.
+      if (s.codec != "none") {
+        throw InvalidArgument("--codec " + s.codec + " applies to allreduce, average, ps and gossip; --strategy "
+                              "pipeline sends activations and their gradients uncompressed: drop --codec");
+      }
       if (s.stages < 1) throw InvalidArgument("--stages must be >= 1");
       if (workers % s.stages != 0) {
         throw InvalidArgument("--workers " + std::to_string(workers) + ": a pipeline needs a multiple of --stages " +

@@ -59,6 +59,11 @@ struct Scenario {
   uint64_t seed = 1;
 };
 
+// The most workers one prediction simulates: 4x the default counts' largest. The ps simulation's
+// cost grows with the square of the workers (on the 2-core VM, the default 200 steps: 1.5 s at
+// 1000, 15 s at 4000, 250 s at 16000), so a larger count would run for minutes to hours.
+inline constexpr int kMaxWorkers = 4096;
+
 // Throws InvalidArgument naming the option (--bandwidth, --shards, --stages, ...).
 void checkSetup(const Scenario& setup, int workers);
 

@@ -65,8 +65,10 @@ void loadCheckpointModel(const std::vector<uint8_t>& payload, const std::string&
     torch::serialize::InputArchive modelArchive;
     archive.read("model", modelArchive);
     model->load(modelArchive);
-  } catch (const c10::Error& e) {
-    std::string what = e.what_without_backtrace();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {  // c10::Error, or TorchScript's own for a garbled archive
+    std::string what = e.what();
     throw IoError(path + ": checkpoint does not fit this model: " + what.substr(0, what.find('\n')));
   }
 }

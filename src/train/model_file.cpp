@@ -13,6 +13,12 @@ namespace cohort {
 namespace {
 
 constexpr const char* kQuantizedFormat = "int8-linear-v1";
+// The largest model description a file may give: the model is made from it before the file's
+// tensors are compared with it, and its layers grow with the image (the cnn's hidden layer is
+// about 4096 weights per input value: 1 GB at this many, 1 x 256 x 256) and with the classes (as
+// the libsvm reader's limit). The data sets cohort trains on have 784 to 3072 values per image.
+constexpr int64_t kMaxInputValues = int64_t{1} << 16;
+constexpr int64_t kMaxClasses = 4096;
 
 std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
 
@@ -71,26 +77,42 @@ ModelFile loadModelFile(const std::string& path) {
   file.path = path;
   torch::serialize::InputArchive archive;
   c10::IValue value;
+  // Not only c10::Error: in libtorch 2.x a missing key, and TorchScript's reader of a garbled
+  // archive's code, throw exceptions of their own.
   try {
     archive.load_from(path, torch::Device(torch::kCPU));  // written on any device, read on the CPU
-  } catch (const c10::Error& e) {
+  } catch (const std::exception&) {
     throw IoError(path + ": not a model file (not a torch archive): give a file written by cohort train --save-model");
   }
+  std::vector<int64_t> s;
+  std::string format;
   try {
     archive.read("cohort_model", value);
     file.spec = value.toStringRef();
     archive.read("cohort_shape", value);
-    const std::vector<int64_t> s = value.toIntVector();
-    COHORT_CHECK(s.size() == 4, IoError, path, ": cohort_shape has ", s.size(), " entries, expected 4");
-    file.shape = {s[0], s[1], s[2], s[3]};
-  } catch (const c10::Error& e) {
+    s = value.toIntVector();
+    file.quantized = archive.try_read("cohort_format", value);
+    if (file.quantized) format = value.toStringRef();
+  } catch (const std::exception&) {
     throw IoError(path + ": a torch archive without cohort's model description: give a file written by "
                   "cohort train --save-model");
   }
-  file.quantized = archive.try_read("cohort_format", value);
-  COHORT_CHECK(!file.quantized || value.toStringRef() == kQuantizedFormat, IoError, path, ": quantized format '",
-               value.toStringRef(), "' is not one this build reads (", kQuantizedFormat, ")");
-  file.model = makeModel(file.spec, file.shape);
+  COHORT_CHECK(s.size() == 4, IoError, path, ": cohort_shape has ", s.size(), " entries, expected 4");
+  const bool fits = s[0] >= 1 && s[1] >= 1 && s[2] >= 1 && s[0] <= kMaxInputValues && s[1] <= kMaxInputValues &&
+                    s[2] <= kMaxInputValues && s[0] * s[1] <= kMaxInputValues && s[0] * s[1] * s[2] <= kMaxInputValues &&
+                    s[3] >= 1 && s[3] <= kMaxClasses;
+  COHORT_CHECK(fits, IoError, path, ": cohort_shape [", s[0], ", ", s[1], ", ", s[2], ", ", s[3],
+               "] is not a model cohort makes (channels x height x width at most ", kMaxInputValues, ", 1 to ",
+               kMaxClasses, " classes): give a file written by cohort train --save-model");
+  file.shape = {s[0], s[1], s[2], s[3]};
+  COHORT_CHECK(!file.quantized || format == kQuantizedFormat, IoError, path, ": quantized format '", format,
+               "' is not one this build reads (", kQuantizedFormat, ")");
+  try {
+    file.model = makeModel(file.spec, file.shape);
+  } catch (const std::exception& e) {
+    throw IoError(path + ": cohort_model '" + file.spec.substr(0, 200) + "' does not make a model: " +
+                  firstLine(e.what()));
+  }
   try {
     if (!file.quantized) {
       file.model->load(archive);
@@ -118,9 +140,10 @@ ModelFile loadModelFile(const std::string& path) {
         file.scales[size_t(owner[i])] = scale;
       }
     }
-  } catch (const c10::Error& e) {
-    throw IoError(path + ": the model file does not fit its model (" + file.spec +
-                  "): " + firstLine(e.what_without_backtrace()));
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw IoError(path + ": the model file does not fit its model (" + file.spec + "): " + firstLine(e.what()));
   }
   file.model->eval();
   return file;

@@ -166,8 +166,10 @@ std::vector<std::pair<std::string, float>> boardScalars(const StepStats& stats, 
 void validate(const TrainOptions& o) {
   COHORT_CHECK(o.batch > 0, InvalidArgument, "--batch must be positive, got ", o.batch);
   COHORT_CHECK(o.lr > 0 && std::isfinite(o.lr), InvalidArgument, "--lr must be a positive number, got ", o.lr);
-  COHORT_CHECK(o.steps >= 0, InvalidArgument, "--steps must not be negative, got ", o.steps);
+  COHORT_CHECK(o.steps >= 0 && o.steps <= kMaxSteps, InvalidArgument, "--steps must be in 0..", kMaxSteps, ", got ",
+               o.steps);
   COHORT_CHECK(o.steps > 0 || o.epochs > 0, InvalidArgument, "--epochs must be positive, got ", o.epochs);
+  COHORT_CHECK(o.epochs <= kMaxSteps, InvalidArgument, "--epochs must be in 1..", kMaxSteps, ", got ", o.epochs);
   const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
   COHORT_CHECK(o.threads >= 0 && o.threads <= kThreadsPerCore * cores, InvalidArgument, "--threads must be in 0..",
                kThreadsPerCore * cores, " (at most ", kThreadsPerCore, " per core on this machine's ", cores,
@@ -182,6 +184,8 @@ void validate(const TrainOptions& o) {
                "--resume needs --checkpoint-dir to find the checkpoint");
   COHORT_CHECK(o.momentum >= 0 && o.momentum < 1, InvalidArgument, "--momentum must be in [0, 1), got ",
                o.momentum);
+  COHORT_CHECK(o.strategy.average.outerLr > 0 && std::isfinite(o.strategy.average.outerLr), InvalidArgument,
+               "--outer-lr must be a positive number, got ", o.strategy.average.outerLr);
   COHORT_CHECK(o.validation >= 0, InvalidArgument, "--validation must not be negative, got ", o.validation);
   COHORT_CHECK(o.timeoutSeconds > 0 && o.timeoutSeconds <= kMaxTimeoutSeconds, InvalidArgument,
                "--timeout must be a number of seconds in (0, ", kMaxTimeoutSeconds, "] (a week), got ", o.timeoutSeconds);
@@ -218,6 +222,7 @@ struct Trainer::State {
   int64_t stepInEpoch = 0;  // its steps completed
   // The strategy's own state from the checkpoint resumed, until attach() has made the strategy's.
   std::optional<torch::serialize::InputArchive> strategyState;
+  std::string strategyStateSource;  // the checkpoint it came from
 
   void warn(const std::string& message) { std::fprintf(stderr, "cohort: warning: %s\n", message.c_str()); }
 
@@ -250,21 +255,29 @@ struct Trainer::State {
     return bytes;
   }
 
+  // A checkpoint that verifies can still hold data that is not what cohort wrote (damaged before
+  // its checksum was made, or written by hand): every failure to read it is an IoError naming it.
   void restore(const LoadedCheckpoint& ckpt) {
     const std::string& path = ckpt.file.path;
+    // Not only c10::Error: TorchScript's reader of the archive's code throws its own exceptions.
+    auto firstLine = [](const std::exception& e) {
+      const std::string what = e.what();
+      return what.substr(0, what.find('\n'));
+    };
     torch::serialize::InputArchive archive;
     c10::IValue value;
+    std::string found;
     try {
       // Onto this run's device, whichever device wrote it (a GPU run resumes on a CPU and back).
       archive.load_from(reinterpret_cast<const char*>(ckpt.payload.data()), ckpt.payload.size(), device);
       archive.read("fingerprint", value);
-    } catch (const c10::Error& e) {
-      throw IoError(path + ": checkpoint payload is unreadable");
+      found = value.toStringRef();
+    } catch (const std::exception& e) {
+      throw IoError(path + ": checkpoint payload is unreadable: " + firstLine(e));
     }
     const std::string expected = fingerprint(options, replica, strategy->layout());
-    COHORT_CHECK(value.toStringRef() == expected, InvalidArgument, path,
-                 ": checkpoint is from a different run (", value.toStringRef(), "; this run: ",
-                 expected, "): use another --checkpoint-dir or the same settings");
+    COHORT_CHECK(found == expected, InvalidArgument, path, ": checkpoint is from a different run (", found,
+                 "; this run: ", expected, "): use another --checkpoint-dir or the same settings");
     try {
       torch::serialize::InputArchive modelArchive;
       archive.read("model", modelArchive);
@@ -274,6 +287,7 @@ struct Trainer::State {
       optimizer->load(optimizerArchive);
       // Given to the strategy after attach() (which makes its state); absent in older checkpoints.
       strategyState.emplace();
+      strategyStateSource = path;
       archive.try_read("strategy", *strategyState);
       archive.read("step", value);
       step = value.toInt();
@@ -286,10 +300,13 @@ struct Trainer::State {
       auto gen = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(rng.to(torch::kCPU));  // the CPU generator's state, mapped to the device with the rest
-    } catch (const c10::Error& e) {
-      std::string what = e.what_without_backtrace();
-      throw IoError(path + ": checkpoint does not fit this model: " + what.substr(0, what.find('\n')));
+    } catch (const std::exception& e) {
+      throw IoError(path + ": checkpoint does not fit this model: " + firstLine(e));
     }
+    COHORT_CHECK(step >= 0 && step <= kMaxSteps && epoch >= 0 && epoch <= kMaxSteps && stepInEpoch >= 0 &&
+                     stepInEpoch <= step,
+                 IoError, path, ": corrupt checkpoint: step ", step, ", epoch ", epoch, ", step_in_epoch ",
+                 stepInEpoch, " are not a training position");
   }
 
   // The writer (the chief) reads the checkpoint and sends it to the processes that restore the
@@ -347,17 +364,13 @@ struct Trainer::State {
   std::optional<LoadedCheckpoint> loadChiefCheckpoint(int64_t upTo = INT64_MAX) {
     std::vector<std::string> corrupt;
     std::optional<LoadedCheckpoint> loaded;
-    if (upTo == INT64_MAX) {
-      loaded = checkpoints->loadNewest([&](const std::string& m) { corrupt.push_back(m); });
-    } else {
-      for (const auto& file : checkpoints->list()) {
-        if (file.step > upTo) continue;
-        try {
-          loaded = LoadedCheckpoint{file, CheckpointStore::readVerified(file.path)};
-          break;
-        } catch (const IoError& e) {
-          corrupt.push_back(std::string(e.what()) + "; trying the next older one");
-        }
+    for (const auto& file : checkpoints->list([&](const std::string& m) { warn(m); })) {
+      if (file.step > upTo) continue;
+      try {
+        loaded = LoadedCheckpoint{file, CheckpointStore::readVerified(file.path)};
+        break;
+      } catch (const IoError& e) {
+        corrupt.push_back(std::string(e.what()) + "; trying the next older one");
       }
     }
     if (!loaded) {
@@ -481,6 +494,10 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   if (s.cluster.isChief() && s.strategy->name() == "ps") launcher::tellNoPort();
   s.data = loadData(o.data, o.seed);
   holdOutValidation(s.data, o.validation, o.validationSeed);
+  // A larger batch would silently be the whole training set, every step.
+  COHORT_CHECK(o.batch <= s.data.train.size(), InvalidArgument, "--batch ", o.batch, " is larger than the ",
+               s.data.train.size(), " training examples of --data ", o.data, ": use --batch of at most ",
+               s.data.train.size());
   if (s.data.bags()) {
     s.model = makeModel(o.model, {.channels = 1, .height = 1, .width = 1, .classes = s.data.classes,
                                   .featureRows = s.data.featureRows, .featureRowsSource = s.data.featureRowsSource});
@@ -539,7 +556,15 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   // store (one process; ps said so above) says so once attached, and the launcher starts the others.
   s.strategy->attach(s.model, *s.optimizer);
   if (s.strategyState) {
-    s.strategy->loadState(*s.strategyState);
+    try {
+      s.strategy->loadState(*s.strategyState);
+    } catch (const CommError&) {
+      throw;
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      throw IoError(s.strategyStateSource + ": the scheme's state in the checkpoint does not fit: " +
+                    what.substr(0, what.find('\n')));
+    }
     s.strategyState.reset();
   }
   if (s.cluster.isChief()) launcher::tellNoPort();

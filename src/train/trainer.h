@@ -13,6 +13,12 @@ namespace cohort {
 
 enum class ProgressMode { kAuto, kBar, kLines, kOff };
 
+// The most --steps (and --epochs) a run may ask for. A step takes a millisecond at the least, so
+// 10^12 steps are 30 years of training: a larger count is a slip (--steps 1e23, a script's
+// overflow), and the step arithmetic (epochs x steps per epoch, steps x batch) stays far from
+// int64's end.
+inline constexpr int64_t kMaxSteps = 1'000'000'000'000;
+
 struct TrainOptions {
   std::string model = "cnn";
   std::string data = "fashion-mnist";
