@@ -22,6 +22,8 @@
 // bounded by the job's timeout.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cohort/job.h>
 
 #include <torch/nn/module.h>
@@ -33,7 +35,7 @@
 
 namespace cohort {
 
-struct AveragingOptions {
+struct COHORT_API AveragingOptions {
   int64_t period = 1;                  // steps between averages
   bool averageOptimizerState = false;  // needs the optimizer (SGD or Adam)
   std::string codec = "none";          // what the parameter changes travel as (any --codec)
@@ -53,7 +55,7 @@ struct AveragingOptions {
   double outerMomentum = 0.9;
 };
 
-struct AveragingStats {
+struct COHORT_API AveragingStats {
   int64_t steps = 0;     // calls to step()
   int64_t averages = 0;  // averages taken
   int64_t bytesSent = 0;
@@ -61,7 +63,7 @@ struct AveragingStats {
   double commWaitSeconds = 0.0;
 };
 
-class ParameterAveraging {
+class COHORT_API ParameterAveraging {
  public:
   // Broadcasts rank 0's parameters and buffers (a collective). `optimizer` may be null unless
   // averageOptimizerState is set. Throws InvalidArgument for a module without parameters, models
@@ -111,6 +113,6 @@ class ParameterAveraging {
 
 // The optimizer's per-parameter state tensors (momentum buffers; Adam's exp_avg and exp_avg_sq),
 // in parameter order, so that all ranks list them alike.
-std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer);
+COHORT_API std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer);
 
 }  // namespace cohort

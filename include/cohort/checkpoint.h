@@ -6,6 +6,8 @@
 // name and fsyncs the directory, so a kill at any moment leaves every earlier checkpoint whole.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -15,17 +17,17 @@
 
 namespace cohort {
 
-struct CheckpointFile {
+struct COHORT_API CheckpointFile {
   std::string path;
   int64_t step = 0;
 };
 
-struct LoadedCheckpoint {
+struct COHORT_API LoadedCheckpoint {
   CheckpointFile file;
   std::vector<uint8_t> payload;
 };
 
-class CheckpointStore {
+class COHORT_API CheckpointStore {
  public:
   // `prefix` names the files (prefix-<step>.ckpt), so several stores can share a directory.
   // The newest `keep` checkpoints are kept. The directory is created if it does not exist. Temporary

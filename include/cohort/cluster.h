@@ -21,7 +21,11 @@
 // launchers giving every process a consistent environment get that for free.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <functional>
+#include <cohort/host_port.h>
+
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,16 +34,7 @@ namespace cohort {
 
 enum class Role { kWorker, kParameterServer, kEvaluator };
 
-struct HostPort {
-  std::string host;  // a name or an address; IPv6 without brackets
-  int port = 0;
-
-  // "host:port", or "[host]:port" when host is an IPv6 address.
-  std::string str() const;
-  bool operator==(const HostPort&) const = default;
-};
-
-struct ClusterSpec {
+struct COHORT_API ClusterSpec {
   Role role = Role::kWorker;
   int rank = 0;            // workers: 0..worldSize-1, the chief is 0; ps: the shard index; evaluator: its index
   int worldSize = 1;       // number of workers, chief included
@@ -66,17 +61,17 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string& na
 // naming the variable that is wrong and what is wrong with it; two sources that are both set and
 // disagree (TF_CONFIG with RANK/WORLD_SIZE, RANK/WORLD_SIZE with OMPI_COMM_WORLD_RANK/SIZE) are
 // an error naming both.
-ClusterSpec resolveCluster(const EnvLookup& env);
+COHORT_API ClusterSpec resolveCluster(const EnvLookup& env);
 
 // resolveCluster over the process environment (std::getenv).
-ClusterSpec resolveClusterFromEnvironment();
+COHORT_API ClusterSpec resolveClusterFromEnvironment();
 
 // One line for logs: "worker 1 of 2 (TF_CONFIG), master 127.0.0.1:29500".
-std::string describe(const ClusterSpec& spec);
+COHORT_API std::string describe(const ClusterSpec& spec);
 
 // Expands Slurm's compressed host list, in order: "node[01-03,07],gpu5" ->
 // node01 node02 node03 node07 gpu5 (zero padding kept, several bracket groups in one name
 // multiply out). Throws InvalidArgument on an unbalanced bracket or a bad range.
-std::vector<std::string> expandSlurmNodelist(const std::string& nodelist);
+COHORT_API std::vector<std::string> expandSlurmNodelist(const std::string& nodelist);
 
 }  // namespace cohort

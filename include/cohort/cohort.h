@@ -9,15 +9,22 @@
 #pragma once
 
 #include <cohort/averaging.h>
+#include <cohort/checkpoint.h>
 #include <cohort/cluster.h>
 #include <cohort/communicator.h>
 #include <cohort/data.h>
 #include <cohort/data_parallel.h>
 #include <cohort/device.h>
 #include <cohort/error.h>
+#include <cohort/export.h>
 #include <cohort/gossip.h>
+#include <cohort/host_port.h>
+#include <cohort/idx.h>
 #include <cohort/job.h>
+#include <cohort/metrics.h>
+#include <cohort/models.h>
 #include <cohort/parameter_server.h>
+#include <cohort/rendezvous.h>
 #include <cohort/replicas.h>
 #include <cohort/sampler.h>
 #include <cohort/tensor_parallel.h>

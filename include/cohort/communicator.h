@@ -6,6 +6,8 @@
 // the rank that stopped responding, found through heartbeats the ranks keep in the store.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cohort/cluster.h>
 
 #include <torch/types.h>
@@ -19,7 +21,7 @@
 
 namespace cohort {
 
-struct CommOptions {
+struct COHORT_API CommOptions {
   std::chrono::milliseconds timeout{60000};
   int glooThreads = 2;  // threads that run Gloo's work
   // Rank 0 only: called with the rendezvous store's port once it listens, before connect() waits
@@ -31,7 +33,7 @@ struct CommOptions {
 
 // Bytes this rank put on the wire and took off it, by the count of the algorithm used
 // (ring allreduce: 2 (N-1)/N of the buffer each way), and the time spent waiting.
-struct CommCounters {
+struct COHORT_API CommCounters {
   int64_t bytesSent = 0;
   int64_t bytesReceived = 0;
   double waitSeconds = 0.0;
@@ -40,7 +42,7 @@ struct CommCounters {
 class Communicator;
 
 // A handle on an operation under way (c10d's Work, with cohort's error policy).
-class CommWork {
+class COHORT_API CommWork {
  public:
   CommWork() = default;
   struct Impl;  // opaque: defined in communicator.cpp
@@ -55,7 +57,7 @@ class CommWork {
   std::shared_ptr<Impl> impl_;
 };
 
-class Communicator {
+class COHORT_API Communicator {
  public:
   // Joins the job: the chief (rank 0) hosts the store at spec.master, every rank connects to
   // it and the Gloo process group is formed. Throws CommError when the rendezvous times out.

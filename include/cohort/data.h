@@ -1,6 +1,8 @@
 // Data sets held in memory as uint8 images and int64 labels, and the batches made from them.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <torch/types.h>
 
 #include <cstdint>
@@ -13,13 +15,13 @@ namespace cohort {
 // ids, padded with kBagPadding to the longest bag of the batch.
 inline constexpr int64_t kBagPadding = -1;
 
-struct Batch {
+struct COHORT_API Batch {
   torch::Tensor inputs;   // [B, C, H, W] float, scaled to [0, 1]; bags: [B, L] int64 ids
   torch::Tensor targets;  // [B] int64 class indices
   int64_t size() const { return targets.defined() ? targets.size(0) : 0; }
 };
 
-struct Dataset {
+struct COHORT_API Dataset {
   torch::Tensor images;  // [N, C, H, W] uint8 (image data sets)
   torch::Tensor labels;  // [N] int64
   // Bag-of-ids data sets: example i's feature ids are bagIds[bagOffsets[i] .. bagOffsets[i+1]).
@@ -29,7 +31,7 @@ struct Dataset {
   int64_t size() const { return labels.defined() ? labels.size(0) : 0; }
 };
 
-struct DataSplits {
+struct COHORT_API DataSplits {
   std::string name;
   Dataset train;
   Dataset validation;  // empty unless holdOutValidation() took it from train
@@ -67,14 +69,14 @@ inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mni
 //                          1000 most frequent ids) plus Gaussian noise, so the attainable
 //                          accuracy is known (attainableAccuracy).
 // Throws InvalidArgument for an unknown spec and IoError for missing or malformed files.
-DataSplits loadData(const std::string& spec, uint64_t seed);
+COHORT_API DataSplits loadData(const std::string& spec, uint64_t seed);
 
 // Moves n training examples, chosen by a seeded permutation (the same on every machine for the
 // same data, n and seed), into data.validation; the rest stay in data.train in their order.
 // Throws InvalidArgument when n is not below the training set's size.
-void holdOutValidation(DataSplits& data, int64_t n, uint64_t seed);
+COHORT_API void holdOutValidation(DataSplits& data, int64_t n, uint64_t seed);
 
 // Gathers the examples at `indices` into a batch.
-Batch makeBatch(const Dataset& data, std::span<const int64_t> indices);
+COHORT_API Batch makeBatch(const Dataset& data, std::span<const int64_t> indices);
 
 }  // namespace cohort

@@ -27,6 +27,8 @@
 // TimeoutError naming it. Errors are cohort::Error subclasses.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cohort/job.h>
 
 #include <torch/nn/module.h>
@@ -38,7 +40,7 @@
 
 namespace cohort {
 
-struct DataParallelOptions {
+struct COHORT_API DataParallelOptions {
   double bucketMb = 25.0;      // cap of every bucket but the first
   double firstBucketMb = 1.0;  // a small first bucket starts communication early (as DDP's)
   bool overlap = true;         // false: every bucket's allreduce after backward
@@ -54,7 +56,7 @@ struct DataParallelOptions {
 };
 
 // Counters since the handle was made.
-struct DataParallelStats {
+struct COHORT_API DataParallelStats {
   int64_t syncSteps = 0;         // backward passes whose gradients were averaged
   int64_t shadowSteps = 0;       // steps this rank joined in for others after its loop (join())
   int64_t bytesSent = 0;         // gradient payload, as the codec put it on the wire
@@ -73,7 +75,7 @@ struct DataParallelStats {
   double decodeSeconds = 0.0;
 };
 
-class DataParallel {
+class COHORT_API DataParallel {
  public:
   // Broadcasts rank 0's parameters and buffers to every rank and hooks the parameters. A collective
   // of the job's workers. Throws InvalidArgument for a module without trainable parameters, with

@@ -8,6 +8,8 @@
 // the processes of one host spread over its GPUs as torchrun's do; "cuda:N".
 #pragma once
 
+#include <cohort/export.h>
+
 #include <c10/core/Device.h>
 
 #include <string>
@@ -17,12 +19,12 @@ namespace cohort {
 // Parses `name` and checks it against this machine and this LibTorch. Throws InvalidArgument naming
 // the problem and the fix: CUDA asked for where this LibTorch has none or the process sees no GPU,
 // an index past the GPUs it sees, a name that is none of the above.
-c10::Device resolveDevice(const std::string& name, int localRank = 0);
+COHORT_API c10::Device resolveDevice(const std::string& name, int localRank = 0);
 
 // The CUDA devices this process sees (0 when this LibTorch has no CUDA or there is no GPU).
-int cudaDeviceCount();
+COHORT_API int cudaDeviceCount();
 
 // Whether `name` asks for a device explicitly ("cpu", "cuda", "cuda:N"), not "auto" or "".
-bool isExplicitDevice(const std::string& name);
+COHORT_API bool isExplicitDevice(const std::string& name);
 
 }  // namespace cohort

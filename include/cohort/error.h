@@ -5,37 +5,39 @@
 // message names the thing that is wrong (a path, a flag, a rank) and, where there is one, the fix.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <sstream>
 #include <stdexcept>
 #include <string>
 
 namespace cohort {
 
-class Error : public std::runtime_error {
+class COHORT_API Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
 
 // The user asked for something that cannot be done: a bad flag value, an unknown model, a
 // negative batch size. Exit status 2.
-class InvalidArgument : public Error {
+class COHORT_API InvalidArgument : public Error {
  public:
   using Error::Error;
 };
 
 // Reading or writing a file failed, or its contents are not what they claim to be.
-class IoError : public Error {
+class COHORT_API IoError : public Error {
  public:
   using Error::Error;
 };
 
 // A peer did not answer in time or went away.
-class CommError : public Error {
+class COHORT_API CommError : public Error {
  public:
   using Error::Error;
 };
 
-class TimeoutError : public CommError {
+class COHORT_API TimeoutError : public CommError {
  public:
   using CommError::CommError;
 };

@@ -19,6 +19,8 @@
 // same model on every worker; calls from the training thread; finish() once, on every worker.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cohort/job.h>
 #include <cohort/metrics.h>
 #include <cohort/rendezvous.h>
@@ -31,7 +33,7 @@
 
 namespace cohort {
 
-struct GossipOptions {
+struct COHORT_API GossipOptions {
   int peers = 0;                 // send each step's change to this many random live peers; 0: all
   std::string codec = "none";    // what the changes travel as (any --codec)
   int64_t codecWarmupSteps = 0;  // the first steps travel uncompressed
@@ -39,7 +41,7 @@ struct GossipOptions {
   uint64_t seed = 0;             // the choice of peers
 };
 
-struct GossipStep {
+struct COHORT_API GossipStep {
   int64_t samples = 0;  // this step's examples plus those behind the updates applied
   int64_t bytesSent = 0;
   int64_t bytesReceived = 0;
@@ -51,7 +53,7 @@ struct GossipStep {
   bool stopJob = false;  // the chief called requestStop() and finished: end the training loop
 };
 
-class Gossip {
+class COHORT_API Gossip {
  public:
   // Joins the other workers (a collective through the chief's store), copies the chief's
   // parameters. Throws InvalidArgument for fewer than 2 workers, bad options or a model that

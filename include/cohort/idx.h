@@ -3,6 +3,8 @@
 // then the data in row-major order. No torch here: the parser works on bytes.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cstdint>
 #include <span>
 #include <string>
@@ -19,7 +21,7 @@ enum class IdxType : uint8_t {
   kFloat64 = 0x0E,
 };
 
-struct IdxArray {
+struct COHORT_API IdxArray {
   IdxType type = IdxType::kUint8;
   std::vector<int64_t> dims;
   std::vector<uint8_t> data;  // raw elements, big-endian as in the file
@@ -27,13 +29,13 @@ struct IdxArray {
   int64_t elements() const;
 };
 
-size_t idxElementSize(IdxType type);
+COHORT_API size_t idxElementSize(IdxType type);
 
 // Parses a whole IDX file held in memory. `name` is used in error messages only.
 // Throws IoError on a wrong magic, an unknown type, a truncated or over-long body.
-IdxArray parseIdx(std::span<const uint8_t> bytes, const std::string& name);
+COHORT_API IdxArray parseIdx(std::span<const uint8_t> bytes, const std::string& name);
 
 // Reads an IDX file, gzip-compressed or plain (detected from the contents, not the name).
-IdxArray readIdxFile(const std::string& path);
+COHORT_API IdxArray readIdxFile(const std::string& path);
 
 }  // namespace cohort

@@ -9,6 +9,8 @@
 // effects (no threads set, no seed, no allocator tuning); that is the caller's business.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cohort/cluster.h>
 
 #include <c10/core/Device.h>
@@ -21,7 +23,7 @@ namespace cohort {
 
 class Communicator;
 
-struct JobOptions {
+struct COHORT_API JobOptions {
   // Every wait on another process (rendezvous, collectives, servers) ends after this long with a
   // cohort::TimeoutError naming who did not answer.
   std::chrono::milliseconds timeout{60000};
@@ -30,7 +32,7 @@ struct JobOptions {
   std::string device = "auto";
 };
 
-class Job {
+class COHORT_API Job {
  public:
   // Resolves the cluster from the process environment (resolveClusterFromEnvironment). Nothing is
   // connected yet: communicator() joins the workers' group on first use. Throws InvalidArgument

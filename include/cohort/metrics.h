@@ -2,6 +2,8 @@
 //   {"event":"step", ...}  {"event":"eval", ...}  {"event":"done", ...}
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -16,9 +18,9 @@ using MetricFields = std::vector<std::pair<std::string, MetricValue>>;
 
 // Formats one JSON line (no newline): {"event":event, fields...}, in the order given.
 // Non-finite doubles are written as null.
-std::string formatMetricLine(const std::string& event, const MetricFields& fields);
+COHORT_API std::string formatMetricLine(const std::string& event, const MetricFields& fields);
 
-class MetricsWriter {
+class COHORT_API MetricsWriter {
  public:
   // An empty path makes a writer that discards everything. Throws IoError if the file cannot be
   // opened for appending.

@@ -2,6 +2,8 @@
 // stages; built-in models and TorchScript files alike.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <torch/nn/modules/container/sequential.h>
 
 #include <cstdint>
@@ -11,7 +13,7 @@
 
 namespace cohort {
 
-struct InputShape {
+struct COHORT_API InputShape {
   int64_t channels = 1;
   int64_t height = 28;
   int64_t width = 28;
@@ -28,16 +30,16 @@ struct InputShape {
 // (nn::EmbeddingBag with sparse gradients) and an MLP: rows (default 1000000), dim (32), pool
 // (sum | mean; sum), hidden (64), sparse (1 | 0: the same model with a dense gradient).
 // Parameters are initialized from torch's default generator: seed it first.
-torch::nn::Sequential makeModel(const std::string& spec, const InputShape& shape);
+COHORT_API torch::nn::Sequential makeModel(const std::string& spec, const InputShape& shape);
 
 // Loads a TorchScript file as above. Throws IoError naming the path when it is not one.
-torch::nn::Sequential loadScriptedModel(const std::string& path);
+COHORT_API torch::nn::Sequential loadScriptedModel(const std::string& path);
 
-int64_t parameterCount(const torch::nn::Module& model);
+COHORT_API int64_t parameterCount(const torch::nn::Module& model);
 
 // The sparse embedding tables `model` reads `inputs` through, each with the rows that a forward
 // pass of `inputs` reads (sorted, distinct). Empty for a model without one. (A built-in embed
 // model with sparse gradients: its table and the batch's ids.)
-std::vector<std::pair<torch::Tensor, torch::Tensor>> rowsRead(torch::nn::Sequential& model, const torch::Tensor& inputs);
+COHORT_API std::vector<std::pair<torch::Tensor, torch::Tensor>> rowsRead(torch::nn::Sequential& model, const torch::Tensor& inputs);
 
 }  // namespace cohort

@@ -24,6 +24,8 @@
 // shards that do not answer.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cohort/job.h>
 #include <cohort/metrics.h>
 
@@ -38,7 +40,7 @@
 
 namespace cohort {
 
-struct ParameterServerOptions {
+struct COHORT_API ParameterServerOptions {
   // The update policy on the shards (see docs/ARCHITECTURE.md "The parameter server").
   std::string mode = "async";  // sync | async | softsync | ssp
   int backupWorkers = 0;       // sync: the step closes after N - b gradients
@@ -74,7 +76,7 @@ struct ParameterServerOptions {
 };
 
 // One push and pull.
-struct ParameterServerStep {
+struct COHORT_API ParameterServerStep {
   int64_t samples = 0;  // examples trained on by the job since the previous step (shard 0's count)
   int64_t bytesSent = 0;
   int64_t bytesReceived = 0;
@@ -86,7 +88,7 @@ struct ParameterServerStep {
   bool stopJob = false;   // the chief called requestStop(): end the training loop after this step
 };
 
-class ParameterServerClient {
+class COHORT_API ParameterServerClient {
  public:
   // Connects to the shards; the chief initializes them (or, with resume, has them keep their
   // checkpointed state); every worker pulls the initial parameters into the model.
@@ -138,7 +140,7 @@ class ParameterServerClient {
 // done). The policy and optimizer come from the chief's Init. `checkpointDir` (optional): the
 // shard checkpoints there and resumes from it when restarted. Throws InvalidArgument when this
 // process is not a ps task or has no address.
-int serveParameterServerShard(const Job& job, const ParameterServerOptions& options,
+COHORT_API int serveParameterServerShard(const Job& job, const ParameterServerOptions& options,
                               const std::string& checkpointDir = "");
 
 }  // namespace cohort

@@ -3,6 +3,8 @@
 // (gossip) and need each other's addresses, without forming a Gloo group.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cohort/cluster.h>
 
 #include <chrono>
@@ -11,7 +13,7 @@
 
 namespace cohort {
 
-class Rendezvous {
+class COHORT_API Rendezvous {
  public:
   // The chief (rank 0) hosts the store at spec.master; the others connect to it, retrying until
   // the timeout. Throws CommError naming the address when that fails.

@@ -37,6 +37,8 @@
 // between replicas is bounded by `timeout`. Errors are cohort::Error subclasses.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cohort/job.h>
 
 #include <torch/nn/module.h>
@@ -54,7 +56,7 @@ namespace cohort {
 using ShardLoss = std::function<torch::Tensor(int replica, torch::nn::Module& model, const torch::Tensor& inputs,
                                               const torch::Tensor& targets)>;
 
-struct ReplicaOptions {
+struct COHORT_API ReplicaOptions {
   int replicas = 2;
   // Mirrored and CentralStorage: gradients are summed bucket by bucket; with overlap, a bucket is
   // summed as soon as every replica's backward has produced it, while backward goes on, and (Mirrored
@@ -73,7 +75,7 @@ struct ReplicaOptions {
 
 // Where a replica thread's step time goes, in seconds summed over the steps and averaged over the
 // replicas. With waitSeconds they cover a step() call from its start to its return.
-struct ReplicaTimes {
+struct COHORT_API ReplicaTimes {
   double handOff = 0.0;    // step() waking the thread, and the last thread's end waking step()
   double forward = 0.0;    // the loss function: forward and loss
   double backward = 0.0;   // backward, less the time its gradient hooks spend on the buckets
@@ -82,7 +84,7 @@ struct ReplicaTimes {
   double optimizer = 0.0;  // its optimizer step (CentralStorage: replica 0's only)
 };
 
-struct ReplicaStats {
+struct COHORT_API ReplicaStats {
   int64_t steps = 0;
   std::vector<int64_t> lastShards;  // the last step's examples per replica
   int64_t bytesReduced = 0;      // gradient bytes summed in memory (Mirrored, CentralStorage)
@@ -104,7 +106,7 @@ struct ReplicaStats {
   int64_t conflicts = 0;
 };
 
-class ReplicaGroup {
+class COHORT_API ReplicaGroup {
  public:
   ~ReplicaGroup();
   ReplicaGroup(const ReplicaGroup&) = delete;
@@ -133,7 +135,7 @@ class ReplicaGroup {
   std::unique_ptr<Impl> impl_;
 };
 
-class Mirrored final : public ReplicaGroup {
+class COHORT_API Mirrored final : public ReplicaGroup {
  public:
   // A job of several processes: a collective of its workers (rank 0's model is broadcast first);
   // every process runs the same replica count and calls step() equally often.
@@ -142,13 +144,13 @@ class Mirrored final : public ReplicaGroup {
   Mirrored(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer, ReplicaOptions options = {});
 };
 
-class CentralStorage final : public ReplicaGroup {
+class COHORT_API CentralStorage final : public ReplicaGroup {
  public:
   CentralStorage(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer,
                  ReplicaOptions options = {});
 };
 
-class Hogwild final : public ReplicaGroup {
+class COHORT_API Hogwild final : public ReplicaGroup {
  public:
   Hogwild(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer, ReplicaOptions options = {});
 };

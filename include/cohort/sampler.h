@@ -1,12 +1,14 @@
 // Which examples each replica trains on, epoch by epoch.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cstdint>
 #include <vector>
 
 namespace cohort {
 
-struct SamplerOptions {
+struct COHORT_API SamplerOptions {
   int64_t datasetSize = 0;
   int rank = 0;
   int worldSize = 1;
@@ -20,7 +22,7 @@ struct SamplerOptions {
 //
 // The strided assignment is what makes data parallelism exact: batch k of every rank together is
 // batch k of a single process with W times the batch size over the same permutation.
-class ShardSampler {
+class COHORT_API ShardSampler {
  public:
   explicit ShardSampler(SamplerOptions options);
 
@@ -46,7 +48,7 @@ class Job;
 //   cohort::DistributedSampler sampler(dataset.size(), job, /*seed=*/1);
 //   for (int64_t epoch = 0; epoch < epochs; ++epoch)
 //     for (int64_t i : sampler.indices(epoch)) ...
-class DistributedSampler {
+class COHORT_API DistributedSampler {
  public:
   // Throws InvalidArgument when the data set has fewer examples than the job has workers.
   DistributedSampler(int64_t datasetSize, const Job& job, uint64_t seed = 0, bool shuffle = true);

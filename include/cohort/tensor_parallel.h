@@ -22,6 +22,8 @@
 // called in the same order (evaluation too). Errors are cohort::Error subclasses.
 #pragma once
 
+#include <cohort/export.h>
+
 #include <cohort/job.h>
 
 #include <torch/nn/modules/container/sequential.h>
@@ -32,16 +34,16 @@
 
 namespace cohort {
 
-struct TensorParallelOptions {
+struct COHORT_API TensorParallelOptions {
   int ways = 0;  // 0: every process of the job
 };
 
-struct TensorParallelStats {
+struct COHORT_API TensorParallelStats {
   int64_t bytesSent = 0;  // over the ways' group, since the handle was made
   int64_t bytesReceived = 0;
 };
 
-class TensorParallel {
+class COHORT_API TensorParallel {
  public:
   // `model` is the whole network, initialized alike on every process (the same seed); `sample` is
   // a batch of inputs, for the layers' shapes. A collective of the job's workers. Throws

@@ -13,6 +13,11 @@
 
 namespace cohort {
 
+std::string HostPort::str() const {
+  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
 std::optional<HostPort> parseHostPort(const std::string& text, bool allowPortZero) {
   std::string host;
   std::string port;

@@ -1,7 +1,7 @@
 // "host:port" and "[v6 host]:port" as the cluster's conventions write them.
 #pragma once
 
-#include <cohort/cluster.h>
+#include <cohort/host_port.h>
 
 #include <optional>
 #include <string>

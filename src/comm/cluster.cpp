@@ -484,11 +484,6 @@ ClusterSpec fromSlurm(const Env& env) {
 
 }  // namespace
 
-std::string HostPort::str() const {
-  const bool v6 = host.find(':') != std::string::npos;
-  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
-}
-
 namespace {
 
 ClusterSpec resolveRoles(const Env& env) {

@@ -249,12 +249,6 @@ struct Channel {
   }
 };
 
-// "host:port", "[host]:port" for IPv6 (cluster.h's HostPort::str, which lives in libcohort).
-std::string joinHostPort(const std::string& host, int port) {
-  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
-  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
-}
-
 void setNoDelay(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -589,7 +583,7 @@ std::unique_ptr<Server> Server::start(const ServerOptions& options) {
                options.port);
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  const std::string where = joinHostPort(options.host, options.port);
+  const std::string where = HostPort{options.host, options.port}.str();
 
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -635,7 +629,7 @@ std::unique_ptr<Server> Server::start(const ServerOptions& options) {
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len);
       impl->port = ntohs(local.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&local)->sin6_port
                                                      : reinterpret_cast<sockaddr_in*>(&local)->sin_port);
-      impl->bound = joinHostPort(addressText(reinterpret_cast<sockaddr*>(&local)), impl->port);
+      impl->bound = HostPort{addressText(reinterpret_cast<sockaddr*>(&local)), impl->port}.str();
       if (everywhere && !nameToLoopback) {
         std::cerr << "cohort: warning: MASTER_ADDR " << options.host
                   << " is not an address of this machine; the rendezvous store listens on every interface\n";
@@ -708,11 +702,11 @@ Client::~Client() = default;
 
 std::unique_ptr<Client> Client::connect(const std::string& host, int port, const std::string& secret,
                                         std::chrono::milliseconds timeout) {
-  COHORT_CHECK(port >= 1 && port <= 65535, CommError, "the rendezvous store's address ", joinHostPort(host, port),
+  COHORT_CHECK(port >= 1 && port <= 65535, CommError, "the rendezvous store's address ", HostPort{host, port}.str(),
                " has no port: only the chief may be given port 0 (it then listens on any free port, which "
                "cohort launch hands to the others); give the other workers the chief's MASTER_PORT");
   auto impl = std::make_unique<Impl>();
-  impl->where = joinHostPort(host, port);
+  impl->where = HostPort{host, port}.str();
   impl->timeout = timeout;
   MutexLock lock(impl->mu);  // nobody else sees impl yet; this keeps the analysis exact
   const auto deadline = Clock::now() + timeout;

@@ -124,12 +124,6 @@ void setTimeout(int fd, int option, double seconds) {
   ::setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv));
 }
 
-// HostPort::str() lives in comm/ (with torch); this layer formats its own.
-std::string text(const HostPort& a) {
-  const bool v6 = a.host.find(':') != std::string::npos;
-  return (v6 ? "[" + a.host + "]" : a.host) + ":" + std::to_string(a.port);
-}
-
 std::string describe(const sockaddr_storage& addr) {
   char host[INET6_ADDRSTRLEN] = "?";
   int port = 0;
@@ -142,7 +136,7 @@ std::string describe(const sockaddr_storage& addr) {
     ::inet_ntop(AF_INET6, &in->sin6_addr, host, sizeof(host));
     port = ntohs(in->sin6_port);
   }
-  return text(HostPort{host, port});
+  return HostPort{host, port}.str();
 }
 
 const char* frameName(FrameType t) {
@@ -647,7 +641,7 @@ struct Peer::Impl {
   // The connector's half of the handshake (gossip/wire.h) with the peer of rank r.
   Attempt handshake(int fd, int r, const HostPort& to, Proof& key, std::string& error) {
     const auto deadline = Clock::now() + secondsToDuration(std::min(options.timeoutSeconds, kHandshakeSeconds));
-    const std::string at = " at " + text(to);
+    const std::string at = " at " + to.str();
     FrameHeader h;
     std::vector<uint8_t> body;
     try {
@@ -723,7 +717,7 @@ struct Peer::Impl {
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(1000));
     }
-    if (!stopping.load()) markLost(r, "cannot open a stream to " + text(to) + ": " + error);
+    if (!stopping.load()) markLost(r, "cannot open a stream to " + to.str() + ": " + error);
     return -1;
   }
 

@@ -24,7 +24,7 @@
 
 #include "gossip/wire.h"
 
-#include <cohort/cluster.h>
+#include <cohort/host_port.h>
 
 #include <cstdint>
 #include <memory>

@@ -1,5 +1,5 @@
 // `--strategy ps`: the CLI's adapter over the library's ParameterServerClient
-// (include/cohort/parameter_server.h; implemented in strategy/ps.cpp over ps/client.h).
+// (include/cohort/parameter_server.h; implemented in schemes/parameter_server.cpp over ps/client.h).
 //
 // The worker pulls the parameters, computes a gradient on its batch, and pushes it to every shard;
 // the shards run the optimizer and the update policy (ps/shard.h). Each push asks for the
