@@ -173,6 +173,32 @@ experiment::OptionCatalog catalog() {
                          {"metrics", true}}};
 }
 
+// Every scheme train runs can be compared (the file knew 6 of the 10 before): the in-process ones
+// default to one process, tensor to two, and the copies that share the data follow --ways.
+TEST(Compare, EverySchemeTrainKnowsPlansWithItsProcessesAndReplicas) {
+  test::TempDir dir;
+  test::writeFile(dir.file("c.toml"),
+                  "[[configuration]]\nstrategy = \"tensor\"\n[[configuration]]\nstrategy = \"tensor\"\nworkers = 4\n"
+                  "[[configuration]]\nstrategy = \"hogwild\"\n[[configuration]]\nstrategy = \"mirrored\"\nworkers = 2\n");
+  const auto file = experiment::readCompareFile(dir.file("c.toml"), catalog());
+  ASSERT_EQ(file.configurations.size(), 4u);
+  EXPECT_EQ(file.configurations[0].scheme, Scheme::kTensor);
+  EXPECT_EQ(file.configurations[0].workers, 2);
+  EXPECT_EQ(file.configurations[0].replicas(), 1);
+  EXPECT_EQ(file.configurations[1].replicas(), 2);
+  EXPECT_EQ(file.configurations[2].workers, 1);
+  EXPECT_EQ(file.configurations[2].name, "hogwild-3");
+  EXPECT_EQ(file.configurations[3].replicas(), 2);
+  test::writeFile(dir.file("bad.toml"), "[[configuration]]\nstrategy = \"central\"\nworkers = 2\n");
+  try {
+    experiment::readCompareFile(dir.file("bad.toml"), catalog());
+    ADD_FAILURE() << "central over 2 processes was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("configuration 1: strategy central runs 1 process"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Sweep, GridIsEveryCombination) {
   test::TempDir dir;
   test::writeFile(dir.file("s.toml"),

@@ -116,7 +116,7 @@ TEST(SimCost, BucketsAndOverlap) {
 }
 
 TEST(SimEvents, AllreduceWithoutStragglersIsTheClosedForm) {
-  Scenario s = scenarioOf(Scheme::Allreduce);
+  Scenario s = scenarioOf(Scheme::kAllreduce);
   s.overlap = false;
   const double c = 64 * 1e-3;
   for (int p : {2, 3, 8, 100}) {
@@ -144,7 +144,7 @@ TEST(SimEvents, AllreduceWithoutStragglersIsTheClosedForm) {
 }
 
 TEST(SimEvents, SparseCodecIsEncodeAllgatherDecode) {
-  Scenario s = scenarioOf(Scheme::Allreduce);
+  Scenario s = scenarioOf(Scheme::kAllreduce);
   s.codec = "threshold:0.001";
   const int p = 4;
   // Two buckets (1 MiB, then the rest), each: encode, an allgather of the 8-byte lengths and one of
@@ -163,14 +163,14 @@ TEST(SimEvents, SparseCodecIsEncodeAllgatherDecode) {
 }
 
 TEST(SimEvents, AveragingEveryKSteps) {
-  Scenario s = scenarioOf(Scheme::Average);
+  Scenario s = scenarioOf(Scheme::kAverage);
   s.period = 5;
   const double perStep = 64e-3 + ringAllreduceSeconds(8, 4e6, 50e-6, kB, 1e-10) / 5;
   EXPECT_NEAR(simulateWorkers(s, 8).stepSeconds, perStep, 1e-12);
 }
 
 TEST(SimEvents, SyncParameterServerWithoutStragglersIsTheClosedForm) {
-  Scenario s = scenarioOf(Scheme::Ps);
+  Scenario s = scenarioOf(Scheme::kPs);
   s.psMode = PsMode::Sync;
   s.network.serverBandwidth = 4e8;
   for (int shards : {1, 2}) {
@@ -198,7 +198,7 @@ TEST(SimEvents, SyncParameterServerWithoutStragglersIsTheClosedForm) {
 }
 
 TEST(SimEvents, AsyncStalenessIsTheOtherWorkersPushes) {
-  Scenario s = scenarioOf(Scheme::Ps);
+  Scenario s = scenarioOf(Scheme::kPs);
   s.psMode = PsMode::Async;
   s.steps = 200;
   // One worker: compute, push, reply; nothing stale.
@@ -233,7 +233,7 @@ TEST(SimEvents, AsyncStalenessIsTheOtherWorkersPushes) {
 }
 
 TEST(SimEvents, StragglersBackupWorkersAndBoundedStaleness) {
-  Scenario s = scenarioOf(Scheme::Ps);
+  Scenario s = scenarioOf(Scheme::kPs);
   s.network.bandwidth = 0;  // compute-bound: the stragglers are what matters
   s.steps = 300;
   s.tail = Tail::parse("pareto:1.5:0.1");
@@ -259,7 +259,7 @@ TEST(SimEvents, StragglersBackupWorkersAndBoundedStaleness) {
   EXPECT_EQ(sync.staleness, 0.0);
 
   // The same in synchronous allreduce: the waiting shows as wait, and grows with the workers.
-  Scenario a = scenarioOf(Scheme::Allreduce);
+  Scenario a = scenarioOf(Scheme::kAllreduce);
   a.tail = Tail::parse("lognormal:0.3");
   a.steps = 200;
   const Prediction few = simulateWorkers(a, 4), many = simulateWorkers(a, 256);
@@ -268,7 +268,7 @@ TEST(SimEvents, StragglersBackupWorkersAndBoundedStaleness) {
 }
 
 TEST(SimEvents, SharedCoresComputeAtTheJobsMeasuredSpeed) {
-  Scenario s = scenarioOf(Scheme::Allreduce);
+  Scenario s = scenarioOf(Scheme::kAllreduce);
   s.network.bandwidth = 0;
   s.cores = 2;
   s.overlap = false;
@@ -286,12 +286,12 @@ TEST(SimEvents, SharedCoresComputeAtTheJobsMeasuredSpeed) {
   EXPECT_NEAR(simulateWorkers(s, 8).computeSeconds, 4 * 64 * 1.3e-3, 1e-12);
   // Asynchronous ps workers interleave compute with waiting: the speed per core, not slowed.
   Scenario ps = s;
-  ps.scheme = Scheme::Ps;
+  ps.scheme = Scheme::kPs;
   EXPECT_NEAR(simulateWorkers(ps, 4).computeSeconds, 64 * 1.3e-3, 1e-12);
 }
 
 TEST(SimEvents, ParameterServerPaysTheMeasuredGrpcCosts) {
-  Scenario s = scenarioOf(Scheme::Ps);
+  Scenario s = scenarioOf(Scheme::kPs);
   s.calibration.rpcCallSeconds = 1e-4;          // an empty call's round trip
   s.calibration.rpcWorkerSecondsPerByte = 2e-9;  // the worker's CPU per pushed float32 byte
   s.calibration.shardSecondsPerByte = 1e-9;      // the shard process's
@@ -302,7 +302,7 @@ TEST(SimEvents, ParameterServerPaysTheMeasuredGrpcCosts) {
 }
 
 TEST(SimEvents, SweepAndKnee) {
-  Scenario s = scenarioOf(Scheme::Allreduce);
+  Scenario s = scenarioOf(Scheme::kAllreduce);
   s.network.latency = 2e-3;  // the latency term 2 (p-1) a eventually dominates
   s.overlap = false;
   const std::vector<Prediction> points = sweep(s, defaultWorkerCounts());
@@ -359,16 +359,16 @@ TEST(SimSetup, BadInputNamesTheOption) {
       EXPECT_NE(std::string(e.what()).find(flag), std::string::npos) << e.what();
     }
   };
-  Scenario s = scenarioOf(Scheme::Ps);
+  Scenario s = scenarioOf(Scheme::kPs);
   s.network.bandwidth = -1;
   expectError(s, 2, "--bandwidth");
-  s = scenarioOf(Scheme::Ps);
+  s = scenarioOf(Scheme::kPs);
   s.shards = 2000000;
   expectError(s, 2, "--shards");
-  s = scenarioOf(Scheme::Pipeline);
+  s = scenarioOf(Scheme::kPipeline);
   s.stages = 9;
   expectError(s, 9, "--stages");
-  s = scenarioOf(Scheme::Allreduce);
+  s = scenarioOf(Scheme::kAllreduce);
   s.codec = "onebit";
   expectError(s, 2, "--codec onebit");
 }
@@ -392,7 +392,7 @@ TEST(SimCalibration, ParameterBytesAboveTheLimitNamesTheFileAndField) {
 TEST(SimSetup, WorkersBeyondTheLimitAreRefusedWithTheRange) {
   for (const int workers : {4097, std::numeric_limits<int>::max()}) {
     try {
-      simulateWorkers(scenarioOf(Scheme::Allreduce), workers);
+      simulateWorkers(scenarioOf(Scheme::kAllreduce), workers);
       ADD_FAILURE() << "accepted --workers " << workers;
       return;  // the larger count would run for minutes
     } catch (const InvalidArgument& e) {
@@ -405,7 +405,7 @@ TEST(SimSetup, WorkersBeyondTheLimitAreRefusedWithTheRange) {
 
 // As cohort train: a pipeline exchanges nothing a codec compresses.
 TEST(SimSetup, PipelineRefusesACodec) {
-  Scenario s = scenarioOf(Scheme::Pipeline);
+  Scenario s = scenarioOf(Scheme::kPipeline);
   s.codec = "fp16";  // measured by plain()
   try {
     simulateWorkers(s, 4);
@@ -461,7 +461,7 @@ TEST(SimCalibration, RecordedJobComputeAtEachRankCount) {
   EXPECT_EQ(c.jobCompute[2].ranks, 4);
   EXPECT_NEAR(simulateWorkers(s, 6).computeSeconds, 64 * c.jobCompute[2].secondsPerExample * 6 / 4, 1e-12);
   EXPECT_NEAR(simulateWorkers(s, 1).computeSeconds, 64 * c.computeSecondsPerExample, 1e-12);
-  s.scheme = Scheme::Ps;
+  s.scheme = Scheme::kPs;
   s.shards = 2;
   EXPECT_NEAR(simulateWorkers(s, 4).computeSeconds, 64 * c.jobCompute[2].secondsPerExample / 2, 1e-12);
 }

@@ -367,7 +367,7 @@ TEST(SparsePs, TrainerStepsCarryRowsAtEpochEndsEvaluationsAndTheLastStep) {
   o.optimizer = "adagrad";
   o.lr = 0.05;
   o.metricsPath = dir.file("m.jsonl");
-  o.strategy.name = "ps";
+  o.strategy.scheme = Scheme::kPs;
   o.strategy.ps.hosts = shards.hosts;
   Trainer trainer(o);
   const TrainResult r = trainer.run();

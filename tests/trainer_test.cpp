@@ -1,5 +1,6 @@
 #include <cohort/checkpoint.h>
 #include <cohort/error.h>
+#include "base/scheme.h"
 #include "train/trainer.h"
 
 #include <nlohmann/json.hpp>
@@ -252,9 +253,16 @@ TEST(Trainer, RejectsBadOptions) {
   o = smallRun();
   o.resume = true;
   EXPECT_THROW(validate(o), InvalidArgument);
-  o = smallRun();
-  o.strategy.name = "telepathy";
-  EXPECT_THROW(Trainer{o}, InvalidArgument);
+}
+
+// A scheme's name is parsed once, at the edge; every name round-trips and no other text parses.
+TEST(Scheme, EveryNameParsesBackToItsSchemeAndNothingElseParses) {
+  for (Scheme s : allSchemes()) EXPECT_EQ(parseScheme(schemeName(s)), s) << schemeName(s);
+  EXPECT_EQ(allSchemes().size(), 10u);
+  EXPECT_EQ(parseScheme("telepathy"), std::nullopt);
+  EXPECT_EQ(parseScheme("Allreduce"), std::nullopt);
+  EXPECT_EQ(parseScheme(""), std::nullopt);
+  EXPECT_EQ(schemeNames(), "local, allreduce, average, ps, gossip, pipeline, tensor, mirrored, central, hogwild");
 }
 
 }  // namespace

@@ -311,13 +311,12 @@ int runCalibrate(const Flags& f) {
   return 0;
 }
 
-sim::Scheme schemeOf(const std::string& name) {
-  if (name == "allreduce") return sim::Scheme::Allreduce;
-  if (name == "average") return sim::Scheme::Average;
-  if (name == "ps") return sim::Scheme::Ps;
-  if (name == "gossip") return sim::Scheme::Gossip;
-  if (name == "pipeline") return sim::Scheme::Pipeline;
-  throw InvalidArgument("--strategy " + name + ": expected allreduce, average, ps, gossip or pipeline");
+Scheme schemeOf(const std::string& name) {
+  const std::optional<Scheme> scheme = parseScheme(name);
+  COHORT_CHECK(scheme == Scheme::kAllreduce || scheme == Scheme::kAverage || scheme == Scheme::kPs ||
+                   scheme == Scheme::kGossip || scheme == Scheme::kPipeline,
+               InvalidArgument, "--strategy ", name, ": expected allreduce, average, ps, gossip or pipeline");
+  return *scheme;
 }
 
 sim::PsMode modeOf(const std::string& name) {
@@ -328,18 +327,19 @@ sim::PsMode modeOf(const std::string& name) {
   throw InvalidArgument("--ps-mode " + name + ": expected sync, async, softsync or ssp");
 }
 
-std::string curveName(const std::string& strategy, const Flags& f, const std::string& codec) {
-  std::string name = strategy;
-  if (strategy == "ps") {
+std::string curveName(Scheme scheme, const Flags& f, const std::string& codec) {
+  std::string name = schemeName(scheme);
+  if (scheme == Scheme::kPs) {
     name += " " + f.psMode + " " + std::to_string(f.shards) + " shard" + (f.shards > 1 ? "s" : "");
     if (f.psMode == "sync" && f.backupWorkers > 0) name += " +" + std::to_string(f.backupWorkers) + " backup";
   }
-  if (strategy == "pipeline") name += " " + std::to_string(f.stages) + " stages";
+  if (scheme == Scheme::kPipeline) name += " " + std::to_string(f.stages) + " stages";
   if (codec != "none") name += " " + codec;
   return name;
 }
 
 int runSimulate(const Flags& f) {
+  for (const std::string& strategy : splitList(f.strategy)) schemeOf(strategy);  // before any file is read
   sim::Scenario base;
   base.calibration = sim::loadCalibration(f.calibration);
   if (f.params != 0) {
@@ -389,7 +389,7 @@ int runSimulate(const Flags& f) {
       sim::Scenario s = base;
       s.scheme = schemeOf(strategy);
       s.codec = codec == "none" ? "none" : compress::CodecSpec::parse(codec).text();
-      curves.push_back({curveName(strategy, f, codec), sim::sweep(s, workers)});
+      curves.push_back({curveName(s.scheme, f, codec), sim::sweep(s, workers)});
     }
   }
   if (f.json) {

@@ -8,6 +8,7 @@
 #include "ps/service.h"
 #include "base/launcher_channel.h"
 
+#include "base/scheme.h"
 #include "cli/commands.h"
 #include "strategy/pipeline_plan.h"
 
@@ -121,9 +122,9 @@ std::optional<std::string> valueForRank(const std::string& text, int rank, const
 // worker takes up its clock again in the asynchronous ones; gossip peers go on; every other scheme
 // needs every worker at every step.
 const char* workerLossOf(const StrategyOptions& s) {
-  if (s.name == "gossip") return "tolerated";
-  if (s.name == "ps" && s.ps.mode != "sync") return "rejoins";
-  if (s.name == "ps" && s.ps.backupWorkers > 0) return "tolerated";
+  if (s.scheme == Scheme::kGossip) return "tolerated";
+  if (s.scheme == Scheme::kPs && s.ps.mode != "sync") return "rejoins";
+  if (s.scheme == Scheme::kPs && s.ps.backupWorkers > 0) return "tolerated";
   return "stops-group";
 }
 
@@ -142,14 +143,14 @@ int restartCountFromEnvironment() {
 // own default); hogwild sums nothing and mirrored/central have no small first bucket.
 // --balance-shards is mirrored's and central's alone (their replicas meet at the sums).
 void applyBucketOptions(StrategyOptions& s, bool bucketGiven, bool firstBucketGiven) {
-  const bool inProcess = s.name == "mirrored" || s.name == "central" || s.name == "hogwild";
-  COHORT_CHECK(!s.inProcess.balance || s.name == "mirrored" || s.name == "central", InvalidArgument,
-               "--balance-shards applies to --strategy mirrored and central only, not ", s.name,
+  const bool inProcess = isInProcess(s.scheme);
+  COHORT_CHECK(!s.inProcess.balance || s.scheme == Scheme::kMirrored || s.scheme == Scheme::kCentral, InvalidArgument,
+               "--balance-shards applies to --strategy mirrored and central only, not ", schemeName(s.scheme),
                ": drop --balance-shards");
-  COHORT_CHECK(!(bucketGiven && s.name == "hogwild"), InvalidArgument,
+  COHORT_CHECK(!(bucketGiven && s.scheme == Scheme::kHogwild), InvalidArgument,
                "--bucket-mb does not apply to --strategy hogwild: its threads sum no gradients; drop --bucket-mb");
   COHORT_CHECK(!(firstBucketGiven && inProcess), InvalidArgument, "--first-bucket-mb does not apply to --strategy ",
-               s.name, ": its in-memory sums use buckets of --bucket-mb alone; drop --first-bucket-mb");
+               schemeName(s.scheme), ": its in-memory sums use buckets of --bucket-mb alone; drop --first-bucket-mb");
   COHORT_CHECK(!bucketGiven || s.allreduce.bucketMb > 0, InvalidArgument, "--bucket-mb must be positive, got ",
                s.allreduce.bucketMb);
   if (bucketGiven && inProcess) s.inProcess.bucketMb = s.allreduce.bucketMb;
@@ -227,10 +228,12 @@ Run addTrainCommand(CLI::App& app) {
                         "Save the trained model here (torch::save); with {rank} in the path every rank saves");
   train->add_option("--timeout", o.timeoutSeconds, "Seconds to wait for a peer before failing (a ps shard: from when it went silent, at most 3x this per call)")
       ->capture_default_str();
-  train->add_option("--strategy", o.strategy.name,
-                    "local, allreduce, average, ps, gossip, pipeline, mirrored, central, hogwild or tensor")
-      ->check(CLI::IsMember({"local", "allreduce", "average", "ps", "gossip", "pipeline", "mirrored", "central",
-                             "hogwild", "tensor"}))
+  // Parsed into o.strategy.scheme once the command line is read (the callback below).
+  auto strategyName = std::make_shared<std::string>(schemeName(o.strategy.scheme));
+  std::vector<std::string> schemes;
+  for (Scheme s : allSchemes()) schemes.emplace_back(schemeName(s));
+  train->add_option("--strategy", *strategyName, "The training scheme (README.md's table says what each does)")
+      ->check(CLI::IsMember(schemes))
       ->capture_default_str();
   auto* dp = "Data parallelism";
   CLI::Option* bucketMb =
@@ -349,14 +352,15 @@ Run addTrainCommand(CLI::App& app) {
                     "Testing: an evaluator task SIGKILLs itself right after recording its N-th checkpoint "
                     "(once: restarted, it finds N recorded and goes on)")->group("Testing");
 
-  return [options, progress, microBatches, psFlags, evaluator, bucketMb, firstBucketMb, saveModel]() {
+  return [options, strategyName, progress, microBatches, psFlags, evaluator, bucketMb, firstBucketMb, saveModel]() {
     TrainOptions& o = *options;
+    o.strategy.scheme = *parseScheme(*strategyName);  // --strategy's check let only scheme names through
     COHORT_CHECK(saveModel->count() == 0 || !o.saveModelPath.empty(), InvalidArgument, "--save-model needs a file "
                  "to write the model to, got an empty path: give --save-model FILE or drop it");
     checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
     applyBucketOptions(o.strategy, bucketMb->count() > 0, firstBucketMb->count() > 0);
     o.strategy.pipeline.microBatches =
-        parseMicroBatches(*microBatches, o.strategy.name == "pipeline" ? o.batch : INT64_MAX);
+        parseMicroBatches(*microBatches, o.strategy.scheme == Scheme::kPipeline ? o.batch : INT64_MAX);
     auto& p = o.strategy.ps;
     p.authToken = resolveAuthToken(p.authToken, psFlags->authTokenFile);
     // The job's secret is also the rendezvous store's, which the cluster spec carries from

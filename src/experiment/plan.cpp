@@ -17,7 +17,6 @@ namespace cohort::experiment {
 
 namespace {
 
-const std::set<std::string> kSchemes{"local", "allreduce", "average", "ps", "gossip", "pipeline"};
 // Set by compare and sweep themselves.
 const std::set<std::string> kReserved{"metrics", "progress", "config", "help"};
 
@@ -154,41 +153,48 @@ const std::string* findArg(const TrainArgs& args, const std::string& flag) {
 }
 
 bool Configuration::asynchronous() const {
-  if (strategy == "gossip") return true;
-  if (strategy != "ps") return false;
+  if (scheme == Scheme::kGossip) return true;
+  if (scheme != Scheme::kPs) return false;
   const std::string* mode = findArg(options, "--ps-mode");
   return mode == nullptr || *mode != "sync";  // async is train's default
 }
 
 int Configuration::replicas() const {
-  if (strategy == "local") return 1;
-  if (strategy == "pipeline") {
+  if (scheme == Scheme::kLocal) return 1;
+  if (scheme == Scheme::kPipeline) {
     const std::string* r = findArg(options, "--replicas");
     return r != nullptr ? std::max(1, std::atoi(r->c_str())) : 1;
   }
+  if (scheme == Scheme::kTensor) {
+    // Each layer is split over --ways processes (2 unless given); the copies share the data.
+    const std::string* w = findArg(options, "--ways");
+    return std::max(1, workers / (w != nullptr ? std::max(1, std::atoi(w->c_str())) : 2));
+  }
+  // Every other scheme: one copy per process (mirrored, central, hogwild split each process's
+  // batch over their threads).
   return workers;
 }
 
 std::vector<Configuration> defaultConfigurations(int workers, const std::string& codec) {
   const int w = workers;
   std::vector<Configuration> out{
-      {"local", "local", 1, 0, {}},
-      {"allreduce", "allreduce", w, 0, {}},
-      {"average-k4", "average", w, 0, {{"--period", "4"}}},
-      {"average-k16", "average", w, 0, {{"--period", "16"}}},
-      {"ps-sync", "ps", w, 1, {{"--ps-mode", "sync"}}},
-      {"ps-sync-backup", "ps", w, 1, {{"--ps-mode", "sync"}, {"--backup-workers", "1"}}},
-      {"ps-async", "ps", w, 1, {{"--ps-mode", "async"}}},
-      {"ps-softsync", "ps", w, 1, {{"--ps-mode", "softsync"}, {"--softsync", std::to_string(std::max(1, w / 2))}}},
-      {"ps-ssp", "ps", w, 1, {{"--ps-mode", "ssp"}, {"--staleness-bound", "2"}}},
-      {"gossip", "gossip", w, 0, {}},
-      {"pipeline", "pipeline", w, 0, {{"--stages", std::to_string(w)}}},
+      {"local", Scheme::kLocal, 1, 0, {}},
+      {"allreduce", Scheme::kAllreduce, w, 0, {}},
+      {"average-k4", Scheme::kAverage, w, 0, {{"--period", "4"}}},
+      {"average-k16", Scheme::kAverage, w, 0, {{"--period", "16"}}},
+      {"ps-sync", Scheme::kPs, w, 1, {{"--ps-mode", "sync"}}},
+      {"ps-sync-backup", Scheme::kPs, w, 1, {{"--ps-mode", "sync"}, {"--backup-workers", "1"}}},
+      {"ps-async", Scheme::kPs, w, 1, {{"--ps-mode", "async"}}},
+      {"ps-softsync", Scheme::kPs, w, 1, {{"--ps-mode", "softsync"}, {"--softsync", std::to_string(std::max(1, w / 2))}}},
+      {"ps-ssp", Scheme::kPs, w, 1, {{"--ps-mode", "ssp"}, {"--staleness-bound", "2"}}},
+      {"gossip", Scheme::kGossip, w, 0, {}},
+      {"pipeline", Scheme::kPipeline, w, 0, {{"--stages", std::to_string(w)}}},
   };
   if (codec.empty() || codec == "none") return out;
   const size_t n = out.size();
   for (size_t i = 0; i < n; ++i) {
     Configuration c = out[i];
-    if (c.strategy == "local" || c.strategy == "pipeline") continue;
+    if (c.scheme == Scheme::kLocal || c.scheme == Scheme::kPipeline) continue;
     c.name += "+" + codec.substr(0, codec.find(':')) ;
     c.options.emplace_back("--codec", codec);
     out.push_back(c);
@@ -227,9 +233,10 @@ CompareFile readCompareFile(const std::string& path, const OptionCatalog& catalo
         c.name = s->get();
       } else if (k == "strategy") {
         auto s = node.as_string();
-        COHORT_CHECK(s != nullptr && kSchemes.count(s->get()), InvalidArgument, where, ": unknown scheme '",
-                     s != nullptr ? s->get() : std::string("?"), "' (local, allreduce, average, ps, gossip or pipeline)");
-        c.strategy = s->get();
+        const std::optional<Scheme> scheme = s != nullptr ? parseScheme(s->get()) : std::nullopt;
+        COHORT_CHECK(scheme.has_value(), InvalidArgument, where, ": unknown scheme '",
+                     s != nullptr ? s->get() : std::string("?"), "' (", schemeNames(), ")");
+        c.scheme = *scheme;
       } else if (k == "workers") {
         c.workers = positiveInt(node, where, k, 1);
       } else if (k == "ps") {
@@ -238,11 +245,14 @@ CompareFile readCompareFile(const std::string& path, const OptionCatalog& catalo
         addOption(c.options, k, node, catalog, where);
       }
     }
-    if (c.workers == 0) c.workers = c.strategy == "local" ? 1 : 2;
-    if (c.strategy == "ps" && c.shards == 0) c.shards = 1;
-    COHORT_CHECK(c.strategy == "ps" || c.shards == 0, InvalidArgument, where, ": 'ps' shards only go with strategy = \"ps\"");
-    COHORT_CHECK(c.strategy != "local" || c.workers == 1, InvalidArgument, where, ": strategy local runs 1 worker");
-    if (c.name.empty()) c.name = c.strategy + "-" + std::to_string(i + 1);
+    const bool oneProcess = c.scheme == Scheme::kLocal || c.scheme == Scheme::kCentral || c.scheme == Scheme::kHogwild;
+    if (c.workers == 0) c.workers = oneProcess || c.scheme == Scheme::kMirrored ? 1 : 2;
+    if (c.scheme == Scheme::kPs && c.shards == 0) c.shards = 1;
+    COHORT_CHECK(c.scheme == Scheme::kPs || c.shards == 0, InvalidArgument, where,
+                 ": 'ps' shards only go with strategy = \"ps\"");
+    COHORT_CHECK(!oneProcess || c.workers == 1, InvalidArgument, where, ": strategy ", schemeName(c.scheme),
+                 " runs 1 process");
+    if (c.name.empty()) c.name = std::string(schemeName(c.scheme)) + "-" + std::to_string(i + 1);
     COHORT_CHECK(names.insert(c.name).second, InvalidArgument, where, ": the name '", c.name, "' is used twice");
     file.configurations.push_back(std::move(c));
   }
@@ -295,7 +305,7 @@ std::string jobId(const Configuration& c, int run) {
 std::vector<std::string> trainCommand(const Configuration& c, const PlanOptions& options, const std::string& metricsPath) {
   TrainArgs args = options.shared;
   for (const auto& [flag, value] : c.options) setArg(args, flag, value);
-  setArg(args, "--strategy", c.strategy);
+  setArg(args, "--strategy", schemeName(c.scheme));
   const std::string* batchText = findArg(args, "--batch");
   const int64_t batch = batchText != nullptr ? std::max<int64_t>(1, std::atoll(batchText->c_str())) : 64;
   const int64_t perEpoch = stepsPerEpoch(options.trainExamples, c.replicas(), batch);

@@ -3,6 +3,8 @@
 // runner. Torch-free.
 #pragma once
 
+#include "base/scheme.h"
+
 #include "experiment/runner.h"
 
 #include <cstdint>
@@ -36,7 +38,7 @@ const std::string* findArg(const TrainArgs& args, const std::string& flag);
 
 struct Configuration {
   std::string name;
-  std::string strategy = "local";
+  Scheme scheme = Scheme::kLocal;  // train's --strategy
   int workers = 1;  // processes of train (pipeline: stages x replicas)
   int shards = 0;   // parameter-server shards (cohort launch --ps)
   TrainArgs options;  // besides --strategy

@@ -174,7 +174,7 @@ void writeCsvs(const ReportInput& input, const Summary& summary, const std::stri
       const JobRecord& rec = c.runs[r];
       const RunData& d = c.data[r];
       const std::string run = std::to_string(r + 1);
-      runs += csvField(c.config.name) + "," + c.config.strategy + "," + std::to_string(c.config.workers) + "," + run +
+      runs += csvField(c.config.name) + "," + schemeName(c.config.scheme) + std::string(",") + std::to_string(c.config.workers) + "," + run +
               "," + (rec.status == JobStatus::kOk ? "ok" : "failed") + "," + csvField(rec.error) + "," +
               std::to_string(d.steps) + "," + exactNumber(d.samplesPerSecond) + "," + exactNumber(d.testAccuracy) + "," +
               exactNumber(d.maxAccuracy()) + "," + exactNumber(d.wallSeconds) + "," + std::to_string(d.bytesSent) + "," +
@@ -262,7 +262,7 @@ std::string runsTable(const ReportInput& input, const Summary& summary) {
         break;
       }
     }
-    out += "<tr><td>" + htmlEscape(c.config.name) + "</td><td>" + htmlEscape(c.config.strategy) + "</td><td>" + processes +
+    out += "<tr><td>" + htmlEscape(c.config.name) + "</td><td>" + htmlEscape(schemeName(c.config.scheme)) + "</td><td>" + processes +
            "</td><td>" + std::to_string(cs.okRuns) + "/" + std::to_string(c.runs.size()) + "</td><td class=\"num\">" +
            measureText(cs.samplesPerSecond, 0) + "</td><td class=\"num\">" + measureText(epochTime, 1) +
            "</td><td class=\"num\">" + measureText(cs.maxAccuracy, 4) + "</td><td class=\"num\">" +

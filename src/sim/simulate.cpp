@@ -198,14 +198,14 @@ struct Totals {
 Totals simulateCollective(const Scenario& s, const Derived& d, double computeScale) {
   Sampler sampler(s.tail, s.seed);
   Totals t;
-  const int period = s.scheme == Scheme::Average ? s.period : 1;
+  const int period = s.scheme == Scheme::kAverage ? s.period : 1;
   const double c = d.compute * computeScale;
   double sent = 0;
   double exchange = 0;
   std::vector<double> buckets;
-  const bool overlapped = s.scheme == Scheme::Allreduce && s.overlap && !d.sparseCodec && s.codec != "bf16" &&
+  const bool overlapped = s.scheme == Scheme::kAllreduce && s.overlap && !d.sparseCodec && s.codec != "bf16" &&
                           !(d.density < 1 && (d.p - 1) * d.density < 2.0 * (d.p - 1) / d.p);
-  const bool perBucket = s.scheme == Scheme::Allreduce && (d.sparseCodec || s.codec == "bf16");
+  const bool perBucket = s.scheme == Scheme::kAllreduce && (d.sparseCodec || s.codec == "bf16");
   if (overlapped || perBucket) buckets = bucketSizes(d.n, s.firstBucketMb * 1048576.0, s.bucketMb * 1048576.0);
   if (perBucket) {
     // DataParallel exchanges bf16 and the sparse codecs after backward, one bucket after another,
@@ -619,14 +619,14 @@ void checkSetup(const Scenario& s, int workers) {
   if (!(s.density >= 0 && s.density <= 1)) throw InvalidArgument("--density must be in (0, 1]");
   if (s.codec != "none") s.calibration.codec(s.codec);
   switch (s.scheme) {
-    case Scheme::Allreduce:
+    case Scheme::kAllreduce:
       if (!(s.bucketMb > 0)) throw InvalidArgument("--bucket-mb must be > 0");
       if (!(s.firstBucketMb >= 0)) throw InvalidArgument("--first-bucket-mb must be >= 0");
       break;
-    case Scheme::Average:
+    case Scheme::kAverage:
       if (s.period < 1) throw InvalidArgument("--period must be >= 1, got " + std::to_string(s.period));
       break;
-    case Scheme::Ps:
+    case Scheme::kPs:
       if (s.shards < 1) throw InvalidArgument("--shards must be >= 1, got " + std::to_string(s.shards));
       if (double(s.shards) > s.calibration.parameterCount) {
         throw InvalidArgument("--shards " + std::to_string(s.shards) + ": more shards than the model has parameters (" +
@@ -639,10 +639,10 @@ void checkSetup(const Scenario& s, int workers) {
       if (s.staleness < 0) throw InvalidArgument("--staleness must be >= 0");
       if (s.softsync < 1) throw InvalidArgument("--softsync must be >= 1");
       break;
-    case Scheme::Gossip:
+    case Scheme::kGossip:
       if (s.gossipPeers < 1) throw InvalidArgument("--peers must be >= 1");
       break;
-    case Scheme::Pipeline:
+    case Scheme::kPipeline:
       // As cohort train: the codecs compress what data-parallel schemes exchange.
       if (s.codec != "none") {
         throw InvalidArgument("--codec " + s.codec + " applies to allreduce, average, ps and gossip; --strategy "
@@ -662,6 +662,9 @@ void checkSetup(const Scenario& s, int workers) {
       }
       if (!(s.activationBytes >= 0)) throw InvalidArgument("--activation-bytes must be >= 0");
       break;
+    default:
+      throw InvalidArgument(std::string("--strategy ") + schemeName(s.scheme) +
+                            ": the simulator models allreduce, average, ps, gossip and pipeline");
   }
 }
 
@@ -672,28 +675,30 @@ Prediction simulateWorkers(const Scenario& s, int workers) {
   // Synchronous schemes compute all at once, so more ranks than cores slow each one's compute;
   // the asynchronous ones interleave compute with others' communication and are bounded by the
   // CPU floor below only.
-  const bool lockstep = s.scheme != Scheme::Gossip && !(s.scheme == Scheme::Ps && s.psMode != PsMode::Sync);
+  const bool lockstep = s.scheme != Scheme::kGossip && !(s.scheme == Scheme::kPs && s.psMode != PsMode::Sync);
   double computeScale = 1;
   if (s.cores > 0 && lockstep) computeScale = std::max(1.0, double(ranks) / s.cores);
   Totals t;
   switch (s.scheme) {
-    case Scheme::Allreduce:
-    case Scheme::Average:
+    case Scheme::kAllreduce:
+    case Scheme::kAverage:
       t = simulateCollective(s, d, computeScale);
       break;
-    case Scheme::Ps:
+    case Scheme::kPs:
       t = simulatePsPhases(s, d, computeScale);
       break;
-    case Scheme::Gossip:
+    case Scheme::kGossip:
       t = simulateGossip(s, d, computeScale);
       break;
-    case Scheme::Pipeline:
+    case Scheme::kPipeline:
       t = simulatePipeline(s, d, computeScale);
       break;
+    default:
+      break;  // checkSetup refused it
   }
   Prediction p;
   p.workers = workers;
-  const double perWorkerSteps = s.scheme == Scheme::Ps ? t.steps / workers : t.steps;
+  const double perWorkerSteps = s.scheme == Scheme::kPs ? t.steps / workers : t.steps;
   double elapsed = t.elapsed;
   if (s.cores > 0 && t.cpu > 0) {
     // The ranks share the cores: the run takes at least the CPU all of them spend (compute at its
@@ -705,7 +710,7 @@ Prediction simulateWorkers(const Scenario& s, int workers) {
     }
   }
   p.samplesPerSecond = elapsed > 0 ? t.samples / elapsed : 0;
-  if (s.scheme == Scheme::Ps) {
+  if (s.scheme == Scheme::kPs) {
     // Throughput from the simulated clock; per-worker step figures from the counted steps.
     const double steps = std::max(1.0, t.steps);
     // async: one worker's cycle; sync: one update, which takes N - b gradients.
@@ -732,12 +737,12 @@ std::vector<Prediction> sweep(const Scenario& setup, const std::vector<int>& wor
   std::vector<Prediction> out;
   // One worker training alone: its compute only (with the same stragglers).
   Scenario base = setup;
-  base.scheme = Scheme::Allreduce;
+  base.scheme = Scheme::kAllreduce;
   base.codec = "none";
   const Prediction one = simulateWorkers(base, 1);
   for (int w : workers) {
-    if (setup.scheme == Scheme::Pipeline && w % setup.stages != 0) continue;
-    if (setup.scheme == Scheme::Ps && setup.psMode == PsMode::Sync && setup.backupWorkers >= w) continue;
+    if (setup.scheme == Scheme::kPipeline && w % setup.stages != 0) continue;
+    if (setup.scheme == Scheme::kPs && setup.psMode == PsMode::Sync && setup.backupWorkers >= w) continue;
     Prediction p = simulateWorkers(setup, w);
     p.speedup = one.samplesPerSecond > 0 ? p.samplesPerSecond / one.samplesPerSecond : 0;
     out.push_back(p);

@@ -7,6 +7,7 @@
 // sim/cost.h (tested).
 #pragma once
 
+#include "base/scheme.h"
 #include "sim/calibration.h"
 
 #include <cstdint>
@@ -15,7 +16,6 @@
 
 namespace cohort::sim {
 
-enum class Scheme { Allreduce, Average, Ps, Gossip, Pipeline };
 enum class Algorithm { Ring, HalvingDoubling };
 enum class PsMode { Sync, Async, Ssp, Softsync };
 
@@ -39,7 +39,7 @@ struct Network {
 struct Scenario {
   Calibration calibration;
   Network network;
-  Scheme scheme = Scheme::Allreduce;
+  Scheme scheme = Scheme::kAllreduce;
   Algorithm algorithm = Algorithm::Ring;
   std::string codec = "none";
   double bucketMb = 25, firstBucketMb = 1;  // MiB, as --bucket-mb

@@ -17,7 +17,7 @@ class AllreduceStrategy final : public Strategy {
   AllreduceStrategy(std::shared_ptr<Communicator> comm, DataParallelOptions options);
   ~AllreduceStrategy() override;
 
-  std::string name() const override { return "allreduce"; }
+  Scheme scheme() const override { return Scheme::kAllreduce; }
   bool trainsOnDevices() const override { return true; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override;

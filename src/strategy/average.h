@@ -15,7 +15,7 @@ class AverageStrategy final : public Strategy {
  public:
   AverageStrategy(std::shared_ptr<Communicator> comm, AveragingOptions options);
 
-  std::string name() const override { return "average"; }
+  Scheme scheme() const override { return Scheme::kAverage; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override;
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;

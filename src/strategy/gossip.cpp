@@ -16,7 +16,7 @@ class GossipStrategy final : public Strategy {
  public:
   GossipStrategy(Job job, GossipOptions options) : job_(std::move(job)), options_(std::move(options)) {}
 
-  std::string name() const override { return "gossip"; }
+  Scheme scheme() const override { return Scheme::kGossip; }
   ReplicaInfo replica() const override { return {job_.rank(), job_.worldSize()}; }
 
   // Every peer restores the chief's checkpoint (the rule of the other schemes): the chief puts

@@ -8,7 +8,7 @@ namespace cohort {
 
 class LocalStrategy final : public Strategy {
  public:
-  std::string name() const override { return "local"; }
+  Scheme scheme() const override { return Scheme::kLocal; }
   bool trainsOnDevices() const override { return true; }
   ReplicaInfo replica() const override { return {}; }
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;

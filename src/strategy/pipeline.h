@@ -36,7 +36,7 @@ class PipelineStrategy final : public Strategy {
   // Throws InvalidArgument when the options do not fit the job (stages x replicas processes).
   PipelineStrategy(std::shared_ptr<Communicator> comm, Options options, std::string checkpointDir, bool resume);
 
-  std::string name() const override { return "pipeline"; }
+  Scheme scheme() const override { return Scheme::kPipeline; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override { return {comm_->rank(), comm_->worldSize()}; }
 

@@ -16,7 +16,7 @@ class PsStrategy final : public Strategy {
  public:
   PsStrategy(Job job, ParameterServerOptions options) : job_(std::move(job)), options_(std::move(options)) {}
 
-  std::string name() const override { return "ps"; }
+  Scheme scheme() const override { return Scheme::kPs; }
   ReplicaInfo replica() const override { return {job_.rank(), job_.worldSize()}; }
 
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override {

@@ -9,8 +9,8 @@
 
 namespace cohort {
 
-ReplicaStrategy::ReplicaStrategy(std::string name, std::shared_ptr<Communicator> comm, ReplicaOptions options)
-    : name_(std::move(name)), comm_(std::move(comm)), options_(options) {
+ReplicaStrategy::ReplicaStrategy(Scheme scheme, std::shared_ptr<Communicator> comm, ReplicaOptions options)
+    : scheme_(scheme), comm_(std::move(comm)), options_(options) {
   COHORT_CHECK(options_.replicas >= 1, InvalidArgument, "--replicas must be at least 1, got ", options_.replicas);
 }
 
@@ -22,10 +22,10 @@ ReplicaInfo ReplicaStrategy::replica() const {
 
 void ReplicaStrategy::attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) {
   std::shared_ptr<torch::nn::Module> module = model.ptr();
-  if (name_ == "mirrored") {
+  if (scheme_ == Scheme::kMirrored) {
     group_ = comm_ ? std::make_unique<Mirrored>(Job::fromCommunicator(comm_), module, optimizer, options_)
                    : std::make_unique<Mirrored>(module, optimizer, options_);
-  } else if (name_ == "central") {
+  } else if (scheme_ == Scheme::kCentral) {
     group_ = std::make_unique<CentralStorage>(module, optimizer, options_);
   } else {
     group_ = std::make_unique<Hogwild>(module, optimizer, options_);
@@ -62,7 +62,7 @@ StepStats ReplicaStrategy::step(const Batch& batch, const LossFn& loss) {
     stats.extra.emplace_back("replica_largest_shard",
                              *std::max_element(after.lastShards.begin(), after.lastShards.end()));
   }
-  if (name_ == "hogwild") {
+  if (scheme_ == Scheme::kHogwild) {
     const int64_t updates = after.updates - before.updates;
     stats.extra.emplace_back("staleness", updates > 0 ? (after.stalenessSum - before.stalenessSum) / double(updates) : 0.0);
     stats.extra.emplace_back("conflicts", after.conflicts - before.conflicts);
@@ -78,7 +78,7 @@ MetricFields ReplicaStrategy::report() {
   if (!group_) return {};
   const ReplicaStats s = group_->stats();
   MetricFields fields{{"replicas", int64_t(group_->replicas())}, {"replica_wait_s", s.waitSeconds}};
-  if (name_ == "hogwild") {
+  if (scheme_ == Scheme::kHogwild) {
     fields.emplace_back("updates", s.updates);
     fields.emplace_back("staleness_mean", s.updates > 0 ? s.stalenessSum / double(s.updates) : 0.0);
     fields.emplace_back("staleness_max", s.stalenessMax);

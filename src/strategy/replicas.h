@@ -14,11 +14,11 @@ namespace cohort {
 
 class ReplicaStrategy final : public Strategy {
  public:
-  // name: mirrored, central or hogwild. `comm`: mirrored across processes, else null.
-  ReplicaStrategy(std::string name, std::shared_ptr<Communicator> comm, ReplicaOptions options);
+  // scheme: mirrored, central or hogwild. `comm`: mirrored across processes, else null.
+  ReplicaStrategy(Scheme scheme, std::shared_ptr<Communicator> comm, ReplicaOptions options);
   ~ReplicaStrategy() override;
 
-  std::string name() const override { return name_; }
+  Scheme scheme() const override { return scheme_; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override;
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;
@@ -28,7 +28,7 @@ class ReplicaStrategy final : public Strategy {
   MetricFields report() override;
 
  private:
-  std::string name_;
+  Scheme scheme_;
   std::shared_ptr<Communicator> comm_;
   ReplicaOptions options_;
   std::unique_ptr<ReplicaGroup> group_;

@@ -12,6 +12,8 @@
 #include <cohort/parameter_server.h>
 #include <cohort/replicas.h>
 
+#include "base/scheme.h"
+
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
@@ -70,7 +72,8 @@ class Strategy {
  public:
   virtual ~Strategy() = default;
 
-  virtual std::string name() const = 0;
+  virtual Scheme scheme() const = 0;
+  std::string name() const { return schemeName(scheme()); }
   virtual ReplicaInfo replica() const = 0;
   // Whether this scheme trains a model on a CUDA device (--device); the others train on the CPU.
   virtual bool trainsOnDevices() const { return false; }
@@ -164,8 +167,7 @@ class Strategy {
 
 // What `cohort train` asks for: the scheme, and each scheme's options.
 struct StrategyOptions {
-  // local | allreduce | average | ps | gossip | pipeline | mirrored | central | hogwild | tensor
-  std::string name = "local";
+  Scheme scheme = Scheme::kLocal;
   // The Trainer's, for schemes that keep records next to its checkpoints (pipeline: the manifest).
   std::string checkpointDir;
   bool resume = false;

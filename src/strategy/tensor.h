@@ -21,7 +21,7 @@ class TensorStrategy final : public Strategy {
   TensorStrategy(std::shared_ptr<Communicator> comm, int ways);
   ~TensorStrategy() override;
 
-  std::string name() const override { return "tensor"; }
+  Scheme scheme() const override { return Scheme::kTensor; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override { return {comm_->rank(), comm_->worldSize()}; }
 

@@ -133,9 +133,9 @@ int runEvaluator(const TrainOptions& o, const ClusterSpec& cluster, const Evalua
   COHORT_CHECK(!o.checkpointDir.empty(), InvalidArgument, "this process is evaluator ", cluster.rank,
                ", which evaluates the checkpoints the chief writes, but no --checkpoint-dir was given: "
                "give the workers' --checkpoint-dir");
-  COHORT_CHECK(o.strategy.name != "pipeline" && o.strategy.name != "ps", InvalidArgument,
-               "an evaluator task reads whole-model checkpoints, which --strategy ", o.strategy.name,
-               " does not write (it checkpoints per ", o.strategy.name == "ps" ? "shard" : "stage",
+  COHORT_CHECK(o.strategy.scheme != Scheme::kPipeline && o.strategy.scheme != Scheme::kPs, InvalidArgument,
+               "an evaluator task reads whole-model checkpoints, which --strategy ", schemeName(o.strategy.scheme),
+               " does not write (it checkpoints per ", o.strategy.scheme == Scheme::kPs ? "shard" : "stage",
                "): drop the evaluator task");
   const char* ompThreads = std::getenv("OMP_NUM_THREADS");
   setComputeThreads(o.threads > 0 ? o.threads : ompThreads != nullptr && std::atoi(ompThreads) > 0 ? std::atoi(ompThreads) : 1);

@@ -53,7 +53,7 @@ std::string cpuOnlyReason(const TrainOptions& o, const Strategy& strategy, torch
     return "--strategy " + strategy.name() + " trains on the CPU only in this version (on a device so far: local "
            "and allreduce)";
   }
-  if (strategy.name() == "allreduce" && o.strategy.codec != "none") {
+  if (strategy.scheme() == Scheme::kAllreduce && o.strategy.codec != "none") {
     return "--codec " + o.strategy.codec + " works on host memory only so far";
   }
   for (const auto& p : model.parameters()) {
@@ -73,7 +73,7 @@ c10::Device chooseDevice(const TrainOptions& o, const Strategy& strategy, torch:
   const std::string reason = cpuOnlyReason(o, strategy, model);
   if (reason.empty()) return device;
   if (!isExplicitDevice(o.device)) return c10::Device(c10::kCPU);
-  COHORT_CHECK(strategy.name() != "hogwild", InvalidArgument,
+  COHORT_CHECK(strategy.scheme() != Scheme::kHogwild, InvalidArgument,
                "--strategy hogwild is a CPU scheme (its threads update one copy of the parameters in host memory "
                "without locks); use --device cpu, or --strategy local or allreduce on the GPU");
   throw InvalidArgument("--device " + o.device + ": " + reason + "; use --device cpu");
@@ -117,7 +117,7 @@ torch::Tensor crossEntropy(const torch::Tensor& output, const torch::Tensor& tar
 std::string fingerprint(const TrainOptions& o, const ReplicaInfo& r, const std::string& layout) {
   std::ostringstream out;
   out << "model=" << o.model << " data=" << o.data << " batch=" << o.batch
-      << " optimizer=" << o.optimizer << " strategy=" << o.strategy.name
+      << " optimizer=" << o.optimizer << " strategy=" << schemeName(o.strategy.scheme)
       << " workers=" << r.worldSize << " seed=" << o.seed;
   if (o.validation > 0) out << " validation=" << o.validation << ":" << o.validationSeed;
   if (!layout.empty()) out << " " << layout;
@@ -191,10 +191,10 @@ void validate(const TrainOptions& o) {
                "--timeout must be a number of seconds in (0, ", kMaxTimeoutSeconds, "] (a week), got ", o.timeoutSeconds);
   COHORT_CHECK(o.restartCount >= 0, InvalidArgument, "COHORT_RESTART_COUNT must not be negative, got ",
                o.restartCount);
-  if (o.strategy.name == "mirrored" || o.strategy.name == "central" || o.strategy.name == "hogwild") {
+  if (isInProcess(o.strategy.scheme)) {
     const int replicas = replicaThreads(o.strategy);
     COHORT_CHECK(replicas <= o.batch, InvalidArgument, "--replicas ", replicas, " is larger than --batch ", o.batch,
-                 ": --strategy ", o.strategy.name, " splits each batch over its replicas; use --batch of at least ",
+                 ": --strategy ", schemeName(o.strategy.scheme), " splits each batch over its replicas; use --batch of at least ",
                  replicas, " or fewer --replicas");
   }
   COHORT_CHECK(o.optimizer == "sgd" || o.optimizer == "momentum" || o.optimizer == "adam" || o.optimizer == "adagrad",
@@ -491,7 +491,7 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   // the data and sends the shards their Init (they wait for it at the shards). Said once attached,
   // as for the schemes below, the others began ~1.3 s after the chief on the cnn, and the chief's
   // first ~20 steps ran alone, which bench/ps.py's rate counted (docs/BENCHMARKS.md).
-  if (s.cluster.isChief() && s.strategy->name() == "ps") launcher::tellNoPort();
+  if (s.cluster.isChief() && s.strategy->scheme() == Scheme::kPs) launcher::tellNoPort();
   s.data = loadData(o.data, o.seed);
   holdOutValidation(s.data, o.validation, o.validationSeed);
   // A larger batch would silently be the whole training set, every step.
@@ -538,8 +538,8 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
     COHORT_CHECK(!o.checkpointDir.empty(), InvalidArgument, "the cluster has an evaluator task, which evaluates "
                  "the checkpoints the chief writes, but no --checkpoint-dir was given: give one to every task");
     COHORT_CHECK(s.checkpoints != nullptr || !s.replica.isChief(), InvalidArgument, "--strategy ",
-                 o.strategy.name, " does not write whole-model checkpoints, which an evaluator task reads: "
-                 "drop the evaluator task");
+                 schemeName(o.strategy.scheme),
+                 " does not write whole-model checkpoints, which an evaluator task reads: drop the evaluator task");
     COHORT_CHECK(o.targetAccuracy == 0, InvalidArgument, "--target-accuracy needs the chief's own evaluation, and "
                  "the cluster has an evaluator task: drop one of them");
     if (s.checkpoints) {
@@ -603,7 +603,7 @@ std::string Trainer::nonFiniteLossCause(double loss, int64_t step, double previo
   } else if (s.replica.worldSize > 1 && std::isfinite(previousLoss) && std::abs(previousLoss) < kDivergingLoss) {
     out << " after a finite loss of " << previousLoss << " at step " << step - 1
         << ": the last update (which holds the other workers' contributions under --strategy "
-        << s.options.strategy.name << ") brought non-finite values; the first rank to report it is where they began"
+        << schemeName(s.options.strategy.scheme) << ") brought non-finite values; the first rank to report it is where they began"
         << ", else lower --lr";
   } else {
     out << " (" << previousLoss << " at step " << step - 1 << "): training diverged; lower --lr";
@@ -859,7 +859,7 @@ TrainResult Trainer::run() {
                       {"bytes_sent", result.bytesSent},
                       {"bytes_received", result.bytesReceived},
                       {"comm_wait_s", result.commWaitSeconds},
-                      {"strategy", o.strategy.name},
+                      {"strategy", std::string(schemeName(o.strategy.scheme))},
                       {"model", o.model},
                       {"workers", int64_t(s.replica.worldSize)},
                       {"max_rss_mb", maxRssMb()},

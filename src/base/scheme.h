@@ -1,0 +1,31 @@
+// The training schemes, one vocabulary for every layer. A name is parsed once, where it comes in
+// (the command line's --strategy, a compare or sweep file, simulate's --strategy); inside, the
+// code compares Schemes, never names.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cohort {
+
+enum class Scheme { kLocal, kAllreduce, kAverage, kPs, kGossip, kPipeline, kTensor, kMirrored, kCentral, kHogwild };
+
+// The name --strategy gives it: "local", "allreduce", ..., "hogwild".
+const char* schemeName(Scheme scheme);
+
+// The scheme a name means; nullopt for any other text (the caller names what it read and where,
+// and lists schemeNames()).
+std::optional<Scheme> parseScheme(std::string_view name);
+
+// Every scheme, in declaration order.
+std::vector<Scheme> allSchemes();
+
+// Every name, in declaration order: "local, allreduce, ..., hogwild".
+std::string schemeNames();
+
+// mirrored, central, hogwild: replica threads of one process that share its memory.
+bool isInProcess(Scheme scheme);
+
+}  // namespace cohort
