@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Hostile peers against a running job: the attack table of docs/BENCHMARKS.md.
+"""Hostile peers against a running job, and with --files hostile files: the attack tables of docs/BENCHMARKS.md.
 
     .venv/bin/python bench/attack.py [--build build] [--steps 300] [--model cnn] [--schemes allreduce,gossip,ps]
+    .venv/bin/python bench/attack.py --files [--build build] [--cap-gb 8] [--timeout 120] [--cases NAME,...]
 
 For each scheme the same job runs twice under `cohort launch` (2 workers, cnn on Fashion-MNIST,
 fixed seed): once undisturbed, once while a stranger who does not know the job's secret attacks
@@ -24,18 +25,49 @@ as the attack's), and whether the job finished with the undisturbed run's test
 accuracy (allreduce is deterministic; gossip and ps async are not, so there the figure is the
 difference). A forged store value is not in this table: without the secret it cannot be written
 at all (tests/store_test.cpp, Store.AFrameWithAWrongTagIsRefused).
+
+With --files, hostile files and command lines instead (issue 30, item 3; the table "Hostile files"
+of docs/BENCHMARKS.md). For each case it writes the file in a temporary directory and runs the real
+`cohort` command that reads it, under an address-space cap (RLIMIT_AS, --cap-gb) and a timeout:
+
+  sparse checkpoint  a real checkpoint's header claiming 20 GB, in a sparse file of 20 GB (--resume)
+  gzip bomb          train-images-idx3-ubyte.gz of 14 MB: an IDX header promising 60 images, then
+                     about 14 GB of zeros (--data mnist:DIR)
+  libsvm             a line with feature id 10,000,000; with label 1e7; with label 2e9
+  calibration        parameter_bytes 1e308 (cohort simulate --calibration)
+  stray checkpoint   ckpt-99999999999999999999.ckpt beside a good checkpoint (--resume: a warning,
+                     and the run resumes from the good one, exit 0)
+  corrupt data       a checkpoint whose archive is damaged under a valid checksum (--resume)
+  model archive      a torch archive without cohort's keys (cohort ensemble)
+  TOML config        `batch =`; a value of 10 MB (--config)
+  command lines      --steps 1e23, --outer-lr inf, simulate --workers 2147483647, simulate --strategy
+                     pipeline --codec fp16, --batch larger than the data set, --seed -1, --save-model ""
+
+and a good 1-step run as the control (what loading libtorch costs). It records the exit status, the
+wall seconds, the command's peak RSS (GNU time's %M) and the first line of stderr, and prints a
+Markdown table with the issue's figures (e707c9a) as "before", quoted, not measured. A case is "ok"
+when it exits as the fix promises (1 or 2; 0 for the stray file) with a first line naming the file
+and the field (the flag), one line of at most 1 KB on stderr, a peak RSS under --max-rss-mb and a
+run under --max-seconds; the script exits 1 when a case is not.
 """
 import argparse
 import json
 import os
 import random
 import re
+import resource
+import shutil
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import zlib
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, done_event, machine  # noqa: E402
@@ -243,13 +275,317 @@ def run(build, scheme, steps, hostile, tmp, model, window=None):
     return code, done, rows, "".join(log[-20:]), elapsed
 
 
+# --- Hostile files (--files) -----------------------------------------------------------------------
+
+# What issue 30 (item 3) reported for each case on e707c9a (2026-11-27): quoted, not re-measured.
+BAD_ALLOC = "`std::bad_alloc` after 15-22 s and 2-3 GB, naming no file"
+ACCEPTED = "silently accepted"
+NO_FILE = "an error naming no file"
+
+# A quick run: a flag that is wrongly accepted ends in "done" rather than in a timeout.
+QUICK = ["train", "--model", "mlp", "--data", "synthetic:60", "--batch", "8", "--steps", "1", "--progress", "off",
+         "--threads", "1"]
+
+
+def quick(**changes):
+    """QUICK with the values of some of its flags changed (steps=10) and flags added (extra=[...])."""
+    args = list(QUICK)
+    for flag, value in changes.items():
+        if flag == "extra":
+            continue
+        args[args.index("--" + flag) + 1] = value
+    return args + changes.get("extra", [])
+
+
+def gzip_bomb(path, header, size):
+    """A gzip file of about `size` bytes whose data is `header` followed by zeros, about 1000 times
+    `size` of them: one 1 MiB block of zeros deflated once after a full flush (so that it needs
+    nothing before it) and repeated; the trailer's CRC and length are those of the whole."""
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    head = c.compress(header) + c.flush(zlib.Z_FULL_FLUSH)
+    zeros = bytes(1 << 20)
+    block = c.compress(zeros) + c.flush(zlib.Z_FULL_FLUSH)
+    assert block == c.compress(zeros) + c.flush(zlib.Z_FULL_FLUSH)
+    tail = c.flush(zlib.Z_FINISH)
+    count = max(1, (size - len(head)) // len(block))
+    crc = zlib.crc32(header)
+    with open(path, "wb") as f:
+        f.write(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\xff" + head)
+        for _ in range(count):
+            f.write(block)
+            crc = zlib.crc32(zeros, crc)
+        f.write(tail + struct.pack("<II", crc, (len(header) + count * len(zeros)) & 0xffffffff))
+    return len(header) + count * len(zeros)
+
+
+def idx_file(dims, data=True):
+    """An IDX file of unsigned bytes: magic, big-endian dimensions, then (data=True) zeros."""
+    count = 1
+    for d in dims:
+        count *= d
+    header = bytes([0, 0, 0x08, len(dims)]) + b"".join(struct.pack(">I", d) for d in dims)
+    return header + bytes(count) if data else header
+
+
+def checkpoint(payload):
+    """A checkpoint file as CheckpointStore::save writes it (src/base/checkpoint.cpp): "COHORTCK",
+    format version 1, the payload's length and CRC-32 (little-endian), the payload."""
+    return b"COHORTCK" + struct.pack("<IQI", 1, len(payload), zlib.crc32(payload)) + payload
+
+
+def file_cases(tmp, good):
+    """The hostile files and command lines of issue 30, item 3: one dict per case, with what it
+    runs (`args`, after `cohort`), the exit status the fix promises, what the first line of stderr
+    must hold (the file and the field), what stderr must hold elsewhere, and the issue's figure."""
+    cases = []
+
+    def add(name, args, exit_code, first, before, also=()):
+        cases.append({"case": name, "args": args, "exit": exit_code, "first": list(first), "also": list(also),
+                      "before": before})
+
+    def fresh(name):
+        d = os.path.join(tmp, name)
+        os.makedirs(d)
+        return d
+
+    good_ckpt = os.path.join(good, "ckpt-0000000005.ckpt")
+    with open(good_ckpt, "rb") as f:
+        good_bytes = f.read()
+    resume = quick(steps="10", extra=["--resume", "--checkpoint-dir"])
+
+    add("control: a good 1-step run", quick(), 0, [], "")
+
+    # A checkpoint's valid header (a real one's) claiming 20 GB, in a sparse file of that size.
+    d = fresh("sparse")
+    path = os.path.join(d, "ckpt-0000000005.ckpt")
+    claimed = 20_000_000_000
+    with open(path, "wb") as f:
+        f.write(good_bytes[:12] + struct.pack("<Q", claimed) + good_bytes[20:24])
+    os.truncate(path, 24 + claimed)
+    add("sparse checkpoint, header claims 20 GB", resume + [d], 1,
+        [path, "payload length is 20000000000 bytes"], BAD_ALLOC)
+
+    # An IDX directory whose training images are a gzip bomb: a header promising 60 images of
+    # 28x28, then about 14 GB of zeros in 14 MB.
+    d = fresh("bomb")
+    bomb = os.path.join(d, "train-images-idx3-ubyte.gz")
+    unpacked = gzip_bomb(bomb, idx_file([60, 28, 28], data=False), 14_000_000)
+    for name, data in [("train-labels-idx1-ubyte", idx_file([60])),
+                       ("t10k-images-idx3-ubyte", idx_file([10, 28, 28])),
+                       ("t10k-labels-idx1-ubyte", idx_file([10]))]:
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+    add(f"gzip bomb as IDX images ({os.path.getsize(bomb) / 1e6:.0f} MB, unpacks to {unpacked / 1e9:.0f} GB)",
+        quick(data="mnist:" + d), 1, [bomb, "goes on past the 47040 bytes"], BAD_ALLOC)
+
+    # libsvm files: four good lines, then the hostile one.
+    good_lines = "1 2 7\n0 3\n1 4 9 11\n0 5\n"
+    for label, line, needle in [("feature id 10,000,000", "0 5 10000000\n", "feature id 10000000"),
+                                ("label 1e7", "10000000 3\n", "label 10000000"),
+                                ("label 2e9", "2000000000 3\n", "label 2000000000")]:
+        path = os.path.join(tmp, "libsvm-" + needle.replace(" ", "-") + ".txt")
+        with open(path, "w") as f:
+            f.write(good_lines + line)
+        add(f"libsvm line with {label}", quick(model="embed", batch="2", data="libsvm:" + path), 1,
+            [path + ":5:", needle], BAD_ALLOC)
+
+    # A calibration file (the one the tests use) with parameter_bytes 1e308.
+    with open(os.path.join(ROOT, "tests", "data", "calibration_cnn.json")) as f:
+        calibration = json.load(f)
+    good_cal = os.path.join(tmp, "calibration.json")
+    with open(good_cal, "w") as f:
+        json.dump(calibration, f)
+    calibration["parameter_bytes"] = 1e308
+    path = os.path.join(tmp, "calibration-1e308.json")
+    with open(path, "w") as f:
+        json.dump(calibration, f)
+    add("calibration with parameter_bytes 1e308", ["simulate", "--calibration", path, "--workers", "1,2"], 2,
+        [path, "parameter_bytes"], BAD_ALLOC)
+
+    # A stray file beside a good checkpoint: a warning, and the run resumes from the good one.
+    d = fresh("stray")
+    shutil.copy(good_ckpt, d)
+    stray = os.path.join(d, "ckpt-99999999999999999999.ckpt")
+    with open(stray, "w") as f:
+        f.write("stray")
+    add("stray ckpt-99999999999999999999.ckpt beside a good one, --resume", resume + [d], 0,
+        ["warning", stray], '"cohort: error: stoll", the run stopped',
+        also=["resumed from " + os.path.join(d, "ckpt-0000000005.ckpt")])
+
+    # A checkpoint whose archive was damaged before its checksum was made (the archive's code
+    # indented wrongly, as tests/trainer_test.cpp does), newer than the good one.
+    d = fresh("corrupt")
+    shutil.copy(good_ckpt, d)
+    payload = bytearray(good_bytes[24:])
+    at = payload.find(b"\n  __buffers__")
+    assert at >= 0, "the checkpoint's archive has no code to damage"
+    payload[at + 2] = ord("u")
+    path = os.path.join(d, "ckpt-0000000006.ckpt")
+    with open(path, "wb") as f:
+        f.write(checkpoint(bytes(payload)))
+    add("checkpoint data corrupt under a valid checksum", resume + [d], 1,
+        [path, "checkpoint payload is unreadable"], NO_FILE)
+
+    # A torch archive of a model without cohort's keys (cohort_model, cohort_shape).
+    path = os.path.join(tmp, "plain.pt")
+    torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 3))).save(path)
+    add("model archive without cohort's keys", ["ensemble", "--data", "synthetic:60", "--threads", "1", path], 1,
+        [path, "without cohort's model description"], NO_FILE)
+
+    # TOML configs: a key without a value, a value of 10 MB.
+    path = os.path.join(tmp, "no-value.toml")
+    with open(path, "w") as f:
+        f.write('model = "mlp"\nbatch =\n')
+    add("TOML config with `batch =`", ["train", "--config", path], 2, [path, "key 'batch' has no value"], NO_FILE)
+    path = os.path.join(tmp, "ten-mb.toml")
+    with open(path, "w") as f:
+        f.write('steps = 1\ndata = "' + "A" * 10_000_000 + '"\n')
+    add("TOML config with a 10 MB value", ["train", "--config", path], 2,
+        [path, "key 'data' has a value of 10000000 bytes"], NO_FILE + " (the issue: echo at most a prefix)")
+
+    # Command lines.
+    add("`--steps 1e23`", quick(steps="1e23"), 2, ["--steps", "1e23"], ACCEPTED)
+    add("`--outer-lr inf`", quick(extra=["--outer-lr", "inf"]), 2, ["--outer-lr", "inf"], ACCEPTED)
+    add("`simulate --workers 2147483647`", ["simulate", "--calibration", good_cal, "--workers", "2147483647"], 2,
+        ["--workers", "2147483647"], ACCEPTED + ", ran for minutes")
+    add("`simulate --strategy pipeline --codec fp16`",
+        ["simulate", "--calibration", good_cal, "--workers", "1,2", "--strategy", "pipeline", "--codec", "fp16"], 2,
+        ["--codec fp16", "pipeline"], ACCEPTED + " (train refuses it)")
+    add("`--batch 100` on 60 examples", quick(batch="100"), 2, ["--batch 100", "60 training examples"], ACCEPTED)
+    add("`--seed -1`", quick(extra=["--seed", "-1"]), 2, ["--seed", "-1"], ACCEPTED)
+    add('`--save-model ""`', quick(extra=["--save-model", ""]), 2, ["--save-model"], ACCEPTED)
+    return cases
+
+
+def run_capped(argv, cap, timeout, env):
+    """Runs argv with its address space capped at `cap` bytes (RLIMIT_AS, as the issue's reporter
+    did) and a timeout. Returns its exit status (-N: killed by signal N; None: timed out), wall
+    seconds, peak RSS in bytes and its stderr. The peak is /usr/bin/time's: a child forked from
+    this process (torch loaded: about 500 MB) would report this process's RSS as its own floor."""
+    def limit():
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+
+    with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r") as timed:
+        start = time.monotonic()
+        child = subprocess.Popen(["/usr/bin/time", "-o", timed.name, "-f", "%M %x"] + argv, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=err, preexec_fn=limit, env=env,
+                                 start_new_session=True)
+        try:
+            child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # its own session: time and the command
+            child.wait()
+        wall = time.monotonic() - start
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+        report = timed.read().split("\n")
+    m = re.search(r"Command terminated by signal (\d+)", report[0])
+    fields = [line for line in report if re.fullmatch(r"\d+ -?\d+", line)]
+    if not fields or child.returncode == -signal.SIGKILL:
+        return None, wall, 0, stderr
+    rss_kb, code = map(int, fields[-1].split())
+    return (-int(m.group(1)) if m else code), wall, rss_kb * 1024, stderr
+
+
+def verdict(case, code, wall, rss, stderr, limits):
+    """What differs from the fix's promise, or "ok"."""
+    problems = []
+    lines = stderr.splitlines()
+    first = lines[0] if lines else ""
+    if code is None:
+        problems.append(f"killed after the timeout, expected exit {case['exit']}")
+    elif code != case["exit"]:
+        problems.append(f"exit {code}, expected {case['exit']}")
+    missing = [n for n in case["first"] if n not in first]
+    if missing:
+        problems.append("first line lacks " + ", ".join(f"'{n}'" for n in missing))
+    missing = [n for n in case["also"] if n not in stderr]
+    if missing:
+        problems.append("stderr lacks " + ", ".join(f"'{n}'" for n in missing))
+    if case["exit"] != 0 and len(lines) != 1:
+        problems.append(f"{len(lines)} lines on stderr")
+    if len(stderr) > limits["stderr_bytes"]:
+        problems.append(f"{len(stderr)} bytes on stderr")
+    if rss > limits["rss"]:
+        problems.append(f"peak RSS {rss / 2**20:.0f} MB")
+    if wall > limits["seconds"]:
+        problems.append(f"{wall:.1f} s")
+    return "; ".join(problems) or "ok"
+
+
+def files(a):
+    """--files: each hostile file (and command line) of issue 30, item 3, against `cohort`."""
+    cohort = os.path.join(a.build, "cohort")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG", "COHORT_AUTH_TOKEN"]:
+        env.pop(k, None)
+    if not os.access("/usr/bin/time", os.X_OK):
+        sys.exit("--files needs GNU time as /usr/bin/time (apt-get install time) for the peak RSS")
+    cap = int(a.cap_gb * 2**30)
+    limits = {"rss": a.max_rss_mb * 2**20, "seconds": a.max_seconds, "stderr_bytes": 1024}
+    print(f"# {machine()}")
+    print(f"# {cohort}, RLIMIT_AS {a.cap_gb:g} GiB, timeout {a.timeout:g} s; "
+          f"ok: the exit status and first line the fix promises, one line of stderr (at most 1 KB) for a "
+          f"refusal, peak RSS under {a.max_rss_mb} MB, under {a.max_seconds:g} s")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="cohort-files-") as tmp:
+        good = os.path.join(tmp, "good")
+        code, _, _, stderr = run_capped([cohort] + quick(steps="5", extra=["--checkpoint-dir", good]), cap,
+                                        a.timeout, env)
+        if code != 0:
+            sys.exit(f"the run that writes the good checkpoint failed ({code}): {stderr}")
+        cases = file_cases(tmp, good)
+        if a.cases:
+            cases = [c for c in cases if any(w in c["case"] for w in a.cases.split(","))]
+        rows = []
+
+        def shown(text):
+            return text.replace(tmp, "$T").replace(cohort, "cohort")
+
+        for case in cases:
+            code, wall, rss, stderr = run_capped([cohort] + case["args"], cap, a.timeout, env)
+            first = stderr.splitlines()[0] if stderr else ""
+            if len(first) > 300:
+                first = first[:300] + f"... ({len(first)} bytes)"
+            command = " ".join(["cohort"] + [x if x else "''" for x in case["args"]])
+            row = {"case": case["case"], "command": shown(command), "before": case["before"], "exit": code,
+                   "wall_s": round(wall, 2), "peak_rss_mb": round(rss / 2**20),
+                   "stderr_lines": len(stderr.splitlines()), "stderr_bytes": len(stderr),
+                   "first_line": shown(first), "verdict": verdict(case, code, wall, rss, stderr, limits)}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    print()
+    print("| case | command | before (issue 30, e707c9a) | exit | wall s | peak RSS MB | first line of stderr "
+          "| verdict |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        exit_code = "timeout" if r["exit"] is None else str(r["exit"])
+        cells = [r["case"], f"`{r['command']}`", r["before"], exit_code, f"{r['wall_s']:.2f}", str(r["peak_rss_mb"]),
+                 f"`{r['first_line']}`" if r["first_line"] else "", r["verdict"]]
+        print("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    print(f"\n{len(rows)} cases in {time.monotonic() - started:.0f} s ($T: the temporary directory)")
+    bad = [r["case"] for r in rows if r["verdict"] != "ok"]
+    if bad:
+        print(f"\n{len(bad)} case(s) not as the fix promises: " + "; ".join(bad))
+    return 1 if bad else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--steps", type=int, default=600, help="long enough that the job outlives the attack")
     ap.add_argument("--model", default="cnn", help="the job's model: long enough a run to attack (cnn: ~1 min)")
     ap.add_argument("--schemes", default="allreduce,gossip,ps")
+    ap.add_argument("--files", action="store_true", help="hostile files and command lines instead of ports")
+    ap.add_argument("--cap-gb", type=float, default=8, help="--files: each command's address space (RLIMIT_AS)")
+    ap.add_argument("--timeout", type=float, default=120, help="--files: seconds before a command is killed")
+    ap.add_argument("--max-rss-mb", type=int, default=1024, help="--files: a peak RSS above this is not ok")
+    ap.add_argument("--max-seconds", type=float, default=10, help="--files: a run longer than this is not ok")
+    ap.add_argument("--cases", help="--files: only the cases whose name holds one of these (comma list)")
     a = ap.parse_args()
+    if a.files:
+        sys.exit(files(a))
     print(f"# {machine()}")
     with tempfile.TemporaryDirectory() as tmp:
         for scheme in a.schemes.split(","):
