@@ -48,11 +48,11 @@ c10::Device resolveDevice(const std::string& name, int localRank) {
   COHORT_CHECK(automatic || name.rfind("cuda", 0) == 0, InvalidArgument, "device \"", name,
                "\": expected cpu, cuda, cuda:N (N a GPU index) or auto");
   const int index = automatic ? -1 : parseIndex(name);
-  if (automatic && cudaDeviceCount() == 0) return c10::Device(c10::kCPU);
+  const int count = cudaDeviceCount();  // asks the driver: once
+  if (automatic && count == 0) return c10::Device(c10::kCPU);
   COHORT_CHECK(builtWithCuda(), InvalidArgument, "device \"", name,
                "\": this LibTorch was built without CUDA; use --device cpu, or build cohort against a CUDA "
                "LibTorch (scripts/setup.sh installs PyPI's torch==2.11.0, built for CUDA 13.0)");
-  const int count = cudaDeviceCount();
   COHORT_CHECK(count > 0, InvalidArgument, "device \"", name, "\": this process sees no CUDA device (",
                visibleDevicesNote(), "; no GPU, or a driver too old for CUDA 13.0, which needs 580 or later); "
                "use --device cpu, or run where an NVIDIA GPU and its driver are");

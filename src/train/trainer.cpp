@@ -79,12 +79,17 @@ c10::Device chooseDevice(const TrainOptions& o, const Strategy& strategy, torch:
   throw InvalidArgument("--device " + o.device + ": " + reason + "; use --device cpu");
 }
 
-// The batch on `device`: assembled in host memory, pinned, and copied without blocking the host
-// (the copy is ordered before the step's kernels on the same stream).
+// A tensor assembled in host memory, on `device`: pinned and copied without blocking the host (the
+// copy is ordered before the step's kernels on the same stream).
+torch::Tensor onDevice(const torch::Tensor& t, const c10::Device& device) {
+  if (device.is_cpu() || !t.defined()) return t;
+  return t.pin_memory().to(device, /*non_blocking=*/true);
+}
+
+// A training batch on `device`: its inputs and its targets.
 Batch onDevice(Batch batch, const c10::Device& device) {
-  if (device.is_cpu() || !batch.inputs.defined()) return batch;
-  batch.inputs = batch.inputs.pin_memory().to(device, /*non_blocking=*/true);
-  batch.targets = batch.targets.pin_memory().to(device, /*non_blocking=*/true);
+  batch.inputs = onDevice(batch.inputs, device);
+  batch.targets = onDevice(batch.targets, device);
   return batch;
 }
 
@@ -439,7 +444,7 @@ struct Trainer::State {
       idx.resize(size_t(count));
       std::iota(idx.begin(), idx.end(), start);
       Batch batch = makeBatch(set, idx);
-      auto out = strategy->infer(model, onDevice(batch, device).inputs);
+      auto out = strategy->infer(model, onDevice(batch.inputs, device));  // the targets stay on the host
       if (!out.defined()) continue;  // the chief has the outputs
       out = out.to(torch::kCPU);
       if (options.evaluate) {
