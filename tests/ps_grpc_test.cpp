@@ -19,11 +19,15 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/client_unary_call.h>
+#include <grpcpp/impl/codegen/method_handler.h>
+#include <grpcpp/impl/codegen/rpc_service_method.h>
 #include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/resource_quota.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <condition_variable>
 #include <csignal>
 #include <filesystem>
@@ -1094,6 +1098,110 @@ void expectAFramedPushNeedsTheToken(size_t pushChunkBytes) {
 
 // The zero-copy path keeps the shard's authentication: a framed push without the proof is refused.
 TEST(PsFrameTest, AFramedPushNeedsTheToken) { expectAFramedPushNeedsTheToken(kDefaultPushChunkBytes); }
+
+// A server whose one method holds the IncomingFrame it received until told to let it go, under a
+// resource quota the test controls.
+class HoldingServer {
+ public:
+  HoldingServer() : service_(this) {
+    grpc::ServerBuilder builder;
+    builder.SetResourceQuota(quota_.Resize(size_t(64) << 20));
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.SetMaxReceiveMessageSize(-1);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+  }
+  ~HoldingServer() { finish(); }
+
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  grpc::ResourceQuota& quota() { return quota_; }
+  // Blocks until the handler holds a frame (false: none came within 30 s).
+  bool waitHolding() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return changed_.wait_for(lock, 30s, [&] { return holding_; });
+  }
+  // Lets the handler return, and waits until gRPC's threads are done with it: its frame was
+  // destroyed in its handler thread.
+  void finish() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      released_ = true;
+      changed_.notify_all();
+    }
+    server_->Shutdown();
+    server_->Wait();
+  }
+
+ private:
+  class Service final : public grpc::Service {
+   public:
+    explicit Service(HoldingServer* owner) {
+      AddMethod(new grpc::internal::RpcServiceMethod(
+          kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC,
+          new grpc::internal::RpcMethodHandler<HoldingServer, IncomingFrame, OutgoingFrame, IncomingFrame,
+                                               OutgoingFrame>(
+              [](HoldingServer* s, grpc::ServerContext*, const IncomingFrame*, OutgoingFrame* r) {
+                std::unique_lock<std::mutex> lock(s->mu_);
+                s->holding_ = true;
+                s->changed_.notify_all();
+                s->changed_.wait(lock, [&] { return s->released_; });
+                r->head = "held";
+                return grpc::Status::OK;
+              },
+              owner)));
+    }
+  };
+
+  grpc::ResourceQuota quota_{"holding server"};
+  Service service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  bool holding_ = false;
+  bool released_ = false;
+};
+
+// Issue 30's SIGSEGV (grpc_core::ExecCtx::Run <- MaybeRegisterReclaimer <- grpc::Slice::~Slice <-
+// IncomingFrame::~IncomingFrame). gRPC charges a received message's memory to the server's
+// resource quota; the last unref of its slices gives that memory back, and an allocator that had
+// given all its free bytes to an overdrawn quota then registers a reclaimer, waking gRPC's
+// reclamation loop through the thread's ExecCtx: a handler thread has none. So the last unref must
+// happen inside gRPC (grpc_byte_buffer_destroy sets one up). Deterministic: the handler holds a
+// 2 MB frame while the quota is shrunk below what the connection holds; gRPC's reclaimers run
+// (the destructive one cancels the call, which the client sees); then the handler lets the frame
+// go. In a death-test child, so that a crash fails this test only. Before the fix: SIGSEGV every
+// time (20 of 20).
+void releaseAFrameWhileTheQuotaIsOverdrawn() {
+  HoldingServer server;
+  auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+  const grpc::internal::RpcMethod method(kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel);
+  const std::vector<float> payload(512 * 1024, 1.0f);
+  auto call = std::async(std::launch::async, [&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + 30s);
+    OutgoingFrame frame{.head = "frame", .payload = {std::span<const float>(payload)}, .keepAlive = nullptr};
+    IncomingFrame reply;
+    return grpc::internal::BlockingUnaryCall<OutgoingFrame, IncomingFrame, OutgoingFrame, IncomingFrame>(
+        channel.get(), method, &context, frame, &reply);
+  });
+  if (!server.waitHolding()) {
+    std::fprintf(stderr, "the handler never got the frame\n");
+    std::_Exit(2);
+  }
+  server.quota().Resize(1);
+  const grpc::Status cancelled = call.get();
+  std::fprintf(stderr, "the call ended (%d: %s); the handler lets its frame go\n", int(cancelled.error_code()),
+               cancelled.error_message().c_str());
+  server.finish();
+  std::fprintf(stderr, "released\n");
+  std::_Exit(0);
+}
+
+TEST(PsFrameDeathTest, AFrameLetGoWhileTheQuotaIsOverdrawnDoesNotCrashTheServer) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process: gRPC's threads do not survive fork
+  EXPECT_EXIT(releaseAFrameWhileTheQuotaIsOverdrawn(), testing::ExitedWithCode(0), "released");
+}
 
 
 // ---- The streamed push (PushStream: a chunk of whole pieces per message) ----
