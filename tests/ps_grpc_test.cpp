@@ -19,17 +19,22 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/client_unary_call.h>
+#include <grpcpp/impl/codegen/method_handler.h>
+#include <grpcpp/impl/codegen/rpc_service_method.h>
 #include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/resource_quota.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <condition_variable>
 #include <csignal>
 #include <filesystem>
 #include <future>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -107,6 +112,20 @@ wire::StatsReply statsOf(ShardClient& client) {
   const Status s = client.stats(withProtocol<wire::StatsRequest>(), &reply);
   EXPECT_TRUE(s.ok()) << s.message;
   return reply;
+}
+
+// What every client of ps/client.h says about a call: its request's bytes (kRequestBytesKey).
+void declare(grpc::ClientContext& context, uint64_t bytes) {
+  context.AddMetadata(kRequestBytesKey, std::to_string(bytes));
+}
+
+uint64_t bytesOf(const std::vector<OutgoingFrame>& messages) {
+  uint64_t bytes = 0;
+  for (const auto& m : messages) {
+    bytes += m.head.size();
+    for (const auto& p : m.payload) bytes += p.size_bytes();
+  }
+  return bytes;
 }
 
 // A ShardServer on 127.0.0.1 whose log lines the test can read.
@@ -243,6 +262,7 @@ TEST(PsGrpcTest, AReplayedCallIsRefusedByTheShard) {
   for (int attempt = 0; attempt < 2; ++attempt) {
     grpc::ClientContext context;
     context.AddMetadata("authorization", recorded);
+    declare(context, withProtocol<wire::StatsRequest>().ByteSizeLong());
     wire::StatsReply reply;
     const grpc::Status status = stub->Stats(&context, withProtocol<wire::StatsRequest>(), &reply);
     EXPECT_EQ(status.ok(), attempt == 0) << attempt << ": " << status.error_message();
@@ -693,13 +713,16 @@ TEST(PsGrpcTest, CompressedPushesApplyAndBadOnesAreRefused) {
 // on the call's metadata and the stream is closed before its body is read. The client sends one
 // 1 MB block 512 times over (its memory stays small), and the process's peak resident size, reset
 // before the call, must stay far below the push.
-// Sends a raw 512 MB body as a Push to `address` with `proof` as its authorization; returns the
-// call's status and how far this process's peak RSS rose above its level before the call.
+// Sends a raw 512 MB body as a Push to `address` with `proof` as its authorization and `declared`
+// as its kRequestBytesKey (none if nullopt); returns the call's status and how far this process's
+// peak RSS rose above its level before the call.
 struct RawPushResult {
   grpc::Status status;
   int64_t peakGrowth = 0;
 };
-RawPushResult pushRaw512MB(const std::string& address, const std::string& proof) {
+constexpr uint64_t k512MB = uint64_t(512) << 20;
+RawPushResult pushRaw512MB(const std::string& address, const std::string& proof,
+                           std::optional<uint64_t> declared = k512MB) {
   constexpr size_t kBlock = 1 << 20, kBlocks = 512;
   static const std::vector<char> block(kBlock, 'x');
   std::vector<grpc::Slice> slices(kBlocks, grpc::Slice(block.data(), block.size(), grpc::Slice::STATIC_SLICE));
@@ -713,6 +736,7 @@ RawPushResult pushRaw512MB(const std::string& address, const std::string& proof)
   const int64_t rssBefore = test::statusBytes("VmRSS");
   grpc::ClientContext context;
   context.AddMetadata("authorization", proof);
+  if (declared) declare(context, *declared);
   context.set_deadline(std::chrono::system_clock::now() + 60s);
   grpc::CompletionQueue queue;
   auto call = stub.PrepareUnaryCall(&context, "/cohort.ps.wire.ParameterServer/Push", request, &queue);
@@ -730,6 +754,15 @@ RawPushResult pushRaw512MB(const std::string& address, const std::string& proof)
   return result;
 }
 
+std::string freshProof(const std::string& secret) {
+  static std::mt19937 rng(std::random_device{}());
+  std::string nonce(32, '0');
+  for (auto& c : nonce) c = "0123456789abcdef"[rng() % 16];
+  const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                       std::chrono::system_clock::now().time_since_epoch()).count();
+  return callProof(secret, now, nonce);
+}
+
 TEST(PsGrpcTest, AWrongTokenPushIsRefusedBeforeItsBodyIsRead) {
   TestServer server(ServerOptions{.authToken = "s3cret"});
   ASSERT_TRUE(server.server->checksTokenBeforeBody());
@@ -744,25 +777,38 @@ TEST(PsGrpcTest, AWrongTokenPushIsRefusedBeforeItsBodyIsRead) {
   EXPECT_EQ(pullAll(*right), (std::vector<float>{1, 2, 3, -1, 4}));
 }
 
-// The cap from the layout: after an Init of 5 values the shard's request quota is its floor
-// (64 MB), and a 512 MB body, even with a good proof (a buggy worker, or any caller where the
-// proof can only be checked after the read), is abandoned instead of being buffered whole.
-TEST(PsGrpcTest, ABodyBeyondTheLayoutsCapIsAbandonedNotRead) {
+// The cap from the layout: 2.25 GiB until the chief's Init, then twice the shard's values and
+// 1 MB. A 512 MB push with a good proof (a buggy worker) that declares its size, or declares
+// none (a tool that is not cohort's), is refused from its headers, its body unread: the
+// oversized one with RESOURCE_EXHAUSTED naming both sizes. The process's peak stays far below
+// the push, and the shard goes on serving the job.
+TEST(PsGrpcTest, ARequestOverTheCapIsRefusedBeforeItsBodyIsRead) {
   TestServer server(ServerOptions{.authToken = "s3cret"});
-  EXPECT_EQ(server.server->requestQuotaBytes(), (size_t(2) << 30) + (size_t(256) << 20));
+  EXPECT_EQ(server.server->requestCapBytes(), (uint64_t(2) << 30) + (uint64_t(256) << 20));
+  EXPECT_GE(server.server->requestQuotaBytes(), server.server->requestCapBytes());
   auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
   expectInit(*right);
-  EXPECT_EQ(server.server->requestQuotaBytes(), size_t(64) << 20);
+  const uint64_t cap = 2 * 5 * sizeof(float) + (1 << 20);
+  EXPECT_EQ(server.server->requestCapBytes(), cap);
 
-  const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                       std::chrono::system_clock::now().time_since_epoch()).count();
-  const RawPushResult r = pushRaw512MB(server.address(), callProof("s3cret", now, std::string(32, 'a')));
-  EXPECT_FALSE(r.status.ok());
-  EXPECT_LT(r.peakGrowth, int64_t(160) << 20) << "peak grew " << (r.peakGrowth >> 20) << " MB: the body was read whole";
-  std::fprintf(stderr, "authenticated 512 MB push past the cap: %s (%d), peak RSS grew by %.1f MB\n",
-               r.status.error_message().c_str(), int(r.status.error_code()), double(r.peakGrowth) / (1 << 20));
-  // The shard goes on serving the job.
+  const RawPushResult declared = pushRaw512MB(server.address(), freshProof("s3cret"));
+  EXPECT_EQ(declared.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << declared.status.error_message();
+  for (const std::string& says : {std::to_string(k512MB) + " bytes", "cap of " + std::to_string(cap) + " bytes",
+                                  std::string("its body was not read")}) {
+    EXPECT_NE(declared.status.error_message().find(says), std::string::npos) << declared.status.error_message();
+  }
+  EXPECT_LT(declared.peakGrowth, int64_t(96) << 20) << "peak grew " << (declared.peakGrowth >> 20) << " MB";
+
+  const RawPushResult undeclared = pushRaw512MB(server.address(), freshProof("s3cret"), std::nullopt);
+  EXPECT_EQ(undeclared.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << undeclared.status.error_message();
+  EXPECT_NE(undeclared.status.error_message().find("without cohort-request-bytes"), std::string::npos)
+      << undeclared.status.error_message();
+  EXPECT_LT(undeclared.peakGrowth, int64_t(96) << 20) << "peak grew " << (undeclared.peakGrowth >> 20) << " MB";
+  std::fprintf(stderr, "authenticated 512 MB push past the cap: %s; peak RSS grew by %.1f MB (undeclared: %.1f MB)\n",
+               declared.status.error_message().c_str(), double(declared.peakGrowth) / (1 << 20),
+               double(undeclared.peakGrowth) / (1 << 20));
   EXPECT_EQ(pullAll(*right), (std::vector<float>{1, 2, 3, -1, 4}));
+  EXPECT_EQ(statsOf(*right).rejected(), 2);
 }
 
 // Strangers on a shard's port: random bytes, an HTTP/2 preface followed by a frame announcing
@@ -971,6 +1017,7 @@ grpc::Status sendRawFrame(const std::string& address, const std::string& head, c
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + 20s);
   OutgoingFrame frame{.head = head, .payload = {std::span<const float>(payload)}, .keepAlive = nullptr};
+  declare(context, bytesOf({frame}));
   return grpc::internal::BlockingUnaryCall<OutgoingFrame, IncomingFrame, OutgoingFrame, IncomingFrame>(
       channel.get(), method, &context, frame, reply);
 }
@@ -1094,6 +1141,110 @@ void expectAFramedPushNeedsTheToken(size_t pushChunkBytes) {
 
 // The zero-copy path keeps the shard's authentication: a framed push without the proof is refused.
 TEST(PsFrameTest, AFramedPushNeedsTheToken) { expectAFramedPushNeedsTheToken(kDefaultPushChunkBytes); }
+
+// A server whose one method holds the IncomingFrame it received until told to let it go, under a
+// resource quota the test controls.
+class HoldingServer {
+ public:
+  HoldingServer() : service_(this) {
+    grpc::ServerBuilder builder;
+    builder.SetResourceQuota(quota_.Resize(size_t(64) << 20));
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.SetMaxReceiveMessageSize(-1);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+  }
+  ~HoldingServer() { finish(); }
+
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  grpc::ResourceQuota& quota() { return quota_; }
+  // Blocks until the handler holds a frame (false: none came within 30 s).
+  bool waitHolding() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return changed_.wait_for(lock, 30s, [&] { return holding_; });
+  }
+  // Lets the handler return, and waits until gRPC's threads are done with it: its frame was
+  // destroyed in its handler thread.
+  void finish() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      released_ = true;
+      changed_.notify_all();
+    }
+    server_->Shutdown();
+    server_->Wait();
+  }
+
+ private:
+  class Service final : public grpc::Service {
+   public:
+    explicit Service(HoldingServer* owner) {
+      AddMethod(new grpc::internal::RpcServiceMethod(
+          kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC,
+          new grpc::internal::RpcMethodHandler<HoldingServer, IncomingFrame, OutgoingFrame, IncomingFrame,
+                                               OutgoingFrame>(
+              [](HoldingServer* s, grpc::ServerContext*, const IncomingFrame*, OutgoingFrame* r) {
+                std::unique_lock<std::mutex> lock(s->mu_);
+                s->holding_ = true;
+                s->changed_.notify_all();
+                s->changed_.wait(lock, [&] { return s->released_; });
+                r->head = "held";
+                return grpc::Status::OK;
+              },
+              owner)));
+    }
+  };
+
+  grpc::ResourceQuota quota_{"holding server"};
+  Service service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  bool holding_ = false;
+  bool released_ = false;
+};
+
+// Issue 30's SIGSEGV (grpc_core::ExecCtx::Run <- MaybeRegisterReclaimer <- grpc::Slice::~Slice <-
+// IncomingFrame::~IncomingFrame). gRPC charges a received message's memory to the server's
+// resource quota; the last unref of its slices gives that memory back, and an allocator that had
+// given all its free bytes to an overdrawn quota then registers a reclaimer, waking gRPC's
+// reclamation loop through the thread's ExecCtx: a handler thread has none. So the last unref must
+// happen inside gRPC (grpc_byte_buffer_destroy sets one up). Deterministic: the handler holds a
+// 2 MB frame while the quota is shrunk below what the connection holds; gRPC's reclaimers run
+// (the destructive one cancels the call, which the client sees); then the handler lets the frame
+// go. In a death-test child, so that a crash fails this test only. Before the fix: SIGSEGV every
+// time (20 of 20).
+void releaseAFrameWhileTheQuotaIsOverdrawn() {
+  HoldingServer server;
+  auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+  const grpc::internal::RpcMethod method(kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel);
+  const std::vector<float> payload(512 * 1024, 1.0f);
+  auto call = std::async(std::launch::async, [&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + 30s);
+    OutgoingFrame frame{.head = "frame", .payload = {std::span<const float>(payload)}, .keepAlive = nullptr};
+    IncomingFrame reply;
+    return grpc::internal::BlockingUnaryCall<OutgoingFrame, IncomingFrame, OutgoingFrame, IncomingFrame>(
+        channel.get(), method, &context, frame, &reply);
+  });
+  if (!server.waitHolding()) {
+    std::fprintf(stderr, "the handler never got the frame\n");
+    std::_Exit(2);
+  }
+  server.quota().Resize(1);
+  const grpc::Status cancelled = call.get();
+  std::fprintf(stderr, "the call ended (%d: %s); the handler lets its frame go\n", int(cancelled.error_code()),
+               cancelled.error_message().c_str());
+  server.finish();
+  std::fprintf(stderr, "released\n");
+  std::_Exit(0);
+}
+
+TEST(PsFrameDeathTest, AFrameLetGoWhileTheQuotaIsOverdrawnDoesNotCrashTheServer) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process: gRPC's threads do not survive fork
+  EXPECT_EXIT(releaseAFrameWhileTheQuotaIsOverdrawn(), testing::ExitedWithCode(0), "released");
+}
 
 
 // ---- The streamed push (PushStream: a chunk of whole pieces per message) ----
@@ -1220,6 +1371,7 @@ grpc::Status sendRawStream(const std::string& address, const std::vector<Outgoin
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + 20s);
   if (!token.empty()) context.AddMetadata("authorization", makeCallProof(token));
+  declare(context, bytesOf(messages));
   IncomingFrame reply;
   std::unique_ptr<grpc::ClientWriter<OutgoingFrame>> writer(
       grpc::internal::ClientWriterFactory<OutgoingFrame>::Create(channel.get(), method, &context, &reply));
@@ -1396,6 +1548,7 @@ TEST(PsStreamTest, AStreamCutOffByTheWorkerKeepsTheChunksItSent) {
     const grpc::internal::RpcMethod method(kPushStreamMethod, grpc::internal::RpcMethod::CLIENT_STREAMING, channel);
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + 20s);
+    declare(context, bytesOf({head, chunkMessage(0, 1, big), chunkMessage(1, 1, b)}));
     IncomingFrame reply;
     std::unique_ptr<grpc::ClientWriter<OutgoingFrame>> writer(
         grpc::internal::ClientWriterFactory<OutgoingFrame>::Create(channel.get(), method, &context, &reply));

@@ -136,6 +136,13 @@ std::vector<OutgoingFrame> streamFrames(const FramedPush& push, size_t chunkByte
   return frames;
 }
 
+// How many bytes a frame puts on the wire as one gRPC message.
+size_t frameSize(const OutgoingFrame& frame) {
+  size_t bytes = frame.head.size();
+  for (const auto& values : frame.payload) bytes += values.size_bytes();
+  return bytes;
+}
+
 // A frame's bytes in one string, as they would go to the wire.
 std::string frameBytes(const OutgoingFrame& frame) {
   std::string bytes = frame.head;
@@ -279,7 +286,9 @@ class GrpcClient : public ShardClient {
     if (pushStreams(push, options_.pushChunkBytes)) {
       // A retry sends the whole push again (the shard drops a duplicate by its clock).
       const std::vector<OutgoingFrame> frames = streamFrames(push, options_.pushChunkBytes);
-      status = retrying([&](grpc::ClientContext* context) {
+      size_t bytes = 0;
+      for (const auto& frame : frames) bytes += frameSize(frame);
+      status = retrying(bytes, [&](grpc::ClientContext* context) {
         in = IncomingFrame();
         std::unique_ptr<grpc::ClientWriter<OutgoingFrame>> writer(
             grpc::internal::ClientWriterFactory<OutgoingFrame>::Create(channel_.get(), pushStreamMethod_, context,
@@ -294,7 +303,7 @@ class GrpcClient : public ShardClient {
       });
     } else {
       const OutgoingFrame out{.head = frameHead(push.request), .payload = push.payload, .keepAlive = push.keepAlive};
-      status = retrying([&](grpc::ClientContext* context) {
+      status = retrying(frameSize(out), [&](grpc::ClientContext* context) {
         in = IncomingFrame();
         return grpc::internal::BlockingUnaryCall<OutgoingFrame, IncomingFrame, OutgoingFrame, IncomingFrame>(
             channel_.get(), pushFramedMethod_, context, out, &in);
@@ -310,12 +319,12 @@ class GrpcClient : public ShardClient {
   template <typename Request, typename Reply>
   Status call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Reply*), const Request& request,
               Reply* reply) {
-    return retrying(
-        [&](grpc::ClientContext* context) { return (stub_.get()->*method)(context, request, reply); });
+    return retrying(request.ByteSizeLong(),
+                    [&](grpc::ClientContext* context) { return (stub_.get()->*method)(context, request, reply); });
   }
 
-  // One unary call (`attempt` makes it on the context it is given), retried while it fails with
-  // UNAVAILABLE. The one place where grpc::Status becomes a ps::Status.
+  // One call (`attempt` makes it on the context it is given) of `requestBytes` (kRequestBytesKey),
+  // retried while it fails with UNAVAILABLE. The one place where grpc::Status becomes a ps::Status.
   //
   // The failures come in spells of one kind: the shard unreachable (nothing of it answered: a
   // refused connection, a reset) or the shard refusing (its own UNAVAILABLE, which it marks with
@@ -325,7 +334,7 @@ class GrpcClient : public ShardClient {
   // shard's "not initialized yet"): a call that was waiting for the chief's Init when its shard
   // died still gets a whole window for the restart.
   template <typename Attempt>
-  Status retrying(const Attempt& attempt) {
+  Status retrying(size_t requestBytes, const Attempt& attempt) {
     const double timeout = options_.timeoutSeconds;
     const double bound = kRetryBoundTimeouts * timeout;
     const auto start = Clock::now();
@@ -342,6 +351,7 @@ class GrpcClient : public ShardClient {
                            std::chrono::seconds(5));
       // A fresh proof per attempt: a shard takes each once.
       if (!options_.authToken.empty()) context.AddMetadata("authorization", makeCallProof(options_.authToken));
+      context.AddMetadata(kRequestBytesKey, std::to_string(requestBytes));
       const grpc::Status status = attempt(&context);
       const auto now = Clock::now();
       if (status.ok()) {

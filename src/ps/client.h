@@ -25,6 +25,12 @@ constexpr int kHttp2Window = 64 << 20;
 // that the client can tell "the shard answered" from "nothing reached it" (both UNAVAILABLE).
 constexpr char kShardAnsweredKey[] = "cohort-shard-answered";
 
+// Metadata every call carries: the bytes of its request (a stream's messages together), as a
+// decimal number. A shard refuses a request over its cap, or one that declares nothing, on this
+// header, before reading the body where it checks proofs first (TLS, loopback); the bytes that
+// arrive are checked against the cap and the declaration again (ps/service.cpp).
+constexpr char kRequestBytesKey[] = "cohort-request-bytes";
+
 // One call's retries end after at most this many times its timeout in all (see makeGrpcClient).
 constexpr int kRetryBoundTimeouts = 3;
 

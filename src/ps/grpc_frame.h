@@ -1,6 +1,6 @@
 // Frames (ps/frame.h) as gRPC messages: the client's and the service's private glue. gRPC calls
 // SerializationTraits<T> to turn a message into a ByteBuffer and back; these make a frame's
-// payload a slice over the sender's memory (no copy) and keep a received frame's slices as they
+// payload a slice over the sender's memory (no copy) and keep a received frame's buffer as it
 // came, for the receiver to read in place.
 #pragma once
 
@@ -27,11 +27,19 @@ struct OutgoingFrame {
   std::shared_ptr<const void> keepAlive;
 };
 
-// A frame received: gRPC's slices, held here, and the chunks of bytes they cover, in order.
+// A frame received: gRPC's buffer, held here, and the chunks of bytes its slices cover, in order.
 // parseFrame reads the header and payload out of the chunks.
+//
+// The buffer itself is kept, not references to its slices: the memory of a received message is
+// charged to the server's resource quota, and whoever drops the last reference gives it back,
+// which may register a reclaimer with the quota and wake gRPC's reclamation loop. That needs the
+// thread's grpc_core::ExecCtx, which gRPC's own threads and its API functions set up and a
+// handler thread lacks: a grpc::Slice released there last crashed the shard (issue 30: SIGSEGV in
+// ExecCtx::Run <- MaybeRegisterReclaimer <- grpc::Slice::~Slice). The ByteBuffer's destructor
+// (grpc_byte_buffer_destroy) sets one up.
 struct IncomingFrame {
-  std::vector<grpc::Slice> slices;
-  std::vector<std::span<const uint8_t>> chunks;
+  grpc::ByteBuffer buffer;
+  std::vector<std::span<const uint8_t>> chunks;  // into buffer's slices
 };
 
 }  // namespace cohort::ps
@@ -63,11 +71,15 @@ class grpc::SerializationTraits<cohort::ps::IncomingFrame> {
  public:
   static grpc::Status Deserialize(grpc::ByteBuffer* buffer, cohort::ps::IncomingFrame* frame) {
     if (buffer == nullptr) return grpc::Status(grpc::StatusCode::INTERNAL, "no payload");
-    const grpc::Status dumped = buffer->Dump(&frame->slices);  // references to the slices, no copy
+    std::vector<grpc::Slice> slices;
+    const grpc::Status dumped = buffer->Dump(&slices);  // references to the slices, no copy
+    // The frame takes the buffer (gRPC's reference to each slice); `slices` goes at the end of
+    // this scope, never the last reference.
+    frame->buffer.Swap(buffer);
     buffer->Clear();
-    if (!dumped.ok()) return dumped;
     frame->chunks.clear();
-    for (const auto& s : frame->slices) frame->chunks.emplace_back(s.begin(), s.size());
+    if (!dumped.ok()) return dumped;
+    for (const auto& s : slices) frame->chunks.emplace_back(s.begin(), s.size());
     return grpc::Status::OK;
   }
 };

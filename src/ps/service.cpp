@@ -17,14 +17,18 @@
 #include <grpcpp/security/auth_metadata_processor.h>
 
 #include <malloc.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string_view>
 
@@ -41,19 +45,35 @@ constexpr int kHandshakeTimeoutMs = 10'000;
 // How often runShardServer looks for a signal.
 constexpr auto kPoll = std::chrono::milliseconds(250);
 
-// The memory gRPC may hold for requests being read (its resource quota; past it gRPC stops reading
-// and abandons streams instead of growing). Before the chief's Init the layout is unknown, and Init
-// itself carries the shard's part of the model, at most what one checkpoint may hold (2 GiB).
-constexpr size_t kQuotaBeforeInit = (size_t(2) << 30) + (size_t(256) << 20);
-// After Init: one request holds at most the shard's values twice over (a row-sparse or top-k push
-// carries an index beside each value), plus its header; every worker and the chief may have one
-// in flight, and two more for the pulls and stats calls around them.
-size_t quotaForLayout(const wire::InitRequest& init) {
-  uint64_t values = 0;
-  for (const auto& p : init.pieces()) values += p.numel();
-  const uint64_t perRequest = 2 * values * sizeof(float) + (uint64_t(1) << 20);
-  const uint64_t inFlight = uint64_t(std::max<int64_t>(init.policy().workers(), 1)) + 2;
-  return size_t(std::max<uint64_t>(inFlight * perRequest, uint64_t(64) << 20));
+// The most bytes an Init may carry: a shard's part of the model, at most what one checkpoint may
+// hold (2 GiB), and its names. It is every request's cap until the chief's Init came, and an
+// Init's always (a fresh Init replaces the layout).
+constexpr uint64_t kInitCap = (uint64_t(2) << 30) + (uint64_t(256) << 20);
+// Every other request's cap once a layout is known: twice the shard's values (a row-sparse or
+// top-k push carries an index beside each value) as float32, and 1 MB for the header.
+uint64_t capForValues(uint64_t values) { return 2 * values * sizeof(float) + (uint64_t(1) << 20); }
+
+// Which cap a request is held to.
+enum class Request { kInit, kOther };
+constexpr std::string_view kInitMethod = "/cohort.ps.wire.ParameterServer/Init";
+
+// How many calls one connection may have open at once (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS;
+// a client queues more). A worker has one call at a time to each shard.
+constexpr int kMaxStreamsPerConnection = 16;
+
+// What gRPC may hold for requests being read: its resource quota. It is not what refuses a large
+// request (the caps are): past it gRPC cancels streams of other connections too, the oldest
+// first, so an oversized body took the job's workers' pushes down with it (issue 30). It only
+// keeps gRPC from taking the machine: half its memory, or of the cgroup's limit if lower, and at
+// least what one Init may carry.
+size_t quotaForMachine() {
+  uint64_t memory = uint64_t(::sysconf(_SC_PHYS_PAGES)) * uint64_t(::sysconf(_SC_PAGESIZE));
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(path);
+    uint64_t limit = 0;
+    if (in >> limit && limit > 0) memory = std::min(memory, limit);  // "max" does not parse: no limit
+  }
+  return size_t(std::max(memory / 2, kInitCap));
 }
 
 std::string readPem(const std::string& path, const char* flag) {
@@ -71,9 +91,9 @@ bool isLoopbackAddress(const std::string& address) {
   return isLoopbackHost(hostPort ? hostPort->host : address);
 }
 
-// What the service does with a caller that has not shown the token: counts it, logs it
-// (rate-limited: a misconfigured worker retrying, or a scanner, must not flood the log), and asks
-// for the memory its request took back from the heap.
+// What the service does with a caller that has not shown the token, or whose request is over the
+// cap: counts it, logs it (rate-limited: a misconfigured worker retrying, or a scanner, must not
+// flood the log), and asks for the memory its request took back from the heap.
 class Refusals {
  public:
   Refusals(std::shared_ptr<Shard> shard, std::string name, std::function<void(const std::string&)> log)
@@ -88,6 +108,58 @@ class Refusals {
     }
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         std::string(describe(why)) + ": every process of the job needs the same --auth-token");
+  }
+
+  // The most bytes one request may carry (see kInitCap, capForValues).
+  uint64_t cap(Request request) const { return request == Request::kInit ? kInitCap : layoutCap_.load(); }
+  // After every accepted Init.
+  void setLayout(const wire::InitRequest& init) {
+    uint64_t values = 0;
+    for (const auto& p : init.pieces()) values += p.numel();
+    values_ = values;
+    layoutCap_ = capForValues(values);
+  }
+
+  // The size a call declares (kRequestBytesKey), into `declared`, against the cap: OK or why not
+  // (not counted yet: see reject). `read`: whether the body was read already.
+  Status checkDeclared(Request request, std::optional<std::string_view> header, bool read, uint64_t* declared) const {
+    const std::string when = read ? "" : "; its body was not read";
+    if (!header) {
+      return refusal(Code::kInvalidArgument, "a request without " + std::string(kRequestBytesKey) +
+                                                 " (its size); this shard reads at most " + describeCap(request) + " of one" +
+                                                 when);
+    }
+    const auto parsed = std::from_chars(header->data(), header->data() + header->size(), *declared);
+    if (header->empty() || parsed.ec != std::errc() || parsed.ptr != header->data() + header->size()) {
+      return refusal(Code::kInvalidArgument,
+                     "a request whose " + std::string(kRequestBytesKey) + " is not a number of bytes" + when);
+    }
+    if (*declared > cap(request)) {
+      return refusal(Code::kResourceExhausted, "a request of " + std::to_string(*declared) +
+                                                   " bytes is over this shard's cap of " + describeCap(request) + when);
+    }
+    return Status::Ok();
+  }
+
+  // The bytes that arrived (so far) against the cap and what the call declared.
+  Status checkRead(Request request, uint64_t bytes, uint64_t declared) const {
+    if (bytes > cap(request)) {
+      return refusal(Code::kResourceExhausted, "a request of " + std::to_string(bytes) +
+                                                   " bytes is over this shard's cap of " + describeCap(request) +
+                                                   " (it declared " + std::to_string(declared) + ")");
+    }
+    if (bytes > declared) {
+      return refusal(Code::kInvalidArgument, "a request carries more than the " + std::to_string(declared) +
+                                                 " bytes it declared (" + std::to_string(bytes) + " so far)");
+    }
+    return Status::Ok();
+  }
+
+  // A request refused for its size or form: counted as rejected, its memory given back.
+  grpc::Status reject(const Status& why) {
+    shard_->countRejected(why);
+    wantTrim();
+    return grpc::Status(grpc::StatusCode(why.code), why.message);
   }
 
   const std::string& name() const { return name_; }
@@ -108,19 +180,45 @@ class Refusals {
   }
 
  private:
+  Status refusal(Code code, const std::string& what) const {
+    return Status::error(code, "ps shard " + name_ + ": " + what);
+  }
+
+  std::string describeCap(Request request) const {
+    const uint64_t values = values_;
+    return std::to_string(cap(request)) + " bytes (" +
+           (request == Request::kInit || values == 0
+                ? std::string("what an Init may carry: a shard's part of the model, at most 2 GiB, and its names")
+                : "twice the " + std::to_string(values) + " values this shard holds, as float32, and 1 MB") +
+           ")";
+  }
+
   const std::shared_ptr<Shard> shard_;
   const std::string name_;
   const std::function<void(const std::string&)> log_;
   std::atomic<int64_t> refused_{0};
   std::atomic<bool> trim_{false};
+  std::atomic<uint64_t> layoutCap_{kInitCap};  // until the first Init: an Init's
+  std::atomic<uint64_t> values_{0};
 };
 
+// The value of a call's metadata `key`, if it has one.
+std::optional<std::string_view> metadataValue(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
+                                              const char* key) {
+  const auto found = metadata.find(key);
+  if (found == metadata.end()) return std::nullopt;
+  return std::string_view(found->second.data(), found->second.size());
+}
+
 // Checks the token on a call's metadata, before gRPC reads the request's body: a stranger's
-// 512 MB push costs the shard its headers, not 512 MB. gRPC runs it only under credentials with
-// a security handshake (TLS, or its "local" credentials on loopback); plaintext on another
-// interface is checked in the handler, after the read.
+// 512 MB push costs the shard its headers, not 512 MB; then the size the call declares
+// (kRequestBytesKey) against the cap, so that an oversized request from a caller with the
+// secret is refused unread too. gRPC runs it only under credentials with a security handshake
+// (TLS, or its "local" credentials on loopback); plaintext on another interface is checked in the
+// handler, after the read.
 class TokenCheck final : public grpc::AuthMetadataProcessor {
  public:
+  // `verifier`: null when the shard has no secret (the size is checked all the same).
   TokenCheck(std::shared_ptr<CallVerifier> verifier, std::shared_ptr<Refusals> refusals)
       : verifier_(std::move(verifier)), refusals_(std::move(refusals)) {}
 
@@ -128,10 +226,15 @@ class TokenCheck final : public grpc::AuthMetadataProcessor {
 
   grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext* context, OutputMetadata* consumed,
                        OutputMetadata* response) override {
-    const auto found = metadata.find("authorization");
-    const ProofCheck result = verifier_->check(
-        found == metadata.end() ? std::string_view() : std::string_view(found->second.data(), found->second.size()));
-    if (result == ProofCheck::kOk) return grpc::Status::OK;
+    const ProofCheck result = verifier_ == nullptr ? ProofCheck::kOk
+                                                   : verifier_->check(metadataValue(metadata, "authorization")
+                                                                          .value_or(std::string_view()));
+    if (result == ProofCheck::kOk) {
+      uint64_t declared = 0;
+      const Request request = metadataValue(metadata, ":path") == kInitMethod ? Request::kInit : Request::kOther;
+      const Status size = refusals_->checkDeclared(request, metadataValue(metadata, kRequestBytesKey), false, &declared);
+      return size.ok() ? grpc::Status::OK : refusals_->reject(size);
+    }
     // gRPC does not tell a processor the caller's address; the transport is what it knows.
     std::string peer = "a caller";
     if (context != nullptr) {
@@ -149,7 +252,8 @@ class TokenCheck final : public grpc::AuthMetadataProcessor {
 
 // TLS when the flags say so; else gRPC's local credentials on a loopback address (plaintext on
 // the wire, but with the security handshake that lets TokenCheck run before a body is read);
-// else plaintext. Sets `early` when TokenCheck is installed.
+// else plaintext. Sets `early` when TokenCheck is installed (it checks the proof when there is a
+// verifier, and the declared size always).
 std::shared_ptr<grpc::ServerCredentials> serverCredentials(const ServerOptions& o,
                                                            const std::shared_ptr<CallVerifier>& verifier,
                                                            const std::shared_ptr<Refusals>& refusals, bool& early) {
@@ -166,8 +270,8 @@ std::shared_ptr<grpc::ServerCredentials> serverCredentials(const ServerOptions& 
     early = false;
     return grpc::InsecureServerCredentials();  // gRPC aborts on a processor for these
   }
-  early = verifier != nullptr;
-  if (early) credentials->SetAuthMetadataProcessor(std::make_shared<TokenCheck>(verifier, refusals));
+  early = true;
+  credentials->SetAuthMetadataProcessor(std::make_shared<TokenCheck>(verifier, refusals));
   return credentials;
 }
 
@@ -176,17 +280,19 @@ grpc::Status toGrpc(const Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code), s.message);
 }
 
+// The bytes a received frame carries.
+uint64_t frameBytes(const IncomingFrame& frame) {
+  uint64_t bytes = 0;
+  for (const auto& c : frame.chunks) bytes += c.size();
+  return bytes;
+}
+
 class Service final : public wire::ParameterServer::Service {
  public:
   // `verifier` when the handler must check the proof itself (TokenCheck could not run); null
   // when there is no secret or TokenCheck already took the proof (it is good once only).
-  // `initialized` runs after every accepted Init (it sizes the request quota from the layout).
-  Service(std::shared_ptr<Shard> shard, std::shared_ptr<CallVerifier> verifier, std::shared_ptr<Refusals> refusals,
-          std::function<void(const wire::InitRequest&)> initialized)
-      : shard_(std::move(shard)),
-        verifier_(std::move(verifier)),
-        refusals_(std::move(refusals)),
-        initialized_(std::move(initialized)) {
+  Service(std::shared_ptr<Shard> shard, std::shared_ptr<CallVerifier> verifier, std::shared_ptr<Refusals> refusals)
+      : shard_(std::move(shard)), verifier_(std::move(verifier)), refusals_(std::move(refusals)) {
     // The zero-copy push, beside proto/ps.proto's methods: its messages are frames, not protobuf.
     AddMethod(new grpc::internal::RpcServiceMethod(
         kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC,
@@ -205,22 +311,22 @@ class Service final : public wire::ParameterServer::Service {
   }
 
   grpc::Status Init(grpc::ServerContext* c, const wire::InitRequest* q, wire::InitReply* r) override {
-    return handle(c, [&] {
+    return handle(c, Request::kInit, q->ByteSizeLong(), [&](uint64_t) {
       Status s = shard_->init(*q, r);
-      if (s.ok() && initialized_) initialized_(*q);
+      if (s.ok()) refusals_->setLayout(*q);
       return s;
     });
   }
   grpc::Status Pull(grpc::ServerContext* c, const wire::PullRequest* q, wire::PullReply* r) override {
-    return handle(c, [&] { return shard_->pull(*q, r); });
+    return handle(c, Request::kOther, q->ByteSizeLong(), [&](uint64_t) { return shard_->pull(*q, r); });
   }
   grpc::Status Push(grpc::ServerContext* c, const wire::PushRequest* q, wire::PushReply* r) override {
-    return handle(c, [&] { return shard_->push(*q, r); });
+    return handle(c, Request::kOther, q->ByteSizeLong(), [&](uint64_t) { return shard_->push(*q, r); });
   }
   // The push's floats are read where gRPC's slices hold them; the reply's are one copy of the
   // shard's values, made under its lock, sent from that buffer without another.
   grpc::Status PushFramed(grpc::ServerContext* c, const IncomingFrame* q, OutgoingFrame* r) {
-    return handle(c, [&] {
+    return handle(c, Request::kOther, frameBytes(*q), [&](uint64_t) {
       wire::PushRequest request;
       FramePayload payload;
       if (Status s = parseFrame(q->chunks, &request, &payload, "push"); !s.ok()) {
@@ -241,9 +347,10 @@ class Service final : public wire::ParameterServer::Service {
   // refused whole at the end, applied (or added to the step being gathered) by Shard::addChunk
   // while gRPC reads the next; the reply is made once the last is in. A chunk's slices are kept
   // only for a push handled at the end (Stream::keepsChunks), whose floats are read where they
-  // landed. The token was checked before the first chunk was read (handle()).
+  // landed. The token and the declared size were checked before the first chunk was read
+  // (handle()); the bytes are counted against both as they come.
   grpc::Status PushStream(grpc::ServerContext* c, grpc::ServerReader<IncomingFrame>* q, OutgoingFrame* r) {
-    return handle(c, [&] {
+    return handle(c, Request::kOther, std::nullopt, [&](uint64_t declared) {
       std::vector<std::unique_ptr<IncomingFrame>> received;
       auto refuse = [&](const Status& s) {
         shard_->countRejected(s);
@@ -253,6 +360,8 @@ class Service final : public wire::ParameterServer::Service {
       if (!q->Read(received.back().get())) {
         return refuse(Status::error(Code::kInvalidArgument, "push stream: it ended before its header"));
       }
+      uint64_t bytes = frameBytes(*received.back());
+      if (Status s = refusals_->checkRead(Request::kOther, bytes, declared); !s.ok()) return refuse(s);
       wire::PushRequest request;
       FramePayload none;
       if (Status s = parseFrame(received.back()->chunks, &request, &none, "push stream"); !s.ok()) return refuse(s);
@@ -267,6 +376,8 @@ class Service final : public wire::ParameterServer::Service {
       for (;;) {
         auto frame = std::make_unique<IncomingFrame>();
         if (!q->Read(frame.get())) break;
+        bytes += frameBytes(*frame);
+        if (Status s = refusals_->checkRead(Request::kOther, bytes, declared); !s.ok()) return refuseStream(s);
         wire::PushChunk chunk;
         FramePayload payload;
         if (Status s = parseFrame(frame->chunks, &chunk, &payload, "push chunk"); !s.ok()) return refuseStream(s);
@@ -290,15 +401,18 @@ class Service final : public wire::ParameterServer::Service {
     });
   }
   grpc::Status Done(grpc::ServerContext* c, const wire::DoneRequest* q, wire::DoneReply* r) override {
-    return handle(c, [&] { return shard_->done(*q, r); });
+    return handle(c, Request::kOther, q->ByteSizeLong(), [&](uint64_t) { return shard_->done(*q, r); });
   }
   grpc::Status Stats(grpc::ServerContext* c, const wire::StatsRequest* q, wire::StatsReply* r) override {
-    return handle(c, [&] { return shard_->stats(*q, r); });
+    return handle(c, Request::kOther, q->ByteSizeLong(), [&](uint64_t) { return shard_->stats(*q, r); });
   }
 
  private:
+  // Runs `call` (given the bytes the call declared) once the call has shown the proof and its size
+  // is within the cap: `read`, the bytes of a unary call's request, which gRPC has read whole by
+  // now; nullopt for a stream, whose handler starts before its first message is read.
   template <typename Call>
-  grpc::Status handle(grpc::ServerContext* context, const Call& call) {
+  grpc::Status handle(grpc::ServerContext* context, Request request, std::optional<uint64_t> read, const Call& call) {
     refusals_->trimIfWanted();
     // Where TokenCheck cannot run (plaintext off loopback), this is the check, after gRPC has
     // read the body.
@@ -306,8 +420,19 @@ class Service final : public wire::ParameterServer::Service {
       refusals_->wantTrim();
       return refusals_->refuse(context->peer(), result);
     }
+    // TokenCheck checked the declaration too where it runs; the cap may have changed since (an
+    // Init came in between), and a stream's is checked here before any of it is read.
+    uint64_t declared = 0;
+    if (Status s = refusals_->checkDeclared(request, metadataValue(context->client_metadata(), kRequestBytesKey),
+                                            read.has_value(), &declared);
+        !s.ok()) {
+      return refusals_->reject(s);
+    }
+    if (read) {
+      if (Status s = refusals_->checkRead(request, *read, declared); !s.ok()) return refusals_->reject(s);
+    }
     try {
-      const Status status = call();
+      const Status status = call(declared);
       // The shard's own UNAVAILABLE (not initialized yet), told apart from a transport's: a
       // client's retry window restarts when the shard answers (makeGrpcClient).
       if (status.code == Code::kUnavailable) context->AddTrailingMetadata(kShardAnsweredKey, "1");
@@ -321,16 +446,14 @@ class Service final : public wire::ParameterServer::Service {
 
   ProofCheck authorized(const grpc::ServerContext& context) const {
     if (verifier_ == nullptr) return ProofCheck::kOk;
-    const auto& metadata = context.client_metadata();
-    const auto found = metadata.find("authorization");
-    if (found == metadata.end()) return ProofCheck::kMissing;
-    return verifier_->check(std::string_view(found->second.data(), found->second.size()));
+    const auto header = metadataValue(context.client_metadata(), "authorization");
+    if (!header) return ProofCheck::kMissing;
+    return verifier_->check(*header);
   }
 
   const std::shared_ptr<Shard> shard_;
   const std::shared_ptr<CallVerifier> verifier_;
   const std::shared_ptr<Refusals> refusals_;
-  const std::function<void(const wire::InitRequest&)> initialized_;
 };
 
 // The signal runShardServer was asked to stop by; 0 while none.
@@ -371,11 +494,12 @@ std::string withPort(const std::string& address, int port) {
 
 struct ShardServer::Impl {
   grpc::ResourceQuota quota{"cohort ps shard"};
-  std::atomic<size_t> quotaBytes{kQuotaBeforeInit};
+  size_t quotaBytes = quotaForMachine();
   std::shared_ptr<Shard> shard;
   std::shared_ptr<Refusals> refusals;
   std::unique_ptr<Service> service;
-  bool tokenBeforeBody = false;
+  bool checksBeforeBody = false;  // TokenCheck runs
+  bool tokenBeforeBody = false;   // ... and there is a token for it to check
   std::unique_ptr<grpc::Server> server;
   int port = 0;
   std::once_flag stopped;
@@ -397,20 +521,15 @@ ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()
   }
   impl_->shard = std::make_shared<Shard>(options.shard);
   impl_->refusals = std::make_shared<Refusals>(impl_->shard, options.shard.name, options.shard.log);
-  const auto credentials = serverCredentials(options, verifier, impl_->refusals, impl_->tokenBeforeBody);
-  Impl* impl = impl_.get();
-  impl_->service = std::make_unique<Service>(impl_->shard, impl_->tokenBeforeBody ? nullptr : verifier, impl_->refusals,
-                                             [impl](const wire::InitRequest& init) {
-                                               impl->quotaBytes = quotaForLayout(init);
-                                               impl->quota.Resize(impl->quotaBytes);
-                                             });
+  const auto credentials = serverCredentials(options, verifier, impl_->refusals, impl_->checksBeforeBody);
+  impl_->tokenBeforeBody = impl_->checksBeforeBody && verifier != nullptr;
+  impl_->service =
+      std::make_unique<Service>(impl_->shard, impl_->tokenBeforeBody ? nullptr : verifier, impl_->refusals);
   grpc::ServerBuilder builder;
-  // A cap on what requests being read may hold, from the model's layout once the chief's Init
-  // gave it: an oversized body (from a caller with the secret, or from anyone where the proof can
-  // only be checked after the read: plaintext off loopback) is abandoned, not buffered whole.
-  builder.SetResourceQuota(impl_->quota.Resize(kQuotaBeforeInit));
+  builder.SetResourceQuota(impl_->quota.Resize(impl_->quotaBytes));
   builder.AddListeningPort(options.address, credentials, &impl_->port);
-  // A push or pull carries a shard's whole slice of the model: tens of MB.
+  // The cap on a request is the shard's (Refusals): gRPC fixes its own limit when the server
+  // starts, before the layout is known, and (1.51) checks it only once the whole message is read.
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
   // gRPC sets SO_REUSEPORT by default: a second shard on a taken port would silently share it.
@@ -420,6 +539,7 @@ ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()
   // Large frames and a deep window: tens of MB per call in 16 KB frames cost more than the copy.
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kHttp2MaxFrame);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kHttp2Window);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
   builder.RegisterService(impl_->service.get());
   impl_->server = builder.BuildAndStart();
   COHORT_CHECK(impl_->server != nullptr && impl_->port != 0, Error, "cannot listen on ", options.address,
@@ -435,6 +555,8 @@ std::shared_ptr<Shard> ShardServer::shard() const { return impl_->shard; }
 bool ShardServer::checksTokenBeforeBody() const { return impl_->tokenBeforeBody; }
 
 size_t ShardServer::requestQuotaBytes() const { return impl_->quotaBytes; }
+
+uint64_t ShardServer::requestCapBytes() const { return impl_->refusals->cap(Request::kOther); }
 
 void ShardServer::trimFreedMemory() { impl_->refusals->trimIfWanted(); }
 

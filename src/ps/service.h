@@ -4,6 +4,7 @@
 
 #include "ps/shard.h"
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -35,9 +36,16 @@ class ShardServer {
   // True when the token is checked on a call's metadata before gRPC reads its body: with TLS, or
   // plaintext on a loopback address (gRPC's local credentials). False for plaintext elsewhere.
   bool checksTokenBeforeBody() const;
-  // The memory gRPC may hold for requests being read: 2.25 GiB until the chief's Init (which
-  // carries the shard's part of the model), then from the layout: (workers + 2) requests of twice
-  // the shard's values, at least 64 MB. A larger body is abandoned, not read whole.
+  // The most bytes a request other than an Init may carry: 2.25 GiB until the chief's Init, then
+  // twice the shard's values as float32 and 1 MB (an Init may always carry 2.25 GiB: a fresh one
+  // replaces the layout). A request over its cap is refused with RESOURCE_EXHAUSTED naming both
+  // sizes, and nothing else of the job is disturbed: before its body is read where the shard
+  // checks metadata first (TLS, loopback), from the size every client declares; else once gRPC
+  // has read it.
+  uint64_t requestCapBytes() const;
+  // What gRPC may hold for requests being read (its resource quota): half the machine's memory
+  // (or its cgroup's limit), at least 2.25 GiB. A backstop, not a cap: past it gRPC cancels calls
+  // of every connection.
   size_t requestQuotaBytes() const;
   // Gives the heap pages a refused large request took back to the system (malloc_trim), if a
   // request was refused since the last time. runShardServer calls it every 250 ms.

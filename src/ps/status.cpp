@@ -8,6 +8,7 @@ const char* codeName(Code code) {
     case Code::kCancelled: return "CANCELLED";
     case Code::kInvalidArgument: return "INVALID_ARGUMENT";
     case Code::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
+    case Code::kResourceExhausted: return "RESOURCE_EXHAUSTED";
     case Code::kFailedPrecondition: return "FAILED_PRECONDITION";
     case Code::kAborted: return "ABORTED";
     case Code::kInternal: return "INTERNAL";

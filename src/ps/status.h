@@ -12,6 +12,7 @@ enum class Code {
   kCancelled = 1,
   kInvalidArgument = 3,
   kDeadlineExceeded = 4,
+  kResourceExhausted = 8,
   kFailedPrecondition = 9,
   kAborted = 10,
   kInternal = 13,
