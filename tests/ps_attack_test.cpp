@@ -9,8 +9,11 @@
 #include "ps/call_auth.h"
 #include "ps/client.h"
 #include "ps/frame.h"
+#include "ps/grpc_frame.h"
 #include "ps/wire.h"
+#include "ps.grpc.pb.h"
 
+#include "hostile.h"
 #include "test_util.h"
 
 #include <grpcpp/grpcpp.h>
@@ -19,9 +22,17 @@
 #include <grpcpp/support/sync_stream.h>
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <future>
 #include <mutex>
 #include <optional>
@@ -85,6 +96,8 @@ enum class Oversized {
   kLying,           // a framed push that declares 4 KB: read whole, then refused
 };
 constexpr uint64_t k512MB = uint64_t(512) << 20;
+// Connections that have not proved the secret a shard keeps (ConnectionCounts::unproven).
+constexpr int kUnprovenHeld = 64;
 
 const char* describe(Oversized o) {
   switch (o) {
@@ -172,6 +185,30 @@ struct Progress {
   }
 };
 
+// A push of `worker`'s at `clock`: every piece, float32, from `grads`' memory.
+FramedPush framedPush(uint32_t worker, int64_t clock, const std::vector<std::vector<float>>& grads) {
+  FramedPush push;
+  push.request.set_protocol(kProtocolVersion);
+  push.request.set_worker(worker);
+  push.request.set_clock(clock);
+  push.request.set_samples(32);
+  push.request.set_want_values(true);
+  for (size_t i = 0; i < kPieces.size(); ++i) {
+    auto* t = push.request.add_values();
+    t->set_key(kPieces[i].key());
+    t->set_numel(kPieces[i].numel());
+    t->set_dtype(wire::FLOAT32);
+    push.payload.emplace_back(grads[i]);
+  }
+  return push;
+}
+
+std::vector<std::vector<float>> gradients(float value) {
+  std::vector<std::vector<float>> out;
+  for (const auto& p : kPieces) out.emplace_back(p.numel(), value);
+  return out;
+}
+
 // One worker: framed pushes of small gradients, each answered with the new values, until the
 // attack has ended and it has taken kStepsAfter more steps; then Done. Returns the first failure,
 // or nullopt when every call succeeded.
@@ -183,31 +220,16 @@ std::optional<std::string> work(const std::string& address, int worker, Progress
                                          .timeoutSeconds = 20,
                                          .quiet = true,
                                          .pushChunkBytes = worker == 1 ? size_t(1) << 20 : kDefaultPushChunkBytes});
-  std::vector<std::vector<float>> grads, values;
+  const auto grads = gradients(0.001f * float(worker + 1));
+  std::vector<std::vector<float>> values;
   std::vector<FrameTarget> into;
-  for (const auto& p : kPieces) {
-    grads.emplace_back(p.numel(), 0.001f * float(worker + 1));
-    values.emplace_back(p.numel());
-  }
+  for (const auto& p : kPieces) values.emplace_back(p.numel());
   for (size_t i = 0; i < kPieces.size(); ++i) into.push_back({.key = kPieces[i].key(), .values = values[i]});
   int after = 0;
   for (int64_t clock = 0; after < kStepsAfter; ++clock) {
     const bool ended = progress.ended();
-    FramedPush push;
-    push.request.set_protocol(kProtocolVersion);
-    push.request.set_worker(uint32_t(worker));
-    push.request.set_clock(clock);
-    push.request.set_samples(32);
-    push.request.set_want_values(true);
-    for (size_t i = 0; i < kPieces.size(); ++i) {
-      auto* t = push.request.add_values();
-      t->set_key(kPieces[i].key());
-      t->set_numel(kPieces[i].numel());
-      t->set_dtype(wire::FLOAT32);
-      push.payload.emplace_back(grads[i]);
-    }
     wire::PushReply reply;
-    const Status s = client->pushFramed(push, into, &reply);
+    const Status s = client->pushFramed(framedPush(uint32_t(worker), clock, grads), into, &reply);
     if (!s.ok()) return "push " + std::to_string(clock) + ": " + codeName(s.code) + ": " + s.message;
     if (!reply.applied()) return "push " + std::to_string(clock) + " was not applied";
     progress.step(worker);
@@ -222,48 +244,309 @@ std::optional<std::string> work(const std::string& address, int worker, Progress
   return std::nullopt;
 }
 
+// A shard process with the job's secret, initialized by the chief for `workers` workers, and
+// workers 0 and 1 training on it (work()) until the test says the disturbance is over. Worker 2,
+// if there is one, is the test's.
+class TrainingJob {
+ public:
+  explicit TrainingJob(uint32_t workers = 2) : shard_(shardCommand()) {
+    const int port = shard_.port(std::chrono::seconds(60));
+    if (port <= 0) return;
+    port_ = port;
+    address_ = "127.0.0.1:" + std::to_string(port);
+    auto chief = makeGrpcClient(address_, {.authToken = kSecret, .timeoutSeconds = 20, .quiet = true});
+    wire::InitRequest init = initRequest();
+    init.mutable_policy()->set_workers(workers);
+    wire::InitReply reply;
+    const Status s = chief->init(init, &reply);
+    if (!s.ok()) {
+      ADD_FAILURE() << "Init: " << codeName(s.code) << ": " << s.message;
+      return;
+    }
+    for (int w = 0; w < 2; ++w) {
+      workers_.push_back(std::async(std::launch::async, [this, w] { return work(address_, w, progress_); }));
+    }
+    started_ = progress_.waitForSteps(kStepsBefore);
+    if (!started_) {
+      ADD_FAILURE() << "the workers did not take their first steps; the shard's output:\n" << shard_.output();
+    }
+  }
+  ~TrainingJob() { progress_.endAttack(); }
+
+  bool started() const { return started_; }
+  int port() const { return port_; }
+  const std::string& address() const { return address_; }
+  pid_t shardPid() const { return shard_.pid(); }
+
+  // The disturbance is over: each worker must finish its steps and Done, and the shard exit 0
+  // (once every worker of the Init is done).
+  void finish() {
+    progress_.endAttack();
+    for (size_t w = 0; w < workers_.size(); ++w) {
+      ASSERT_EQ(workers_[w].wait_for(120s), std::future_status::ready) << "worker " << w << " did not end";
+      const std::optional<std::string> failure = workers_[w].get();
+      EXPECT_FALSE(failure.has_value()) << "worker " << w << ": " << *failure;
+    }
+    const test::CommandResult ended = shard_.wait(std::chrono::seconds(60));
+    EXPECT_EQ(ended.exitCode, 0) << ended.output;
+  }
+
+ private:
+  test::Process shard_;
+  int port_ = 0;
+  std::string address_;
+  Progress progress_;
+  std::vector<std::future<std::optional<std::string>>> workers_;
+  bool started_ = false;
+};
+
 // The issue's "Done when": an oversized push refused while two workers train, 20 times in a
 // row (each of the four ways five times), every worker finishing its steps and the shard ending
 // with status 0 each time.
 TEST(PsAttackTest, AnOversizedPushIsRefusedAloneWhileTwoWorkersTrain) {
   constexpr int kRounds = 20;
   const auto started = std::chrono::steady_clock::now();
-  for (int round = 0; round < kRounds; ++round) {
+  int round = 0;
+  for (; round < kRounds && !HasFailure(); ++round) {
     const Oversized how = Oversized(round % 4);
     SCOPED_TRACE("round " + std::to_string(round) + ": " + describe(how));
-    test::Process shard(shardCommand());
-    const int port = shard.port(std::chrono::seconds(60));
-    ASSERT_GT(port, 0) << shard.output();
-    const std::string address = "127.0.0.1:" + std::to_string(port);
-    {
-      auto chief = makeGrpcClient(address, {.authToken = kSecret, .timeoutSeconds = 20, .quiet = true});
-      wire::InitReply reply;
-      const Status s = chief->init(initRequest(), &reply);
-      ASSERT_TRUE(s.ok()) << codeName(s.code) << ": " << s.message;
-    }
-
-    Progress progress;
-    std::vector<std::future<std::optional<std::string>>> workers;
-    for (int w = 0; w < 2; ++w) {
-      workers.push_back(std::async(std::launch::async, [&, w] { return work(address, w, progress); }));
-    }
-    const bool training = progress.waitForSteps(kStepsBefore);
-    grpc::Status refused;
-    if (training) refused = sendOversized(address, how);
-    progress.endAttack();
-    for (int w = 0; w < 2; ++w) {
-      ASSERT_EQ(workers[size_t(w)].wait_for(120s), std::future_status::ready) << "worker " << w << " did not end";
-      const std::optional<std::string> failure = workers[size_t(w)].get();
-      EXPECT_FALSE(failure.has_value()) << "worker " << w << ": " << *failure;
-    }
-    ASSERT_TRUE(training) << "the workers did not take their first steps";
+    TrainingJob job;
+    ASSERT_TRUE(job.started());
+    const grpc::Status refused = sendOversized(job.address(), how);
+    job.finish();
     expectRefused(refused, how);
-    const test::CommandResult ended = shard.wait(std::chrono::seconds(60));
-    EXPECT_EQ(ended.exitCode, 0) << ended.output;
-    if (HasFailure()) break;
   }
-  std::fprintf(stderr, "%d rounds in %.1f s\n", kRounds,
+  std::fprintf(stderr, "%d rounds in %.1f s\n", round,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+}
+
+// /proc/PID/fd's entries, and a field of /proc/PID/status in kB ("VmRSS", "Threads" as is).
+int descriptorsOf(pid_t pid) {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd")) {
+    ++n;
+  }
+  return n;
+}
+int64_t statusOf(pid_t pid, const std::string& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
+  }
+  return -1;
+}
+
+// Re-reads `value` until `done(value)` or `limit`; returns the last value read. A poll, as
+// test::waitForDescriptors explains: nothing signals a change of another process's descriptor
+// table; the deadline only turns "not yet" into a failure.
+template <typename Read, typename Done>
+int pollUntil(const Read& read, const Done& done, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  auto pause = std::chrono::milliseconds(1);
+  int value = read();
+  while (!done(value) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+    value = read();
+  }
+  return value;
+}
+
+// True when the peer has closed `fd` (EOF or reset); drains what it sent before without waiting.
+bool closedByPeerNow(int fd) {
+  char buffer[4096];
+  for (;;) {
+    const ssize_t r = ::recv(fd, buffer, sizeof(buffer), MSG_DONTWAIT);
+    if (r == 0) return true;
+    if (r < 0) return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+  }
+}
+
+// Issue 30: 1,000 slow connections took a shard's descriptors from 10 to 1,011 and its RSS from
+// 212 to 362 MB, for good. Here 1,000 strangers each send what a gRPC client sends before its
+// first call (HTTP/2's preface and a SETTINGS frame) and hold the connection, while two workers
+// train: the shard keeps at most 64 of them (the newest; the rest are closed), a new client still
+// gets in, the workers finish every step, and when the strangers leave the shard's descriptors
+// are back where they were.
+TEST(PsAttackTest, ConnectionsThatNeverProveTheSecretAreHeldTo64WhileTwoWorkersTrain) {
+  constexpr int kStrangers = 1000;
+  rlimit files{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &files), 0);
+  ASSERT_GE(files.rlim_max, rlim_t(kStrangers + 200)) << "this test holds 1,000 connections: raise ulimit -n";
+  files.rlim_cur = std::max(files.rlim_cur, rlim_t(kStrangers + 200));
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &files), 0);
+
+  TrainingJob job;
+  ASSERT_TRUE(job.started());
+  const pid_t shard = job.shardPid();
+  const int before = descriptorsOf(shard);
+  const int64_t rssBefore = statusOf(shard, "VmRSS");
+  static const std::string hello =
+      std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") + std::string("\0\0\0\4\0\0\0\0\0", 9);
+  std::vector<std::unique_ptr<test::RawConnection>> strangers;
+  int peak = before;
+  int64_t rssPeak = rssBefore;
+  for (int i = 0; i < kStrangers; ++i) {
+    strangers.push_back(std::make_unique<test::RawConnection>(job.port()));
+    ASSERT_TRUE(strangers.back()->connected()) << "stranger " << i;
+    strangers.back()->send(std::span(reinterpret_cast<const uint8_t*>(hello.data()), hello.size()));
+    if (i % 25 == 0) {
+      peak = std::max(peak, descriptorsOf(shard));
+      rssPeak = std::max(rssPeak, statusOf(shard, "VmRSS"));
+    }
+  }
+  // The shard accepts them as fast as it can and evicts all but the newest 64, which gRPC's
+  // threads then close.
+  auto closedStrangers = [&] {
+    int closed = 0;
+    for (const auto& s : strangers) closed += closedByPeerNow(s->fd());
+    return closed;
+  };
+  const int closed = pollUntil(
+      closedStrangers, [&](int n) { return n >= kStrangers - kUnprovenHeld; }, std::chrono::seconds(30));
+  EXPECT_EQ(closed, kStrangers - kUnprovenHeld) << "strangers closed by the shard";
+  const int held = descriptorsOf(shard);
+  EXPECT_LE(held, before + kUnprovenHeld) << "the shard holds " << held - before << " more descriptors";
+  // A new client (its own connection: other channel arguments) still gets in and is answered.
+  {
+    grpc::ChannelArguments args;
+    args.SetInt("cohort.test.newcomer", 1);
+    auto channel = grpc::CreateCustomChannel(job.address(), grpc::InsecureChannelCredentials(), args);
+    auto stub = wire::ParameterServer::NewStub(channel);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + 20s);
+    context.AddMetadata("authorization", makeCallProof(kSecret));
+    wire::StatsRequest request;
+    request.set_protocol(kProtocolVersion);
+    context.AddMetadata(kRequestBytesKey, std::to_string(request.ByteSizeLong()));
+    wire::StatsReply reply;
+    const grpc::Status s = stub->Stats(&context, request, &reply);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+  const int64_t rssHeld = statusOf(shard, "VmRSS");
+  strangers.clear();
+  const int after =
+      pollUntil([&] { return descriptorsOf(shard); }, [&](int n) { return n <= before + 1; }, std::chrono::seconds(30));
+  EXPECT_LE(after, before + 1) << "descriptors after the strangers left";
+  const int64_t rssAfter = statusOf(shard, "VmRSS");
+  job.finish();
+  std::fprintf(stderr,
+               "%d strangers: shard descriptors %d before, %d at the peak, %d held, %d after; %d strangers closed "
+               "by the shard; RSS MB %.1f before, %.1f at the peak, %.1f held, %.1f after\n",
+               kStrangers, before, peak, held, after, closed, rssBefore / 1024.0, rssPeak / 1024.0, rssHeld / 1024.0,
+               rssAfter / 1024.0);
+}
+
+// An insider with the secret, on connections of its own, while two workers train: 48 calls of
+// PushStream open at once that declare a full push and send nothing (slow streams: a shard runs at
+// most 16 calls of one connection at a time, the rest wait in the client), and on another
+// connection 64 threads sending full pushes as worker 2 as fast as they are answered (many
+// streams at once, each a maximal legal push). The workers finish every step, the flood's pushes
+// are all answered, the slow streams end when their caller cancels them, and the shard exits 0
+// once worker 2 is done too.
+TEST(PsAttackTest, AFloodOfFullPushesAndSlowStreamsLeaveTheWorkersUntouched) {
+  constexpr int kSlowStreams = 48;
+  constexpr int kFlooders = 64;
+  constexpr int kPushesEach = 4;
+  TrainingJob job(3);
+  ASSERT_TRUE(job.started());
+  const pid_t shard = job.shardPid();
+  const int64_t threadsBefore = statusOf(shard, "Threads");
+  const int64_t rssBefore = statusOf(shard, "VmRSS");
+  // The insider's connections: one for the slow streams, one for the flood (other channel
+  // arguments than the workers' and each other's).
+  auto connection = [&](int which) {
+    grpc::ChannelArguments args;
+    args.SetMaxSendMessageSize(-1);
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetInt("cohort.test.insider", which);
+    return grpc::CreateCustomChannel(job.address(), grpc::InsecureChannelCredentials(), args);
+  };
+  const auto slowChannel = connection(1), floodChannel = connection(2);
+
+  // The slow streams: each declares a full push and sends nothing until cancelled.
+  const auto grads = gradients(0.0005f);
+  auto bytesOf = [](const OutgoingFrame& frame) {
+    uint64_t bytes = frame.head.size();
+    for (const auto& p : frame.payload) bytes += p.size_bytes();
+    return bytes;
+  };
+  const uint64_t fullPush = kValues * sizeof(float);
+  // Each in a thread of its own: a stream beyond the 16 a connection may run waits in the client
+  // (ClientWriter's constructor) until the shard has room for it, or until it is cancelled.
+  std::vector<grpc::ClientContext> slowContexts(kSlowStreams);
+  std::vector<grpc::StatusCode> slowEnds(kSlowStreams, grpc::StatusCode::OK);
+  const grpc::internal::RpcMethod streamMethod(kPushStreamMethod, grpc::internal::RpcMethod::CLIENT_STREAMING,
+                                               slowChannel);
+  std::vector<std::thread> slowStreams;
+  for (int i = 0; i < kSlowStreams; ++i) {
+    grpc::ClientContext& context = slowContexts[size_t(i)];
+    context.set_deadline(std::chrono::system_clock::now() + 120s);
+    context.AddMetadata("authorization", makeCallProof(kSecret));
+    context.AddMetadata(kRequestBytesKey, std::to_string(fullPush));
+    slowStreams.emplace_back([&, i] {
+      IncomingFrame reply;
+      std::unique_ptr<grpc::ClientWriter<OutgoingFrame>> writer(
+          grpc::internal::ClientWriterFactory<OutgoingFrame>::Create(slowChannel.get(), streamMethod,
+                                                                     &slowContexts[size_t(i)], &reply));
+      slowEnds[size_t(i)] = writer->Finish().error_code();  // sends nothing: ends when cancelled
+    });
+  }
+
+  // The flood: full framed pushes as worker 2, one call at a time per thread.
+  const grpc::internal::RpcMethod framedMethod(kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC, floodChannel);
+  std::atomic<int64_t> clock{0};
+  std::atomic<int> answered{0};
+  std::atomic<int64_t> threadsPeak{threadsBefore}, rssPeak{rssBefore};
+  std::mutex mu;
+  std::vector<std::string> failures;
+  std::vector<std::thread> flooders;
+  for (int t = 0; t < kFlooders; ++t) {
+    flooders.emplace_back([&] {
+      for (int i = 0; i < kPushesEach; ++i) {
+        const FramedPush push = framedPush(2, clock++, grads);
+        const OutgoingFrame out{.head = frameHead(push.request), .payload = push.payload, .keepAlive = nullptr};
+        grpc::ClientContext context;
+        context.set_deadline(std::chrono::system_clock::now() + 60s);
+        context.AddMetadata("authorization", makeCallProof(kSecret));
+        context.AddMetadata(kRequestBytesKey, std::to_string(bytesOf(out)));
+        IncomingFrame reply;
+        const grpc::Status s =
+            grpc::internal::BlockingUnaryCall<OutgoingFrame, IncomingFrame, OutgoingFrame, IncomingFrame>(
+                floodChannel.get(), framedMethod, &context, out, &reply);
+        if (s.ok()) {
+          ++answered;
+        } else {
+          std::lock_guard<std::mutex> lock(mu);
+          failures.push_back(std::to_string(s.error_code()) + ": " + s.error_message());
+        }
+        threadsPeak = std::max<int64_t>(threadsPeak, statusOf(shard, "Threads"));
+        rssPeak = std::max<int64_t>(rssPeak, statusOf(shard, "VmRSS"));
+      }
+    });
+  }
+  for (auto& t : flooders) t.join();
+  EXPECT_EQ(answered, kFlooders * kPushesEach) << (failures.empty() ? "" : failures.front());
+
+  for (auto& context : slowContexts) context.TryCancel();
+  for (auto& t : slowStreams) t.join();
+  EXPECT_EQ(std::count(slowEnds.begin(), slowEnds.end(), grpc::StatusCode::CANCELLED), kSlowStreams);
+  {
+    auto insider = makeGrpcClient(job.address(), {.authToken = kSecret, .timeoutSeconds = 20, .quiet = true});
+    wire::DoneRequest done;
+    done.set_protocol(kProtocolVersion);
+    done.set_worker(2);
+    wire::DoneReply reply;
+    const Status s = insider->done(done, &reply);
+    EXPECT_TRUE(s.ok()) << codeName(s.code) << ": " << s.message;
+  }
+  job.finish();
+  std::fprintf(stderr,
+               "%d slow streams and %d x %d full pushes (%.1f MB each): shard threads %ld before, %ld at the peak; "
+               "RSS MB %.1f before, %.1f at the peak\n",
+               kSlowStreams, kFlooders, kPushesEach, double(fullPush) / (1 << 20), long(threadsBefore),
+               long(threadsPeak.load()), rssBefore / 1024.0, rssPeak.load() / 1024.0);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "ps/service.h"
 #include "base/host_port.h"
 #include "base/launcher_channel.h"
+#include "base/thread_annotations.h"
 #include "ps/call_auth.h"
 #include "ps/grpc_frame.h"
 
@@ -15,15 +16,28 @@
 #include <grpcpp/impl/codegen/rpc_service_method.h>
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/auth_metadata_processor.h>
+#include <grpcpp/server_builder.h>
 
+#include <arpa/inet.h>
 #include <malloc.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <charconv>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -31,6 +45,7 @@
 #include <optional>
 #include <sstream>
 #include <string_view>
+#include <thread>
 
 namespace cohort::ps {
 
@@ -202,6 +217,323 @@ class Refusals {
   std::atomic<uint64_t> values_{0};
 };
 
+// The shard's own accept loop. gRPC's listener takes every connection and keeps each that sent
+// HTTP/2's preface for as long as its peer holds it open: 1,000 idle strangers held 1,000
+// descriptors and 150 MB of a shard (issue 30), where the store and the gossip peers hold at most
+// 64 connections that have not proved the secret. So the shard binds the port itself, accepts,
+// and hands each connection to gRPC (ExternalConnectionAcceptor) while keeping a record of it:
+//  - a connection is proven by its first call that reaches the service with a good proof (any
+//    call, where the shard has no secret): Service::handle calls prove() with the call's peer;
+//  - at most kMaxUnproven connections are unproven at a time: a newcomer evicts the oldest (it
+//    had the most time to prove itself), so a flood cannot lock the job's processes out; an
+//    evicted connection is shut down (its client, if it was one, retries on a new one);
+//  - at most maxConnections are open in all (half the descriptors the process may open, at most
+//    1024): beyond, a newcomer is closed at once.
+// gRPC closes a connection by itself as before (the peer left, the handshake deadline); a record
+// goes once its descriptor no longer holds its socket (the same device and inode), which the loop
+// looks at after every accept and at least once a second. Thread-safe.
+class Connections {
+ public:
+  using Steady = std::chrono::steady_clock;
+  static constexpr int kMaxUnproven = 64;
+
+  struct Counts {
+    int open = 0;         // connections handed to gRPC and not closed since
+    int unproven = 0;     // of those, not proven and not evicted
+    int64_t evicted = 0;  // unproven connections shut down for a newcomer
+    int64_t dropped = 0;  // newcomers closed at once: too many open
+  };
+
+  // Binds `address` ("host:port", "[v6]:port"; port 0: a free one), every address the host
+  // resolves to; throws Error naming it when it cannot.
+  // `refusals` logs for it and gives back the heap pages of the connections gRPC closed.
+  Connections(const std::string& address, std::shared_ptr<Refusals> refusals) : refusals_(std::move(refusals)) {
+    rlimit files{};
+    ::getrlimit(RLIMIT_NOFILE, &files);
+    maxConnections_ = int(std::clamp<rlim_t>(files.rlim_cur / 2, kMaxUnproven + 16, 1024));
+    try {
+      listen(address);
+      wake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+      COHORT_CHECK(wake_ >= 0, Error, "eventfd: ", std::strerror(errno));
+    } catch (...) {
+      closeListening();
+      throw;
+    }
+  }
+
+  ~Connections() {
+    stop();
+    closeListening();
+    if (wake_ >= 0) ::close(wake_);
+  }
+  Connections(const Connections&) = delete;
+  Connections& operator=(const Connections&) = delete;
+
+  int port() const { return port_; }
+
+  // Starts accepting into gRPC (the server is started: a connection handed to it earlier is closed).
+  void start(std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor) {
+    acceptor_ = std::move(acceptor);
+    thread_ = std::thread([this] { acceptLoop(); });
+  }
+
+  // Stops accepting; connections already handed over stay gRPC's. Idempotent.
+  void stop() {
+    if (!thread_.joinable()) return;
+    stopping_ = true;
+    const uint64_t one = 1;
+    [[maybe_unused]] const ssize_t written = ::write(wake_, &one, sizeof(one));
+    thread_.join();
+  }
+
+  // A call from `peer` (ServerContext::peer(): "ipv4:127.0.0.1:5555", "ipv6:%5B::1%5D:5555")
+  // carried a good proof.
+  void prove(const std::string& peer) {
+    const std::string key = peerKey(peer);
+    MutexLock lock(mu_);
+    const auto found = byPeer_.find(key);
+    if (found == byPeer_.end()) return;
+    if (auto c = open_.find(found->second); c != open_.end()) c->second.proven = true;
+  }
+
+  Counts counts() {
+    MutexLock lock(mu_);
+    reapLocked();
+    Counts out = counts_;
+    out.open = int(open_.size());
+    out.unproven = 0;
+    for (const auto& [id, c] : open_) out.unproven += !c.proven && !c.evicted;
+    return out;
+  }
+
+ private:
+  struct Connection {
+    int fd = -1;
+    dev_t device = 0;  // the socket's identity: the descriptor's number may be reused once gRPC closes it
+    ino_t inode = 0;
+    std::string peer;  // peerKey
+    Steady::time_point accepted;
+    bool proven = false;
+    bool evicted = false;
+  };
+
+  static void setPort(sockaddr_storage& a, int port) {
+    if (a.ss_family == AF_INET) reinterpret_cast<sockaddr_in&>(a).sin_port = htons(uint16_t(port));
+    if (a.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6&>(a).sin6_port = htons(uint16_t(port));
+  }
+  static int portOf(const sockaddr_storage& a) {
+    return ntohs(a.ss_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6&>(a).sin6_port
+                                         : reinterpret_cast<const sockaddr_in&>(a).sin_port);
+  }
+
+  // "address port", the same for an accepted peer and for gRPC's spelling of it (an IPv4 address
+  // mapped into IPv6 as its IPv4 self).
+  static std::string peerKey(const sockaddr_storage& a) {
+    if (a.ss_family == AF_INET6) {
+      const auto& v6 = reinterpret_cast<const sockaddr_in6&>(a);
+      if (IN6_IS_ADDR_V4MAPPED(&v6.sin6_addr)) {
+        sockaddr_storage v4{};
+        auto& in = reinterpret_cast<sockaddr_in&>(v4);
+        in.sin_family = AF_INET;
+        std::memcpy(&in.sin_addr, v6.sin6_addr.s6_addr + 12, 4);
+        in.sin_port = v6.sin6_port;
+        return peerKey(v4);
+      }
+    }
+    return addressText(reinterpret_cast<const sockaddr*>(&a)) + " " + std::to_string(portOf(a));
+  }
+  static std::string peerKey(std::string peer) {
+    for (const char* escaped : {"%5B", "%5D", "%5b", "%5d", "[", "]"}) {
+      for (size_t at; (at = peer.find(escaped)) != std::string::npos;) peer.erase(at, std::strlen(escaped));
+    }
+    const size_t scheme = peer.find(':');
+    const size_t colon = peer.rfind(':');
+    if (scheme == std::string::npos || colon == scheme) return peer;
+    const std::string host = peer.substr(scheme + 1, colon - scheme - 1);
+    const int port = std::atoi(peer.c_str() + colon + 1);
+    sockaddr_storage a{};
+    if (::inet_pton(AF_INET, host.c_str(), &reinterpret_cast<sockaddr_in&>(a).sin_addr) == 1) {
+      a.ss_family = AF_INET;
+    } else if (::inet_pton(AF_INET6, host.c_str(), &reinterpret_cast<sockaddr_in6&>(a).sin6_addr) == 1) {
+      a.ss_family = AF_INET6;
+    } else {
+      return peer;
+    }
+    setPort(a, port);
+    return peerKey(a);
+  }
+
+  void listen(const std::string& address) {
+    const auto hostPort = parseHostPort(address, /*allowPortZero=*/true);
+    COHORT_CHECK(hostPort.has_value(), InvalidArgument, "cannot listen on ", address, ": expected host:port");
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    addrinfo* found = nullptr;
+    const int rc = ::getaddrinfo(hostPort->host.c_str(), nullptr, &hints, &found);
+    COHORT_CHECK(rc == 0 && found != nullptr, Error, "cannot listen on ", address, ": ", ::gai_strerror(rc));
+    std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(found, &::freeaddrinfo);
+    bool both = false;  // IPv4 and IPv6 addresses: each socket takes its own family only
+    for (addrinfo* a = found; a != nullptr; a = a->ai_next) both = both || a->ai_family != found->ai_family;
+    port_ = hostPort->port;
+    for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      if (a->ai_family != AF_INET && a->ai_family != AF_INET6) continue;
+      sockaddr_storage at{};
+      std::memcpy(&at, a->ai_addr, a->ai_addrlen);
+      setPort(at, port_);  // the first socket's, when port 0 chose one
+      const int fd = ::socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      COHORT_CHECK(fd >= 0, Error, "cannot listen on ", address, ": socket: ", std::strerror(errno));
+      listening_.push_back(fd);
+      int one = 1;
+      ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // a restarted shard takes its port back
+      if (a->ai_family == AF_INET6) {
+        int only = both ? 1 : 0;
+        ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &only, sizeof(only));
+      }
+      if (::bind(fd, reinterpret_cast<sockaddr*>(&at), a->ai_addrlen) != 0 || ::listen(fd, 1024) != 0) {
+        const int error = errno;
+        throw Error(detail::concat("cannot listen on ", address, ": ", std::strerror(error),
+                                   error == EADDRINUSE ? " (the port is taken)" : ""));
+      }
+      if (port_ == 0) {
+        sockaddr_storage local{};
+        socklen_t length = sizeof(local);
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length);
+        port_ = portOf(local);
+      }
+    }
+    COHORT_CHECK(!listening_.empty(), Error, "cannot listen on ", address, ": it names no IPv4 or IPv6 address");
+  }
+
+  void closeListening() {
+    for (const int fd : listening_) ::close(fd);
+    listening_.clear();
+  }
+
+  void acceptLoop() {
+    std::vector<pollfd> fds;
+    for (const int fd : listening_) fds.push_back({fd, POLLIN, 0});
+    fds.push_back({wake_, POLLIN, 0});
+    while (!stopping_) {
+      const int ready = ::poll(fds.data(), fds.size(), 1000);
+      {
+        MutexLock lock(mu_);
+        reapLocked();
+      }
+      if (ready <= 0 || stopping_) continue;
+      for (size_t i = 0; i + 1 < fds.size(); ++i) {
+        if (fds[i].revents & POLLIN) acceptAll(fds[i].fd);
+      }
+    }
+  }
+
+  // Accepts what is waiting on `listener`.
+  void acceptAll(int listener) {
+    for (int taken = 0; taken < 256 && !stopping_; ++taken) {
+      sockaddr_storage peer{};
+      socklen_t length = sizeof(peer);
+      const int fd = ::accept4(listener, reinterpret_cast<sockaddr*>(&peer), &length, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          warn(std::string("cannot accept a connection: ") + std::strerror(errno) + "; backing off");
+          pollfd wake{wake_, POLLIN, 0};
+          ::poll(&wake, 1, 100);
+        }
+        return;
+      }
+      struct stat st {};
+      if (::fstat(fd, &st) != 0) {
+        ::close(fd);
+        continue;
+      }
+      {
+        MutexLock lock(mu_);
+        reapLocked();
+        if (int(open_.size()) >= maxConnections_) {
+          ++counts_.dropped;
+          ::close(fd);
+          warn("refused a connection: " + std::to_string(open_.size()) + " are open, the most this shard keeps");
+          continue;
+        }
+        int unproven = 0;
+        for (const auto& [id, c] : open_) unproven += !c.proven && !c.evicted;
+        if (unproven >= kMaxUnproven) evictOldestUnprovenLocked();
+        int one = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        const uint64_t id = nextId_++;
+        Connection& c = open_[id];
+        c.fd = fd;
+        c.device = st.st_dev;
+        c.inode = st.st_ino;
+        c.peer = peerKey(peer);
+        c.accepted = Steady::now();
+        byPeer_[c.peer] = id;
+      }
+      grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters handed;
+      handed.listener_fd = listener;
+      handed.fd = fd;
+      acceptor_->HandleNewConnection(&handed);  // gRPC owns fd from here
+    }
+  }
+
+  // Drops the records of connections gRPC has closed, and asks for their memory back from the heap
+  // (keepFreedMemory() would keep it).
+  void reapLocked() REQUIRES(mu_) {
+    for (auto it = open_.begin(); it != open_.end();) {
+      struct stat st {};
+      if (::fstat(it->second.fd, &st) != 0 || st.st_dev != it->second.device || st.st_ino != it->second.inode) {
+        if (auto p = byPeer_.find(it->second.peer); p != byPeer_.end() && p->second == it->first) byPeer_.erase(p);
+        it = open_.erase(it);
+        refusals_->wantTrim();
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // Shuts the oldest unproven connection down; gRPC sees it end and closes it. Its descriptor still
+  // holds its socket (reapLocked just looked), and only this thread opens sockets in a shard.
+  void evictOldestUnprovenLocked() REQUIRES(mu_) {
+    Connection* oldest = nullptr;
+    for (auto& [id, c] : open_) {
+      if (!c.proven && !c.evicted && (oldest == nullptr || c.accepted < oldest->accepted)) oldest = &c;
+    }
+    if (oldest == nullptr) return;
+    oldest->evicted = true;
+    ++counts_.evicted;
+    ::shutdown(oldest->fd, SHUT_RDWR);
+    if (counts_.evicted <= 10 || counts_.evicted % 1000 == 0) {
+      warn("closed a connection that had not proved the secret to make room (" + std::to_string(kMaxUnproven) +
+           " at most; " + std::to_string(counts_.evicted) + " closed so far)");
+    }
+  }
+
+  // At most one line a second.
+  void warn(const std::string& message) {
+    const auto now = Steady::now();
+    if (now - lastWarning_ < std::chrono::seconds(1)) return;
+    lastWarning_ = now;
+    refusals_->log(message);
+  }
+
+  const std::shared_ptr<Refusals> refusals_;
+  int maxConnections_ = 1024;
+  std::vector<int> listening_;
+  int wake_ = -1;
+  int port_ = 0;
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
+  std::thread thread_;
+  std::atomic<bool> stopping_{false};
+  Steady::time_point lastWarning_;  // the accept loop's thread only
+
+  Mutex mu_;
+  std::map<uint64_t, Connection> open_ GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> byPeer_ GUARDED_BY(mu_);  // peerKey -> the latest connection from it
+  uint64_t nextId_ GUARDED_BY(mu_) = 0;
+  Counts counts_ GUARDED_BY(mu_);
+};
+
 // The value of a call's metadata `key`, if it has one.
 std::optional<std::string_view> metadataValue(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
                                               const char* key) {
@@ -291,8 +623,13 @@ class Service final : public wire::ParameterServer::Service {
  public:
   // `verifier` when the handler must check the proof itself (TokenCheck could not run); null
   // when there is no secret or TokenCheck already took the proof (it is good once only).
-  Service(std::shared_ptr<Shard> shard, std::shared_ptr<CallVerifier> verifier, std::shared_ptr<Refusals> refusals)
-      : shard_(std::move(shard)), verifier_(std::move(verifier)), refusals_(std::move(refusals)) {
+  // `connections` learns which connections carried a good proof; it outlives the service.
+  Service(std::shared_ptr<Shard> shard, std::shared_ptr<CallVerifier> verifier, std::shared_ptr<Refusals> refusals,
+          Connections* connections)
+      : shard_(std::move(shard)),
+        verifier_(std::move(verifier)),
+        refusals_(std::move(refusals)),
+        connections_(connections) {
     // The zero-copy push, beside proto/ps.proto's methods: its messages are frames, not protobuf.
     AddMethod(new grpc::internal::RpcServiceMethod(
         kPushFramedMethod, grpc::internal::RpcMethod::NORMAL_RPC,
@@ -420,6 +757,7 @@ class Service final : public wire::ParameterServer::Service {
       refusals_->wantTrim();
       return refusals_->refuse(context->peer(), result);
     }
+    connections_->prove(context->peer());
     // TokenCheck checked the declaration too where it runs; the cap may have changed since (an
     // Init came in between), and a stream's is checked here before any of it is read.
     uint64_t declared = 0;
@@ -454,6 +792,7 @@ class Service final : public wire::ParameterServer::Service {
   const std::shared_ptr<Shard> shard_;
   const std::shared_ptr<CallVerifier> verifier_;
   const std::shared_ptr<Refusals> refusals_;
+  Connections* const connections_;
 };
 
 // The signal runShardServer was asked to stop by; 0 while none.
@@ -497,6 +836,7 @@ struct ShardServer::Impl {
   size_t quotaBytes = quotaForMachine();
   std::shared_ptr<Shard> shard;
   std::shared_ptr<Refusals> refusals;
+  std::unique_ptr<Connections> connections;
   std::unique_ptr<Service> service;
   bool checksBeforeBody = false;  // TokenCheck runs
   bool tokenBeforeBody = false;   // ... and there is a token for it to check
@@ -523,17 +863,18 @@ ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()
   impl_->refusals = std::make_shared<Refusals>(impl_->shard, options.shard.name, options.shard.log);
   const auto credentials = serverCredentials(options, verifier, impl_->refusals, impl_->checksBeforeBody);
   impl_->tokenBeforeBody = impl_->checksBeforeBody && verifier != nullptr;
-  impl_->service =
-      std::make_unique<Service>(impl_->shard, impl_->tokenBeforeBody ? nullptr : verifier, impl_->refusals);
+  impl_->connections = std::make_unique<Connections>(options.address, impl_->refusals);
+  impl_->service = std::make_unique<Service>(impl_->shard, impl_->tokenBeforeBody ? nullptr : verifier, impl_->refusals,
+                                             impl_->connections.get());
   grpc::ServerBuilder builder;
   builder.SetResourceQuota(impl_->quota.Resize(impl_->quotaBytes));
-  builder.AddListeningPort(options.address, credentials, &impl_->port);
+  // Connections come from Connections' accept loop, not from a port of gRPC's.
+  auto acceptor = builder.experimental().AddExternalConnectionAcceptor(
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   // The cap on a request is the shard's (Refusals): gRPC fixes its own limit when the server
   // starts, before the layout is known, and (1.51) checks it only once the whole message is read.
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
-  // gRPC sets SO_REUSEPORT by default: a second shard on a taken port would silently share it.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // A connection that never completes its handshake is closed after this (gRPC's default: 120 s).
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeTimeoutMs);
   // Large frames and a deep window: tens of MB per call in 16 KB frames cost more than the copy.
@@ -542,8 +883,9 @@ ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
   builder.RegisterService(impl_->service.get());
   impl_->server = builder.BuildAndStart();
-  COHORT_CHECK(impl_->server != nullptr && impl_->port != 0, Error, "cannot listen on ", options.address,
-               ": the port is taken or the host is not an address of this machine (gRPC's log above says which)");
+  COHORT_CHECK(impl_->server != nullptr, Error, "cannot serve on ", options.address, " (gRPC's log above says why)");
+  impl_->connections->start(std::move(acceptor));
+  impl_->port = impl_->connections->port();
 }
 
 ShardServer::~ShardServer() { shutdown(); }
@@ -558,12 +900,18 @@ size_t ShardServer::requestQuotaBytes() const { return impl_->quotaBytes; }
 
 uint64_t ShardServer::requestCapBytes() const { return impl_->refusals->cap(Request::kOther); }
 
+ConnectionCounts ShardServer::connections() const {
+  const Connections::Counts c = impl_->connections->counts();
+  return {.open = c.open, .unproven = c.unproven, .evicted = c.evicted, .dropped = c.dropped};
+}
+
 void ShardServer::trimFreedMemory() { impl_->refusals->trimIfWanted(); }
 
 void ShardServer::shutdown() {
   // gRPC waits for running handlers even past the deadline; Shard::stop lets held pushes go.
   std::call_once(impl_->stopped, [this] {
-    // Held pushes go first, so that gRPC's wait for running handlers is short.
+    // No new connections; held pushes go next, so that gRPC's wait for running handlers is short.
+    if (impl_->connections) impl_->connections->stop();
     if (impl_->shard) impl_->shard->stop("the parameter-server shard is shutting down");
     if (impl_->server) impl_->server->Shutdown(Clock::now() + kShutdownGrace);
   });

@@ -21,6 +21,14 @@ struct ServerOptions {
   std::function<void(int port)> onListening;
 };
 
+// The connections a ShardServer holds (see ShardServer::connections).
+struct ConnectionCounts {
+  int open = 0;         // accepted and not closed since
+  int unproven = 0;     // of those, without a call that carried a good proof yet (at most 64)
+  int64_t evicted = 0;  // unproven connections closed to make room for a newcomer
+  int64_t dropped = 0;  // newcomers closed at once: as many open as the shard keeps
+};
+
 class ShardServer {
  public:
   // Starts listening; throws Error when the address cannot be bound, InvalidArgument when a TLS
@@ -47,6 +55,11 @@ class ShardServer {
   // (or its cgroup's limit), at least 2.25 GiB. A backstop, not a cap: past it gRPC cancels calls
   // of every connection.
   size_t requestQuotaBytes() const;
+  // The shard accepts connections itself and hands them to gRPC: at most 64 that have not carried
+  // a call with a good proof (with no secret: any call) at a time, a newcomer evicting the oldest,
+  // as the store and the gossip peers hold theirs; at most half the process's descriptors (up to
+  // 1024) in all.
+  ConnectionCounts connections() const;
   // Gives the heap pages a refused large request took back to the system (malloc_trim), if a
   // request was refused since the last time. runShardServer calls it every 250 ms.
   void trimFreedMemory();
