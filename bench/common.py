@@ -22,13 +22,13 @@ def init_gloo_group():
     the launcher starts the other ranks with that MASTER_PORT only then."""
     import torch.distributed as dist
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if rank != 0 or os.environ.get("MASTER_PORT") != "0":
-        dist.init_process_group("gloo")
-        return
-    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), 0, world, is_master=True,
-                          wait_for_workers=False)
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    # Every rank makes its store itself and hands it over: with torch 2.11, a chief that passes its
+    # own store while the others rendezvous through env:// never meets them (both wait in Gloo's
+    # set-up).
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, wait_for_workers=False)
     channel = os.environ.get("COHORT_LAUNCH_FD")
-    if channel:
+    if rank == 0 and port == 0 and channel:
         os.write(int(channel), f"port {store.port}\n".encode())
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 

@@ -6,7 +6,8 @@
 #
 # Runs the gpu tests, then the figures, and writes a report to $OUT (or ./gpu-out): the machine,
 # each test's result, and each figure with the command that produced it. At most 7.5 minutes (its
-# timeouts: 240 s of tests, 200 s of figures): call it with the device tool's timeout_s near 560.
+# timeouts: 200 s of tests, 230 s of figures; GPU_CHECK_* below change them): call it with the
+# device tool's timeout_s near 480.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 bundle="$root/build-gpu"
@@ -40,7 +41,7 @@ export COHORT_FASHION_MNIST_DIR="$bundle/data/fashion-mnist"
 } > "$report"
 
 echo "## gpu tests" >> "$report"
-LD_LIBRARY_PATH="$libs" timeout 240 "$bundle/bin/gpu_tests" --gtest_output="xml:$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
+LD_LIBRARY_PATH="$libs" timeout "${GPU_CHECK_TESTS_S:-200}" "$bundle/bin/gpu_tests" --gtest_output="xml:$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
 tests_status=$?
 {
   echo '```'
@@ -49,13 +50,14 @@ tests_status=$?
   echo '```'
 } >> "$report"
 
-# Figures: cohort train against the same loop in the machine's PyTorch on the same GPU (samples/s
-# in steady state, alternating runs, medians and per-pair ratios): bench/single_process.py.
+# Figures: cohort against PyTorch 2.11 on the same GPU (bench/gpu_figures.py: alternating runs,
+# medians and per-pair ratios). It starts no run after its budget; the timeout is the backstop.
 echo "## figures" >> "$report"
 {
   echo '```'
-  timeout 200 "$python" "$root/bench/single_process.py" --cohort "$wrapper" --device cuda --runs 2 \
-    --models cnn,mlp 2>&1 | tail -12
+  PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_FIGURES_S:-230}" "$python" "$root/bench/gpu_figures.py" --cohort "$wrapper" \
+    --runs "${GPU_CHECK_RUNS:-2}" --budget "${GPU_CHECK_BUDGET_S:-150}" --sections "${GPU_CHECK_SECTIONS:-single,ws1,ddp2}" 2>&1 |
+    tee "$out/figures.log"
   echo '```'
 } >> "$report"
 cat "$report"

@@ -69,7 +69,18 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
       DataParallelOptions dp = options.allreduce;
       dp.codec = options.codec;
       dp.codecWarmupSteps = options.codecWarmupSteps;
-      return std::make_unique<AllreduceStrategy>(job.communicator(), std::move(dp));
+      // A single worker gets a group of one: the same buckets, hooks and collectives as on many
+      // ranks (what they cost against --strategy local is then measurable), over a store of its
+      // own on a free loopback port.
+      std::shared_ptr<Communicator> comm = job.communicator();
+      if (comm == nullptr) {
+        ClusterSpec alone = job.cluster();
+        alone.rank = 0;
+        alone.worldSize = 1;
+        alone.master = HostPort{"127.0.0.1", 0};
+        comm = Communicator::connect(alone, CommOptions{.timeout = job.timeout()});
+      }
+      return std::make_unique<AllreduceStrategy>(std::move(comm), std::move(dp));
     }
     case Scheme::kAverage: {
       AveragingOptions average = options.average;

@@ -20,6 +20,7 @@
 #include "train/progress.h"
 #include "train/threads.h"
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/torch.h>
 
 #include <sys/resource.h>
@@ -870,6 +871,12 @@ TrainResult Trainer::run() {
                       {"max_rss_mb", maxRssMb()},
                       {"restarts", int64_t(o.restartCount)}};
     if (result.secondsToTarget) done.emplace_back("seconds_to_target", *result.secondsToTarget);
+    if (s.device.is_cuda()) {
+      // The most GPU memory this run's tensors held at once (the caching allocator's peak).
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(s.device.index());
+      done.emplace_back("cuda_peak_bytes",
+                        int64_t(stats.allocated_bytes[size_t(c10::CachingAllocator::StatType::AGGREGATE)].peak));
+    }
     if (s.data.attainableAccuracy >= 0) done.emplace_back("attainable_accuracy", s.data.attainableAccuracy);
     if (lastEval) {
       MetricFields scores = scoreFields("test_", lastEval->test, true);

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""cohort on a CUDA GPU against PyTorch on the same GPU, side by side (scripts/gpu-check.sh runs it).
+
+    python3 bench/gpu_figures.py --cohort COHORT [--runs 2] [--budget 200] [--sections single,ws1,ddp2]
+
+single: cohort train --device cuda against the same loop in PyTorch (bench/pytorch_single.py), cnn
+        and mlp, Fashion-MNIST, batch 64, momentum SGD: samples/s in steady state.
+ws1:    cohort --strategy allreduce at world size 1 (DataParallel's buckets and hooks on the GPU)
+        against --strategy local, cnn: samples/s and peak GPU memory.
+ddp2:   2 ranks sharing cuda:0: cohort --strategy allreduce against PyTorch DDP (gloo over CUDA
+        tensors, bench/pytorch_ddp.py), cnn and mlp: samples/s over both ranks.
+
+Runs alternate cohort / the comparison so that noise hits both; prints each run, the medians, the
+ratio of medians and the per-pair ratios. Stops starting runs once --budget seconds have passed,
+and says so (a figure with fewer runs than asked is marked).
+"""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, done_event, machine, median, single_thread_env  # noqa: E402
+
+STEPS = {"mlp": 3000, "cnn": 1500}
+DEADLINE = [float("inf")]
+DEVICE = ["cuda"]
+
+
+RUN_TIMEOUT_S = 90
+
+
+def out_of_time():
+    return time.time() > DEADLINE[0]
+
+
+def run(cmd):
+    """Runs cmd in a process group of its own, at most RUN_TIMEOUT_S seconds; on a failure or past the
+    limit, the whole group is killed (the ranks of a launch too) and RuntimeError names the command
+    and the end of its output."""
+    proc = subprocess.Popen(cmd, env=single_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise RuntimeError(f"{' '.join(cmd)}: still running after {RUN_TIMEOUT_S} s, killed; its output ended:\n"
+                           f"{out[-1500:]}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-1500:]}")
+    return out
+
+
+def cohort_train(binary, tmp, model, steps, flags, workers=0):
+    metrics = os.path.join(tmp, "m.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cmd = [binary, "train", "--model", model, "--data", "fashion-mnist", "--steps", str(steps), "--batch", "64",
+           "--threads", "1", "--optimizer", "momentum", "--lr", "0.01", "--progress", "off", "--device", DEVICE[0],
+           "--timeout", "60", "--metrics", metrics] + flags
+    if workers > 0:  # under cohort launch (a cluster of that many ranks)
+        cmd = [binary, "launch", "-n", str(workers), "--"] + cmd
+    run(cmd)
+    return done_event(metrics)
+
+
+def pytorch_single(model, steps):
+    out = run([sys.executable, os.path.join(ROOT, "bench", "pytorch_single.py"), "--model", model, "--steps",
+               str(steps), "--threads", "1", "--device", DEVICE[0]])
+    return json.loads(out.strip().splitlines()[-1])["samples_per_s"]
+
+
+def pytorch_ddp(binary, model, steps):
+    out = run([binary, "launch", "-n", "2", "--", sys.executable,
+               os.path.join(ROOT, "bench", "pytorch_ddp.py"), "--model", model, "--steps", str(steps), "--device", DEVICE[0]])
+    for line in out.splitlines():
+        if "samples_per_s" in line:
+            return json.loads(line.split("] ", 1)[-1])["samples_per_s"]
+    raise RuntimeError(out)
+
+
+def compare(name, runs, ours_fn, theirs_fn, ours_label, theirs_label):
+    ours, theirs = [], []
+    for i in range(runs):
+        if out_of_time():
+            print(f"  {name}: out of time after {i} run(s) of {runs}", flush=True)
+            break
+        try:
+            a = ours_fn()
+        except RuntimeError as e:
+            print(f"  {name} run {i + 1}: {ours_label} failed: {e}", flush=True)
+            return
+        try:
+            b = theirs_fn()
+        except RuntimeError as e:
+            print(f"  {name} run {i + 1}: {theirs_label} failed: {e}", flush=True)
+            return
+        ours.append(a)
+        theirs.append(b)
+        print(f"  {name} run {i + 1}: {ours_label} {ours[-1]:10.1f}  {theirs_label} {theirs[-1]:10.1f}", flush=True)
+    if not ours:
+        print(f"{name}: no run finished", flush=True)
+        return
+    ratios = sorted(a / b for a, b in zip(ours, theirs))
+    print(f"{name}: {ours_label} median {median(ours):.1f}, {theirs_label} median {median(theirs):.1f}; ratio of "
+          f"medians {median(ours) / median(theirs):.3f}x (per-pair {', '.join(f'{r:.3f}' for r in ratios)}; "
+          f"{len(ours)} runs)", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cohort", required=True, help="the cohort binary (or a wrapper that starts it)")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--budget", type=float, default=200, help="seconds after which no new run starts")
+    p.add_argument("--sections", default="single,ws1,ddp2")
+    p.add_argument("--models", default="cnn,mlp")
+    p.add_argument("--device", default="cuda", help="cuda (the figures); cpu to try the script where there is none")
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies every run's steps")
+    args = p.parse_args()
+    DEADLINE[0] = time.time() + args.budget
+    DEVICE[0] = args.device
+    for k in STEPS:
+        STEPS[k] = max(20, int(STEPS[k] * args.scale))
+    binary = args.cohort
+    models = args.models.split(",")
+    print(f"machine: {machine()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for section in args.sections.split(","):
+            if section == "single":
+                for m in models:
+                    compare(f"single {m} (samples/s)", args.runs,
+                            lambda: cohort_train(binary, tmp, m, STEPS[m], [])["samples_per_s"],
+                            lambda: pytorch_single(m, STEPS[m]), "cohort", "PyTorch")
+            elif section == "ws1":
+                peaks = {}
+
+                def with_peak(label, flags):
+                    d = cohort_train(binary, tmp, "cnn", STEPS["cnn"], flags)
+                    peaks.setdefault(label, []).append(d.get("cuda_peak_bytes", float("nan")))
+                    return d["samples_per_s"]
+
+                compare("world size 1, cnn (samples/s)", args.runs,
+                        lambda: with_peak("allreduce", ["--strategy", "allreduce"]),
+                        lambda: with_peak("local", ["--strategy", "local"]), "allreduce", "local")
+                for label, v in peaks.items():
+                    print(f"  peak GPU memory, {label}: median {median(v) / 1e6:.2f} MB", flush=True)
+            elif section == "ddp2":
+                for m in models:
+                    compare(f"2 ranks on cuda:0, {m} (samples/s)", args.runs,
+                            lambda: cohort_train(binary, tmp, m, STEPS[m] // 2, ["--strategy", "allreduce"],
+                                                 workers=2)["samples_per_s"],
+                            lambda: pytorch_ddp(binary, m, STEPS[m] // 2), "cohort", "DDP")
+            else:
+                raise SystemExit(f"unknown section {section}: expected single, ws1 or ddp2")
+
+
+if __name__ == "__main__":
+    main()
