@@ -13,6 +13,8 @@ torch_version="2.11.0"
 
 # gloo's headers (libgloo-dev) only: ProcessGroupGloo.hpp includes them and the wheel does not ship
 # them. cohort never links Debian's libgloo; the Gloo it runs is the one inside libtorch_cpu.
+# clang: every build checks the locks with clang's thread-safety analysis (cmake/CohortCheckLocks.cmake);
+# with libclang-rt-14-dev it also builds the fuzz targets.
 packages=(
   cmake ninja-build ccache g++ make pkg-config
   libopenblas0-pthread libgloo-dev

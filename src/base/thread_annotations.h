@@ -1,7 +1,7 @@
 // Locks clang can check (-Wthread-safety), as leveldb and abseil do: a member says which mutex
 // guards it (GUARDED_BY), a method which mutex it needs (REQUIRES). The macros are no-ops on
-// compilers without the analysis (gcc); the clang build (fuzz/CMakeLists.txt) turns violations
-// into errors.
+// compilers without the analysis (gcc); every build parses each file of src/ once more with clang
+// (cmake/CohortCheckLocks.cmake), which turns violations into errors.
 //
 // libstdc++'s std::mutex carries no annotations, so the analysis cannot see it: code that wants
 // its locks checked uses Mutex, MutexLock and CondVar below, thin wrappers over the std types.

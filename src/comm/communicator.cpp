@@ -1,5 +1,6 @@
 #include "base/host_port.h"
 #include "base/launcher_channel.h"
+#include "base/thread_annotations.h"
 #include "comm/store.h"
 
 #include <cohort/communicator.h>
@@ -14,9 +15,7 @@
 #include <atomic>
 #include <functional>
 #include <cstring>
-#include <condition_variable>
 #include <cstdlib>
-#include <mutex>
 #include <thread>
 
 namespace cohort {
@@ -108,9 +107,9 @@ struct Communicator::Impl {
   // heartbeat, nor a heartbeat behind a key Gloo waits for.
   std::unique_ptr<store::Client> heartbeatStore;
   std::thread heartbeat;
-  std::mutex stopMutex;
-  std::condition_variable stopCv;
-  bool stopping = false;  // GUARDED_BY(stopMutex)
+  Mutex stopMutex;
+  CondVar stopCv;
+  bool stopping GUARDED_BY(stopMutex) = false;
 
   std::atomic<int64_t> bytesSent{0};
   std::atomic<int64_t> bytesReceived{0};
@@ -129,11 +128,13 @@ struct Communicator::Impl {
     root().bytesReceived += received;
   }
 
-  void beat() {
+  void beat() EXCLUDES(stopMutex) {
     for (;;) {
       {
-        std::unique_lock<std::mutex> lock(stopMutex);
-        if (stopCv.wait_for(lock, kHeartbeatPeriod, [&] { return stopping; })) return;
+        MutexLock lock(stopMutex);
+        const auto next = Clock::now() + kHeartbeatPeriod;
+        while (!stopping && stopCv.waitUntil(stopMutex, next) == std::cv_status::no_timeout) continue;
+        if (stopping) return;
       }
       try {
         heartbeatStore->add(heartbeatKey(rank), 1);
@@ -192,10 +193,10 @@ struct Communicator::Impl {
 
   ~Impl() {
     {
-      std::lock_guard<std::mutex> lock(stopMutex);
+      MutexLock lock(stopMutex);
       stopping = true;
     }
-    stopCv.notify_all();
+    stopCv.notifyAll();
     if (heartbeat.joinable()) heartbeat.join();
   }
 };

@@ -1,9 +1,9 @@
+#include "base/thread_annotations.h"
+
 #include <cohort/communicator.h>
 #include <cohort/device.h>
 #include <cohort/error.h>
 #include <cohort/job.h>
-
-#include <mutex>
 
 namespace cohort {
 
@@ -11,9 +11,9 @@ struct Job::State {
   ClusterSpec spec;
   JobOptions options;
   c10::Device device{c10::kCPU};
-  std::mutex mutex;
-  std::shared_ptr<Communicator> comm;  // GUARDED_BY(mutex); connected on first use
-  bool given = false;                  // comm came from fromCommunicator()
+  Mutex mutex;
+  std::shared_ptr<Communicator> comm GUARDED_BY(mutex);  // connected on first use
+  bool given = false;  // comm came from fromCommunicator()
 };
 
 Job Job::fromEnvironment(const JobOptions& options) { return fromSpec(resolveClusterFromEnvironment(), options); }
@@ -36,7 +36,10 @@ Job Job::fromCommunicator(std::shared_ptr<Communicator> comm) {
   state->spec.source = "communicator";
   state->options.timeout = comm->options().timeout;
   state->device = resolveDevice("auto", state->spec.rank);
-  state->comm = std::move(comm);
+  {
+    MutexLock lock(state->mutex);  // no other thread sees state yet: the lock is for the analysis
+    state->comm = std::move(comm);
+  }
   state->given = true;
   return Job(std::move(state));
 }
@@ -50,7 +53,7 @@ std::chrono::milliseconds Job::timeout() const { return state_->options.timeout;
 c10::Device Job::device() const { return state_->device; }
 
 std::shared_ptr<Communicator> Job::communicator() const {
-  std::lock_guard<std::mutex> lock(state_->mutex);
+  MutexLock lock(state_->mutex);
   if (state_->comm || state_->spec.worldSize <= 1) return state_->comm;
   COHORT_CHECK(state_->spec.role == Role::kWorker, InvalidArgument, "this process is not a worker (",
                describe(state_->spec), "): only workers join the workers' communicator");

@@ -16,6 +16,7 @@
 #include <cohort/replicas.h>
 
 #include "base/clock.h"
+#include "base/thread_annotations.h"
 #include "schemes/model_sync.h"
 
 #include <dlfcn.h>
@@ -24,9 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <exception>
-#include <mutex>
 #include <thread>
 #include <unordered_map>
 
@@ -121,41 +120,43 @@ struct ReplicaGroup::Impl {
   std::atomic<int> writers{0};
   std::atomic<int64_t> writesBegun{0};
 
-  std::mutex mutex;
-  std::condition_variable changed;  // a bucket became ready, a replica failed or finished
+  Mutex mutex;
+  CondVar changed;  // a bucket became ready, a replica failed or finished
   std::atomic<bool> failed{false};
   std::atomic<int> finishedSums{0};      // replicas done with all their chunks
   std::atomic<bool> crossDone{false};    // the process-wide average of the sums is in place
   // Mirrored across processes: buckets whose allreduce is launched, in bucket order (the order
-  // of collectives every process must follow). GUARDED_BY(launchMutex).
-  std::mutex launchMutex;
-  size_t launched = 0;
+  // of collectives every process must follow).
+  Mutex launchMutex;
+  size_t launched GUARDED_BY(launchMutex) = 0;
   std::atomic<bool> updating{false};     // a replica has begun its optimizer step
-  std::exception_ptr error;              // the first failure, GUARDED_BY(mutex)
-  int errorReplica = -1;                 // GUARDED_BY(mutex)
+  std::exception_ptr error GUARDED_BY(mutex);  // the first failure
+  int errorReplica GUARDED_BY(mutex) = -1;
   bool broken = false;                   // a failure after parameters changed: replicas may differ
   std::chrono::steady_clock::time_point deadline;
-  Clock::time_point wokenAt;  // when step() woke the threads
-  ReplicaStats stats;
+  Clock::time_point wokenAt GUARDED_BY(mutex);  // when step() woke the threads
+  ReplicaStats stats GUARDED_BY(mutex);
 
   // The worker threads.
   std::vector<std::thread> threads;
-  std::condition_variable wake;  // a step for the threads, or the end
-  std::condition_variable done;  // a thread finished its part of a step
-  int64_t generation = 0;        // GUARDED_BY(mutex)
-  int running = 0;               // threads still in the step, GUARDED_BY(mutex)
-  bool stopping = false;         // GUARDED_BY(mutex)
+  CondVar wake;  // a step for the threads, or the end
+  CondVar done;  // a thread finished its part of a step
+  int64_t generation GUARDED_BY(mutex) = 0;
+  int running GUARDED_BY(mutex) = 0;  // threads still in the step
+  bool stopping GUARDED_BY(mutex) = false;
 
   bool sumsGradients() const { return kind != Kind::kHogwild; }
 
   // ---- waits between replicas ----
 
   template <class Ready>
-  void waitUntil(Replica& self, const Ready& ready, const char* what) {
+  void waitUntil(Replica& self, const Ready& ready, const char* what) EXCLUDES(mutex) {
     if (ready()) return;
     const auto start = Clock::now();
-    std::unique_lock<std::mutex> lock(mutex);
-    const bool ok = changed.wait_until(lock, deadline, [&] { return ready() || failed.load(); });
+    MutexLock lock(mutex);
+    auto settled = [&] { return ready() || failed.load(); };
+    while (!settled() && changed.waitUntil(mutex, deadline) == std::cv_status::no_timeout) continue;
+    const bool ok = settled();
     self.waitSeconds += secondsSince(start);
     if (failed.load()) throw Aborted{};
     if (!ok) {
@@ -164,19 +165,19 @@ struct ReplicaGroup::Impl {
     }
   }
 
-  void notifyAll() {
-    std::lock_guard<std::mutex> lock(mutex);
-    changed.notify_all();
+  void notifyAll() EXCLUDES(mutex) {
+    MutexLock lock(mutex);
+    changed.notifyAll();
   }
 
-  void fail(int r, std::exception_ptr e) {
-    std::lock_guard<std::mutex> lock(mutex);
+  void fail(int r, std::exception_ptr e) EXCLUDES(mutex) {
+    MutexLock lock(mutex);
     if (!error) {
       error = e;
       errorReplica = r;
     }
     failed = true;
-    changed.notify_all();
+    changed.notifyAll();
   }
 
   // ---- gradient buckets ----
@@ -258,9 +259,9 @@ struct ReplicaGroup::Impl {
   // complete, in bucket order. Buckets complete in that order (every replica sums its chunks in
   // bucket order), but the replicas completing two of them race to launch: whoever holds the lock
   // launches all that are ready, so every process issues its collectives in the same order.
-  void launchSummed() {
+  void launchSummed() EXCLUDES(launchMutex) {
     const int R = int(replicas.size());
-    std::lock_guard<std::mutex> lock(launchMutex);
+    MutexLock lock(launchMutex);
     while (launched < buckets.size() && buckets[launched]->summedChunks.load() == R) {
       buckets[launched]->crossWork = comm->allreduceAsync(buckets[launched]->sum);
       ++launched;
@@ -360,10 +361,10 @@ struct ReplicaGroup::Impl {
   // On replica 0 once every chunk is summed: waits for the buckets' allreduces (launched while
   // backward ran, or now without overlap) and makes the sums means. The traffic is counted by
   // step(); the time waited here is the communication backward did not hide.
-  void averageAcrossProcesses() {
+  void averageAcrossProcesses() EXCLUDES(launchMutex, mutex) {
     const auto start = Clock::now();
     if (!options.overlap) {
-      std::lock_guard<std::mutex> lock(launchMutex);
+      MutexLock lock(launchMutex);
       for (auto& bucket : buckets) bucket->crossWork = comm->allreduceAsync(bucket->sum);
       launched = buckets.size();
     }
@@ -373,6 +374,7 @@ struct ReplicaGroup::Impl {
       bucket->crossWork = CommWork();
       bucket->sum.div_(comm->worldSize());
     }
+    MutexLock lock(mutex);
     stats.commWaitSeconds += secondsSince(start);
   }
 
@@ -397,7 +399,7 @@ struct ReplicaGroup::Impl {
     self.times.optimizer += secondsSince(start);
     conflict = conflict || writesBegun.load() != begunBefore + 1;
     const int64_t staleness = updates.fetch_add(1) - readAt;
-    std::lock_guard<std::mutex> lock(mutex);
+    MutexLock lock(mutex);
     ++stats.updates;
     stats.stalenessSum += double(staleness);
     stats.stalenessMax = std::max(stats.stalenessMax, staleness);
@@ -489,13 +491,16 @@ struct ReplicaGroup::Impl {
     setOpenMpThreadsOfThisThread(1);
     int64_t seen = 0;
     while (true) {
+      Clock::time_point woken;
       {
-        std::unique_lock<std::mutex> lock(mutex);
-        wake.wait(lock, [&] { return stopping || generation != seen; });
+        MutexLock lock(mutex);
+        // Idle between steps for as long as the user likes: the wait only wakes to look again.
+        while (!stopping && generation == seen) wake.waitFor(mutex, std::chrono::seconds(1));
         if (stopping) return;
         seen = generation;
+        woken = wokenAt;
       }
-      replicas[r].times.handOff += secondsSince(wokenAt);
+      replicas[r].times.handOff += secondsSince(woken);
       try {
         runReplica(r);
       } catch (const Aborted&) {
@@ -503,8 +508,8 @@ struct ReplicaGroup::Impl {
         fail(int(r), std::current_exception());
       }
       replicas[r].endedAt = Clock::now();
-      std::lock_guard<std::mutex> lock(mutex);
-      if (--running == 0) done.notify_all();
+      MutexLock lock(mutex);
+      if (--running == 0) done.notifyAll();
     }
   }
 };
@@ -630,9 +635,9 @@ ReplicaGroup::ReplicaGroup(Kind kind, const Job* job, std::shared_ptr<torch::nn:
 ReplicaGroup::~ReplicaGroup() {
   Impl& s = *impl_;
   {
-    std::lock_guard<std::mutex> lock(s.mutex);
+    MutexLock lock(s.mutex);
     s.stopping = true;
-    s.wake.notify_all();
+    s.wake.notifyAll();
   }
   for (auto& t : s.threads) t.join();
   for (auto& replica : s.replicas) {
@@ -669,7 +674,7 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
   s.finishedSums = 0;
   s.crossDone = false;
   {
-    std::lock_guard<std::mutex> lock(s.launchMutex);
+    MutexLock lock(s.launchMutex);
     s.launched = 0;
   }
   const CommCounters commBefore = s.comm ? s.comm->counters() : CommCounters{};
@@ -678,15 +683,17 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
   s.lossFn = &loss;
   s.deadline = std::chrono::steady_clock::now() + s.options.timeout;
   {
-    std::unique_lock<std::mutex> lock(s.mutex);
+    MutexLock lock(s.mutex);
     s.error = nullptr;
     s.errorReplica = -1;
     s.running = R;
     ++s.generation;
     s.wokenAt = Clock::now();
-    s.wake.notify_all();
+    s.wake.notifyAll();
     // The replicas' own waits end by the deadline; this one allows them a margin to unwind.
-    const bool finished = s.done.wait_until(lock, s.deadline + s.options.timeout, [&] { return s.running == 0; });
+    const auto until = s.deadline + s.options.timeout;
+    while (s.running > 0 && s.done.waitUntil(s.mutex, until) == std::cv_status::no_timeout) continue;
+    const bool finished = s.running == 0;
     if (finished) {
       // A thread that ended first waited for the last; the last one's end waking this thread is
       // the hand-off.
@@ -710,7 +717,7 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
       if (s.updating.load() && s.kind == Kind::kMirrored) s.broken = true;
       // Collectives launched in a failed step leave this process out of step with the others.
       {
-        std::lock_guard<std::mutex> launchLock(s.launchMutex);
+        MutexLock launchLock(s.launchMutex);
         if (s.launched > 0) s.broken = true;
       }
       try {
@@ -725,15 +732,13 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
       }
     }
   }
-  if (s.comm != nullptr) {
-    const CommCounters after = s.comm->counters();
-    std::lock_guard<std::mutex> lock(s.mutex);
-    s.stats.bytesSent += after.bytesSent - commBefore.bytesSent;
-    s.stats.bytesReceived += after.bytesReceived - commBefore.bytesReceived;
-  }
+  const CommCounters after = s.comm ? s.comm->counters() : CommCounters{};
   double total = 0;
   for (auto& replica : s.replicas) total += replica.weight * replica.loss;
   if (s.options.balance) s.measureSpeeds();
+  MutexLock lock(s.mutex);
+  s.stats.bytesSent += after.bytesSent - commBefore.bytesSent;
+  s.stats.bytesReceived += after.bytesReceived - commBefore.bytesReceived;
   ++s.stats.steps;
   s.stats.lastShards = sizes;
   if (s.sumsGradients()) {
@@ -773,7 +778,7 @@ ReplicaStats ReplicaGroup::stats() const {
   Impl& s = *impl_;
   ReplicaStats out;
   {
-    std::lock_guard<std::mutex> lock(s.mutex);
+    MutexLock lock(s.mutex);
     out = s.stats;
   }
   out.buckets = int64_t(s.buckets.size());

@@ -3,6 +3,7 @@
 
 #include <cohort/error.h>
 
+#include "models/cpu_generator.h"
 #include "schemes/model_sync.h"
 #include "strategy/local.h"
 
@@ -130,12 +131,7 @@ int64_t splittableChannels(const torch::nn::Module& layer, const torch::Tensor& 
 // channels with copies of those rows of the weight and bias. Constructing it draws nothing from
 // the generator (its state is put back), so every stage's generator stays as in one process.
 torch::nn::AnyModule channelSlice(const torch::nn::Module& layer, int64_t from, int64_t count) {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  torch::Tensor rng;
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    rng = gen.get_state();
-  }
+  const torch::Tensor rng = cpuGeneratorState();
   torch::nn::AnyModule out;
   torch::Tensor weight;
   torch::Tensor bias;
@@ -165,8 +161,7 @@ torch::nn::AnyModule channelSlice(const torch::nn::Module& layer, int64_t from, 
     weight.copy_(linear.weight.narrow(0, from, count));
     if (bias.defined()) bias.copy_(linear.bias.narrow(0, from, count));
   }
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(rng);
+  setCpuGeneratorState(rng);
   return out;
 }
 
@@ -298,12 +293,7 @@ double PipelineStrategy::probeMessages() {
 // passes. Each layer runs on a detached copy of its input, so its backward can be timed alone.
 // The generator and the buffers are put back afterwards, so timing changes nothing in training.
 std::vector<double> PipelineStrategy::timeLayers(torch::nn::Sequential& model, const torch::Tensor& inputs) {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  torch::Tensor rng;
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    rng = gen.get_state();
-  }
+  const torch::Tensor rng = cpuGeneratorState();
   std::vector<torch::Tensor> buffers;
   for (auto& b : model->buffers()) buffers.push_back(b.clone());
 
@@ -339,8 +329,7 @@ std::vector<double> PipelineStrategy::timeLayers(torch::nn::Sequential& model, c
     auto now = model->buffers();
     for (size_t i = 0; i < now.size(); ++i) now[i].copy_(buffers[i]);
   }
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(rng);
+  setCpuGeneratorState(rng);
   return best;
 }
 

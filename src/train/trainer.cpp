@@ -10,6 +10,7 @@
 #include "base/clock.h"
 #include "base/launcher_channel.h"
 #include "base/tensorboard.h"
+#include "models/cpu_generator.h"
 #include "train/evaluation.h"
 #include "train/evaluator.h"
 #include "train/model_file.h"
@@ -247,11 +248,7 @@ struct Trainer::State {
     archive.write("epoch", c10::IValue(epoch));
     archive.write("step_in_epoch", c10::IValue(stepInEpoch));
     archive.write("fingerprint", c10::IValue(fingerprint(options, replica, strategy->layout())));
-    {
-      auto gen = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      archive.write("rng", gen.get_state());
-    }
+    archive.write("rng", cpuGeneratorState());
     std::vector<uint8_t> bytes;
     archive.save_to([&](const void* data, size_t size) {
       auto p = static_cast<const uint8_t*>(data);
@@ -303,9 +300,7 @@ struct Trainer::State {
       stepInEpoch = value.toInt();
       torch::Tensor rng;
       archive.read("rng", rng);
-      auto gen = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(rng.to(torch::kCPU));  // the CPU generator's state, mapped to the device with the rest
+      setCpuGeneratorState(rng.to(torch::kCPU));  // the CPU generator's state, mapped to the device with the rest
     } catch (const std::exception& e) {
       throw IoError(path + ": checkpoint does not fit this model: " + firstLine(e));
     }
