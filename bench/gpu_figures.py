@@ -7,6 +7,8 @@ single: cohort train --device cuda against the same loop in PyTorch (bench/pytor
         and mlp, Fashion-MNIST, batch 64, momentum SGD: samples/s in steady state.
 ws1:    cohort --strategy allreduce at world size 1 (DataParallel's buckets and hooks on the GPU)
         against --strategy local, cnn: samples/s and peak GPU memory.
+resnet: the ResNet of examples/library (resnet_ddp.cpp, a user's own loop with cohort's handles) alone
+        on the GPU against its Python twin (bench/resnet_ddp.py) alone, batch 32: samples/s.
 ddp2:   2 ranks sharing cuda:0: cohort --strategy allreduce against PyTorch DDP (gloo over CUDA
         tensors, bench/pytorch_ddp.py), cnn and mlp: samples/s over both ranks.
 
@@ -17,6 +19,7 @@ and says so (a figure with fewer runs than asked is marked).
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +87,20 @@ def pytorch_ddp(binary, model, steps):
     raise RuntimeError(out)
 
 
+def resnet_cohort(binary, steps):
+    out = run([binary, "--steps", str(steps), "--batch", "32"])
+    m = re.search(r"([0-9.]+) samples/s", out)
+    if not m:
+        raise RuntimeError(out[-1500:])
+    return float(m.group(1))
+
+
+def resnet_pytorch(steps):
+    out = run([sys.executable, os.path.join(ROOT, "bench", "resnet_ddp.py"), "--steps", str(steps), "--batch", "32",
+               "--device", DEVICE[0]])
+    return json.loads(out.strip().splitlines()[-1])["samples_per_s"]
+
+
 def compare(name, runs, ours_fn, theirs_fn, ours_label, theirs_label):
     ours, theirs = [], []
     for i in range(runs):
@@ -115,9 +132,10 @@ def compare(name, runs, ours_fn, theirs_fn, ours_label, theirs_label):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cohort", required=True, help="the cohort binary (or a wrapper that starts it)")
+    p.add_argument("--resnet", help="the ResNet example's binary (bench/resnet_ddp), for the resnet section")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--budget", type=float, default=200, help="seconds after which no new run starts")
-    p.add_argument("--sections", default="single,ws1,ddp2")
+    p.add_argument("--sections", default="single,resnet,ws1,ddp2")
     p.add_argument("--models", default="cnn,mlp")
     p.add_argument("--device", default="cuda", help="cuda (the figures); cpu to try the script where there is none")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every run's steps")
@@ -136,6 +154,13 @@ def main():
                     compare(f"single {m} (samples/s)", args.runs,
                             lambda: cohort_train(binary, tmp, m, STEPS[m], [])["samples_per_s"],
                             lambda: pytorch_single(m, STEPS[m]), "cohort", "PyTorch")
+            elif section == "resnet":
+                if not args.resnet:
+                    print("resnet: skipped, no --resnet binary given", flush=True)
+                    continue
+                steps = max(20, int(400 * args.scale))
+                compare("resnet example alone (samples/s)", args.runs, lambda: resnet_cohort(args.resnet, steps),
+                        lambda: resnet_pytorch(steps), "cohort", "PyTorch")
             elif section == "ws1":
                 peaks = {}
 
@@ -156,7 +181,7 @@ def main():
                                                  workers=2)["samples_per_s"],
                             lambda: pytorch_ddp(binary, m, STEPS[m] // 2), "cohort", "DDP")
             else:
-                raise SystemExit(f"unknown section {section}: expected single, ws1 or ddp2")
+                raise SystemExit(f"unknown section {section}: expected single, resnet, ws1 or ddp2")
 
 
 if __name__ == "__main__":

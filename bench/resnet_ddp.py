@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import load_fashion  # noqa: E402
+from common import init_gloo_group, load_fashion  # noqa: E402
 
 
 class ResidualBlock(nn.Module):
@@ -61,22 +61,32 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (every rank on cuda:0)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # Under a launcher: DDP (gloo); alone: the plain loop, as the C++ example's single process.
+    launched = "WORLD_SIZE" in os.environ
+    if launched:
+        init_gloo_group()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if launched else (0, 1)
     torch.manual_seed(1)
     images, labels = load_fashion("train")
-    model = DDP(ResNet())
+    model = ResNet().to(args.device)
+    if launched:
+        model = DDP(model, device_ids=None if args.device == "cpu" else [next(model.parameters()).device])
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1))
     mine = perm[rank::world][: len(labels) // world]
     timed, samples = 0.0, 0
     for step in range(args.steps):
         start = time.perf_counter()
-        idx = mine[step * args.batch:(step + 1) * args.batch]
+        k = step % (len(mine) // args.batch)
+        idx = mine[k * args.batch:(k + 1) * args.batch]
         x = images.index_select(0, idx).float().div_(255.0)
         y = labels.index_select(0, idx)
+        if args.device != "cpu":
+            x = x.pin_memory().to(args.device, non_blocking=True)
+            y = y.pin_memory().to(args.device, non_blocking=True)
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -86,8 +96,10 @@ def main():
             timed += time.perf_counter() - start
             samples += len(idx) * world
     if rank == 0:
-        print(json.dumps({"samples_per_s": samples / timed, "steps": args.steps, "workers": world}), flush=True)
-    dist.destroy_process_group()
+        print(json.dumps({"samples_per_s": samples / timed, "steps": args.steps, "workers": world,
+                          "device": args.device}), flush=True)
+    if launched:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

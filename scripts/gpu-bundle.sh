@@ -12,16 +12,16 @@ build="${1:-$root/build}"
 out="$root/build-gpu"
 limit_mb=60
 
-cmake --build "$build" --target cohort_cli gpu_tests
+cmake --build "$build" --target cohort_cli gpu_tests resnet_ddp
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib" "$out/data/fashion-mnist"
-cp "$build/cohort" "$build/tests/gpu_tests" "$out/bin/"
+cp "$build/cohort" "$build/tests/gpu_tests" "$build/bench/resnet_ddp" "$out/bin/"
 cp -P "$build"/libcohort.so* "$out/lib/"
 
 # Libraries the GPU machine has already: LibTorch's own (and the CUDA libraries beside it), and
 # the C and C++ runtime, which must be the machine's own (LibTorch was built against them).
 skip='^(libtorch|libc10|libcaffe2|libgomp|libcud|libcublas|libcusparse|libcufft|libcurand|libcusolver|libnccl|libnvrtc|libnvJitLink|libcupti|libnvshmem|libcufile|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread|libutil|libresolv|ld-linux|libstdc\+\+|libgcc_s|linux-vdso)'
-for f in "$out/bin/cohort" "$out/bin/gpu_tests" "$out/lib/libcohort.so.0"; do
+for f in "$out"/bin/* "$out/lib/libcohort.so.0"; do
   ldd "$f" | awk '/=> \//{print $1, $3}' | while read -r name path; do
     if ! [[ "$name" =~ $skip ]] && [ ! -e "$out/lib/$name" ]; then cp -L "$path" "$out/lib/$name"; fi
   done

@@ -22,9 +22,13 @@ torch_lib="$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(
 # The bundle's libraries for cohort's programs only (the machine's Python keeps its own): a wrapper
 # that the tests and the benchmark start as "cohort".
 libs="$bundle/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-wrapper="$out/cohort"
-printf '#!/bin/sh\nLD_LIBRARY_PATH="%s" exec "%s" "$@"\n' "$libs" "$bundle/bin/cohort" > "$wrapper"
-chmod +x "$wrapper"
+# (Outside $OUT: the device tool brings back at most 8 files from there.)
+wrappers="$(mktemp -d)"
+for program in "$bundle"/bin/*; do
+  printf '#!/bin/sh\nLD_LIBRARY_PATH="%s" exec "%s" "$@"\n' "$libs" "$program" > "$wrappers/$(basename "$program")"
+  chmod +x "$wrappers/$(basename "$program")"
+done
+wrapper="$wrappers/cohort"
 export COHORT_TEST_BINARY="$wrapper"
 export COHORT_TEST_SOURCE_DIR="$root"
 export COHORT_FASHION_MNIST_DIR="$bundle/data/fashion-mnist"
@@ -55,8 +59,8 @@ tests_status=$?
 echo "## figures" >> "$report"
 {
   echo '```'
-  PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_FIGURES_S:-230}" "$python" "$root/bench/gpu_figures.py" --cohort "$wrapper" \
-    --runs "${GPU_CHECK_RUNS:-2}" --budget "${GPU_CHECK_BUDGET_S:-150}" --sections "${GPU_CHECK_SECTIONS:-single,ws1,ddp2}" 2>&1 |
+  PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_FIGURES_S:-230}" "$python" "$root/bench/gpu_figures.py" --cohort "$wrapper" --resnet "$wrappers/resnet_ddp" \
+    --runs "${GPU_CHECK_RUNS:-2}" --budget "${GPU_CHECK_BUDGET_S:-150}" --sections "${GPU_CHECK_SECTIONS:-single,resnet,ws1,ddp2}" 2>&1 |
     tee "$out/figures.log"
   echo '```'
 } >> "$report"
