@@ -79,6 +79,11 @@ class LauncherProcess {
   }
 
   pid_t pid() const { return pid_; }
+  // Whether the launcher has not exited yet.
+  bool running() const {
+    pollfd p{pidFd_, POLLIN, 0};
+    return !exited_ && ::poll(&p, 1, 0) == 0;
+  }
   const std::string& out() const { return out_; }
   const std::string& err() const { return err_; }
 
@@ -352,6 +357,32 @@ TEST(Launch, RanksIgnoringSigtermAreKilledAfterTheGracePeriod) {
   EXPECT_NE(p.err().find("cohort launch: rank 1 was killed by signal 9 (SIGKILL)\n"), std::string::npos) << p.err();
   EXPECT_NE(p.err().find("cohort launch: rank 0 did not stop within 1 s, killing it\n"), std::string::npos)
       << p.err();
+}
+
+// A second job given the --port of a running one is told that another job is on the port (its
+// chief cannot bind it, its other ranks find a store that refuses their secret), not only that
+// the secrets differ; the first job is untouched.
+TEST(Launch, ASecondJobOnARunningJobsPortIsToldAnotherJobIsThere) {
+  test::ReservedPort port;
+  const std::vector<std::string> train = {test::cohortBinary(), "train", "--strategy", "allreduce", "--model", "mlp",
+                                          "--data", "synthetic:2000", "--steps", "1000000", "--progress", "lines",
+                                          "--threads", "1"};
+  std::vector<std::string> first = {test::cohortBinary(), "launch", "-n", "2", "--port", std::to_string(port.port()),
+                                    "--"};
+  first.insert(first.end(), train.begin(), train.end());
+  LauncherProcess a(first);
+  ASSERT_TRUE(a.waitForError("[rank 0] step ", seconds(90))) << a.out() << a.err();  // A's group trains (progress: stderr)
+
+  auto b = test::runCommand(launch("-n 2 --port " + std::to_string(port.port()) + " -- " + test::cohortBinary() +
+                                   " train --strategy allreduce --model mlp --data synthetic:2000 --steps 10 "
+                                   "--progress off --threads 1 --timeout 10"),
+                            90);
+  EXPECT_NE(b.exitCode, 0) << b.output;
+  // The launcher's own summary (whichever rank failed first) names the cause.
+  const size_t summary = b.output.find("cohort launch: rank ");
+  ASSERT_NE(summary, std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("another job", summary), std::string::npos) << b.output;
+  EXPECT_TRUE(a.running()) << a.out() << a.err();  // the first job goes on
 }
 
 class LaunchSignal : public testing::TestWithParam<int> {};

@@ -639,7 +639,7 @@ std::unique_ptr<Server> Server::start(const ServerOptions& options) {
   }
   if (impl->listenFd < 0) {
     throw CommError("the rendezvous store cannot listen on " + where + ": " + std::strerror(lastErrno) +
-                    (lastErrno == EADDRINUSE ? ": another job uses the port; set MASTER_PORT to a free one" : ""));
+                    (lastErrno == EADDRINUSE ? ": another job uses the port; give this job a free one: --port or MASTER_PORT" : ""));
   }
   impl->wakeFd = ::eventfd(0, EFD_CLOEXEC);
   COHORT_CHECK(impl->wakeFd >= 0, CommError, "the rendezvous store cannot make an eventfd: ", std::strerror(errno));
@@ -783,11 +783,15 @@ std::unique_ptr<Client> Client::connect(const std::string& host, int port, const
     std::array<uint8_t, kAnswerBytes> answer{};
     if (writeFull(fd, hello.data(), hello.size(), deadline) != Io::kOk ||
         readFull(fd, answer.data(), answer.size(), deadline) != Io::kOk || answer[0] != 1) {
-      return fail("refused this process's proof of the secret: every process of the job needs the same COHORT_AUTH_TOKEN");
+      // Also what a rank of a second job sees when it finds the first job's store on its port.
+      return fail("refused this process's proof of the secret: another job may be listening on this port (give "
+                  "this job a free one: --port or MASTER_PORT), or this process's COHORT_AUTH_TOKEN differs from "
+                  "the chief's");
     }
     const crypto::Digest want = proof(secret, "cohort-store server", serverNonce, hello.data());
     if (!crypto::equalConstantTime(std::span<const uint8_t>(answer.data() + 1, kProofBytes), want)) {
-      return fail("did not prove the job's secret: a forged store, or another COHORT_AUTH_TOKEN");
+      return fail("did not prove the job's secret: another job's store on this port (give this job a free one: "
+                  "--port or MASTER_PORT), a forged store, or another COHORT_AUTH_TOKEN");
     }
     impl->channel.sealer = Sealer(secret, serverNonce, hello.data());
   }
