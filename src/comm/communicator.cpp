@@ -15,6 +15,7 @@
 #include <atomic>
 #include <functional>
 #include <cstring>
+#include <iostream>
 #include <cstdlib>
 #include <thread>
 
@@ -239,6 +240,14 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
   const std::string where = spec.master.host + ":" + std::to_string(spec.master.port);
   try {
     if (spec.rank == 0) {
+      if (spec.secret.empty() && spec.worldSize > 1) {
+        std::cerr << "cohort: warning: this job has no secret (COHORT_AUTH_TOKEN is unset): any process that "
+                     "reaches "
+                  << where
+                  << " can join it and change its model, and a second job on this port would merge with it; "
+                     "cohort launch makes one, else set COHORT_AUTH_TOKEN to the same random value on every "
+                     "process\n";
+      }
       // Port 0 (cohort launch without --port): any free port, which the launcher learns from here
       // and hands to the other workers it starts only then.
       impl->storeServer = store::Server::start(
