@@ -114,6 +114,17 @@ wire::StatsReply statsOf(ShardClient& client) {
   return reply;
 }
 
+// Waits (polling, up to 10 s) until `done` holds; false if it never did.
+template <typename Condition>
+bool eventually(const Condition& done) {
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
 // What every client of ps/client.h says about a call: its request's bytes (kRequestBytesKey).
 void declare(grpc::ClientContext& context, uint64_t bytes) {
   context.AddMetadata(kRequestBytesKey, std::to_string(bytes));
@@ -1142,6 +1153,39 @@ void expectAFramedPushNeedsTheToken(size_t pushChunkBytes) {
 // The zero-copy path keeps the shard's authentication: a framed push without the proof is refused.
 TEST(PsFrameTest, AFramedPushNeedsTheToken) { expectAFramedPushNeedsTheToken(kDefaultPushChunkBytes); }
 
+// A received frame's chunks read the bytes it came with, from slices small enough that gRPC keeps
+// their bytes inside the slice object too (up to 23 bytes: "inlined"), before and after the frame
+// is moved. Those bytes live in the frame's own grpc::Slice objects: a frame that kept only the
+// buffer read them from freed memory, and under a 512 MB push's load a worker's push once arrived
+// with a NaN in it. Whatever the deserializer freed is handed out again and scribbled over (glibc
+// gives a freed block back to the next allocation of its size).
+TEST(PsFrameTest, AReceivedFrameReadsTheBytesOfItsSmallSlicesToo) {
+  const std::vector<std::string> parts{"CPSF", std::string("\x02\0\0\0", 4), "ab", std::string(100, 'z'), "the tail"};
+  std::string expected;
+  for (const auto& p : parts) expected += p;
+  std::vector<grpc::Slice> slices(parts.begin(), parts.end());
+  grpc::ByteBuffer buffer(slices.data(), slices.size());
+  slices.clear();
+  auto scribble = [] {
+    std::vector<std::vector<uint8_t>> junk;
+    for (size_t bytes = 8; bytes <= 4096; bytes += 8) junk.emplace_back(bytes, 0xff);
+    return junk.size();
+  };
+  auto bytesOf = [](const IncomingFrame& frame) {
+    std::string out;
+    for (const auto& c : frame.chunks) out.append(reinterpret_cast<const char*>(c.data()), c.size());
+    return out;
+  };
+  IncomingFrame frame;
+  ASSERT_TRUE(grpc::SerializationTraits<IncomingFrame>::Deserialize(&buffer, &frame).ok());
+  EXPECT_GE(frame.chunks.size(), 2u);  // gRPC merges adjacent small slices into one
+  EXPECT_GT(scribble(), 0u);
+  EXPECT_EQ(bytesOf(frame), expected);
+  IncomingFrame moved = std::move(frame);
+  EXPECT_GT(scribble(), 0u);
+  EXPECT_EQ(bytesOf(moved), expected);
+}
+
 // A server whose one method holds the IncomingFrame it received until told to let it go, under a
 // resource quota the test controls.
 class HoldingServer {
@@ -1521,17 +1565,6 @@ TEST(PsStreamTest, ABadChunkOrAnEarlyEndKeepsThePiecesOfTheValidChunksBeforeIt) 
   EXPECT_EQ(after.version(), 2u);
   EXPECT_EQ(after.applied(), 2);
   EXPECT_EQ(after.partial_pushes(), 6);
-}
-
-// Waits (polling, up to 10 s) until `done` holds; false if it never did.
-template <typename Condition>
-bool eventually(const Condition& done) {
-  const auto until = std::chrono::steady_clock::now() + 10s;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::yield();
-  }
-  return true;
 }
 
 // A worker that dies (or cancels) after its first chunk: that chunk was applied as it arrived and
