@@ -822,6 +822,52 @@ TEST(PsGrpcTest, ARequestOverTheCapIsRefusedBeforeItsBodyIsRead) {
   EXPECT_EQ(statsOf(*right).rejected(), 2);
 }
 
+// Connections that never carried a call with a good proof: a shard holds 64 of them, each newcomer
+// evicting the oldest, while a connection that proved the secret is never evicted; a call refused
+// for its proof does not prove its connection. (tests/ps_attack_test.cpp floods a `cohort ps`.)
+TEST(PsGrpcTest, AShardHoldsAtMost64ConnectionsThatHaveNotProvedTheSecret) {
+  TestServer server(ServerOptions{.authToken = "s3cret"});
+  auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
+  expectInit(*right);
+  auto counts = [&] { return server.server->connections(); };
+  EXPECT_EQ(counts().open, 1);
+  EXPECT_EQ(counts().unproven, 0);
+
+  static const std::string hello =
+      std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") + std::string("\0\0\0\4\0\0\0\0\0", 9);
+  std::vector<std::unique_ptr<test::RawConnection>> strangers;
+  for (int i = 0; i < 100; ++i) {
+    strangers.push_back(std::make_unique<test::RawConnection>(server.server->port()));
+    strangers.back()->send(std::span(reinterpret_cast<const uint8_t*>(hello.data()), hello.size()));
+  }
+  // The shard's accept loop takes them in its own time: wait for the last one's eviction.
+  EXPECT_TRUE(eventually([&] { return counts().evicted == 36; })) << counts().evicted << " evicted";
+  EXPECT_EQ(counts().unproven, 64);
+  EXPECT_TRUE(strangers.front()->closedByPeer()) << "the oldest stranger is still connected";
+
+  // A call with a wrong proof on a connection of its own (other channel arguments than the
+  // client's) leaves it unproven: it evicts one more.
+  {
+    grpc::ChannelArguments args;
+    args.SetInt("cohort.test.stranger", 1);
+    auto stub = wire::ParameterServer::NewStub(
+        grpc::CreateCustomChannel(server.address(), grpc::InsecureChannelCredentials(), args));
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", callProof("wrong", 1, std::string(32, '0')));
+    declare(context, withProtocol<wire::StatsRequest>().ByteSizeLong());
+    wire::StatsReply reply;
+    EXPECT_EQ(stub->Stats(&context, withProtocol<wire::StatsRequest>(), &reply).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(counts().evicted, 37);
+    EXPECT_EQ(counts().unproven, 64);
+  }
+  // The proven connection is still there and serves.
+  wire::PushReply pushed;
+  ASSERT_TRUE(right->push(pushOf({{1, 1, 1}, {1, 1}}), &pushed).ok());
+  EXPECT_EQ(pullAll(*right), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
+  EXPECT_EQ(counts().dropped, 0);
+}
+
 // Strangers on a shard's port: random bytes, an HTTP/2 preface followed by a frame announcing
 // 16 MB, a burst of garbage connections and connections that say nothing. The shard closes them,
 // keeps serving (a push and a pull give the undisturbed result), and when it is gone the
