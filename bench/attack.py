@@ -17,6 +17,12 @@ streams, the shards, and Gloo's pairs as a bystander). The attacks on each port,
   half-open   100 connections that connect and say nothing, held until the job ends
   flood       500 connections opened and closed as fast as possible
 
+Then, on the shards only, an insider: a 512 MB push with the job's secret (read from the shard's
+environment, as a buggy worker of the job holds it; build/bench/ps_oversized_push), four ways:
+declaring its size (framed, streamed), declaring none (protobuf, as a tool that is not cohort's),
+and declaring 4 KB (framed: read whole, then refused). Each must be refused alone (the shard's
+answer is in the output) while the job trains on to the undisturbed run's accuracy.
+
 It measures, for each listening process: resident memory (VmRSS) and open descriptors before the
 attack, at its peak during it, and after (once the half-open connections are closed and the job
 has had 12 s to time out the rest), the same for the undisturbed run sampled at the same point of
@@ -91,6 +97,15 @@ def fds(pid):
         return None
 
 
+def environment(pid):
+    """The process's environment (bytes to bytes); empty when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return {}
+
+
 def job_processes(launcher_pid):
     """The job's `cohort train` processes under the launcher: pid -> label (rank r / ps k)."""
     parent, cmd = {}, {}
@@ -116,10 +131,8 @@ def job_processes(launcher_pid):
     for pid, argv in cmd.items():
         if b"train" not in argv or not under(pid):
             continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except OSError:
+        env = environment(pid)
+        if not env:
             continue
         tf = env.get(b"TF_CONFIG")
         if tf:
@@ -195,12 +208,32 @@ def attack(port, held, stop):
             s.close()
 
 
+# (declare, method) of the insider's oversized pushes, in the order they are sent.
+OVERSIZED = [("honest", "framed"), ("honest", "stream"), ("none", "protobuf"), ("lie", "framed")]
+
+
+def oversized_pushes(build, port, token, mb=512):
+    """The insider's oversized pushes to a shard's port, one after the other; the shard's answers."""
+    tool = os.path.join(build, "bench", "ps_oversized_push")
+    answers = []
+    for declare, method in OVERSIZED:
+        r = subprocess.run([tool, f"127.0.0.1:{port}", "--mb", str(mb), "--declare", declare, "--method", method],
+                           env=dict(os.environ, COHORT_AUTH_TOKEN=token), capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode == 0 and r.stdout.strip():
+            answers.append(json.loads(r.stdout))
+        else:
+            answers.append({"declare": declare, "method": method, "error": (r.stderr or r.stdout).strip()[-300:]})
+    return answers
+
+
 def run(build, scheme, steps, hostile, tmp, model, window=None):
     """One job. Both runs sample every process the same way: `before` once the job runs, the
     peak, and `after`. The attacked run attacks in between and waits 12 s; the undisturbed run
     waits `window` seconds (the attacked run's attack plus its 12 s) instead, so that its growth
     over the same stretch of training is the baseline the attack's growth is set against.
-    Returns (exit code, done event, rows, log tail, seconds between before and after)."""
+    Returns (exit code, done event, rows, log tail, seconds between before and after, the shards'
+    answers to the insider's oversized pushes)."""
     cohort = os.path.join(build, "cohort")
     metrics = os.path.join(tmp, f"{scheme}-{hostile}.jsonl")
     if os.path.exists(metrics):
@@ -236,6 +269,7 @@ def run(build, scheme, steps, hostile, tmp, model, window=None):
     before = {pid: (status_field(pid, "VmRSS"), fds(pid)) for pid in procs}
     peak = {pid: list(v) for pid, v in before.items()}
     held, stop = [], threading.Event()
+    oversized = []
 
     def sample():
         while not stop.is_set():
@@ -255,6 +289,11 @@ def run(build, scheme, steps, hostile, tmp, model, window=None):
             t.start()
         for t in attackers:
             t.join()
+        for pid, label in procs.items():
+            token = environment(pid).get(b"COHORT_AUTH_TOKEN", b"").decode()
+            if label.startswith("ps") and token:
+                for port in sorted(ports[pid]):
+                    oversized += [dict(a, process=label) for a in oversized_pushes(build, port, token)]
         for s in held:
             s.close()
         time.sleep(12)  # the servers' handshake deadlines (10 s) close what is left
@@ -272,7 +311,7 @@ def run(build, scheme, steps, hostile, tmp, model, window=None):
     code = launcher.wait(timeout=900)
     reader.join(timeout=5)
     done = done_event(metrics) if os.path.exists(metrics) else None
-    return code, done, rows, "".join(log[-20:]), elapsed
+    return code, done, rows, "".join(log[-20:]), elapsed, oversized
 
 
 # --- Hostile files (--files) -----------------------------------------------------------------------
@@ -590,8 +629,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for scheme in a.schemes.split(","):
             # Attacked first: its attack's length is the undisturbed run's sampling window.
-            code1, done1, rows1, log1, window = run(a.build, scheme, a.steps, True, tmp, a.model)
-            code0, done0, rows0, log0, _ = run(a.build, scheme, a.steps, False, tmp, a.model, window)
+            code1, done1, rows1, log1, window, oversized = run(a.build, scheme, a.steps, True, tmp, a.model)
+            code0, done0, rows0, log0, _, _ = run(a.build, scheme, a.steps, False, tmp, a.model, window)
             acc0 = done0["test_accuracy"] if done0 else None
             acc1 = done1["test_accuracy"] if done1 else None
             # The attack's share of a process's growth: its growth beyond the same process's in
@@ -606,7 +645,8 @@ def main():
                         (r["rss_mb"][2] - r["rss_mb"][0]) - (b["rss_mb"][2] - b["rss_mb"][0]), 1)
             print(json.dumps({"scheme": scheme, "window_s": round(window, 1),
                               "undisturbed": {"exit": code0, "test_accuracy": acc0},
-                              "attacked": {"exit": code1, "test_accuracy": acc1}, "processes": rows1}))
+                              "attacked": {"exit": code1, "test_accuracy": acc1}, "processes": rows1,
+                              "oversized_pushes": oversized}))
             for code, log in ((code1, log1), (code0, log0)):
                 if code != 0:
                     print(log, file=sys.stderr)

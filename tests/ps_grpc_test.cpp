@@ -114,6 +114,17 @@ wire::StatsReply statsOf(ShardClient& client) {
   return reply;
 }
 
+// Waits (polling, up to 10 s) until `done` holds; false if it never did.
+template <typename Condition>
+bool eventually(const Condition& done) {
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
 // What every client of ps/client.h says about a call: its request's bytes (kRequestBytesKey).
 void declare(grpc::ClientContext& context, uint64_t bytes) {
   context.AddMetadata(kRequestBytesKey, std::to_string(bytes));
@@ -811,6 +822,52 @@ TEST(PsGrpcTest, ARequestOverTheCapIsRefusedBeforeItsBodyIsRead) {
   EXPECT_EQ(statsOf(*right).rejected(), 2);
 }
 
+// Connections that never carried a call with a good proof: a shard holds 64 of them, each newcomer
+// evicting the oldest, while a connection that proved the secret is never evicted; a call refused
+// for its proof does not prove its connection. (tests/ps_attack_test.cpp floods a `cohort ps`.)
+TEST(PsGrpcTest, AShardHoldsAtMost64ConnectionsThatHaveNotProvedTheSecret) {
+  TestServer server(ServerOptions{.authToken = "s3cret"});
+  auto right = server.client({.authToken = "s3cret", .timeoutSeconds = 5, .quiet = true});
+  expectInit(*right);
+  auto counts = [&] { return server.server->connections(); };
+  EXPECT_EQ(counts().open, 1);
+  EXPECT_EQ(counts().unproven, 0);
+
+  static const std::string hello =
+      std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") + std::string("\0\0\0\4\0\0\0\0\0", 9);
+  std::vector<std::unique_ptr<test::RawConnection>> strangers;
+  for (int i = 0; i < 100; ++i) {
+    strangers.push_back(std::make_unique<test::RawConnection>(server.server->port()));
+    strangers.back()->send(std::span(reinterpret_cast<const uint8_t*>(hello.data()), hello.size()));
+  }
+  // The shard's accept loop takes them in its own time: wait for the last one's eviction.
+  EXPECT_TRUE(eventually([&] { return counts().evicted == 36; })) << counts().evicted << " evicted";
+  EXPECT_EQ(counts().unproven, 64);
+  EXPECT_TRUE(strangers.front()->closedByPeer()) << "the oldest stranger is still connected";
+
+  // A call with a wrong proof on a connection of its own (other channel arguments than the
+  // client's) leaves it unproven: it evicts one more.
+  {
+    grpc::ChannelArguments args;
+    args.SetInt("cohort.test.stranger", 1);
+    auto stub = wire::ParameterServer::NewStub(
+        grpc::CreateCustomChannel(server.address(), grpc::InsecureChannelCredentials(), args));
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", callProof("wrong", 1, std::string(32, '0')));
+    declare(context, withProtocol<wire::StatsRequest>().ByteSizeLong());
+    wire::StatsReply reply;
+    EXPECT_EQ(stub->Stats(&context, withProtocol<wire::StatsRequest>(), &reply).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(counts().evicted, 37);
+    EXPECT_EQ(counts().unproven, 64);
+  }
+  // The proven connection is still there and serves.
+  wire::PushReply pushed;
+  ASSERT_TRUE(right->push(pushOf({{1, 1, 1}, {1, 1}}), &pushed).ok());
+  EXPECT_EQ(pullAll(*right), (std::vector<float>{0.5f, 1.5f, 2.5f, -1.5f, 3.5f}));
+  EXPECT_EQ(counts().dropped, 0);
+}
+
 // Strangers on a shard's port: random bytes, an HTTP/2 preface followed by a frame announcing
 // 16 MB, a burst of garbage connections and connections that say nothing. The shard closes them,
 // keeps serving (a push and a pull give the undisturbed result), and when it is gone the
@@ -1141,6 +1198,39 @@ void expectAFramedPushNeedsTheToken(size_t pushChunkBytes) {
 
 // The zero-copy path keeps the shard's authentication: a framed push without the proof is refused.
 TEST(PsFrameTest, AFramedPushNeedsTheToken) { expectAFramedPushNeedsTheToken(kDefaultPushChunkBytes); }
+
+// A received frame's chunks read the bytes it came with, from slices small enough that gRPC keeps
+// their bytes inside the slice object too (up to 23 bytes: "inlined"), before and after the frame
+// is moved. Those bytes live in the frame's own grpc::Slice objects: a frame that kept only the
+// buffer read them from freed memory, and under a 512 MB push's load a worker's push once arrived
+// with a NaN in it. Whatever the deserializer freed is handed out again and scribbled over (glibc
+// gives a freed block back to the next allocation of its size).
+TEST(PsFrameTest, AReceivedFrameReadsTheBytesOfItsSmallSlicesToo) {
+  const std::vector<std::string> parts{"CPSF", std::string("\x02\0\0\0", 4), "ab", std::string(100, 'z'), "the tail"};
+  std::string expected;
+  for (const auto& p : parts) expected += p;
+  std::vector<grpc::Slice> slices(parts.begin(), parts.end());
+  grpc::ByteBuffer buffer(slices.data(), slices.size());
+  slices.clear();
+  auto scribble = [] {
+    std::vector<std::vector<uint8_t>> junk;
+    for (size_t bytes = 8; bytes <= 4096; bytes += 8) junk.emplace_back(bytes, 0xff);
+    return junk.size();
+  };
+  auto bytesOf = [](const IncomingFrame& frame) {
+    std::string out;
+    for (const auto& c : frame.chunks) out.append(reinterpret_cast<const char*>(c.data()), c.size());
+    return out;
+  };
+  IncomingFrame frame;
+  ASSERT_TRUE(grpc::SerializationTraits<IncomingFrame>::Deserialize(&buffer, &frame).ok());
+  EXPECT_GE(frame.chunks.size(), 2u);  // gRPC merges adjacent small slices into one
+  EXPECT_GT(scribble(), 0u);
+  EXPECT_EQ(bytesOf(frame), expected);
+  IncomingFrame moved = std::move(frame);
+  EXPECT_GT(scribble(), 0u);
+  EXPECT_EQ(bytesOf(moved), expected);
+}
 
 // A server whose one method holds the IncomingFrame it received until told to let it go, under a
 // resource quota the test controls.
@@ -1521,17 +1611,6 @@ TEST(PsStreamTest, ABadChunkOrAnEarlyEndKeepsThePiecesOfTheValidChunksBeforeIt) 
   EXPECT_EQ(after.version(), 2u);
   EXPECT_EQ(after.applied(), 2);
   EXPECT_EQ(after.partial_pushes(), 6);
-}
-
-// Waits (polling, up to 10 s) until `done` holds; false if it never did.
-template <typename Condition>
-bool eventually(const Condition& done) {
-  const auto until = std::chrono::steady_clock::now() + 10s;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::yield();
-  }
-  return true;
 }
 
 // A worker that dies (or cancels) after its first chunk: that chunk was applied as it arrived and

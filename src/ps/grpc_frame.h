@@ -27,19 +27,28 @@ struct OutgoingFrame {
   std::shared_ptr<const void> keepAlive;
 };
 
-// A frame received: gRPC's buffer, held here, and the chunks of bytes its slices cover, in order.
-// parseFrame reads the header and payload out of the chunks.
+// A frame received: gRPC's buffer and its slices, held here, and the chunks of bytes the slices
+// cover, in order. parseFrame reads the header and payload out of the chunks.
 //
-// The buffer itself is kept, not references to its slices: the memory of a received message is
-// charged to the server's resource quota, and whoever drops the last reference gives it back,
-// which may register a reclaimer with the quota and wake gRPC's reclamation loop. That needs the
-// thread's grpc_core::ExecCtx, which gRPC's own threads and its API functions set up and a
-// handler thread lacks: a grpc::Slice released there last crashed the shard (issue 30: SIGSEGV in
-// ExecCtx::Run <- MaybeRegisterReclaimer <- grpc::Slice::~Slice). The ByteBuffer's destructor
-// (grpc_byte_buffer_destroy) sets one up.
+// The slices are kept, not only their bytes' addresses: a small slice is inlined, its bytes inside
+// the grpc::Slice object itself. The buffer is kept too, so that the last reference to each
+// slice's memory is dropped by gRPC: the memory of a received message is charged to the server's
+// resource quota, and whoever drops the last reference gives it back, which may register a
+// reclaimer with the quota and wake gRPC's reclamation loop. That needs the thread's
+// grpc_core::ExecCtx, which gRPC's own threads and its API functions set up and a handler thread
+// lacks: a grpc::Slice released there last crashed the shard (issue 30: SIGSEGV in ExecCtx::Run <-
+// MaybeRegisterReclaimer <- grpc::Slice::~Slice). The ByteBuffer's destructor
+// (grpc_byte_buffer_destroy) sets one up; `buffer` is declared first, so it goes last.
 struct IncomingFrame {
+  IncomingFrame() = default;
+  IncomingFrame(IncomingFrame&&) = default;  // the slices stay where they are: the chunks stay valid
+  IncomingFrame& operator=(IncomingFrame&&) = default;
+  IncomingFrame(const IncomingFrame&) = delete;  // a copy's chunks would point into the original
+  IncomingFrame& operator=(const IncomingFrame&) = delete;
+
   grpc::ByteBuffer buffer;
-  std::vector<std::span<const uint8_t>> chunks;  // into buffer's slices
+  std::vector<grpc::Slice> slices;
+  std::vector<std::span<const uint8_t>> chunks;  // into the slices
 };
 
 }  // namespace cohort::ps
@@ -71,15 +80,12 @@ class grpc::SerializationTraits<cohort::ps::IncomingFrame> {
  public:
   static grpc::Status Deserialize(grpc::ByteBuffer* buffer, cohort::ps::IncomingFrame* frame) {
     if (buffer == nullptr) return grpc::Status(grpc::StatusCode::INTERNAL, "no payload");
-    std::vector<grpc::Slice> slices;
-    const grpc::Status dumped = buffer->Dump(&slices);  // references to the slices, no copy
-    // The frame takes the buffer (gRPC's reference to each slice); `slices` goes at the end of
-    // this scope, never the last reference.
-    frame->buffer.Swap(buffer);
-    buffer->Clear();
     frame->chunks.clear();
+    const grpc::Status dumped = buffer->Dump(&frame->slices);  // references to the slices, no copy
+    frame->buffer.Swap(buffer);  // the frame takes gRPC's own references too (see IncomingFrame)
+    buffer->Clear();
     if (!dumped.ok()) return dumped;
-    for (const auto& s : slices) frame->chunks.emplace_back(s.begin(), s.size());
+    for (const auto& s : frame->slices) frame->chunks.emplace_back(s.begin(), s.size());
     return grpc::Status::OK;
   }
 };
