@@ -1,5 +1,6 @@
 #include "comm/store.h"
 
+#include "base/coding.h"
 #include "base/crypto.h"
 #include "base/host_port.h"
 #include "base/thread_annotations.h"
@@ -106,56 +107,19 @@ const char* describe(Io io) {
   return "?";
 }
 
-void putU32(std::vector<uint8_t>& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
-void putU64(std::vector<uint8_t>& out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
 void putString(std::vector<uint8_t>& out, const std::string& s) {
-  putU32(out, uint32_t(s.size()));
+  putFixed32(out, uint32_t(s.size()));
   out.insert(out.end(), s.begin(), s.end());
 }
 
-// Reads fields out of a body; any read past the end marks it bad instead of throwing.
-class Reader {
- public:
-  explicit Reader(const std::vector<uint8_t>& body) : body_(body) {}
-  uint64_t u(size_t bytes) {
-    if (bytes > body_.size() - at_) return fail();
-    uint64_t v = 0;
-    for (size_t i = 0; i < bytes; ++i) v |= uint64_t(body_[at_ + i]) << (8 * i);
-    at_ += bytes;
-    return v;
-  }
-  std::string string() {
-    const uint64_t n = u(4);
-    if (!ok_ || n > kMaxKeyBytes || n > body_.size() - at_) {
-      fail();
-      return {};
-    }
-    std::string s(body_.begin() + long(at_), body_.begin() + long(at_ + n));
-    at_ += n;
-    return s;
-  }
-  std::vector<uint8_t> rest() {
-    std::vector<uint8_t> out(body_.begin() + long(at_), body_.end());
-    at_ = body_.size();
-    return out;
-  }
-  bool ok() const { return ok_; }
-  bool done() const { return ok_ && at_ == body_.size(); }
-
- private:
-  uint64_t fail() {
-    ok_ = false;
-    at_ = body_.size();
-    return 0;
-  }
-  const std::vector<uint8_t>& body_;
-  size_t at_ = 0;
-  bool ok_ = true;
-};
+// A key: its length u32 and its bytes, at most kMaxKeyBytes. A key that does not fit, or a longer
+// one, fails the reader.
+std::string readString(ByteReader& in) {
+  const uint32_t n = in.u32();
+  if (n > kMaxKeyBytes) in.fail();
+  const std::span<const uint8_t> bytes = in.bytes(n);
+  return std::string(bytes.begin(), bytes.end());
+}
 
 // ---- the handshake and the frames -----------------------------------------------------------
 
@@ -181,8 +145,8 @@ class Sealer {
   std::array<uint8_t, kTagBytes> tag(Direction direction, uint64_t frame, const std::vector<uint8_t>& body) {
     std::vector<uint8_t> head;
     head.push_back(uint8_t(direction));
-    putU64(head, frame);
-    putU32(head, uint32_t(body.size()));
+    putFixed64(head, frame);
+    putFixed32(head, uint32_t(body.size()));
     mac_->update(std::span<const uint8_t>(head));
     mac_->update(std::span<const uint8_t>(body));
     const crypto::Digest d = mac_->final();
@@ -206,7 +170,7 @@ struct Channel {
   Io send(const std::vector<uint8_t>& body, Clock::time_point deadline) {
     std::vector<uint8_t> frame;
     frame.reserve(4 + body.size() + kTagBytes);
-    putU32(frame, uint32_t(body.size()));
+    putFixed32(frame, uint32_t(body.size()));
     frame.insert(frame.end(), body.begin(), body.end());
     if (sealer.sealed()) {
       const auto t = sealer.tag(sends, sent, body);
@@ -221,7 +185,7 @@ struct Channel {
     bad = false;
     uint8_t head[4];
     if (const Io r = readFull(fd, head, 4, deadline); r != Io::kOk) return r;
-    const uint32_t n = uint32_t(head[0]) | uint32_t(head[1]) << 8 | uint32_t(head[2]) << 16 | uint32_t(head[3]) << 24;
+    const uint32_t n = decodeFixed32(head);
     if (n > maxBody) {
       bad = true;
       return Io::kError;
@@ -407,8 +371,8 @@ struct Server::Impl {
     std::array<uint8_t, kNonceBytes> serverNonce{};
     crypto::randomBytes(serverNonce);
     std::vector<uint8_t> challenge;
-    putU32(challenge, kMagic);
-    putU32(challenge, options.secret.empty() ? 0 : kFlagSecret);
+    putFixed32(challenge, kMagic);
+    putFixed32(challenge, options.secret.empty() ? 0 : kFlagSecret);
     challenge.insert(challenge.end(), serverNonce.begin(), serverNonce.end());
     if (writeFull(fd, challenge.data(), challenge.size(), handshakeDeadline) != Io::kOk) return refuse();
 
@@ -490,8 +454,8 @@ struct Server::Impl {
 
   // Fills the reply; false for a malformed request.
   bool handle(const std::vector<uint8_t>& body, std::vector<uint8_t>& reply) EXCLUDES(mu) {
-    Reader in(body);
-    const auto op = Op(in.u(1));
+    ByteReader in(body);
+    const auto op = Op(in.u8());
     if (!in.ok()) return false;
     auto timeoutOf = [](uint64_t ms) {
       return Clock::now() + std::chrono::milliseconds(int64_t(std::min<uint64_t>(ms, 365ull * 24 * 3600 * 1000)));
@@ -499,16 +463,17 @@ struct Server::Impl {
     MutexLock lock(mu);
     switch (op) {
       case Op::kSet: {
-        std::string key = in.string();
+        std::string key = readString(in);
         if (!in.ok()) return false;
-        data[std::move(key)] = in.rest();
+        const std::span<const uint8_t> value = in.rest();
+        data[std::move(key)].assign(value.begin(), value.end());
         changed.notifyAll();
         reply.push_back(uint8_t(Status::kOk));
         return true;
       }
       case Op::kGet: {
-        const uint64_t ms = in.u(8);
-        const std::string key = in.string();
+        const uint64_t ms = in.u64();
+        const std::string key = readString(in);
         if (!in.done()) return false;
         if (!waitKeys({key}, timeoutOf(ms))) {
           reply.push_back(uint8_t(Status::kTimedOut));
@@ -520,8 +485,8 @@ struct Server::Impl {
         return true;
       }
       case Op::kAdd: {
-        const auto delta = int64_t(in.u(8));
-        const std::string key = in.string();
+        const auto delta = int64_t(in.u64());
+        const std::string key = readString(in);
         if (!in.done()) return false;
         auto& value = data[key];
         int64_t now = 0;
@@ -537,16 +502,16 @@ struct Server::Impl {
         value.assign(text.begin(), text.end());
         changed.notifyAll();
         reply.push_back(uint8_t(Status::kOk));
-        putU64(reply, uint64_t(now));
+        putFixed64(reply, uint64_t(now));
         return true;
       }
       case Op::kCheck:
       case Op::kWait: {
-        const uint64_t ms = op == Op::kWait ? in.u(8) : 0;
-        const uint64_t n = in.u(4);
+        const uint64_t ms = op == Op::kWait ? in.u64() : 0;
+        const uint64_t n = in.u32();
         if (!in.ok() || n > kMaxKeys) return false;
         std::vector<std::string> keys;
-        for (uint64_t i = 0; i < n; ++i) keys.push_back(in.string());
+        for (uint64_t i = 0; i < n; ++i) keys.push_back(readString(in));
         if (!in.done()) return false;
         const bool all = waitKeys(keys, op == Op::kWait ? timeoutOf(ms) : Clock::now());
         if (op == Op::kWait) {
@@ -558,7 +523,7 @@ struct Server::Impl {
         return true;
       }
       case Op::kDelete: {
-        const std::string key = in.string();
+        const std::string key = readString(in);
         if (!in.done()) return false;
         reply.push_back(uint8_t(Status::kOk));
         reply.push_back(data.erase(key) > 0 ? 1 : 0);
@@ -567,7 +532,7 @@ struct Server::Impl {
       case Op::kNumKeys: {
         if (!in.done()) return false;
         reply.push_back(uint8_t(Status::kOk));
-        putU64(reply, uint64_t(data.size()));
+        putFixed64(reply, uint64_t(data.size()));
         return true;
       }
     }
@@ -763,9 +728,7 @@ std::unique_ptr<Client> Client::connect(const std::string& host, int port, const
   if (const Io r = readFull(fd, challenge.data(), challenge.size(), deadline); r != Io::kOk) {
     return fail(std::string("did not greet: ") + describe(r) + ": is that port the chief's store?");
   }
-  std::vector<uint8_t> copy(challenge.begin(), challenge.end());
-  Reader head(copy);
-  const uint64_t magic = head.u(4), flags = head.u(4);
+  const uint32_t magic = decodeFixed32(challenge.data()), flags = decodeFixed32(challenge.data() + 4);
   if (magic != kMagic) return fail("is not a cohort store (another program, or another version of cohort, on that port)");
   const uint8_t* serverNonce = challenge.data() + 8;
   if ((flags & kFlagSecret) == 0 && !secret.empty()) {
@@ -808,7 +771,7 @@ void Client::set(const std::string& key, const std::vector<uint8_t>& value) {
 
 std::optional<std::vector<uint8_t>> Client::get(const std::string& key, std::chrono::milliseconds timeout) {
   std::vector<uint8_t> request{uint8_t(Op::kGet)};
-  putU64(request, uint64_t(std::max<int64_t>(timeout.count(), 0)));
+  putFixed64(request, uint64_t(std::max<int64_t>(timeout.count(), 0)));
   putString(request, key);
   std::vector<uint8_t> reply = impl_->call(request, timeout, "reading " + key);
   if (reply[0] == uint8_t(Status::kTimedOut)) return std::nullopt;
@@ -818,19 +781,19 @@ std::optional<std::vector<uint8_t>> Client::get(const std::string& key, std::chr
 
 int64_t Client::add(const std::string& key, int64_t delta) {
   std::vector<uint8_t> request{uint8_t(Op::kAdd)};
-  putU64(request, uint64_t(delta));
+  putFixed64(request, uint64_t(delta));
   putString(request, key);
   const std::vector<uint8_t> reply = impl_->call(request, std::chrono::milliseconds(0), "adding to " + key);
-  Reader in(reply);
-  in.u(1);
-  const auto v = int64_t(in.u(8));
+  ByteReader in(reply);
+  in.u8();
+  const auto v = int64_t(in.u64());
   COHORT_CHECK(in.done(), CommError, "rendezvous store at ", impl_->where, ": a malformed answer to add");
   return v;
 }
 
 bool Client::check(const std::vector<std::string>& keys) {
   std::vector<uint8_t> request{uint8_t(Op::kCheck)};
-  putU32(request, uint32_t(keys.size()));
+  putFixed32(request, uint32_t(keys.size()));
   for (const auto& k : keys) putString(request, k);
   const std::vector<uint8_t> reply = impl_->call(request, std::chrono::milliseconds(0), "checking keys");
   return reply.size() == 2 && reply[1] == 1;
@@ -838,8 +801,8 @@ bool Client::check(const std::vector<std::string>& keys) {
 
 bool Client::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   std::vector<uint8_t> request{uint8_t(Op::kWait)};
-  putU64(request, uint64_t(std::max<int64_t>(timeout.count(), 0)));
-  putU32(request, uint32_t(keys.size()));
+  putFixed64(request, uint64_t(std::max<int64_t>(timeout.count(), 0)));
+  putFixed32(request, uint32_t(keys.size()));
   for (const auto& k : keys) putString(request, k);
   const std::vector<uint8_t> reply = impl_->call(request, timeout, "waiting for keys");
   return reply[0] == uint8_t(Status::kOk);
@@ -855,9 +818,9 @@ bool Client::remove(const std::string& key) {
 int64_t Client::numKeys() {
   const std::vector<uint8_t> reply =
       impl_->call(std::vector<uint8_t>{uint8_t(Op::kNumKeys)}, std::chrono::milliseconds(0), "counting keys");
-  Reader in(reply);
-  in.u(1);
-  return int64_t(in.u(8));
+  ByteReader in(reply);
+  in.u8();
+  return int64_t(in.u64());
 }
 
 std::chrono::milliseconds Client::timeout() const { return impl_->timeout; }
