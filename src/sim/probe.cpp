@@ -2,6 +2,8 @@
 
 #include <cohort/error.h>
 
+#include "base/stats.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -29,11 +31,6 @@ Clock::time_point after(double seconds) {
 }
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Reads or writes exactly n bytes, waiting at most until `deadline` for each chunk.
 bool transfer(int fd, char* data, size_t n, bool write, Clock::time_point deadline) {
