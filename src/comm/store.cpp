@@ -3,15 +3,14 @@
 #include "base/coding.h"
 #include "base/crypto.h"
 #include "base/host_port.h"
+#include "base/socket_io.h"
 #include "base/thread_annotations.h"
 
 #include <cohort/error.h>
 
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -46,66 +45,6 @@ constexpr size_t kReadChunk = size_t(1) << 20;
 enum class Op : uint8_t { kSet = 1, kGet = 2, kAdd = 3, kCheck = 4, kWait = 5, kDelete = 6, kNumKeys = 7 };
 enum class Status : uint8_t { kOk = 0, kTimedOut = 1, kRefused = 2 };
 enum Direction : uint8_t { kToServer = 1, kToClient = 2 };
-
-// ---- sockets ------------------------------------------------------------------------------
-
-enum class Io { kOk, kClosed, kTimeout, kError };
-
-int remainingMs(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return int(std::clamp<int64_t>(left, 0, 1'000'000'000));
-}
-
-Io waitFor(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, remainingMs(deadline));
-    if (n > 0) return (p.revents & (events | POLLHUP | POLLERR)) ? Io::kOk : Io::kError;
-    if (n == 0) return Io::kTimeout;
-    if (errno != EINTR) return Io::kError;
-  }
-}
-
-Io readFull(int fd, void* out, size_t n, Clock::time_point deadline) {
-  auto* p = static_cast<uint8_t*>(out);
-  while (n > 0) {
-    if (const Io w = waitFor(fd, POLLIN, deadline); w != Io::kOk) return w;
-    const ssize_t got = ::recv(fd, p, n, 0);
-    if (got == 0) return Io::kClosed;
-    if (got < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return Io::kError;
-    }
-    p += got;
-    n -= size_t(got);
-  }
-  return Io::kOk;
-}
-
-Io writeFull(int fd, const void* data, size_t n, Clock::time_point deadline) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (n > 0) {
-    if (const Io w = waitFor(fd, POLLOUT, deadline); w != Io::kOk) return w;
-    const ssize_t sent = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (sent < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return Io::kError;
-    }
-    p += sent;
-    n -= size_t(sent);
-  }
-  return Io::kOk;
-}
-
-const char* describe(Io io) {
-  switch (io) {
-    case Io::kOk: return "ok";
-    case Io::kClosed: return "the connection was closed";
-    case Io::kTimeout: return "no answer in time";
-    case Io::kError: return "a socket error";
-  }
-  return "?";
-}
 
 void putString(std::vector<uint8_t>& out, const std::string& s) {
   putFixed32(out, uint32_t(s.size()));
@@ -167,7 +106,7 @@ struct Channel {
   uint64_t sent = 0, received = 0;
   size_t maxBody = 0;
 
-  Io send(const std::vector<uint8_t>& body, Clock::time_point deadline) {
+  IoStatus send(const std::vector<uint8_t>& body, Clock::time_point deadline) {
     std::vector<uint8_t> frame;
     frame.reserve(4 + body.size() + kTagBytes);
     putFixed32(frame, uint32_t(body.size()));
@@ -177,18 +116,19 @@ struct Channel {
       frame.insert(frame.end(), t.begin(), t.end());
     }
     ++sent;
-    return writeFull(fd, frame.data(), frame.size(), deadline);
+    return writeFull(fd, frame.data(), frame.size(), {.deadline = deadline});
   }
 
   // kError also for a frame that is too long or whose tag is wrong (`bad` is set then).
-  Io receive(std::vector<uint8_t>& body, Clock::time_point deadline, bool& bad) {
+  IoStatus receive(std::vector<uint8_t>& body, Clock::time_point deadline, bool& bad) {
     bad = false;
+    const IoLimits limits{.deadline = deadline};
     uint8_t head[4];
-    if (const Io r = readFull(fd, head, 4, deadline); r != Io::kOk) return r;
+    if (const IoStatus r = readFull(fd, head, 4, limits); r != IoStatus::kOk) return r;
     const uint32_t n = decodeFixed32(head);
     if (n > maxBody) {
       bad = true;
-      return Io::kError;
+      return IoStatus::kError;
     }
     // Grow as bytes arrive: the length is the peer's claim.
     body.clear();
@@ -196,27 +136,22 @@ struct Channel {
       const size_t part = std::min(kReadChunk, size_t(n) - body.size());
       const size_t at = body.size();
       body.resize(at + part);
-      if (const Io r = readFull(fd, body.data() + at, part, deadline); r != Io::kOk) return r;
+      if (const IoStatus r = readFull(fd, body.data() + at, part, limits); r != IoStatus::kOk) return r;
     }
     if (sealer.sealed()) {
       std::array<uint8_t, kTagBytes> got{};
-      if (const Io r = readFull(fd, got.data(), kTagBytes, deadline); r != Io::kOk) return r;
+      if (const IoStatus r = readFull(fd, got.data(), kTagBytes, limits); r != IoStatus::kOk) return r;
       const Direction from = sends == kToServer ? kToClient : kToServer;
       const auto want = sealer.tag(from, received, body);
       if (!crypto::equalConstantTime(got, want)) {
         bad = true;
-        return Io::kError;
+        return IoStatus::kError;
       }
     }
     ++received;
-    return Io::kOk;
+    return IoStatus::kOk;
   }
 };
-
-void setNoDelay(int fd) {
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-}
 
 bool isLiteralAddress(const std::string& host) {
   in6_addr a6{};
@@ -374,7 +309,8 @@ struct Server::Impl {
     putFixed32(challenge, kMagic);
     putFixed32(challenge, options.secret.empty() ? 0 : kFlagSecret);
     challenge.insert(challenge.end(), serverNonce.begin(), serverNonce.end());
-    if (writeFull(fd, challenge.data(), challenge.size(), handshakeDeadline) != Io::kOk) return refuse();
+    const IoLimits handshake{.deadline = handshakeDeadline};
+    if (writeFull(fd, challenge.data(), challenge.size(), handshake) != IoStatus::kOk) return refuse();
 
     Channel channel;
     channel.fd = fd;
@@ -382,20 +318,20 @@ struct Server::Impl {
     channel.maxBody = options.maxValueBytes + 2 * kMaxKeyBytes + 64;
     if (!options.secret.empty()) {
       std::array<uint8_t, kHelloBytes> hello{};
-      if (readFull(fd, hello.data(), hello.size(), handshakeDeadline) != Io::kOk) return refuse();
+      if (readFull(fd, hello.data(), hello.size(), handshake) != IoStatus::kOk) return refuse();
       const uint8_t* clientNonce = hello.data();
       const crypto::Digest want = proof(options.secret, "cohort-store client", serverNonce.data(), clientNonce);
       std::array<uint8_t, kAnswerBytes> answer{};
       if (!crypto::equalConstantTime(std::span<const uint8_t>(hello.data() + kNonceBytes, kProofBytes), want)) {
         // Counted before the client hears it: a caller that saw the refusal sees the count.
         refuse();
-        writeFull(fd, answer.data(), answer.size(), handshakeDeadline);  // 0: refused
+        writeFull(fd, answer.data(), answer.size(), handshake);  // 0: refused
         return;
       }
       answer[0] = 1;
       const crypto::Digest mine = proof(options.secret, "cohort-store server", serverNonce.data(), clientNonce);
       std::copy(mine.begin(), mine.end(), answer.begin() + 1);
-      if (writeFull(fd, answer.data(), answer.size(), handshakeDeadline) != Io::kOk) return refuse();
+      if (writeFull(fd, answer.data(), answer.size(), handshake) != IoStatus::kOk) return refuse();
       channel.sealer = Sealer(options.secret, serverNonce.data(), clientNonce);
     }
     {
@@ -409,8 +345,8 @@ struct Server::Impl {
     std::vector<uint8_t> body;
     while (!stopping) {
       bool bad = false;
-      const Io r = channel.receive(body, forever, bad);
-      if (r != Io::kOk) {
+      const IoStatus r = channel.receive(body, forever, bad);
+      if (r != IoStatus::kOk) {
         if (bad) countMalformed("a frame too long or with a wrong tag");
         return;
       }
@@ -419,7 +355,7 @@ struct Server::Impl {
         countMalformed("a malformed request");
         return;
       }
-      if (channel.send(reply, Clock::now() + options.handshakeTimeout * 6) != Io::kOk) return;
+      if (channel.send(reply, Clock::now() + options.handshakeTimeout * 6) != IoStatus::kOk) return;
     }
   }
 
@@ -644,14 +580,14 @@ struct Client::Impl {
     MutexLock lock(mu);
     COHORT_CHECK(!broken, CommError, "rendezvous store at ", where, ": the connection was lost earlier; cannot ", what);
     const auto deadline = Clock::now() + timeout + wait;
-    Io r = channel.send(request, deadline);
+    IoStatus r = channel.send(request, deadline);
     std::vector<uint8_t> reply;
     bool bad = false;
-    if (r == Io::kOk) r = channel.receive(reply, deadline, bad);
-    if (r != Io::kOk || reply.empty() || reply[0] == uint8_t(Status::kRefused)) {
+    if (r == IoStatus::kOk) r = channel.receive(reply, deadline, bad);
+    if (r != IoStatus::kOk || reply.empty() || reply[0] == uint8_t(Status::kRefused)) {
       broken = true;
       const std::string why = bad ? "a reply failed its authentication tag" : reply.empty() ? describe(r) : "refused";
-      if (r == Io::kTimeout) {
+      if (r == IoStatus::kTimeout) {
         throw TimeoutError("rendezvous store at " + where + ": " + what + ": no answer within " +
                            std::to_string((timeout + wait).count() / 1000) + " s: is the chief alive?");
       }
@@ -678,36 +614,8 @@ std::unique_ptr<Client> Client::connect(const std::string& host, int port, const
   std::string lastError = "nothing listens there";
   auto backoff = std::chrono::milliseconds(20);
   for (;;) {
-    int fd = -1;
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* found = nullptr;
-    const std::string service = std::to_string(port);
-    if (const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc == 0) {
-      for (addrinfo* ai = found; ai != nullptr && fd < 0; ai = ai->ai_next) {
-        fd = ::socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-        if (fd < 0) continue;
-        int rcc = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
-        if (rcc != 0 && errno == EINPROGRESS && waitFor(fd, POLLOUT, deadline) == Io::kOk) {
-          int err = 0;
-          socklen_t len = sizeof(err);
-          ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-          rcc = err == 0 ? 0 : -1;
-          errno = err;
-        }
-        if (rcc != 0) {
-          lastError = std::strerror(errno);
-          ::close(fd);
-          fd = -1;
-        }
-      }
-      ::freeaddrinfo(found);
-    } else {
-      lastError = ::gai_strerror(rc);
-    }
+    const int fd = connectTo(HostPort{host, port}, deadline, lastError);
     if (fd >= 0) {
-      setNoDelay(fd);
       impl->channel.fd = fd;
       break;
     }
@@ -725,7 +633,8 @@ std::unique_ptr<Client> Client::connect(const std::string& host, int port, const
     throw CommError("the rendezvous store at " + impl->where + " " + why);
   };
   std::array<uint8_t, kChallengeBytes> challenge{};
-  if (const Io r = readFull(fd, challenge.data(), challenge.size(), deadline); r != Io::kOk) {
+  const IoLimits limits{.deadline = deadline};
+  if (const IoStatus r = readFull(fd, challenge.data(), challenge.size(), limits); r != IoStatus::kOk) {
     return fail(std::string("did not greet: ") + describe(r) + ": is that port the chief's store?");
   }
   const uint32_t magic = decodeFixed32(challenge.data()), flags = decodeFixed32(challenge.data() + 4);
@@ -744,8 +653,8 @@ std::unique_ptr<Client> Client::connect(const std::string& host, int port, const
     const crypto::Digest mine = proof(secret, "cohort-store client", serverNonce, hello.data());
     std::copy(mine.begin(), mine.end(), hello.begin() + kNonceBytes);
     std::array<uint8_t, kAnswerBytes> answer{};
-    if (writeFull(fd, hello.data(), hello.size(), deadline) != Io::kOk ||
-        readFull(fd, answer.data(), answer.size(), deadline) != Io::kOk || answer[0] != 1) {
+    if (writeFull(fd, hello.data(), hello.size(), limits) != IoStatus::kOk ||
+        readFull(fd, answer.data(), answer.size(), limits) != IoStatus::kOk || answer[0] != 1) {
       return fail("refused this process's proof of the secret: every process of the job needs the same COHORT_AUTH_TOKEN");
     }
     const crypto::Digest want = proof(secret, "cohort-store server", serverNonce, hello.data());
