@@ -1,7 +1,7 @@
 #include "comm/store.h"
 
+#include "base/auth_channel.h"
 #include "base/coding.h"
-#include "base/crypto.h"
 #include "base/host_port.h"
 #include "base/socket_io.h"
 #include "base/thread_annotations.h"
@@ -32,19 +32,18 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x31545343;  // "CST1"
 constexpr uint32_t kFlagSecret = 1;
-constexpr size_t kNonceBytes = 32;
-constexpr size_t kProofBytes = 32;
+constexpr size_t kNonceBytes = auth::kNonceBytes;
+constexpr size_t kProofBytes = auth::kProofBytes;
 constexpr size_t kChallengeBytes = 8 + kNonceBytes;
 constexpr size_t kHelloBytes = kNonceBytes + kProofBytes;
 constexpr size_t kAnswerBytes = 1 + kProofBytes;
-constexpr size_t kTagBytes = 16;
+constexpr size_t kTagBytes = auth::kTagBytes;
 constexpr size_t kMaxKeyBytes = 4096;
 constexpr size_t kMaxKeys = 4096;
 constexpr size_t kReadChunk = size_t(1) << 20;
 
 enum class Op : uint8_t { kSet = 1, kGet = 2, kAdd = 3, kCheck = 4, kWait = 5, kDelete = 6, kNumKeys = 7 };
 enum class Status : uint8_t { kOk = 0, kTimedOut = 1, kRefused = 2 };
-enum Direction : uint8_t { kToServer = 1, kToClient = 2 };
 
 void putString(std::vector<uint8_t>& out, const std::string& s) {
   putFixed32(out, uint32_t(s.size()));
@@ -62,60 +61,38 @@ std::string readString(ByteReader& in) {
 
 // ---- the handshake and the frames -----------------------------------------------------------
 
-crypto::Digest proof(const std::string& secret, std::string_view label, const uint8_t* serverNonce,
-                     const uint8_t* clientNonce) {
-  crypto::HmacSha256 mac(secret);
-  mac.update(label);
-  mac.update(std::span<const uint8_t>(serverNonce, kNonceBytes));
-  mac.update(std::span<const uint8_t>(clientNonce, kNonceBytes));
-  return mac.final();
+// The handshake's transcript is the two nonces, the server's first (base/auth_channel.h).
+auth::Handshake handshakeOf(const std::string& secret, std::span<const uint8_t> serverNonce,
+                            std::span<const uint8_t> clientNonce) {
+  constexpr auth::Labels kLabels{"cohort-store client", "cohort-store server", "cohort-store session"};
+  std::vector<uint8_t> transcript(serverNonce.begin(), serverNonce.end());
+  transcript.insert(transcript.end(), clientNonce.begin(), clientNonce.end());
+  return auth::Handshake(secret, kLabels, std::move(transcript));
 }
-
-// Seals and opens the frames of one connection after the handshake (nothing without a secret).
-class Sealer {
- public:
-  Sealer() = default;
-  Sealer(const std::string& secret, const uint8_t* serverNonce, const uint8_t* clientNonce) {
-    const crypto::Digest key = proof(secret, "cohort-store session", serverNonce, clientNonce);
-    mac_ = std::make_unique<crypto::HmacSha256>(std::span<const uint8_t>(key.data(), key.size()));
-  }
-  bool sealed() const { return mac_ != nullptr; }
-
-  std::array<uint8_t, kTagBytes> tag(Direction direction, uint64_t frame, const std::vector<uint8_t>& body) {
-    std::vector<uint8_t> head;
-    head.push_back(uint8_t(direction));
-    putFixed64(head, frame);
-    putFixed32(head, uint32_t(body.size()));
-    mac_->update(std::span<const uint8_t>(head));
-    mac_->update(std::span<const uint8_t>(body));
-    const crypto::Digest d = mac_->final();
-    std::array<uint8_t, kTagBytes> out{};
-    std::copy_n(d.begin(), kTagBytes, out.begin());
-    return out;
-  }
-
- private:
-  std::unique_ptr<crypto::HmacSha256> mac_;
-};
 
 // One side of a connection after the handshake: length-prefixed, tagged frames.
 struct Channel {
   int fd = -1;
-  Sealer sealer;
-  Direction sends = kToServer;
-  uint64_t sent = 0, received = 0;
+  std::optional<auth::FrameTags> sendTags, receiveTags;  // with a secret, after the handshake
   size_t maxBody = 0;
+
+  // Tags every later frame; `sends` is this end's direction (the server is the acceptor).
+  void seal(const auth::Proof& sessionKey, auth::Direction sends) {
+    const auto receives =
+        sends == auth::Direction::kToAcceptor ? auth::Direction::kToConnector : auth::Direction::kToAcceptor;
+    sendTags.emplace(sessionKey, sends);
+    receiveTags.emplace(sessionKey, receives);
+  }
 
   IoStatus send(const std::vector<uint8_t>& body, Clock::time_point deadline) {
     std::vector<uint8_t> frame;
     frame.reserve(4 + body.size() + kTagBytes);
     putFixed32(frame, uint32_t(body.size()));
     frame.insert(frame.end(), body.begin(), body.end());
-    if (sealer.sealed()) {
-      const auto t = sealer.tag(sends, sent, body);
+    if (sendTags) {
+      const auth::Tag t = sendTags->seal(std::span(frame).first(4), body);
       frame.insert(frame.end(), t.begin(), t.end());
     }
-    ++sent;
     return writeFull(fd, frame.data(), frame.size(), {.deadline = deadline});
   }
 
@@ -138,17 +115,14 @@ struct Channel {
       body.resize(at + part);
       if (const IoStatus r = readFull(fd, body.data() + at, part, limits); r != IoStatus::kOk) return r;
     }
-    if (sealer.sealed()) {
-      std::array<uint8_t, kTagBytes> got{};
+    if (receiveTags) {
+      auth::Tag got{};
       if (const IoStatus r = readFull(fd, got.data(), kTagBytes, limits); r != IoStatus::kOk) return r;
-      const Direction from = sends == kToServer ? kToClient : kToServer;
-      const auto want = sealer.tag(from, received, body);
-      if (!crypto::equalConstantTime(got, want)) {
+      if (!receiveTags->open(head, body, got)) {
         bad = true;
         return IoStatus::kError;
       }
     }
-    ++received;
     return IoStatus::kOk;
   }
 };
@@ -303,8 +277,7 @@ struct Server::Impl {
 
   void handshakeAndServe(uint64_t id, int fd) {
     const auto handshakeDeadline = Clock::now() + options.handshakeTimeout;
-    std::array<uint8_t, kNonceBytes> serverNonce{};
-    crypto::randomBytes(serverNonce);
+    const auth::Nonce serverNonce = auth::freshNonce();
     std::vector<uint8_t> challenge;
     putFixed32(challenge, kMagic);
     putFixed32(challenge, options.secret.empty() ? 0 : kFlagSecret);
@@ -314,25 +287,24 @@ struct Server::Impl {
 
     Channel channel;
     channel.fd = fd;
-    channel.sends = kToClient;
     channel.maxBody = options.maxValueBytes + 2 * kMaxKeyBytes + 64;
     if (!options.secret.empty()) {
       std::array<uint8_t, kHelloBytes> hello{};
       if (readFull(fd, hello.data(), hello.size(), handshake) != IoStatus::kOk) return refuse();
-      const uint8_t* clientNonce = hello.data();
-      const crypto::Digest want = proof(options.secret, "cohort-store client", serverNonce.data(), clientNonce);
+      const auth::Handshake h =
+          handshakeOf(options.secret, serverNonce, std::span<const uint8_t>(hello).first(kNonceBytes));
       std::array<uint8_t, kAnswerBytes> answer{};
-      if (!crypto::equalConstantTime(std::span<const uint8_t>(hello.data() + kNonceBytes, kProofBytes), want)) {
+      if (!h.isConnectorProof(std::span<const uint8_t>(hello).subspan(kNonceBytes))) {
         // Counted before the client hears it: a caller that saw the refusal sees the count.
         refuse();
         writeFull(fd, answer.data(), answer.size(), handshake);  // 0: refused
         return;
       }
       answer[0] = 1;
-      const crypto::Digest mine = proof(options.secret, "cohort-store server", serverNonce.data(), clientNonce);
+      const auth::Proof mine = h.acceptorProof();
       std::copy(mine.begin(), mine.end(), answer.begin() + 1);
       if (writeFull(fd, answer.data(), answer.size(), handshake) != IoStatus::kOk) return refuse();
-      channel.sealer = Sealer(options.secret, serverNonce.data(), clientNonce);
+      channel.seal(h.sessionKey(), auth::Direction::kToConnector);
     }
     {
       MutexLock lock(mu);
@@ -639,7 +611,7 @@ std::unique_ptr<Client> Client::connect(const std::string& host, int port, const
   }
   const uint32_t magic = decodeFixed32(challenge.data()), flags = decodeFixed32(challenge.data() + 4);
   if (magic != kMagic) return fail("is not a cohort store (another program, or another version of cohort, on that port)");
-  const uint8_t* serverNonce = challenge.data() + 8;
+  const auto serverNonce = std::span<const uint8_t>(challenge).subspan(8, kNonceBytes);
   if ((flags & kFlagSecret) == 0 && !secret.empty()) {
     return fail("runs without a secret but this process has one: give every process of the job the same "
                 "COHORT_AUTH_TOKEN (cohort launch does)");
@@ -648,22 +620,22 @@ std::unique_ptr<Client> Client::connect(const std::string& host, int port, const
     if (secret.empty()) {
       return fail("needs the job's secret: set COHORT_AUTH_TOKEN (or --auth-token) to the chief's on every process");
     }
+    const auth::Nonce clientNonce = auth::freshNonce();
+    const auth::Handshake h = handshakeOf(secret, serverNonce, clientNonce);
+    const auth::Proof mine = h.connectorProof();
     std::array<uint8_t, kHelloBytes> hello{};
-    crypto::randomBytes(std::span<uint8_t>(hello.data(), kNonceBytes));
-    const crypto::Digest mine = proof(secret, "cohort-store client", serverNonce, hello.data());
+    std::copy(clientNonce.begin(), clientNonce.end(), hello.begin());
     std::copy(mine.begin(), mine.end(), hello.begin() + kNonceBytes);
     std::array<uint8_t, kAnswerBytes> answer{};
     if (writeFull(fd, hello.data(), hello.size(), limits) != IoStatus::kOk ||
         readFull(fd, answer.data(), answer.size(), limits) != IoStatus::kOk || answer[0] != 1) {
       return fail("refused this process's proof of the secret: every process of the job needs the same COHORT_AUTH_TOKEN");
     }
-    const crypto::Digest want = proof(secret, "cohort-store server", serverNonce, hello.data());
-    if (!crypto::equalConstantTime(std::span<const uint8_t>(answer.data() + 1, kProofBytes), want)) {
+    if (!h.isAcceptorProof(std::span<const uint8_t>(answer).subspan(1))) {
       return fail("did not prove the job's secret: a forged store, or another COHORT_AUTH_TOKEN");
     }
-    impl->channel.sealer = Sealer(secret, serverNonce, hello.data());
+    impl->channel.seal(h.sessionKey(), auth::Direction::kToAcceptor);
   }
-  impl->channel.sends = kToServer;
   impl->channel.maxBody = size_t(1) << 31;
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }

@@ -212,18 +212,18 @@ void checkConsumed(const ByteReader& r, std::span<const uint8_t> body, const cha
                r.consumed());
 }
 
-// label | protocol | connector | acceptor | world size | acceptor nonce | connector nonce
-Proof transcriptMac(const std::string& secret, std::string_view label, const Transcript& t) {
-  std::vector<uint8_t> bytes;
+// The transcript: a zero byte (ending the label) | protocol | connector | acceptor | world size |
+// acceptor nonce | connector nonce.
+auth::Handshake handshake(const std::string& secret, const Transcript& t) {
+  constexpr auth::Labels kLabels{"cohort gossip connector", "cohort gossip acceptor", "cohort gossip session"};
+  std::vector<uint8_t> bytes{0};
   putFixed32(bytes, kProtocol);
   putFixed32(bytes, t.connector);
   putFixed32(bytes, t.acceptor);
   putFixed32(bytes, t.worldSize);
   putBytes(bytes, t.acceptorNonce);
   putBytes(bytes, t.connectorNonce);
-  crypto::HmacSha256 mac(secret);
-  mac.update(label).update(std::string_view("\0", 1)).update(bytes);
-  return mac.final();
+  return auth::Handshake(secret, kLabels, std::move(bytes));
 }
 
 }  // namespace
@@ -306,52 +306,27 @@ RefuseReason parseRefuse(std::span<const uint8_t> body) {
   return RefuseReason(reason);
 }
 
-Proof connectorProof(const std::string& secret, const Transcript& t) {
-  return transcriptMac(secret, "cohort gossip connector", t);
-}
+Proof connectorProof(const std::string& secret, const Transcript& t) { return handshake(secret, t).connectorProof(); }
 
-Proof acceptorProof(const std::string& secret, const Transcript& t) {
-  return transcriptMac(secret, "cohort gossip acceptor", t);
-}
+Proof acceptorProof(const std::string& secret, const Transcript& t) { return handshake(secret, t).acceptorProof(); }
 
-Proof sessionKey(const std::string& secret, const Transcript& t) {
-  return transcriptMac(secret, "cohort gossip session", t);
-}
+Proof sessionKey(const std::string& secret, const Transcript& t) { return handshake(secret, t).sessionKey(); }
 
-Nonce freshNonce() {
-  Nonce n{};
-  crypto::randomBytes(n);
-  return n;
-}
+Nonce freshNonce() { return auth::freshNonce(); }
 
 bool sameProof(const Proof& a, const Proof& b) { return crypto::equalConstantTime(a, b); }
 
-struct FrameSealer::State {
-  // AES-128-GMAC under the first 16 bytes of the session key: the frames are bulk (a whole
-  // model's update), and GHASH tags them several times faster than HMAC-SHA256 would.
-  explicit State(const Proof& key) : mac(std::span<const uint8_t, 16>(key.data(), 16)) {}
-  crypto::Gmac mac;
-};
-
-FrameSealer::FrameSealer(const Proof& sessionKey) : state_(std::make_unique<State>(sessionKey)) {}
+// A stream's frames go one way, to the acceptor.
+FrameSealer::FrameSealer(const Proof& sessionKey) : tags_(sessionKey, auth::Direction::kToAcceptor) {}
 
 FrameSealer::~FrameSealer() = default;
-
-std::array<uint8_t, kTagBytes> FrameSealer::tag(std::span<const uint8_t> header, std::span<const uint8_t> body) {
-  // The nonce is the frame's number: unique under this session's key, and a replayed or
-  // reordered frame is checked under another number.
-  std::array<uint8_t, 12> nonce{};
-  const uint64_t number = next_++;
-  encodeFixed64(nonce.data(), number);
-  return state_->mac.tag(nonce, {header, body});
-}
 
 void FrameSealer::seal(std::vector<uint8_t>& frame) {
   COHORT_CHECK(frame.size() >= kHeaderBytes, InvalidArgument, "a gossip frame without a header");
   frame.resize(frame.size() + kTagBytes);  // the length covers the tag
   setLength(frame);
-  const auto t = tag(std::span(frame).first(kHeaderBytes),
-                     std::span(frame).subspan(kHeaderBytes, frame.size() - kHeaderBytes - kTagBytes));
+  const auth::Tag t = tags_.seal(std::span(frame).first(kHeaderBytes),
+                                 std::span(frame).subspan(kHeaderBytes, frame.size() - kHeaderBytes - kTagBytes));
   std::copy(t.begin(), t.end(), frame.end() - kTagBytes);
 }
 
@@ -360,8 +335,7 @@ std::span<const uint8_t> FrameSealer::open(std::span<const uint8_t, kHeaderBytes
   COHORT_CHECK(body.size() >= kTagBytes, InvalidArgument, "gossip frame of ", body.size(),
                " bytes has no room for its tag");
   const auto content = body.first(body.size() - kTagBytes);
-  const auto expected = tag(header, content);
-  COHORT_CHECK(crypto::equalConstantTime(expected, body.last(kTagBytes)), InvalidArgument,
+  COHORT_CHECK(tags_.open(header, content, body.last(kTagBytes)), InvalidArgument,
                "gossip frame with a wrong tag: altered, replayed or out of order");
   return content;
 }
