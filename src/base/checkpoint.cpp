@@ -1,6 +1,8 @@
 #include <cohort/checkpoint.h>
 #include <cohort/error.h>
 
+#include "base/coding.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
@@ -30,16 +32,6 @@ constexpr size_t kHeaderSize = 8 + 4 + 8 + 4;
 // billion float32 parameters with Adam's two moments, beyond what cohort trains on CPUs. A header
 // claiming more (a sparse file, a damaged or hostile one) is refused before anything is allocated.
 constexpr uint64_t kMaxPayloadBytes = uint64_t{16} << 30;
-
-void putLe(std::vector<uint8_t>& out, uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
-
-uint64_t getLe(const uint8_t* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v |= uint64_t(p[i]) << (8 * i);
-  return v;
-}
 
 uint32_t crc32Of(std::span<const uint8_t> data) {
   uLong crc = crc32(0L, Z_NULL, 0);
@@ -105,9 +97,9 @@ std::string CheckpointStore::save(int64_t step, std::span<const uint8_t> payload
   const std::string tmpPath = finalPath + ".tmp." + std::to_string(::getpid());
 
   std::vector<uint8_t> header(kMagic, kMagic + 8);
-  putLe(header, kFormatVersion, 4);
-  putLe(header, payload.size(), 8);
-  putLe(header, crc32Of(payload), 4);
+  putFixed32(header, kFormatVersion);
+  putFixed64(header, payload.size());
+  putFixed32(header, crc32Of(payload));
 
   const int fd = ::open(tmpPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   COHORT_CHECK(fd >= 0, IoError, tmpPath, ": cannot create checkpoint: ", std::strerror(errno));
@@ -170,13 +162,13 @@ std::vector<uint8_t> CheckpointStore::readVerified(const std::string& path) {
   in.read(reinterpret_cast<char*>(header), kHeaderSize);
   COHORT_CHECK(size_t(in.gcount()) == kHeaderSize && std::memcmp(header, kMagic, 8) == 0, IoError, path,
                ": not a cohort checkpoint (bad header)");
-  const uint32_t version = uint32_t(getLe(&header[8], 4));
+  const uint32_t version = decodeFixed32(&header[8]);
   COHORT_CHECK(version == kFormatVersion, IoError, path, ": checkpoint format version ", version,
                " is not supported (this build reads version ", kFormatVersion, ")");
   // Both checks before the allocation: the header's length must be what the file holds, and a
   // size a checkpoint can have.
-  const uint64_t length = getLe(&header[12], 8);
-  const uint32_t crc = uint32_t(getLe(&header[20], 4));
+  const uint64_t length = decodeFixed64(&header[12]);
+  const uint32_t crc = decodeFixed32(&header[20]);
   COHORT_CHECK(fileSize - kHeaderSize == length, IoError, path, ": corrupt checkpoint: ", fileSize - kHeaderSize,
                " payload bytes where the header says ", length);
   COHORT_CHECK(length <= kMaxPayloadBytes, IoError, path, ": the header's payload length is ", length,

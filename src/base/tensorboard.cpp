@@ -1,10 +1,13 @@
 #include "base/tensorboard.h"
 
+#include "base/coding.h"
+
 #include <cohort/error.h>
 
 #include <unistd.h>
 
 #include <array>
+#include <bit>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -40,10 +43,6 @@ void putVarint(std::vector<uint8_t>& out, uint64_t v) {
 
 void putKey(std::vector<uint8_t>& out, uint32_t field, WireType type) { putVarint(out, (uint64_t(field) << 3) | type); }
 
-void putFixed(std::vector<uint8_t>& out, uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
-
 void putBytes(std::vector<uint8_t>& out, uint32_t field, std::span<const uint8_t> bytes) {
   putKey(out, field, kLengthDelimited);
   putVarint(out, bytes.size());
@@ -55,17 +54,13 @@ void putString(std::vector<uint8_t>& out, uint32_t field, std::string_view text)
 }
 
 void putDouble(std::vector<uint8_t>& out, uint32_t field, double v) {
-  uint64_t bits;
-  std::memcpy(&bits, &v, 8);
   putKey(out, field, kFixed64);
-  putFixed(out, bits, 8);
+  putFixed64(out, std::bit_cast<uint64_t>(v));
 }
 
 void putFloat(std::vector<uint8_t>& out, uint32_t field, float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
   putKey(out, field, kFixed32);
-  putFixed(out, bits, 4);
+  putFloat32(out, v);
 }
 
 // Event fields (event.proto) and Summary fields (summary.proto).
@@ -141,10 +136,10 @@ void TensorBoardWriter::scalars(int64_t step, const std::vector<std::pair<std::s
 void TensorBoardWriter::writeRecord(std::span<const uint8_t> data) {
   std::vector<uint8_t> record;
   record.reserve(data.size() + 16);
-  putFixed(record, data.size(), 8);
-  putFixed(record, maskedCrc32c(std::span(record).first(8)), 4);
+  putFixed64(record, data.size());
+  putFixed32(record, maskedCrc32c(std::span(record).first(8)));
   record.insert(record.end(), data.begin(), data.end());
-  putFixed(record, maskedCrc32c(data), 4);
+  putFixed32(record, maskedCrc32c(data));
   const bool ok = std::fwrite(record.data(), 1, record.size(), file_) == record.size() && std::fflush(file_) == 0;
   COHORT_CHECK(ok, IoError, path_, ": cannot write the TensorBoard event file: ", std::strerror(errno));
 }

@@ -3,6 +3,7 @@
 #include <cohort/error.h>
 #include <cohort/metrics.h>
 #include "base/clock.h"
+#include "base/stats.h"
 #include "train/evaluation.h"
 #include "train/model_file.h"
 #include "train/threads.h"
@@ -172,11 +173,6 @@ double timePass(torch::nn::Sequential& model, const Dataset& set, int64_t batch)
     model->forward(b.inputs);
   }
   return secondsSince(start);
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 int runQuantize(const std::string& path, const std::string& outPath, int repeats, int64_t batch, const DataFlags& f) {

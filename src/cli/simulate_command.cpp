@@ -8,6 +8,7 @@
 #include "cli/commands.h"
 #include "cli/simulate_probes.h"
 #include "base/clock.h"
+#include "base/stats.h"
 #include "compress/codec.h"
 #include "sim/calibration.h"
 #include "sim/probe.h"

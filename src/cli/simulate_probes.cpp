@@ -1,5 +1,6 @@
 #include "cli/simulate_probes.h"
 #include "base/clock.h"
+#include "base/stats.h"
 
 #include <cohort/cluster.h>
 #include <cohort/communicator.h>
@@ -31,11 +32,6 @@
 extern char** environ;
 
 namespace cohort::cli {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 namespace {
 

@@ -10,9 +10,6 @@
 
 namespace cohort::cli {
 
-// The median of `v` (the upper one of an even count; 0 for none): what the probes report.
-double median(std::vector<double> v);
-
 // A child process running this binary with `args`, stdin and stdout piped to the parent, stderr
 // shared. The destructor kills it if it is still running.
 class Child {

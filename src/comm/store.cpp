@@ -1,16 +1,16 @@
 #include "comm/store.h"
 
-#include "base/crypto.h"
+#include "base/auth_channel.h"
+#include "base/coding.h"
 #include "base/host_port.h"
+#include "base/socket_io.h"
 #include "base/thread_annotations.h"
 
 #include <cohort/error.h>
 
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -32,199 +32,80 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x31545343;  // "CST1"
 constexpr uint32_t kFlagSecret = 1;
-constexpr size_t kNonceBytes = 32;
-constexpr size_t kProofBytes = 32;
+constexpr size_t kNonceBytes = auth::kNonceBytes;
+constexpr size_t kProofBytes = auth::kProofBytes;
 constexpr size_t kChallengeBytes = 8 + kNonceBytes;
 constexpr size_t kHelloBytes = kNonceBytes + kProofBytes;
 constexpr size_t kAnswerBytes = 1 + kProofBytes;
-constexpr size_t kTagBytes = 16;
+constexpr size_t kTagBytes = auth::kTagBytes;
 constexpr size_t kMaxKeyBytes = 4096;
 constexpr size_t kMaxKeys = 4096;
 constexpr size_t kReadChunk = size_t(1) << 20;
 
 enum class Op : uint8_t { kSet = 1, kGet = 2, kAdd = 3, kCheck = 4, kWait = 5, kDelete = 6, kNumKeys = 7 };
 enum class Status : uint8_t { kOk = 0, kTimedOut = 1, kRefused = 2 };
-enum Direction : uint8_t { kToServer = 1, kToClient = 2 };
 
-// ---- sockets ------------------------------------------------------------------------------
-
-enum class Io { kOk, kClosed, kTimeout, kError };
-
-int remainingMs(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return int(std::clamp<int64_t>(left, 0, 1'000'000'000));
-}
-
-Io waitFor(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, remainingMs(deadline));
-    if (n > 0) return (p.revents & (events | POLLHUP | POLLERR)) ? Io::kOk : Io::kError;
-    if (n == 0) return Io::kTimeout;
-    if (errno != EINTR) return Io::kError;
-  }
-}
-
-Io readFull(int fd, void* out, size_t n, Clock::time_point deadline) {
-  auto* p = static_cast<uint8_t*>(out);
-  while (n > 0) {
-    if (const Io w = waitFor(fd, POLLIN, deadline); w != Io::kOk) return w;
-    const ssize_t got = ::recv(fd, p, n, 0);
-    if (got == 0) return Io::kClosed;
-    if (got < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return Io::kError;
-    }
-    p += got;
-    n -= size_t(got);
-  }
-  return Io::kOk;
-}
-
-Io writeFull(int fd, const void* data, size_t n, Clock::time_point deadline) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (n > 0) {
-    if (const Io w = waitFor(fd, POLLOUT, deadline); w != Io::kOk) return w;
-    const ssize_t sent = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (sent < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return Io::kError;
-    }
-    p += sent;
-    n -= size_t(sent);
-  }
-  return Io::kOk;
-}
-
-const char* describe(Io io) {
-  switch (io) {
-    case Io::kOk: return "ok";
-    case Io::kClosed: return "the connection was closed";
-    case Io::kTimeout: return "no answer in time";
-    case Io::kError: return "a socket error";
-  }
-  return "?";
-}
-
-void putU32(std::vector<uint8_t>& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
-void putU64(std::vector<uint8_t>& out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
 void putString(std::vector<uint8_t>& out, const std::string& s) {
-  putU32(out, uint32_t(s.size()));
+  putFixed32(out, uint32_t(s.size()));
   out.insert(out.end(), s.begin(), s.end());
 }
 
-// Reads fields out of a body; any read past the end marks it bad instead of throwing.
-class Reader {
- public:
-  explicit Reader(const std::vector<uint8_t>& body) : body_(body) {}
-  uint64_t u(size_t bytes) {
-    if (bytes > body_.size() - at_) return fail();
-    uint64_t v = 0;
-    for (size_t i = 0; i < bytes; ++i) v |= uint64_t(body_[at_ + i]) << (8 * i);
-    at_ += bytes;
-    return v;
-  }
-  std::string string() {
-    const uint64_t n = u(4);
-    if (!ok_ || n > kMaxKeyBytes || n > body_.size() - at_) {
-      fail();
-      return {};
-    }
-    std::string s(body_.begin() + long(at_), body_.begin() + long(at_ + n));
-    at_ += n;
-    return s;
-  }
-  std::vector<uint8_t> rest() {
-    std::vector<uint8_t> out(body_.begin() + long(at_), body_.end());
-    at_ = body_.size();
-    return out;
-  }
-  bool ok() const { return ok_; }
-  bool done() const { return ok_ && at_ == body_.size(); }
-
- private:
-  uint64_t fail() {
-    ok_ = false;
-    at_ = body_.size();
-    return 0;
-  }
-  const std::vector<uint8_t>& body_;
-  size_t at_ = 0;
-  bool ok_ = true;
-};
+// A key: its length u32 and its bytes, at most kMaxKeyBytes. A key that does not fit, or a longer
+// one, fails the reader.
+std::string readString(ByteReader& in) {
+  const uint32_t n = in.u32();
+  if (n > kMaxKeyBytes) in.fail();
+  const std::span<const uint8_t> bytes = in.bytes(n);
+  return std::string(bytes.begin(), bytes.end());
+}
 
 // ---- the handshake and the frames -----------------------------------------------------------
 
-crypto::Digest proof(const std::string& secret, std::string_view label, const uint8_t* serverNonce,
-                     const uint8_t* clientNonce) {
-  crypto::HmacSha256 mac(secret);
-  mac.update(label);
-  mac.update(std::span<const uint8_t>(serverNonce, kNonceBytes));
-  mac.update(std::span<const uint8_t>(clientNonce, kNonceBytes));
-  return mac.final();
+// The handshake's transcript is the two nonces, the server's first (base/auth_channel.h).
+auth::Handshake handshakeOf(const std::string& secret, std::span<const uint8_t> serverNonce,
+                            std::span<const uint8_t> clientNonce) {
+  constexpr auth::Labels kLabels{"cohort-store client", "cohort-store server", "cohort-store session"};
+  std::vector<uint8_t> transcript(serverNonce.begin(), serverNonce.end());
+  transcript.insert(transcript.end(), clientNonce.begin(), clientNonce.end());
+  return auth::Handshake(secret, kLabels, std::move(transcript));
 }
-
-// Seals and opens the frames of one connection after the handshake (nothing without a secret).
-class Sealer {
- public:
-  Sealer() = default;
-  Sealer(const std::string& secret, const uint8_t* serverNonce, const uint8_t* clientNonce) {
-    const crypto::Digest key = proof(secret, "cohort-store session", serverNonce, clientNonce);
-    mac_ = std::make_unique<crypto::HmacSha256>(std::span<const uint8_t>(key.data(), key.size()));
-  }
-  bool sealed() const { return mac_ != nullptr; }
-
-  std::array<uint8_t, kTagBytes> tag(Direction direction, uint64_t frame, const std::vector<uint8_t>& body) {
-    std::vector<uint8_t> head;
-    head.push_back(uint8_t(direction));
-    putU64(head, frame);
-    putU32(head, uint32_t(body.size()));
-    mac_->update(std::span<const uint8_t>(head));
-    mac_->update(std::span<const uint8_t>(body));
-    const crypto::Digest d = mac_->final();
-    std::array<uint8_t, kTagBytes> out{};
-    std::copy_n(d.begin(), kTagBytes, out.begin());
-    return out;
-  }
-
- private:
-  std::unique_ptr<crypto::HmacSha256> mac_;
-};
 
 // One side of a connection after the handshake: length-prefixed, tagged frames.
 struct Channel {
   int fd = -1;
-  Sealer sealer;
-  Direction sends = kToServer;
-  uint64_t sent = 0, received = 0;
+  std::optional<auth::FrameTags> sendTags, receiveTags;  // with a secret, after the handshake
   size_t maxBody = 0;
 
-  Io send(const std::vector<uint8_t>& body, Clock::time_point deadline) {
+  // Tags every later frame; `sends` is this end's direction (the server is the acceptor).
+  void seal(const auth::Proof& sessionKey, auth::Direction sends) {
+    const auto receives =
+        sends == auth::Direction::kToAcceptor ? auth::Direction::kToConnector : auth::Direction::kToAcceptor;
+    sendTags.emplace(sessionKey, sends);
+    receiveTags.emplace(sessionKey, receives);
+  }
+
+  IoStatus send(const std::vector<uint8_t>& body, Clock::time_point deadline) {
     std::vector<uint8_t> frame;
     frame.reserve(4 + body.size() + kTagBytes);
-    putU32(frame, uint32_t(body.size()));
+    putFixed32(frame, uint32_t(body.size()));
     frame.insert(frame.end(), body.begin(), body.end());
-    if (sealer.sealed()) {
-      const auto t = sealer.tag(sends, sent, body);
+    if (sendTags) {
+      const auth::Tag t = sendTags->seal(std::span(frame).first(4), body);
       frame.insert(frame.end(), t.begin(), t.end());
     }
-    ++sent;
-    return writeFull(fd, frame.data(), frame.size(), deadline);
+    return writeFull(fd, frame.data(), frame.size(), {.deadline = deadline});
   }
 
   // kError also for a frame that is too long or whose tag is wrong (`bad` is set then).
-  Io receive(std::vector<uint8_t>& body, Clock::time_point deadline, bool& bad) {
+  IoStatus receive(std::vector<uint8_t>& body, Clock::time_point deadline, bool& bad) {
     bad = false;
+    const IoLimits limits{.deadline = deadline};
     uint8_t head[4];
-    if (const Io r = readFull(fd, head, 4, deadline); r != Io::kOk) return r;
-    const uint32_t n = uint32_t(head[0]) | uint32_t(head[1]) << 8 | uint32_t(head[2]) << 16 | uint32_t(head[3]) << 24;
+    if (const IoStatus r = readFull(fd, head, 4, limits); r != IoStatus::kOk) return r;
+    const uint32_t n = decodeFixed32(head);
     if (n > maxBody) {
       bad = true;
-      return Io::kError;
+      return IoStatus::kError;
     }
     // Grow as bytes arrive: the length is the peer's claim.
     body.clear();
@@ -232,27 +113,19 @@ struct Channel {
       const size_t part = std::min(kReadChunk, size_t(n) - body.size());
       const size_t at = body.size();
       body.resize(at + part);
-      if (const Io r = readFull(fd, body.data() + at, part, deadline); r != Io::kOk) return r;
+      if (const IoStatus r = readFull(fd, body.data() + at, part, limits); r != IoStatus::kOk) return r;
     }
-    if (sealer.sealed()) {
-      std::array<uint8_t, kTagBytes> got{};
-      if (const Io r = readFull(fd, got.data(), kTagBytes, deadline); r != Io::kOk) return r;
-      const Direction from = sends == kToServer ? kToClient : kToServer;
-      const auto want = sealer.tag(from, received, body);
-      if (!crypto::equalConstantTime(got, want)) {
+    if (receiveTags) {
+      auth::Tag got{};
+      if (const IoStatus r = readFull(fd, got.data(), kTagBytes, limits); r != IoStatus::kOk) return r;
+      if (!receiveTags->open(head, body, got)) {
         bad = true;
-        return Io::kError;
+        return IoStatus::kError;
       }
     }
-    ++received;
-    return Io::kOk;
+    return IoStatus::kOk;
   }
 };
-
-void setNoDelay(int fd) {
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-}
 
 bool isLiteralAddress(const std::string& host) {
   in6_addr a6{};
@@ -404,35 +277,34 @@ struct Server::Impl {
 
   void handshakeAndServe(uint64_t id, int fd) {
     const auto handshakeDeadline = Clock::now() + options.handshakeTimeout;
-    std::array<uint8_t, kNonceBytes> serverNonce{};
-    crypto::randomBytes(serverNonce);
+    const auth::Nonce serverNonce = auth::freshNonce();
     std::vector<uint8_t> challenge;
-    putU32(challenge, kMagic);
-    putU32(challenge, options.secret.empty() ? 0 : kFlagSecret);
+    putFixed32(challenge, kMagic);
+    putFixed32(challenge, options.secret.empty() ? 0 : kFlagSecret);
     challenge.insert(challenge.end(), serverNonce.begin(), serverNonce.end());
-    if (writeFull(fd, challenge.data(), challenge.size(), handshakeDeadline) != Io::kOk) return refuse();
+    const IoLimits handshake{.deadline = handshakeDeadline};
+    if (writeFull(fd, challenge.data(), challenge.size(), handshake) != IoStatus::kOk) return refuse();
 
     Channel channel;
     channel.fd = fd;
-    channel.sends = kToClient;
     channel.maxBody = options.maxValueBytes + 2 * kMaxKeyBytes + 64;
     if (!options.secret.empty()) {
       std::array<uint8_t, kHelloBytes> hello{};
-      if (readFull(fd, hello.data(), hello.size(), handshakeDeadline) != Io::kOk) return refuse();
-      const uint8_t* clientNonce = hello.data();
-      const crypto::Digest want = proof(options.secret, "cohort-store client", serverNonce.data(), clientNonce);
+      if (readFull(fd, hello.data(), hello.size(), handshake) != IoStatus::kOk) return refuse();
+      const auth::Handshake h =
+          handshakeOf(options.secret, serverNonce, std::span<const uint8_t>(hello).first(kNonceBytes));
       std::array<uint8_t, kAnswerBytes> answer{};
-      if (!crypto::equalConstantTime(std::span<const uint8_t>(hello.data() + kNonceBytes, kProofBytes), want)) {
+      if (!h.isConnectorProof(std::span<const uint8_t>(hello).subspan(kNonceBytes))) {
         // Counted before the client hears it: a caller that saw the refusal sees the count.
         refuse();
-        writeFull(fd, answer.data(), answer.size(), handshakeDeadline);  // 0: refused
+        writeFull(fd, answer.data(), answer.size(), handshake);  // 0: refused
         return;
       }
       answer[0] = 1;
-      const crypto::Digest mine = proof(options.secret, "cohort-store server", serverNonce.data(), clientNonce);
+      const auth::Proof mine = h.acceptorProof();
       std::copy(mine.begin(), mine.end(), answer.begin() + 1);
-      if (writeFull(fd, answer.data(), answer.size(), handshakeDeadline) != Io::kOk) return refuse();
-      channel.sealer = Sealer(options.secret, serverNonce.data(), clientNonce);
+      if (writeFull(fd, answer.data(), answer.size(), handshake) != IoStatus::kOk) return refuse();
+      channel.seal(h.sessionKey(), auth::Direction::kToConnector);
     }
     {
       MutexLock lock(mu);
@@ -445,8 +317,8 @@ struct Server::Impl {
     std::vector<uint8_t> body;
     while (!stopping) {
       bool bad = false;
-      const Io r = channel.receive(body, forever, bad);
-      if (r != Io::kOk) {
+      const IoStatus r = channel.receive(body, forever, bad);
+      if (r != IoStatus::kOk) {
         if (bad) countMalformed("a frame too long or with a wrong tag");
         return;
       }
@@ -455,7 +327,7 @@ struct Server::Impl {
         countMalformed("a malformed request");
         return;
       }
-      if (channel.send(reply, Clock::now() + options.handshakeTimeout * 6) != Io::kOk) return;
+      if (channel.send(reply, Clock::now() + options.handshakeTimeout * 6) != IoStatus::kOk) return;
     }
   }
 
@@ -490,8 +362,8 @@ struct Server::Impl {
 
   // Fills the reply; false for a malformed request.
   bool handle(const std::vector<uint8_t>& body, std::vector<uint8_t>& reply) EXCLUDES(mu) {
-    Reader in(body);
-    const auto op = Op(in.u(1));
+    ByteReader in(body);
+    const auto op = Op(in.u8());
     if (!in.ok()) return false;
     auto timeoutOf = [](uint64_t ms) {
       return Clock::now() + std::chrono::milliseconds(int64_t(std::min<uint64_t>(ms, 365ull * 24 * 3600 * 1000)));
@@ -499,16 +371,17 @@ struct Server::Impl {
     MutexLock lock(mu);
     switch (op) {
       case Op::kSet: {
-        std::string key = in.string();
+        std::string key = readString(in);
         if (!in.ok()) return false;
-        data[std::move(key)] = in.rest();
+        const std::span<const uint8_t> value = in.rest();
+        data[std::move(key)].assign(value.begin(), value.end());
         changed.notifyAll();
         reply.push_back(uint8_t(Status::kOk));
         return true;
       }
       case Op::kGet: {
-        const uint64_t ms = in.u(8);
-        const std::string key = in.string();
+        const uint64_t ms = in.u64();
+        const std::string key = readString(in);
         if (!in.done()) return false;
         if (!waitKeys({key}, timeoutOf(ms))) {
           reply.push_back(uint8_t(Status::kTimedOut));
@@ -520,8 +393,8 @@ struct Server::Impl {
         return true;
       }
       case Op::kAdd: {
-        const auto delta = int64_t(in.u(8));
-        const std::string key = in.string();
+        const auto delta = int64_t(in.u64());
+        const std::string key = readString(in);
         if (!in.done()) return false;
         auto& value = data[key];
         int64_t now = 0;
@@ -537,16 +410,16 @@ struct Server::Impl {
         value.assign(text.begin(), text.end());
         changed.notifyAll();
         reply.push_back(uint8_t(Status::kOk));
-        putU64(reply, uint64_t(now));
+        putFixed64(reply, uint64_t(now));
         return true;
       }
       case Op::kCheck:
       case Op::kWait: {
-        const uint64_t ms = op == Op::kWait ? in.u(8) : 0;
-        const uint64_t n = in.u(4);
+        const uint64_t ms = op == Op::kWait ? in.u64() : 0;
+        const uint64_t n = in.u32();
         if (!in.ok() || n > kMaxKeys) return false;
         std::vector<std::string> keys;
-        for (uint64_t i = 0; i < n; ++i) keys.push_back(in.string());
+        for (uint64_t i = 0; i < n; ++i) keys.push_back(readString(in));
         if (!in.done()) return false;
         const bool all = waitKeys(keys, op == Op::kWait ? timeoutOf(ms) : Clock::now());
         if (op == Op::kWait) {
@@ -558,7 +431,7 @@ struct Server::Impl {
         return true;
       }
       case Op::kDelete: {
-        const std::string key = in.string();
+        const std::string key = readString(in);
         if (!in.done()) return false;
         reply.push_back(uint8_t(Status::kOk));
         reply.push_back(data.erase(key) > 0 ? 1 : 0);
@@ -567,7 +440,7 @@ struct Server::Impl {
       case Op::kNumKeys: {
         if (!in.done()) return false;
         reply.push_back(uint8_t(Status::kOk));
-        putU64(reply, uint64_t(data.size()));
+        putFixed64(reply, uint64_t(data.size()));
         return true;
       }
     }
@@ -679,14 +552,14 @@ struct Client::Impl {
     MutexLock lock(mu);
     COHORT_CHECK(!broken, CommError, "rendezvous store at ", where, ": the connection was lost earlier; cannot ", what);
     const auto deadline = Clock::now() + timeout + wait;
-    Io r = channel.send(request, deadline);
+    IoStatus r = channel.send(request, deadline);
     std::vector<uint8_t> reply;
     bool bad = false;
-    if (r == Io::kOk) r = channel.receive(reply, deadline, bad);
-    if (r != Io::kOk || reply.empty() || reply[0] == uint8_t(Status::kRefused)) {
+    if (r == IoStatus::kOk) r = channel.receive(reply, deadline, bad);
+    if (r != IoStatus::kOk || reply.empty() || reply[0] == uint8_t(Status::kRefused)) {
       broken = true;
       const std::string why = bad ? "a reply failed its authentication tag" : reply.empty() ? describe(r) : "refused";
-      if (r == Io::kTimeout) {
+      if (r == IoStatus::kTimeout) {
         throw TimeoutError("rendezvous store at " + where + ": " + what + ": no answer within " +
                            std::to_string((timeout + wait).count() / 1000) + " s: is the chief alive?");
       }
@@ -713,36 +586,8 @@ std::unique_ptr<Client> Client::connect(const std::string& host, int port, const
   std::string lastError = "nothing listens there";
   auto backoff = std::chrono::milliseconds(20);
   for (;;) {
-    int fd = -1;
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* found = nullptr;
-    const std::string service = std::to_string(port);
-    if (const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc == 0) {
-      for (addrinfo* ai = found; ai != nullptr && fd < 0; ai = ai->ai_next) {
-        fd = ::socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-        if (fd < 0) continue;
-        int rcc = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
-        if (rcc != 0 && errno == EINPROGRESS && waitFor(fd, POLLOUT, deadline) == Io::kOk) {
-          int err = 0;
-          socklen_t len = sizeof(err);
-          ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-          rcc = err == 0 ? 0 : -1;
-          errno = err;
-        }
-        if (rcc != 0) {
-          lastError = std::strerror(errno);
-          ::close(fd);
-          fd = -1;
-        }
-      }
-      ::freeaddrinfo(found);
-    } else {
-      lastError = ::gai_strerror(rc);
-    }
+    const int fd = connectTo(HostPort{host, port}, deadline, lastError);
     if (fd >= 0) {
-      setNoDelay(fd);
       impl->channel.fd = fd;
       break;
     }
@@ -760,14 +605,13 @@ std::unique_ptr<Client> Client::connect(const std::string& host, int port, const
     throw CommError("the rendezvous store at " + impl->where + " " + why);
   };
   std::array<uint8_t, kChallengeBytes> challenge{};
-  if (const Io r = readFull(fd, challenge.data(), challenge.size(), deadline); r != Io::kOk) {
+  const IoLimits limits{.deadline = deadline};
+  if (const IoStatus r = readFull(fd, challenge.data(), challenge.size(), limits); r != IoStatus::kOk) {
     return fail(std::string("did not greet: ") + describe(r) + ": is that port the chief's store?");
   }
-  std::vector<uint8_t> copy(challenge.begin(), challenge.end());
-  Reader head(copy);
-  const uint64_t magic = head.u(4), flags = head.u(4);
+  const uint32_t magic = decodeFixed32(challenge.data()), flags = decodeFixed32(challenge.data() + 4);
   if (magic != kMagic) return fail("is not a cohort store (another program, or another version of cohort, on that port)");
-  const uint8_t* serverNonce = challenge.data() + 8;
+  const auto serverNonce = std::span<const uint8_t>(challenge).subspan(8, kNonceBytes);
   if ((flags & kFlagSecret) == 0 && !secret.empty()) {
     return fail("runs without a secret but this process has one: give every process of the job the same "
                 "COHORT_AUTH_TOKEN (cohort launch does)");
@@ -776,26 +620,26 @@ std::unique_ptr<Client> Client::connect(const std::string& host, int port, const
     if (secret.empty()) {
       return fail("needs the job's secret: set COHORT_AUTH_TOKEN (or --auth-token) to the chief's on every process");
     }
+    const auth::Nonce clientNonce = auth::freshNonce();
+    const auth::Handshake h = handshakeOf(secret, serverNonce, clientNonce);
+    const auth::Proof mine = h.connectorProof();
     std::array<uint8_t, kHelloBytes> hello{};
-    crypto::randomBytes(std::span<uint8_t>(hello.data(), kNonceBytes));
-    const crypto::Digest mine = proof(secret, "cohort-store client", serverNonce, hello.data());
+    std::copy(clientNonce.begin(), clientNonce.end(), hello.begin());
     std::copy(mine.begin(), mine.end(), hello.begin() + kNonceBytes);
     std::array<uint8_t, kAnswerBytes> answer{};
-    if (writeFull(fd, hello.data(), hello.size(), deadline) != Io::kOk ||
-        readFull(fd, answer.data(), answer.size(), deadline) != Io::kOk || answer[0] != 1) {
+    if (writeFull(fd, hello.data(), hello.size(), limits) != IoStatus::kOk ||
+        readFull(fd, answer.data(), answer.size(), limits) != IoStatus::kOk || answer[0] != 1) {
       // Also what a rank of a second job sees when it finds the first job's store on its port.
       return fail("refused this process's proof of the secret: another job may be listening on this port (give "
                   "this job a free one: --port or MASTER_PORT), or this process's COHORT_AUTH_TOKEN differs from "
                   "the chief's");
     }
-    const crypto::Digest want = proof(secret, "cohort-store server", serverNonce, hello.data());
-    if (!crypto::equalConstantTime(std::span<const uint8_t>(answer.data() + 1, kProofBytes), want)) {
+    if (!h.isAcceptorProof(std::span<const uint8_t>(answer).subspan(1))) {
       return fail("did not prove the job's secret: another job's store on this port (give this job a free one: "
                   "--port or MASTER_PORT), a forged store, or another COHORT_AUTH_TOKEN");
     }
-    impl->channel.sealer = Sealer(secret, serverNonce, hello.data());
+    impl->channel.seal(h.sessionKey(), auth::Direction::kToAcceptor);
   }
-  impl->channel.sends = kToServer;
   impl->channel.maxBody = size_t(1) << 31;
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
@@ -812,7 +656,7 @@ void Client::set(const std::string& key, const std::vector<uint8_t>& value) {
 
 std::optional<std::vector<uint8_t>> Client::get(const std::string& key, std::chrono::milliseconds timeout) {
   std::vector<uint8_t> request{uint8_t(Op::kGet)};
-  putU64(request, uint64_t(std::max<int64_t>(timeout.count(), 0)));
+  putFixed64(request, uint64_t(std::max<int64_t>(timeout.count(), 0)));
   putString(request, key);
   std::vector<uint8_t> reply = impl_->call(request, timeout, "reading " + key);
   if (reply[0] == uint8_t(Status::kTimedOut)) return std::nullopt;
@@ -822,19 +666,19 @@ std::optional<std::vector<uint8_t>> Client::get(const std::string& key, std::chr
 
 int64_t Client::add(const std::string& key, int64_t delta) {
   std::vector<uint8_t> request{uint8_t(Op::kAdd)};
-  putU64(request, uint64_t(delta));
+  putFixed64(request, uint64_t(delta));
   putString(request, key);
   const std::vector<uint8_t> reply = impl_->call(request, std::chrono::milliseconds(0), "adding to " + key);
-  Reader in(reply);
-  in.u(1);
-  const auto v = int64_t(in.u(8));
+  ByteReader in(reply);
+  in.u8();
+  const auto v = int64_t(in.u64());
   COHORT_CHECK(in.done(), CommError, "rendezvous store at ", impl_->where, ": a malformed answer to add");
   return v;
 }
 
 bool Client::check(const std::vector<std::string>& keys) {
   std::vector<uint8_t> request{uint8_t(Op::kCheck)};
-  putU32(request, uint32_t(keys.size()));
+  putFixed32(request, uint32_t(keys.size()));
   for (const auto& k : keys) putString(request, k);
   const std::vector<uint8_t> reply = impl_->call(request, std::chrono::milliseconds(0), "checking keys");
   return reply.size() == 2 && reply[1] == 1;
@@ -842,8 +686,8 @@ bool Client::check(const std::vector<std::string>& keys) {
 
 bool Client::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   std::vector<uint8_t> request{uint8_t(Op::kWait)};
-  putU64(request, uint64_t(std::max<int64_t>(timeout.count(), 0)));
-  putU32(request, uint32_t(keys.size()));
+  putFixed64(request, uint64_t(std::max<int64_t>(timeout.count(), 0)));
+  putFixed32(request, uint32_t(keys.size()));
   for (const auto& k : keys) putString(request, k);
   const std::vector<uint8_t> reply = impl_->call(request, timeout, "waiting for keys");
   return reply[0] == uint8_t(Status::kOk);
@@ -859,9 +703,9 @@ bool Client::remove(const std::string& key) {
 int64_t Client::numKeys() {
   const std::vector<uint8_t> reply =
       impl_->call(std::vector<uint8_t>{uint8_t(Op::kNumKeys)}, std::chrono::milliseconds(0), "counting keys");
-  Reader in(reply);
-  in.u(1);
-  return int64_t(in.u(8));
+  ByteReader in(reply);
+  in.u8();
+  return int64_t(in.u64());
 }
 
 std::chrono::milliseconds Client::timeout() const { return impl_->timeout; }

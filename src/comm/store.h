@@ -1,24 +1,24 @@
 // The job's rendezvous store: a small key-value server the chief hosts at the master address, and
 // its client. It replaces c10d's TCPStore, which trusts the network: it listens on every
 // interface, has no authentication, and allocates whatever size a stranger's SET announces.
-// Torch-free (compiled into cohort_base); communicator.cpp adapts Client to c10d::Store for Gloo.
+// Torch-free (compiled into cohort_comm); communicator.cpp adapts Client to c10d::Store for Gloo.
 //
 //   CHALLENGE (server -> client) = magic u32 "CST1" | flags u32 (1: the job has a secret) | nonce (32)
 //   HELLO     (client -> server) = nonce (32) | HMAC(secret, "cohort-store client" | both nonces)
 //   ANSWER    (server -> client) = 1 | HMAC(secret, "cohort-store server" | both nonces); 0 | 32 zeros
-//   frame     = body length u32 | body | tag (16, with a secret)
+//   frame     = body length u32 | body | tag (16, with a secret: AES-GMAC over length and body)
 //   request   = op u8 | fields, reply = status u8 (0 ok, 1 timed out, 2 refused) | fields
 // Integers are little-endian; HELLO and ANSWER only when the job has a secret.
 //
-// With a secret, nothing reaches the key-value map from a peer that has not proved it: the client
-// answers a fresh nonce with an HMAC keyed by the secret (which never crosses the wire), the
-// server proves it back (so a process connecting to a forged store learns nothing and believes
-// nothing), and every later frame carries the first 16 bytes of HMAC(session key, direction |
-// frame number | body), the session key being HMAC(secret, "cohort-store session" | nonces): a
-// stranger who relays a connection cannot insert, alter, replay or reorder a request. Before the
-// proof the server reads 64 fixed bytes and nothing else; at most maxPendingHandshakes
-// connections are unproven at a time, each for at most handshakeTimeout. After it, a body grows
-// as its bytes arrive (a length prefix is a claim, not an allocation), up to maxValueBytes.
+// With a secret, nothing reaches the key-value map from a peer that has not proved it. The
+// handshake and the tags are base/auth_channel.h's, the client being the connector: the client
+// answers a fresh nonce with its proof (the secret never crosses the wire), the server proves it
+// back (so a process connecting to a forged store learns nothing and believes nothing), and every
+// later frame carries a tag over its length and body under HMAC(secret, "cohort-store session" |
+// nonces): a stranger who relays a connection cannot insert, alter, replay or reorder a request.
+// Before the proof the server reads 64 fixed bytes and nothing else; at most maxPendingHandshakes
+// connections are unproven at a time, each for at most handshakeTimeout. After it, a body grows as
+// its bytes arrive (a length prefix is a claim, not an allocation), up to maxValueBytes.
 //
 // Without a secret the store is c10d's model: whoever reaches the port is trusted. It still binds
 // the master address's interface only.

@@ -2,6 +2,7 @@
 // encoder.cpp). Layout and arithmetic are documented in docs/ARCHITECTURE.md ("Compression").
 #include "compress/codec.h"
 
+#include "base/coding.h"
 #include "compress/convert.h"
 #include "compress/format.h"
 #include "compress/path.h"
@@ -25,26 +26,20 @@ namespace {
 
 // ---- reading -----------------------------------------------------------------------------------
 
+// The codec's reads: every read that does not fit is a MalformedMessage naming `what`.
 class Reader {
  public:
-  Reader(const uint8_t* data, size_t size, const char* what) : p_(data), end_(data + size), what_(what) {}
+  Reader(const uint8_t* data, size_t size, const char* what) : in_(data, size), what_(what) {}
 
-  size_t left() const { return size_t(end_ - p_); }
-  const uint8_t* position() const { return p_; }
+  size_t left() const { return in_.left(); }
+  const uint8_t* position() const { return in_.position(); }
   const uint8_t* take(size_t n) {
-    if (n > left()) malformed(std::string(what_) + " is truncated");
-    const uint8_t* at = p_;
-    p_ += n;
+    const uint8_t* at = in_.take(n);
+    if (at == nullptr) truncated();
     return at;
   }
-  uint32_t u32() {
-    const uint8_t* b = take(4);
-    return uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
-  }
-  uint64_t u64() {
-    const uint64_t lo = u32();
-    return lo | uint64_t(u32()) << 32;
-  }
+  uint32_t u32() { return decodeFixed32(take(4)); }
+  uint64_t u64() { return decodeFixed64(take(8)); }
   float f32() { return std::bit_cast<float>(u32()); }
   uint32_t varint() {
     uint32_t v = 0;
@@ -64,8 +59,9 @@ class Reader {
   }
 
  private:
-  const uint8_t* p_;
-  const uint8_t* end_;
+  [[noreturn]] void truncated() const { malformed(std::string(what_) + " is truncated"); }
+
+  ByteReader in_;
   const char* what_;
 };
 

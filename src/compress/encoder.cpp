@@ -2,6 +2,7 @@
 // of docs/ARCHITECTURE.md ("Compression"), which also explains the residual arithmetic.
 #include "compress/codec.h"
 
+#include "base/coding.h"
 #include "compress/convert.h"
 #include "compress/format.h"
 #include "compress/path.h"
@@ -23,14 +24,6 @@ namespace {
 
 constexpr int kZstdLevel = 1;
 
-void putU32(std::vector<uint8_t>& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
-void putU64(std::vector<uint8_t>& out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
-void putF32(std::vector<uint8_t>& out, float v) { putU32(out, std::bit_cast<uint32_t>(v)); }
-
 void putHeader(std::vector<uint8_t>& out, CodecKind kind, uint64_t length, float param, uint32_t bodyBytes,
                uint8_t form = kFormList) {
   out.insert(out.end(), kMagic, kMagic + 4);
@@ -38,9 +31,9 @@ void putHeader(std::vector<uint8_t>& out, CodecKind kind, uint64_t length, float
   out.push_back(uint8_t(kind));
   out.push_back(form);
   out.push_back(0);
-  putU64(out, length);
-  putF32(out, param);
-  putU32(out, bodyBytes);
+  putFixed64(out, length);
+  putFloat32(out, param);
+  putFixed32(out, bodyBytes);
 }
 
 // A sparse list: strictly increasing indices, each either a "sign entry" (decoded as +-magnitude,
@@ -103,7 +96,7 @@ class ListWriter {
     }
     std::vector<uint8_t>& body = *body_;
     body.resize(size_t(c.next - body.data()));
-    for (int i = 0; i < 4; ++i) body[countAt_ + size_t(i)] = uint8_t(c.count >> (8 * i));
+    encodeFixed32(body.data() + countAt_, c.count);
     // Little-endian words: entry j's bit is bit j % 8 of byte j / 8, as in the layout.
     const size_t bitmap = bitmapBytes(c.count);
     for (const auto* words : {&valueWords_, &negativeWords_}) {
@@ -228,8 +221,8 @@ class BitmapWriter {
     std::vector<uint8_t>& body = *body_;
     const uint32_t n = c.count;
     const uint32_t v = uint32_t(values_.size());
-    for (int i = 0; i < 4; ++i) body[size_t(i)] = uint8_t(n >> (8 * i));
-    for (int i = 0; i < 4; ++i) body[size_t(4 + i)] = uint8_t(v >> (8 * i));
+    encodeFixed32(body.data(), n);
+    encodeFixed32(body.data() + 4, v);
     if (v > 0 && v < n) {
       const size_t at = body.size();
       body.resize(at + 4 * size_t(v));
@@ -947,8 +940,8 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
     } else {
       scales = oneBitScalesFused(input, acc);
     }
-    putF32(body, scales.positive);
-    putF32(body, scales.negative);
+    putFloat32(body, scales.positive);
+    putFloat32(body, scales.negative);
     const size_t bitmapAt = body.size();
     body.resize(bitmapAt + bitmapBytes(n), 0);
     Cursor c = list.begin(body);

@@ -1,6 +1,7 @@
 #include "gossip/peer.h"
 
 #include "base/host_port.h"
+#include "base/socket_io.h"
 
 #include "base/thread_annotations.h"
 #include "compress/codec.h"
@@ -8,10 +9,8 @@
 #include <cohort/error.h>
 
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -72,42 +71,13 @@ class WarningLimiter {
   int64_t leftOut_ GUARDED_BY(mu_) = 0;
 };
 
-enum class Read { kOk, kEof, kStopped, kTimeout, kError };
-
-// Reads exactly n bytes, polling in ticks so that `stop` is seen; deadline is optional.
-Read readExact(int fd, uint8_t* p, size_t n, const std::atomic<bool>& stop, std::optional<Clock::time_point> deadline) {
-  size_t got = 0;
-  while (got < n) {
-    if (stop.load()) return Read::kStopped;
-    if (deadline && Clock::now() >= *deadline) return Read::kTimeout;
-    pollfd pfd{fd, POLLIN, 0};
-    const int ready = ::poll(&pfd, 1, kTickMs);
-    if (ready < 0 && errno != EINTR) return Read::kError;
-    if (ready <= 0) continue;
-    const ssize_t r = ::recv(fd, p + got, n - got, 0);
-    if (r == 0) return Read::kEof;
-    if (r < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return Read::kError;
-    }
-    got += size_t(r);
-  }
-  return Read::kOk;
-}
-
-// Writes all bytes; the socket's SO_SNDTIMEO bounds each wait. Returns an empty string or what failed.
-std::string writeAll(int fd, const uint8_t* p, size_t n) {
-  size_t sent = 0;
-  while (sent < n) {
-    const ssize_t w = ::send(fd, p + sent, n - sent, MSG_NOSIGNAL);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return "a send timed out";
-      return std::string("send failed: ") + std::strerror(errno);
-    }
-    sent += size_t(w);
-  }
-  return "";
+// Writes a whole frame; `timeout` bounds each wait for the peer to take more of it (a slow link
+// that moves is not a dead peer). Returns an empty string or what failed.
+std::string writeFrame(int fd, const std::vector<uint8_t>& frame, Clock::duration timeout) {
+  const IoStatus status = writeFull(fd, frame.data(), frame.size(), {.idle = timeout});
+  if (status == IoStatus::kOk) return "";
+  if (status == IoStatus::kTimeout) return "a send timed out";
+  return std::string("send failed: ") + std::strerror(errno);
 }
 
 // A handshake frame to a socket that was just accepted (non-blocking): its buffer is empty, so
@@ -115,13 +85,6 @@ std::string writeAll(int fd, const uint8_t* p, size_t n) {
 bool sendSmall(int fd, const std::vector<uint8_t>& frame) {
   const ssize_t w = ::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   return w == ssize_t(frame.size());
-}
-
-void setTimeout(int fd, int option, double seconds) {
-  timeval tv{};
-  tv.tv_sec = time_t(seconds);
-  tv.tv_usec = suseconds_t((seconds - double(tv.tv_sec)) * 1e6);
-  ::setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv));
 }
 
 std::string describe(const sockaddr_storage& addr) {
@@ -490,16 +453,17 @@ struct Peer::Impl {
     std::vector<uint8_t> body;
     std::vector<float> decoded;  // each update on its own, checked before it joins the inbox
     while (true) {
-      Read r = readExact(fd, header.data(), header.size(), stopping, std::nullopt);
+      const IoLimits untilStopped{.stop = &stopping};
+      IoStatus r = readFull(fd, header.data(), header.size(), untilStopped);
       FrameHeader h;
-      if (r == Read::kOk) {
+      if (r == IoStatus::kOk) {
         h = parseHeader(header, maxBody);
         body.resize(h.length);
-        r = readExact(fd, body.data(), body.size(), stopping, std::nullopt);
+        r = readFull(fd, body.data(), body.size(), untilStopped);
       }
-      if (r == Read::kStopped) return;
-      if (r != Read::kOk) {
-        markLost(from, r == Read::kEof ? "its connection closed before it finished" : "reading from it failed");
+      if (r == IoStatus::kStopped) return;
+      if (r != IoStatus::kOk) {
+        markLost(from, r == IoStatus::kClosed ? "its connection closed before it finished" : "reading from it failed");
         return;
       }
       const std::span<const uint8_t> content = sealer.open(header, body);
@@ -591,50 +555,22 @@ struct Peer::Impl {
     received.metas.push_back(meta);
   }
 
-  // One connection attempt; -1 (and `error`) when it failed.
-  int connectOnce(const HostPort& to, std::string& error) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV;
-    addrinfo* found = nullptr;
-    const int rc = ::getaddrinfo(to.host.c_str(), std::to_string(to.port).c_str(), &hints, &found);
-    if (rc != 0 || found == nullptr) {
-      error = ::gai_strerror(rc);
-      return -1;
-    }
-    const int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    bool ok = fd >= 0;
-    if (ok) {
-      setTimeout(fd, SO_SNDTIMEO, options.timeoutSeconds);  // bounds connect() too
-      ok = ::connect(fd, found->ai_addr, found->ai_addrlen) == 0;
-    }
-    error = std::strerror(errno);
-    ::freeaddrinfo(found);
-    if (!ok) {
-      if (fd >= 0) ::close(fd);
-      return -1;
-    }
-    const int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    return fd;
-  }
-
   enum class Attempt { kOk, kRetry, kGiveUp };
 
   // Reads one handshake frame (at most kMaxHandshakeBody) into body; kRetry when the connection
   // ended or the deadline passed.
   Attempt readHandshakeFrame(int fd, Clock::time_point deadline, FrameHeader& h, std::vector<uint8_t>& body,
                              std::string& error) {
+    const IoLimits limits{.deadline = deadline, .stop = &stopping};
     std::array<uint8_t, kHeaderBytes> header{};
-    Read r = readExact(fd, header.data(), header.size(), stopping, deadline);
-    if (r == Read::kOk) {
+    IoStatus r = readFull(fd, header.data(), header.size(), limits);
+    if (r == IoStatus::kOk) {
       h = parseHeader(header, kMaxHandshakeBody);
       body.resize(h.length);
-      r = readExact(fd, body.data(), body.size(), stopping, deadline);
+      r = readFull(fd, body.data(), body.size(), limits);
     }
-    if (r == Read::kOk) return Attempt::kOk;
-    error = r == Read::kTimeout ? "its handshake timed out" : "it closed the connection during the handshake";
+    if (r == IoStatus::kOk) return Attempt::kOk;
+    error = r == IoStatus::kTimeout ? "its handshake timed out" : "it closed the connection during the handshake";
     return Attempt::kRetry;
   }
 
@@ -658,7 +594,7 @@ struct Peer::Impl {
                          freshNonce()};
       const auto hello = helloFrame({kProtocol, t.connector, t.worldSize, t.connectorNonce,
                                      connectorProof(options.token, t)});
-      if (std::string failed = writeAll(fd, hello.data(), hello.size()); !failed.empty()) {
+      if (std::string failed = writeFrame(fd, hello, secondsToDuration(options.timeoutSeconds)); !failed.empty()) {
         error = failed;
         return Attempt::kRetry;
       }
@@ -704,7 +640,7 @@ struct Peer::Impl {
     std::string error = "no attempt";
     auto pause = std::chrono::milliseconds(20);
     while (!stopping.load() && Clock::now() < deadline) {
-      const int fd = connectOnce(to, error);
+      const int fd = connectTo(to, Clock::now() + secondsToDuration(options.timeoutSeconds), error);
       if (fd >= 0) {
         const Attempt a = handshake(fd, r, to, key, error);
         if (a == Attempt::kOk) return fd;
@@ -759,7 +695,7 @@ struct Peer::Impl {
     std::vector<float> dense(rowTables() ? denseLength : 0);
     auto send = [&](std::vector<uint8_t>& bytes, bool isUpdate) {
       sealer.seal(bytes);
-      const std::string failed = writeAll(fd, bytes.data(), bytes.size());
+      const std::string failed = writeFrame(fd, bytes, secondsToDuration(options.timeoutSeconds));
       if (!failed.empty()) {
         markLost(r, failed);
         return false;

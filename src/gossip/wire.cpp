@@ -1,5 +1,6 @@
 #include "gossip/wire.h"
 
+#include "base/coding.h"
 #include "base/crypto.h"
 #include "compress/codec.h"
 
@@ -12,64 +13,37 @@ namespace cohort::gossip {
 
 namespace {
 
-template <typename T>
-void put(std::vector<uint8_t>& out, T value) {
-  uint8_t bytes[sizeof(T)];
-  for (size_t i = 0; i < sizeof(T); ++i) bytes[i] = uint8_t(uint64_t(value) >> (8 * i));
-  out.insert(out.end(), bytes, bytes + sizeof(T));
+// Throws when a read of `what`'s body (of `size` bytes) ran past its end.
+void checkFits(const ByteReader& r, const char* what, size_t size) {
+  COHORT_CHECK(r.ok(), InvalidArgument, "gossip ", what, " frame is truncated (", size, " bytes)");
 }
-
-// Reads little-endian integers from a body, checking every read against its end.
-class Reader {
- public:
-  Reader(std::span<const uint8_t> bytes, const char* what) : bytes_(bytes), what_(what) {}
-  template <typename T>
-  T get() {
-    COHORT_CHECK(at_ + sizeof(T) <= bytes_.size(), InvalidArgument, "gossip ", what_, " frame is truncated (",
-                 bytes_.size(), " bytes)");
-    uint64_t v = 0;
-    for (size_t i = 0; i < sizeof(T); ++i) v |= uint64_t(bytes_[at_ + i]) << (8 * i);
-    at_ += sizeof(T);
-    return T(v);
-  }
-  std::span<const uint8_t> rest() const { return bytes_.subspan(at_); }
-  size_t at() const { return at_; }
-
- private:
-  std::span<const uint8_t> bytes_;
-  const char* what_;
-  size_t at_ = 0;
-};
 
 std::vector<uint8_t> withHeader(FrameType type) {
   std::vector<uint8_t> frame;
-  put<uint32_t>(frame, kMagic);
-  put<uint8_t>(frame, uint8_t(type));
+  putFixed32(frame, kMagic);
+  frame.push_back(uint8_t(type));
   frame.insert(frame.end(), 3, 0);
-  put<uint32_t>(frame, 0);  // length, written at the end
+  putFixed32(frame, 0);  // length, written at the end
   return frame;
 }
 
 void setLength(std::vector<uint8_t>& frame) {
   const uint64_t body = frame.size() - kHeaderBytes;
   COHORT_CHECK(body <= UINT32_MAX, InvalidArgument, "a gossip frame of ", body, " bytes is too large (4 GiB at most)");
-  for (size_t i = 0; i < 4; ++i) frame[8 + i] = uint8_t(body >> (8 * i));
+  encodeFixed32(frame.data() + 8, uint32_t(body));
 }
 
 }  // namespace
 
 FrameHeader parseHeader(std::span<const uint8_t, kHeaderBytes> bytes, uint32_t maxBody) {
-  Reader r(bytes, "header of a");
-  const auto magic = r.get<uint32_t>();
+  const uint32_t magic = decodeFixed32(bytes.data());
   COHORT_CHECK(magic == kMagic, InvalidArgument, "not a gossip frame (magic ", magic,
                "): is another program talking to this port?");
-  const auto type = r.get<uint8_t>();
+  const uint8_t type = bytes[4];
   COHORT_CHECK(type >= 1 && type <= 6, InvalidArgument, "unknown gossip frame type ", int(type));
-  r.get<uint8_t>();
-  r.get<uint16_t>();
   FrameHeader h;
   h.type = FrameType(type);
-  h.length = r.get<uint32_t>();
+  h.length = decodeFixed32(bytes.data() + 8);
   COHORT_CHECK(h.length <= maxBody, InvalidArgument, "gossip frame of ", h.length, " bytes exceeds the limit of ",
                maxBody, " bytes here");
   return h;
@@ -79,7 +53,7 @@ std::vector<uint8_t> doneFrame(const PeerReport& p) {
   auto frame = withHeader(FrameType::kDone);
   for (int64_t v : {p.steps, p.bytesSent, p.bytesReceived, p.messagesApplied, p.stalenessSum, p.stalenessMax,
                     p.peersLost, p.stopJob}) {
-    put<int64_t>(frame, v);
+    putFixed64(frame, uint64_t(v));
   }
   setLength(frame);
   return frame;
@@ -87,38 +61,39 @@ std::vector<uint8_t> doneFrame(const PeerReport& p) {
 
 void beginUpdateFrame(const UpdateMeta& m, std::vector<uint8_t>& frame) {
   frame = withHeader(FrameType::kUpdate);
-  put<uint32_t>(frame, m.sender);
-  put<uint32_t>(frame, uint32_t(m.encoding));
-  put<int64_t>(frame, m.version);
-  put<int64_t>(frame, m.step);
-  put<int64_t>(frame, m.steps);
-  put<int64_t>(frame, m.samples);
-  put<uint64_t>(frame, m.numel);
+  putFixed32(frame, m.sender);
+  putFixed32(frame, uint32_t(m.encoding));
+  putFixed64(frame, uint64_t(m.version));
+  putFixed64(frame, uint64_t(m.step));
+  putFixed64(frame, uint64_t(m.steps));
+  putFixed64(frame, uint64_t(m.samples));
+  putFixed64(frame, m.numel);
 }
 
 PeerReport parseDone(std::span<const uint8_t> body) {
   COHORT_CHECK(body.size() == 64, InvalidArgument, "gossip DONE frame of ", body.size(), " bytes, expected 64");
-  Reader r(body, "DONE");
+  ByteReader r(body);
   PeerReport p;
   for (int64_t* v : {&p.steps, &p.bytesSent, &p.bytesReceived, &p.messagesApplied, &p.stalenessSum, &p.stalenessMax,
                      &p.peersLost, &p.stopJob}) {
-    *v = r.get<int64_t>();
+    *v = int64_t(r.u64());
   }
   return p;
 }
 
 UpdateMeta parseUpdate(std::span<const uint8_t> body) {
-  Reader r(body, "UPDATE");
+  ByteReader r(body);
   UpdateMeta m;
-  m.sender = r.get<uint32_t>();
-  const auto encoding = r.get<uint32_t>();
+  m.sender = r.u32();
+  const uint32_t encoding = r.u32();
+  m.version = int64_t(r.u64());
+  m.step = int64_t(r.u64());
+  m.steps = int64_t(r.u64());
+  m.samples = int64_t(r.u64());
+  m.numel = r.u64();
+  checkFits(r, "UPDATE", body.size());
   COHORT_CHECK(encoding <= 1, InvalidArgument, "gossip UPDATE with unknown encoding ", encoding);
   m.encoding = Encoding(encoding);
-  m.version = r.get<int64_t>();
-  m.step = r.get<int64_t>();
-  m.steps = r.get<int64_t>();
-  m.samples = r.get<int64_t>();
-  m.numel = r.get<uint64_t>();
   COHORT_CHECK(m.steps >= 1 && m.samples >= 0 && m.version >= 0 && m.step >= 0, InvalidArgument,
                "gossip UPDATE with impossible counters (steps ", m.steps, ", samples ", m.samples, ")");
   return m;
@@ -131,15 +106,15 @@ void appendRowPayload(std::vector<uint8_t>& frame, std::span<const uint8_t> dens
                       std::span<const float> update, RowValues values) {
   COHORT_CHECK(rows.size() == tables.size(), InvalidArgument, "gossip: rows for ", rows.size(), " tables, expected ",
                tables.size());
-  put<uint64_t>(frame, denseMessage.size());
+  putFixed64(frame, denseMessage.size());
   frame.insert(frame.end(), denseMessage.begin(), denseMessage.end());
-  put<uint32_t>(frame, uint32_t(values));
+  putFixed32(frame, uint32_t(values));
   const size_t valueBytes = rowValueBytes(values);
   std::vector<uint16_t> bits;
   for (size_t t = 0; t < tables.size(); ++t) {
     const RowTable& table = tables[t];
-    put<uint32_t>(frame, uint32_t(rows[t].size()));
-    for (uint32_t r : rows[t]) put<uint32_t>(frame, r);
+    putFixed32(frame, uint32_t(rows[t].size()));
+    for (uint32_t r : rows[t]) putFixed32(frame, r);
     bits.resize(table.dim);
     for (uint32_t r : rows[t]) {
       const std::span<const float> v = update.subspan(size_t(table.offset + uint64_t(r) * table.dim), table.dim);
@@ -164,38 +139,39 @@ void appendRowPayload(std::vector<uint8_t>& frame, std::span<const uint8_t> dens
 }
 
 RowPayload parseRowPayload(std::span<const uint8_t> payload, std::span<const RowTable> tables) {
-  Reader r(payload, "UPDATE (rows)");
+  const char* what = "UPDATE (rows)";
+  ByteReader r(payload);
   RowPayload out;
-  const auto messageBytes = r.get<uint64_t>();
-  COHORT_CHECK(messageBytes <= r.rest().size(), InvalidArgument, "gossip UPDATE with a dense part of ", messageBytes,
+  const uint64_t messageBytes = r.u64();
+  checkFits(r, what, payload.size());
+  COHORT_CHECK(messageBytes <= r.left(), InvalidArgument, "gossip UPDATE with a dense part of ", messageBytes,
                " bytes in a payload of ", payload.size());
-  out.denseMessage = r.rest().subspan(0, size_t(messageBytes));
-  Reader kind(r.rest().subspan(size_t(messageBytes)), "UPDATE (rows)");
-  const auto valueType = kind.get<uint32_t>();
+  out.denseMessage = r.bytes(size_t(messageBytes));
+  const uint32_t valueType = r.u32();
+  checkFits(r, what, payload.size());
   COHORT_CHECK(valueType <= uint32_t(RowValues::kBfloat16), InvalidArgument, "gossip UPDATE with unknown row values ",
                valueType, " (0 float32, 1 fp16, 2 bf16)");
   out.valueType = RowValues(valueType);
   const size_t valueBytes = rowValueBytes(out.valueType);
-  size_t at = r.at() + size_t(messageBytes) + kind.at();
   std::vector<uint16_t> bits;
   for (const RowTable& table : tables) {
-    Reader t(payload.subspan(at), "UPDATE (rows)");
-    const auto count = t.get<uint32_t>();
+    const uint32_t count = r.u32();
+    checkFits(r, what, payload.size());
     COHORT_CHECK(count <= table.rows, InvalidArgument, "gossip UPDATE with ", count, " rows of a table of ",
                  table.rows);
     const uint64_t bytes = uint64_t(count) * 4 + uint64_t(count) * table.dim * valueBytes;
-    COHORT_CHECK(bytes <= t.rest().size(), InvalidArgument, "gossip UPDATE (rows) frame is truncated (", count,
-                 " rows of ", table.dim, " values of ", valueBytes, " bytes in ", t.rest().size(), " bytes)");
+    COHORT_CHECK(bytes <= r.left(), InvalidArgument, "gossip UPDATE (rows) frame is truncated (", count,
+                 " rows of ", table.dim, " values of ", valueBytes, " bytes in ", r.left(), " bytes)");
     std::vector<uint32_t> rows(count);
     for (uint32_t i = 0; i < count; ++i) {
-      rows[i] = t.get<uint32_t>();
+      rows[i] = r.u32();
       COHORT_CHECK(rows[i] < table.rows, InvalidArgument, "gossip UPDATE with row ", rows[i], " of a table of ",
                    table.rows, " rows");
       COHORT_CHECK(i == 0 || rows[i] > rows[i - 1], InvalidArgument, "gossip UPDATE rows not strictly increasing at row ",
                    rows[i]);
     }
     std::vector<float> values(size_t(count) * table.dim);
-    const uint8_t* data = t.rest().data();
+    const uint8_t* data = r.take(values.size() * valueBytes);
     if (!values.empty()) {
       if (out.valueType == RowValues::kFloat32) {
         std::memcpy(values.data(), data, values.size() * sizeof(float));
@@ -209,12 +185,10 @@ RowPayload parseRowPayload(std::span<const uint8_t> payload, std::span<const Row
         }
       }
     }
-    at += t.at() + values.size() * valueBytes;
     out.rows.push_back(std::move(rows));
     out.values.push_back(std::move(values));
   }
-  COHORT_CHECK(at == payload.size(), InvalidArgument, "gossip UPDATE with ", payload.size() - at,
-               " bytes after its rows");
+  COHORT_CHECK(r.left() == 0, InvalidArgument, "gossip UPDATE with ", r.left(), " bytes after its rows");
   return out;
 }
 
@@ -225,44 +199,40 @@ void putBytes(std::vector<uint8_t>& out, const std::array<uint8_t, N>& bytes) {
   out.insert(out.end(), bytes.begin(), bytes.end());
 }
 
-template <size_t N>
-std::array<uint8_t, N> getBytes(Reader& r) {
-  std::array<uint8_t, N> out{};
-  for (auto& b : out) b = r.get<uint8_t>();
-  return out;
-}
 
 void checkProtocol(uint32_t protocol) {
   COHORT_CHECK(protocol == kProtocol, InvalidArgument, "gossip protocol ", protocol, " (this build speaks ",
                kProtocol, "): run the same cohort binary on every peer");
 }
 
-void checkConsumed(const Reader& r, std::span<const uint8_t> body, const char* what) {
-  COHORT_CHECK(r.at() == body.size(), InvalidArgument, "gossip ", what, " frame of ", body.size(),
-               " bytes, expected ", r.at());
+// Throws unless the reads of `what`'s body fitted and used all of it.
+void checkConsumed(const ByteReader& r, std::span<const uint8_t> body, const char* what) {
+  checkFits(r, what, body.size());
+  COHORT_CHECK(r.left() == 0, InvalidArgument, "gossip ", what, " frame of ", body.size(), " bytes, expected ",
+               r.consumed());
 }
 
-// label | protocol | connector | acceptor | world size | acceptor nonce | connector nonce
-Proof transcriptMac(const std::string& secret, std::string_view label, const Transcript& t) {
-  std::vector<uint8_t> bytes;
-  put<uint32_t>(bytes, kProtocol);
-  put<uint32_t>(bytes, t.connector);
-  put<uint32_t>(bytes, t.acceptor);
-  put<uint32_t>(bytes, t.worldSize);
+// The transcript: a zero byte (ending the label) | protocol | connector | acceptor | world size |
+// acceptor nonce | connector nonce.
+auth::Handshake handshake(const std::string& secret, const Transcript& t) {
+  constexpr auth::Labels kLabels{"cohort gossip connector", "cohort gossip acceptor", "cohort gossip session"};
+  std::vector<uint8_t> bytes{0};
+  putFixed32(bytes, kProtocol);
+  putFixed32(bytes, t.connector);
+  putFixed32(bytes, t.acceptor);
+  putFixed32(bytes, t.worldSize);
   putBytes(bytes, t.acceptorNonce);
   putBytes(bytes, t.connectorNonce);
-  crypto::HmacSha256 mac(secret);
-  mac.update(label).update(std::string_view("\0", 1)).update(bytes);
-  return mac.final();
+  return auth::Handshake(secret, kLabels, std::move(bytes));
 }
 
 }  // namespace
 
 std::vector<uint8_t> challengeFrame(const Challenge& c) {
   auto frame = withHeader(FrameType::kChallenge);
-  put<uint32_t>(frame, c.protocol);
-  put<uint32_t>(frame, c.rank);
-  put<uint32_t>(frame, c.worldSize);
+  putFixed32(frame, c.protocol);
+  putFixed32(frame, c.rank);
+  putFixed32(frame, c.worldSize);
   putBytes(frame, c.nonce);
   setLength(frame);
   return frame;
@@ -270,9 +240,9 @@ std::vector<uint8_t> challengeFrame(const Challenge& c) {
 
 std::vector<uint8_t> helloFrame(const Hello& h) {
   auto frame = withHeader(FrameType::kHello);
-  put<uint32_t>(frame, h.protocol);
-  put<uint32_t>(frame, h.rank);
-  put<uint32_t>(frame, h.worldSize);
+  putFixed32(frame, h.protocol);
+  putFixed32(frame, h.rank);
+  putFixed32(frame, h.worldSize);
   putBytes(frame, h.nonce);
   putBytes(frame, h.proof);
   setLength(frame);
@@ -288,97 +258,75 @@ std::vector<uint8_t> acceptFrame(const Proof& proof) {
 
 std::vector<uint8_t> refuseFrame(RefuseReason reason) {
   auto frame = withHeader(FrameType::kRefuse);
-  put<uint32_t>(frame, uint32_t(reason));
+  putFixed32(frame, uint32_t(reason));
   setLength(frame);
   return frame;
 }
 
 Challenge parseChallenge(std::span<const uint8_t> body) {
-  Reader r(body, "CHALLENGE");
+  ByteReader r(body);
   Challenge c;
-  c.protocol = r.get<uint32_t>();
+  c.protocol = r.u32();
+  checkFits(r, "CHALLENGE", body.size());
   checkProtocol(c.protocol);
-  c.rank = r.get<uint32_t>();
-  c.worldSize = r.get<uint32_t>();
-  c.nonce = getBytes<kNonceBytes>(r);
+  c.rank = r.u32();
+  c.worldSize = r.u32();
+  r.copyTo(c.nonce);
   checkConsumed(r, body, "CHALLENGE");
   return c;
 }
 
 Hello parseHello(std::span<const uint8_t> body) {
-  Reader r(body, "HELLO");
+  ByteReader r(body);
   Hello h;
-  h.protocol = r.get<uint32_t>();
+  h.protocol = r.u32();
+  checkFits(r, "HELLO", body.size());
   checkProtocol(h.protocol);
-  h.rank = r.get<uint32_t>();
-  h.worldSize = r.get<uint32_t>();
-  h.nonce = getBytes<kNonceBytes>(r);
-  h.proof = getBytes<kProofBytes>(r);
+  h.rank = r.u32();
+  h.worldSize = r.u32();
+  r.copyTo(h.nonce);
+  r.copyTo(h.proof);
   checkConsumed(r, body, "HELLO");
   return h;
 }
 
 Proof parseAccept(std::span<const uint8_t> body) {
-  Reader r(body, "ACCEPT");
-  const Proof p = getBytes<kProofBytes>(r);
+  ByteReader r(body);
+  Proof p{};
+  r.copyTo(p);
   checkConsumed(r, body, "ACCEPT");
   return p;
 }
 
 RefuseReason parseRefuse(std::span<const uint8_t> body) {
-  Reader r(body, "REFUSE");
-  const auto reason = r.get<uint32_t>();
+  ByteReader r(body);
+  const uint32_t reason = r.u32();
   checkConsumed(r, body, "REFUSE");
   COHORT_CHECK(reason >= 1 && reason <= 4, InvalidArgument, "gossip REFUSE with unknown reason ", reason);
   return RefuseReason(reason);
 }
 
-Proof connectorProof(const std::string& secret, const Transcript& t) {
-  return transcriptMac(secret, "cohort gossip connector", t);
-}
+Proof connectorProof(const std::string& secret, const Transcript& t) { return handshake(secret, t).connectorProof(); }
 
-Proof acceptorProof(const std::string& secret, const Transcript& t) {
-  return transcriptMac(secret, "cohort gossip acceptor", t);
-}
+Proof acceptorProof(const std::string& secret, const Transcript& t) { return handshake(secret, t).acceptorProof(); }
 
-Proof sessionKey(const std::string& secret, const Transcript& t) {
-  return transcriptMac(secret, "cohort gossip session", t);
-}
+Proof sessionKey(const std::string& secret, const Transcript& t) { return handshake(secret, t).sessionKey(); }
 
-Nonce freshNonce() {
-  Nonce n{};
-  crypto::randomBytes(n);
-  return n;
-}
+Nonce freshNonce() { return auth::freshNonce(); }
 
 bool sameProof(const Proof& a, const Proof& b) { return crypto::equalConstantTime(a, b); }
 
-struct FrameSealer::State {
-  // AES-128-GMAC under the first 16 bytes of the session key: the frames are bulk (a whole
-  // model's update), and GHASH tags them several times faster than HMAC-SHA256 would.
-  explicit State(const Proof& key) : mac(std::span<const uint8_t, 16>(key.data(), 16)) {}
-  crypto::Gmac mac;
-};
-
-FrameSealer::FrameSealer(const Proof& sessionKey) : state_(std::make_unique<State>(sessionKey)) {}
+// A stream's frames go one way, to the acceptor.
+FrameSealer::FrameSealer(const Proof& sessionKey) : tags_(sessionKey, auth::Direction::kToAcceptor) {}
 
 FrameSealer::~FrameSealer() = default;
-
-std::array<uint8_t, kTagBytes> FrameSealer::tag(std::span<const uint8_t> header, std::span<const uint8_t> body) {
-  // The nonce is the frame's number: unique under this session's key, and a replayed or
-  // reordered frame is checked under another number.
-  std::array<uint8_t, 12> nonce{};
-  const uint64_t number = next_++;
-  for (int i = 0; i < 8; ++i) nonce[size_t(i)] = uint8_t(number >> (8 * i));
-  return state_->mac.tag(nonce, {header, body});
-}
 
 void FrameSealer::seal(std::vector<uint8_t>& frame) {
   COHORT_CHECK(frame.size() >= kHeaderBytes, InvalidArgument, "a gossip frame without a header");
   frame.resize(frame.size() + kTagBytes);  // the length covers the tag
   setLength(frame);
-  const auto t = tag(std::span(frame).first(kHeaderBytes),
-                     std::span(frame).subspan(kHeaderBytes, frame.size() - kHeaderBytes - kTagBytes));
+  const auth::Tag t = tags_.seal(std::span(frame).first(kHeaderBytes),
+                                 std::span(frame).subspan(kHeaderBytes, frame.size() - kHeaderBytes - kTagBytes));
   std::copy(t.begin(), t.end(), frame.end() - kTagBytes);
 }
 
@@ -387,8 +335,7 @@ std::span<const uint8_t> FrameSealer::open(std::span<const uint8_t, kHeaderBytes
   COHORT_CHECK(body.size() >= kTagBytes, InvalidArgument, "gossip frame of ", body.size(),
                " bytes has no room for its tag");
   const auto content = body.first(body.size() - kTagBytes);
-  const auto expected = tag(header, content);
-  COHORT_CHECK(crypto::equalConstantTime(expected, body.last(kTagBytes)), InvalidArgument,
+  COHORT_CHECK(tags_.open(header, content, body.last(kTagBytes)), InvalidArgument,
                "gossip frame with a wrong tag: altered, replayed or out of order");
   return content;
 }

@@ -20,24 +20,24 @@
 //   DONE      = the sender's PeerReport (8 i64) | tag (16)
 // Integers are little-endian.
 //
-// The handshake proves the job's secret without sending it. The acceptor (the receiving end)
-// speaks first: CHALLENGE with a fresh random nonce. The connector answers HELLO: its own nonce
-// and HMAC-SHA256(secret, "connector" | the transcript), where the transcript is protocol,
-// connector rank, acceptor rank, world size and both nonces. The acceptor checks it in constant
-// time and answers ACCEPT, HMAC(secret, "acceptor" | transcript), which the connector checks in
-// turn; or REFUSE with a reason, and closes. Both ends then key every later frame's tag with
-// HMAC(secret, "session" | transcript): AES-128-GMAC under its first 16 bytes, with the frame's
-// number (u64, then 4 zero bytes) as the nonce, over header | body without the tag. Before ACCEPT a frame's body is at most kMaxHandshakeBody.
+// The handshake and the tags are base/auth_channel.h's. The acceptor (the receiving end) speaks
+// first: CHALLENGE with a fresh random nonce. The connector answers HELLO: its own nonce and its
+// proof under the label "cohort gossip connector", where the transcript is a zero byte, protocol,
+// connector rank, acceptor rank, world size and both nonces. The acceptor checks it and answers
+// ACCEPT with its proof ("cohort gossip acceptor"), which the connector checks in turn; or REFUSE
+// with a reason, and closes. The session key ("cohort gossip session") tags every later frame in
+// the stream's one direction (to the acceptor), over header | body without the tag. Before ACCEPT
+// a frame's body is at most kMaxHandshakeBody.
 //
 // What this holds against a stranger who can connect to a peer's port, forge the address a peer
-// connects to, and read the traffic, but does not know the secret: the secret never crosses the
-// wire (a dictionary attack on the recorded proofs is its only use, so the secret must be random:
-// `cohort launch` makes 128 bits); a recorded HELLO or ACCEPT fails against a fresh nonce (no
-// replay); a proof harvested at a forged address names that connection's nonces and direction
-// and opens nothing else; a stranger who relays a live handshake between two real peers sees the
-// updates go by (no encryption) but cannot insert, change, reorder or replay a frame (the tags),
-// only drop the stream, which the peers see as a lost peer.
+// connects to, and read the traffic, but does not know the secret: auth_channel.h's rules; a
+// proof harvested at a forged address names that connection's nonces, ranks and direction and
+// opens nothing else; a stranger who relays a live handshake between two real peers sees the
+// updates go by but cannot insert, change, reorder or replay a frame, only drop the stream, which
+// the peers see as a lost peer.
 #pragma once
+
+#include "base/auth_channel.h"
 
 #include <array>
 #include <cstddef>
@@ -54,16 +54,16 @@ constexpr uint32_t kMagic = 0x50534743;  // "CGSP"
 constexpr uint32_t kProtocol = 4;  // 3: frame tags are AES-GMAC; 4: row payloads say how their values travel
 constexpr size_t kHeaderBytes = 12;
 constexpr size_t kUpdateHeaderBytes = 48;
-constexpr size_t kNonceBytes = 32;
-constexpr size_t kProofBytes = 32;
-constexpr size_t kTagBytes = 16;
+constexpr size_t kNonceBytes = auth::kNonceBytes;
+constexpr size_t kProofBytes = auth::kProofBytes;
+constexpr size_t kTagBytes = auth::kTagBytes;
 // The largest body a peer reads before the other end proved the secret (HELLO is 76 bytes).
 constexpr uint32_t kMaxHandshakeBody = 256;
 
 enum class FrameType : uint8_t { kHello = 1, kUpdate = 2, kDone = 3, kChallenge = 4, kAccept = 5, kRefuse = 6 };
 
-using Nonce = std::array<uint8_t, kNonceBytes>;
-using Proof = std::array<uint8_t, kProofBytes>;
+using Nonce = auth::Nonce;
+using Proof = auth::Proof;
 
 struct FrameHeader {
   FrameType type = FrameType::kHello;
@@ -154,10 +154,7 @@ class FrameSealer {
   std::span<const uint8_t> open(std::span<const uint8_t, kHeaderBytes> header, std::span<const uint8_t> body);
 
  private:
-  std::array<uint8_t, kTagBytes> tag(std::span<const uint8_t> header, std::span<const uint8_t> body);
-  struct State;
-  std::unique_ptr<State> state_;
-  uint64_t next_ = 0;
+  auth::FrameTags tags_;
 };
 
 // Handshake frames, complete with their length.

@@ -1,6 +1,8 @@
 #include "ps/frame.h"
 #include "ps/wire.h"
 
+#include "base/coding.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -61,7 +63,7 @@ std::string frameHead(const google::protobuf::MessageLite& header) {
   std::string head(kFramePrefixBytes + n, '\0');
   std::memcpy(head.data(), kFrameMagic, sizeof(kFrameMagic));
   const uint32_t length = uint32_t(n);
-  for (int i = 0; i < 4; ++i) head[4 + i] = char((length >> (8 * i)) & 0xff);
+  encodeFixed32(reinterpret_cast<uint8_t*>(head.data() + 4), length);
   header.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(head.data() + kFramePrefixBytes));
   return head;
 }
@@ -80,8 +82,7 @@ Status parseFrame(std::span<const std::span<const uint8_t>> chunks, google::prot
     return invalid(w + ": not a cohort frame (its first bytes are not \"CPSF\"): run the same cohort on workers "
                        "and servers");
   }
-  uint32_t length = 0;
-  for (int i = 0; i < 4; ++i) length |= uint32_t(prefix[4 + i]) << (8 * i);
+  const uint32_t length = decodeFixed32(prefix + 4);
   if (length > kMaxFrameHeaderBytes) {
     return invalid(w + ": a frame header of " + std::to_string(length) + " bytes is over the limit of " +
                    std::to_string(kMaxFrameHeaderBytes));

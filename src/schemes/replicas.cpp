@@ -16,10 +16,9 @@
 #include <cohort/replicas.h>
 
 #include "base/clock.h"
+#include "base/compute_threads.h"
 #include "base/thread_annotations.h"
 #include "schemes/model_sync.h"
-
-#include <dlfcn.h>
 
 #include <torch/torch.h>
 
@@ -32,24 +31,6 @@
 namespace cohort {
 
 namespace {
-
-// libtorch's intra-op threads are OpenMP's, whose thread count is per calling thread; OpenBLAS
-// keeps one process-wide pool. Both are looked up at run time (libtorch links them, cohort does not).
-void setOpenMpThreadsOfThisThread(int threads) {
-  using SetFn = void (*)(int);
-  if (auto fn = reinterpret_cast<SetFn>(::dlsym(RTLD_DEFAULT, "omp_set_num_threads"))) fn(threads);
-}
-
-int openBlasThreads() {
-  using GetFn = int (*)();
-  auto fn = reinterpret_cast<GetFn>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  return fn ? fn() : 0;
-}
-
-void setOpenBlasThreads(int threads) {
-  using SetFn = void (*)(int);
-  if (auto fn = reinterpret_cast<SetFn>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(threads);
-}
 
 // Thrown on a replica thread that stops because another replica failed: not the step's error.
 struct Aborted {};
@@ -488,7 +469,7 @@ struct ReplicaGroup::Impl {
     // here left every replica at 2 threads on LibTorch 2.11).
     at::internal::lazy_init_num_threads();
     (void)at::get_num_threads();
-    setOpenMpThreadsOfThisThread(1);
+    setOpenMpThreads(1);
     int64_t seen = 0;
     while (true) {
       Clock::time_point woken;

@@ -2,9 +2,11 @@
 
 #include <cohort/error.h>
 
+#include "base/socket_io.h"
+#include "base/stats.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -30,27 +32,10 @@ Clock::time_point after(double seconds) {
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Reads or writes exactly n bytes, waiting at most until `deadline` for each chunk.
+// Reads or writes exactly n bytes before `deadline`.
 bool transfer(int fd, char* data, size_t n, bool write, Clock::time_point deadline) {
-  size_t done = 0;
-  while (done < n) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) return false;
-    pollfd p{fd, short(write ? POLLOUT : POLLIN), 0};
-    const int ready = ::poll(&p, 1, int(left));
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) return false;
-    const ssize_t got = write ? ::send(fd, data + done, n - done, MSG_NOSIGNAL) : ::recv(fd, data + done, n - done, 0);
-    if (got < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (got <= 0) return false;
-    done += size_t(got);
-  }
-  return true;
+  const IoLimits limits{.deadline = deadline};
+  return (write ? writeFull(fd, data, n, limits) : readFull(fd, data, n, limits)) == IoStatus::kOk;
 }
 
 constexpr size_t kBulk = 16 << 20;
@@ -65,8 +50,7 @@ constexpr int kBulkRounds = 7;
   if (::poll(&p, 1, int(timeoutSeconds * 1000)) <= 0) ::_exit(1);
   const int fd = ::accept(listener, nullptr, nullptr);
   if (fd < 0) ::_exit(1);
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  setNoDelay(fd);
   char byte = 0;
   for (int i = 0; i < kPings; ++i) {
     if (!transfer(fd, &byte, 1, false, deadline) || !transfer(fd, &byte, 1, true, deadline)) ::_exit(1);
@@ -103,11 +87,10 @@ LinkProbe probeLoopback(double timeoutSeconds) {
   ::close(listener);
 
   LinkProbe probe;
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  bool ok = fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-  int one = 1;
-  if (ok) ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   const Clock::time_point deadline = after(timeoutSeconds);
+  std::string error;
+  const int fd = connectTo(HostPort{"127.0.0.1", ntohs(addr.sin_port)}, deadline, error);
+  bool ok = fd >= 0;
   std::vector<double> rtt;
   char byte = 1;
   for (int i = 0; ok && i < kPings; ++i) {
