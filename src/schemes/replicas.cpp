@@ -608,7 +608,7 @@ ReplicaGroup::ReplicaGroup(Kind kind, const Job* job, std::shared_ptr<torch::nn:
       replica.module = model;
     } else {
       try {
-        replica.module = model->clone(replica.device);
+        replica.module = replica.device == home ? model->clone() : model->clone(replica.device);
       } catch (const c10::Error& e) {
         std::string what = e.what_without_backtrace();
         throw InvalidArgument(detail::concat(s.who, ": the model cannot be copied into replicas (",
