@@ -3,6 +3,8 @@
 #include <cohort/device.h>
 #include <cohort/error.h>
 #include <cohort/job.h>
+#include <cohort/replicas.h>
+#include <cohort/tensor_parallel.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -84,6 +86,52 @@ TEST(Device, DataParallelRefusesAModelOnTwoDevices) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("needs the whole model on one device"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("meta"), std::string::npos) << e.what();
+  }
+}
+
+// A layer whose one parameter is on the meta device (Module::to cannot move a parameter there).
+struct MetaLayerImpl : torch::nn::Module {
+  MetaLayerImpl() { register_parameter("weight", torch::zeros({3}, torch::TensorOptions().device(torch::kMeta))); }
+  torch::Tensor forward(const torch::Tensor& x) { return x; }
+};
+TORCH_MODULE(MetaLayer);
+
+// The replica handles take a model on one device (the CPU or a GPU), Hogwild the CPU only: each
+// refusal is one line naming the fix.
+std::string replicaError(bool hogwild, torch::nn::Module& net) {
+  auto module = std::shared_ptr<torch::nn::Module>(&net, [](torch::nn::Module*) {});
+  torch::optim::SGD opt(net.parameters(), 0.1);
+  try {
+    if (hogwild) {
+      Hogwild h(module, opt, {.replicas = 2});
+    } else {
+      Mirrored m(module, opt, {.replicas = 2});
+    }
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Device, ReplicasRefuseAModelOnTwoDevicesAndHogwildOneOffTheCpu) {
+  OnTwoDevices net;
+  const std::string two = replicaError(false, net);
+  EXPECT_NE(two.find("parameter elsewhere is on meta and host on cpu; move the whole model to one device"),
+            std::string::npos) << two;
+  EXPECT_EQ(two.find('\n'), std::string::npos) << two;
+  MetaLayer away;
+  const std::string hogwild = replicaError(true, *away);
+  EXPECT_NE(hogwild.find("a CPU scheme: call module->to(torch::kCPU) (--device cpu)"), std::string::npos) << hogwild;
+  EXPECT_EQ(hogwild.find('\n'), std::string::npos) << hogwild;
+}
+
+TEST(Device, TensorParallelRefusesAModelOnTwoDevices) {
+  torch::nn::Sequential net(torch::nn::Linear(4, 6), MetaLayer());
+  try {
+    TensorParallel tp(Job::single(), net, torch::zeros({2, 4}));
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("move the whole model to one device"), std::string::npos) << e.what();
   }
 }
 

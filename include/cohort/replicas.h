@@ -27,6 +27,14 @@
 // The gradient is the shards' gradients weighted by their sizes: for Mirrored and CentralStorage a
 // step equals one step of a single process on the whole batch.
 //
+// Devices: Mirrored and CentralStorage take a model on the CPU or on a GPU (Hogwild: the CPU only).
+// With the model on cuda:K, replica r is on cuda:((K + r) mod the GPU count): with one GPU every
+// replica shares it, with several there is one per GPU (TensorFlow's MirroredStrategy). Each
+// replica's shard is copied to its device; the gradients are summed on replica 0's device
+// (device-to-device copies) and the sum copied back to every replica's, which applies it
+// (CentralStorage: replica 0 applies it to the one parameter set, which a replica on another GPU
+// copies before each step). The batch may be on any device.
+//
 // Contract: the model and the optimizer are the caller's and are replica 0's (what it evaluates and
 // checkpoints); the other replicas are deep copies made by the constructor (every submodule must be
 // torch::nn::Cloneable, as the built-in layers and cohort's TorchScript layers are), with copies of

@@ -19,7 +19,9 @@
 //
 // Ranks: rank = replica * W + way. The W ways of one replica read the same batches; the R copies
 // of one way form dataJob(). Every forward and backward is a collective of the replica's W ways,
-// called in the same order (evaluation too). Errors are cohort::Error subclasses.
+// called in the same order (evaluation too). The model may be on the CPU or on one GPU per process
+// (the split layers are made on its device); the ways' sums go through the job's Gloo group,
+// which stages CUDA tensors through host memory. Errors are cohort::Error subclasses.
 #pragma once
 
 #include <cohort/export.h>

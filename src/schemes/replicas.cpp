@@ -50,8 +50,12 @@ struct ReplicaGroup::Impl {
     int64_t numel = 0;
     std::vector<torch::Tensor> local;              // [r]: replica r's weighted gradients, flat
     std::vector<std::vector<torch::Tensor>> localSlots;  // [r][i]: parameter i's part of local[r]
-    torch::Tensor sum;                             // the sum over the replicas, flat
+    torch::Tensor sum;                             // the sum over the replicas, flat, on replica 0's device
     std::vector<torch::Tensor> sumSlots;           // [i], shaped like the parameter
+    // [r]: the sum on replica r's device (the sum itself where that is replica 0's), and its
+    // parameter i's part, [r][i]: what replica r's gradients point into.
+    std::vector<torch::Tensor> sumOnDevice;
+    std::vector<std::vector<torch::Tensor>> sumOnDeviceSlots;
     std::atomic<int> arrived{0};                   // replicas that have filled the bucket this step
     std::atomic<int> summedChunks{0};
     CommWork crossWork;  // Mirrored across processes: the sum's allreduce, launched this step
@@ -59,6 +63,7 @@ struct ReplicaGroup::Impl {
 
   // Per replica thread; touched by that thread only during a step.
   struct Replica {
+    c10::Device device{c10::kCPU};  // where its copy of the model, its shards and its gradients are
     std::shared_ptr<torch::nn::Module> module;
     std::vector<torch::Tensor> params;  // trainable, in the same order on every replica
     std::unique_ptr<torch::optim::Optimizer> ownOptimizer;  // replicas 1..R-1 (Mirrored, Hogwild)
@@ -127,6 +132,9 @@ struct ReplicaGroup::Impl {
   bool stopping GUARDED_BY(mutex) = false;
 
   bool sumsGradients() const { return kind != Kind::kHogwild; }
+  // Whether replica r's copy is on another device than replica 0's (a second GPU): its sums are
+  // copied to it, and CentralStorage's parameters are copied to it before each step.
+  bool elsewhere(size_t r) const { return replicas[r].device != replicas[0].device; }
 
   // ---- waits between replicas ----
 
@@ -181,10 +189,16 @@ struct ReplicaGroup::Impl {
     for (auto& group : groups) {
       auto bucket = std::make_unique<Bucket>();
       for (size_t k : group) bucket->numel += params[k].numel();
-      bucket->sum = torch::zeros({bucket->numel});
+      bucket->sum = torch::zeros({bucket->numel}, torch::TensorOptions().device(replicas[0].device));
       bucket->local.resize(R);
       bucket->localSlots.resize(R);
-      for (size_t r = 0; r < R; ++r) bucket->local[r] = torch::zeros({bucket->numel});
+      bucket->sumOnDevice.resize(R);
+      bucket->sumOnDeviceSlots.resize(R);
+      for (size_t r = 0; r < R; ++r) {
+        const auto on = torch::TensorOptions().device(replicas[r].device);
+        bucket->local[r] = torch::zeros({bucket->numel}, on);
+        bucket->sumOnDevice[r] = elsewhere(r) ? torch::zeros({bucket->numel}, on) : bucket->sum;
+      }
       int64_t offset = 0;
       for (size_t k : group) {
         slotOf[k] = {buckets.size(), bucket->params.size()};
@@ -192,6 +206,8 @@ struct ReplicaGroup::Impl {
         bucket->sumSlots.push_back(bucket->sum.narrow(0, offset, params[k].numel()).view(params[k].sizes()));
         for (size_t r = 0; r < R; ++r) {
           bucket->localSlots[r].push_back(bucket->local[r].narrow(0, offset, params[k].numel()).view(params[k].sizes()));
+          bucket->sumOnDeviceSlots[r].push_back(
+              bucket->sumOnDevice[r].narrow(0, offset, params[k].numel()).view(params[k].sizes()));
         }
         offset += params[k].numel();
       }
@@ -231,7 +247,9 @@ struct ReplicaGroup::Impl {
       torch::NoGradGuard noGrad;
       auto out = bucket.sum.narrow(0, begin, end - begin);
       out.copy_(bucket.local[0].narrow(0, begin, end - begin));
-      for (int64_t q = 1; q < R; ++q) out.add_(bucket.local[size_t(q)].narrow(0, begin, end - begin));
+      // A replica on another GPU: its part is copied to replica 0's device first (to() orders
+      // the copy after the work queued on both devices).
+      for (int64_t q = 1; q < R; ++q) out.add_(bucket.local[size_t(q)].narrow(0, begin, end - begin).to(out.device()));
     }
     if (bucket.summedChunks.fetch_add(1) + 1 == R && comm != nullptr && options.overlap) launchSummed();
   }
@@ -274,6 +292,15 @@ struct ReplicaGroup::Impl {
       return;
     }
     clearGradients(*self.module);
+    if (kind == Kind::kCentral && elsewhere(r)) {
+      // CentralStorage's one parameter set is replica 0's; a replica on another GPU computes
+      // against a copy of it, refreshed here (its buffers too: its own updates to them are not kept).
+      torch::NoGradGuard noGrad;
+      for (size_t k = 0; k < self.params.size(); ++k) self.params[k].copy_(replicas[0].params[k]);
+      auto mine = self.module->buffers();
+      auto first = replicas[0].module->buffers();
+      for (size_t i = 0; i < mine.size() && i < first.size(); ++i) mine[i].copy_(first[i]);
+    }
     for (size_t b = 0; b < buckets.size(); ++b) {
       self.filled[b].assign(buckets[b]->params.size(), false);
       self.pending[b] = buckets[b]->params.size();
@@ -331,9 +358,14 @@ struct ReplicaGroup::Impl {
     if (kind == Kind::kCentral && r != 0) return;  // one optimizer, on the one parameter set
     updating = true;
     const auto start = Clock::now();
+    if (elsewhere(r)) {
+      // The sums, complete on replica 0's device, copied to this replica's.
+      torch::NoGradGuard noGrad;
+      for (auto& bucket : buckets) bucket->sumOnDevice[r].copy_(bucket->sum);
+    }
     for (size_t k = 0; k < self.params.size(); ++k) {
       auto [b, i] = slotOf[k];
-      self.params[k].mutable_grad() = buckets[b]->sumSlots[i];
+      self.params[k].mutable_grad() = buckets[b]->sumOnDeviceSlots[r][i];
     }
     self.optimizer->step();
     self.times.optimizer += secondsSince(start);
@@ -515,11 +547,24 @@ ReplicaGroup::ReplicaGroup(Kind kind, const Job* job, std::shared_ptr<torch::nn:
   std::vector<std::pair<std::string, torch::Tensor>> named;
   for (auto& [name, p] : uniqueParameters(*model)) {
     if (!p.requires_grad()) continue;
-    COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.device().is_cpu(), InvalidArgument, s.who, ": parameter ",
-                 name, " is ", p.dtype(), " on ", p.device(), "; replicas train float32 parameters on the CPU");
+    COHORT_CHECK(p.scalar_type() == torch::kFloat32, InvalidArgument, s.who, ": parameter ", name, " is ", p.dtype(),
+                 "; replicas train float32 parameters: call module->to(torch::kFloat32)");
+    COHORT_CHECK(kind != Kind::kHogwild || p.device().is_cpu(), InvalidArgument, s.who, ": parameter ", name,
+                 " is on ", p.device(), "; Hogwild's threads update one copy in host memory without locks, a CPU "
+                 "scheme: call module->to(torch::kCPU) (--device cpu), or use Mirrored on the GPU");
+    COHORT_CHECK(named.empty() || p.device() == named[0].second.device(), InvalidArgument, s.who, ": parameter ",
+                 name, " is on ", p.device(), " and ", named[0].first, " on ", named[0].second.device(),
+                 "; move the whole model to one device (module->to(device))");
     named.emplace_back(name, p);
   }
   COHORT_CHECK(!named.empty(), InvalidArgument, s.who, ": the module has no parameters that require gradients");
+  // Replica r on the r-th GPU after the model's, wrapping around (one GPU: all of them on it).
+  const c10::Device home = named[0].second.device();
+  const int gpus = home.is_cuda() ? int(torch::cuda::device_count()) : 0;
+  auto deviceOf = [&](size_t r) {
+    if (!home.is_cuda()) return home;
+    return c10::Device(c10::kCUDA, c10::DeviceIndex((int(home.index()) + int(r)) % gpus));
+  };
   if (job != nullptr) s.comm = job->communicator();
   if (s.comm != nullptr) {
     checkSameModel(*s.comm, *model, s.who, detail::concat("replicas=", options.replicas));
@@ -539,11 +584,12 @@ ReplicaGroup::ReplicaGroup(Kind kind, const Job* job, std::shared_ptr<torch::nn:
   s.replicas.resize(R);
   for (size_t r = 0; r < R; ++r) {
     Impl::Replica& replica = s.replicas[r];
+    replica.device = deviceOf(r);
     if (r == 0) {
       replica.module = model;
     } else {
       try {
-        replica.module = model->clone();
+        replica.module = replica.device == home ? model->clone() : model->clone(replica.device);
       } catch (const c10::Error& e) {
         std::string what = e.what_without_backtrace();
         throw InvalidArgument(detail::concat(s.who, ": the model cannot be copied into replicas (",
@@ -555,7 +601,7 @@ ReplicaGroup::ReplicaGroup(Kind kind, const Job* job, std::shared_ptr<torch::nn:
       if (p.requires_grad()) replica.params.push_back(p);
     }
     COHORT_CHECK_EQ(replica.params.size(), named.size(), Error, s.who, ": a copy of the model has another parameter count");
-    if (r > 0 && kind != Kind::kMirrored) {
+    if (r > 0 && kind != Kind::kMirrored && replica.device == home) {
       // One set of parameters: the copies are distinct tensors (each its own gradient) over the
       // same memory.
       torch::NoGradGuard noGrad;
@@ -591,7 +637,7 @@ ReplicaGroup::ReplicaGroup(Kind kind, const Job* job, std::shared_ptr<torch::nn:
         return size;
       });
       torch::serialize::InputArchive in;
-      in.load_from(bytes.data(), bytes.size());
+      in.load_from(bytes.data(), bytes.size(), replica.device);
       copy->load(in);
       replica.ownOptimizer = std::move(copy);
       replica.optimizer = replica.ownOptimizer.get();
@@ -642,8 +688,10 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
   int64_t offset = 0;
   for (int r = 0; r < R; ++r) {
     const int64_t size = sizes[size_t(r)];
-    s.shardInputs.push_back(inputs.narrow(0, offset, size));
-    s.shardTargets.push_back(targets.narrow(0, offset, size));
+    // On the replica's device (a no-op where the batch is already there).
+    const c10::Device device = s.replicas[size_t(r)].device;
+    s.shardInputs.push_back(inputs.narrow(0, offset, size).to(device));
+    s.shardTargets.push_back(targets.narrow(0, offset, size).to(device));
     s.replicas[size_t(r)].weight = double(size) / double(n);
     s.replicas[size_t(r)].loss = 0;
     offset += size;
@@ -737,7 +785,7 @@ void ReplicaGroup::synchronizeBuffers() {
   std::vector<torch::Tensor> first;
   for (size_t i = 0; i < all[0].size(); ++i) {
     if (!all[0][i].defined() || !all[0][i].is_floating_point()) continue;
-    for (size_t r = 1; r < all.size(); ++r) all[0][i].add_(all[r][i]);
+    for (size_t r = 1; r < all.size(); ++r) all[0][i].add_(all[r][i].to(all[0][i].device()));
     all[0][i].div_(double(all.size()));
     first.push_back(all[0][i]);
   }

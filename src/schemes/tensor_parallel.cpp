@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include <optional>
 #include <sstream>
 
 namespace cohort {
@@ -138,7 +139,15 @@ TensorParallel::TensorParallel(const Job& job, const nn::Sequential& model, cons
                                TensorParallelOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
-  requireCpuModel(const_cast<torch::nn::SequentialImpl&>(*model), kWho);
+  // The model's device (the CPU or one GPU): the dry run runs there, and the split layers, made on
+  // the CPU from slices of its weights, are moved there at the end.
+  std::optional<c10::Device> device;
+  for (const auto& p : model->parameters()) {
+    if (!device) device = p.device();
+    COHORT_CHECK(p.device() == *device, InvalidArgument, kWho, ": the model's parameters are on ", *device, " and ",
+                 p.device(), "; move the whole model to one device (module->to(device))");
+  }
+  const torch::Tensor onModelDevice = device ? sample.to(*device) : sample;
   const int world = job.worldSize();
   s.ways = options.ways > 0 ? options.ways : world;
   COHORT_CHECK(world % s.ways == 0, InvalidArgument, kWho, ": ", world, " processes cannot hold copies of ", s.ways,
@@ -167,7 +176,7 @@ TensorParallel::TensorParallel(const Job& job, const nn::Sequential& model, cons
   std::vector<std::vector<int64_t>> shapes;
   {
     torch::NoGradGuard noGrad;
-    auto x = sample.narrow(0, 0, std::min<int64_t>(2, sample.size(0)));
+    auto x = onModelDevice.narrow(0, 0, std::min<int64_t>(2, sample.size(0)));
     for (auto& layer : layers) {
       x = layer.forward(x);
       shapes.push_back(x.sizes().vec());
@@ -274,6 +283,7 @@ TensorParallel::TensorParallel(const Job& job, const nn::Sequential& model, cons
                             "layers, pooling and Flatten can)");
     }
   }
+  if (device && !device->is_cpu()) local->to(*device);
   s.local = local;
   s.plan = plan.str();
 }

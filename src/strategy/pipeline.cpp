@@ -40,6 +40,22 @@ constexpr int kGathered = 6;
 
 int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
 
+// Gloo's point-to-point messages read and write host memory, so on a CUDA stage what crosses
+// between stages is staged through pinned host memory. Before a send: copied device to host,
+// blocking (Gloo's thread reads the host copy as soon as the send is posted; the send's handle
+// keeps it alive until then). A CPU stage sends the tensor itself.
+torch::Tensor toWire(const torch::Tensor& t) {
+  if (t.device().is_cpu()) return t.contiguous();
+  auto host = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
+  host.copy_(t);
+  return host;
+}
+
+// A receive buffer for a stage on `device`: pinned host memory when the stage is on a GPU.
+torch::Tensor wireBuffer(const std::vector<int64_t>& shape, c10::ScalarType type, const c10::Device& device) {
+  return torch::empty(shape, torch::TensorOptions().dtype(type).pinned_memory(!device.is_cpu()));
+}
+
 std::vector<int64_t> withBatch(int64_t batch, const std::vector<int64_t>& example) {
   std::vector<int64_t> shape{batch};
   shape.insert(shape.end(), example.begin(), example.end());
@@ -630,24 +646,38 @@ StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
   const size_t K = size_t(std::min(M, peakInFlight(ops) + 1));
   std::vector<CommWork> activationWork(static_cast<size_t>(M));
   std::vector<CommWork> gradientWork(static_cast<size_t>(M));
+  //
+  // On a CUDA stage (the device of the batch, where the Trainer put it and the stage's layers) the
+  // buffers are pinned host memory, and a micro-batch's rows are copied to the device without
+  // blocking. That copy may still be reading the buffer when the receive of micro-batch i+K is
+  // posted, so the slot is not kept: the next post takes a new block from the caching host
+  // allocator, which hands a block out again only once the copies that read it have completed
+  // (the copy records itself on the block). After the first steps those blocks are reused, so the
+  // receive path still allocates no new pinned memory.
+  const c10::Device device = batch.inputs.device();
   auto post = [&](std::vector<torch::Tensor>& buffers, std::vector<CommWork>& work, int i, bool forward) {
     if (i >= M || work[size_t(i)].valid()) return;
     const auto largest = withBatch(size[0], forward ? inShape_ : outShape_);
     if (buffers.size() < K) buffers.resize(K);
     torch::Tensor& buffer = buffers[size_t(i) % K];
     if (!buffer.defined() || buffer.sizes() != c10::IntArrayRef(largest)) {
-      buffer = torch::empty(largest, torch::TensorOptions().dtype(forward ? inType_ : outType_));
+      buffer = wireBuffer(largest, forward ? inType_ : outType_, device);
     }
     work[size_t(i)] = comm_->recvAsync(buffer.narrow(0, 0, size[size_t(i)]), forward ? prevRank() : nextRank(),
                                        2 * i + (forward ? 0 : 1));
   };
   // Micro-batch i's rows of its buffer, once they arrived (a new handle on them, so that autograd
-  // state never stays on the kept buffer); the time blocked is idle time.
+  // state never stays on the kept buffer), on the stage's device; the time blocked is idle time.
   auto take = [&](std::vector<torch::Tensor>& buffers, std::vector<CommWork>& work, int i, bool forward) {
     post(buffers, work, i, forward);
     post(buffers, work, i + 1, forward);
     times.idle += work[size_t(i)].wait();
-    return buffers[size_t(i) % K].narrow(0, 0, size[size_t(i)]).detach();
+    torch::Tensor& buffer = buffers[size_t(i) % K];
+    const torch::Tensor rows = buffer.narrow(0, 0, size[size_t(i)]);
+    if (device.is_cpu()) return rows.detach();
+    torch::Tensor onDevice = rows.to(device, /*non_blocking=*/true);
+    buffer = torch::Tensor();
+    return onDevice;
   };
   if (!first()) post(activationBuffers_, activationWork, 0, true);
   if (!last()) post(gradientBuffers_, gradientWork, 0, false);
@@ -673,7 +703,7 @@ StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
       } else {
         times.forward += secondsSince(computeStart);
         const auto sendStart = Clock::now();
-        sends.push_back(comm_->sendAsync(h.output.detach().contiguous(), nextRank(), 2 * op.micro));
+        sends.push_back(comm_->sendAsync(toWire(h.output.detach()), nextRank(), 2 * op.micro));
         times.send += secondsSince(sendStart);
       }
       live += h.bytes;
@@ -694,7 +724,7 @@ StepStats PipelineStrategy::step(const Batch& batch, const LossFn& loss) {
         const auto sendStart = Clock::now();
         auto grad = h.input.grad();
         if (!grad.defined()) grad = torch::zeros_like(h.input);
-        sends.push_back(comm_->sendAsync(grad.contiguous(), prevRank(), 2 * op.micro + 1));
+        sends.push_back(comm_->sendAsync(toWire(grad), prevRank(), 2 * op.micro + 1));
         times.send += secondsSince(sendStart);
       }
       live -= h.bytes;
@@ -772,10 +802,11 @@ torch::Tensor PipelineStrategy::infer(torch::nn::Sequential& model, const torch:
   const int64_t n = inputs.size(0);
   torch::Tensor x = inputs;
   if (!first()) {
-    x = torch::empty(withBatch(n, inShape_), torch::TensorOptions().dtype(inType_));
+    x = wireBuffer(withBatch(n, inShape_), inType_, inputs.device());
     comm_->recv(x, prevRank(), kEvalTag);
+    x = x.to(inputs.device());
   }
-  auto y = model->forward(x).contiguous();
+  auto y = toWire(model->forward(x));
   if (!last()) {
     comm_->send(y, nextRank(), kEvalTag);
   } else {

@@ -15,6 +15,12 @@
 // Shapes on the wire are known without headers: a dry run at attach time records every layer's
 // output shape for a batch of 2, and the model may only be cut where an output's first dimension
 // is the batch; a micro-batch of m examples then has shape [m, rest...].
+//
+// Devices: each stage's layers are on its process's device (--device cuda: cuda:LOCAL_RANK mod
+// the GPU count, so on one GPU every stage shares cuda:0), and a step runs where its batch is.
+// Gloo's messages are host memory: on a GPU, activations and gradients are copied to pinned host
+// memory before a send and back to the device without blocking after a receive. The cut and
+// --micro-batches auto are chosen before the model moves, from timings on the CPU.
 #pragma once
 
 #include <cohort/communicator.h>
@@ -37,6 +43,7 @@ class PipelineStrategy final : public Strategy {
   PipelineStrategy(std::shared_ptr<Communicator> comm, Options options, std::string checkpointDir, bool resume);
 
   Scheme scheme() const override { return Scheme::kPipeline; }
+  bool trainsOnDevices() const override { return true; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override { return {comm_->rank(), comm_->worldSize()}; }
 

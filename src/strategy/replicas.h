@@ -19,6 +19,8 @@ class ReplicaStrategy final : public Strategy {
   ~ReplicaStrategy() override;
 
   Scheme scheme() const override { return scheme_; }
+  // Mirrored and central: replica r on the GPU after the model's, r places on (replicas.h).
+  bool trainsOnDevices() const override { return scheme_ != Scheme::kHogwild; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override;
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;

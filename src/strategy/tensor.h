@@ -22,6 +22,7 @@ class TensorStrategy final : public Strategy {
   ~TensorStrategy() override;
 
   Scheme scheme() const override { return Scheme::kTensor; }
+  bool trainsOnDevices() const override { return true; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override { return {comm_->rank(), comm_->worldSize()}; }
 

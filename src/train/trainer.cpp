@@ -52,8 +52,8 @@ constexpr double kDivergingLoss = 1e4;
 // Why this run trains on the CPU whatever --device says; "" when it can train on a device.
 std::string cpuOnlyReason(const TrainOptions& o, const Strategy& strategy, torch::nn::Module& model) {
   if (!strategy.trainsOnDevices()) {
-    return "--strategy " + strategy.name() + " trains on the CPU only in this version (on a device so far: local "
-           "and allreduce)";
+    return "--strategy " + strategy.name() + " trains on the CPU only in this version (on a device so far: local, "
+           "allreduce, pipeline, tensor, mirrored and central)";
   }
   if (strategy.scheme() == Scheme::kAllreduce && o.strategy.codec != "none") {
     return "--codec " + o.strategy.codec + " works on host memory only so far";
@@ -77,7 +77,7 @@ c10::Device chooseDevice(const TrainOptions& o, const Strategy& strategy, torch:
   if (!isExplicitDevice(o.device)) return c10::Device(c10::kCPU);
   COHORT_CHECK(strategy.scheme() != Scheme::kHogwild, InvalidArgument,
                "--strategy hogwild is a CPU scheme (its threads update one copy of the parameters in host memory "
-               "without locks); use --device cpu, or --strategy local or allreduce on the GPU");
+               "without locks); use --device cpu, or --strategy mirrored (replicas as threads) on the GPU");
   throw InvalidArgument("--device " + o.device + ": " + reason + "; use --device cpu");
 }
 
