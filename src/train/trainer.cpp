@@ -52,8 +52,8 @@ constexpr double kDivergingLoss = 1e4;
 // Why this run trains on the CPU whatever --device says; "" when it can train on a device.
 std::string cpuOnlyReason(const TrainOptions& o, const Strategy& strategy, torch::nn::Module& model) {
   if (!strategy.trainsOnDevices()) {
-    return "--strategy " + strategy.name() + " trains on the CPU only in this version (on a device so far: local "
-           "and allreduce)";
+    return "--strategy " + strategy.name() + " trains on the CPU only in this version (on a device so far: local, "
+           "allreduce, average, ps and gossip)";
   }
   if (strategy.scheme() == Scheme::kAllreduce && o.strategy.codec != "none") {
     return "--codec " + o.strategy.codec + " works on host memory only so far";
