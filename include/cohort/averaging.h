@@ -17,6 +17,15 @@
 // from the tables' gradients; so between two step() calls a table must change only through its
 // rows in the gradient (what an optimizer for sparse gradients does).
 //
+// A model on a CUDA device trains there: the handle keeps a pinned host copy of its parameters
+// (allocated once, the size of the parameters); at each average the parameters leave the device
+// once into it, are averaged in host memory as a CPU model's are (the codec and the outer
+// optimizer too), and go back without blocking the host (ordered before the next kernels).
+// Buffers and optimizer state are staged through pinned host memory the same way. Ranks may mix
+// CPU and CUDA models: what travels is host memory either way. Between averages nothing leaves the
+// device. A sparse table on a device travels whole between device and host at each average (its
+// rows are still exchanged by rows between the ranks).
+//
 // Contract: every rank calls step() and synchronize() equally often (they are collectives of the
 // job's workers), from the training thread. Errors are cohort::Error subclasses; every wait is
 // bounded by the job's timeout.

@@ -14,6 +14,12 @@
 // through those rows, as an optimizer for sparse gradients does) and sends only the rows changed
 // since the last message to a peer.
 //
+// A model on a CUDA device trains there: the handle keeps a pinned host copy of the parameters
+// (allocated once, the size of the parameters), into which they leave the device once per step();
+// the change is computed, sent and the arrived updates added in host memory as for a CPU model,
+// and the parameters go back to the device (without blocking the host, ordered before the next
+// kernels) only when updates from other peers were added. Peers may mix CPU and CUDA models.
+//
 // Peers meet through the rendezvous store at the chief's address; each listens on a socket of its own. A
 // dead peer is logged once and left behind; no step ever waits for another peer. Contract: the
 // same model on every worker; calls from the training thread; finish() once, on every worker.

@@ -15,6 +15,14 @@
 // With push = "updates" the worker runs its own optimizer (pass it) and calls step() after
 // optimizer.step(): the change its optimizer made is pushed and added on the shards.
 //
+// A model on a CUDA device trains there (the shards stay CPU processes): the client keeps pinned
+// host copies of the parameters and, with push = gradients, of the gradients, each allocated once
+// (the size of the parameters). Per step the gradients (with push = updates, the parameters) leave
+// the device once, the push and the reply run as on the CPU, and the parameters the reply brings
+// go back to the device without blocking the host, ordered before the next step's kernels.
+// Sparse tables' gradient rows leave the device as rows, but the tables travel back to the
+// device whole at each step.
+//
 // Contract: the chief (rank 0) initializes the shards with its parameters; every worker's model
 // must have the same parameters (names, shapes; float32). Calls come from the training thread.
 // Every call to a shard is bounded by the job's timeout: UNAVAILABLE is retried with back-off

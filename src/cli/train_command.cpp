@@ -193,8 +193,8 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--device", o.device,
                     "Where the model trains: auto (the local rank's GPU when there is one and the scheme trains on "
                     "devices, else the CPU), cpu, cuda (cuda:LOCAL_RANK mod the GPU count) or cuda:N. On a device so "
-                    "far: --strategy local, allreduce, pipeline, tensor, mirrored (replica r on the r-th GPU after the "
-                    "model's) and central")
+                    "far: --strategy local, allreduce, average, ps (the shards stay on the CPU), gossip, pipeline, "
+                    "tensor, mirrored (replica r on the r-th GPU after the model's) and central")
       ->capture_default_str();
   train->add_option("--seed", o.seed, "Seed for initialization and data order")
       ->check(kSeedValidator)->capture_default_str();

@@ -5,6 +5,7 @@
 #include "base/clock.h"
 #include "compress/codec.h"
 #include "schemes/compressed.h"
+#include "schemes/host_mirror.h"
 #include "schemes/model_sync.h"
 #include "schemes/rows.h"
 
@@ -63,7 +64,11 @@ struct ParameterAveraging::Impl {
   torch::optim::Optimizer* optimizer = nullptr;
   AveragingOptions options;
   compress::CodecSpec codec;
+  // The dense parameters the exchange works on: the module's own on the CPU; on a CUDA device,
+  // views of `mirror`'s pinned host buffer, copied from the device before each average and back
+  // after it (tables likewise).
   std::vector<torch::Tensor> params;
+  std::unique_ptr<HostMirror> mirror;  // null on the CPU
   int64_t sinceAverage = 0;
   std::unique_ptr<CompressedSum> compressed;  // when a codec is set
   torch::Tensor anchor;                       // the parameters after the last average, flat
@@ -71,6 +76,7 @@ struct ParameterAveraging::Impl {
   // Sparse embedding tables (row-sparse gradients) are averaged by rows: only the rows that
   // changed on some replica since the last average travel (averageRows).
   std::vector<torch::Tensor> tables;
+  std::vector<torch::Tensor> tableParams;   // the module's tables, whose gradients name the rows
   std::vector<torch::Tensor> tableAnchors;  // each table after the last average
   // Per table, the rows its gradients touched since the last average (each step's indices, not
   // yet made distinct), so that finding the changed rows costs what the steps touched, not a scan
@@ -84,10 +90,11 @@ struct ParameterAveraging::Impl {
   void recordTouchedRows() {
     torch::NoGradGuard noGrad;
     for (size_t t = 0; t < tables.size(); ++t) {
-      const torch::Tensor& g = tables[t].grad();
+      const torch::Tensor& g = tableParams[t].grad();
       if (!g.defined()) continue;
       if (g.is_sparse()) {
-        touched[t].push_back(g._indices().select(0, 0).clone());
+        const torch::Tensor rows = g._indices().select(0, 0);
+        touched[t].push_back(rows.device().is_cpu() ? rows.clone() : rows.to(torch::kCPU));
       } else {
         wholeTable[t] = true;
       }
@@ -166,6 +173,7 @@ struct ParameterAveraging::Impl {
 
   void average() {
     const auto start = Clock::now();
+    if (mirror) mirror->toHost();  // the parameters leave the device once per average
     std::vector<torch::Tensor> tensors;  // averaged uncompressed
     if (compressed && stats.steps > options.codecWarmupSteps) {
       averageChanges();
@@ -191,7 +199,8 @@ struct ParameterAveraging::Impl {
     if (options.averageOptimizerState) {
       for (auto& t : optimizerStateTensors(*optimizer)) tensors.push_back(t);
     }
-    averageCounted(tensors);
+    averageCounted(tensors);  // the buffers and optimizer state on a device: staged through pinned memory
+    if (mirror) mirror->toDevice();
     sinceAverage = 0;
     ++stats.averages;
     stats.commWaitSeconds += secondsSince(start);
@@ -225,7 +234,7 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
   COHORT_CHECK(options.outerMomentum >= 0 && options.outerMomentum < 1, InvalidArgument, kWho,
                ": outerMomentum must be in [0, 1), got ", options.outerMomentum);
   s.codec = compress::CodecSpec::parse(options.codec);
-  requireCpuModel(module, kWho);
+  const c10::Device device = modelDevice(module, kWho);
   s.options = std::move(options);
   s.module = &module;
   s.optimizer = optimizer;
@@ -235,6 +244,7 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
                  "; ParameterAveraging averages contiguous float32 parameters");
     if (p.dim() == 2 && hasRowSparseGradient(module, p)) {
       s.tables.push_back(p);
+      s.tableParams.push_back(p);
     } else {
       s.params.push_back(p);
     }
@@ -246,6 +256,16 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
                  detail::concat("outer optimizer ", int(s.options.outerOptimizer), " lr=", s.options.outerLr,
                                 " momentum=", s.options.outerMomentum));
   broadcastModel(*s.comm, module);
+  if (!device.is_cpu()) {
+    // From here on the exchange works on host views of the parameters (see `params`).
+    std::vector<torch::Tensor> onDevice = s.params;
+    onDevice.insert(onDevice.end(), s.tables.begin(), s.tables.end());
+    s.mirror = std::make_unique<HostMirror>(onDevice);
+    s.mirror->toHost();
+    const auto& views = s.mirror->views();
+    s.params.assign(views.begin(), views.begin() + ptrdiff_t(s.params.size()));
+    s.tables.assign(views.begin() + ptrdiff_t(s.params.size()), views.end());
+  }
   for (auto& t : s.tables) s.tableAnchors.push_back(t.detach().clone());
   s.touched.resize(s.tables.size());
   s.wholeTable.assign(s.tables.size(), false);

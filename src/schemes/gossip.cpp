@@ -3,6 +3,7 @@
 #include "base/host_port.h"
 
 #include "gossip/peer.h"
+#include "schemes/host_mirror.h"
 #include "schemes/model_sync.h"
 
 #include <cohort/error.h>
@@ -73,6 +74,12 @@ struct Gossip::Impl {
       params_.push_back(p);
     }
     COHORT_CHECK(numel_ > 0, InvalidArgument, "cohort::Gossip: the module has no parameters; there is nothing to send");
+    modelParams_ = params_;
+    mirror_ = mirrorIfOnDevice(modelParams_);
+    if (mirror_) {
+      params_ = mirror_->views();  // the exchange works on pinned host views (see params_)
+      mirror_->toHost();
+    }
     before_.assign(numel_, 0.0f);
     update_.assign(numel_, 0.0f);
     arrived_.assign(numel_, 0.0f);
@@ -123,6 +130,7 @@ struct Gossip::Impl {
       COHORT_CHECK(std::all_of(before_.begin(), before_.end(), [](float v) { return std::isfinite(v); }), CommError,
                    "gossip: the chief's initial parameters hold a NaN or Inf: refusing to start from them");
       copyIn(before_);
+      if (mirror_) mirror_->toDevice();
     }
     // A peer publishes its address only once it holds the chief's parameters, and every peer
     // waits for all addresses: so no one takes its first step before every replica is ready to
@@ -144,6 +152,7 @@ struct Gossip::Impl {
     COHORT_CHECK(!finished_, InvalidArgument, "cohort::Gossip::step() after finish()");
     GossipStep stats;
     const auto start = Clock::now();
+    if (mirror_) mirror_->toHost();  // the parameters leave the device once per step
     // The update is what the optimizer did to the parameters since the last call; a sparse
     // table's, its rows this step's gradient touched (the only ones its optimizer changed).
     std::vector<std::vector<uint32_t>> rows;
@@ -161,6 +170,7 @@ struct Gossip::Impl {
     peer_->publish(update_, gossip::UpdateMeta{.version = version_, .step = steps_, .steps = 1, .samples = samples},
                    live, rows);
     const Applied applied = applyArrived();
+    if (mirror_ && applied.messages > 0) mirror_->toDevice();  // back only when others' changes were added
     if (tables_.empty()) copyOut(before_);
 
     stats.samples = samples + applied.samples;
@@ -186,7 +196,11 @@ struct Gossip::Impl {
 
   // Adds what has arrived; a local change made since the last step() stays unpublished until the
   // next one (applyArrived moves before_ along with the parameters).
-  void synchronize() { applyArrived(); }
+  void synchronize() {
+    if (mirror_) mirror_->toHost();
+    const Applied applied = applyArrived();
+    if (mirror_ && applied.messages > 0) mirror_->toDevice();
+  }
 
   void finish() {
     COHORT_CHECK(!finished_, InvalidArgument, "cohort::Gossip::finish() called twice");
@@ -307,10 +321,11 @@ struct Gossip::Impl {
         }
         continue;
       }
-      const torch::Tensor& g = params_[i].grad();
+      const torch::Tensor& g = modelParams_[i].grad();
       auto& list = rows[size_t(t)];
       if (g.defined() && g.is_sparse()) {
-        const torch::Tensor ids = std::get<0>(torch::_unique(g._indices().select(0, 0), /*sorted=*/true)).contiguous();
+        const torch::Tensor ids =
+            std::get<0>(torch::_unique(g._indices().select(0, 0), /*sorted=*/true)).to(torch::kCPU).contiguous();
         const int64_t* id = ids.data_ptr<int64_t>();
         list.assign(id, id + ids.numel());
       } else if (g.defined()) {  // a dense gradient: any row may have changed
@@ -388,7 +403,12 @@ struct Gossip::Impl {
   GossipContext c_;
   std::mt19937_64 rng_;
   int fanout_ = 1;
+  // What the exchange reads and writes: the module's parameters on the CPU; on a CUDA device,
+  // views of mirror_'s pinned host buffer, copied from the device at each step and back when
+  // updates from the others were added.
   std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> modelParams_;  // the module's parameters, where the model is
+  std::unique_ptr<HostMirror> mirror_;      // null on the CPU
   std::vector<size_t> offsets_;  // of each parameter in the flat buffers
   std::vector<int> tableOf_;     // per parameter: its row table's index, -1 when dense
   std::vector<gossip::RowTable> tables_;  // the sparse embedding tables: their changed rows travel
@@ -414,7 +434,7 @@ Gossip::Gossip(const Job& job, torch::nn::Module& module, GossipOptions options)
 
 Gossip::Gossip(const Job& job, std::unique_ptr<Rendezvous> rendezvous, torch::nn::Module& module,
                GossipOptions options) {
-  requireCpuModel(module, "cohort::Gossip");
+  modelDevice(module, "cohort::Gossip");  // one device: the CPU or a CUDA one
   impl_ = std::make_unique<Impl>(GossipContext{.options = std::move(options),
                                                .cluster = job.cluster(),
                                                .timeoutSeconds = double(job.timeout().count()) / 1000.0});

@@ -2,10 +2,14 @@
 
 #include <cohort/error.h>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/torch.h>
+
+#include <algorithm>
 
 #include <cstring>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <unordered_set>
 
@@ -17,13 +21,49 @@ void exchangePacked(const std::vector<torch::Tensor>& tensors,
   std::map<c10::ScalarType, std::vector<torch::Tensor>> byType;
   for (const auto& t : tensors) byType[t.scalar_type()].push_back(t);
   for (auto& [type, group] : byType) {
-    std::vector<torch::Tensor> flat;
-    for (auto& t : group) flat.push_back(t.reshape({-1}));
-    auto packed = torch::cat(flat);
-    exchange(packed);
+    std::optional<c10::Device> device;  // the group's first device tensor, if any
+    for (const auto& t : group) {
+      if (!t.device().is_cpu()) {
+        device = t.device();
+        break;
+      }
+    }
+    if (!device) {  // all in host memory: packed there, as it always was
+      std::vector<torch::Tensor> flat;
+      for (auto& t : group) flat.push_back(t.reshape({-1}));
+      auto packed = torch::cat(flat);
+      exchange(packed);
+      int64_t offset = 0;
+      for (auto& t : group) {
+        t.copy_(packed.narrow(0, offset, t.numel()).view_as(t));
+        offset += t.numel();
+      }
+      continue;
+    }
+    // Some on a device: packed in pinned host memory (torch's caching host allocator, so a buffer
+    // of this size is reused from one call to the next), the device ones copied out without
+    // blocking and waited for once, exchanged there, and copied back without blocking. The copies
+    // back are ordered before the device's next kernels; the allocator keeps the buffer from
+    // being reused before they have read it (it records an event on the stream of each copy).
+    int64_t total = 0;
+    for (const auto& t : group) total += t.numel();
+    auto packed = torch::empty({total}, torch::TensorOptions().dtype(type).pinned_memory(true));
     int64_t offset = 0;
+    for (const auto& t : group) {
+      packed.narrow(0, offset, t.numel()).copy_(t.reshape({-1}), /*non_blocking=*/true);
+      offset += t.numel();
+    }
+    std::vector<c10::Device> devices;
+    for (const auto& t : group) {
+      if (!t.device().is_cpu() && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+        devices.push_back(t.device());
+      }
+    }
+    for (const auto& d : devices) c10::impl::VirtualGuardImpl(d.type()).getStream(d).synchronize();
+    exchange(packed);
+    offset = 0;
     for (auto& t : group) {
-      t.copy_(packed.narrow(0, offset, t.numel()).view_as(t));
+      t.copy_(packed.narrow(0, offset, t.numel()).view_as(t), /*non_blocking=*/!t.device().is_cpu());
       offset += t.numel();
     }
   }
@@ -175,9 +215,26 @@ void unflattenParameters(const std::vector<torch::Tensor>& params, std::span<con
 void requireCpuModel(torch::nn::Module& model, const std::string& who) {
   for (const auto& [name, p] : uniqueParameters(model)) {
     COHORT_CHECK(p.device().is_cpu(), InvalidArgument, who, ": parameter ", name, " is on ", p.device(), "; ", who,
-                 " trains on the CPU only so far (on a device: DataParallel): call module->to(torch::kCPU), or "
+                 " trains on the CPU only so far (on a device: DataParallel, ParameterAveraging, ParameterServerClient, "
+                 "Gossip): call module->to(torch::kCPU), or "
                  "--device cpu");
   }
+}
+
+c10::Device modelDevice(torch::nn::Module& model, const std::string& who) {
+  std::optional<std::pair<std::string, c10::Device>> first;
+  for (const auto& [name, p] : uniqueParameters(model)) {
+    if (!first) {
+      first.emplace(name, p.device());
+      COHORT_CHECK(p.device().is_cpu() || p.device().is_cuda(), InvalidArgument, who, ": parameter ", name, " is on ",
+                   p.device(), "; ", who, " trains on the CPU or a CUDA device: call module->to(device) first");
+      continue;
+    }
+    COHORT_CHECK(p.device() == first->second, InvalidArgument, who, ": parameter ", name, " is on ", p.device(),
+                 " but ", first->first, " on ", first->second, "; ", who,
+                 " needs the whole model on one device: call module->to(device) first");
+  }
+  return first ? first->second : c10::Device(c10::kCPU);
 }
 
 void clearGradients(torch::nn::Module& model) {

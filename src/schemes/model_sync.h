@@ -19,6 +19,9 @@ namespace cohort {
 
 // Packs the tensors into one flat tensor per dtype, lets `exchange` change it in place (one
 // collective per dtype instead of one per tensor), and copies the result back into the tensors.
+// The packed tensor is always in host memory: tensors on a CUDA device are copied into a pinned
+// host buffer and back (the copy back ordered before the device's next kernels), so that every
+// rank runs the same host collectives whichever devices its tensors are on.
 void exchangePacked(const std::vector<torch::Tensor>& tensors,
                     const std::function<void(torch::Tensor& packed)>& exchange);
 
@@ -56,8 +59,13 @@ std::pair<torch::Tensor, torch::Tensor> gradientRows(const torch::Tensor& grad);
 // of adding to zeros.
 void clearGradients(torch::nn::Module& model);
 
+// The one device the parameters of `model` are on (the CPU for a module without parameters).
+// Throws InvalidArgument, naming `who`, when they are on two devices, or on one that is neither
+// the CPU nor a CUDA device.
+c10::Device modelDevice(torch::nn::Module& model, const std::string& who);
+
 // Throws InvalidArgument when a parameter of `model` is not on the CPU, for the handles whose
-// exchange works on host memory (all but DataParallel, so far): `who` names the handle.
+// exchange works on host memory and has no device path (TensorParallel, so far): `who` names the handle.
 void requireCpuModel(torch::nn::Module& model, const std::string& who);
 
 }  // namespace cohort

@@ -6,6 +6,7 @@
 #include "ps/layout.h"
 #include "ps/service.h"
 #include "ps/wire.h"
+#include "schemes/host_mirror.h"
 #include "schemes/model_sync.h"
 
 #include <cohort/error.h>
@@ -125,6 +126,15 @@ struct ParameterServerClient::Impl {
     nextRows_.assign(params_.size(), torch::Tensor());
     COHORT_CHECK(!params_.empty(), InvalidArgument,
                  "cohort::ParameterServerClient: the module has no parameters; there is nothing to serve");
+    modelParams_ = params_;
+    mirror_ = mirrorIfOnDevice(modelParams_);
+    if (mirror_) {
+      // On a device: the shards' values come into pinned host views of the parameters, and the
+      // gradients leave the device into a pinned buffer of their own, each allocated once.
+      params_ = mirror_->views();
+      mirror_->toHost();  // the chief's Init sends them
+      if (c_.options.push == "gradients") gradMirror_ = std::make_unique<HostMirror>(modelParams_);
+    }
     pieces_ = ps::planLayout(infos, int(c_.shards.size()));
     specs_.assign(c_.shards.size(), {});
     shardPieces_.assign(c_.shards.size(), {});
@@ -179,7 +189,7 @@ struct ParameterServerClient::Impl {
     ParameterServerStep stats;
     if (c_.options.push != "updates") {
       bool any = false;
-      for (const auto& p : params_) any = any || p.grad().defined();
+      for (const auto& p : modelParams_) any = any || p.grad().defined();
       COHORT_CHECK(any, InvalidArgument,
                    "cohort::ParameterServerClient::step() before backward(): no parameter has a gradient to push");
     }
@@ -189,14 +199,31 @@ struct ParameterServerClient::Impl {
     std::vector<std::pair<torch::Tensor, torch::Tensor>> rows(params_.size());
     {
       torch::NoGradGuard noGrad;
+      if (mirror_ && c_.options.push == "updates") {
+        mirror_->toHost();  // the change the local optimizer made on the device
+      } else if (mirror_) {
+        // The dense gradients leave the device once, together; the tables' rows below.
+        std::vector<torch::Tensor> grads;
+        for (size_t i = 0; i < modelParams_.size(); ++i) {
+          grads.push_back(rowSparse_[i] ? torch::Tensor() : modelParams_[i].grad());
+        }
+        gradMirror_->toHost(grads);
+        mirror_->awaitDevice();  // the reply is written into the parameters' host views
+      }
       for (size_t i = 0; i < params_.size(); ++i) {
         if (rowSparse_[i]) {
-          const auto& g = params_[i].grad();
-          rows[i] = g.defined() ? gradientRows(g)
-                                : std::pair{torch::empty({0}, torch::kInt64), torch::empty({0, params_[i].size(1)})};
+          const auto& g = modelParams_[i].grad();
+          if (g.defined()) {
+            auto [ids, values] = gradientRows(g);
+            rows[i] = {ids.to(torch::kCPU), values.to(torch::kCPU)};  // the same tensors on the CPU
+          } else {
+            rows[i] = {torch::empty({0}, torch::kInt64), torch::empty({0, params_[i].size(1)})};
+          }
           send.emplace_back();
         } else if (c_.options.push == "updates") {
           send.push_back((params_[i].detach() - before_[i]).contiguous());
+        } else if (gradMirror_) {
+          send.push_back(gradMirror_->views()[i]);
         } else {
           const auto& g = params_[i].grad();
           send.push_back(g.defined() ? g.contiguous() : torch::zeros_like(params_[i]));
@@ -271,6 +298,7 @@ struct ParameterServerClient::Impl {
       }
     });
     for (auto& next : nextRows_) next = torch::Tensor();
+    if (mirror_) mirror_->toDevice();  // the next step's parameters, without blocking the host
     snapshot();
     stats.commWaitSeconds = secondsSince(commStart);
     ++clock_;
@@ -515,7 +543,9 @@ struct ParameterServerClient::Impl {
     });
   }
 
+  // Writes every parameter (on a device: through its host view, then back to the device).
   void pullAll(bool initial = false) {
+    if (mirror_) mirror_->awaitDevice();
     forEachShard(clients_.size(), [&](size_t s) {
       ps::wire::PullRequest request;
       request.set_protocol(ps::kProtocolVersion);
@@ -528,6 +558,7 @@ struct ParameterServerClient::Impl {
       if (s == 0) samplesSeen_ = std::max(samplesSeen_, reply.samples_total());
       if (reply.stop_job()) stopJob_ = true;
     });
+    if (mirror_) mirror_->toDevice();
   }
 
   // The positions [begin, end) in sorted global row ids that fall in piece p.
@@ -594,11 +625,13 @@ struct ParameterServerClient::Impl {
 
   // The rows of table `param` the next step reads (sorted, distinct global row ids).
   void prefetchRows(const torch::Tensor& param, const torch::Tensor& ids) {
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (!params_[i].is_same(param)) continue;
+    for (size_t i = 0; i < modelParams_.size(); ++i) {
+      if (!modelParams_[i].is_same(param)) continue;
       COHORT_CHECK(rowSparse_[i], InvalidArgument,
                    "cohort::ParameterServerClient::prefetchRows: the parameter is not a sparse embedding table");
-      torch::Tensor rows = std::get<0>(torch::_unique(ids.reshape({-1}).to(torch::kInt64), /*sorted=*/true));
+      // On the CPU: the push names them (a no-op for ids there already).
+      torch::Tensor rows =
+          std::get<0>(torch::_unique(ids.reshape({-1}).to(torch::kInt64), /*sorted=*/true)).to(torch::kCPU);
       COHORT_CHECK(rows.numel() == 0 || (rows[0].item<int64_t>() >= 0 && rows[-1].item<int64_t>() < param.size(0)),
                    InvalidArgument, "cohort::ParameterServerClient::prefetchRows: row ids outside the table of ",
                    param.size(0), " rows");
@@ -632,7 +665,12 @@ struct ParameterServerClient::Impl {
 
   PsContext c_;
   std::vector<std::unique_ptr<ps::ShardClient>> clients_;
+  // What the exchange reads and writes: the module's parameters on the CPU; on a CUDA device,
+  // views of mirror_'s pinned host buffer (the module's own are modelParams_).
   std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> modelParams_;  // the module's parameters, where the model is
+  std::unique_ptr<HostMirror> mirror_;      // on a device: the parameters in pinned host memory
+  std::unique_ptr<HostMirror> gradMirror_;  // on a device, push = gradients: the gradients there
   std::vector<torch::Tensor> before_;  // push = updates: the parameters as last pulled
   std::vector<ps::Piece> pieces_;
   std::vector<std::vector<ps::wire::PieceSpec>> specs_;     // per shard, in key order
@@ -666,7 +704,7 @@ struct ParameterServerClient::Impl {
 
 ParameterServerClient::ParameterServerClient(const Job& job, torch::nn::Module& module,
                                              torch::optim::Optimizer* optimizer, ParameterServerOptions options) {
-  requireCpuModel(module, "cohort::ParameterServerClient");
+  modelDevice(module, "cohort::ParameterServerClient");  // one device: the CPU or a CUDA one
   PsContext c;
   c.rank = job.rank();
   c.workers = job.worldSize();

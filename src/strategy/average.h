@@ -16,6 +16,8 @@ class AverageStrategy final : public Strategy {
   AverageStrategy(std::shared_ptr<Communicator> comm, AveragingOptions options);
 
   Scheme scheme() const override { return Scheme::kAverage; }
+  // On a device the parameters are averaged through pinned host memory (ParameterAveraging).
+  bool trainsOnDevices() const override { return true; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override;
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;

@@ -17,6 +17,8 @@ class GossipStrategy final : public Strategy {
   GossipStrategy(Job job, GossipOptions options) : job_(std::move(job)), options_(std::move(options)) {}
 
   Scheme scheme() const override { return Scheme::kGossip; }
+  // Each peer's change leaves its device through pinned host memory (Gossip).
+  bool trainsOnDevices() const override { return true; }
   ReplicaInfo replica() const override { return {job_.rank(), job_.worldSize()}; }
 
   // Every peer restores the chief's checkpoint (the rule of the other schemes): the chief puts

@@ -17,6 +17,8 @@ class PsStrategy final : public Strategy {
   PsStrategy(Job job, ParameterServerOptions options) : job_(std::move(job)), options_(std::move(options)) {}
 
   Scheme scheme() const override { return Scheme::kPs; }
+  // The workers' models on a device, the shards CPU processes (ParameterServerClient).
+  bool trainsOnDevices() const override { return true; }
   ReplicaInfo replica() const override { return {job_.rank(), job_.worldSize()}; }
 
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override {

@@ -53,7 +53,7 @@ constexpr double kDivergingLoss = 1e4;
 std::string cpuOnlyReason(const TrainOptions& o, const Strategy& strategy, torch::nn::Module& model) {
   if (!strategy.trainsOnDevices()) {
     return "--strategy " + strategy.name() + " trains on the CPU only in this version (on a device so far: local, "
-           "allreduce, pipeline, tensor, mirrored and central)";
+           "allreduce, average, ps, gossip, pipeline, tensor, mirrored and central)";
   }
   if (strategy.scheme() == Scheme::kAllreduce && o.strategy.codec != "none") {
     return "--codec " + o.strategy.codec + " works on host memory only so far";

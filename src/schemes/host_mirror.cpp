@@ -1,0 +1,93 @@
+#include "schemes/host_mirror.h"
+
+#include <cohort/error.h>
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+
+namespace cohort {
+
+namespace {
+
+c10::Stream currentStream(const c10::Device& device) {
+  return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+}
+
+}  // namespace
+
+HostMirror::HostMirror(std::vector<torch::Tensor> tensors) : tensors_(std::move(tensors)), device_(c10::kCPU) {
+  COHORT_CHECK(!tensors_.empty(), InvalidArgument, "HostMirror: nothing to mirror");
+  device_ = tensors_.front().device();
+  COHORT_CHECK(device_.is_cuda(), InvalidArgument, "HostMirror: the tensors are on ", device_,
+               ", not on a CUDA device");
+  int64_t total = 0;
+  for (const auto& t : tensors_) {
+    COHORT_CHECK(t.device() == device_, InvalidArgument, "HostMirror: a tensor is on ", t.device(), ", another on ",
+                 device_, ": the model must be on one device");
+    COHORT_CHECK(t.scalar_type() == torch::kFloat32, InvalidArgument, "HostMirror: a tensor is ", t.dtype(),
+                 ", not float32");
+    total += t.numel();
+  }
+  flat_ = torch::empty({total}, torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(true));
+  int64_t at = 0;
+  for (const auto& t : tensors_) {
+    views_.push_back(flat_.narrow(0, at, t.numel()).view(t.sizes()));
+    at += t.numel();
+  }
+}
+
+HostMirror::~HostMirror() {
+  try {
+    awaitDevice();
+  } catch (const std::exception& e) {
+    // A failed device (its copy never completes) must not end the process from a destructor.
+    std::fprintf(stderr, "cohort: warning: waiting for a host-to-device copy failed: %s\n", e.what());
+  }
+}
+
+void HostMirror::toHost() { toHost(tensors_); }
+
+void HostMirror::toHost(const std::vector<torch::Tensor>& from) {
+  COHORT_CHECK_EQ(from.size(), views_.size(), Error, "HostMirror::toHost: the tensors to copy");
+  awaitDevice();
+  torch::NoGradGuard noGrad;
+  for (size_t i = 0; i < views_.size(); ++i) {
+    if (!from[i].defined()) {
+      views_[i].zero_();
+      continue;
+    }
+    COHORT_CHECK(from[i].device() == device_ && from[i].sizes() == views_[i].sizes(), InvalidArgument,
+                 "HostMirror::toHost: tensor ", i, " is ", from[i].sizes(), " on ", from[i].device(), ", its mirror ",
+                 views_[i].sizes(), " of ", device_, " (the model moved after the handle was made?)");
+    views_[i].copy_(from[i].detach(), /*non_blocking=*/true);
+  }
+  currentStream(device_).synchronize();
+}
+
+void HostMirror::toDevice() {
+  awaitDevice();  // one copy in flight at a time; the views were written since
+  torch::NoGradGuard noGrad;
+  for (size_t i = 0; i < views_.size(); ++i) {
+    // Through copy_ on the parameter itself: its version counter moves, as a CPU model's does.
+    tensors_[i].detach().copy_(views_[i], /*non_blocking=*/true);
+  }
+  const c10::Stream stream = currentStream(device_);
+  if (!copied_) copied_.emplace(device_.type());
+  copied_->record(stream);
+  inFlight_ = true;
+}
+
+void HostMirror::awaitDevice() {
+  if (!inFlight_) return;
+  copied_->synchronize();
+  inFlight_ = false;
+}
+
+std::unique_ptr<HostMirror> mirrorIfOnDevice(const std::vector<torch::Tensor>& tensors) {
+  if (tensors.empty() || tensors.front().device().is_cpu()) return nullptr;
+  return std::make_unique<HostMirror>(tensors);
+}
+
+}  // namespace cohort

@@ -1,0 +1,65 @@
+// A model on a CUDA device seen from host memory, for the schemes whose exchange works on host
+// memory (ParameterAveraging, the parameter-server client, Gossip): a pinned host buffer, allocated
+// once, whose views stand in for the device tensors while the exchange runs.
+//
+// Per exchange the data leaves the device once and comes back once:
+//   toHost()    waits until the last toDevice() has finished reading the buffer, copies every
+//               tensor device -> host on the device's current stream (ordered after the kernels
+//               that computed it), and synchronizes that stream;
+//   ...         the exchange reads and writes the host views (the code a CPU model runs);
+//   toDevice()  copies host -> device without blocking, on the current stream (so the next
+//               kernels see the new values), and records an event: the buffer is not written on
+//               the host again until that event has completed (toHost() and awaitDevice() wait
+//               for it; so does the destructor, which keeps the buffer alive until then).
+// Calls come from one thread (the training thread).
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace cohort {
+
+class HostMirror {
+ public:
+  // Mirrors `tensors` (float32, all on one CUDA device): the pinned buffer holds their elements
+  // side by side, in order. Throws InvalidArgument for other dtypes or mixed devices.
+  explicit HostMirror(std::vector<torch::Tensor> tensors);
+  ~HostMirror();
+  HostMirror(const HostMirror&) = delete;
+  HostMirror& operator=(const HostMirror&) = delete;
+
+  // The host views, shaped as the mirrored tensors (contiguous views of the pinned buffer).
+  const std::vector<torch::Tensor>& views() const { return views_; }
+  // The whole pinned buffer, flat.
+  const torch::Tensor& flat() const { return flat_; }
+  const c10::Device& device() const { return device_; }
+
+  // Copies the mirrored tensors into the views, and waits for the copy.
+  void toHost();
+  // The same from other device tensors shaped as the mirrored ones (a gradient per parameter);
+  // an undefined one leaves zeros in its view.
+  void toHost(const std::vector<torch::Tensor>& from);
+  // Copies the views into the mirrored tensors without blocking the host (see above).
+  void toDevice();
+  // Blocks until the last toDevice() has finished reading the buffer: before the host writes it.
+  void awaitDevice();
+
+ private:
+  std::vector<torch::Tensor> tensors_;  // on the device
+  std::vector<torch::Tensor> views_;    // of flat_
+  torch::Tensor flat_;                  // pinned host memory
+  c10::Device device_;
+  std::optional<c10::Event> copied_;    // recorded after the last toDevice()'s copies
+  bool inFlight_ = false;               // copied_ has not been waited for yet
+};
+
+// A mirror of `tensors` when they are on a CUDA device, null when they are on the CPU (the
+// exchange then works on the tensors themselves, exactly as it always has).
+std::unique_ptr<HostMirror> mirrorIfOnDevice(const std::vector<torch::Tensor>& tensors);
+
+}  // namespace cohort

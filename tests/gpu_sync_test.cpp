@@ -1,0 +1,231 @@
+// ParameterAveraging, the parameter-server client and Gossip with the model on a CUDA device (ctest
+// label gpu; run by scripts/gpu-check.sh, never by CI). Each runs the same small job on cuda and on
+// the CPU and compares them; without a GPU every test fails at once, naming what is missing.
+//
+// The tolerance between a cuda run and a CPU run: the two devices sum in different orders (cuBLAS
+// against the CPU's GEMM, reductions in other trees), so the parameters differ by float32 rounding,
+// ~1e-7 relative per operation, grown over a few SGD steps to ~1e-6; a ReLU input at zero may flip
+// and move one element further. What the tests guard against moves far more: a lost average, a
+// gradient not pushed or a copy that did not come back leaves a replica lr x gradient apart
+// (~1e-2 here). So, as tests/gpu_test.cpp's DataParallel comparison: every element within 1e-3,
+// and all but 1 % within 1e-5.
+#include <cohort/device.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "model_util.h"
+#include "test_util.h"
+
+namespace cohort {
+namespace {
+
+#define REQUIRE_GPU()                                                                                    \
+  ASSERT_GT(cudaDeviceCount(), 0) << "this test needs a CUDA GPU and this process sees none (label gpu: " \
+                                     "run it through scripts/gpu-check.sh on a machine that has one)"
+
+constexpr double kMaxDifference = 1e-3;
+constexpr double kElementTolerance = 1e-5;
+constexpr double kFractionOver = 0.01;
+
+std::string train(const std::string& options) {
+  return test::cohortBinary() + " train --progress off --timeout 60 --threads 1 " + options;
+}
+
+// A saved model's parameters on the CPU (a model saved from cuda loads onto cuda).
+std::vector<torch::Tensor> parametersOnCpu(const std::string& path) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : test::loadParameters(path)) out.push_back(p.to(torch::kCPU));
+  return out;
+}
+
+// The element where two parameter lists differ most, for the failure message.
+std::string worstElement(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  std::ostringstream out;
+  double worst = -1;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    if (!a[i].sizes().equals(b[i].sizes())) return "parameter " + std::to_string(i) + " differs in shape";
+    const torch::Tensor d = (a[i] - b[i]).abs().reshape({-1});
+    const int64_t at = d.argmax().item<int64_t>();
+    if (d[at].item<double>() > worst) {
+      worst = d[at].item<double>();
+      out.str("");
+      out << "parameter " << i << " " << a[i].sizes() << " element " << at << ": " << a[i].reshape({-1})[at].item<double>()
+          << " against " << b[i].reshape({-1})[at].item<double>();
+    }
+  }
+  return out.str();
+}
+
+// Every parameter of two runs equal within the tolerances above, with what differed on failure.
+void expectClose(const std::vector<torch::Tensor>& cuda, const std::vector<torch::Tensor>& cpu, const std::string& what) {
+  ASSERT_EQ(cuda.size(), cpu.size()) << what;
+  const double worst = test::maxDifference(cuda, cpu);
+  const double over = test::fractionDifferent(cuda, cpu, kElementTolerance);
+  EXPECT_LT(worst, kMaxDifference) << what << ": cuda against cpu, largest difference " << worst << " at "
+                                   << worstElement(cuda, cpu);
+  EXPECT_LT(over, kFractionOver) << what << ": " << over * 100 << " % of the elements differ by more than "
+                                 << kElementTolerance << " (largest " << worst << " at " << worstElement(cuda, cpu) << ")";
+}
+
+void expectIdenticalReplicas(const std::vector<torch::Tensor>& rank0, const std::vector<torch::Tensor>& rank1,
+                             const std::string& what) {
+  ASSERT_EQ(rank0.size(), rank1.size()) << what;
+  for (size_t i = 0; i < rank0.size(); ++i) {
+    EXPECT_TRUE(torch::equal(rank0[i], rank1[i]))
+        << what << ": the replicas differ in parameter " << i << " by up to "
+        << (rank0[i] - rank1[i]).abs().max().item<double>() << " (" << worstElement({rank0[i]}, {rank1[i]}) << ")";
+  }
+}
+
+// A run's done event (the chief's), its last step's loss, and whether it trained on cuda (the done
+// event names the GPU memory it used only then).
+struct Outcome {
+  nlohmann::json done;
+  double lastLoss = NAN;
+  std::string summary() const {
+    std::ostringstream out;
+    out << "steps " << done.value("steps", int64_t(-1)) << ", test accuracy " << done.value("test_accuracy", -1.0)
+        << ", last loss " << lastLoss << ", cuda_peak_bytes "
+        << (done.contains("cuda_peak_bytes") ? done["cuda_peak_bytes"].dump() : std::string("absent (not on cuda)"));
+    return out.str();
+  }
+};
+
+Outcome outcome(const std::string& metrics) {
+  Outcome o;
+  o.done = test::lastEvent(metrics, "done");
+  const nlohmann::json step = test::lastEvent(metrics, "step");
+  if (step.contains("loss")) o.lastLoss = step["loss"].get<double>();
+  return o;
+}
+
+// Runs `command` on cuda and on the CPU (`{device}` and `{run}` replaced) and checks that both
+// finished, the cuda run on cuda. Returns their outcomes, cuda first.
+std::pair<Outcome, Outcome> runBoth(const test::TempDir& dir, const std::string& command, int steps) {
+  std::pair<Outcome, Outcome> out;
+  for (const std::string device : {"cuda", "cpu"}) {
+    std::string c = command;
+    for (const std::string key : {"{device}", "{run}"}) {
+      for (auto at = c.find(key); at != std::string::npos; at = c.find(key)) c.replace(at, key.size(), device);
+    }
+    c += " --metrics " + dir.file(device + ".jsonl");
+    auto r = test::runCommand(c, 120);
+    EXPECT_EQ(r.exitCode, 0) << "--device " << device << ": " << c << "\n" << r.output;
+    if (r.exitCode != 0) return out;
+    Outcome o = outcome(dir.file(device + ".jsonl"));
+    EXPECT_EQ(o.done.value("steps", int64_t(-1)), steps) << "--device " << device << ": " << o.summary() << "\n" << r.output;
+    EXPECT_EQ(o.done.contains("cuda_peak_bytes"), device == "cuda")
+        << "--device " << device << ": trained on the wrong device: " << o.summary() << "\n" << r.output;
+    (device == "cuda" ? out.first : out.second) = o;
+  }
+  return out;
+}
+
+// `--strategy average` with 2 ranks sharing cuda:0 equals the same job on the CPU, and its replicas
+// are bit-identical after the final average (both copy the same host-averaged values back). 9 steps
+// with period 2: four averages in the loop, the fifth in the final synchronize().
+TEST(GpuSync, AveragingOnCudaEqualsTheCpuRunWithIdenticalReplicas) {
+  REQUIRE_GPU();
+  test::TempDir dir;
+  const std::string command =
+      test::launchPrefix(2) + train("--model mlp --data synthetic:1200 --optimizer momentum --lr 0.1 --batch 8 --steps 9 "
+                                    "--strategy average --period 2 --average-optimizer-state --device {device} "
+                                    "--save-model " + dir.file("{run}{rank}.pt"));
+  auto [cuda, cpu] = runBoth(dir, command, 9);
+  if (HasFailure()) return;
+  const auto cuda0 = parametersOnCpu(dir.file("cuda0.pt")), cuda1 = parametersOnCpu(dir.file("cuda1.pt"));
+  const auto cpu0 = parametersOnCpu(dir.file("cpu0.pt")), cpu1 = parametersOnCpu(dir.file("cpu1.pt"));
+  expectIdenticalReplicas(cuda0, cuda1, "average on cuda");
+  expectIdenticalReplicas(cpu0, cpu1, "average on the cpu");
+  expectClose(cuda0, cpu0, "average, rank 0");
+  EXPECT_NEAR(cuda.lastLoss, cpu.lastLoss, 1e-3) << "cuda: " << cuda.summary() << "; cpu: " << cpu.summary();
+}
+
+// The same with a codec and an outer optimizer: the changes since the last average go through the
+// codec (fp16: both devices' changes round alike but for the last bit of a few) and Nesterov's
+// outer step, all in host memory, and come back to the device.
+TEST(GpuSync, AveragingWithACodecAndAnOuterOptimizerOnCudaEqualsTheCpuRun) {
+  REQUIRE_GPU();
+  test::TempDir dir;
+  const std::string command =
+      test::launchPrefix(2) + train("--model mlp --data synthetic:1200 --optimizer sgd --lr 0.1 --batch 8 --steps 8 "
+                                    "--strategy average --period 2 --codec fp16 --outer-optimizer nesterov "
+                                    "--outer-lr 0.7 --device {device} --save-model " + dir.file("{run}{rank}.pt"));
+  auto [cuda, cpu] = runBoth(dir, command, 8);
+  if (HasFailure()) return;
+  const auto cuda0 = parametersOnCpu(dir.file("cuda0.pt")), cuda1 = parametersOnCpu(dir.file("cuda1.pt"));
+  const auto cpu0 = parametersOnCpu(dir.file("cpu0.pt"));
+  expectIdenticalReplicas(cuda0, cuda1, "average --codec fp16 --outer-optimizer nesterov on cuda");
+  expectClose(cuda0, cpu0, "average --codec fp16 --outer-optimizer nesterov, rank 0");
+}
+
+// `--strategy ps` with a CPU shard (cohort launch --ps 1) and 2 workers sharing cuda:0. Sync mode
+// with plain SGD is deterministic (tests/ps_test.cpp: it equals allreduce within 1e-5), so the
+// trained parameters equal the CPU run's within the tolerances above; the loss is finite and the
+// accuracy the CPU run's.
+TEST(GpuSync, ParameterServerWorkersOnCudaWithACpuShardMatchTheCpuRun) {
+  REQUIRE_GPU();
+  test::TempDir dir;
+  const std::string command =
+      test::launchPrefix(2, 1) + train("--model mlp --data synthetic:1200 --optimizer sgd --lr 0.1 --batch 8 "
+                                       "--steps 12 --strategy ps --ps-mode sync --device {device} --save-model " +
+                                       dir.file("{run}.pt"));
+  auto [cuda, cpu] = runBoth(dir, command, 12);
+  if (HasFailure()) return;
+  EXPECT_TRUE(std::isfinite(cuda.lastLoss)) << cuda.summary();
+  EXPECT_NEAR(cuda.done.value("test_accuracy", -1.0), cpu.done.value("test_accuracy", -1.0), 0.02)
+      << "cuda: " << cuda.summary() << "; cpu: " << cpu.summary();
+  expectClose(parametersOnCpu(dir.file("cuda.pt")), parametersOnCpu(dir.file("cpu.pt")), "ps sync, the chief");
+}
+
+// The other ps path on a device: async, each worker running its own optimizer and pushing the
+// change it made (--push updates: the parameters, not the gradients, leave the device). Async
+// arrival orders differ from run to run on any device, so the check is the outcome: a finite loss
+// and an accuracy near the CPU run's.
+TEST(GpuSync, ParameterServerAsyncUpdatesFromCudaWorkersTrainAsOnTheCpu) {
+  REQUIRE_GPU();
+  test::TempDir dir;
+  const std::string command =
+      test::launchPrefix(2, 1) + train("--model mlp --data synthetic:4000 --optimizer sgd --lr 0.05 --batch 32 "
+                                       "--steps 150 --strategy ps --ps-mode async --push updates --device {device}");
+  auto [cuda, cpu] = runBoth(dir, command, 150);
+  if (HasFailure()) return;
+  EXPECT_TRUE(std::isfinite(cuda.lastLoss)) << cuda.summary();
+  EXPECT_NEAR(cuda.done.value("test_accuracy", -1.0), cpu.done.value("test_accuracy", -1.0), 0.05)
+      << "cuda: " << cuda.summary() << "; cpu: " << cpu.summary();
+}
+
+// `--strategy gossip` with 2 peers sharing cuda:0 finishes, and reaches about the CPU run's
+// accuracy (gossip is asynchronous: which updates arrive before which step differs between runs).
+TEST(GpuSync, GossipPeersOnCudaTrainAsOnTheCpu) {
+  REQUIRE_GPU();
+  test::TempDir dir;
+  const std::string command =
+      test::launchPrefix(2) + train("--model mlp --data synthetic:4000 --optimizer sgd --lr 0.05 --batch 32 "
+                                    "--steps 150 --strategy gossip --device {device} --save-model " +
+                                    dir.file("{run}{rank}.pt"));
+  auto [cuda, cpu] = runBoth(dir, command, 150);
+  if (HasFailure()) return;
+  EXPECT_TRUE(std::isfinite(cuda.lastLoss)) << cuda.summary();
+  EXPECT_GT(cuda.done.value("messages_applied", int64_t(0)), 0) << "no peer's update reached the chief: " << cuda.summary();
+  EXPECT_NEAR(cuda.done.value("test_accuracy", -1.0), cpu.done.value("test_accuracy", -1.0), 0.05)
+      << "cuda: " << cuda.summary() << "; cpu: " << cpu.summary();
+  // Every update reaches every replica by the end (finish() sends what is left and waits for the
+  // others' DONE; the final synchronize() adds what arrived), so the replicas differ only by the
+  // order of float additions: ~1e-8 on the CPU, checked alike for both runs.
+  for (const std::string run : {"cuda", "cpu"}) {
+    const auto rank0 = parametersOnCpu(dir.file(run + "0.pt")), rank1 = parametersOnCpu(dir.file(run + "1.pt"));
+    EXPECT_LT(test::maxDifference(rank0, rank1), 1e-4)
+        << "the " << run << " peers ended apart: " << worstElement(rank0, rank1);
+  }
+}
+
+}  // namespace
+}  // namespace cohort
