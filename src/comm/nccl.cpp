@@ -21,8 +21,10 @@
 #include "comm/nccl.h"
 
 #include <cohort/comm_backend.h>
+#include <cohort/error.h>
 
 #include <ATen/cuda/CUDAContext.h>
+#include <torch/csrc/cuda/nccl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include <algorithm>
@@ -54,6 +56,15 @@ constexpr auto kLongestSleep = std::chrono::microseconds(500);
 c10::intrusive_ptr<c10d::Backend> makeGroup(c10::intrusive_ptr<c10d::Store> store, const GroupOptions& options) {
   // Read by ProcessGroupNCCL's constructor. Set once, before any group of this process exists (a
   // setenv racing c10d's getenv of another group's construction would be undefined).
+  // c10d's Options embed nccl.h's ncclConfig_t, whose size changes between NCCL versions: the
+  // nccl.h compiled here must be the one LibTorch was built with (torch::cuda::nccl::version() is
+  // that version, a constant in libtorch_cuda.so).
+  const uint64_t built = torch::cuda::nccl::version();
+  const uint64_t here = (uint64_t(NCCL_MAJOR) << 32) | (uint64_t(NCCL_MINOR) << 16) | uint64_t(NCCL_PATCH);
+  COHORT_CHECK((built >> 16) == (here >> 16), InvalidArgument, "cohort was compiled with nccl.h ", NCCL_MAJOR, ".",
+               NCCL_MINOR, ".", NCCL_PATCH, " and its LibTorch with NCCL ", built >> 32, ".", (built >> 16) & 0xffff, ".",
+               built & 0xffff, ": rebuild cohort with -DNCCL_INCLUDE_DIR naming the headers of LibTorch's NCCL (the "
+               "wheel's nvidia/nccl/include), or use --backend gloo");
   static std::once_flag blockingWait;
   std::call_once(blockingWait, [] { ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/1); });
   auto groupOptions = c10d::ProcessGroupNCCL::Options::create();
