@@ -57,10 +57,12 @@ add_custom_command(
   COMMENT "Precompiling <torch/torch.h> for clang's lock checking"
   VERBATIM)
 
-# cohort_check_locks(TARGET [TORCH]): one stamp per source file of src/ in TARGET, made when
-# clang++ passes it. TORCH: TARGET's files see torch, and the g++ build force-includes src/pch.h.
+# cohort_check_locks(TARGET [TORCH] [ALSO FILE...]): one stamp per source file of src/ in TARGET,
+# made when clang++ passes it. TORCH: TARGET's files see torch, and the g++ build force-includes
+# src/pch.h. ALSO: files checked with TARGET's flags that this configuration does not compile in it
+# (src/comm/nccl_none.cpp beside nccl.cpp).
 function(cohort_check_locks target)
-  cmake_parse_arguments(ARG "TORCH" "" "" ${ARGN})
+  cmake_parse_arguments(ARG "TORCH" "" "ALSO" ${ARGN})
   set(pch "")
   if(ARG_TORCH)
     set(pch ${COHORT_LOCKS_PCH})
@@ -69,6 +71,7 @@ function(cohort_check_locks target)
     cohort_locks_flags(${target} -fsyntax-only)
   endif()
   get_target_property(sources ${target} SOURCES)
+  list(APPEND sources ${ARG_ALSO})
   foreach(source IN LISTS sources)
     get_filename_component(path ${source} ABSOLUTE BASE_DIR ${PROJECT_SOURCE_DIR})
     file(RELATIVE_PATH name ${PROJECT_SOURCE_DIR} ${path})

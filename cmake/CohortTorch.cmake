@@ -74,4 +74,28 @@ set(COHORT_TORCH_NCCL OFF)
 if(COHORT_TORCH_CUDA AND EXISTS "${torch_include}/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp")
   set(COHORT_TORCH_NCCL ON)
 endif()
-message(STATUS "cohort: LibTorch CUDA ${COHORT_TORCH_CUDA}, NCCL ${COHORT_TORCH_NCCL}")
+
+# cohort's NCCL backend (src/comm/nccl.cpp) needs c10d's ProcessGroupNCCL (libtorch_cuda.so of a
+# LibTorch built with USE_C10D_NCCL exports it; its CMake package puts USE_C10D_NCCL on torch_cuda)
+# and nccl.h, which c10d's headers include. nccl.h comes, in order, from NCCL_INCLUDE_DIR, the
+# wheel's nvidia-nccl package beside torch (the headers of the libnccl.so.2 that libtorch_cuda.so
+# loads through its RPATH), $NCCL_ROOT/include, then the CUDA toolkit's include directory. Without
+# either, src/comm/nccl_none.cpp stands in: collectives over CUDA tensors go through Gloo, and
+# `--backend nccl` is refused with a line that says so. -DCOHORT_NCCL=OFF leaves NCCL out on purpose.
+find_path(NCCL_INCLUDE_DIR nccl.h
+  HINTS "${TORCH_INSTALL_PREFIX}/../nvidia/nccl/include" ENV NCCL_ROOT
+  PATH_SUFFIXES include
+  PATHS ${CUDAToolkit_INCLUDE_DIRS} "${CUDA_TOOLKIT_ROOT_DIR}/include"
+  NO_CACHE)
+set(nccl_default OFF)
+if(COHORT_TORCH_NCCL AND NCCL_INCLUDE_DIR)
+  set(nccl_default ON)
+endif()
+option(COHORT_NCCL "Carry collectives over CUDA tensors through c10d's ProcessGroupNCCL" ${nccl_default})
+if(COHORT_NCCL AND NOT (COHORT_TORCH_NCCL AND NCCL_INCLUDE_DIR))
+  message(FATAL_ERROR "COHORT_NCCL is ON, but this LibTorch has no ProcessGroupNCCL (NCCL ${COHORT_TORCH_NCCL}) or "
+                      "no nccl.h was found (NCCL_INCLUDE_DIR=${NCCL_INCLUDE_DIR}): pass -DNCCL_INCLUDE_DIR=DIR, "
+                      "or -DCOHORT_NCCL=OFF (collectives over CUDA tensors then go through Gloo)")
+endif()
+message(STATUS "cohort: LibTorch CUDA ${COHORT_TORCH_CUDA}, NCCL ${COHORT_TORCH_NCCL}; cohort's NCCL backend "
+               "${COHORT_NCCL} (nccl.h: ${NCCL_INCLUDE_DIR})")

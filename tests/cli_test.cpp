@@ -17,6 +17,31 @@ void expectOneLineError(const std::string& args, const std::string& needle, int 
   EXPECT_NE(lines[0].find(needle), std::string::npos) << "expected '" << needle << "' in: " << lines[0];
 }
 
+// --backend nccl carries CUDA tensors only: a model on the CPU is refused, naming the fix (the same
+// line on a machine with a GPU, since --device cpu says where the model is).
+TEST(Cli, BackendNcclWithAModelOnTheCpuIsRefused) {
+  expectOneLineError("train --strategy allreduce --backend nccl --device cpu --model mlp --data synthetic:200 "
+                     "--steps 2 --progress off",
+                     "--backend nccl carries collectives over CUDA tensors, but this run's model is on the CPU "
+                     "(--device cpu): use --device cuda",
+                     2);
+  expectOneLineError("train --strategy ps --backend nccl --device cpu --model mlp --data synthetic:200 --steps 1",
+                     "--backend nccl", 2);
+}
+
+// The done event says what carried the gradients: Gloo for a model on the CPU, whatever --backend.
+TEST(Cli, TheDoneEventNamesTheBackend) {
+  test::TempDir dir;
+  auto r = test::runCommand(test::cohortBinary() + " train --strategy allreduce --backend auto --device cpu --model "
+                            "mlp --data synthetic:200 --steps 2 --progress off --metrics " + dir.file("m.jsonl"), 120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(test::lastEvent(dir.file("m.jsonl"), "done")["backend"], "gloo") << r.output;
+}
+
+TEST(Cli, UnknownBackendNamesTheChoices) {
+  expectOneLineError("train --backend mpi --steps 1", "--backend: mpi not in {auto,nccl,gloo}", 2);
+}
+
 TEST(Cli, UnknownModel) { expectOneLineError("train --model resnet --steps 1", "unknown model 'resnet'", 2); }
 
 TEST(Cli, UnknownFlag) { expectOneLineError("train --bogus 3", "--bogus", 2); }

@@ -123,6 +123,49 @@ TEST(Communicator, SplitGroupsWorkSideBySideWithTheJob) {
 INSTANTIATE_TEST_SUITE_P(Worlds, CommunicatorTest, ::testing::Values(1, 2, 3));
 INSTANTIATE_TEST_SUITE_P(Worlds, RingTest, ::testing::Values(2, 3));
 
+TEST(Communicator, BackendNamesParseAndPrint) {
+  for (CommBackend b : {CommBackend::kAuto, CommBackend::kNccl, CommBackend::kGloo}) {
+    EXPECT_EQ(parseCommBackend(commBackendName(b)), b) << commBackendName(b);
+  }
+  try {
+    parseCommBackend("mpi");
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("expected auto, nccl or gloo"), std::string::npos) << e.what();
+  }
+}
+
+// Under any backend, CPU tensors and the control traffic go through Gloo: with backend nccl, two
+// ranks reduce, broadcast and gather CPU tensors, and no CUDA collective has chosen anything. A
+// build without NCCL refuses backend nccl when the communicator is made.
+TEST(Communicator, CpuTensorsGoThroughGlooUnderEveryBackend) {
+  for (CommBackend backend : {CommBackend::kNccl, CommBackend::kGloo, CommBackend::kAuto}) {
+    if (backend == CommBackend::kNccl && !hasNccl()) {
+      ClusterSpec alone;
+      alone.master = {"127.0.0.1", 0};
+      EXPECT_THROW(Communicator::connect(alone, {.backend = backend}), InvalidArgument);
+      continue;
+    }
+    test::onRanks(
+        2,
+        [&](std::shared_ptr<Communicator> comm) {
+          EXPECT_EQ(comm->options().backend, backend);
+          auto t = torch::full({100}, float(comm->rank() + 1));
+          comm->allreduce(t);
+          EXPECT_TRUE(torch::all(t == 3.0f).item<bool>()) << commBackendName(backend) << ": " << t[0].item<float>();
+          auto b = comm->rank() == 1 ? torch::arange(5, torch::kFloat32) : torch::zeros({5});
+          comm->broadcast(b, 1);
+          EXPECT_TRUE(torch::equal(b, torch::arange(5, torch::kFloat32)));
+          auto all = comm->allgather(torch::tensor({int64_t(comm->rank())}));
+          ASSERT_EQ(all.size(), 2u);
+          EXPECT_EQ(all[1].item<int64_t>(), 1);
+          comm->barrier();
+          EXPECT_EQ(comm->cudaBackend(), CommBackend::kAuto) << commBackendName(backend);
+        },
+        std::chrono::seconds(30), backend);
+  }
+}
+
 TEST(Communicator, RendezvousTimesOutNamingTheChief) {
   ClusterSpec spec;
   spec.rank = 1;

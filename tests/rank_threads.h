@@ -18,8 +18,10 @@ namespace cohort::test {
 
 // Runs body on `world` threads, one rank each, and rethrows the first failure. Rank 0's store
 // listens on a port of its choosing (port 0), which it hands to the other ranks before they connect.
+// `backend` carries their collectives over CUDA tensors (CommOptions::backend).
 inline void onRanks(int world, const std::function<void(std::shared_ptr<Communicator>)>& body,
-                    std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+                    std::chrono::milliseconds timeout = std::chrono::seconds(30),
+                    CommBackend backend = CommBackend::kAuto) {
   std::promise<int> listening;
   std::shared_future<int> port = listening.get_future().share();
   std::vector<std::thread> threads;
@@ -31,7 +33,7 @@ inline void onRanks(int world, const std::function<void(std::shared_ptr<Communic
         spec.rank = r;
         spec.worldSize = world;
         spec.master = {"127.0.0.1", 0};
-        CommOptions options{.timeout = timeout};
+        CommOptions options{.timeout = timeout, .backend = backend};
         if (r == 0) {
           options.onListening = [&](int p) { listening.set_value(p); };
         } else {

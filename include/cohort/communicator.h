@@ -1,14 +1,25 @@
 // Collective and point-to-point communication between the workers of one job, over c10d's
 // ProcessGroupGloo, with a rendezvous through the store the chief hosts (src/comm/store.h).
+// Collectives over CUDA tensors go through c10d's ProcessGroupNCCL instead when the backend
+// (CommOptions::backend, <cohort/comm_backend.h>) says so: a second group over the same store,
+// formed by the first collective over CUDA tensors, after the ranks have compared their GPUs over
+// Gloo (NCCL needs one GPU per rank). CPU tensors, barriers, bytes and point-to-point messages stay
+// on Gloo.
 //
 // Contract (as for c10d's ProcessGroup): every collective must be called by all ranks, in the
-// same order. Every wait has a timeout (CommOptions::timeout); when a peer dies, the error names
-// the rank that stopped responding, found through heartbeats the ranks keep in the store.
+// same order, with tensors on the same kind of device (all CPU or all CUDA: the first CUDA
+// collective is where the ranks choose NCCL or Gloo together). Every wait has a timeout
+// (CommOptions::timeout); when a peer dies, the error names the rank that stopped responding,
+// found through heartbeats the ranks keep in the store. NCCL's failures and hangs end the same way:
+// cohort waits on NCCL's work itself and aborts the NCCL communicator on a timeout; c10d's NCCL
+// watchdog, which would end the process, is not started (forming the first NCCL group sets
+// TORCH_NCCL_BLOCKING_WAIT=1 in the process's environment; src/comm/nccl.cpp says why).
 #pragma once
 
 #include <cohort/export.h>
 
 #include <cohort/cluster.h>
+#include <cohort/comm_backend.h>
 
 #include <torch/types.h>
 
@@ -29,6 +40,10 @@ struct COHORT_API CommOptions {
   // port; whoever starts the other ranks hands them this one (cohort launch learns it over its
   // channel, base/launcher_channel.h, without this callback).
   std::function<void(int port)> onListening;
+  // What carries collectives over CUDA tensors (<cohort/comm_backend.h>). kNccl where this build
+  // has no NCCL is refused by connect(); kNccl over ranks that share a GPU by the first collective
+  // over CUDA tensors, on every rank.
+  CommBackend backend = CommBackend::kAuto;
 };
 
 // Bytes this rank put on the wire and took off it, by the count of the algorithm used
@@ -60,7 +75,8 @@ class COHORT_API CommWork {
 class COHORT_API Communicator {
  public:
   // Joins the job: the chief (rank 0) hosts the store at spec.master, every rank connects to
-  // it and the Gloo process group is formed. Throws CommError when the rendezvous times out.
+  // it and the Gloo process group is formed. Throws CommError when the rendezvous times out,
+  // InvalidArgument for CommBackend::kNccl in a build without NCCL.
   static std::shared_ptr<Communicator> connect(const ClusterSpec& spec, const CommOptions& options = {});
 
   ~Communicator();
@@ -86,13 +102,16 @@ class COHORT_API Communicator {
 
   void barrier();
 
+  // Point to point goes through Gloo whatever the backend (CUDA tensors staged through host
+  // memory): NCCL's would need the pair's ranks to have chosen NCCL together first.
   CommWork sendAsync(torch::Tensor tensor, int dst, int tag = 0);
   CommWork recvAsync(torch::Tensor tensor, int src, int tag = 0);
   void send(torch::Tensor tensor, int dst, int tag = 0) { sendAsync(std::move(tensor), dst, tag).wait(); }
   void recv(torch::Tensor tensor, int src, int tag = 0) { recvAsync(std::move(tensor), src, tag).wait(); }
 
-  // A communicator over a subset of the job's ranks (c10d's new_group): its own Gloo group,
-  // rendezvoused through the same store under a prefix made from `name`. Only the ranks in
+  // A communicator over a subset of the job's ranks (c10d's new_group): its own Gloo group (and
+  // NCCL group, formed by its own first collective over CUDA tensors), rendezvoused through the
+  // same store under a prefix made from `name`. Only the ranks in
   // `ranks` call it, each with the same list and name; rank() in the result is the index in
   // `ranks`. It shares this communicator's heartbeats, timeout and byte counters, and its errors
   // name ranks of the whole job. Throws InvalidArgument when this rank is not in `ranks`.
@@ -104,6 +123,10 @@ class COHORT_API Communicator {
 
   CommCounters counters() const;
   const CommOptions& options() const;
+
+  // What carried this communicator's collectives over CUDA tensors: kNccl or kGloo once the first
+  // of them has run (it chooses), kAuto before (CPU tensors always go through Gloo).
+  CommBackend cudaBackend() const;
 
   // Ranks whose heartbeat has stopped (waits about three heartbeat periods to tell).
   // Used to name the lost peer when an operation fails.

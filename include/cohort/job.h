@@ -12,6 +12,7 @@
 #include <cohort/export.h>
 
 #include <cohort/cluster.h>
+#include <cohort/comm_backend.h>
 
 #include <c10/core/Device.h>
 
@@ -30,6 +31,9 @@ struct COHORT_API JobOptions {
   // Where this process trains (resolveDevice in <cohort/device.h>): "auto" (the local rank's GPU
   // when there is one, else the CPU), "cpu", "cuda" (cuda:LOCAL_RANK mod the GPU count), "cuda:N".
   std::string device = "auto";
+  // What carries the workers' collectives over CUDA tensors (<cohort/comm_backend.h>): NCCL under
+  // kAuto when every worker has a GPU of its own and this build has NCCL.
+  CommBackend backend = CommBackend::kAuto;
 };
 
 class COHORT_API Job {
@@ -55,8 +59,11 @@ class COHORT_API Job {
   // The device JobOptions::device named, resolved when the Job was made (which throws
   // InvalidArgument for a device this machine does not have).
   c10::Device device() const;
+  // JobOptions::backend (fromCommunicator: the communicator's).
+  CommBackend backend() const;
 
-  // The workers' communicator (c10d Gloo over the chief's rendezvous store). Connects on the first call,
+  // The workers' communicator (c10d Gloo over the chief's rendezvous store, and NCCL for CUDA
+  // tensors as JobOptions::backend says). Connects on the first call,
   // which is therefore collective: every worker must make it (the data-parallel and averaging
   // handles do). Null for a single process. Throws InvalidArgument for a process that is not a
   // worker, CommError / TimeoutError when the other workers do not come.

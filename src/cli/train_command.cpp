@@ -196,6 +196,14 @@ Run addTrainCommand(CLI::App& app) {
                     "far: --strategy local, allreduce, average, ps (the shards stay on the CPU), gossip, pipeline, "
                     "tensor, mirrored (replica r on the r-th GPU after the model's) and central")
       ->capture_default_str();
+  // Parsed into o.backend once the command line is read (the callback below).
+  auto backendName = std::make_shared<std::string>(commBackendName(o.backend));
+  train->add_option("--backend", *backendName,
+                    "What carries the workers' collectives over CUDA tensors: auto (NCCL when this build has it and "
+                    "every rank has a GPU of its own, else Gloo), nccl (an error where it cannot be) or gloo (staged "
+                    "through host memory). CPU tensors always go through Gloo")
+      ->check(CLI::IsMember({"auto", "nccl", "gloo"}))
+      ->capture_default_str();
   train->add_option("--seed", o.seed, "Seed for initialization and data order")
       ->check(kSeedValidator)->capture_default_str();
   train->add_option("--eval-every", o.evalEvery, "Evaluate on the test set every N steps (0: at the end)")
@@ -353,9 +361,11 @@ Run addTrainCommand(CLI::App& app) {
                     "Testing: an evaluator task SIGKILLs itself right after recording its N-th checkpoint "
                     "(once: restarted, it finds N recorded and goes on)")->group("Testing");
 
-  return [options, strategyName, progress, microBatches, psFlags, evaluator, bucketMb, firstBucketMb, saveModel]() {
+  return [options, strategyName, backendName, progress, microBatches, psFlags, evaluator, bucketMb, firstBucketMb,
+          saveModel]() {
     TrainOptions& o = *options;
     o.strategy.scheme = *parseScheme(*strategyName);  // --strategy's check let only scheme names through
+    o.backend = parseCommBackend(*backendName);      // so did --backend's
     COHORT_CHECK(saveModel->count() == 0 || !o.saveModelPath.empty(), InvalidArgument, "--save-model needs a file "
                  "to write the model to, got an empty path: give --save-model FILE or drop it");
     checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts

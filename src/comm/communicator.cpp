@@ -1,8 +1,10 @@
 #include "base/host_port.h"
 #include "base/launcher_channel.h"
 #include "base/thread_annotations.h"
+#include "comm/nccl.h"
 #include "comm/store.h"
 
+#include <cohort/comm_backend.h>
 #include <cohort/communicator.h>
 #include <cohort/error.h>
 
@@ -14,9 +16,12 @@
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <future>
+#include <cstdio>
 #include <cstring>
 #include <iostream>
 #include <cstdlib>
+#include <map>
 #include <thread>
 
 namespace cohort {
@@ -88,7 +93,36 @@ class AuthenticatedStore : public c10d::Store {
 
 int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
 
+// "ranks 0 and 1", "ranks 0, 2 and 3".
+std::string listRanks(const std::vector<std::string>& names) {
+  std::string out = "ranks ";
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) out += i + 1 == names.size() ? " and " : ", ";
+    out += names[i].rfind("rank ", 0) == 0 ? names[i].substr(5) : names[i];
+  }
+  return out;
+}
+
 }  // namespace
+
+std::string commBackendName(CommBackend backend) {
+  switch (backend) {
+    case CommBackend::kAuto:
+      return "auto";
+    case CommBackend::kNccl:
+      return "nccl";
+    case CommBackend::kGloo:
+      return "gloo";
+  }
+  return "unknown";
+}
+
+CommBackend parseCommBackend(const std::string& name) {
+  for (CommBackend b : {CommBackend::kAuto, CommBackend::kNccl, CommBackend::kGloo}) {
+    if (commBackendName(b) == name) return b;
+  }
+  throw InvalidArgument("backend \"" + name + "\": expected auto, nccl or gloo");
+}
 
 struct Communicator::Impl {
   int rank = 0;  // in this group
@@ -102,7 +136,18 @@ struct Communicator::Impl {
   HostPort master;
   std::shared_ptr<store::Server> storeServer;  // the chief's; shared with its sub-groups
   c10::intrusive_ptr<c10d::Store> store;
+  std::string storePrefix;  // of this group's keys in the store
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+
+  // Collectives over CUDA tensors: the first of them chooses (chooseCudaBackend), on every rank
+  // alike, and the choice stays. The mutex orders that choice against later CUDA collectives
+  // (DataParallel launches them from autograd's device thread).
+  Mutex cudaMutex;
+  CommBackend cudaChoice GUARDED_BY(cudaMutex) = CommBackend::kAuto;  // kNccl or kGloo once chosen
+  c10::intrusive_ptr<c10d::Backend> ncclGroup GUARDED_BY(cudaMutex);
+  // A work of the NCCL group failed or timed out (its communicator is aborted): it is aborted, not
+  // shut down, with this communicator.
+  std::atomic<bool> ncclBroken{false};
 
   // The heartbeat has its own store connection: the group's connection must never wait behind a
   // heartbeat, nor a heartbeat behind a key Gloo waits for.
@@ -192,7 +237,115 @@ struct Communicator::Impl {
     throw CommError(message);
   }
 
+  // The group that carries a collective over `tensor`.
+  c10d::Backend& groupFor(const torch::Tensor& tensor) EXCLUDES(cudaMutex) {
+    if (!tensor.is_cuda()) return *group;
+    MutexLock lock(cudaMutex);
+    if (cudaChoice == CommBackend::kAuto) chooseCudaBackend(tensor.device());
+    if (ncclGroup) return *ncclGroup;
+    return *group;
+  }
+
+  // NCCL or Gloo for CUDA tensors, on every rank of the group alike (a collective over Gloo: every
+  // rank gets here at its first collective over CUDA tensors). NCCL needs one GPU per rank; the
+  // ranks compare their GPUs' UUIDs, and when any two share one the whole group stays on Gloo
+  // (kAuto, said once, by the group's rank 0) or every rank throws InvalidArgument (kNccl).
+  void chooseCudaBackend(c10::Device device) REQUIRES(cudaMutex) {
+    if (options.backend == CommBackend::kGloo) {
+      cudaChoice = CommBackend::kGloo;
+      return;
+    }
+    if (!hasNccl()) {  // kAuto: connect() refused kNccl
+      if (rank == 0) {
+        std::fprintf(stderr, "cohort: this LibTorch has no NCCL: collectives over CUDA tensors go through Gloo "
+                             "(staged through host memory)\n");
+      }
+      cudaChoice = CommBackend::kGloo;
+      return;
+    }
+    if (std::string shared = ranksSharingAGpu(device); !shared.empty()) {
+      const std::string what =
+          shared + " use one GPU (" + device.str() + " on " + describeRank(rank) + "), and NCCL needs one GPU per rank";
+      COHORT_CHECK(options.backend != CommBackend::kNccl, InvalidArgument, describeRank(rank),
+                   ": backend nccl (--backend nccl): ", what,
+                   ": give each rank a GPU of its own (--device cuda puts a process on cuda:LOCAL_RANK mod the GPU "
+                   "count: at most as many processes per host as GPUs), or use --backend gloo or auto (Gloo, "
+                   "staged through host memory)");
+      if (rank == 0) {
+        std::fprintf(stderr, "cohort: %s: collectives over CUDA tensors go through Gloo (staged through host "
+                             "memory); give each rank a GPU of its own for NCCL\n", what.c_str());
+      }
+      cudaChoice = CommBackend::kGloo;
+      return;
+    }
+    try {
+      ncclGroup = nccl::makeGroup(c10::make_intrusive<c10d::PrefixStore>(storePrefix + "/nccl", store),
+                                  {.rank = rank, .size = size, .timeout = options.timeout, .device = device});
+    } catch (const std::exception& e) {
+      fail("forming the NCCL group on " + device.str(), e);
+    }
+    cudaChoice = CommBackend::kNccl;
+  }
+
+  // The first set of this group's ranks whose GPUs are one ("ranks 0 and 1"), or "" when every
+  // rank has its own. A Gloo allgather of each rank's GPU identity.
+  std::string ranksSharingAGpu(c10::Device device) {
+    if (size == 1) return "";
+    const std::array<int64_t, 2> mine = nccl::gpuIdentity(device);
+    std::vector<std::vector<torch::Tensor>> all(1);
+    for (int r = 0; r < size; ++r) all[0].push_back(torch::empty({2}, torch::kInt64));
+    std::vector<torch::Tensor> input{torch::tensor({mine[0], mine[1]}, torch::kInt64)};
+    try {
+      group->allgather(all, input)->wait(options.timeout);
+    } catch (const std::exception& e) {
+      fail("comparing the ranks' GPUs", e);
+    }
+    std::map<std::pair<int64_t, int64_t>, std::vector<std::string>> byGpu;
+    for (int r = 0; r < size; ++r) {
+      const auto* id = all[0][size_t(r)].data_ptr<int64_t>();
+      byGpu[{id[0], id[1]}].push_back(describeRank(r));
+    }
+    for (int r = 0; r < size; ++r) {  // in rank order: the same answer on every rank
+      const auto* id = all[0][size_t(r)].data_ptr<int64_t>();
+      const auto& names = byGpu[{id[0], id[1]}];
+      if (names.size() > 1) return listRanks(names);
+    }
+    return "";
+  }
+
+  // The NCCL group is shut down (NCCL flushes what it has in flight) or, after one of its works
+  // failed, aborted. Either can wait for peers inside NCCL (NVIDIA/nccl#863, #1777: a peer that is
+  // gone), with no timeout of its own: it runs on a thread of its own, waited for up to the
+  // communicator's timeout, and is left behind after that, saying so.
+  void closeNccl() EXCLUDES(cudaMutex) {
+    c10::intrusive_ptr<c10d::Backend> nccl;
+    {
+      MutexLock lock(cudaMutex);
+      nccl = std::move(ncclGroup);
+    }
+    if (!nccl) return;
+    auto closed = std::make_shared<std::promise<void>>();
+    std::future<void> done = closed->get_future();
+    std::thread([nccl = std::move(nccl), broken = ncclBroken.load(), closed] {
+      try {
+        if (broken) {
+          nccl->abort();
+        } else {
+          nccl->shutdown();
+        }
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "cohort: closing the NCCL group: %s\n", firstLine(e.what()).c_str());
+      }
+      closed->set_value();
+    }).detach();
+    if (done.wait_for(options.timeout) != std::future_status::ready) {
+      std::fprintf(stderr, "cohort: %s: closing the NCCL group did not end within %lld s (a peer gone?): left behind\n",
+                   describeRank(rank).c_str(), (long long)(options.timeout.count() / 1000));
+    }
+  }
+
   ~Impl() {
+    closeNccl();
     {
       MutexLock lock(stopMutex);
       stopping = true;
@@ -206,7 +359,8 @@ struct CommWork::Impl {
   std::shared_ptr<Communicator::Impl> comm;
   c10::intrusive_ptr<c10d::Work> work;
   std::string op;
-  std::vector<torch::Tensor> keepAlive;  // Gloo reads and writes these until the work is done
+  std::vector<torch::Tensor> keepAlive;  // Gloo or NCCL reads and writes these until the work is done
+  bool nccl = false;  // the work is the NCCL group's: waited for by nccl::waitForWork
   bool waited = false;
 };
 
@@ -216,9 +370,14 @@ double CommWork::wait() {
   if (impl_ == nullptr || impl_->waited) return 0.0;
   const auto start = Clock::now();
   try {
-    impl_->work->wait(impl_->comm->options.timeout);
+    if (impl_->nccl) {
+      nccl::waitForWork(*impl_->work, impl_->comm->options.timeout);
+    } else {
+      impl_->work->wait(impl_->comm->options.timeout);
+    }
   } catch (const std::exception& e) {
     impl_->waited = true;
+    if (impl_->nccl) impl_->comm->ncclBroken = true;
     impl_->comm->fail(impl_->op, e);
   }
   impl_->waited = true;
@@ -232,6 +391,10 @@ Communicator::Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) 
 Communicator::~Communicator() = default;
 
 std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, const CommOptions& options) {
+  COHORT_CHECK(options.backend != CommBackend::kNccl || hasNccl(), InvalidArgument, "rank ", spec.rank,
+               ": backend nccl (--backend nccl), but this cohort was built without NCCL (its LibTorch has no c10d "
+               "ProcessGroupNCCL, or CMake found no nccl.h): use --backend gloo or auto, or rebuild cohort against a "
+               "LibTorch with NCCL (PyPI's torch==2.11.0, which scripts/setup.sh installs, has it)");
   auto impl = std::make_shared<Impl>();
   impl->rank = spec.rank;
   impl->size = spec.worldSize;
@@ -273,7 +436,8 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
     auto groupOptions = c10d::ProcessGroupGloo::Options::create(options.timeout);
     groupOptions->devices.push_back(makeDevice(spec.master.host));
     groupOptions->threads = options.glooThreads;
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("cohort/group", impl->store);
+    impl->storePrefix = "cohort/group";
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(impl->storePrefix, impl->store);
     impl->group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, spec.rank, spec.worldSize, groupOptions);
   } catch (const std::exception& e) {
     throw CommError("rank " + std::to_string(spec.rank) + ": forming the Gloo group through " + where +
@@ -300,7 +464,8 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks,
     auto groupOptions = c10d::ProcessGroupGloo::Options::create(impl_->options.timeout);
     groupOptions->devices.push_back(makeDevice(impl_->master.host));
     groupOptions->threads = impl_->options.glooThreads;
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("cohort/group/" + name, impl_->store);
+    sub->storePrefix = "cohort/group/" + name;
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(sub->storePrefix, impl_->store);
     sub->group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, sub->rank, sub->size, groupOptions);
   } catch (const std::exception& e) {
     sub->fail("forming the group '" + name + "'", e);
@@ -315,6 +480,11 @@ void Communicator::setRankNames(std::function<std::string(int)> describe) {
 int Communicator::rank() const { return impl_->rank; }
 int Communicator::worldSize() const { return impl_->size; }
 const CommOptions& Communicator::options() const { return impl_->options; }
+
+CommBackend Communicator::cudaBackend() const {
+  MutexLock lock(impl_->cudaMutex);
+  return impl_->cudaChoice;
+}
 std::vector<int> Communicator::lostRanks() { return impl_->lostRanks(); }
 
 CommCounters Communicator::counters() const {
@@ -324,13 +494,15 @@ CommCounters Communicator::counters() const {
 
 namespace {
 
-// Launches one Gloo operation as a CommWork; a failure to launch is reported like a failure to
-// complete. `keep` holds the tensors Gloo uses until the work is done.
-CommWork start(const std::shared_ptr<Communicator::Impl>& comm, const std::string& op,
+// Launches one operation on `group` (Gloo or NCCL) as a CommWork; a failure to launch is reported
+// like a failure to complete. `keep` holds the tensors the group uses until the work is done.
+CommWork start(const std::shared_ptr<Communicator::Impl>& comm, c10d::Backend& group, const std::string& op,
                const std::function<c10::intrusive_ptr<c10d::Work>()>& launch, std::vector<torch::Tensor> keep) {
+  const bool nccl = group.getBackendName() == "nccl";
   try {
-    return CommWork(std::make_shared<CommWork::Impl>(CommWork::Impl{comm, launch(), op, std::move(keep)}));
+    return CommWork(std::make_shared<CommWork::Impl>(CommWork::Impl{comm, launch(), op, std::move(keep), nccl}));
   } catch (const std::exception& e) {
+    if (nccl) comm->ncclBroken = true;
     comm->fail(op, e);
   }
 }
@@ -342,8 +514,9 @@ CommWork Communicator::allreduceAsync(torch::Tensor tensor) {
   const int64_t n = nbytes(tensor);
   const int64_t onWire = impl_->size > 1 ? 2 * n * (impl_->size - 1) / impl_->size : 0;
   std::vector<torch::Tensor> tensors{tensor};
-  CommWork work = start(impl_, "allreduce of " + std::to_string(n) + " bytes",
-                        [&] { return impl_->group->allreduce(tensors); }, tensors);
+  c10d::Backend& group = impl_->groupFor(tensor);
+  CommWork work = start(impl_, group, "allreduce of " + std::to_string(n) + " bytes",
+                        [&] { return group.allreduce(tensors); }, tensors);
   impl_->count(onWire, onWire);
   return work;
 }
@@ -353,7 +526,8 @@ void Communicator::broadcast(torch::Tensor tensor, int root) {
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  start(impl_, "broadcast", [&] { return impl_->group->broadcast(tensors, opts); }, tensors).wait();
+  c10d::Backend& group = impl_->groupFor(tensor);
+  start(impl_, group, "broadcast", [&] { return group.broadcast(tensors, opts); }, tensors).wait();
   const int64_t n = nbytes(tensor);
   if (impl_->rank == root) {
     impl_->count(n * (impl_->size - 1), 0);
@@ -378,7 +552,10 @@ std::vector<torch::Tensor> Communicator::allgather(const torch::Tensor& tensor) 
   std::vector<std::vector<torch::Tensor>> outputs(1);
   for (int r = 0; r < impl_->size; ++r) outputs[0].push_back(torch::empty_like(input));
   std::vector<torch::Tensor> inputs{input};
-  start(impl_, "allgather", [&] { return impl_->group->allgather(outputs, inputs); }, outputs[0]).wait();
+  std::vector<torch::Tensor> keep = outputs[0];
+  keep.push_back(input);
+  c10d::Backend& group = impl_->groupFor(input);
+  start(impl_, group, "allgather", [&] { return group.allgather(outputs, inputs); }, keep).wait();
   const int64_t n = nbytes(input) * (impl_->size - 1);
   impl_->count(n, n);
   return outputs[0];
@@ -399,13 +576,13 @@ std::vector<torch::Tensor> Communicator::allgatherVariable(const torch::Tensor& 
 }
 
 void Communicator::barrier() {
-  start(impl_, "barrier", [&] { return impl_->group->barrier(); }, {}).wait();
+  start(impl_, *impl_->group, "barrier", [&] { return impl_->group->barrier(); }, {}).wait();
 }
 
 CommWork Communicator::sendAsync(torch::Tensor tensor, int dst, int tag) {
   COHORT_CHECK(tensor.is_contiguous(), InvalidArgument, "send needs a contiguous tensor");
   std::vector<torch::Tensor> tensors{tensor};
-  CommWork work = start(impl_, "send to " + impl_->describeRank(dst),
+  CommWork work = start(impl_, *impl_->group, "send to " + impl_->describeRank(dst),
                         [&] { return impl_->group->send(tensors, dst, tag); }, tensors);
   impl_->count(nbytes(tensor), 0);
   return work;
@@ -414,7 +591,7 @@ CommWork Communicator::sendAsync(torch::Tensor tensor, int dst, int tag) {
 CommWork Communicator::recvAsync(torch::Tensor tensor, int src, int tag) {
   COHORT_CHECK(tensor.is_contiguous(), InvalidArgument, "recv needs a contiguous tensor");
   std::vector<torch::Tensor> tensors{tensor};
-  CommWork work = start(impl_, "receive from " + impl_->describeRank(src),
+  CommWork work = start(impl_, *impl_->group, "receive from " + impl_->describeRank(src),
                         [&] { return impl_->group->recv(tensors, src, tag); }, tensors);
   impl_->count(0, nbytes(tensor));
   return work;

@@ -35,6 +35,7 @@ Job Job::fromCommunicator(std::shared_ptr<Communicator> comm) {
   state->spec.worldSize = comm->worldSize();
   state->spec.source = "communicator";
   state->options.timeout = comm->options().timeout;
+  state->options.backend = comm->options().backend;
   state->device = resolveDevice("auto", state->spec.rank);
   {
     MutexLock lock(state->mutex);  // no other thread sees state yet: the lock is for the analysis
@@ -51,13 +52,15 @@ int Job::rank() const { return state_->spec.rank; }
 int Job::worldSize() const { return state_->spec.worldSize; }
 std::chrono::milliseconds Job::timeout() const { return state_->options.timeout; }
 c10::Device Job::device() const { return state_->device; }
+CommBackend Job::backend() const { return state_->options.backend; }
 
 std::shared_ptr<Communicator> Job::communicator() const {
   MutexLock lock(state_->mutex);
   if (state_->comm || state_->spec.worldSize <= 1) return state_->comm;
   COHORT_CHECK(state_->spec.role == Role::kWorker, InvalidArgument, "this process is not a worker (",
                describe(state_->spec), "): only workers join the workers' communicator");
-  state_->comm = Communicator::connect(state_->spec, CommOptions{.timeout = state_->options.timeout});
+  state_->comm = Communicator::connect(
+      state_->spec, CommOptions{.timeout = state_->options.timeout, .backend = state_->options.backend});
   return state_->comm;
 }
 

@@ -362,8 +362,9 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
                ": the module has no parameters that require gradients; there is nothing to average");
   const c10::Device device = s.params.front().device();
   if (!device.is_cpu()) {
-    // On a device, the buckets live there and go through c10d's Gloo, which stages CUDA tensors
-    // through host memory. The codecs and the row exchange work on host memory: not yet on devices.
+    // On a device, the buckets live there and go through the communicator's backend for CUDA
+    // tensors (NCCL, or Gloo, which stages them through host memory). The codecs and the row
+    // exchange work on host memory: not yet on devices.
     COHORT_CHECK(compress::CodecSpec::parse(s.options.codec).kind == compress::CodecKind::None, InvalidArgument,
                  kWho, ": codec ", s.options.codec, " on a model on ", device,
                  " is not implemented yet (the codecs run on host memory); use codec none, or train on the CPU");

@@ -32,6 +32,12 @@ void AllreduceStrategy::synchronize() {
   if (dp_) dp_->synchronizeBuffers();
 }
 
+MetricFields AllreduceStrategy::report() {
+  // kAuto: no collective over CUDA tensors ran (a model on the CPU): Gloo carried everything.
+  const CommBackend used = comm_->cudaBackend();
+  return {{"backend", commBackendName(used == CommBackend::kNccl ? CommBackend::kNccl : CommBackend::kGloo)}};
+}
+
 StepStats AllreduceStrategy::step(const Batch& batch, const LossFn& loss) {
   COHORT_CHECK(dp_ != nullptr, Error, "AllreduceStrategy::step before attach");
   const auto start = std::chrono::steady_clock::now();

@@ -26,6 +26,8 @@ class AllreduceStrategy final : public Strategy {
   // Averages floating-point buffers (e.g. BatchNorm's running statistics), which each rank
   // updates from its own shard; parameters are identical already. Every rank must call it.
   void synchronize() override;
+  // The done event's "backend": what carried the gradients, "nccl" or "gloo".
+  MetricFields report() override;
 
   size_t bucketCount() const { return dp_ ? dp_->stats().buckets : 0; }
 

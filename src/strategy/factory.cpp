@@ -78,7 +78,7 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
         alone.rank = 0;
         alone.worldSize = 1;
         alone.master = HostPort{"127.0.0.1", 0};
-        comm = Communicator::connect(alone, CommOptions{.timeout = job.timeout()});
+        comm = Communicator::connect(alone, CommOptions{.timeout = job.timeout(), .backend = job.backend()});
       }
       return std::make_unique<AllreduceStrategy>(std::move(comm), std::move(dp));
     }

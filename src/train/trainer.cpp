@@ -81,6 +81,21 @@ c10::Device chooseDevice(const TrainOptions& o, const Strategy& strategy, torch:
   throw InvalidArgument("--device " + o.device + ": " + reason + "; use --device cpu");
 }
 
+// --backend nccl carries CUDA tensors only: a run whose model is on the CPU is refused, saying why
+// it is there. (A build without NCCL refuses it earlier: validate().)
+void checkBackend(const TrainOptions& o, const Strategy& strategy, torch::nn::Module& model, const c10::Device& device) {
+  if (o.backend != CommBackend::kNccl || device.is_cuda()) return;
+  std::string why = cpuOnlyReason(o, strategy, model);
+  if (o.device == "cpu") {
+    why = "--device cpu";
+  } else if (why.empty()) {
+    why = "this process sees no GPU";
+  }
+  throw InvalidArgument("--backend nccl carries collectives over CUDA tensors, but this run's model is on the CPU (" +
+                        why + "): use --device cuda with --strategy allreduce on a machine with a GPU per process, "
+                        "or --backend gloo or auto");
+}
+
 // A tensor assembled in host memory, on `device`: pinned and copied without blocking the host (the
 // copy is ordered before the step's kernels on the same stream).
 torch::Tensor onDevice(const torch::Tensor& t, const c10::Device& device) {
@@ -172,6 +187,10 @@ std::vector<std::pair<std::string, float>> boardScalars(const StepStats& stats, 
 
 void validate(const TrainOptions& o) {
   COHORT_CHECK(o.batch > 0, InvalidArgument, "--batch must be positive, got ", o.batch);
+  COHORT_CHECK(o.backend != CommBackend::kNccl || hasNccl(), InvalidArgument,
+               "--backend nccl: this cohort was built without NCCL (its LibTorch has no c10d ProcessGroupNCCL, or "
+               "CMake found no nccl.h): use --backend gloo or auto, or rebuild cohort against a LibTorch with NCCL "
+               "(PyPI's torch==2.11.0, which scripts/setup.sh installs, has it)");
   COHORT_CHECK(o.lr > 0 && std::isfinite(o.lr), InvalidArgument, "--lr must be a positive number, got ", o.lr);
   COHORT_CHECK(o.steps >= 0 && o.steps <= kMaxSteps, InvalidArgument, "--steps must be in 0..", kMaxSteps, ", got ",
                o.steps);
@@ -484,7 +503,8 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
   so.gossip.authToken = o.strategy.ps.authToken;
   so.gossip.seed = o.seed;
   const Job job =
-      Job::fromSpec(s.cluster, {.timeout = std::chrono::milliseconds(int64_t(o.timeoutSeconds * 1000))});
+      Job::fromSpec(s.cluster, {.timeout = std::chrono::milliseconds(int64_t(o.timeoutSeconds * 1000)),
+                                .backend = o.backend});
   s.strategy = makeStrategy(so, job);
   s.comm = s.strategy->communicator();
   s.replica = s.strategy->replica();
@@ -517,6 +537,7 @@ Trainer::Trainer(TrainOptions options) : state_(std::make_unique<State>()) {
     s.model = s.strategy->localModel(s.model, makeBatch(s.data.train, first));
   }
   s.device = chooseDevice(o, *s.strategy, *s.model, s.cluster.localRank);
+  checkBackend(o, *s.strategy, *s.model, s.device);
   if (!s.device.is_cpu()) s.model->to(s.device);  // before the optimizer: its state follows the parameters
   s.optimizer = makeOptimizer(o, *s.model);
   const DataShard shard = s.strategy->dataShard();

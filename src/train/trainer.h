@@ -32,6 +32,9 @@ struct TrainOptions {
   // Where the model trains (resolveDevice): "auto" is the local rank's GPU for the schemes that
   // train on devices (Strategy::trainsOnDevices) when there is one, else the CPU.
   std::string device = "auto";
+  // What carries the workers' collectives over CUDA tensors (--backend): kNccl needs the model on
+  // a GPU (Trainer::run refuses it on the CPU).
+  CommBackend backend = CommBackend::kAuto;
   uint64_t seed = 1;
   int64_t evalEvery = 0;  // steps; 0 = at the end only
   double targetAccuracy = 0.0;  // stop at the first evaluation that reaches it; 0 = never
