@@ -193,7 +193,7 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--device", o.device,
                     "Where the model trains: auto (the local rank's GPU when there is one and the scheme trains on "
                     "devices, else the CPU), cpu, cuda (cuda:LOCAL_RANK mod the GPU count) or cuda:N. On a device so "
-                    "far: --strategy local and allreduce")
+                    "far: --strategy local and allreduce (with any --codec; sparse embeddings stay on the CPU)")
       ->capture_default_str();
   train->add_option("--seed", o.seed, "Seed for initialization and data order")
       ->check(kSeedValidator)->capture_default_str();
