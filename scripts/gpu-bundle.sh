@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Packs what scripts/gpu-check.sh needs on a GPU machine that has PyTorch 2.11 but no Debian
 # packages and no network (the device tool's machines): the cohort binary, libcohort, the gpu test
-# program, every shared library they need that is neither LibTorch's (the GPU machine's torch wheel
-# has those) nor the C/C++ runtime's, and Fashion-MNIST. Stripped; the device tool carries at most
+# program, the GPU codec benchmark (bench/gpu_codec.cpp), every shared library they need that is
+# neither LibTorch's (the GPU machine's torch wheel has those) nor the C/C++ runtime's, and
+# Fashion-MNIST. Stripped; the device tool carries at most
 # 64 MiB with the working tree, so the bundle must stay under 60.
 #
 #   bash scripts/gpu-bundle.sh [BUILD]     # BUILD defaults to build; writes build-gpu/
@@ -12,16 +13,17 @@ build="${1:-$root/build}"
 out="$root/build-gpu"
 limit_mb=60
 
-cmake --build "$build" --target cohort_cli gpu_tests
+# libcohort.so by its file: Ninja's target `cohort` is the binary of that name, not the library.
+cmake --build "$build" --target libcohort.so cohort_cli gpu_tests gpu_codec
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib" "$out/data/fashion-mnist"
-cp "$build/cohort" "$build/tests/gpu_tests" "$out/bin/"
+cp "$build/cohort" "$build/tests/gpu_tests" "$build/bench/gpu_codec" "$out/bin/"
 cp -P "$build"/libcohort.so* "$out/lib/"
 
 # Libraries the GPU machine has already: LibTorch's own (and the CUDA libraries beside it), and
 # the C and C++ runtime, which must be the machine's own (LibTorch was built against them).
 skip='^(libtorch|libc10|libcaffe2|libgomp|libcud|libcublas|libcusparse|libcufft|libcurand|libcusolver|libnccl|libnvrtc|libnvJitLink|libcupti|libnvshmem|libcufile|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread|libutil|libresolv|ld-linux|libstdc\+\+|libgcc_s|linux-vdso)'
-for f in "$out/bin/cohort" "$out/bin/gpu_tests" "$out/lib/libcohort.so.0"; do
+for f in "$out/bin/cohort" "$out/bin/gpu_tests" "$out/bin/gpu_codec" "$out/lib/libcohort.so.0"; do
   ldd "$f" | awk '/=> \//{print $1, $3}' | while read -r name path; do
     if ! [[ "$name" =~ $skip ]] && [ ! -e "$out/lib/$name" ]; then cp -L "$path" "$out/lib/$name"; fi
   done

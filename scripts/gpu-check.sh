@@ -5,8 +5,8 @@
 #   device run, carry ["build-gpu"]:  bash scripts/gpu-check.sh
 #
 # Runs the gpu tests, then the figures, and writes a report to $OUT (or ./gpu-out): the machine,
-# each test's result, and each figure with the command that produced it. At most 7.5 minutes (its
-# timeouts: 200 s of tests, 230 s of figures; GPU_CHECK_* below change them): call it with the
+# each test's result, and each figure with the command that produced it. At most 8 minutes (its
+# timeouts: 200 s of tests, 230 + 30 s of figures; GPU_CHECK_* below change them): call it with the
 # device tool's timeout_s near 480.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -58,6 +58,8 @@ echo "## figures" >> "$report"
   PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_FIGURES_S:-230}" "$python" "$root/bench/gpu_figures.py" --cohort "$wrapper" \
     --runs "${GPU_CHECK_RUNS:-2}" --budget "${GPU_CHECK_BUDGET_S:-150}" --sections "${GPU_CHECK_SECTIONS:-single,ws1,ddp2}" 2>&1 |
     tee "$out/figures.log"
+  # fp16's encode of a 25 MB bucket on the GPU against the device's own copy (bench/gpu_codec.cpp).
+  LD_LIBRARY_PATH="$libs" timeout 30 "$bundle/bin/gpu_codec" 2>&1 | tee "$out/gpu_codec.log"
   echo '```'
 } >> "$report"
 cat "$report"
