@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Packs what scripts/gpu-check.sh needs on a GPU machine that has PyTorch 2.11 but no Debian
 # packages and no network (the device tool's machines): the cohort binary, libcohort, the gpu test
-# program, every shared library they need that is neither LibTorch's (the GPU machine's torch wheel
-# has those) nor the C/C++ runtime's, and Fashion-MNIST. Stripped; the device tool carries at most
+# program, the GPU codec benchmark (bench/gpu_codec.cpp), every shared library they need that is
+# neither LibTorch's (the GPU machine's torch wheel has those) nor the C/C++ runtime's, and
+# Fashion-MNIST. Stripped; the device tool carries at most
 # 64 MiB with the working tree, so the bundle must stay under 60.
 #
 #   bash scripts/gpu-bundle.sh [BUILD]     # BUILD defaults to build; writes build-gpu/
@@ -12,10 +13,11 @@ build="${1:-$root/build}"
 out="$root/build-gpu"
 limit_mb=60
 
-cmake --build "$build" --target cohort_cli gpu_tests resnet_ddp
+# libcohort.so by its file: Ninja's target `cohort` is the binary of that name, not the library.
+cmake --build "$build" --target libcohort.so cohort_cli gpu_tests gpu_codec resnet_ddp
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib" "$out/data/fashion-mnist"
-cp "$build/cohort" "$build/tests/gpu_tests" "$build/bench/resnet_ddp" "$out/bin/"
+cp "$build/cohort" "$build/tests/gpu_tests" "$build/bench/gpu_codec" "$build/bench/resnet_ddp" "$out/bin/"
 cp -P "$build"/libcohort.so* "$out/lib/"
 
 # Libraries the GPU machine has already: LibTorch's own (and the CUDA libraries beside it), and

@@ -193,7 +193,7 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--device", o.device,
                     "Where the model trains: auto (the local rank's GPU when there is one and the scheme trains on "
                     "devices, else the CPU), cpu, cuda (cuda:LOCAL_RANK mod the GPU count) or cuda:N. On a device so "
-                    "far: --strategy local, allreduce, average, ps (the shards stay on the CPU), gossip, pipeline, "
+                    "far: --strategy local, allreduce (with any --codec), average, ps (the shards stay on the CPU), gossip, pipeline, "
                     "tensor, mirrored (replica r on the r-th GPU after the model's) and central")
       ->capture_default_str();
   // Parsed into o.backend once the command line is read (the callback below).

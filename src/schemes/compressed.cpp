@@ -4,6 +4,8 @@
 
 #include "base/clock.h"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -28,15 +30,38 @@ std::span<uint16_t> bits16(torch::Tensor& t) {
 }
 std::span<float> floats(torch::Tensor& t) { return {t.data_ptr<float>(), size_t(t.numel())}; }
 
+// The current stream of `device` on the calling thread.
+c10::Stream currentStream(c10::Device device) { return c10::impl::VirtualGuardImpl(device.type()).getStream(device); }
+
 }  // namespace
 
-CompressedSum::CompressedSum(std::shared_ptr<Communicator> comm, compress::CodecSpec spec, std::vector<int64_t> buffers)
-    : comm_(std::move(comm)), spec_(spec) {
+CompressedSum::CompressedSum(std::shared_ptr<Communicator> comm, compress::CodecSpec spec, std::vector<int64_t> buffers,
+                             c10::Device device)
+    : comm_(std::move(comm)), spec_(spec), device_(device) {
+  const bool staged = !device_.is_cpu() && spec_.kind != CodecKind::None;
+  if (staged) {
+    stream_ = c10::impl::VirtualGuardImpl(device_.type()).getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+  }
+  const auto type16 = spec_.kind == CodecKind::Bf16 ? torch::kBFloat16 : torch::kHalf;
+  int64_t longest = 0;
   for (int64_t n : buffers) {
     encoders_.emplace_back(spec_, size_t(n));
-    // The wire's 16-bit values; a kHalf tensor for bf16 too (point-to-point messages are bytes).
-    if (spec_.sixteenBit()) wire16_.push_back(torch::empty({n}, torch::kHalf));
+    longest = std::max(longest, n);
+    if (staged) {
+      Staging& s = staging_.emplace_back(device_.type());
+      const auto pinned = torch::TensorOptions().pinned_memory(true);
+      if (spec_.sixteenBit()) {
+        s.host = torch::empty({n}, pinned.dtype(type16));
+        s.device16 = torch::empty({n}, torch::TensorOptions().dtype(type16).device(device_));
+      } else {
+        s.host = torch::empty({n}, pinned.dtype(torch::kFloat32));
+      }
+    } else if (spec_.sixteenBit()) {
+      // The wire's 16-bit values; a kHalf tensor for bf16 too (point-to-point messages are bytes).
+      wire16_.push_back(torch::empty({n}, torch::kHalf));
+    }
   }
+  if (staged && spec_.sixteenBit()) accumulator_ = torch::empty({longest}, torch::kFloat32);
   works_.resize(buffers.size());
   done_.assign(buffers.size(), true);
   if (spec_.kind != CodecKind::None) thread_ = std::thread([this] { run(); });
@@ -50,6 +75,9 @@ CompressedSum::~CompressedSum() {
   }
   changed_.notifyAll();
   if (thread_.joinable()) thread_.join();
+  // Copies still queued on the stream use the staging buffers (and the caller's buffers), which
+  // the device's caching allocator would otherwise hand out again while they run.
+  if (stream_) stream_->synchronize();
 }
 
 void CompressedSum::resetResiduals() {
@@ -66,6 +94,8 @@ void CompressedSum::start(size_t id, torch::Tensor flat) {
                    flat.numel() == int64_t(encoders_[id].length()),
                InvalidArgument, "CompressedSum: buffer ", id, " must be a contiguous float32 tensor of ",
                id < encoders_.size() ? encoders_[id].length() : 0, " elements");
+  COHORT_CHECK(flat.device() == device_, InvalidArgument, "CompressedSum: buffer ", id, " is on ", flat.device(),
+               ", but this exchange was made for buffers on ", device_);
   if (spec_.kind == CodecKind::None) {
     const CommCounters before = comm_->counters();
     works_[id] = comm_->allreduceAsync(flat);
@@ -74,12 +104,29 @@ void CompressedSum::start(size_t id, torch::Tensor flat) {
     bytesReceived_ += after.bytesReceived - before.bytesReceived;
     return;
   }
+  if (!device_.is_cpu()) stageToHost(id, flat);
   {
     MutexLock lock(mutex_);
     done_[id] = false;
     queue_.push_back(Job{id, std::move(flat)});
   }
   changed_.notifyAll();
+}
+
+void CompressedSum::stageToHost(size_t id, const torch::Tensor& flat) {
+  Staging& s = staging_[id];
+  // The copy starts after what the caller's stream has queued so far: the kernels that wrote the
+  // buffer. The caller does not touch the buffer again before finish().
+  s.written.record(currentStream(device_));
+  s.written.block(*stream_);
+  c10::StreamGuard onCopies(*stream_);
+  if (spec_.sixteenBit()) {
+    s.device16.copy_(flat);  // the cast, on the device
+    s.host.copy_(s.device16, /*non_blocking=*/true);
+  } else {
+    s.host.copy_(flat, /*non_blocking=*/true);
+  }
+  s.copied.record(*stream_);
 }
 
 void CompressedSum::finish(size_t id, torch::Tensor flat) {
@@ -109,7 +156,9 @@ void CompressedSum::finish(size_t id, torch::Tensor flat) {
     changed_.waitUntil(mutex_, deadline);
   }
   if (failure_) std::rethrow_exception(failure_);
-  (void)flat;  // the communication thread wrote the sum into the tensor start() was given
+  // The communication thread wrote the sum into the tensor start() was given (on a device: queued
+  // its copy there, which the caller's stream now waits for).
+  if (!device_.is_cpu()) staging_[id].returned.block(currentStream(flat.device()));
 }
 
 void CompressedSum::run() {
@@ -143,19 +192,47 @@ void CompressedSum::run() {
 }
 
 void CompressedSum::exchange(size_t id, torch::Tensor& flat) {
-  if (spec_.sixteenBit()) {
-    ring16(id, flat);
+  if (!device_.is_cpu()) {
+    exchangeStaged(id, flat);
+  } else if (spec_.sixteenBit()) {
+    ring16(wire16_[id], flat, /*toFloats=*/true);
   } else {
     sparse(id, flat);
   }
 }
 
-void CompressedSum::ring16(size_t id, torch::Tensor& flat) {
+void CompressedSum::exchangeStaged(size_t id, torch::Tensor& flat) {
+  Staging& s = staging_[id];
+  const auto t = Clock::now();
+  s.copied.synchronize();  // this buffer's copy to the host, nothing else of the device's
+  {
+    MutexLock lock(mutex_);
+    phases_.encodeSeconds += secondsSince(t);
+  }
+  if (spec_.sixteenBit()) {
+    torch::Tensor wire = s.host.view(torch::kHalf);  // bf16 too: the ring moves 16-bit patterns
+    torch::Tensor acc = accumulator_.narrow(0, 0, flat.numel());
+    const auto from16 = spec_.kind == CodecKind::Fp16 ? compress::halfToFloats : compress::bf16ToFloats;
+    from16(bits16(wire), floats(acc));  // this rank's values, as they crossed
+    ring16(wire, acc, /*toFloats=*/false);
+  } else {
+    sparse(id, s.host);
+  }
+  c10::StreamGuard onCopies(*stream_);
+  if (spec_.sixteenBit()) {
+    s.device16.copy_(s.host, /*non_blocking=*/true);
+    flat.copy_(s.device16);  // the cast back, on the device
+  } else {
+    flat.copy_(s.host, /*non_blocking=*/true);
+  }
+  s.returned.record(*stream_);
+}
+
+void CompressedSum::ring16(torch::Tensor& wire, torch::Tensor& flat, bool toFloats) {
   const bool half = spec_.kind == CodecKind::Fp16;
   const auto to16 = half ? compress::floatsToHalf : compress::floatsToBf16;
   const auto from16 = half ? compress::halfToFloats : compress::bf16ToFloats;
   const auto addAndRound = half ? compress::addHalfAndRound : compress::addBf16AndRound;
-  torch::Tensor& wire = wire16_[id];
   const int64_t n = flat.numel();
   const int size = comm_->worldSize();
   const int rank = comm_->rank();
@@ -227,7 +304,7 @@ void CompressedSum::ring16(size_t id, torch::Tensor& flat) {
     });
   }
   // Every rank converts the same bits: the same floats everywhere.
-  timed(spent.decodeSeconds, [&] { from16(bits16(wire), floats(flat)); });
+  if (toFloats) timed(spent.decodeSeconds, [&] { from16(bits16(wire), floats(flat)); });
   MutexLock lock(mutex_);
   phases_.encodeSeconds += spent.encodeSeconds;
   phases_.wireSeconds += spent.wireSeconds;

@@ -25,6 +25,24 @@
 // bucket from its autograd hook and backward goes on while the bucket is encoded, exchanged and
 // summed.
 //
+// Buffers on a device (a CUDA model's buckets) cross to the host and back, each through a pinned
+// host buffer of its own, allocated once. start() queues the copy on a stream of this object after
+// what the caller's current stream has queued (the kernels that wrote the buffer) and returns; the
+// communication thread waits for that copy only, runs the codec on the host as above, and queues
+// the copy back into the device buffer (non-blocking, from pinned memory) on the same stream;
+// finish() makes the caller's current stream wait for it, without blocking the host. Per codec:
+//   none       Gloo's allreduce of the device tensor (c10d stages it through host memory itself).
+//   fp16,bf16  the cast to 16 bits on the device, and only the 16-bit buffer crosses; the ring
+//              runs on the host as above, except that this rank's own values enter it already
+//              rounded to 16 bits (on the CPU they are added in float32 before the first
+//              rounding): the sums may differ from the CPU's by a rounding of 16 bits. The 16-bit
+//              sum crosses back and is cast to float32 on the device: the replicas still agree bit
+//              for bit. fp16's cast on the device follows IEEE: a finite value beyond +-65504
+//              becomes infinite, where the CPU's conversion saturates.
+//   sparse     the float32 buffer crosses; the encoder, its residual and the decoding stay on the
+//              host, exactly as on the CPU (the same messages, residuals and sums for the same
+//              buffer).
+//
 // Contract: like every collective, start() must be called by every rank for the same buffers in
 // the same order, and each start(id) must be followed by finish(id) before the next start(id).
 // Between start(id) and finish(id) the caller must not touch the buffer, nor run another
@@ -36,12 +54,16 @@
 #include "base/thread_annotations.h"
 #include "compress/codec.h"
 
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 #include <torch/types.h>
 
 #include <atomic>
 #include <deque>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -50,8 +72,10 @@ namespace cohort {
 class CompressedSum {
  public:
   // `buffers`: the length of each buffer this object will sum (one encoder, so one residual,
-  // each).
-  CompressedSum(std::shared_ptr<Communicator> comm, compress::CodecSpec spec, std::vector<int64_t> buffers);
+  // each). `device`: where every buffer given to start() lives (a CUDA device: staged through
+  // pinned host memory, as above).
+  CompressedSum(std::shared_ptr<Communicator> comm, compress::CodecSpec spec, std::vector<int64_t> buffers,
+                c10::Device device = c10::Device(c10::kCPU));
   // Ends the communication thread after the exchange it is running (bounded by the communicator's
   // timeout); buffers started and not finished are dropped.
   ~CompressedSum();
@@ -60,10 +84,12 @@ class CompressedSum {
 
   const compress::CodecSpec& spec() const { return spec_; }
 
-  // Starts summing buffer `id` (contiguous float32 `flat`, this rank's contribution).
+  // Starts summing buffer `id` (contiguous float32 `flat` on the constructor's device, this rank's
+  // contribution).
   void start(size_t id, torch::Tensor flat);
-  // Waits for buffer `id`'s sum and leaves it in `flat`. Rethrows the exchange's CommError or
-  // TimeoutError; after one, every later buffer fails with it too (the ranks are out of step).
+  // Waits for buffer `id`'s sum and leaves it in `flat` (on a device: for the kernels queued on the
+  // caller's current stream from now on). Rethrows the exchange's CommError or TimeoutError; after
+  // one, every later buffer fails with it too (the ranks are out of step).
   void finish(size_t id, torch::Tensor flat);
 
   // Payload bytes of the exchanges since construction, as the codec put them on the wire. Up to
@@ -72,7 +98,8 @@ class CompressedSum {
   int64_t bytesReceived() const { return bytesReceived_; }
 
   // Where the communication thread's time went, seconds since construction: encoding (the
-  // conversion to 16 bits; a sparse encode), waiting on the wire (sends, receives, allgathers),
+  // conversion to 16 bits; a sparse encode; on a device, the wait for the copy to the host, which
+  // includes the wait for the kernels that wrote the buffer), waiting on the wire (sends, receives, allgathers),
   // and summing (16-bit addition and rounding, the conversion back; decoding and adding the
   // messages). none has no thread: its allreduce is Gloo's, all of it "wire", counted by the
   // caller's wait.
@@ -96,17 +123,37 @@ class CompressedSum {
     size_t id = 0;
     torch::Tensor flat;
   };
+  // A device buffer's way through the host.
+  struct Staging {
+    explicit Staging(c10::DeviceType type) : written(type), copied(type), returned(type) {}
+    torch::Tensor host;      // pinned: the float32 buffer (sparse codecs) or its 16-bit form
+    torch::Tensor device16;  // fp16, bf16: the 16-bit form on the device
+    c10::Event written;      // start(): the caller's stream has queued what wrote the buffer
+    c10::Event copied;       // start(): the copy to `host`
+    c10::Event returned;     // the sum's copy back into the device buffer
+  };
   void run();  // the communication thread
   void exchange(size_t id, torch::Tensor& flat);
-  void ring16(size_t id, torch::Tensor& flat);
+  // The 16-bit ring over `wire` (16-bit values: what is sent and received) and `flat` (float32:
+  // this rank's values, into which the chunks it reduces are summed). toFloats: flat ends as the
+  // float32 of the 16-bit sum; otherwise only wire holds the sum.
+  void ring16(torch::Tensor& wire, torch::Tensor& flat, bool toFloats);
   void sparse(size_t id, torch::Tensor& flat);
+  void stageToHost(size_t id, const torch::Tensor& flat);
+  void exchangeStaged(size_t id, torch::Tensor& flat);
 
   // Constant after construction.
   std::shared_ptr<Communicator> comm_;
   compress::CodecSpec spec_;
+  c10::Device device_;
+  std::optional<c10::Stream> stream_;  // on a device, with a codec: the copies' stream
   // Owned by the communication thread while a buffer is under way.
   std::vector<compress::Encoder> encoders_;
-  std::vector<torch::Tensor> wire16_;  // fp16 / bf16: the 16-bit form of each buffer
+  std::vector<torch::Tensor> wire16_;  // fp16 / bf16 on the CPU: the 16-bit form of each buffer
+  // On a device: written by start() before it queues the buffer, then used by the communication
+  // thread, then (returned) by finish() after the thread marked the buffer done.
+  std::vector<Staging> staging_;
+  torch::Tensor accumulator_;  // fp16 / bf16 on a device: the ring's float32 sums (longest buffer)
   std::vector<uint8_t> message_;
   std::vector<CommWork> works_;  // none: the allreduce under way, per buffer
 

@@ -126,7 +126,7 @@ struct DataParallel::Impl {
     }
     stats.buckets = buckets.size();
     const auto spec = compress::CodecSpec::parse(options.codec);
-    compressed = std::make_unique<CompressedSum>(comm, spec, sizes);
+    compressed = std::make_unique<CompressedSum>(comm, spec, sizes, params.front().device());
     plain = std::make_unique<CompressedSum>(comm, compress::CodecSpec{}, sizes);
   }
 
@@ -362,12 +362,10 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
                ": the module has no parameters that require gradients; there is nothing to average");
   const c10::Device device = s.params.front().device();
   if (!device.is_cpu()) {
-    // On a device, the buckets live there and go through the communicator's backend for CUDA
-    // tensors (NCCL, or Gloo, which stages them through host memory). The codecs and the row
-    // exchange work on host memory: not yet on devices.
-    COHORT_CHECK(compress::CodecSpec::parse(s.options.codec).kind == compress::CodecKind::None, InvalidArgument,
-                 kWho, ": codec ", s.options.codec, " on a model on ", device,
-                 " is not implemented yet (the codecs run on host memory); use codec none, or train on the CPU");
+    // On a device, the buckets live there. Codec none goes through the communicator's backend for
+    // CUDA tensors (NCCL, or Gloo, which stages them through host memory); the others through pinned
+    // host buffers of CompressedSum's (fp16 and bf16 cast on the device). The row exchange works on
+    // host memory: not yet on devices.
     for (size_t k = 0; k < s.params.size(); ++k) {
       COHORT_CHECK(!s.rowSparse[k], InvalidArgument, kWho, ": parameter ", s.names[k], " is a sparse embedding on ",
                    device, "; row-sparse gradients are exchanged on the CPU only so far: train on the CPU");

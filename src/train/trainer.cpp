@@ -55,9 +55,6 @@ std::string cpuOnlyReason(const TrainOptions& o, const Strategy& strategy, torch
     return "--strategy " + strategy.name() + " trains on the CPU only in this version (on a device so far: local, "
            "allreduce, average, ps, gossip, pipeline, tensor, mirrored and central)";
   }
-  if (strategy.scheme() == Scheme::kAllreduce && o.strategy.codec != "none") {
-    return "--codec " + o.strategy.codec + " works on host memory only so far";
-  }
   for (const auto& p : model.parameters()) {
     if (hasRowSparseGradient(model, p)) {
       return "--model " + o.model + " has sparse embeddings, whose optimizer and exchange work on host memory only "
