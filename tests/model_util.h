@@ -15,7 +15,9 @@ inline std::vector<torch::Tensor> loadParameters(const std::string& path, const 
   auto net = makeModel(model, {});
   torch::load(net, path);
   std::vector<torch::Tensor> out;
-  for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+  // On the CPU, whichever device wrote them (a GPU run's file loads its tensors onto that GPU), so
+  // that runs on different devices compare.
+  for (auto& p : net->parameters()) out.push_back(p.detach().to(torch::kCPU).clone());
   return out;
 }
 
