@@ -682,5 +682,27 @@ TEST(ClusterPrecedence, ALaterSourceIsNotReadWhenAnEarlierOneIsSet) {
             "TF_CONFIG");
 }
 
+// Without a secret, the store's key is the launcher's job id: the first of COHORT_JOB_ID,
+// TORCHELASTIC_RUN_ID (not torchrun's shared default "none"), SLURM_JOB_ID, PMIX_NAMESPACE.
+TEST(Cluster, TheJobIdentityIsTheLaunchersJobIdWhenThereIsNoSecret) {
+  const Vars torchrun = {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+  EXPECT_EQ(resolve(torchrun).storeKey(), "");
+  Vars v = torchrun;
+  v["TORCHELASTIC_RUN_ID"] = "none";
+  EXPECT_EQ(resolve(v).jobIdentity, "");
+  v["TORCHELASTIC_RUN_ID"] = "run-7";
+  v["SLURM_JOB_ID"] = "42";
+  EXPECT_EQ(resolve(v).jobIdentity, "run-7");
+  EXPECT_EQ(resolve(v).jobIdentitySource, "TORCHELASTIC_RUN_ID");
+  EXPECT_EQ(resolve(v).storeKey(), "job:run-7");
+  v["COHORT_JOB_ID"] = "mine";
+  EXPECT_EQ(resolve(v).storeKey(), "job:mine");
+  v["COHORT_AUTH_TOKEN"] = "s3cret";
+  EXPECT_EQ(resolve(v).storeKey(), "s3cret");  // a secret wins
+  Vars slurm = torchrun;
+  slurm["SLURM_JOB_ID"] = "42";
+  EXPECT_EQ(resolve(slurm).jobIdentitySource, "SLURM_JOB_ID");
+}
+
 }  // namespace
 }  // namespace cohort

@@ -385,6 +385,29 @@ TEST(Launch, ASecondJobOnARunningJobsPortIsToldAnotherJobIsThere) {
   EXPECT_TRUE(a.running()) << a.out() << a.err();  // the first job goes on
 }
 
+// Without a secret (ranks started with torchrun's variables only), two jobs on one port refuse each
+// other by their launcher's job id, and a process that has none is refused too: job A's chief
+// waits for its rank 1 with its store listening; B's rank 1 and an outsider's find it.
+TEST(Launch, TokenlessJobsOnOnePortRefuseEachOtherByTheirJobId) {
+  test::ReservedPort port;
+  const std::string where = "env -u COHORT_AUTH_TOKEN -u COHORT_JOB_ID -u SLURM_JOB_ID -u PMIX_NAMESPACE "
+                            "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port.port()) + " WORLD_SIZE=2 ";
+  const std::string train = test::cohortBinary() + " train --strategy allreduce --model mlp --data synthetic:500 "
+                                                   "--steps 5 --progress off --threads 1 ";
+  LauncherProcess a({"sh", "-c", where + "RANK=0 TORCHELASTIC_RUN_ID=job-a " + train + "--timeout 60"});
+  ASSERT_TRUE(a.waitForError("its identity (TORCHELASTIC_RUN_ID) keeps other jobs off", seconds(60)))
+      << a.out() << a.err();  // A's chief warns, then listens
+
+  auto b = test::runCommand(where + "RANK=1 TORCHELASTIC_RUN_ID=job-b " + train + "--timeout 10", 60);
+  EXPECT_NE(b.exitCode, 0) << b.output;
+  EXPECT_NE(b.output.find("another job may be listening on this port"), std::string::npos) << b.output;
+
+  auto outsider = test::runCommand(where + "RANK=1 " + train + "--timeout 10", 60);
+  EXPECT_NE(outsider.exitCode, 0) << outsider.output;
+  EXPECT_NE(outsider.output.find("needs the job's secret"), std::string::npos) << outsider.output;
+  EXPECT_TRUE(a.running()) << a.out() << a.err();  // A still waits for its own rank 1
+}
+
 class LaunchSignal : public testing::TestWithParam<int> {};
 
 TEST_P(LaunchSignal, IsForwardedToEveryRank) {

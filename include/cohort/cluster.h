@@ -48,8 +48,18 @@ struct COHORT_API ClusterSpec {
   // The job's shared secret ($COHORT_AUTH_TOKEN, which `cohort launch` makes): the rendezvous
   // store, the gossip peers and the shards admit only processes that prove it. Empty: none.
   std::string secret;
+  // Without a secret: the launcher's name for this job, which every process of it shares
+  // ($COHORT_JOB_ID, torchrun's TORCHELASTIC_RUN_ID, Slurm's SLURM_JOB_ID, OpenMPI's
+  // PMIX_NAMESPACE, the first set), and which variable gave it. The rendezvous store then admits
+  // only processes that know it, so that two jobs on one port refuse each other. Not a secret:
+  // anyone who can read it can still join. Empty: none (then any process is admitted).
+  std::string jobIdentity;
+  std::string jobIdentitySource;
 
   bool isChief() const { return role == Role::kWorker && rank == 0; }
+  // What the rendezvous store's handshake proves: the secret, else the job's identity, else
+  // nothing.
+  std::string storeKey() const { return !secret.empty() ? secret : jobIdentity.empty() ? "" : "job:" + jobIdentity; }
 };
 
 constexpr int kDefaultMasterPort = 29500;

@@ -510,6 +510,15 @@ ClusterSpec resolveCluster(const EnvLookup& lookup) {
   const Env env(lookup);
   ClusterSpec spec = resolveRoles(env);
   spec.secret = env.get("COHORT_AUTH_TOKEN").value_or("");
+  // torchrun's default run id is the word "none", which every job without --rdzv-id shares.
+  for (const char* name : {"COHORT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PMIX_NAMESPACE"}) {
+    const std::optional<std::string> id = env.get(name);
+    if (id && *id != "none") {
+      spec.jobIdentity = *id;
+      spec.jobIdentitySource = name;
+      break;
+    }
+  }
   return spec;
 }
 

@@ -404,24 +404,27 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
   try {
     if (spec.rank == 0) {
       if (spec.secret.empty() && spec.worldSize > 1) {
-        std::cerr << "cohort: warning: this job has no secret (COHORT_AUTH_TOKEN is unset): any process that "
-                     "reaches "
-                  << where
-                  << " can join it and change its model, and a second job on this port would merge with it; "
-                     "cohort launch makes one, else set COHORT_AUTH_TOKEN to the same random value on every "
+        std::cerr << "cohort: warning: this job has no secret (COHORT_AUTH_TOKEN is unset): "
+                  << (spec.jobIdentity.empty()
+                          ? "any process that reaches " + where +
+                                " can join it and change its model, and a second job on this port would merge with "
+                                "it"
+                          : "its identity (" + spec.jobIdentitySource + ") keeps other jobs off " + where +
+                                ", but any process that knows it can join and change the model")
+                  << "; cohort launch makes one, else set COHORT_AUTH_TOKEN to the same random value on every "
                      "process\n";
       }
       // Port 0 (cohort launch without --port): any free port, which the launcher learns from here
       // and hands to the other workers it starts only then.
       impl->storeServer = store::Server::start(
-          store::ServerOptions{.host = spec.master.host, .port = spec.master.port, .secret = spec.secret});
+          store::ServerOptions{.host = spec.master.host, .port = spec.master.port, .secret = spec.storeKey()});
       impl->master.port = impl->storeServer->port();
       launcher::tellPort(impl->master.port);
       if (options.onListening) options.onListening(impl->master.port);
     }
     const int port = impl->master.port;
-    impl->store = c10::make_intrusive<AuthenticatedStore>(spec.master.host, port, spec.secret, options.timeout);
-    impl->heartbeatStore = store::Client::connect(spec.master.host, port, spec.secret, options.timeout);
+    impl->store = c10::make_intrusive<AuthenticatedStore>(spec.master.host, port, spec.storeKey(), options.timeout);
+    impl->heartbeatStore = store::Client::connect(spec.master.host, port, spec.storeKey(), options.timeout);
     impl->heartbeatStore->add(heartbeatKey(spec.rank), 1);
   } catch (const Error& e) {
     throw CommError("rank " + std::to_string(spec.rank) + ": rendezvous with the chief at " + where +

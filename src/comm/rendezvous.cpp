@@ -23,11 +23,11 @@ std::unique_ptr<Rendezvous> Rendezvous::connect(const ClusterSpec& spec, std::ch
     if (spec.rank == 0) {
       // Port 0: any free port, told to the launcher (see Communicator::connect).
       impl->server = store::Server::start(
-          store::ServerOptions{.host = spec.master.host, .port = spec.master.port, .secret = spec.secret});
+          store::ServerOptions{.host = spec.master.host, .port = spec.master.port, .secret = spec.storeKey()});
       port = impl->server->port();
       launcher::tellPort(port);
     }
-    impl->client = store::Client::connect(spec.master.host, port, spec.secret, timeout);
+    impl->client = store::Client::connect(spec.master.host, port, spec.storeKey(), timeout);
   } catch (const Error& e) {
     throw CommError("rank " + std::to_string(spec.rank) + ": " + e.what());
   }
