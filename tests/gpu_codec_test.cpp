@@ -22,14 +22,11 @@
 #include "model_util.h"
 #include "rank_threads.h"
 #include "schemes/compressed.h"
+#include "gpu_util.h"
 #include "test_util.h"
 
 namespace cohort {
 namespace {
-
-#define REQUIRE_GPU()                                                                                    \
-  ASSERT_GT(cudaDeviceCount(), 0) << "this test needs a CUDA GPU and this process sees none (label gpu: " \
-                                     "run it through scripts/gpu-check.sh on a machine that has one)"
 
 const c10::Device kCuda(c10::kCUDA, 0);
 

@@ -18,29 +18,16 @@
 
 #include "model_util.h"
 #include "rank_threads.h"
+#include "gpu_util.h"
 #include "test_util.h"
 
 namespace cohort {
 namespace {
 
-#define REQUIRE_GPU()                                                                                    \
-  ASSERT_GT(cudaDeviceCount(), 0) << "this test needs a CUDA GPU and this process sees none (label gpu: " \
-                                     "run it through scripts/gpu-check.sh on a machine that has one)"
-
 #define REQUIRE_NCCL() \
   ASSERT_TRUE(hasNccl()) << "this cohort was built without NCCL (CMake's COHORT_NCCL is OFF): nothing to test"
 
 const torch::Device kGpu(torch::kCUDA, 0);
-
-// "cuda:0 [4] {1, 2, 3, 4}": where a tensor is, its shape and its first values, for messages.
-std::string show(const torch::Tensor& t) {
-  std::ostringstream out;
-  out << t.device() << " " << t.sizes() << " {";
-  auto flat = t.detach().to(torch::kCPU, torch::kDouble).flatten();
-  for (int64_t i = 0; i < std::min<int64_t>(flat.numel(), 6); ++i) out << (i ? ", " : "") << flat[i].item<double>();
-  out << (flat.numel() > 6 ? ", ...}" : "}");
-  return out.str();
-}
 
 std::shared_ptr<Communicator> alone(CommBackend backend) {
   ClusterSpec spec;
@@ -66,7 +53,7 @@ TEST(GpuNccl, CollectivesOfCudaTensorsAtWorldSizeOne) {
   comm->allreduce(t);
   ASSERT_EQ(comm->cudaBackend(), CommBackend::kNccl) << "backend chosen: " << commBackendName(comm->cudaBackend());
   EXPECT_EQ(t.device(), kGpu);
-  EXPECT_TRUE(torch::equal(t, expected)) << "allreduce over one rank changed the tensor: " << show(t);
+  EXPECT_TRUE(torch::equal(t, expected)) << "allreduce over one rank changed the tensor: " << test::showTensor(t);
 
   std::vector<torch::Tensor> ts;
   std::vector<CommWork> works;
@@ -77,25 +64,25 @@ TEST(GpuNccl, CollectivesOfCudaTensorsAtWorldSizeOne) {
   for (auto& w : works) w.wait();
   for (int i = 0; i < 4; ++i) {
     EXPECT_TRUE(torch::all(ts[size_t(i)] == float(i + 1)).item<bool>()) << "async allreduce " << i << ": "
-                                                                         << show(ts[size_t(i)]);
+                                                                         << test::showTensor(ts[size_t(i)]);
   }
 
   auto onCpu = torch::full({8}, 5.0f);
   comm->allreduce(onCpu);  // Gloo
-  EXPECT_TRUE(torch::all(onCpu == 5.0f).item<bool>()) << show(onCpu);
+  EXPECT_TRUE(torch::all(onCpu == 5.0f).item<bool>()) << test::showTensor(onCpu);
 
   auto b = expected.clone();
   comm->broadcast(b, 0);
-  EXPECT_TRUE(torch::equal(b, expected)) << "broadcast: " << show(b);
+  EXPECT_TRUE(torch::equal(b, expected)) << "broadcast: " << test::showTensor(b);
 
   auto gathered = comm->allgather(expected.view({10, 100}));
   ASSERT_EQ(gathered.size(), 1u);
   EXPECT_EQ(gathered[0].device(), kGpu);
-  EXPECT_TRUE(torch::equal(gathered[0], expected.view({10, 100}))) << "allgather: " << show(gathered[0]);
+  EXPECT_TRUE(torch::equal(gathered[0], expected.view({10, 100}))) << "allgather: " << test::showTensor(gathered[0]);
 
   auto variable = comm->allgatherVariable(expected.narrow(0, 0, 37));
   ASSERT_EQ(variable.size(), 1u);
-  EXPECT_TRUE(torch::equal(variable[0], expected.narrow(0, 0, 37))) << "allgatherVariable: " << show(variable[0]);
+  EXPECT_TRUE(torch::equal(variable[0], expected.narrow(0, 0, 37))) << "allgatherVariable: " << test::showTensor(variable[0]);
   EXPECT_EQ(comm->counters().bytesSent, 0) << "one rank puts nothing on the wire";
   EXPECT_EQ(comm->cudaBackend(), CommBackend::kNccl);
 }
@@ -111,7 +98,7 @@ TEST(GpuNccl, AutoChoosesNcclAndGlooStaysGloo) {
     comm->allreduce(t);
     EXPECT_EQ(comm->cudaBackend(), chosen) << "backend " << commBackendName(backend) << " chose "
                                            << commBackendName(comm->cudaBackend());
-    EXPECT_TRUE(torch::all(t == 3.0f).item<bool>()) << commBackendName(backend) << ": " << show(t);
+    EXPECT_TRUE(torch::all(t == 3.0f).item<bool>()) << commBackendName(backend) << ": " << test::showTensor(t);
   }
 }
 
@@ -141,7 +128,7 @@ TEST(GpuNccl, RanksSharingAGpuAreRefusedByNcclAndFallBackToGlooUnderAuto) {
         auto t = torch::full({16}, float(comm->rank() + 1), torch::TensorOptions().device(kGpu));
         comm->allreduce(t);
         EXPECT_EQ(comm->cudaBackend(), CommBackend::kGloo) << "rank " << comm->rank();
-        EXPECT_TRUE(torch::all(t == 3.0f).item<bool>()) << "rank " << comm->rank() << ": " << show(t);
+        EXPECT_TRUE(torch::all(t == 3.0f).item<bool>()) << "rank " << comm->rank() << ": " << test::showTensor(t);
       },
       std::chrono::seconds(30), CommBackend::kAuto);
 }

@@ -16,14 +16,11 @@
 
 #include "model_util.h"
 #include "strategy/pipeline.h"
+#include "gpu_util.h"
 #include "test_util.h"
 
 namespace cohort {
 namespace {
-
-#define REQUIRE_GPU()                                                                                    \
-  ASSERT_GT(cudaDeviceCount(), 0) << "this test needs a CUDA GPU and this process sees none (label gpu: " \
-                                     "run it through scripts/gpu-check.sh on a machine that has one)"
 
 using test::fractionDifferent;
 using test::maxDifference;

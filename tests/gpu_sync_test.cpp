@@ -21,14 +21,11 @@
 #include <vector>
 
 #include "model_util.h"
+#include "gpu_util.h"
 #include "test_util.h"
 
 namespace cohort {
 namespace {
-
-#define REQUIRE_GPU()                                                                                    \
-  ASSERT_GT(cudaDeviceCount(), 0) << "this test needs a CUDA GPU and this process sees none (label gpu: " \
-                                     "run it through scripts/gpu-check.sh on a machine that has one)"
 
 constexpr double kMaxDifference = 1e-3;
 constexpr double kElementTolerance = 1e-5;
@@ -39,12 +36,6 @@ std::string train(const std::string& options) {
 }
 
 // A saved model's parameters on the CPU (a model saved from cuda loads onto cuda).
-std::vector<torch::Tensor> parametersOnCpu(const std::string& path) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : test::loadParameters(path)) out.push_back(p.to(torch::kCPU));
-  return out;
-}
-
 // The element where two parameter lists differ most, for the failure message.
 std::string worstElement(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   std::ostringstream out;
@@ -140,8 +131,8 @@ TEST(GpuSync, AveragingOnCudaEqualsTheCpuRunWithIdenticalReplicas) {
                                     "--save-model " + dir.file("{run}{rank}.pt"));
   auto [cuda, cpu] = runBoth(dir, command, 9);
   if (HasFailure()) return;
-  const auto cuda0 = parametersOnCpu(dir.file("cuda0.pt")), cuda1 = parametersOnCpu(dir.file("cuda1.pt"));
-  const auto cpu0 = parametersOnCpu(dir.file("cpu0.pt")), cpu1 = parametersOnCpu(dir.file("cpu1.pt"));
+  const auto cuda0 = test::loadParameters(dir.file("cuda0.pt")), cuda1 = test::loadParameters(dir.file("cuda1.pt"));
+  const auto cpu0 = test::loadParameters(dir.file("cpu0.pt")), cpu1 = test::loadParameters(dir.file("cpu1.pt"));
   expectIdenticalReplicas(cuda0, cuda1, "average on cuda");
   expectIdenticalReplicas(cpu0, cpu1, "average on the cpu");
   expectClose(cuda0, cpu0, "average, rank 0");
@@ -160,8 +151,8 @@ TEST(GpuSync, AveragingWithACodecAndAnOuterOptimizerOnCudaEqualsTheCpuRun) {
                                     "--outer-lr 0.7 --device {device} --save-model " + dir.file("{run}{rank}.pt"));
   auto [cuda, cpu] = runBoth(dir, command, 8);
   if (HasFailure()) return;
-  const auto cuda0 = parametersOnCpu(dir.file("cuda0.pt")), cuda1 = parametersOnCpu(dir.file("cuda1.pt"));
-  const auto cpu0 = parametersOnCpu(dir.file("cpu0.pt"));
+  const auto cuda0 = test::loadParameters(dir.file("cuda0.pt")), cuda1 = test::loadParameters(dir.file("cuda1.pt"));
+  const auto cpu0 = test::loadParameters(dir.file("cpu0.pt"));
   expectIdenticalReplicas(cuda0, cuda1, "average --codec fp16 --outer-optimizer nesterov on cuda");
   expectClose(cuda0, cpu0, "average --codec fp16 --outer-optimizer nesterov, rank 0");
 }
@@ -182,7 +173,7 @@ TEST(GpuSync, ParameterServerWorkersOnCudaWithACpuShardMatchTheCpuRun) {
   EXPECT_TRUE(std::isfinite(cuda.lastLoss)) << cuda.summary();
   EXPECT_NEAR(cuda.done.value("test_accuracy", -1.0), cpu.done.value("test_accuracy", -1.0), 0.02)
       << "cuda: " << cuda.summary() << "; cpu: " << cpu.summary();
-  expectClose(parametersOnCpu(dir.file("cuda.pt")), parametersOnCpu(dir.file("cpu.pt")), "ps sync, the chief");
+  expectClose(test::loadParameters(dir.file("cuda.pt")), test::loadParameters(dir.file("cpu.pt")), "ps sync, the chief");
 }
 
 // The other ps path on a device: async, each worker running its own optimizer and pushing the
@@ -221,7 +212,7 @@ TEST(GpuSync, GossipPeersOnCudaTrainAsOnTheCpu) {
   // others' DONE; the final synchronize() adds what arrived), so the replicas differ only by the
   // order of float additions: ~1e-8 on the CPU, checked alike for both runs.
   for (const std::string run : {"cuda", "cpu"}) {
-    const auto rank0 = parametersOnCpu(dir.file(run + "0.pt")), rank1 = parametersOnCpu(dir.file(run + "1.pt"));
+    const auto rank0 = test::loadParameters(dir.file(run + "0.pt")), rank1 = test::loadParameters(dir.file(run + "1.pt"));
     EXPECT_LT(test::maxDifference(rank0, rank1), 1e-4)
         << "the " << run << " peers ended apart: " << worstElement(rank0, rank1);
   }

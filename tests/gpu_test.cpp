@@ -13,14 +13,11 @@
 #include <vector>
 
 #include "model_util.h"
+#include "gpu_util.h"
 #include "test_util.h"
 
 namespace cohort {
 namespace {
-
-#define REQUIRE_GPU()                                                                                    \
-  ASSERT_GT(cudaDeviceCount(), 0) << "this test needs a CUDA GPU and this process sees none (label gpu: " \
-                                     "run it through scripts/gpu-check.sh on a machine that has one)"
 
 std::string train(const std::string& options) {
   return test::cohortBinary() + " train --progress off --timeout 60 " + options;

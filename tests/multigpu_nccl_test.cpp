@@ -17,6 +17,7 @@
 
 #include "model_util.h"
 #include "rank_threads.h"
+#include "gpu_util.h"
 #include "test_util.h"
 
 namespace cohort {
@@ -26,15 +27,6 @@ namespace {
   ASSERT_GE(cudaDeviceCount(), 2) << "this test needs 2 CUDA GPUs and this process sees " << cudaDeviceCount() \
                                   << " (label multigpu: run it where a machine has two or more)";           \
   ASSERT_TRUE(hasNccl()) << "this cohort was built without NCCL (CMake's COHORT_NCCL is OFF)"
-
-std::string show(const torch::Tensor& t) {
-  std::ostringstream out;
-  out << t.device() << " " << t.sizes() << " {";
-  auto flat = t.detach().to(torch::kCPU, torch::kDouble).flatten();
-  for (int64_t i = 0; i < std::min<int64_t>(flat.numel(), 6); ++i) out << (i ? ", " : "") << flat[i].item<double>();
-  out << (flat.numel() > 6 ? ", ...}" : "}");
-  return out.str();
-}
 
 torch::TensorOptions onGpu(int index) { return torch::TensorOptions().device(torch::Device(torch::kCUDA, index)); }
 
@@ -48,13 +40,13 @@ TEST(MultiGpuNccl, CollectivesAcrossTwoGpus) {
         auto t = torch::full({1000}, float(r + 1), onGpu(r));
         comm->allreduce(t);
         ASSERT_EQ(comm->cudaBackend(), CommBackend::kNccl) << "rank " << r;
-        EXPECT_TRUE(torch::all(t == 3.0f).item<bool>()) << "rank " << r << " allreduce: " << show(t);
+        EXPECT_TRUE(torch::all(t == 3.0f).item<bool>()) << "rank " << r << " allreduce: " << test::showTensor(t);
         auto b = r == 1 ? torch::arange(10, onGpu(r).dtype(torch::kFloat32)) : torch::zeros({10}, onGpu(r));
         comm->broadcast(b, 1);
-        EXPECT_TRUE(torch::equal(b.cpu(), torch::arange(10, torch::kFloat32))) << "rank " << r << " broadcast: " << show(b);
+        EXPECT_TRUE(torch::equal(b.cpu(), torch::arange(10, torch::kFloat32))) << "rank " << r << " broadcast: " << test::showTensor(b);
         auto all = comm->allgather(torch::full({3}, float(10 * r), onGpu(r)));
         ASSERT_EQ(all.size(), 2u);
-        EXPECT_TRUE(torch::all(all[1] == 10.0f).item<bool>()) << "rank " << r << " allgather[1]: " << show(all[1]);
+        EXPECT_TRUE(torch::all(all[1] == 10.0f).item<bool>()) << "rank " << r << " allgather[1]: " << test::showTensor(all[1]);
         EXPECT_EQ(all[0].device(), torch::Device(torch::kCUDA, r));
         // Ring allreduce: 2 (N-1)/N of 4000 bytes; the root sends the broadcast's 40; 12 to the other.
         EXPECT_EQ(comm->counters().bytesSent, 4000 + (r == 1 ? 40 : 0) + 12) << "rank " << r;
