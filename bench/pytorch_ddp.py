@@ -16,10 +16,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common import init_gloo_group, load_fashion, make_model, train_loop
 
 
-def model_device(model):
-    return next(model.parameters()).device
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="cnn")
@@ -35,7 +31,8 @@ def main():
     torch.manual_seed(1)
     images, labels = load_fashion("train")
     model = make_model(args.model).to(args.device)
-    model = DDP(model, bucket_cap_mb=args.bucket_mb, device_ids=None if args.device == "cpu" else [model_device(model)])
+    model = DDP(model, bucket_cap_mb=args.bucket_mb,
+                device_ids=None if args.device == "cpu" else [next(model.parameters()).device])
     perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1))
     mine = perm[rank::world][: len(labels) // world]
     samples, timed = train_loop(model, images, labels, mine, args.batch, args.steps, world, device=args.device)
