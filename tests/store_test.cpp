@@ -6,6 +6,7 @@
 #include "base/host_port.h"
 #include "hostile.h"
 
+#include <cohort/env.h>
 #include <cohort/error.h>
 
 #include <gtest/gtest.h>
@@ -13,6 +14,8 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 namespace cohort::store {
@@ -77,6 +80,40 @@ TEST(Store, AClientWithAnotherSecretIsRefused) {
   }
   EXPECT_EQ(server->stats().refused, 1);
   EXPECT_EQ(server->stats().accepted, 0);
+}
+
+// An Env that keeps what it is told, for the test to wait on.
+class RecordingEnv : public Env {
+ public:
+  void log(LogLevel level, const std::string& line) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    lines_.emplace_back(level, line);
+    cv_.notify_all();
+  }
+  // The first line logged, waiting up to `within` for one.
+  std::optional<std::pair<LogLevel, std::string>> first(std::chrono::milliseconds within) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, within, [&] { return !lines_.empty(); })) return std::nullopt;
+    return lines_.front();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::pair<LogLevel, std::string>> lines_;
+};
+
+TEST(Store, ItsWarningsGoToTheEnvItWasGiven) {
+  RecordingEnv env;
+  auto server = Server::start(ServerOptions{.host = "127.0.0.1", .port = 0, .secret = kSecret, .env = &env});
+  EXPECT_THROW(Client::connect("127.0.0.1", server->port(), "not the secret", 5s), CommError);
+  const auto line = env.first(10s);
+  ASSERT_TRUE(line.has_value()) << "the server refused a proof and logged nothing to its Env";
+  EXPECT_EQ(line->first, LogLevel::kWarning);
+  EXPECT_NE(line->second.find("rendezvous store at 127.0.0.1:" + std::to_string(server->port())), std::string::npos)
+      << line->second;
+  EXPECT_NE(line->second.find("did not prove the job's secret"), std::string::npos) << line->second;
+  EXPECT_EQ(line->second.find("cohort:"), std::string::npos) << "the prefix is the Env's to add: " << line->second;
 }
 
 TEST(Store, SecretAndNoSecretDoNotMix) {

@@ -15,6 +15,7 @@
 #include <cohort/data.h>
 #include <cohort/data_parallel.h>
 #include <cohort/device.h>
+#include <cohort/env.h>
 #include <cohort/error.h>
 #include <cohort/export.h>
 #include <cohort/gossip.h>

@@ -20,6 +20,7 @@
 
 #include <cohort/cluster.h>
 #include <cohort/comm_backend.h>
+#include <cohort/env.h>
 
 #include <torch/types.h>
 
@@ -44,6 +45,8 @@ struct COHORT_API CommOptions {
   // has no NCCL is refused by connect(); kNccl over ranks that share a GPU by the first collective
   // over CUDA tensors, on every rank.
   CommBackend backend = CommBackend::kAuto;
+  // Where the communicator's messages go (<cohort/env.h>); null: Env::standard().
+  Env* env = nullptr;
 };
 
 // Bytes this rank put on the wire and took off it, by the count of the algorithm used

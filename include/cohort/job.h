@@ -13,6 +13,7 @@
 
 #include <cohort/cluster.h>
 #include <cohort/comm_backend.h>
+#include <cohort/env.h>
 
 #include <c10/core/Device.h>
 
@@ -34,6 +35,9 @@ struct COHORT_API JobOptions {
   // What carries the workers' collectives over CUDA tensors (<cohort/comm_backend.h>): NCCL under
   // kAuto when every worker has a GPU of its own and this build has NCCL.
   CommBackend backend = CommBackend::kAuto;
+  // Where the job's library code sends its messages and asks for faults (<cohort/env.h>); not
+  // owned, and it must outlive the Job and everything made from it. Null: Env::standard().
+  Env* env = nullptr;
 };
 
 class COHORT_API Job {
@@ -61,6 +65,8 @@ class COHORT_API Job {
   c10::Device device() const;
   // JobOptions::backend (fromCommunicator: the communicator's).
   CommBackend backend() const;
+  // JobOptions::env, or Env::standard().
+  Env& env() const;
 
   // The workers' communicator (c10d Gloo over the chief's rendezvous store, and NCCL for CUDA
   // tensors as JobOptions::backend says). Connects on the first call,

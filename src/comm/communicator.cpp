@@ -133,6 +133,7 @@ struct Communicator::Impl {
   std::shared_ptr<Impl> world;
   std::function<std::string(int)> rankName;  // of the whole job's; set before any operation
   CommOptions options;
+  Env& env() const { return envOrStandard(options.env); }
   HostPort master;
   std::shared_ptr<store::Server> storeServer;  // the chief's; shared with its sub-groups
   c10::intrusive_ptr<c10d::Store> store;
@@ -257,8 +258,9 @@ struct Communicator::Impl {
     }
     if (!hasNccl()) {  // kAuto: connect() refused kNccl
       if (rank == 0) {
-        std::fprintf(stderr, "cohort: this LibTorch has no NCCL: collectives over CUDA tensors go through Gloo "
-                             "(staged through host memory)\n");
+        env().log(LogLevel::kInfo,
+                  "this LibTorch has no NCCL: collectives over CUDA tensors go through Gloo (staged through host "
+                  "memory)");
       }
       cudaChoice = CommBackend::kGloo;
       return;
@@ -272,8 +274,9 @@ struct Communicator::Impl {
                    "count: at most as many processes per host as GPUs), or use --backend gloo or auto (Gloo, "
                    "staged through host memory)");
       if (rank == 0) {
-        std::fprintf(stderr, "cohort: %s: collectives over CUDA tensors go through Gloo (staged through host "
-                             "memory); give each rank a GPU of its own for NCCL\n", what.c_str());
+        env().log(LogLevel::kInfo, what +
+                                       ": collectives over CUDA tensors go through Gloo (staged through host memory); "
+                                       "give each rank a GPU of its own for NCCL");
       }
       cudaChoice = CommBackend::kGloo;
       return;
@@ -326,7 +329,7 @@ struct Communicator::Impl {
     if (!nccl) return;
     auto closed = std::make_shared<std::promise<void>>();
     std::future<void> done = closed->get_future();
-    std::thread([nccl = std::move(nccl), broken = ncclBroken.load(), closed] {
+    std::thread([nccl = std::move(nccl), broken = ncclBroken.load(), closed, &env = env()] {
       try {
         if (broken) {
           nccl->abort();
@@ -334,13 +337,14 @@ struct Communicator::Impl {
           nccl->shutdown();
         }
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "cohort: closing the NCCL group: %s\n", firstLine(e.what()).c_str());
+        env.log(LogLevel::kWarning, "closing the NCCL group: " + firstLine(e.what()));
       }
       closed->set_value();
     }).detach();
     if (done.wait_for(options.timeout) != std::future_status::ready) {
-      std::fprintf(stderr, "cohort: %s: closing the NCCL group did not end within %lld s (a peer gone?): left behind\n",
-                   describeRank(rank).c_str(), (long long)(options.timeout.count() / 1000));
+      env().log(LogLevel::kWarning, describeRank(rank) + ": closing the NCCL group did not end within " +
+                                        std::to_string(options.timeout.count() / 1000) +
+                                        " s (a peer gone?): left behind");
     }
   }
 
@@ -404,20 +408,22 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
   try {
     if (spec.rank == 0) {
       if (spec.secret.empty() && spec.worldSize > 1) {
-        std::cerr << "cohort: warning: this job has no secret (COHORT_AUTH_TOKEN is unset): "
-                  << (spec.jobIdentity.empty()
-                          ? "any process that reaches " + where +
-                                " can join it and change its model, and a second job on this port would merge with "
-                                "it"
-                          : "its identity (" + spec.jobIdentitySource + ") keeps other jobs off " + where +
-                                ", but any process that knows it can join and change the model")
-                  << "; cohort launch makes one, else set COHORT_AUTH_TOKEN to the same random value on every "
-                     "process\n";
+        impl->env().log(LogLevel::kWarning,
+                        "this job has no secret (COHORT_AUTH_TOKEN is unset): " +
+                            (spec.jobIdentity.empty()
+                                 ? "any process that reaches " + where +
+                                       " can join it and change its model, and a second job on this port would merge "
+                                       "with it"
+                                 : "its identity (" + spec.jobIdentitySource + ") keeps other jobs off " + where +
+                                       ", but any process that knows it can join and change the model") +
+                            "; cohort launch makes one, else set COHORT_AUTH_TOKEN to the same random value on every "
+                            "process");
       }
       // Port 0 (cohort launch without --port): any free port, which the launcher learns from here
       // and hands to the other workers it starts only then.
       impl->storeServer = store::Server::start(
-          store::ServerOptions{.host = spec.master.host, .port = spec.master.port, .secret = spec.storeKey()});
+          store::ServerOptions{
+              .host = spec.master.host, .port = spec.master.port, .secret = spec.storeKey(), .env = options.env});
       impl->master.port = impl->storeServer->port();
       launcher::tellPort(impl->master.port);
       if (options.onListening) options.onListening(impl->master.port);

@@ -36,6 +36,7 @@ Job Job::fromCommunicator(std::shared_ptr<Communicator> comm) {
   state->spec.source = "communicator";
   state->options.timeout = comm->options().timeout;
   state->options.backend = comm->options().backend;
+  state->options.env = comm->options().env;
   state->device = resolveDevice("auto", state->spec.rank);
   {
     MutexLock lock(state->mutex);  // no other thread sees state yet: the lock is for the analysis
@@ -53,6 +54,7 @@ int Job::worldSize() const { return state_->spec.worldSize; }
 std::chrono::milliseconds Job::timeout() const { return state_->options.timeout; }
 c10::Device Job::device() const { return state_->device; }
 CommBackend Job::backend() const { return state_->options.backend; }
+Env& Job::env() const { return envOrStandard(state_->options.env); }
 
 std::shared_ptr<Communicator> Job::communicator() const {
   MutexLock lock(state_->mutex);
@@ -60,7 +62,7 @@ std::shared_ptr<Communicator> Job::communicator() const {
   COHORT_CHECK(state_->spec.role == Role::kWorker, InvalidArgument, "this process is not a worker (",
                describe(state_->spec), "): only workers join the workers' communicator");
   state_->comm = Communicator::connect(
-      state_->spec, CommOptions{.timeout = state_->options.timeout, .backend = state_->options.backend});
+      state_->spec, CommOptions{.timeout = state_->options.timeout, .backend = state_->options.backend, .env = state_->options.env});
   return state_->comm;
 }
 

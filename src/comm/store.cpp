@@ -193,7 +193,7 @@ struct Server::Impl {
       if (now - lastWarning < std::chrono::seconds(1)) return;
       lastWarning = now;
     }
-    std::cerr << "cohort: warning: rendezvous store at " << bound << ": " << message << "\n";
+    envOrStandard(options.env).log(LogLevel::kWarning, "rendezvous store at " + bound + ": " + message);
   }
 
   // Joins the threads of connections that have ended.
@@ -504,8 +504,10 @@ std::unique_ptr<Server> Server::start(const ServerOptions& options) {
                                                      : reinterpret_cast<sockaddr_in*>(&local)->sin_port);
       impl->bound = HostPort{addressText(reinterpret_cast<sockaddr*>(&local)), impl->port}.str();
       if (everywhere && !nameToLoopback) {
-        std::cerr << "cohort: warning: MASTER_ADDR " << options.host
-                  << " is not an address of this machine; the rendezvous store listens on every interface\n";
+        envOrStandard(options.env)
+            .log(LogLevel::kWarning, "MASTER_ADDR " + options.host +
+                                         " is not an address of this machine; the rendezvous store listens on every "
+                                         "interface");
       }
     }
     if (impl->listenFd >= 0 || lastErrno != EADDRNOTAVAIL) break;

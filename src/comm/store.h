@@ -24,6 +24,8 @@
 // the master address's interface only.
 #pragma once
 
+#include <cohort/env.h>
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -41,6 +43,7 @@ struct ServerOptions {
   int maxPendingHandshakes = 64;
   int maxConnections = 4096;
   size_t maxValueBytes = size_t(1) << 30;
+  Env* env = nullptr;  // its warnings (<cohort/env.h>); null: Env::standard()
 };
 
 // Counters of what the server refused, for tests and logs.

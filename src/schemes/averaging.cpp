@@ -260,7 +260,7 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
     // From here on the exchange works on host views of the parameters (see `params`).
     std::vector<torch::Tensor> onDevice = s.params;
     onDevice.insert(onDevice.end(), s.tables.begin(), s.tables.end());
-    s.mirror = std::make_unique<HostMirror>(onDevice);
+    s.mirror = std::make_unique<HostMirror>(onDevice, job.env());
     s.mirror->toHost();
     const auto& views = s.mirror->views();
     s.params.assign(views.begin(), views.begin() + ptrdiff_t(s.params.size()));

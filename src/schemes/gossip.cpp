@@ -30,6 +30,7 @@ struct GossipContext {
   GossipOptions options;
   ClusterSpec cluster;  // rank, world size, and the rendezvous store's address
   double timeoutSeconds = 60;
+  Env* env = nullptr;  // the job's
 };
 
 constexpr size_t kHistogramBins = 64;  // staleness >= 63 counts in the last bin
@@ -75,7 +76,7 @@ struct Gossip::Impl {
     }
     COHORT_CHECK(numel_ > 0, InvalidArgument, "cohort::Gossip: the module has no parameters; there is nothing to send");
     modelParams_ = params_;
-    mirror_ = mirrorIfOnDevice(modelParams_);
+    mirror_ = mirrorIfOnDevice(modelParams_, *c_.env);
     if (mirror_) {
       params_ = mirror_->views();  // the exchange works on pinned host views (see params_)
       mirror_->toHost();
@@ -259,10 +260,9 @@ struct Gossip::Impl {
     if (!lost.empty()) {
       std::string list;
       for (auto r : lost) list += (list.empty() ? "" : ", ") + std::to_string(r);
-      std::fprintf(stderr,
-                   "cohort: warning: worker %s stopped before the end; the others finished without it (its numbers "
-                   "are -1 in the done event)\n",
-                   list.c_str());
+      c_.env->log(LogLevel::kWarning, "worker " + list +
+                                          " stopped before the end; the others finished without it (its numbers are "
+                                          "-1 in the done event)");
     }
     MetricFields fields{{"gossip_peers", int64_t(fanout_)},
             {"codec", c_.options.codec},
@@ -437,7 +437,8 @@ Gossip::Gossip(const Job& job, std::unique_ptr<Rendezvous> rendezvous, torch::nn
   modelDevice(module, "cohort::Gossip");  // one device: the CPU or a CUDA one
   impl_ = std::make_unique<Impl>(GossipContext{.options = std::move(options),
                                                .cluster = job.cluster(),
-                                               .timeoutSeconds = double(job.timeout().count()) / 1000.0});
+                                               .timeoutSeconds = double(job.timeout().count()) / 1000.0,
+                                               .env = &job.env()});
   impl_->attach(module, std::move(rendezvous));
 }
 

@@ -17,7 +17,8 @@ c10::Stream currentStream(const c10::Device& device) {
 
 }  // namespace
 
-HostMirror::HostMirror(std::vector<torch::Tensor> tensors) : tensors_(std::move(tensors)), device_(c10::kCPU) {
+HostMirror::HostMirror(std::vector<torch::Tensor> tensors, Env& env)
+    : tensors_(std::move(tensors)), device_(c10::kCPU), env_(env) {
   COHORT_CHECK(!tensors_.empty(), InvalidArgument, "HostMirror: nothing to mirror");
   device_ = tensors_.front().device();
   COHORT_CHECK(device_.is_cuda(), InvalidArgument, "HostMirror: the tensors are on ", device_,
@@ -43,7 +44,7 @@ HostMirror::~HostMirror() {
     awaitDevice();
   } catch (const std::exception& e) {
     // A failed device (its copy never completes) must not end the process from a destructor.
-    std::fprintf(stderr, "cohort: warning: waiting for a host-to-device copy failed: %s\n", e.what());
+    env_.log(LogLevel::kWarning, std::string("waiting for a host-to-device copy failed: ") + e.what());
   }
 }
 
@@ -85,9 +86,9 @@ void HostMirror::awaitDevice() {
   inFlight_ = false;
 }
 
-std::unique_ptr<HostMirror> mirrorIfOnDevice(const std::vector<torch::Tensor>& tensors) {
+std::unique_ptr<HostMirror> mirrorIfOnDevice(const std::vector<torch::Tensor>& tensors, Env& env) {
   if (tensors.empty() || tensors.front().device().is_cpu()) return nullptr;
-  return std::make_unique<HostMirror>(tensors);
+  return std::make_unique<HostMirror>(tensors, env);
 }
 
 }  // namespace cohort

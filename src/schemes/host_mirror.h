@@ -14,6 +14,8 @@
 // Calls come from one thread (the training thread).
 #pragma once
 
+#include <cohort/env.h>
+
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
 #include <torch/types.h>
@@ -28,7 +30,8 @@ class HostMirror {
  public:
   // Mirrors `tensors` (float32, all on one CUDA device): the pinned buffer holds their elements
   // side by side, in order. Throws InvalidArgument for other dtypes or mixed devices.
-  explicit HostMirror(std::vector<torch::Tensor> tensors);
+  // env: where a failure in the destructor is reported (it cannot throw).
+  HostMirror(std::vector<torch::Tensor> tensors, Env& env);
   ~HostMirror();
   HostMirror(const HostMirror&) = delete;
   HostMirror& operator=(const HostMirror&) = delete;
@@ -54,12 +57,13 @@ class HostMirror {
   std::vector<torch::Tensor> views_;    // of flat_
   torch::Tensor flat_;                  // pinned host memory
   c10::Device device_;
+  Env& env_;
   std::optional<c10::Event> copied_;    // recorded after the last toDevice()'s copies
   bool inFlight_ = false;               // copied_ has not been waited for yet
 };
 
 // A mirror of `tensors` when they are on a CUDA device, null when they are on the CPU (the
 // exchange then works on the tensors themselves, exactly as it always has).
-std::unique_ptr<HostMirror> mirrorIfOnDevice(const std::vector<torch::Tensor>& tensors);
+std::unique_ptr<HostMirror> mirrorIfOnDevice(const std::vector<torch::Tensor>& tensors, Env& env);
 
 }  // namespace cohort

@@ -34,6 +34,7 @@ struct PsContext {
   int workers = 1;
   std::vector<std::string> shards;  // host:port of every shard
   double timeoutSeconds = 60;
+  Env* env = nullptr;  // the job's
 };
 
 void check(const ps::Status& s, const std::string& shard, const char* call) {
@@ -127,13 +128,13 @@ struct ParameterServerClient::Impl {
     COHORT_CHECK(!params_.empty(), InvalidArgument,
                  "cohort::ParameterServerClient: the module has no parameters; there is nothing to serve");
     modelParams_ = params_;
-    mirror_ = mirrorIfOnDevice(modelParams_);
+    mirror_ = mirrorIfOnDevice(modelParams_, *c_.env);
     if (mirror_) {
       // On a device: the shards' values come into pinned host views of the parameters, and the
       // gradients leave the device into a pinned buffer of their own, each allocated once.
       params_ = mirror_->views();
       mirror_->toHost();  // the chief's Init sends them
-      if (c_.options.push == "gradients") gradMirror_ = std::make_unique<HostMirror>(modelParams_);
+      if (c_.options.push == "gradients") gradMirror_ = std::make_unique<HostMirror>(modelParams_, *c_.env);
     }
     pieces_ = ps::planLayout(infos, int(c_.shards.size()));
     specs_.assign(c_.shards.size(), {});
@@ -709,6 +710,7 @@ ParameterServerClient::ParameterServerClient(const Job& job, torch::nn::Module& 
   c.rank = job.rank();
   c.workers = job.worldSize();
   c.timeoutSeconds = double(job.timeout().count()) / 1000.0;
+  c.env = &job.env();
   c.shards = options.hosts;
   if (c.shards.empty()) {
     for (const auto& h : job.cluster().parameterServers) {

@@ -1,0 +1,44 @@
+// The standard Env: stderr, the steady clock, no faults.
+#include <cohort/env.h>
+
+#include <unistd.h>
+
+namespace cohort {
+
+namespace {
+
+class StandardEnv final : public Env {
+ public:
+  void log(LogLevel level, const std::string& line) override {
+    std::string text = "cohort: ";
+    if (level == LogLevel::kWarning) text += "warning: ";
+    if (level == LogLevel::kError) text += "error: ";
+    text += line;
+    text += '\n';
+    // One write per line, so that lines from threads and processes sharing the terminal do not
+    // interleave within a line. A short write to a terminal or pipe is retried.
+    const char* p = text.data();
+    size_t left = text.size();
+    while (left > 0) {
+      const ssize_t n = ::write(STDERR_FILENO, p, left);
+      if (n <= 0) return;  // stderr closed: a log line is not worth failing over
+      p += n;
+      left -= size_t(n);
+    }
+  }
+};
+
+}  // namespace
+
+Env::~Env() = default;
+
+std::chrono::steady_clock::time_point Env::now() { return std::chrono::steady_clock::now(); }
+
+void Env::fault(const char*, int64_t) {}
+
+Env& Env::standard() {
+  static StandardEnv* env = new StandardEnv;  // never destroyed: threads may log during exit
+  return *env;
+}
+
+}  // namespace cohort
