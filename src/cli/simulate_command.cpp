@@ -339,23 +339,29 @@ std::string curveName(Scheme scheme, const Flags& f, const std::string& codec) {
   return name;
 }
 
-int runSimulate(const Flags& f) {
-  for (const std::string& strategy : splitList(f.strategy)) schemeOf(strategy);  // before any file is read
-  sim::Scenario base;
-  base.calibration = sim::loadCalibration(f.calibration);
+// The model's calibration, with --params and --example-ms applied.
+sim::Calibration calibrationOf(const Flags& f) {
+  sim::Calibration calibration = sim::loadCalibration(f.calibration);
   if (f.params != 0) {
     COHORT_CHECK(f.params > 0 && f.params <= sim::kMaxParameterBytes / 4, InvalidArgument, "--params must be in (0, ",
                  sim::kMaxParameterBytes / 4, "], got ", f.params);
-    base.calibration.parameterCount = f.params;
-    base.calibration.parameterBytes = 4 * f.params;
+    calibration.parameterCount = f.params;
+    calibration.parameterBytes = 4 * f.params;
   }
   if (f.exampleMs != 0) {
     COHORT_CHECK(f.exampleMs > 0, InvalidArgument, "--example-ms must be > 0, got ", f.exampleMs);
     // The jobs' compute with the cores shared scales with the model's.
-    const double scale = f.exampleMs / 1000 / base.calibration.computeSecondsPerExample;
-    for (sim::JobCompute& j : base.calibration.jobCompute) j.secondsPerExample *= scale;
-    base.calibration.computeSecondsPerExample = f.exampleMs / 1000;
+    const double scale = f.exampleMs / 1000 / calibration.computeSecondsPerExample;
+    for (sim::JobCompute& j : calibration.jobCompute) j.secondsPerExample *= scale;
+    calibration.computeSecondsPerExample = f.exampleMs / 1000;
   }
+  return calibration;
+}
+
+// The setup every curve shares: the calibration, the network and the schemes' options.
+sim::Scenario scenarioOf(const Flags& f) {
+  sim::Scenario base;
+  base.calibration = calibrationOf(f);
   base.network.bandwidth = parseRate(f.bandwidth, "--bandwidth");
   base.network.serverBandwidth = f.serverBandwidth.empty() ? 0 : parseRate(f.serverBandwidth, "--server-bandwidth");
   COHORT_CHECK(f.latencyUs >= 0, InvalidArgument, "--latency-us must be >= 0, got ", f.latencyUs);
@@ -382,8 +388,11 @@ int runSimulate(const Flags& f) {
   base.steps = f.steps;
   base.seed = f.seed;
   base.tail = sim::Tail::parse(f.stragglers);
-  const std::vector<int> workers = parseWorkers(f.workers);
+  return base;
+}
 
+// One curve per strategy and codec, over the worker counts.
+std::vector<sim::Curve> simulateCurves(const Flags& f, const sim::Scenario& base, const std::vector<int>& workers) {
   std::vector<sim::Curve> curves;
   for (const std::string& strategy : splitList(f.strategy)) {
     for (const std::string& codec : splitList(f.codec)) {
@@ -393,50 +402,77 @@ int runSimulate(const Flags& f) {
       curves.push_back({curveName(s.scheme, f, codec), sim::sweep(s, workers)});
     }
   }
+  return curves;
+}
+
+// --json: one line per point, then one "knee" line per curve.
+void printJson(const std::vector<sim::Curve>& curves) {
+  for (const sim::Curve& c : curves) {
+    const sim::Knee knee = sim::findKnee(c.points);
+    for (const sim::Prediction& p : c.points) {
+      nlohmann::json j = {{"scheme", c.name},
+                          {"workers", p.workers},
+                          {"samples_per_s", p.samplesPerSecond},
+                          {"speedup", p.speedup},
+                          {"step_s", p.stepSeconds},
+                          {"compute_s", p.computeSeconds},
+                          {"comm_s", p.commSeconds},
+                          {"wait_s", p.waitSeconds},
+                          {"server_s", p.serverSeconds},
+                          {"bytes_per_step", p.bytesPerStep},
+                          {"staleness", p.staleness},
+                          {"cpu_bound", p.cpuBound}};
+      std::printf("%s\n", j.dump().c_str());
+    }
+    nlohmann::json k = {{"scheme", c.name},
+                        {"event", "knee"},
+                        {"stops_paying_workers", knee.stopsPaying},
+                        {"peak_workers", knee.peak},
+                        {"still_growing", knee.stillGrowing},
+                        {"half_efficiency_workers", knee.halfEfficiency}};
+    std::printf("%s\n", k.dump().c_str());
+  }
+}
+
+// The table: the model's line, then per curve its points and where adding workers stops paying.
+void printTable(const Flags& f, const sim::Scenario& base, const std::vector<sim::Curve>& curves) {
+  const sim::Calibration& c = base.calibration;
+  std::printf(
+      "model %s: %.0f parameters (%.2f MB), %.3f ms per example (speed x%g), rows sent %.3g; link %s, "
+      "latency +%g us; batch %d per worker\n",
+      c.model.c_str(), c.parameterCount, c.parameterBytes / 1e6, c.computeSecondsPerExample * 1e3, f.speed,
+      base.density > 0 ? base.density : 1.0, f.bandwidth.c_str(), f.latencyUs, f.batch);
+  for (const sim::Curve& curve : curves) {
+    std::printf("\n%s\n", curve.name.c_str());
+    std::printf("%8s %12s %9s %10s %10s %10s %10s %10s %12s %9s\n", "workers", "samples/s", "speed-up", "step ms",
+                "compute", "comm", "wait", "server", "MB/step", "stale");
+    for (const sim::Prediction& p : curve.points) {
+      std::printf("%8d %12.1f %9.2f %10.2f %10.2f %10.2f %10.2f %10.2f %12.3f %9.2f%s\n", p.workers, p.samplesPerSecond,
+                  p.speedup, p.stepSeconds * 1e3, p.computeSeconds * 1e3, p.commSeconds * 1e3, p.waitSeconds * 1e3,
+                  p.serverSeconds * 1e3, p.bytesPerStep / 1e6, p.staleness, p.cpuBound ? "  (CPU-bound)" : "");
+    }
+    const sim::Knee knee = sim::findKnee(curve.points);
+    if (knee.stopsPaying == 0) {
+      std::printf("adding workers still pays at %d (the largest count simulated)", curve.points.back().workers);
+    } else {
+      std::printf("adding workers stops paying at %d (each one more adds < %.0f%% of a worker)", knee.stopsPaying,
+                  sim::kPaysShare * 100);
+    }
+    std::printf("; most samples/s at %d%s", knee.peak, knee.stillGrowing ? " (the largest count)" : "");
+    if (knee.halfEfficiency > 0) std::printf("; below 50%% efficiency from %d", knee.halfEfficiency);
+    std::printf("\n");
+  }
+}
+
+int runSimulate(const Flags& f) {
+  for (const std::string& strategy : splitList(f.strategy)) schemeOf(strategy);  // before any file is read
+  const sim::Scenario base = scenarioOf(f);
+  const std::vector<int> workers = parseWorkers(f.workers);
+  const std::vector<sim::Curve> curves = simulateCurves(f, base, workers);
   if (f.json) {
-    for (const sim::Curve& c : curves) {
-      const sim::Knee knee = sim::findKnee(c.points);
-      for (const sim::Prediction& p : c.points) {
-        nlohmann::json j = {{"scheme", c.name},           {"workers", p.workers},
-                            {"samples_per_s", p.samplesPerSecond}, {"speedup", p.speedup},
-                            {"step_s", p.stepSeconds},     {"compute_s", p.computeSeconds},
-                            {"comm_s", p.commSeconds},     {"wait_s", p.waitSeconds},
-                            {"server_s", p.serverSeconds}, {"bytes_per_step", p.bytesPerStep},
-                            {"staleness", p.staleness},    {"cpu_bound", p.cpuBound}};
-        std::printf("%s\n", j.dump().c_str());
-      }
-      nlohmann::json k = {{"scheme", c.name}, {"event", "knee"}, {"stops_paying_workers", knee.stopsPaying},
-                          {"peak_workers", knee.peak},
-                          {"still_growing", knee.stillGrowing}, {"half_efficiency_workers", knee.halfEfficiency}};
-      std::printf("%s\n", k.dump().c_str());
-    }
+    printJson(curves);
   } else {
-    const sim::Calibration& c = base.calibration;
-    std::printf("model %s: %.0f parameters (%.2f MB), %.3f ms per example (speed x%g), rows sent %.3g; link %s, "
-                "latency +%g us; batch %d per worker\n",
-                c.model.c_str(), c.parameterCount, c.parameterBytes / 1e6, c.computeSecondsPerExample * 1e3, f.speed,
-                base.density > 0 ? base.density : 1.0, f.bandwidth.c_str(), f.latencyUs, f.batch);
-    for (const sim::Curve& curve : curves) {
-      std::printf("\n%s\n", curve.name.c_str());
-      std::printf("%8s %12s %9s %10s %10s %10s %10s %10s %12s %9s\n", "workers", "samples/s", "speed-up", "step ms",
-                  "compute", "comm", "wait", "server", "MB/step", "stale");
-      for (const sim::Prediction& p : curve.points) {
-        std::printf("%8d %12.1f %9.2f %10.2f %10.2f %10.2f %10.2f %10.2f %12.3f %9.2f%s\n", p.workers,
-                    p.samplesPerSecond, p.speedup, p.stepSeconds * 1e3, p.computeSeconds * 1e3, p.commSeconds * 1e3,
-                    p.waitSeconds * 1e3, p.serverSeconds * 1e3, p.bytesPerStep / 1e6, p.staleness,
-                    p.cpuBound ? "  (CPU-bound)" : "");
-      }
-      const sim::Knee knee = sim::findKnee(curve.points);
-      if (knee.stopsPaying == 0) {
-        std::printf("adding workers still pays at %d (the largest count simulated)", curve.points.back().workers);
-      } else {
-        std::printf("adding workers stops paying at %d (each one more adds < %.0f%% of a worker)", knee.stopsPaying,
-                    sim::kPaysShare * 100);
-      }
-      std::printf("; most samples/s at %d%s", knee.peak, knee.stillGrowing ? " (the largest count)" : "");
-      if (knee.halfEfficiency > 0) std::printf("; below 50%% efficiency from %d", knee.halfEfficiency);
-      std::printf("\n");
-    }
+    printTable(f, base, curves);
   }
   if (!f.plot.empty()) {
     std::ofstream out(f.plot, std::ios::trunc);

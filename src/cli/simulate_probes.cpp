@@ -16,8 +16,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,8 +26,6 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
-
-extern char** environ;
 
 namespace cohort::cli {
 
@@ -42,51 +38,28 @@ double ownCpuSeconds() {
   return double(t.tv_sec) + double(t.tv_nsec) * 1e-9;
 }
 
-int msLeft(Clock::time_point deadline) {
-  return int(std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count()));
+Clock::time_point after(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 }  // namespace
 
 Child::Child(std::string what, const std::vector<std::string>& args) : what_(std::move(what)) {
-  int toChild[2], fromChild[2];
-  COHORT_CHECK(::pipe2(toChild, O_CLOEXEC) == 0 && ::pipe2(fromChild, O_CLOEXEC) == 0, CommError,
-               "calibration: pipe() failed: ", std::strerror(errno));
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, toChild[0], 0);
-  posix_spawn_file_actions_adddup2(&actions, fromChild[1], 1);
-  std::vector<std::string> all{"cohort"};
-  all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& a : all) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(toChild[0]);
-  ::close(fromChild[1]);
-  in_ = toChild[1];
-  out_ = fromChild[0];
-  if (rc != 0) {
-    ::close(in_);
-    ::close(out_);
-    throw CommError("calibration: cannot start " + what_ + ": " + std::strerror(rc));
+  SubprocessOptions options;
+  options.argv = {"cohort"};
+  options.argv.insert(options.argv.end(), args.begin(), args.end());
+  options.program = "/proc/self/exe";
+  options.in = ChildStream::pipe();
+  options.out = ChildStream::pipe();
+  try {
+    process_ = Subprocess::spawn(options);
+  } catch (const SubprocessError& e) {
+    throw CommError("calibration: cannot start " + what_ + ": " + e.what());
   }
-  pid_ = pid;
-}
-
-Child::~Child() {
-  if (pid_ > 0) {
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-  }
-  if (in_ >= 0) ::close(in_);
-  if (out_ >= 0) ::close(out_);
 }
 
 std::string Child::readLine(double timeoutSeconds) {
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeoutSeconds));
+  const auto deadline = after(timeoutSeconds);
   for (;;) {
     const auto eol = buffer_.find('\n');
     if (eol != std::string::npos) {
@@ -94,41 +67,30 @@ std::string Child::readLine(double timeoutSeconds) {
       buffer_.erase(0, eol + 1);
       return line;
     }
-    pollfd p{out_, POLLIN, 0};
-    const int ready = ::poll(&p, 1, msLeft(deadline));
-    if (ready < 0 && errno == EINTR) continue;
-    COHORT_CHECK(ready > 0, TimeoutError, "calibration: ", what_, " did not answer within ", timeoutSeconds, " s");
-    char chunk[4096];
-    const ssize_t got = ::read(out_, chunk, sizeof chunk);
-    if (got < 0 && errno == EINTR) continue;
-    COHORT_CHECK(got > 0, CommError, "calibration: ", what_, " ended without answering (see its error above)");
-    buffer_.append(chunk, size_t(got));
+    const IoStatus status = process_.readSome(buffer_, deadline);
+    COHORT_CHECK(status != IoStatus::kTimeout, TimeoutError, "calibration: ", what_, " did not answer within ",
+                 timeoutSeconds, " s");
+    COHORT_CHECK(status == IoStatus::kOk, CommError, "calibration: ", what_,
+                 " ended without answering (see its error above)");
   }
 }
 
 void Child::write(const std::string& text) {
-  COHORT_CHECK(::write(in_, text.data(), text.size()) == ssize_t(text.size()), CommError, "calibration: cannot write to ",
-               what_, ": ", std::strerror(errno));
+  COHORT_CHECK(::write(process_.fd(STDIN_FILENO), text.data(), text.size()) == ssize_t(text.size()), CommError,
+               "calibration: cannot write to ", what_, ": ", std::strerror(errno));
 }
 
 void Child::wait(double timeoutSeconds) {
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeoutSeconds));
+  const auto deadline = after(timeoutSeconds);
   // Its stdout closes when it exits: read (and drop) until then.
-  for (;;) {
-    pollfd p{out_, POLLIN, 0};
-    const int ready = ::poll(&p, 1, msLeft(deadline));
-    if (ready < 0 && errno == EINTR) continue;
-    COHORT_CHECK(ready > 0, TimeoutError, "calibration: ", what_, " did not end within ", timeoutSeconds, " s");
-    char chunk[4096];
-    const ssize_t got = ::read(out_, chunk, sizeof chunk);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) break;
+  for (std::string dropped;; dropped.clear()) {
+    const IoStatus status = process_.readOutput(dropped, deadline, size_t(1) << 20);
+    COHORT_CHECK(status != IoStatus::kTimeout, TimeoutError, "calibration: ", what_, " did not end within ",
+                 timeoutSeconds, " s");
+    if (status != IoStatus::kOk) break;
   }
-  int status = 0;
-  ::waitpid(pid_, &status, 0);
-  pid_ = -1;
-  COHORT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, CommError, "calibration: ", what_,
-               " failed (exit status ", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), ")");
+  const ExitStatus status = process_.wait();
+  COHORT_CHECK(status.ok(), CommError, "calibration: ", what_, " failed (exit status ", status.shellCode(), ")");
 }
 
 // ---- Gloo ----

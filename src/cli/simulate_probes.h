@@ -4,6 +4,8 @@
 // answer in time is killed and the calibration fails naming it.
 #pragma once
 
+#include "base/subprocess.h"
+
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -15,11 +17,8 @@ namespace cohort::cli {
 class Child {
  public:
   Child(std::string what, const std::vector<std::string>& args);
-  ~Child();
-  Child(const Child&) = delete;
-  Child& operator=(const Child&) = delete;
 
-  int pid() const { return pid_; }
+  int pid() const { return process_.pid(); }
   // The next line of its stdout; throws CommError naming `what` on end of file or after timeout.
   std::string readLine(double timeoutSeconds);
   void write(const std::string& text);
@@ -29,8 +28,7 @@ class Child {
 
  private:
   std::string what_;
-  int pid_ = -1;
-  int in_ = -1, out_ = -1;
+  Subprocess process_;
   std::string buffer_;
 };
 

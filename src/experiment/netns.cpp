@@ -2,14 +2,11 @@
 
 #include <cohort/error.h>
 
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
+#include "base/subprocess.h"
+
 #include <unistd.h>
 
 #include <regex>
-
-extern char** environ;
 
 namespace cohort::experiment {
 
@@ -17,21 +14,13 @@ namespace {
 
 // Runs `ip ARGS...` (or `tc`) and returns whether it exited 0. Its output is dropped.
 bool run(std::vector<std::string> argv) {
-  std::vector<char*> args;
-  for (auto& a : argv) args.push_back(a.data());
-  args.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
-  pid_t pid = -1;
-  const int rc = ::posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) return false;
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  try {
+    return Subprocess::spawn({.argv = std::move(argv), .out = ChildStream::null(), .err = ChildStream::null()})
+        .wait()
+        .ok();
+  } catch (const SubprocessError&) {
+    return false;  // not installed, or no process to spare
   }
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
 }  // namespace

@@ -1,11 +1,9 @@
 #include "experiment/remote.h"
 
 #include "base/crypto.h"
+#include "base/subprocess.h"
 
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,8 +13,6 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
-
-extern char** environ;
 
 namespace cohort::experiment {
 
@@ -87,88 +83,45 @@ std::string lastLine(const std::string& text) {
   return last;
 }
 
+// How much of a probe's output is read: the check script says one line.
+constexpr size_t kProbeOutputLimit = 1 << 20;
+
 struct Probe {
   std::string host;
   std::vector<std::string> argv;
-  pid_t pid = -1;
-  int out = -1;  // the probe's stdout and stderr
+  Subprocess process;  // its stdout and stderr on one pipe, in a process group of its own
   std::string output;
-  int status = 0;
   bool timedOut = false;
 };
 
 // Starts argv with "cohort\n" on its standard input and its output on a pipe.
 void startProbe(Probe& p) {
-  int in[2], out[2];
-  COHORT_CHECK(::pipe2(in, O_CLOEXEC) == 0 && ::pipe2(out, O_CLOEXEC) == 0, Error,
-               "cannot check the hosts: pipe: ", std::strerror(errno));
-  // Written before the fork: a pipe holds far more, so this never blocks and never meets SIGPIPE.
-  [[maybe_unused]] ssize_t n = ::write(in[1], "cohort\n", 7);
-  ::close(in[1]);
-  std::vector<char*> argv;
-  for (std::string& word : p.argv) argv.push_back(word.data());
-  argv.push_back(nullptr);
-  const pid_t pid = ::fork();
-  COHORT_CHECK(pid >= 0, Error, "cannot check the hosts: fork: ", std::strerror(errno));
-  if (pid == 0) {
-    ::setpgid(0, 0);
-    ::dup2(in[0], STDIN_FILENO);
-    ::dup2(out[1], STDOUT_FILENO);
-    ::dup2(out[1], STDERR_FILENO);
-    ::execvp(argv[0], argv.data());
-    const std::string message = std::string("cannot run ") + argv[0] + ": " + std::strerror(errno) + "\n";
-    [[maybe_unused]] ssize_t w = ::write(STDERR_FILENO, message.data(), message.size());
-    ::_exit(127);
+  try {
+    p.process = Subprocess::spawn({.argv = p.argv,
+                                   .in = ChildStream::pipe("cohort\n"),
+                                   .out = ChildStream::pipe(),
+                                   .err = ChildStream::sameAsStdout(),
+                                   .processGroup = kNewGroup,
+                                   .execFailurePrefix = ""});
+  } catch (const SubprocessError& e) {
+    throw Error(std::string("cannot check the hosts: ") + e.what());
   }
-  ::close(in[0]);
-  ::close(out[1]);
-  p.pid = pid;
-  p.out = out[0];
+  p.process.closeFd(STDIN_FILENO);
 }
 
-// Reads every probe's output until all have closed it or the deadline passes; kills what is left.
+// Reads every probe's output until all have closed it or the deadline passes (they run at once:
+// one reached after the deadline still gives what it wrote); kills the groups of the late ones.
 void finishProbes(std::vector<Probe>& probes, double timeoutSeconds) {
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeoutSeconds));
-  for (;;) {
-    std::vector<pollfd> fds;
-    std::vector<Probe*> owners;
-    for (Probe& p : probes) {
-      if (p.out >= 0) {
-        fds.push_back({.fd = p.out, .events = POLLIN, .revents = 0});
-        owners.push_back(&p);
-      }
-    }
-    if (fds.empty()) break;
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) {
-      for (Probe* p : owners) {
-        p->timedOut = true;
-        ::kill(-p->pid, SIGKILL);
-        ::close(p->out);
-        p->out = -1;
-      }
-      break;
-    }
-    const int ready = ::poll(fds.data(), fds.size(), int(std::min<int64_t>(left, 1000)));
-    if (ready < 0 && errno != EINTR) break;
-    for (size_t i = 0; i < fds.size(); ++i) {
-      if (fds[i].revents == 0) continue;
-      char buf[4096];
-      const ssize_t n = ::read(fds[i].fd, buf, sizeof(buf));
-      if (n > 0) {
-        owners[i]->output.append(buf, size_t(n));
-      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
-        ::close(owners[i]->out);
-        owners[i]->out = -1;
-      }
-    }
-  }
+  const auto deadline =
+      IoClock::now() + std::chrono::duration_cast<IoClock::duration>(std::chrono::duration<double>(timeoutSeconds));
   for (Probe& p : probes) {
-    if (p.out >= 0) ::close(p.out);
+    if (p.process.pid() <= 0) continue;  // never started
+    const IoStatus status = p.process.readOutput(p.output, deadline, kProbeOutputLimit);
+    if (status == IoStatus::kTimeout) p.timedOut = true;
+    if (status != IoStatus::kClosed) p.process.signalGroup(SIGKILL);
+    p.process.closeFd(STDOUT_FILENO);
     // The output is closed: the remote shell has exited or is about to (or was SIGKILLed).
-    while (::waitpid(p.pid, &p.status, 0) < 0 && errno == EINTR) {
-    }
+    p.process.wait();
   }
 }
 
@@ -363,8 +316,9 @@ void checkHosts(const RemoteHosts& hosts, const std::string& outDir, double time
     if (!seenLine.empty()) throw InvalidArgument("--hosts: host " + p.host + " " + seenLine);
     std::string why = lastLine(p.output);
     if (why.empty()) {
-      why = WIFEXITED(p.status) ? "exit status " + std::to_string(WEXITSTATUS(p.status))
-                                : "killed by signal " + std::to_string(WTERMSIG(p.status));
+      const ExitStatus status = p.process.status().value_or(ExitStatus{});
+      why = status.exited() ? "exit status " + std::to_string(status.code())
+                            : "killed by signal " + std::to_string(status.signal());
     }
     throw InvalidArgument("--hosts: host " + p.host + " does not answer through the remote shell (" + shellText +
                           "): " + why);

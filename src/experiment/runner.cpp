@@ -1,13 +1,12 @@
 #include "experiment/runner.h"
 
 #include "base/clock.h"
+#include "base/subprocess.h"
 
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,8 +19,6 @@
 #include <set>
 #include <sstream>
 #include <thread>
-
-extern char** environ;
 
 namespace cohort::experiment {
 namespace fs = std::filesystem;
@@ -101,18 +98,17 @@ void writeStatus(const std::string& dir, const JobRecord& r) {
 }
 
 struct Process {
-  pid_t pid = -1;
-  int input = -1;  // the write end of its standard input (ProcessSpec::input), open until the job ends
+  // With a ProcessSpec::input, the parent's end of its standard input stays open until the job ends.
+  Subprocess process;
   bool waitedFor = true;
-  bool exited = false;
-  int status = 0;
+  bool exited() const { return process.status().has_value(); }
+  ExitStatus status() const { return process.status().value_or(ExitStatus{}); }
 };
 
 struct Running {
   size_t index = 0;
   JobRecord record;
-  std::vector<Process> processes;
-  pid_t group = -1;
+  std::vector<Process> processes;  // the first leads the job's process group
   bool hasInputs = false;  // some process has a ProcessSpec::input
   Clock::time_point start;
   bool ending = false;  // SIGTERM sent to the group
@@ -122,12 +118,16 @@ struct Running {
   std::string error;  // set by the runner (timeout); otherwise read from the log
 };
 
-int exitCodeOf(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+std::string statusText(const ExitStatus& status) {
+  if (status.exited()) return "exited with status " + std::to_string(status.code());
+  const char* abbrev = ::sigabbrev_np(status.signal());
+  return std::string("killed by signal ") +
+         (abbrev != nullptr ? std::string("SIG") + abbrev : std::to_string(status.signal()));
+}
 
-std::string statusText(int status) {
-  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
-  const char* abbrev = ::sigabbrev_np(WTERMSIG(status));
-  return std::string("killed by signal ") + (abbrev != nullptr ? std::string("SIG") + abbrev : std::to_string(WTERMSIG(status)));
+// `signo` to every process of the job (and what they started).
+void signalGroup(const Running& r, int signo) {
+  if (!r.processes.empty()) r.processes.front().process.signalGroup(signo);
 }
 
 // Blocks SIGCHLD, SIGINT and SIGTERM for the runner's lifetime (they are taken with sigtimedwait)
@@ -213,100 +213,57 @@ class Runner {
     r.start = Clock::now();
     for (const ProcessSpec& spec : job.processes) {
       r.hasInputs = r.hasInputs || spec.input.has_value();
-      r.processes.push_back(spawn(spec, log, threads, r.group));
-      if (r.group < 0) r.group = r.processes.back().pid;
+      const pid_t group = r.processes.empty() ? kNewGroup : r.processes.front().process.pid();
+      r.processes.push_back(spawn(spec, log, threads, group));
     }
     ::close(log);
     running_.push_back(std::move(r));
   }
 
-  Process spawn(const ProcessSpec& spec, int log, int threads, pid_t group) {
-    // Everything the child needs is built before fork: after it, only async-signal-safe calls.
-    std::map<std::string, std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string entry(*e);
-      const size_t eq = entry.find('=');
-      if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
-    }
+  // The job's processes share one group (the first leads it) and its log; they die with the runner.
+  static Process spawn(const ProcessSpec& spec, int log, int threads, pid_t group) {
+    SubprocessOptions options{.argv = spec.argv,
+                              .in = spec.input ? ChildStream::pipe(*spec.input) : ChildStream::null(),
+                              .out = ChildStream::copyOf(log),
+                              .err = ChildStream::copyOf(log),
+                              .processGroup = group,
+                              .parentDeathSignal = SIGTERM,
+                              .clearSignalMask = true,
+                              .execFailurePrefix = "cohort: error: "};
     for (const char* name : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"}) {
-      if (!env.count(name)) env[name] = std::to_string(threads);
+      if (std::getenv(name) == nullptr) options.setEnv[name] = std::to_string(threads);
     }
-    for (const auto& [key, value] : spec.env) env[key] = value;
-    std::vector<std::string> envStrings;
-    for (const auto& [key, value] : env) envStrings.push_back(key + "=" + value);
-    std::vector<char*> envp, argv;
-    for (auto& s : envStrings) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::vector<std::string> args = spec.argv;
-    for (auto& s : args) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    const pid_t parent = ::getpid();
-    int input[2] = {-1, -1};
-    if (spec.input) {
-      COHORT_CHECK(::pipe2(input, O_CLOEXEC) == 0, Error, "cannot start a job: pipe: ", std::strerror(errno));
-      // Written before the fork, into an empty pipe: a short text never blocks nor meets SIGPIPE.
-      const ssize_t n = ::write(input[1], spec.input->data(), spec.input->size());
-      COHORT_CHECK(n == ssize_t(spec.input->size()), Error, "cannot start a job: its input does not fit a pipe");
+    for (const auto& [key, value] : spec.env) options.setEnv[key] = value;
+    try {
+      return Process{.process = Subprocess::spawn(options), .waitedFor = spec.waitedFor};
+    } catch (const SubprocessError& e) {
+      throw Error(std::string("cannot start a job: ") + e.what());
     }
-
-    const pid_t pid = ::fork();
-    COHORT_CHECK(pid >= 0, Error, "cannot start a job: fork failed: ", std::strerror(errno));
-    if (pid == 0) {
-      ::setpgid(0, group < 0 ? 0 : group);
-      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (::getppid() != parent) ::_exit(127);  // the runner died before prctl
-      sigset_t none;
-      sigemptyset(&none);
-      ::sigprocmask(SIG_SETMASK, &none, nullptr);
-      ::dup2(input[0] >= 0 ? input[0] : ::open("/dev/null", O_RDONLY), STDIN_FILENO);
-      ::dup2(log, STDOUT_FILENO);
-      ::dup2(log, STDERR_FILENO);
-      ::execvpe(argv[0], argv.data(), envp.data());
-      const char* why = std::strerror(errno);
-      const std::string message = "cohort: error: cannot run " + spec.argv[0] + ": " + why + "\n";
-      [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, message.data(), message.size());
-      ::_exit(127);
-    }
-    ::setpgid(pid, group < 0 ? pid : group);  // also here, so that a kill right after cannot miss it
-    if (input[0] >= 0) ::close(input[0]);
-    return Process{.pid = pid, .input = input[1], .waitedFor = spec.waitedFor};
   }
 
   void reap() {
-    for (;;) {
-      int status = 0;
-      const pid_t pid = ::waitpid(-1, &status, WNOHANG);
-      if (pid <= 0) return;
-      for (Running& r : running_) {
-        for (Process& p : r.processes) {
-          if (p.pid == pid) {
-            p.exited = true;
-            p.status = status;
-            closeInput(p);
-          }
-        }
+    for (Running& r : running_) {
+      for (Process& p : r.processes) {
+        if (!p.exited() && p.process.tryWait()) closeInput(p);
       }
     }
   }
 
-  static void closeInput(Process& p) {
-    if (p.input >= 0) ::close(p.input);
-    p.input = -1;
-  }
+  static void closeInput(Process& p) { p.process.closeFd(STDIN_FILENO); }
 
   // Asks every process of the job to end: `signo` to its group, or, in a job with inputs, EOF to
   // the processes with one and `signo` to each of the others.
   static void signalJob(Running& r, int signo) {
     if (!r.hasInputs) {
-      ::kill(-r.group, signo);
+      signalGroup(r, signo);
       return;
     }
     for (Process& p : r.processes) {
-      if (p.exited) continue;
-      if (p.input >= 0) {
+      if (p.exited()) continue;
+      if (p.process.fd(STDIN_FILENO) >= 0) {
         closeInput(p);
       } else {
-        ::kill(p.pid, signo);
+        p.process.signal(signo);
       }
     }
   }
@@ -324,16 +281,15 @@ class Runner {
       bool workersDone = true;
       bool anyLeft = false;
       for (const Process& p : r.processes) {
-        if (!p.exited) {
+        if (!p.exited()) {
           anyLeft = true;
           if (p.waitedFor) workersDone = false;
           continue;
         }
-        const bool ok = WIFEXITED(p.status) && WEXITSTATUS(p.status) == 0;
-        if (!ok && !r.failed && !(r.ending && !p.waitedFor)) {
+        if (!p.status().ok() && !r.failed && !(r.ending && !p.waitedFor)) {
           r.failed = true;
-          r.exitCode = exitCodeOf(p.status);
-          r.error = statusText(p.status);
+          r.exitCode = p.status().shellCode();
+          r.error = statusText(p.status());
           endGroup(r);
         }
       }
@@ -345,10 +301,11 @@ class Runner {
         r.record.error = r.error;
         endGroup(r);
       }
-      if (r.ending && now >= r.killAt) ::kill(-r.group, SIGKILL);
+      if (r.ending && now >= r.killAt) signalGroup(r, SIGKILL);
     }
     for (auto it = running_.begin(); it != running_.end();) {
-      const bool allExited = std::all_of(it->processes.begin(), it->processes.end(), [](const Process& p) { return p.exited; });
+      const bool allExited =
+          std::all_of(it->processes.begin(), it->processes.end(), [](const Process& p) { return p.exited(); });
       if (!allExited) {
         ++it;
         continue;
@@ -379,7 +336,7 @@ class Runner {
     while (Clock::now() < deadline) {
       reap();
       const bool allExited = std::all_of(running_.begin(), running_.end(), [](const Running& r) {
-        return std::all_of(r.processes.begin(), r.processes.end(), [](const Process& p) { return p.exited; });
+        return std::all_of(r.processes.begin(), r.processes.end(), [](const Process& p) { return p.exited(); });
       });
       if (allExited) break;
       timespec tick{0, long(std::chrono::nanoseconds(kTick).count())};
@@ -389,10 +346,8 @@ class Runner {
       ::sigtimedwait(&chld, nullptr, &tick);
     }
     for (Running& r : running_) {
-      ::kill(-r.group, SIGKILL);
-      for (Process& p : r.processes) {
-        if (!p.exited) ::waitpid(p.pid, &p.status, 0);
-      }
+      signalGroup(r, SIGKILL);
+      for (Process& p : r.processes) p.process.wait();
     }
     throw Interrupted(std::string("interrupted by ") + (signo == SIGINT ? "SIGINT" : "SIGTERM") +
                       ": finished jobs are kept; run the same command again to go on");

@@ -4,13 +4,13 @@
 
 #include "base/socket_io.h"
 #include "base/stats.h"
+#include "base/subprocess.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -78,12 +78,13 @@ LinkProbe probeLoopback(double timeoutSeconds) {
     ::close(listener);
     throw CommError(std::string("calibration: cannot listen on 127.0.0.1: ") + std::strerror(errno));
   }
-  const pid_t child = ::fork();
-  if (child < 0) {
+  Subprocess child;
+  try {
+    child = Subprocess::fork([&]() -> int { peer(listener, timeoutSeconds); });
+  } catch (const SubprocessError& e) {
     ::close(listener);
-    throw CommError(std::string("calibration: fork() failed: ") + std::strerror(errno));
+    throw CommError(std::string("calibration: ") + e.what());
   }
-  if (child == 0) peer(listener, timeoutSeconds);
   ::close(listener);
 
   LinkProbe probe;
@@ -106,11 +107,9 @@ LinkProbe probeLoopback(double timeoutSeconds) {
     bulk.push_back(seconds(t0, Clock::now()));
   }
   if (fd >= 0) ::close(fd);
-  int status = 0;
-  if (!ok) ::kill(child, SIGKILL);
-  ::waitpid(child, &status, 0);
-  COHORT_CHECK(ok && WIFEXITED(status) && WEXITSTATUS(status) == 0, CommError,
-               "calibration: the loopback peer process did not answer within ", timeoutSeconds, " s");
+  if (!ok) child.signal(SIGKILL);
+  COHORT_CHECK(child.wait().ok() && ok, CommError, "calibration: the loopback peer process did not answer within ",
+               timeoutSeconds, " s");
   probe.latencySeconds = median(rtt) / 2;
   probe.secondsPerByte = std::max(0.0, (median(bulk) - 2 * probe.latencySeconds) / double(kBulk));
   return probe;
