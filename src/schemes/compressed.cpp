@@ -33,6 +33,34 @@ std::span<float> floats(torch::Tensor& t) { return {t.data_ptr<float>(), size_t(
 // The current stream of `device` on the calling thread.
 c10::Stream currentStream(c10::Device device) { return c10::impl::VirtualGuardImpl(device.type()).getStream(device); }
 
+// Where the 16-bit ring's pieces lie in a buffer of n values over `size` ranks: chunk c is
+// [n c / N, n (c+1) / N) (sizes differ by at most one; some are empty when n < N), and each chunk
+// is cut into `segments` pieces the same way, the same number on every rank.
+struct RingLayout {
+  int64_t n;
+  int size;
+  int64_t segments;
+
+  RingLayout(int64_t values, int ranks)
+      : n(values),
+        size(ranks),
+        segments(std::max<int64_t>(1, (2 * (values / ranks + 1) + kRingSegmentBytes - 1) / kRingSegmentBytes)) {}
+  int mod(int c) const { return ((c % size) + size) % size; }
+  int64_t first(int c, int64_t k) const {
+    const int64_t start = n * c / size, length = n * (c + 1) / size - start;
+    return start + length * k / segments;
+  }
+  int64_t length(int c, int64_t k) const { return first(c, k + 1) - first(c, k); }
+};
+
+// Runs f and adds the seconds it took to `into`.
+template <class F>
+void timed(double& into, F&& f) {
+  const auto t = Clock::now();
+  f();
+  into += secondsSince(t);
+}
+
 }  // namespace
 
 CompressedSum::CompressedSum(std::shared_ptr<Communicator> comm, compress::CodecSpec spec, std::vector<int64_t> buffers,
@@ -233,26 +261,16 @@ void CompressedSum::ring16(torch::Tensor& wire, torch::Tensor& flat, bool toFloa
   const auto to16 = half ? compress::floatsToHalf : compress::floatsToBf16;
   const auto from16 = half ? compress::halfToFloats : compress::bf16ToFloats;
   const auto addAndRound = half ? compress::addHalfAndRound : compress::addBf16AndRound;
-  const int64_t n = flat.numel();
   const int size = comm_->worldSize();
   const int rank = comm_->rank();
-  auto mod = [&](int c) { return ((c % size) + size) % size; };
-  // Chunk c is [n c / N, n (c+1) / N): sizes differ by at most one; some are empty when n < N.
-  // Each chunk is cut into `segments` pieces the same way, the same number on every rank.
-  const int64_t segments = std::max<int64_t>(1, (2 * (n / size + 1) + kRingSegmentBytes - 1) / kRingSegmentBytes);
-  auto first = [&](int c, int64_t k) {
-    const int64_t start = n * c / size, length = n * (c + 1) / size - start;
-    return start + length * k / segments;
-  };
-  auto length = [&](int c, int64_t k) { return first(c, k + 1) - first(c, k); };
+  const RingLayout ring(flat.numel(), size);
+  const int64_t segments = ring.segments;
+  auto first = [&](int c, int64_t k) { return ring.first(c, k); };
+  auto length = [&](int c, int64_t k) { return ring.length(c, k); };
+  auto mod = [&](int c) { return ring.mod(c); };
   auto acc = [&](int c, int64_t k) { return floats(flat).subspan(size_t(first(c, k)), size_t(length(c, k))); };
   auto bits = [&](int c, int64_t k) { return bits16(wire).subspan(size_t(first(c, k)), size_t(length(c, k))); };
   Phases spent;
-  auto timed = [](double& into, auto&& f) {
-    const auto t = Clock::now();
-    f();
-    into += secondsSince(t);
-  };
   if (size == 1) {
     timed(spent.encodeSeconds, [&] { to16(floats(flat), bits16(wire)); });
   } else {

@@ -125,6 +125,146 @@ std::string describeLayer(size_t index, const std::string& name, const std::shar
   return out.str();
 }
 
+// The layers' output shapes, from a dry run on (at most) two examples: a Flatten after split
+// channels needs its input's.
+std::vector<std::vector<int64_t>> outputShapes(std::vector<nn::AnyModule>& layers, const torch::Tensor& sample) {
+  torch::NoGradGuard noGrad;
+  std::vector<std::vector<int64_t>> shapes;
+  auto x = sample.narrow(0, 0, std::min<int64_t>(2, sample.size(0)));
+  for (auto& layer : layers) {
+    x = layer.forward(x);
+    shapes.push_back(x.sizes().vec());
+  }
+  return shapes;
+}
+
+// Whether layer i's split output can be consumed: through element-wise layers, pooling and a
+// Flatten, by a Linear (after a Linear or a Flatten) or a Conv2d (after a Conv2d).
+bool feedsSplittable(const std::vector<nn::AnyModule>& layers, size_t i) {
+  enum { kFeatures, kChannels } kind = layers[i].ptr()->as<nn::LinearImpl>() ? kFeatures : kChannels;
+  for (size_t j = i + 1; j < layers.size(); ++j) {
+    auto m = layers[j].ptr();
+    if (passesThrough(m)) continue;
+    if (isFlatten(m) && kind == kChannels) {
+      kind = kFeatures;
+      continue;
+    }
+    if (m->as<nn::LinearImpl>()) return kind == kFeatures;
+    if (plainConv(m)) return kind == kChannels;
+    return false;
+  }
+  return false;
+}
+
+// Builds one way's Sequential layer by layer: a Linear or Conv2d whose output a later layer can
+// take split is split by its outputs (columns, output channels), the layers after it pass the
+// split activation through, and the next Linear or Conv2d is split by its inputs (rows, input
+// channels) and followed by the sum over the ways. The rest is kept whole.
+class WaySplitter {
+ public:
+  WaySplitter(std::shared_ptr<Communicator> comm, int ways, int way) : comm_(std::move(comm)), ways_(ways), way_(way) {}
+
+  void add(const std::vector<nn::AnyModule>& layers, const std::vector<std::string>& names,
+           const std::vector<std::vector<int64_t>>& shapes, size_t i) {
+    torch::NoGradGuard noGrad;
+    auto m = layers[i].ptr();
+    if (i > 0) plan_ << "; ";
+    plan_ << i << " " << kindOf(*m) << " ";
+    if (split_.on) {
+      continueSplit(layers[i], names[i], shapes, i);
+    } else if ((m->as<nn::LinearImpl>() || plainConv(m)) && feedsSplittable(layers, i)) {
+      splitOutputs(names[i], m, i);
+    } else {
+      push(names[i], layers[i]);
+      plan_ << "whole";
+    }
+  }
+
+  nn::Sequential local() const { return local_; }
+  std::string plan() const { return plan_.str(); }
+
+ private:
+  // (An rvalue name picks Sequential's public push_back overload.)
+  void push(const std::string& name, nn::AnyModule layer) { local_->push_back(std::string(name), std::move(layer)); }
+
+  // Layer i (a Linear or a plain Conv2d) keeps this way's share of its outputs.
+  void splitOutputs(const std::string& name, const std::shared_ptr<nn::Module>& m, size_t i) {
+    auto* linear = m->as<nn::LinearImpl>();
+    auto* conv = plainConv(m);
+    const int64_t units = linear ? linear->options.out_features() : conv->options.out_channels();
+    COHORT_CHECK(units >= ways_, InvalidArgument, kWho, ": ", describeLayer(i, name, m), " has ", units,
+                 linear ? " output units" : " output channels", ", fewer than the ", ways_,
+                 " ways to split them over: use fewer ways (--ways)");
+    auto [offset, size] = share(units, ways_, way_);
+    push(name + "_input", nn::AnyModule(GradientSumLayer(comm_)));
+    if (linear) {
+      auto part = nn::Linear(nn::LinearOptions(linear->options.in_features(), size).bias(linear->options.bias()));
+      part->weight.copy_(linear->weight.narrow(0, offset, size));
+      if (linear->options.bias()) part->bias.copy_(linear->bias.narrow(0, offset, size));
+      push(name, nn::AnyModule(part));
+    } else {
+      auto part = nn::Conv2d(convOptions(*conv, conv->options.in_channels(), size));
+      part->weight.copy_(conv->weight.narrow(0, offset, size));
+      if (conv->options.bias()) part->bias.copy_(conv->bias.narrow(0, offset, size));
+      push(name, nn::AnyModule(part));
+    }
+    split_ = {true, units, offset, size, 1};
+    plan_ << (linear ? "columns " : "output channels ") << size << "/" << units;
+  }
+
+  // Layer i receives a split activation: passes it through, or takes it split and sums.
+  void continueSplit(const nn::AnyModule& layer, const std::string& name,
+                     const std::vector<std::vector<int64_t>>& shapes, size_t i) {
+    auto m = layer.ptr();
+    if (passesThrough(m) || isFlatten(m)) {
+      if (isFlatten(m)) {
+        const auto& in = shapes[i - 1];
+        for (size_t d = 2; d < in.size(); ++d) split_.perUnit *= in[d];
+      }
+      push(name, layer);
+      plan_ << "split";
+    } else if (auto* linear = m->as<nn::LinearImpl>()) {
+      const int64_t width = split_.units * split_.perUnit;
+      COHORT_CHECK_EQ(linear->options.in_features(), width, InvalidArgument, kWho, ": ", describeLayer(i, name, m),
+                      " expects another input width than the split layers before it give");
+      auto part =
+          nn::Linear(nn::LinearOptions(split_.size * split_.perUnit, linear->options.out_features()).bias(false));
+      part->weight.copy_(linear->weight.narrow(1, split_.offset * split_.perUnit, split_.size * split_.perUnit));
+      push(name, nn::AnyModule(part));
+      push(name + "_sum",
+           nn::AnyModule(PartialSumLayer(comm_, linear->options.bias() ? linear->bias : torch::Tensor(), 2)));
+      split_.on = false;
+      plan_ << "rows " << split_.size * split_.perUnit << "/" << width << " + allreduce";
+    } else if (auto* conv = plainConv(m)) {
+      COHORT_CHECK(split_.perUnit == 1 && conv->options.in_channels() == split_.units, InvalidArgument, kWho, ": ",
+                   describeLayer(i, name, m), " does not take the split channels of the layers before it");
+      auto part = nn::Conv2d(convOptions(*conv, split_.size, conv->options.out_channels()).bias(false));
+      part->weight.copy_(conv->weight.narrow(1, split_.offset, split_.size));
+      push(name, nn::AnyModule(part));
+      push(name + "_sum",
+           nn::AnyModule(PartialSumLayer(comm_, conv->options.bias() ? conv->bias : torch::Tensor(), 4)));
+      split_.on = false;
+      plan_ << "input channels " << split_.size << "/" << split_.units << " + allreduce";
+    } else {
+      throw InvalidArgument(kWho + std::string(": ") + describeLayer(i, name, m) +
+                            " would receive a split activation and cannot be split (only Linear, Conv2d, element-wise "
+                            "layers, pooling and Flatten can)");
+    }
+  }
+
+  struct SplitActivation {
+    bool on = false;
+    int64_t units = 0, offset = 0, size = 0;
+    int64_t perUnit = 1;  // features per unit after a Flatten of split channels
+  };
+
+  std::shared_ptr<Communicator> comm_;
+  int ways_, way_;
+  SplitActivation split_;
+  std::ostringstream plan_;
+  nn::Sequential local_;
+};
+
 }  // namespace
 
 struct TensorParallel::Impl {
@@ -133,6 +273,9 @@ struct TensorParallel::Impl {
   int ways = 1, way = 0, replicas = 1, replica = 0;
   nn::Sequential local;
   std::string plan;
+
+  // This rank's way and replica, and the communicators among its ways and among its copies.
+  void joinGroups(const Job& job, int waysWanted);
 };
 
 TensorParallel::TensorParallel(const Job& job, const nn::Sequential& model, const torch::Tensor& sample,
@@ -147,145 +290,37 @@ TensorParallel::TensorParallel(const Job& job, const nn::Sequential& model, cons
     COHORT_CHECK(p.device() == *device, InvalidArgument, kWho, ": the model's parameters are on ", *device, " and ",
                  p.device(), "; move the whole model to one device (module->to(device))");
   }
-  const torch::Tensor onModelDevice = device ? sample.to(*device) : sample;
-  const int world = job.worldSize();
-  s.ways = options.ways > 0 ? options.ways : world;
-  COHORT_CHECK(world % s.ways == 0, InvalidArgument, kWho, ": ", world, " processes cannot hold copies of ", s.ways,
-               " ways: start ways x replicas processes");
-  s.replicas = world / s.ways;
-  s.way = job.rank() % s.ways;
-  s.replica = job.rank() / s.ways;
-  std::shared_ptr<Communicator> comm = job.communicator();
-  if (comm != nullptr) {
-    std::vector<int> mine, copies;
-    for (int w = 0; w < s.ways; ++w) mine.push_back(s.replica * s.ways + w);
-    for (int q = 0; q < s.replicas; ++q) copies.push_back(q * s.ways + s.way);
-    s.waysComm = s.replicas == 1 ? comm : comm->split(mine, "tensor-replica-" + std::to_string(s.replica));
-    s.dataComm = comm->split(copies, "tensor-way-" + std::to_string(s.way));
-  }
-
+  s.joinGroups(job, options.ways);
   if (s.ways == 1) {
     s.local = model;
     s.plan = "whole (one way)";
     return;
   }
-
   std::vector<nn::AnyModule> layers(model->begin(), model->end());
   const auto names = model->named_children().keys();
-  // The layers' output shapes, from a dry run on two examples (Flatten needs its input's).
-  std::vector<std::vector<int64_t>> shapes;
-  {
-    torch::NoGradGuard noGrad;
-    auto x = onModelDevice.narrow(0, 0, std::min<int64_t>(2, sample.size(0)));
-    for (auto& layer : layers) {
-      x = layer.forward(x);
-      shapes.push_back(x.sizes().vec());
-    }
-  }
-  // Whether layer i's split output can be consumed: through element-wise layers, pooling and a
-  // Flatten, by a Linear (after a Linear or a Flatten) or a Conv2d (after a Conv2d).
-  auto feedsSplittable = [&](size_t i) {
-    enum { kFeatures, kChannels } kind = layers[i].ptr()->as<nn::LinearImpl>() ? kFeatures : kChannels;
-    for (size_t j = i + 1; j < layers.size(); ++j) {
-      auto m = layers[j].ptr();
-      if (passesThrough(m)) continue;
-      if (isFlatten(m) && kind == kChannels) {
-        kind = kFeatures;
-        continue;
-      }
-      if (m->as<nn::LinearImpl>()) return kind == kFeatures;
-      if (plainConv(m)) return kind == kChannels;
-      return false;
-    }
-    return false;
-  };
+  const auto shapes = outputShapes(layers, device ? sample.to(*device) : sample);
+  WaySplitter splitter(s.waysComm, s.ways, s.way);
+  for (size_t i = 0; i < layers.size(); ++i) splitter.add(layers, names, shapes, i);
+  s.local = splitter.local();
+  if (device && !device->is_cpu()) s.local->to(*device);
+  s.plan = splitter.plan();
+}
 
-  struct SplitActivation {
-    bool on = false;
-    int64_t units = 0, offset = 0, size = 0;
-    int64_t perUnit = 1;  // features per unit after a Flatten of split channels
-  } split;
-  std::ostringstream plan;
-  nn::Sequential local;
-  // (An rvalue name picks Sequential's public push_back overload.)
-  auto add = [&](const std::string& layerName, nn::AnyModule layer) {
-    local->push_back(std::string(layerName), std::move(layer));
-  };
-  torch::NoGradGuard noGrad;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    auto m = layers[i].ptr();
-    const std::string& name = names[i];
-    auto* linear = m->as<nn::LinearImpl>();
-    auto* conv = plainConv(m);
-    if (i > 0) plan << "; ";
-    plan << i << " " << kindOf(*m) << " ";
-    if (!split.on) {
-      if ((linear || conv) && feedsSplittable(i)) {
-        const int64_t units = linear ? linear->options.out_features() : conv->options.out_channels();
-        COHORT_CHECK(units >= s.ways, InvalidArgument, kWho, ": ", describeLayer(i, name, m), " has ", units,
-                     linear ? " output units" : " output channels", ", fewer than the ", s.ways,
-                     " ways to split them over: use fewer ways (--ways)");
-        auto [offset, size] = share(units, s.ways, s.way);
-        add(name + "_input", nn::AnyModule(GradientSumLayer(s.waysComm)));
-        if (linear) {
-          auto part = nn::Linear(nn::LinearOptions(linear->options.in_features(), size).bias(linear->options.bias()));
-          part->weight.copy_(linear->weight.narrow(0, offset, size));
-          if (linear->options.bias()) part->bias.copy_(linear->bias.narrow(0, offset, size));
-          add(name, nn::AnyModule(part));
-        } else {
-          auto part = nn::Conv2d(convOptions(*conv, conv->options.in_channels(), size));
-          part->weight.copy_(conv->weight.narrow(0, offset, size));
-          if (conv->options.bias()) part->bias.copy_(conv->bias.narrow(0, offset, size));
-          add(name, nn::AnyModule(part));
-        }
-        split = {true, units, offset, size, 1};
-        plan << (linear ? "columns " : "output channels ") << size << "/" << units;
-      } else {
-        add(name, layers[i]);
-        plan << "whole";
-      }
-      continue;
-    }
-    if (passesThrough(m)) {
-      add(name, layers[i]);
-      plan << "split";
-    } else if (isFlatten(m)) {
-      const auto& in = shapes[i - 1];
-      int64_t perChannel = 1;
-      for (size_t d = 2; d < in.size(); ++d) perChannel *= in[d];
-      split.perUnit *= perChannel;
-      add(name, layers[i]);
-      plan << "split";
-    } else if (linear) {
-      const int64_t width = split.units * split.perUnit;
-      COHORT_CHECK_EQ(linear->options.in_features(), width, InvalidArgument, kWho, ": ", describeLayer(i, name, m),
-                      " expects another input width than the split layers before it give");
-      auto part = nn::Linear(nn::LinearOptions(split.size * split.perUnit, linear->options.out_features()).bias(false));
-      part->weight.copy_(linear->weight.narrow(1, split.offset * split.perUnit, split.size * split.perUnit));
-      add(name, nn::AnyModule(part));
-      add(name + "_sum",
-          nn::AnyModule(PartialSumLayer(s.waysComm, linear->options.bias() ? linear->bias : torch::Tensor(), 2)));
-      split.on = false;
-      plan << "rows " << split.size * split.perUnit << "/" << width << " + allreduce";
-    } else if (conv) {
-      COHORT_CHECK(split.perUnit == 1 && conv->options.in_channels() == split.units, InvalidArgument, kWho, ": ",
-                   describeLayer(i, name, m), " does not take the split channels of the layers before it");
-      auto part = nn::Conv2d(convOptions(*conv, split.size, conv->options.out_channels()).bias(false));
-      part->weight.copy_(conv->weight.narrow(1, split.offset, split.size));
-      add(name, nn::AnyModule(part));
-      add(name + "_sum",
-          nn::AnyModule(PartialSumLayer(s.waysComm, conv->options.bias() ? conv->bias : torch::Tensor(), 4)));
-      split.on = false;
-      plan << "input channels " << split.size << "/" << split.units << " + allreduce";
-    } else {
-      throw InvalidArgument(kWho + std::string(": ") + describeLayer(i, name, m) +
-                            " would receive a split activation and cannot be split (only Linear, Conv2d, element-wise "
-                            "layers, pooling and Flatten can)");
-    }
-  }
-  if (device && !device->is_cpu()) local->to(*device);
-  s.local = local;
-  s.plan = plan.str();
+void TensorParallel::Impl::joinGroups(const Job& job, int waysWanted) {
+  const int world = job.worldSize();
+  ways = waysWanted > 0 ? waysWanted : world;
+  COHORT_CHECK(world % ways == 0, InvalidArgument, kWho, ": ", world, " processes cannot hold copies of ", ways,
+               " ways: start ways x replicas processes");
+  replicas = world / ways;
+  way = job.rank() % ways;
+  replica = job.rank() / ways;
+  std::shared_ptr<Communicator> comm = job.communicator();
+  if (comm == nullptr) return;
+  std::vector<int> mine, copies;
+  for (int w = 0; w < ways; ++w) mine.push_back(replica * ways + w);
+  for (int q = 0; q < replicas; ++q) copies.push_back(q * ways + way);
+  waysComm = replicas == 1 ? comm : comm->split(mine, "tensor-replica-" + std::to_string(replica));
+  dataComm = comm->split(copies, "tensor-way-" + std::to_string(way));
 }
 
 TensorParallel::~TensorParallel() = default;
