@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "model_util.h"
-#include "strategy/pipeline.h"
+#include "schemes/pipeline_split.h"
 #include "gpu_util.h"
 #include "test_util.h"
 

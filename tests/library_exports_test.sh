@@ -22,7 +22,8 @@ if [ -n "$internal" ]; then
 fi
 for api in 'cohort::DataParallel::DataParallel(' 'cohort::Job::fromEnvironment(' 'cohort::ParameterServerClient::step(' \
            'cohort::Gossip::step(' 'cohort::loadData(' 'cohort::makeModel(' 'typeinfo for cohort::InvalidArgument' \
-           'cohort::HostPort::str' 'cohort::TensorParallel::' 'cohort::Mirrored::'; do
+           'cohort::HostPort::str' 'cohort::TensorParallel::' 'cohort::Mirrored::' \
+           'cohort::Pipeline::step('; do
   # A here-string, not a pipe: grep -q stops reading at the first match, and with pipefail the
   # writer's SIGPIPE would fail the check (as it did, now and then, under load).
   grep -qF "$api" <<< "$symbols" || { echo "FAIL: libcohort does not export $api" >&2; exit 1; }

@@ -3,7 +3,7 @@
 
 #include <gtest/gtest.h>
 
-#include "strategy/pipeline_plan.h"
+#include "schemes/pipeline_plan.h"
 
 namespace cohort {
 namespace {

@@ -13,7 +13,8 @@
 #include <torch/torch.h>
 
 #include "model_util.h"
-#include "strategy/pipeline.h"
+#include "schemes/pipeline_plan.h"
+#include "schemes/pipeline_split.h"
 #include "test_util.h"
 
 #include <csignal>

@@ -25,6 +25,7 @@
 #include <cohort/metrics.h>
 #include <cohort/models.h>
 #include <cohort/parameter_server.h>
+#include <cohort/pipeline.h>
 #include <cohort/rendezvous.h>
 #include <cohort/replicas.h>
 #include <cohort/sampler.h>

@@ -10,7 +10,7 @@
 
 #include "base/scheme.h"
 #include "cli/commands.h"
-#include "strategy/pipeline_plan.h"
+#include "schemes/pipeline_plan.h"
 
 #include <cstdint>
 #include <cstdio>

@@ -1,14 +1,15 @@
-// The pipeline's plans, torch-free: which micro-batch each stage runs forward or backward in what
-// order (GPipe, 1F1B), and where the model is cut (by a list, or balanced by measured cost).
+// The pipeline's plans (include/cohort/pipeline.h), computed without torch: which micro-batch each
+// stage runs forward or backward in what order (GPipe, 1F1B), where the model is cut (by a list,
+// or balanced by measured cost), and how many micro-batches a batch is cut into.
 #pragma once
+
+#include <cohort/pipeline.h>
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace cohort {
-
-enum class PipeSchedule { kGpipe, kOneFOneB };
 
 // "gpipe" or "1f1b"; throws InvalidArgument otherwise.
 PipeSchedule parseSchedule(const std::string& name);
@@ -63,7 +64,6 @@ std::vector<int> balanceStages(const std::vector<double>& costs, int stages, con
 
 // --micro-batches: "auto" (returns 0, kAutoMicroBatches) or a count in [1, batch]. Throws
 // InvalidArgument naming the problem (zero, not a number, more than the batch).
-constexpr int kAutoMicroBatches = 0;
 int parseMicroBatches(const std::string& text, int64_t batch);
 
 // What a micro-batch costs, measured at start (seconds). A layer's forward+backward on m examples

@@ -1,4 +1,4 @@
-#include "strategy/pipeline_plan.h"
+#include "schemes/pipeline_plan.h"
 
 #include <cohort/error.h>
 

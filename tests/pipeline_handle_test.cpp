@@ -1,0 +1,113 @@
+// The pipeline handle used directly (include/cohort/pipeline.h), ranks as threads: two stages,
+// under either schedule and with a layer split between them, train as one process does on the
+// whole batch, and a job that does not fit the stages is refused.
+#include <cohort/error.h>
+#include <cohort/job.h>
+#include <cohort/pipeline.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "rank_threads.h"
+
+namespace cohort {
+namespace {
+
+constexpr int kSteps = 3;
+
+torch::nn::Sequential makeNet() {
+  torch::manual_seed(3);
+  return torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 3));
+}
+
+torch::nn::Sequential copyOf(const torch::nn::Sequential& net) {
+  return torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone()));
+}
+
+torch::Tensor crossEntropy(const torch::Tensor& output, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(output, target);
+}
+
+struct Run {
+  std::vector<double> losses;  // before each step's update
+  torch::Tensor outputs;       // after the last step
+};
+
+Run trainOneProcess(torch::nn::Sequential net, const torch::Tensor& x, const torch::Tensor& y) {
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  Run run;
+  for (int i = 0; i < kSteps; ++i) {
+    opt.zero_grad();
+    auto loss = crossEntropy(net->forward(x), y);
+    loss.backward();
+    opt.step();
+    run.losses.push_back(loss.item<double>());
+  }
+  run.outputs = net->forward(x).detach();
+  return run;
+}
+
+// Rank 0's losses and outputs of two stages trained with `options`.
+Run trainTwoStages(const torch::nn::Sequential& net, const torch::Tensor& x, const torch::Tensor& y,
+                   const PipelineOptions& options) {
+  Run run;
+  test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    Pipeline pipe(Job::fromCommunicator(comm), copyOf(net), x, options);
+    EXPECT_EQ(pipe.stage(), comm->rank());
+    EXPECT_EQ(pipe.replicas(), 1);
+    torch::optim::SGD opt(pipe.module()->parameters(), 0.1);
+    std::vector<double> losses;
+    for (int i = 0; i < kSteps; ++i) {
+      const PipelineStepStats stats = pipe.step(x, y, crossEntropy, opt);
+      EXPECT_EQ(stats.microBatches, options.microBatches);
+      losses.push_back(stats.loss);
+    }
+    auto outputs = pipe.infer(x);
+    pipe.finish();
+    if (comm->rank() == 0) {
+      run.losses = losses;
+      run.outputs = outputs;
+    } else {
+      EXPECT_FALSE(outputs.defined());
+    }
+  });
+  return run;
+}
+
+void expectTwoStagesEqualOneProcess(const std::string& partition, PipeSchedule schedule, int microBatches) {
+  const auto net = makeNet();
+  torch::manual_seed(4);
+  const auto x = torch::randn({6, 4});
+  const auto y = torch::randint(0, 3, {6}, torch::kLong);
+  const Run single = trainOneProcess(copyOf(net), x, y);
+  const Run piped = trainTwoStages(
+      net, x, y, {.stages = 2, .microBatches = microBatches, .schedule = schedule, .partition = partition});
+  ASSERT_EQ(piped.losses.size(), single.losses.size());
+  for (size_t i = 0; i < single.losses.size(); ++i) EXPECT_NEAR(piped.losses[i], single.losses[i], 1e-5) << i;
+  EXPECT_GT(single.losses.front() - single.losses.back(), 1e-3);  // training moved the model
+  ASSERT_TRUE(piped.outputs.defined());
+  EXPECT_LT((piped.outputs - single.outputs).abs().max().item<double>(), 1e-5);
+}
+
+TEST(PipelineHandle, TwoStagesUnderGpipeEqualOneProcess) {
+  expectTwoStagesEqualOneProcess("2,1", PipeSchedule::kGpipe, 3);
+}
+
+TEST(PipelineHandle, TwoStagesUnderOneFOneBEqualOneProcess) {
+  expectTwoStagesEqualOneProcess("1,2", PipeSchedule::kOneFOneB, 2);
+}
+
+TEST(PipelineHandle, ALayerSplitBetweenTwoStagesEqualsOneProcess) {
+  expectTwoStagesEqualOneProcess("2+1,1", PipeSchedule::kOneFOneB, 2);
+}
+
+TEST(PipelineHandle, AJobThatIsNotStagesTimesReplicasIsRefused) {
+  const auto net = makeNet();
+  test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    EXPECT_THROW(Pipeline(Job::fromCommunicator(comm), copyOf(net), torch::zeros({2, 4}), {.stages = 3}),
+                 InvalidArgument);
+  });
+}
+
+}  // namespace
+}  // namespace cohort
