@@ -42,6 +42,15 @@ TEST(Cli, UnknownBackendNamesTheChoices) {
   expectOneLineError("train --backend mpi --steps 1", "--backend: mpi not in {auto,nccl,gloo}", 2);
 }
 
+// --optimizer is parsed once, where it comes in (a --config file's optimizer key too).
+TEST(Cli, UnknownOptimizerNamesTheChoices) {
+  expectOneLineError("train --optimizer rmsprop --steps 1 --data synthetic:60",
+                     "unknown optimizer 'rmsprop': expected sgd, momentum, adam or adagrad", 2);
+  test::TempDir dir;
+  test::writeFile(dir.file("c.toml"), "optimizer = \"rmsprop\"\nsteps = 1\ndata = \"synthetic:60\"\n");
+  expectOneLineError("train --config " + dir.file("c.toml"), "unknown optimizer 'rmsprop'", 2);
+}
+
 TEST(Cli, UnknownModel) { expectOneLineError("train --model resnet --steps 1", "unknown model 'resnet'", 2); }
 
 TEST(Cli, UnknownFlag) { expectOneLineError("train --bogus 3", "--bogus", 2); }

@@ -218,7 +218,7 @@ TEST(LazyOptimizer, MatchesTorchDenseOptimizersOnTheTouchedRows) {
     torch::manual_seed(11);
     torch::Tensor lazyTable = torch::randn({10, 3}).requires_grad_(true);
     torch::Tensor denseTable = lazyTable.detach().clone().requires_grad_(true);
-    LazyOptimizer lazy({lazyTable}, name, 0.1, 0.9);
+    LazyOptimizer lazy({lazyTable}, *parseOptimizer(name), 0.1, 0.9);
     std::unique_ptr<torch::optim::Optimizer> dense;
     if (name == "sgd") dense = std::make_unique<torch::optim::SGD>(std::vector{denseTable}, torch::optim::SGDOptions(0.1));
     if (name == "momentum") {
@@ -274,7 +274,7 @@ TEST(SparseTrainer, ResumeReachesTheSameParametersAsAnUninterruptedRun) {
     full.threads = 1;
     full.seed = 3;
     full.progress = ProgressMode::kOff;
-    full.optimizer = optimizer;
+    full.optimizer = *parseOptimizer(optimizer);
     full.lr = 0.05;
     full.steps = 20;
     Trainer uninterrupted(full);
@@ -364,7 +364,7 @@ TEST(SparsePs, TrainerStepsCarryRowsAtEpochEndsEvaluationsAndTheLastStep) {
   o.evalEvery = 50;
   o.threads = 1;
   o.progress = ProgressMode::kOff;
-  o.optimizer = "adagrad";
+  o.optimizer = OptimizerKind::kAdagrad;
   o.lr = 0.05;
   o.metricsPath = dir.file("m.jsonl");
   o.strategy.scheme = Scheme::kPs;
@@ -478,7 +478,7 @@ TEST(SparseAllreduce, RanksEqualOneProcessWithTheCombinedBatch) {
   for (const std::string codec : {"none", "bf16"}) {
     const Batch whole = bagBatch(9, 8);
     auto reference = embedModel(true);
-    LazyOptimizer refOpt(reference->parameters(), "sgd", 0.5, 0);
+    LazyOptimizer refOpt(reference->parameters(), OptimizerKind::kSgd, 0.5, 0);
     for (int s = 0; s < 3; ++s) {
       refOpt.zero_grad();
       lossOf(reference, whole).backward();
@@ -492,7 +492,7 @@ TEST(SparseAllreduce, RanksEqualOneProcessWithTheCombinedBatch) {
     test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
       const int r = comm->rank();
       auto& model = models[size_t(r)];
-      LazyOptimizer opt(model->parameters(), "sgd", 0.5, 0);
+      LazyOptimizer opt(model->parameters(), OptimizerKind::kSgd, 0.5, 0);
       DataParallel dp(Job::fromCommunicator(comm), *model, {.codec = codec});
       Batch mine{whole.inputs.narrow(0, r * 4, 4), whole.targets.narrow(0, r * 4, 4)};
       for (int s = 0; s < 3; ++s) {
@@ -522,7 +522,7 @@ TEST(SparseAverage, OnlyChangedRowsTravelAndReplicasAgree) {
   test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
     const int r = comm->rank();
     auto& model = models[size_t(r)];
-    LazyOptimizer opt(model->parameters(), "sgd", 0.5, 0);
+    LazyOptimizer opt(model->parameters(), OptimizerKind::kSgd, 0.5, 0);
     ParameterAveraging avg(Job::fromCommunicator(comm), *model, &opt, {.period = 2});
     const torch::Tensor start = table(model).detach().clone();
     torch::Tensor changed = torch::zeros({kRows}, torch::kBool);

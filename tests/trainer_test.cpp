@@ -23,7 +23,7 @@ TrainOptions smallRun() {
   o.threads = 1;
   o.seed = 3;
   o.progress = ProgressMode::kOff;
-  o.optimizer = "momentum";
+  o.optimizer = OptimizerKind::kMomentum;
   return o;
 }
 
@@ -54,7 +54,7 @@ TEST(Trainer, ResumeReachesTheSameParametersAsAnUninterruptedRun) {
   for (const char* optimizer : {"momentum", "adam"}) {
     // 40 steps cross an epoch boundary (640 / 16 = 40 steps per epoch... use 55 to cross it).
     TrainOptions full = smallRun();
-    full.optimizer = optimizer;
+    full.optimizer = *parseOptimizer(optimizer);
     full.steps = 55;
     Trainer uninterrupted(full);
     uninterrupted.run();
@@ -248,11 +248,19 @@ TEST(Trainer, RejectsBadOptions) {
   o.batch = -1;
   EXPECT_THROW(validate(o), InvalidArgument);
   o = smallRun();
-  o.optimizer = "rmsprop";
-  EXPECT_THROW(validate(o), InvalidArgument);
-  o = smallRun();
   o.resume = true;
   EXPECT_THROW(validate(o), InvalidArgument);
+}
+
+// An optimizer's name is parsed once, at the edge (the command line refuses any other:
+// Cli.UnknownOptimizerNamesTheChoices); every name round-trips and no other text parses.
+TEST(Optimizer, EveryNameParsesBackToItsKindAndNothingElseParses) {
+  for (OptimizerKind k : allOptimizers()) EXPECT_EQ(parseOptimizer(optimizerName(k)), k) << optimizerName(k);
+  EXPECT_EQ(allOptimizers().size(), 4u);
+  EXPECT_EQ(parseOptimizer("rmsprop"), std::nullopt);
+  EXPECT_EQ(parseOptimizer("Adam"), std::nullopt);
+  EXPECT_EQ(parseOptimizer(""), std::nullopt);
+  EXPECT_STREQ(optimizerName(OptimizerKind::kMomentum), "momentum");  // TrainOptions' default, as --help shows it
 }
 
 // A scheme's name is parsed once, at the edge; every name round-trips and no other text parses.

@@ -10,14 +10,15 @@
 
 #include <cohort/error.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <set>
+#include <sstream>
 
 namespace cohort::cli {
 
@@ -132,12 +133,302 @@ std::string budgetText(const experiment::Budget& b) {
   return std::to_string(b.epochs) + (b.epochs == 1 ? " epoch" : " epochs");
 }
 
+// What runs: the positional file of configurations, and the train options every run shares.
+void addTrainOptions(CLI::App* cmd, CompareFlags& f) {
+  cmd->add_option("file", f.file, "A TOML file listing the configurations (default: the seeds' set)");
+  cmd->add_option("--model", f.model, "mlp, cnn, lstm or FILE.pt")->capture_default_str();
+  cmd->add_option("--data", f.data, "fashion-mnist, mnist:DIR or synthetic[:N]")->capture_default_str();
+  cmd->add_option("--seed", f.seed, "The same seed for every run")->capture_default_str();
+  cmd->add_option("--batch", f.batch, "Batch size per worker")->capture_default_str();
+  cmd->add_option("--lr", f.lr, "Learning rate (default: train's)");
+}
+
+// How long every run trains: one of epochs, steps, examples or seconds.
+void addBudgetOptions(CLI::App* cmd, CompareFlags& f) {
+  cmd->add_option("--epochs", f.epochs, "Budget: epochs of every run")->capture_default_str();
+  cmd->add_option("--steps", f.steps, "Budget: steps of every process (instead of --epochs)");
+  cmd->add_option("--examples", f.examples, "Budget: training examples of every run, all workers together");
+  cmd->add_option("--seconds", f.seconds,
+                  "Budget: wall-clock seconds of every run (it stops at the first evaluation after them)");
+}
+
+// Which configurations run, how many times each, and how often they evaluate.
+void addConfigurationOptions(CLI::App* cmd, CompareFlags& f) {
+  cmd->add_option("--workers", f.workers, "Processes of every distributed scheme")->capture_default_str();
+  cmd->add_option("--codec", f.codec, "Also run the compressing schemes with this codec (fp16, topk:0.01, ...)")
+      ->capture_default_str();
+  cmd->add_option("--only", f.only, "Run only these configurations of the default set (NAME,NAME,...)");
+  cmd->add_option("--runs", f.runs, "Runs of every configuration (medians and spread are reported)")
+      ->capture_default_str();
+  cmd->add_option("--evaluations", f.evaluations,
+                  "Test-set evaluations per run (the accuracy curves' points; per epoch with --seconds)")
+      ->capture_default_str();
+}
+
+// Where the report goes, and the links, time limit and figures of the runs.
+void addOutputOptions(CLI::App* cmd, CompareFlags& f) {
+  cmd->add_option("--out", f.out, "Output folder (report.html, figures/, *.csv, runs/)")->capture_default_str();
+  cmd->add_option(
+      "--network", f.network,
+      "Run every process in a network namespace joined by links of this rate (tc tbf; root): 100mbit, 1gbit");
+  cmd->add_option("--run-timeout", f.runTimeout, "Seconds after which a run is stopped and counted as failed")
+      ->capture_default_str();
+  cmd->add_flag("--no-png", f.noPng, "Do not render the figures as PNG (rsvg-convert)");
+}
+
+// Runs on other machines: the hosts and how a process starts there.
+void addHostOptions(CLI::App* cmd, CompareFlags& f) {
+  cmd->add_option("--hosts", f.hosts,
+                  "Run every process on these machines (H1,H2,...; user@H logs in as user): process i of a run on "
+                  "host i mod n, ranks first, then the ps shards. OUT and this folder must be on a filesystem the "
+                  "hosts share");
+  cmd->add_option("--hostfile", f.hostfile, "The hosts from a file, one a line (# comments), instead of --hosts");
+  cmd->add_option("--remote-shell", f.remoteShell,
+                  "How a process starts on a host ({host} is replaced; stdin must be passed on, so no ssh -n)")
+      ->capture_default_str();
+  cmd->add_option("--remote-binary", f.remoteBinary, "cohort's path on the hosts (default: this one's)");
+  cmd->add_option("--base-port", f.basePort,
+                  "Process i of a run listens on this port + i on its host (rank 0's rendezvous, the ps shards)")
+      ->capture_default_str();
+}
+
+// The budget the flags give, checked: one of them, positive.
+experiment::Budget budgetOf(const CompareFlags& f) {
+  experiment::Budget budget;
+  const int budgets = (f.steps != 0) + (f.examples != 0) + (f.seconds != 0);
+  COHORT_CHECK(budgets <= 1, InvalidArgument, "give one budget: --epochs, --steps, --examples or --seconds");
+  if (f.seconds != 0) {
+    COHORT_CHECK(f.seconds > 0, InvalidArgument, "--seconds must be positive (the budget of every run)");
+    budget.seconds = f.seconds;
+  } else if (f.steps != 0) {
+    COHORT_CHECK(f.steps > 0, InvalidArgument, "--steps must be positive (the budget of every run)");
+    budget.steps = f.steps;
+  } else if (f.examples != 0) {
+    COHORT_CHECK(f.examples > 0, InvalidArgument, "--examples must be positive (the budget of every run)");
+    budget.examples = f.examples;
+  } else {
+    COHORT_CHECK(f.epochs > 0, InvalidArgument, "--epochs must be positive (the budget of every run)");
+    budget.epochs = f.epochs;
+  }
+  return budget;
+}
+
+void checkCounts(const CompareFlags& f) {
+  COHORT_CHECK(f.runs >= 1, InvalidArgument, "--runs must be at least 1");
+  COHORT_CHECK(f.workers >= 1, InvalidArgument, "--workers must be at least 1");
+  COHORT_CHECK(f.batch >= 1, InvalidArgument, "--batch must be positive");
+  COHORT_CHECK(f.evaluations >= 1, InvalidArgument, "--evaluations must be at least 1");
+  COHORT_CHECK(f.runTimeout > 0, InvalidArgument, "--run-timeout must be positive");
+}
+
+// --only's configurations of the default set, in --only's order.
+std::vector<experiment::Configuration> pick(const std::vector<experiment::Configuration>& configs,
+                                            const std::string& only) {
+  std::vector<experiment::Configuration> picked;
+  for (const std::string& name : splitComma(only)) {
+    auto it = std::find_if(configs.begin(), configs.end(), [&](const auto& c) { return c.name == name; });
+    std::string known;
+    for (const auto& c : configs) known += (known.empty() ? "" : ", ") + c.name;
+    COHORT_CHECK(it != configs.end(), InvalidArgument, "--only: no configuration '", name, "' (", known, ")");
+    picked.push_back(*it);
+  }
+  return picked;
+}
+
+// The configurations to run: FILE's (its shared train options into `fileShared`), else the seeds'
+// set, or --only's part of it.
+std::vector<experiment::Configuration> configurationsOf(const CompareFlags& f, const experiment::OptionCatalog& catalog,
+                                                        experiment::TrainArgs& fileShared) {
+  if (!f.file.empty()) {
+    experiment::CompareFile file = experiment::readCompareFile(f.file, catalog);
+    fileShared = std::move(file.shared);
+    COHORT_CHECK(f.only.empty(), InvalidArgument, "--only picks from the default set; edit ", f.file, " instead");
+    return std::move(file.configurations);
+  }
+  std::vector<experiment::Configuration> configs = experiment::defaultConfigurations(f.workers, f.codec);
+  return f.only.empty() ? configs : pick(configs, f.only);
+}
+
+// The command line's options, then the file's shared ones (which win where both are given only if
+// the command line left them at their defaults).
+experiment::TrainArgs sharedTrainArgs(const CompareFlags& f, const CLI::App& cmd,
+                                      const experiment::TrainArgs& fileShared) {
+  experiment::TrainArgs shared;
+  auto cliOption = [&](const char* flag, const std::string& value) {
+    if (cmd.count(flag) > 0 || experiment::findArg(fileShared, flag) == nullptr) {
+      experiment::setArg(shared, flag, value);
+    }
+  };
+  cliOption("--model", f.model);
+  cliOption("--data", f.data);
+  cliOption("--seed", std::to_string(f.seed));
+  cliOption("--batch", std::to_string(f.batch));
+  if (!f.lr.empty()) experiment::setArg(shared, "--lr", f.lr);
+  for (const auto& [flag, value] : fileShared) {
+    if (experiment::findArg(shared, flag) == nullptr) experiment::setArg(shared, flag, value);
+  }
+  return shared;
+}
+
+// The most processes one run has (workers and shards): the ports and namespaces it needs.
+int processesPerRun(const std::vector<experiment::Configuration>& configs) {
+  int processes = 1;
+  for (const auto& c : configs) processes = std::max(processes, c.workers + c.shards);
+  return processes;
+}
+
+// OUT made and every host checked before anything runs; a check that fails leaves no OUT behind.
+void checkHostsSeeOut(const experiment::RemoteHosts& hosts, const std::string& out) {
+  std::error_code ec;
+  const bool created = std::filesystem::create_directories(out, ec);
+  COHORT_CHECK(!ec, IoError, out, ": cannot create the output folder: ", ec.message());
+  try {
+    experiment::checkHosts(hosts, out);
+  } catch (const InvalidArgument&) {
+    if (created) std::filesystem::remove(out, ec);  // nothing ran: leave nothing behind
+    throw;
+  }
+}
+
+// Every run, one at a time (they are timed), each reported as it ends.
+std::vector<experiment::JobRecord> runAll(const std::vector<experiment::JobSpec>& jobs, const CompareFlags& f) {
+  experiment::RunnerOptions runner;
+  runner.dir = f.out;
+  runner.parallel = 1;  // runs are timed: one at a time
+  runner.timeoutSeconds = f.runTimeout;
+  return experiment::runJobs(jobs, runner, [](const experiment::JobRecord& r, size_t done, size_t total) {
+    if (r.status == experiment::JobStatus::kOk) {
+      const experiment::RunData d = experiment::readRunData(r.metricsPath);
+      std::printf("[%zu/%zu] %s: ok%s, %.1f s, test accuracy %.4f, %.0f samples/s\n", done, total, r.id.c_str(),
+                  r.resumed ? " (finished earlier)" : "", r.wallSeconds, d.testAccuracy, d.samplesPerSecond);
+    } else {
+      std::printf("[%zu/%zu] %s: FAILED%s: %s\n", done, total, r.id.c_str(), r.resumed ? " (earlier)" : "",
+                  r.error.c_str());
+    }
+    std::fflush(stdout);
+  });
+}
+
+// How the runs' processes were connected, for the report.
+std::string networkText(const CompareFlags& f, const std::optional<experiment::RemoteHosts>& hosts) {
+  if (hosts) {
+    std::string list;
+    for (const std::string& h : hosts->hosts) list += (list.empty() ? "" : ", ") + h;
+    return "hosts " + list + " (process i on host i mod " + std::to_string(hosts->hosts.size()) +
+           ", ps shards after the ranks), through " + hosts->shell;
+  }
+  return f.network.empty() ? "loopback (one machine)"
+                           : "emulated: every process in its own network namespace, links of " + f.network;
+}
+
+// Each configuration with its runs' records and data (run r of configuration i is record
+// r * configurations + i).
+std::vector<experiment::ConfigResult> configResults(const std::vector<experiment::Configuration>& configs, int runs,
+                                                    const std::vector<experiment::JobRecord>& records) {
+  std::vector<experiment::ConfigResult> results;
+  for (size_t i = 0; i < configs.size(); ++i) {
+    experiment::ConfigResult c;
+    c.config = configs[i];
+    for (int r = 0; r < runs; ++r) {
+      const experiment::JobRecord& rec = records[size_t(r) * configs.size() + i];
+      c.runs.push_back(rec);
+      c.data.push_back(experiment::readRunData(rec.metricsPath));
+    }
+    c.command = records[i].command;  // run 1's, exactly as it ran
+    results.push_back(std::move(c));
+  }
+  return results;
+}
+
+// The configurations that did best on each criterion, by their medians.
+void printWinners(const experiment::Summary& summary) {
+  auto best = [&](experiment::Measure experiment::ConfigSummary::*field, const char* what, const char* format) {
+    const experiment::ConfigSummary* top = nullptr;
+    for (const auto& c : summary.configs) {
+      if ((c.*field).median && (top == nullptr || *(c.*field).median > *(top->*field).median)) top = &c;
+    }
+    if (top != nullptr) {
+      std::printf("%s: %s (", what, top->name.c_str());
+      std::printf(format, *(top->*field).median);
+      std::printf(")\n");
+    }
+  };
+  best(&experiment::ConfigSummary::samplesPerSecond, "fastest training", "%.0f samples/s");
+  best(&experiment::ConfigSummary::maxAccuracy, "highest accuracy", "%.4f");
+  const std::string atTime = "best accuracy after " + std::to_string(int(summary.timeBudget)) + " s";
+  best(&experiment::ConfigSummary::accuracyAtTime, atTime.c_str(), "%.4f");
+  char atEpochs[64];
+  std::snprintf(atEpochs, sizeof(atEpochs), "best accuracy after %.2f epochs", summary.epochBudget);
+  best(&experiment::ConfigSummary::accuracyAtEpochs, atEpochs, "%.4f");
+}
+
+// The command once its line is parsed: the plan, the runs, the report.
+int runCompare(const CompareFlags& f, const CLI::App& app) {
+  const experiment::OptionCatalog catalog = trainCatalog(app);
+  const experiment::Budget budget = budgetOf(f);
+  checkCounts(f);
+  experiment::PlanOptions plan;
+  plan.binary = selfExecutable();
+  plan.dir = f.out;
+  plan.budget = budget;
+  plan.runs = f.runs;
+  plan.evaluations = f.evaluations;
+  experiment::TrainArgs fileShared;
+  const std::vector<experiment::Configuration> configs = configurationsOf(f, catalog, fileShared);
+  const CLI::App* cmd = app.get_subcommand("compare");
+  plan.shared = sharedTrainArgs(f, *cmd, fileShared);
+  const std::string model = *experiment::findArg(plan.shared, "--model");
+  const std::string data = *experiment::findArg(plan.shared, "--data");
+  plan.trainExamples = experiment::trainingExamples(data);
+
+  const std::optional<experiment::RemoteHosts> hosts = remoteHostsFrom(f, *cmd, plan.binary);
+  if (hosts) {
+    const int processes = processesPerRun(configs);
+    COHORT_CHECK(hosts->basePort + processes - 1 <= 65535, InvalidArgument, "--base-port ", hosts->basePort, ": ",
+                 processes, " processes need ports up to ", hosts->basePort + processes - 1);
+    plan.hosts = &*hosts;
+  }
+  std::unique_ptr<experiment::EmulatedNetwork> network;
+  if (!f.network.empty()) {
+    network = std::make_unique<experiment::EmulatedNetwork>(f.network, processesPerRun(configs));
+    plan.network = network.get();
+  }
+  checkModel(plan.binary, model);
+  if (hosts) checkHostsSeeOut(*hosts, f.out);
+
+  const std::vector<experiment::JobSpec> jobs = experiment::planJobs(configs, plan);
+  std::printf("cohort compare: %zu configurations x %d run%s = %zu runs of %s on %s, %s; output in %s\n",
+              configs.size(), f.runs, f.runs == 1 ? "" : "s", jobs.size(), model.c_str(), data.c_str(),
+              budgetText(budget).c_str(), f.out.c_str());
+  std::fflush(stdout);
+  const std::vector<experiment::JobRecord> records = runAll(jobs, f);
+
+  experiment::ReportInput input;
+  input.title = "cohort compare: " + model + " on " + data + ", " + budgetText(budget);
+  input.invocation = selfInvocation();
+  input.budget = budgetText(budget) + ", seed " + std::to_string(f.seed) + ", " + std::to_string(f.runs) +
+                 (f.runs == 1 ? " run" : " runs") + " per configuration";
+  input.network = networkText(f, hosts);
+  input.trainExamples = plan.trainExamples;
+  input.configs = configResults(configs, f.runs, records);
+  experiment::ReportOptions reportOptions;
+  reportOptions.png = !f.noPng;
+  const std::string report = experiment::writeReport(input, f.out, reportOptions);
+  printWinners(experiment::summarize(input));
+  const size_t ok = size_t(std::count_if(records.begin(), records.end(), [](const experiment::JobRecord& r) {
+    return r.status == experiment::JobStatus::kOk;
+  }));
+  std::printf("report: %s (%zu of %zu runs ok)\n", report.c_str(), ok, records.size());
+  COHORT_CHECK(ok > 0, Error, "every run failed; the first: ", records.front().id, ": ", records.front().error);
+  return 0;
+}
+
 }  // namespace
 
 Run addCompareCommand(CLI::App& app) {
   auto flags = std::make_shared<CompareFlags>();
-  CompareFlags& f = *flags;
-  CLI::App* cmd = app.add_subcommand("compare", "Run several schemes on the same model, data and budget; write a report");
+  CLI::App* cmd =
+      app.add_subcommand("compare", "Run several schemes on the same model, data and budget; write a report");
   cmd->footer(
       "Without FILE.toml the seeds' set runs: local, allreduce, average (K=4, 16), ps sync, sync with a backup\n"
       "worker, async, softsync, ssp, gossip and pipeline (with --codec C, the compressing ones again with C).\n"
@@ -151,218 +442,12 @@ Run addCompareCommand(CLI::App& app) {
       "--remote-binary, or nothing runs. A run that ends (timeout, Ctrl-C) closes the remote shell's stdin,\n"
       "and its remote process gets SIGTERM.");
   cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  cmd->add_option("file", f.file, "A TOML file listing the configurations (default: the seeds' set)");
-  cmd->add_option("--model", f.model, "mlp, cnn, lstm or FILE.pt")->capture_default_str();
-  cmd->add_option("--data", f.data, "fashion-mnist, mnist:DIR or synthetic[:N]")->capture_default_str();
-  cmd->add_option("--seed", f.seed, "The same seed for every run")->capture_default_str();
-  cmd->add_option("--batch", f.batch, "Batch size per worker")->capture_default_str();
-  cmd->add_option("--lr", f.lr, "Learning rate (default: train's)");
-  cmd->add_option("--epochs", f.epochs, "Budget: epochs of every run")->capture_default_str();
-  cmd->add_option("--steps", f.steps, "Budget: steps of every process (instead of --epochs)");
-  cmd->add_option("--examples", f.examples, "Budget: training examples of every run, all workers together");
-  cmd->add_option("--seconds", f.seconds,
-                  "Budget: wall-clock seconds of every run (it stops at the first evaluation after them)");
-  cmd->add_option("--workers", f.workers, "Processes of every distributed scheme")->capture_default_str();
-  cmd->add_option("--codec", f.codec, "Also run the compressing schemes with this codec (fp16, topk:0.01, ...)")
-      ->capture_default_str();
-  cmd->add_option("--only", f.only, "Run only these configurations of the default set (NAME,NAME,...)");
-  cmd->add_option("--runs", f.runs, "Runs of every configuration (medians and spread are reported)")
-      ->capture_default_str();
-  cmd->add_option("--evaluations", f.evaluations,
-                  "Test-set evaluations per run (the accuracy curves' points; per epoch with --seconds)")
-      ->capture_default_str();
-  cmd->add_option("--out", f.out, "Output folder (report.html, figures/, *.csv, runs/)")->capture_default_str();
-  cmd->add_option("--network", f.network,
-                  "Run every process in a network namespace joined by links of this rate (tc tbf; root): 100mbit, 1gbit");
-  cmd->add_option("--run-timeout", f.runTimeout, "Seconds after which a run is stopped and counted as failed")
-      ->capture_default_str();
-  cmd->add_flag("--no-png", f.noPng, "Do not render the figures as PNG (rsvg-convert)");
-  cmd->add_option("--hosts", f.hosts,
-                  "Run every process on these machines (H1,H2,...; user@H logs in as user): process i of a run on "
-                  "host i mod n, ranks first, then the ps shards. OUT and this folder must be on a filesystem the "
-                  "hosts share");
-  cmd->add_option("--hostfile", f.hostfile, "The hosts from a file, one a line (# comments), instead of --hosts");
-  cmd->add_option("--remote-shell", f.remoteShell,
-                  "How a process starts on a host ({host} is replaced; stdin must be passed on, so no ssh -n)")
-      ->capture_default_str();
-  cmd->add_option("--remote-binary", f.remoteBinary, "cohort's path on the hosts (default: this one's)");
-  cmd->add_option("--base-port", f.basePort,
-                  "Process i of a run listens on this port + i on its host (rank 0's rendezvous, the ps shards)")
-      ->capture_default_str();
-
-  return [flags, &app]() {
-    const CompareFlags& f = *flags;
-    const experiment::OptionCatalog catalog = trainCatalog(app);
-    experiment::Budget budget;
-    const int budgets = (f.steps != 0) + (f.examples != 0) + (f.seconds != 0);
-    COHORT_CHECK(budgets <= 1, InvalidArgument, "give one budget: --epochs, --steps, --examples or --seconds");
-    if (f.seconds != 0) {
-      COHORT_CHECK(f.seconds > 0, InvalidArgument, "--seconds must be positive (the budget of every run)");
-      budget.seconds = f.seconds;
-    } else if (f.steps != 0) {
-      COHORT_CHECK(f.steps > 0, InvalidArgument, "--steps must be positive (the budget of every run)");
-      budget.steps = f.steps;
-    } else if (f.examples != 0) {
-      COHORT_CHECK(f.examples > 0, InvalidArgument, "--examples must be positive (the budget of every run)");
-      budget.examples = f.examples;
-    } else {
-      COHORT_CHECK(f.epochs > 0, InvalidArgument, "--epochs must be positive (the budget of every run)");
-      budget.epochs = f.epochs;
-    }
-    COHORT_CHECK(f.runs >= 1, InvalidArgument, "--runs must be at least 1");
-    COHORT_CHECK(f.workers >= 1, InvalidArgument, "--workers must be at least 1");
-    COHORT_CHECK(f.batch >= 1, InvalidArgument, "--batch must be positive");
-    COHORT_CHECK(f.evaluations >= 1, InvalidArgument, "--evaluations must be at least 1");
-    COHORT_CHECK(f.runTimeout > 0, InvalidArgument, "--run-timeout must be positive");
-
-    experiment::PlanOptions plan;
-    plan.binary = selfExecutable();
-    plan.dir = f.out;
-    plan.budget = budget;
-    plan.runs = f.runs;
-    plan.evaluations = f.evaluations;
-    std::vector<experiment::Configuration> configs;
-    experiment::TrainArgs fileShared;
-    if (!f.file.empty()) {
-      experiment::CompareFile file = experiment::readCompareFile(f.file, catalog);
-      configs = std::move(file.configurations);
-      fileShared = std::move(file.shared);
-      COHORT_CHECK(f.only.empty(), InvalidArgument, "--only picks from the default set; edit ", f.file, " instead");
-    } else {
-      configs = experiment::defaultConfigurations(f.workers, f.codec);
-      if (!f.only.empty()) {
-        std::vector<experiment::Configuration> picked;
-        for (const std::string& name : splitComma(f.only)) {
-          auto it = std::find_if(configs.begin(), configs.end(), [&](const auto& c) { return c.name == name; });
-          std::string known;
-          for (const auto& c : configs) known += (known.empty() ? "" : ", ") + c.name;
-          COHORT_CHECK(it != configs.end(), InvalidArgument, "--only: no configuration '", name, "' (", known, ")");
-          picked.push_back(*it);
-        }
-        configs = std::move(picked);
-      }
-    }
-    // The command line's options, then the file's shared ones (which win where both are given
-    // only if the command line left them at their defaults).
-    experiment::TrainArgs& shared = plan.shared;
-    auto cliOption = [&](const char* flag, const std::string& value, bool given) {
-      if (given || experiment::findArg(fileShared, flag) == nullptr) experiment::setArg(shared, flag, value);
-    };
-    const CLI::App* cmd = app.get_subcommand("compare");
-    cliOption("--model", f.model, cmd->count("--model") > 0);
-    cliOption("--data", f.data, cmd->count("--data") > 0);
-    cliOption("--seed", std::to_string(f.seed), cmd->count("--seed") > 0);
-    cliOption("--batch", std::to_string(f.batch), cmd->count("--batch") > 0);
-    if (!f.lr.empty()) experiment::setArg(shared, "--lr", f.lr);
-    for (const auto& [flag, value] : fileShared) {
-      if (experiment::findArg(shared, flag) == nullptr) experiment::setArg(shared, flag, value);
-    }
-    const std::string model = *experiment::findArg(shared, "--model");
-    const std::string data = *experiment::findArg(shared, "--data");
-    plan.trainExamples = experiment::trainingExamples(data);
-
-    const std::optional<experiment::RemoteHosts> hosts = remoteHostsFrom(f, *cmd, plan.binary);
-    if (hosts) {
-      int processes = 1;
-      for (const auto& c : configs) processes = std::max(processes, c.workers + c.shards);
-      COHORT_CHECK(hosts->basePort + processes - 1 <= 65535, InvalidArgument, "--base-port ", hosts->basePort, ": ",
-                   processes, " processes need ports up to ", hosts->basePort + processes - 1);
-      plan.hosts = &*hosts;
-    }
-    std::unique_ptr<experiment::EmulatedNetwork> network;
-    if (!f.network.empty()) {
-      int processes = 1;
-      for (const auto& c : configs) processes = std::max(processes, c.workers + c.shards);
-      network = std::make_unique<experiment::EmulatedNetwork>(f.network, processes);
-      plan.network = network.get();
-    }
-    checkModel(plan.binary, model);
-    if (hosts) {
-      std::error_code ec;
-      const bool created = std::filesystem::create_directories(f.out, ec);
-      COHORT_CHECK(!ec, IoError, f.out, ": cannot create the output folder: ", ec.message());
-      try {
-        experiment::checkHosts(*hosts, f.out);
-      } catch (const InvalidArgument&) {
-        if (created) std::filesystem::remove(f.out, ec);  // nothing ran: leave nothing behind
-        throw;
-      }
-    }
-
-    const std::vector<experiment::JobSpec> jobs = experiment::planJobs(configs, plan);
-    std::printf("cohort compare: %zu configurations x %d run%s = %zu runs of %s on %s, %s; output in %s\n",
-                configs.size(), f.runs, f.runs == 1 ? "" : "s", jobs.size(), model.c_str(), data.c_str(),
-                budgetText(budget).c_str(), f.out.c_str());
-    std::fflush(stdout);
-    experiment::RunnerOptions runner;
-    runner.dir = f.out;
-    runner.parallel = 1;  // runs are timed: one at a time
-    runner.timeoutSeconds = f.runTimeout;
-    const auto records = experiment::runJobs(jobs, runner, [](const experiment::JobRecord& r, size_t done, size_t total) {
-      if (r.status == experiment::JobStatus::kOk) {
-        const experiment::RunData d = experiment::readRunData(r.metricsPath);
-        std::printf("[%zu/%zu] %s: ok%s, %.1f s, test accuracy %.4f, %.0f samples/s\n", done, total, r.id.c_str(),
-                    r.resumed ? " (finished earlier)" : "", r.wallSeconds, d.testAccuracy, d.samplesPerSecond);
-      } else {
-        std::printf("[%zu/%zu] %s: FAILED%s: %s\n", done, total, r.id.c_str(), r.resumed ? " (earlier)" : "",
-                    r.error.c_str());
-      }
-      std::fflush(stdout);
-    });
-
-    experiment::ReportInput input;
-    input.title = "cohort compare: " + model + " on " + data + ", " + budgetText(budget);
-    input.invocation = selfInvocation();
-    input.budget = budgetText(budget) + ", seed " + std::to_string(f.seed) + ", " + std::to_string(f.runs) +
-                   (f.runs == 1 ? " run" : " runs") + " per configuration";
-    input.network = f.network.empty() ? "loopback (one machine)"
-                                      : "emulated: every process in its own network namespace, links of " + f.network;
-    if (hosts) {
-      std::string list;
-      for (const std::string& h : hosts->hosts) list += (list.empty() ? "" : ", ") + h;
-      input.network = "hosts " + list + " (process i on host i mod " + std::to_string(hosts->hosts.size()) +
-                      ", ps shards after the ranks), through " + hosts->shell;
-    }
-    input.trainExamples = plan.trainExamples;
-    size_t ok = 0;
-    for (size_t i = 0; i < configs.size(); ++i) {
-      experiment::ConfigResult c;
-      c.config = configs[i];
-      for (int r = 0; r < f.runs; ++r) {
-        const experiment::JobRecord& rec = records[size_t(r) * configs.size() + i];
-        c.runs.push_back(rec);
-        c.data.push_back(experiment::readRunData(rec.metricsPath));
-        if (rec.status == experiment::JobStatus::kOk) ++ok;
-      }
-      c.command = records[i].command;  // run 1's, exactly as it ran
-      input.configs.push_back(std::move(c));
-    }
-    experiment::ReportOptions reportOptions;
-    reportOptions.png = !f.noPng;
-    const std::string report = experiment::writeReport(input, f.out, reportOptions);
-    const experiment::Summary summary = experiment::summarize(input);
-    auto best = [&](experiment::Measure experiment::ConfigSummary::*field, const char* what, const char* format) {
-      const experiment::ConfigSummary* top = nullptr;
-      for (const auto& c : summary.configs) {
-        if ((c.*field).median && (top == nullptr || *(c.*field).median > *(top->*field).median)) top = &c;
-      }
-      if (top != nullptr) {
-        std::printf("%s: %s (", what, top->name.c_str());
-        std::printf(format, *(top->*field).median);
-        std::printf(")\n");
-      }
-    };
-    best(&experiment::ConfigSummary::samplesPerSecond, "fastest training", "%.0f samples/s");
-    best(&experiment::ConfigSummary::maxAccuracy, "highest accuracy", "%.4f");
-    const std::string atTime = "best accuracy after " + std::to_string(int(summary.timeBudget)) + " s";
-    best(&experiment::ConfigSummary::accuracyAtTime, atTime.c_str(), "%.4f");
-    char atEpochs[64];
-    std::snprintf(atEpochs, sizeof(atEpochs), "best accuracy after %.2f epochs", summary.epochBudget);
-    best(&experiment::ConfigSummary::accuracyAtEpochs, atEpochs, "%.4f");
-    std::printf("report: %s (%zu of %zu runs ok)\n", report.c_str(), ok, records.size());
-    COHORT_CHECK(ok > 0, Error, "every run failed; the first: ", records.front().id, ": ", records.front().error);
-    return 0;
-  };
+  addTrainOptions(cmd, *flags);
+  addBudgetOptions(cmd, *flags);
+  addConfigurationOptions(cmd, *flags);
+  addOutputOptions(cmd, *flags);
+  addHostOptions(cmd, *flags);
+  return [flags, &app]() { return runCompare(*flags, app); };
 }
 
 }  // namespace cohort::cli

@@ -156,56 +156,75 @@ void applyBucketOptions(StrategyOptions& s, bool bucketGiven, bool firstBucketGi
   if (bucketGiven && inProcess) s.inProcess.bucketMb = s.allreduce.bucketMb;
 }
 
-}  // namespace
+// What the train command's flags fill: the Trainer's and the evaluator task's options, and the
+// flags read as text, which applyFlags() turns into options once the command line is parsed.
+struct TrainFlags {
+  TrainOptions options;
+  EvaluatorOptions evaluator;
+  std::string optimizer;  // --optimizer: parseOptimizer
+  std::string backend;    // --backend: parseCommBackend
+  std::string strategy;   // --strategy: parseScheme
+  std::string progress = "auto";
+  std::string microBatches = "4";  // a count or auto: parseMicroBatches
+  std::string psHosts;
+  std::string authTokenFile;
+  std::string slowWorker;
+  std::string killAt;
+  std::string nanAt;
+  // Whether they were given, for the checks that depend on it.
+  CLI::Option* bucketMb = nullptr;
+  CLI::Option* firstBucketMb = nullptr;
+  CLI::Option* saveModel = nullptr;
+};
 
-Run addTrainCommand(CLI::App& app) {
-  auto options = std::make_shared<TrainOptions>();
-  auto progress = std::make_shared<std::string>("auto");
-  auto microBatches = std::make_shared<std::string>("4");  // a count or auto: parseMicroBatches
-  struct PsFlags {
-    std::string hosts;
-    std::string authTokenFile;
-    std::string slowWorker;
-    std::string killAt;
-    std::string nanAt;
-  };
-  auto psFlags = std::make_shared<PsFlags>();
-  auto evaluator = std::make_shared<EvaluatorOptions>();
-  TrainOptions& o = *options;
-  CLI::App* train = app.add_subcommand("train", "Train a model with one of the distribution schemes");
-  // A flag given twice (in --config and on the command line) takes the last: the command line.
-  train->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  // Read by expandConfig() before parsing; declared here for --help.
-  train->add_option("--config", "Read options from a TOML file: keys are the long flag names "
-                                "(batch = 32, eval-every = 100); the command line overrides them");
-
-  train->add_option("--model", o.model, "mlp, mlp:WIDTH (hidden width), cnn, lstm, embed[:rows=N,dim=D,pool=sum|mean,hidden=H,sparse=1|0] (bags of ids), or a TorchScript file FILE.pt")
+// What trains, on what and how: the model, the data, the steps, the optimizer, the threads and
+// the device.
+void addTrainingOptions(CLI::App* train, TrainFlags& f) {
+  TrainOptions& o = f.options;
+  train
+      ->add_option("--model", o.model,
+                   "mlp, mlp:WIDTH (hidden width), cnn, lstm, embed[:rows=N,dim=D,pool=sum|mean,hidden=H,sparse=1|0] "
+                   "(bags of ids), or a TorchScript file FILE.pt")
       ->capture_default_str();
-  train->add_option("--data", o.data, "fashion-mnist, mnist:DIR, synthetic[:N], libsvm:TRAIN[,TEST] or synthetic-bags[:N[,ROWS]] (bags of ids)")->capture_default_str();
+  train
+      ->add_option(
+          "--data", o.data,
+          "fashion-mnist, mnist:DIR, synthetic[:N], libsvm:TRAIN[,TEST] or synthetic-bags[:N[,ROWS]] (bags of ids)")
+      ->capture_default_str();
   train->add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str();
   train->add_option("--steps", o.steps, "Steps to train in all (overrides --epochs)")
       ->check(CLI::Range(int64_t{0}, kMaxSteps));
   train->add_option("--batch", o.batch, "Batch size per worker (pipeline: per replica)")->capture_default_str();
   train->add_option("--lr", o.lr, "Learning rate")->capture_default_str();
-  train->add_option("--optimizer", o.optimizer, "sgd, momentum, adam or adagrad (lazy on sparse embedding rows)")->capture_default_str();
+  f.optimizer = optimizerName(o.optimizer);  // parsed into o.optimizer by applyFlags()
+  train->add_option("--optimizer", f.optimizer, "sgd, momentum, adam or adagrad (lazy on sparse embedding rows)")
+      ->capture_default_str();
   train->add_option("--momentum", o.momentum, "Momentum of the momentum optimizer")->capture_default_str();
   train->add_option("--threads", o.threads, "Intra-op threads (0: all cores)")->capture_default_str();
-  train->add_option("--device", o.device,
-                    "Where the model trains: auto (the local rank's GPU when there is one and the scheme trains on "
-                    "devices, else the CPU), cpu, cuda (cuda:LOCAL_RANK mod the GPU count) or cuda:N. On a device so "
-                    "far: --strategy local, allreduce (with any --codec), average, ps (the shards stay on the CPU), gossip, pipeline, "
-                    "tensor, mirrored (replica r on the r-th GPU after the model's) and central")
+  train
+      ->add_option("--device", o.device,
+                   "Where the model trains: auto (the local rank's GPU when there is one and the scheme trains on "
+                   "devices, else the CPU), cpu, cuda (cuda:LOCAL_RANK mod the GPU count) or cuda:N. On a device so "
+                   "far: --strategy local, allreduce (with any --codec), average, ps (the shards stay on the CPU), "
+                   "gossip, pipeline, "
+                   "tensor, mirrored (replica r on the r-th GPU after the model's) and central")
       ->capture_default_str();
-  // Parsed into o.backend once the command line is read (the callback below).
-  auto backendName = std::make_shared<std::string>(commBackendName(o.backend));
-  train->add_option("--backend", *backendName,
-                    "What carries the workers' collectives over CUDA tensors: auto (NCCL when this build has it and "
-                    "every rank has a GPU of its own, else Gloo), nccl (an error where it cannot be) or gloo (staged "
-                    "through host memory). CPU tensors always go through Gloo")
+  f.backend = commBackendName(o.backend);  // parsed into o.backend by applyFlags()
+  train
+      ->add_option("--backend", f.backend,
+                   "What carries the workers' collectives over CUDA tensors: auto (NCCL when this build has it and "
+                   "every rank has a GPU of its own, else Gloo), nccl (an error where it cannot be) or gloo (staged "
+                   "through host memory). CPU tensors always go through Gloo")
       ->check(CLI::IsMember({"auto", "nccl", "gloo"}))
       ->capture_default_str();
   train->add_option("--seed", o.seed, "Seed for initialization and data order")
-      ->check(kSeedValidator)->capture_default_str();
+      ->check(kSeedValidator)
+      ->capture_default_str();
+}
+
+// When the run evaluates, when it stops before its budget, where it checkpoints, and the
+// validation set it holds out.
+void addEvaluationAndCheckpointOptions(CLI::App* train, TrainOptions& o) {
   train->add_option("--eval-every", o.evalEvery, "Evaluate on the test set every N steps (0: at the end)")
       ->capture_default_str();
   train->add_option("--target-accuracy", o.targetAccuracy,
@@ -213,210 +232,354 @@ Run addTrainCommand(CLI::App& app) {
   train->add_option("--max-seconds", o.maxSeconds,
                     "Stop at the first evaluation (--eval-every) this many seconds after the start (0: never)");
   train->add_option("--checkpoint-dir", o.checkpointDir, "Write checkpoints to this directory");
-  train->add_option("--checkpoint-every", o.checkpointEvery,
-                    "Checkpoint every N steps (0: at the end only)");
+  train->add_option("--checkpoint-every", o.checkpointEvery, "Checkpoint every N steps (0: at the end only)");
   train->add_flag("--resume", o.resume, "Continue from the newest checkpoint in --checkpoint-dir");
-  train->add_option("--validation", o.validation,
-                    "Hold out N training examples for model selection: eval and done events add val_accuracy, "
-                    "val_loss")->capture_default_str();
-  train->add_option("--validation-seed", o.validationSeed,
-                    "Which examples --validation holds out (independent of --seed, so that trials share them)")
-      ->check(kSeedValidator)->capture_default_str();
+  train
+      ->add_option("--validation", o.validation,
+                   "Hold out N training examples for model selection: eval and done events add val_accuracy, "
+                   "val_loss")
+      ->capture_default_str();
+  train
+      ->add_option("--validation-seed", o.validationSeed,
+                   "Which examples --validation holds out (independent of --seed, so that trials share them)")
+      ->check(kSeedValidator)
+      ->capture_default_str();
+}
+
+// What the run writes: metrics, TensorBoard events, progress, the trained model; and how long an
+// evaluator task waits for them.
+void addOutputOptions(CLI::App* train, TrainFlags& f) {
+  TrainOptions& o = f.options;
   train->add_option("--metrics", o.metricsPath, "Write JSON-lines metrics to this file");
   train->add_option("--tensorboard", o.tensorboardDir,
                     "Write TensorBoard event files (events.out.tfevents.*) to this directory (an evaluator task: "
                     "DIR/eval)");
-  train->add_option("--evaluator-timeout", evaluator->idleTimeoutSeconds,
-                    "An evaluator task fails after this many seconds without a new checkpoint or the end of "
-                    "training")->capture_default_str();
-  train->add_option("--progress", *progress, "auto, bar, lines or off")
+  train
+      ->add_option("--evaluator-timeout", f.evaluator.idleTimeoutSeconds,
+                   "An evaluator task fails after this many seconds without a new checkpoint or the end of "
+                   "training")
+      ->capture_default_str();
+  train->add_option("--progress", f.progress, "auto, bar, lines or off")
       ->check(CLI::IsMember({"auto", "bar", "lines", "off"}))
       ->capture_default_str();
-  CLI::Option* saveModel =
+  f.saveModel =
       train->add_option("--save-model", o.saveModelPath,
                         "Save the trained model here (torch::save); with {rank} in the path every rank saves");
-  train->add_option("--timeout", o.timeoutSeconds, "Seconds to wait for a peer before failing (a ps shard: from when it went silent, at most 3x this per call)")
+}
+
+// The training scheme, and how long its processes wait for one another.
+void addSchemeOptions(CLI::App* train, TrainFlags& f) {
+  train
+      ->add_option(
+          "--timeout", f.options.timeoutSeconds,
+          "Seconds to wait for a peer before failing (a ps shard: from when it went silent, at most 3x this per call)")
       ->capture_default_str();
-  // Parsed into o.strategy.scheme once the command line is read (the callback below).
-  auto strategyName = std::make_shared<std::string>(schemeName(o.strategy.scheme));
+  f.strategy = schemeName(f.options.strategy.scheme);  // parsed into o.strategy.scheme by applyFlags()
   std::vector<std::string> schemes;
   for (Scheme s : allSchemes()) schemes.emplace_back(schemeName(s));
-  train->add_option("--strategy", *strategyName, "The training scheme (README.md's table says what each does)")
+  train->add_option("--strategy", f.strategy, "The training scheme (README.md's table says what each does)")
       ->check(CLI::IsMember(schemes))
       ->capture_default_str();
+}
+
+void addDataParallelOptions(CLI::App* train, TrainFlags& f) {
   auto* dp = "Data parallelism";
-  CLI::Option* bucketMb =
-      train->add_option("--bucket-mb", o.strategy.allreduce.bucketMb,
-                        "allreduce, mirrored, central: gradient bucket size in MB (default 25 for allreduce, 4 for "
-                        "mirrored and central)")->group(dp);
-  CLI::Option* firstBucketMb =
-      train->add_option("--first-bucket-mb", o.strategy.allreduce.firstBucketMb,
-                        "allreduce: size of the first bucket, launched earliest")->group(dp)->capture_default_str();
-  train->add_flag("--no-overlap{false}", o.strategy.allreduce.overlap,
-                  "allreduce, mirrored, central: launch every allreduce (mirrored, central: every in-memory sum, "
-                  "and mirrored's allreduce across processes) after backward instead of during it")->group(dp);
-  train->add_flag("--balance-shards", o.strategy.inProcess.balance,
-                  "mirrored, central: split each batch over the replica threads in proportion to their measured "
-                  "speed (forward and backward time per example, smoothed over steps) instead of evenly, so a "
-                  "replica on a slower core does not hold the others at the sums; the step still equals one on the "
-                  "whole batch, but runs are no longer bit-reproducible")->group(dp);
-  train->add_option("--period", o.strategy.average.period, "average: average the parameters every K steps")
-      ->group(dp)->capture_default_str();
-  train->add_flag("--average-optimizer-state", o.strategy.average.averageOptimizerState,
-                  "average: average momentum / Adam state too")->group(dp);
-  train->add_option("--outer-optimizer", o.strategy.average.outerOptimizer,
-                    "average: apply each averaged change with sgd, momentum or nesterov (BMUF, DiLoCo); sgd with "
-                    "--outer-lr 1 is plain averaging")
-      ->transform(CLI::CheckedTransformer(std::map<std::string, AveragingOptions::Outer>{
-          {"sgd", AveragingOptions::Outer::kSgd},
-          {"momentum", AveragingOptions::Outer::kMomentum},
-          {"nesterov", AveragingOptions::Outer::kNesterov}}))
+  StrategyOptions& s = f.options.strategy;
+  f.bucketMb =
+      train
+          ->add_option("--bucket-mb", s.allreduce.bucketMb,
+                       "allreduce, mirrored, central: gradient bucket size in MB (default 25 for allreduce, 4 for "
+                       "mirrored and central)")
+          ->group(dp);
+  f.firstBucketMb = train
+                        ->add_option("--first-bucket-mb", s.allreduce.firstBucketMb,
+                                     "allreduce: size of the first bucket, launched earliest")
+                        ->group(dp)
+                        ->capture_default_str();
+  train
+      ->add_flag("--no-overlap{false}", s.allreduce.overlap,
+                 "allreduce, mirrored, central: launch every allreduce (mirrored, central: every in-memory sum, "
+                 "and mirrored's allreduce across processes) after backward instead of during it")
       ->group(dp);
-  train->add_option("--outer-lr", o.strategy.average.outerLr, "average: the outer optimizer's learning rate")
-      ->group(dp)->capture_default_str();
-  train->add_option("--outer-momentum", o.strategy.average.outerMomentum,
-                    "average: the outer optimizer's momentum (momentum, nesterov)")->group(dp)->capture_default_str();
+  train
+      ->add_flag("--balance-shards", s.inProcess.balance,
+                 "mirrored, central: split each batch over the replica threads in proportion to their measured "
+                 "speed (forward and backward time per example, smoothed over steps) instead of evenly, so a "
+                 "replica on a slower core does not hold the others at the sums; the step still equals one on the "
+                 "whole batch, but runs are no longer bit-reproducible")
+      ->group(dp);
+  train->add_option("--period", s.average.period, "average: average the parameters every K steps")
+      ->group(dp)
+      ->capture_default_str();
+  train
+      ->add_flag("--average-optimizer-state", s.average.averageOptimizerState,
+                 "average: average momentum / Adam state too")
+      ->group(dp);
+  train
+      ->add_option("--outer-optimizer", s.average.outerOptimizer,
+                   "average: apply each averaged change with sgd, momentum or nesterov (BMUF, DiLoCo); sgd with "
+                   "--outer-lr 1 is plain averaging")
+      ->transform(CLI::CheckedTransformer(
+          std::map<std::string, AveragingOptions::Outer>{{"sgd", AveragingOptions::Outer::kSgd},
+                                                         {"momentum", AveragingOptions::Outer::kMomentum},
+                                                         {"nesterov", AveragingOptions::Outer::kNesterov}}))
+      ->group(dp);
+  train->add_option("--outer-lr", s.average.outerLr, "average: the outer optimizer's learning rate")
+      ->group(dp)
+      ->capture_default_str();
+  train
+      ->add_option("--outer-momentum", s.average.outerMomentum,
+                   "average: the outer optimizer's momentum (momentum, nesterov)")
+      ->group(dp)
+      ->capture_default_str();
+}
 
+void addModelParallelOptions(CLI::App* train, TrainFlags& f) {
   auto* mp = "Model parallelism (--strategy pipeline; cohort launch -n STAGES*REPLICAS)";
-  auto& pl = o.strategy.pipeline;
+  StrategyOptions& s = f.options.strategy;
+  auto& pl = s.pipeline;
   train->add_option("--stages", pl.stages, "Cut the model into S stages, one per process (rank = replica*S + stage)")
-      ->group(mp)->capture_default_str();
-  train->add_option("--replicas", o.strategy.replicas,
-                    "pipeline: R copies of the pipeline, data-parallel (default 1); mirrored, central, hogwild: R "
-                    "replica threads in this process sharing its --batch (default: its cores)")
+      ->group(mp)
+      ->capture_default_str();
+  train
+      ->add_option("--replicas", s.replicas,
+                   "pipeline: R copies of the pipeline, data-parallel (default 1); mirrored, central, hogwild: R "
+                   "replica threads in this process sharing its --batch (default: its cores)")
       ->group(mp);
-  train->add_option("--ways", o.strategy.ways,
-                    "tensor: split every layer's units over W processes (cohort launch -n W*R for R data-parallel "
-                    "copies)")->group(mp)->capture_default_str();
-  train->add_option("--micro-batches", *microBatches,
-                    "Split each batch into M micro-batches (1 to --batch), or auto: at start, time every layer on 1 "
-                    "example and on the batch, and a message between stages 0 and 1, and take the M that minimizes "
-                    "the predicted step (M+S-1) x (the slowest stage's time per micro-batch + the message), which about "
-                    "keeps each micro-batch's work at least M/(S-1) times its fixed cost")
-      ->group(mp)->capture_default_str();
-  train->add_option("--schedule", pl.schedule,
-                    "gpipe (all forwards, then all backwards) or 1f1b (at most S micro-batches held per stage)")
-      ->check(CLI::IsMember({"gpipe", "1f1b"}))->group(mp)->capture_default_str();
-  train->add_option("--partition", pl.partition,
-                    "auto (balance measured forward+backward time per layer), split (as auto, and a stage may end "
-                    "inside a Conv2d or Linear, taking its first output channels: balances models whose layers are "
-                    "unequal), or L1,L2,... layers per stage, where L+C also gives the stage the first C output "
-                    "channels of the next stage's first layer")
-      ->group(mp)->capture_default_str();
+  train
+      ->add_option("--ways", s.ways,
+                   "tensor: split every layer's units over W processes (cohort launch -n W*R for R data-parallel "
+                   "copies)")
+      ->group(mp)
+      ->capture_default_str();
+  train
+      ->add_option("--micro-batches", f.microBatches,
+                   "Split each batch into M micro-batches (1 to --batch), or auto: at start, time every layer on 1 "
+                   "example and on the batch, and a message between stages 0 and 1, and take the M that minimizes "
+                   "the predicted step (M+S-1) x (the slowest stage's time per micro-batch + the message), which about "
+                   "keeps each micro-batch's work at least M/(S-1) times its fixed cost")
+      ->group(mp)
+      ->capture_default_str();
+  train
+      ->add_option("--schedule", pl.schedule,
+                   "gpipe (all forwards, then all backwards) or 1f1b (at most S micro-batches held per stage)")
+      ->check(CLI::IsMember({"gpipe", "1f1b"}))
+      ->group(mp)
+      ->capture_default_str();
+  train
+      ->add_option("--partition", pl.partition,
+                   "auto (balance measured forward+backward time per layer), split (as auto, and a stage may end "
+                   "inside a Conv2d or Linear, taking its first output channels: balances models whose layers are "
+                   "unequal), or L1,L2,... layers per stage, where L+C also gives the stage the first C output "
+                   "channels of the next stage's first layer")
+      ->group(mp)
+      ->capture_default_str();
+}
 
+void addCompressionOptions(CLI::App* train, StrategyOptions& s) {
   auto* codecGroup = "Compression (allreduce, average, ps, gossip)";
-  train->add_option("--codec", o.strategy.codec,
-                    "What exchanges carry: none, fp16, bf16, topk:RATIO (largest |g|, with residual), "
-                    "threshold:TAU (Strom: +-TAU where the residual passes it), onebit (sign + scale, with residual). "
-                    "A sparse model's rows: fp16/bf16 values under fp16/bf16, float32 under the others")
-      ->group(codecGroup)->capture_default_str();
-  train->add_option("--codec-warmup-steps", o.strategy.codecWarmupSteps,
-                    "Train uncompressed for the first W steps")->group(codecGroup)->capture_default_str();
+  train
+      ->add_option("--codec", s.codec,
+                   "What exchanges carry: none, fp16, bf16, topk:RATIO (largest |g|, with residual), "
+                   "threshold:TAU (Strom: +-TAU where the residual passes it), onebit (sign + scale, with residual). "
+                   "A sparse model's rows: fp16/bf16 values under fp16/bf16, float32 under the others")
+      ->group(codecGroup)
+      ->capture_default_str();
+  train->add_option("--codec-warmup-steps", s.codecWarmupSteps, "Train uncompressed for the first W steps")
+      ->group(codecGroup)
+      ->capture_default_str();
+}
+
+// The update policy and its knobs, then the shards' addresses and the job's secret and TLS.
+void addParameterServerOptions(CLI::App* train, TrainFlags& f) {
   auto* psGroup = "Parameter server (--strategy ps)";
-  auto& p = o.strategy.ps;
+  auto& p = f.options.strategy.ps;
   train->add_option("--ps-mode", p.mode, "sync, async, softsync or ssp")
-      ->check(CLI::IsMember({"sync", "async", "softsync", "ssp"}))->group(psGroup)->capture_default_str();
-  train->add_option("--backup-workers", p.backupWorkers,
-                    "sync: aggregate the first N-K gradients of each step, drop the late ones")->group(psGroup);
+      ->check(CLI::IsMember({"sync", "async", "softsync", "ssp"}))
+      ->group(psGroup)
+      ->capture_default_str();
+  train
+      ->add_option("--backup-workers", p.backupWorkers,
+                   "sync: aggregate the first N-K gradients of each step, drop the late ones")
+      ->group(psGroup);
   train->add_option("--softsync", p.softsync, "softsync: apply after this many gradients, averaged")
-      ->group(psGroup)->capture_default_str();
-  train->add_option("--staleness-bound", p.stalenessBound,
-                    "ssp: a worker more than S steps ahead of the slowest waits")->group(psGroup)->capture_default_str();
+      ->group(psGroup)
+      ->capture_default_str();
+  train->add_option("--staleness-bound", p.stalenessBound, "ssp: a worker more than S steps ahead of the slowest waits")
+      ->group(psGroup)
+      ->capture_default_str();
   train->add_option("--staleness-lr", p.stalenessLr, "none, or inverse: scale each gradient by 1/staleness")
-      ->check(CLI::IsMember({"none", "inverse"}))->group(psGroup)->capture_default_str();
+      ->check(CLI::IsMember({"none", "inverse"}))
+      ->group(psGroup)
+      ->capture_default_str();
   train->add_option("--max-staleness", p.maxStaleness, "Drop gradients staler than T (-1: never)")
-      ->group(psGroup)->capture_default_str();
+      ->group(psGroup)
+      ->capture_default_str();
   train->add_option("--warmup-steps", p.warmupSteps, "Worker 0 trains alone for the first W updates")
-      ->group(psGroup)->capture_default_str();
+      ->group(psGroup)
+      ->capture_default_str();
   train->add_option("--push", p.push, "gradients (the shards run the optimizer) or updates (the workers do)")
-      ->check(CLI::IsMember({"gradients", "updates"}))->group(psGroup)->capture_default_str();
-  train->add_option("--ps-push-chunk-mb", p.pushChunkMb,
-                    "A float32 push to a shard of more than this many MB goes in chunks of at most this size, "
-                    "which the shard checks and applies while the next arrives (a bad chunk ends the push, the "
-                    "chunks before it stay applied); a smaller one, or any when 0, as one message")
-      ->check(CLI::Range(0.0, 1024.0))->group(psGroup)->capture_default_str();
-  train->add_option("--ps-hosts", psFlags->hosts, "Shard addresses HOST:PORT,... (default: TF_CONFIG's ps list)")
+      ->check(CLI::IsMember({"gradients", "updates"}))
+      ->group(psGroup)
+      ->capture_default_str();
+  train
+      ->add_option("--ps-push-chunk-mb", p.pushChunkMb,
+                   "A float32 push to a shard of more than this many MB goes in chunks of at most this size, "
+                   "which the shard checks and applies while the next arrives (a bad chunk ends the push, the "
+                   "chunks before it stay applied); a smaller one, or any when 0, as one message")
+      ->check(CLI::Range(0.0, 1024.0))
+      ->group(psGroup)
+      ->capture_default_str();
+  train->add_option("--ps-hosts", f.psHosts, "Shard addresses HOST:PORT,... (default: TF_CONFIG's ps list)")
       ->group(psGroup);
-  train->add_option("--auth-token", p.authToken,
-                    "Shared secret of the shards and gossip peers (default: $COHORT_AUTH_TOKEN)")
+  train
+      ->add_option("--auth-token", p.authToken,
+                   "Shared secret of the shards and gossip peers (default: $COHORT_AUTH_TOKEN)")
       ->group(psGroup);
-  train->add_option("--auth-token-file", psFlags->authTokenFile, "Read the shared secret from this file")
-      ->group(psGroup);
+  train->add_option("--auth-token-file", f.authTokenFile, "Read the shared secret from this file")->group(psGroup);
   train->add_option("--tls-ca", p.tlsCa, "PEM roots that sign the shards' certificates: talk TLS")->group(psGroup);
   train->add_option("--tls-cert", p.tlsCert, "A shard task's PEM certificate: serve TLS")->group(psGroup);
   train->add_option("--tls-key", p.tlsKey, "A shard task's PEM private key")->group(psGroup);
-  auto* gossipGroup = "Gossip (--strategy gossip)";
-  train->add_option("--gossip-peers", o.strategy.gossip.peers,
-                    "Send each step's update to K random peers (the others get it with their next turn); 0: all")
-      ->group(gossipGroup)->capture_default_str();
-  train->add_option("--test-slow-worker", psFlags->slowWorker,
-                    "Testing: RANK:SECONDS[,...] makes those workers sleep so long every step")->group("Testing");
-  train->add_option("--test-kill-at", psFlags->killAt,
-                    "Testing: RANK:STEP[,...] makes those workers SIGKILL themselves after that step "
-                    "(in their first run, not after a cohort launch --max-restarts restart)")->group("Testing");
-  train->add_option("--test-nan-at", psFlags->nanAt,
-                    "Testing: RANK:STEP[,...] fills those workers' inputs of that step with NaN, so that their loss "
-                    "and gradients become non-finite (in their first run only)")->group("Testing");
-  train->add_option("--test-kill-evaluator-after", evaluator->testKillAfter,
-                    "Testing: an evaluator task SIGKILLs itself right after recording its N-th checkpoint "
-                    "(once: restarted, it finds N recorded and goes on)")->group("Testing");
+}
 
-  return [options, strategyName, backendName, progress, microBatches, psFlags, evaluator, bucketMb, firstBucketMb,
-          saveModel]() {
-    TrainOptions& o = *options;
-    o.strategy.scheme = *parseScheme(*strategyName);  // --strategy's check let only scheme names through
-    o.backend = parseCommBackend(*backendName);      // so did --backend's
-    COHORT_CHECK(saveModel->count() == 0 || !o.saveModelPath.empty(), InvalidArgument, "--save-model needs a file "
-                 "to write the model to, got an empty path: give --save-model FILE or drop it");
-    checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
-    applyBucketOptions(o.strategy, bucketMb->count() > 0, firstBucketMb->count() > 0);
-    o.strategy.pipeline.microBatches =
-        parseMicroBatches(*microBatches, o.strategy.scheme == Scheme::kPipeline ? o.batch : INT64_MAX);
-    auto& p = o.strategy.ps;
-    p.authToken = resolveAuthToken(p.authToken, psFlags->authTokenFile);
-    // The job's secret is also the rendezvous store's, which the cluster spec carries from
-    // $COHORT_AUTH_TOKEN: a secret given as a flag goes there too.
-    if (!p.authToken.empty()) ::setenv("COHORT_AUTH_TOKEN", p.authToken.c_str(), 1);
-    p.hosts.clear();
-    p.hosts = splitList(psFlags->hosts);
-    const ClusterSpec cluster = resolveClusterFromEnvironment();
-    const int myRank = cluster.role == Role::kWorker ? cluster.rank : -1;
-    if (auto seconds = valueForRank(psFlags->slowWorker, myRank, "--test-slow-worker", "RANK:SECONDS")) {
-      o.strategy.slowRank = myRank;
-      o.strategy.slowSeconds = std::stod(*seconds);
-    }
-    if (auto step = valueForRank(psFlags->killAt, myRank, "--test-kill-at", "RANK:STEP")) o.testKillAtStep = std::stoll(*step);
-    if (auto step = valueForRank(psFlags->nanAt, myRank, "--test-nan-at", "RANK:STEP")) o.testNanAtStep = std::stoll(*step);
-    // Under TF_CONFIG (cohort launch --ps) the same command runs on the shards: serve one.
-    // It binds the address TF_CONFIG gives this task, not every interface: on one machine (cohort
-    // launch) that is loopback, where strangers on the network cannot reach the shard at all.
-    if (cluster.role == Role::kParameterServer) {
-      if (!o.checkpointDir.empty()) launcher::tellShardCheckpoints();
-      return serveParameterServerShard(Job::fromSpec(cluster), p, o.checkpointDir);
-    }
-    launcher::tellFaultPolicy(workerLossOf(o.strategy));
-    o.restartCount = restartCountFromEnvironment();
-    // A restarted job resumes by itself.
-    if (o.restartCount > 0 && !o.checkpointDir.empty()) o.resume = true;
-    // An evaluator task (TF_CONFIG type "evaluator", cohort launch --evaluator) runs the same command too.
-    if (cluster.role == Role::kEvaluator) return runEvaluator(o, cluster, *evaluator);
-    static const std::map<std::string, ProgressMode> kModes{{"auto", ProgressMode::kAuto},
-                                                           {"bar", ProgressMode::kBar},
-                                                           {"lines", ProgressMode::kLines},
-                                                           {"off", ProgressMode::kOff}};
-    o.progress = kModes.at(*progress);
-    Trainer trainer(o);
-    TrainResult r = trainer.run();
-    if (!trainer.isChief()) return 0;  // the chief reports for the job
-    std::printf("done: %lld steps, %lld epochs, test accuracy %.4f, test loss %.4f, %.1f samples/s, %.1f s\n",
-                (long long)r.steps, (long long)r.epochs, r.testAccuracy, r.testLoss,
-                r.samplesPerSecond, r.wallSeconds);
-    if (r.validationAccuracy) {
-      std::printf("validation accuracy %.4f, validation loss %.4f\n", *r.validationAccuracy, *r.validationLoss);
-    }
-    if (r.secondsToTarget) std::printf("target accuracy reached after %.1f s\n", *r.secondsToTarget);
-    return 0;
-  };
+void addGossipOptions(CLI::App* train, StrategyOptions& s) {
+  auto* gossipGroup = "Gossip (--strategy gossip)";
+  train
+      ->add_option("--gossip-peers", s.gossip.peers,
+                   "Send each step's update to K random peers (the others get it with their next turn); 0: all")
+      ->group(gossipGroup)
+      ->capture_default_str();
+}
+
+// Faults on purpose, for the tests: slow workers, killed workers and evaluators, NaN inputs.
+void addTestingOptions(CLI::App* train, TrainFlags& f) {
+  train
+      ->add_option("--test-slow-worker", f.slowWorker,
+                   "Testing: RANK:SECONDS[,...] makes those workers sleep so long every step")
+      ->group("Testing");
+  train
+      ->add_option("--test-kill-at", f.killAt,
+                   "Testing: RANK:STEP[,...] makes those workers SIGKILL themselves after that step "
+                   "(in their first run, not after a cohort launch --max-restarts restart)")
+      ->group("Testing");
+  train
+      ->add_option("--test-nan-at", f.nanAt,
+                   "Testing: RANK:STEP[,...] fills those workers' inputs of that step with NaN, so that their loss "
+                   "and gradients become non-finite (in their first run only)")
+      ->group("Testing");
+  train
+      ->add_option("--test-kill-evaluator-after", f.evaluator.testKillAfter,
+                   "Testing: an evaluator task SIGKILLs itself right after recording its N-th checkpoint "
+                   "(once: restarted, it finds N recorded and goes on)")
+      ->group("Testing");
+}
+
+// The flags read as text, turned into options and checked: a bad value is a usage error before
+// anything starts.
+void applyFlags(TrainFlags& f) {
+  TrainOptions& o = f.options;
+  o.strategy.scheme = *parseScheme(f.strategy);  // --strategy's check let only scheme names through
+  o.backend = parseCommBackend(f.backend);       // so did --backend's
+  const std::optional<OptimizerKind> optimizer = parseOptimizer(f.optimizer);
+  COHORT_CHECK(optimizer.has_value(), InvalidArgument, "unknown optimizer '", f.optimizer,
+               "': expected sgd, momentum, adam or adagrad");
+  o.optimizer = *optimizer;
+  COHORT_CHECK(f.saveModel->count() == 0 || !o.saveModelPath.empty(), InvalidArgument,
+               "--save-model needs a file "
+               "to write the model to, got an empty path: give --save-model FILE or drop it");
+  checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
+  applyBucketOptions(o.strategy, f.bucketMb->count() > 0, f.firstBucketMb->count() > 0);
+  o.strategy.pipeline.microBatches =
+      parseMicroBatches(f.microBatches, o.strategy.scheme == Scheme::kPipeline ? o.batch : INT64_MAX);
+  auto& p = o.strategy.ps;
+  p.authToken = resolveAuthToken(p.authToken, f.authTokenFile);
+  // The job's secret is also the rendezvous store's, which the cluster spec carries from
+  // $COHORT_AUTH_TOKEN: a secret given as a flag goes there too.
+  if (!p.authToken.empty()) ::setenv("COHORT_AUTH_TOKEN", p.authToken.c_str(), 1);
+  p.hosts.clear();
+  p.hosts = splitList(f.psHosts);
+}
+
+// The testing flags' values for this process's rank.
+void applyTestingFlags(TrainFlags& f, const ClusterSpec& cluster) {
+  TrainOptions& o = f.options;
+  const int myRank = cluster.role == Role::kWorker ? cluster.rank : -1;
+  if (auto seconds = valueForRank(f.slowWorker, myRank, "--test-slow-worker", "RANK:SECONDS")) {
+    o.strategy.slowRank = myRank;
+    o.strategy.slowSeconds = std::stod(*seconds);
+  }
+  if (auto step = valueForRank(f.killAt, myRank, "--test-kill-at", "RANK:STEP")) o.testKillAtStep = std::stoll(*step);
+  if (auto step = valueForRank(f.nanAt, myRank, "--test-nan-at", "RANK:STEP")) o.testNanAtStep = std::stoll(*step);
+}
+
+ProgressMode progressMode(const std::string& name) {
+  static const std::map<std::string, ProgressMode> kModes{{"auto", ProgressMode::kAuto},
+                                                          {"bar", ProgressMode::kBar},
+                                                          {"lines", ProgressMode::kLines},
+                                                          {"off", ProgressMode::kOff}};
+  return kModes.at(name);
+}
+
+// A worker's run; the chief reports the job's result.
+int trainAndReport(const TrainOptions& o) {
+  Trainer trainer(o);
+  TrainResult r = trainer.run();
+  if (!trainer.isChief()) return 0;  // the chief reports for the job
+  std::printf("done: %lld steps, %lld epochs, test accuracy %.4f, test loss %.4f, %.1f samples/s, %.1f s\n",
+              (long long)r.steps, (long long)r.epochs, r.testAccuracy, r.testLoss, r.samplesPerSecond, r.wallSeconds);
+  if (r.validationAccuracy) {
+    std::printf("validation accuracy %.4f, validation loss %.4f\n", *r.validationAccuracy, *r.validationLoss);
+  }
+  if (r.secondsToTarget) std::printf("target accuracy reached after %.1f s\n", *r.secondsToTarget);
+  return 0;
+}
+
+// The command once its line is parsed: a worker trains, and the cluster's other tasks run the
+// same command (TF's convention).
+int runTrain(TrainFlags& f) {
+  TrainOptions& o = f.options;
+  applyFlags(f);
+  const ClusterSpec cluster = resolveClusterFromEnvironment();
+  applyTestingFlags(f, cluster);
+  // Under TF_CONFIG (cohort launch --ps) the same command runs on the shards: serve one.
+  // It binds the address TF_CONFIG gives this task, not every interface: on one machine (cohort
+  // launch) that is loopback, where strangers on the network cannot reach the shard at all.
+  if (cluster.role == Role::kParameterServer) {
+    if (!o.checkpointDir.empty()) launcher::tellShardCheckpoints();
+    return serveParameterServerShard(Job::fromSpec(cluster), o.strategy.ps, o.checkpointDir);
+  }
+  launcher::tellFaultPolicy(workerLossOf(o.strategy));
+  o.restartCount = restartCountFromEnvironment();
+  // A restarted job resumes by itself.
+  if (o.restartCount > 0 && !o.checkpointDir.empty()) o.resume = true;
+  // An evaluator task (TF_CONFIG type "evaluator", cohort launch --evaluator) runs the same command too.
+  if (cluster.role == Role::kEvaluator) return runEvaluator(o, cluster, f.evaluator);
+  o.progress = progressMode(f.progress);
+  return trainAndReport(o);
+}
+
+}  // namespace
+
+Run addTrainCommand(CLI::App& app) {
+  auto flags = std::make_shared<TrainFlags>();
+  CLI::App* train = app.add_subcommand("train", "Train a model with one of the distribution schemes");
+  // A flag given twice (in --config and on the command line) takes the last: the command line.
+  train->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // Read by expandConfig() before parsing; declared here for --help.
+  train->add_option("--config",
+                    "Read options from a TOML file: keys are the long flag names "
+                    "(batch = 32, eval-every = 100); the command line overrides them");
+  addTrainingOptions(train, *flags);
+  addEvaluationAndCheckpointOptions(train, flags->options);
+  addOutputOptions(train, *flags);
+  addSchemeOptions(train, *flags);
+  addDataParallelOptions(train, *flags);
+  addModelParallelOptions(train, *flags);
+  addCompressionOptions(train, flags->options.strategy);
+  addParameterServerOptions(train, *flags);
+  addGossipOptions(train, flags->options.strategy);
+  addTestingOptions(train, *flags);
+  return [flags]() { return runTrain(*flags); };
 }
 
 }  // namespace cohort::cli

@@ -45,43 +45,42 @@ void checkFlagValue(const SweepParameter& p, const std::string& value, const std
                "' is a flag: its values are true and false");
 }
 
-}  // namespace
-
-SweepSpace readSweepFile(const std::string& path, const OptionCatalog& catalog) {
-  toml::table root;
+toml::table parseFile(const std::string& path) {
   try {
-    root = toml::parse_file(path);
+    return toml::parse_file(path);
   } catch (const toml::parse_error& e) {
     throw InvalidArgument(path + ":" + std::to_string(e.source().begin.line) + ": " + std::string(e.description()));
   }
-  SweepSpace space;
-  std::string mode = "grid";
-  if (const toml::table* sweep = root["sweep"].as_table()) {
-    for (const auto& [key, node] : *sweep) {
-      const std::string k(key.str());
-      if (k == "mode") {
-        auto s = node.as_string();
-        COHORT_CHECK(s != nullptr && (s->get() == "grid" || s->get() == "random"), InvalidArgument, path,
-                     ": [sweep] mode is \"grid\" or \"random\"");
-        mode = s->get();
-      } else if (k == "trials" || k == "seed" || k == "workers" || k == "ps") {
-        auto i = node.as_integer();
-        const int64_t min = k == "ps" ? 0 : k == "seed" ? 0 : 1;
-        COHORT_CHECK(i != nullptr && i->get() >= min, InvalidArgument, path, ": [sweep] ", k,
-                     " must be a whole number >= ", min);
-        if (k == "trials") space.trials = int(i->get());
-        if (k == "seed") space.seed = uint64_t(i->get());
-        if (k == "workers") space.workers = int(i->get());
-        if (k == "ps") space.shards = int(i->get());
-      } else {
-        throw InvalidArgument(path + ": [sweep] has no key '" + k + "' (mode, trials, seed, workers, ps; train options go above the [sweep] table)");
-      }
+}
+
+// The [sweep] table: mode, trials, seed, workers, ps.
+void readSweepTable(const toml::table& sweep, const std::string& path, SweepSpace& space) {
+  for (const auto& [key, node] : sweep) {
+    const std::string k(key.str());
+    if (k == "mode") {
+      auto s = node.as_string();
+      COHORT_CHECK(s != nullptr && (s->get() == "grid" || s->get() == "random"), InvalidArgument, path,
+                   ": [sweep] mode is \"grid\" or \"random\"");
+      space.random = s->get() == "random";
+    } else if (k == "trials" || k == "seed" || k == "workers" || k == "ps") {
+      auto i = node.as_integer();
+      const int64_t min = k == "ps" ? 0 : k == "seed" ? 0 : 1;
+      COHORT_CHECK(i != nullptr && i->get() >= min, InvalidArgument, path, ": [sweep] ", k,
+                   " must be a whole number >= ", min);
+      if (k == "trials") space.trials = int(i->get());
+      if (k == "seed") space.seed = uint64_t(i->get());
+      if (k == "workers") space.workers = int(i->get());
+      if (k == "ps") space.shards = int(i->get());
+    } else {
+      throw InvalidArgument(path + ": [sweep] has no key '" + k +
+                            "' (mode, trials, seed, workers, ps; train options go above the [sweep] table)");
     }
   }
-  space.random = mode == "random";
-  COHORT_CHECK(!space.random || space.trials > 0, InvalidArgument, path,
-               ": a random sweep needs [sweep] trials = N");
-  // In the file's order (toml++ iterates keys sorted): the grid's first option changes slowest.
+}
+
+// The train options of the file, in the file's order (toml++ iterates keys sorted): the grid's
+// first option changes slowest.
+std::vector<std::pair<std::string, const toml::node*>> optionsInFileOrder(const toml::table& root) {
   std::vector<std::pair<std::string, const toml::node*>> options;
   for (const auto& [key, node] : root) {
     if (key.str() != "sweep") options.emplace_back(std::string(key.str()), &node);
@@ -89,70 +88,100 @@ SweepSpace readSweepFile(const std::string& path, const OptionCatalog& catalog) 
   std::stable_sort(options.begin(), options.end(), [](const auto& a, const auto& b) {
     return a.second->source().begin.line < b.second->source().begin.line;
   });
-  for (const auto& [k, nodePtr] : options) {
-    const toml::node& node = *nodePtr;
-    const std::string where = path;
-    const std::string name = catalog.check(k, where);
-    SweepParameter p;
-    p.flag = "--" + name;
-    p.isFlag = !catalog.takesValue.at(name);
-    if (const toml::array* list = node.as_array()) {
-      COHORT_CHECK(!list->empty(), InvalidArgument, path, ": option '", k, "' has an empty list of values");
-      for (const toml::node& v : *list) {
-        auto text = scalarText(v);
-        COHORT_CHECK(text.has_value(), InvalidArgument, path, ": option '", k, "': list values must be plain values");
-        checkFlagValue(p, *text, where);
-        p.values.push_back(*text);
-      }
-      space.parameters.push_back(std::move(p));
-    } else if (const toml::table* range = node.as_table()) {
-      for (const auto& [rk, rv] : *range) {
-        const std::string r(rk.str());
-        COHORT_CHECK(r == "min" || r == "max" || r == "log" || r == "steps", InvalidArgument, path, ": option '", k,
-                     "': a range has min, max, log and steps, not '", r, "'");
-      }
-      const auto lo = numberOf(range->get("min"));
-      const auto hi = numberOf(range->get("max"));
-      COHORT_CHECK(lo && hi, InvalidArgument, path, ": option '", k, "': a range needs numbers min and max");
-      COHORT_CHECK(!p.isFlag, InvalidArgument, path, ": option '", k, "' is a flag: list [true, false] instead");
-      COHORT_CHECK(*lo <= *hi, InvalidArgument, path, ": option '", k, "' has an empty range (min ", *lo, " > max ", *hi, ")");
-      p.range = true;
-      p.min = *lo;
-      p.max = *hi;
-      p.integer = range->get("min")->is_integer() && range->get("max")->is_integer();
-      if (const toml::node* l = range->get("log")) {
-        COHORT_CHECK(l->is_boolean(), InvalidArgument, path, ": option '", k, "': log is true or false");
-        p.log = l->as_boolean()->get();
-      }
-      COHORT_CHECK(!p.log || p.min > 0, InvalidArgument, path, ": option '", k, "': a log range needs min > 0");
-      if (const toml::node* st = range->get("steps")) {
-        auto n = st->as_integer();
-        COHORT_CHECK(n != nullptr && n->get() >= 1, InvalidArgument, path, ": option '", k, "': steps must be >= 1");
-        const int64_t steps = n->get();
-        for (int64_t i = 0; i < steps; ++i) {
-          const double t = steps == 1 ? 0.0 : double(i) / double(steps - 1);
-          const double v = p.log ? std::exp(std::log(p.min) + t * (std::log(p.max) - std::log(p.min)))
-                                 : p.min + t * (p.max - p.min);
-          const std::string text = valueText(p, v);
-          if (p.values.empty() || p.values.back() != text) p.values.push_back(text);
-        }
-        p.range = false;
-      } else {
-        COHORT_CHECK(space.random, InvalidArgument, path, ": option '", k,
-                     "': a range in a grid sweep needs steps = N (or use [sweep] mode = \"random\")");
-      }
-      space.parameters.push_back(std::move(p));
+  return options;
+}
+
+// A list of values: one of them per trial.
+void readList(const toml::array& list, const std::string& path, const std::string& k, SweepParameter& p) {
+  COHORT_CHECK(!list.empty(), InvalidArgument, path, ": option '", k, "' has an empty list of values");
+  for (const toml::node& v : list) {
+    auto text = scalarText(v);
+    COHORT_CHECK(text.has_value(), InvalidArgument, path, ": option '", k, "': list values must be plain values");
+    checkFlagValue(p, *text, path);
+    p.values.push_back(*text);
+  }
+}
+
+// A range's `steps` evenly spaced values (on a log scale with log = true), from min to max.
+void expandSteps(const toml::node& st, const std::string& path, const std::string& k, SweepParameter& p) {
+  auto n = st.as_integer();
+  COHORT_CHECK(n != nullptr && n->get() >= 1, InvalidArgument, path, ": option '", k, "': steps must be >= 1");
+  const int64_t steps = n->get();
+  for (int64_t i = 0; i < steps; ++i) {
+    const double t = steps == 1 ? 0.0 : double(i) / double(steps - 1);
+    const double v =
+        p.log ? std::exp(std::log(p.min) + t * (std::log(p.max) - std::log(p.min))) : p.min + t * (p.max - p.min);
+    const std::string text = valueText(p, v);
+    if (p.values.empty() || p.values.back() != text) p.values.push_back(text);
+  }
+}
+
+// A range {min, max, log, steps}: drawn from in a random sweep, or its steps' values.
+void readRange(const toml::table& range, const std::string& path, const std::string& k, bool random,
+               SweepParameter& p) {
+  for (const auto& [rk, rv] : range) {
+    const std::string r(rk.str());
+    COHORT_CHECK(r == "min" || r == "max" || r == "log" || r == "steps", InvalidArgument, path, ": option '", k,
+                 "': a range has min, max, log and steps, not '", r, "'");
+  }
+  const auto lo = numberOf(range.get("min"));
+  const auto hi = numberOf(range.get("max"));
+  COHORT_CHECK(lo && hi, InvalidArgument, path, ": option '", k, "': a range needs numbers min and max");
+  COHORT_CHECK(!p.isFlag, InvalidArgument, path, ": option '", k, "' is a flag: list [true, false] instead");
+  COHORT_CHECK(*lo <= *hi, InvalidArgument, path, ": option '", k, "' has an empty range (min ", *lo, " > max ", *hi,
+               ")");
+  p.range = true;
+  p.min = *lo;
+  p.max = *hi;
+  p.integer = range.get("min")->is_integer() && range.get("max")->is_integer();
+  if (const toml::node* l = range.get("log")) {
+    COHORT_CHECK(l->is_boolean(), InvalidArgument, path, ": option '", k, "': log is true or false");
+    p.log = l->as_boolean()->get();
+  }
+  COHORT_CHECK(!p.log || p.min > 0, InvalidArgument, path, ": option '", k, "': a log range needs min > 0");
+  if (const toml::node* st = range.get("steps")) {
+    expandSteps(*st, path, k, p);
+    p.range = false;
+  } else {
+    COHORT_CHECK(random, InvalidArgument, path, ": option '", k,
+                 "': a range in a grid sweep needs steps = N (or use [sweep] mode = \"random\")");
+  }
+}
+
+// One train option of the file: a list or a range is a parameter of the search, a value is the
+// same in every trial.
+void readOption(const std::string& k, const toml::node& node, const OptionCatalog& catalog, const std::string& path,
+                SweepSpace& space) {
+  const std::string name = catalog.check(k, path);
+  SweepParameter p;
+  p.flag = "--" + name;
+  p.isFlag = !catalog.takesValue.at(name);
+  if (const toml::array* list = node.as_array()) {
+    readList(*list, path, k, p);
+    space.parameters.push_back(std::move(p));
+  } else if (const toml::table* range = node.as_table()) {
+    readRange(*range, path, k, space.random, p);
+    space.parameters.push_back(std::move(p));
+  } else {
+    auto text = scalarText(node);
+    COHORT_CHECK(text.has_value(), InvalidArgument, path, ": option '", k, "': not a value, list or range");
+    checkFlagValue(p, *text, path);
+    if (p.isFlag) {
+      if (*text == "true") setArg(space.fixed, p.flag, "");
     } else {
-      auto text = scalarText(node);
-      COHORT_CHECK(text.has_value(), InvalidArgument, path, ": option '", k, "': not a value, list or range");
-      checkFlagValue(p, *text, where);
-      if (p.isFlag) {
-        if (*text == "true") setArg(space.fixed, p.flag, "");
-      } else {
-        setArg(space.fixed, p.flag, *text);
-      }
+      setArg(space.fixed, p.flag, *text);
     }
   }
+}
+
+}  // namespace
+
+SweepSpace readSweepFile(const std::string& path, const OptionCatalog& catalog) {
+  const toml::table root = parseFile(path);
+  SweepSpace space;
+  if (const toml::table* sweep = root["sweep"].as_table()) readSweepTable(*sweep, path, space);
+  COHORT_CHECK(!space.random || space.trials > 0, InvalidArgument, path, ": a random sweep needs [sweep] trials = N");
+  for (const auto& [k, node] : optionsInFileOrder(root)) readOption(k, *node, catalog, path, space);
   if (!space.random) {
     size_t total = 1;
     for (const SweepParameter& p : space.parameters) {

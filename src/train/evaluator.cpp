@@ -73,6 +73,168 @@ void loadCheckpointModel(const std::vector<uint8_t>& payload, const std::string&
   }
 }
 
+// The record of evaluator `rank` in `dir`, ready to be appended to: a last line that a kill cut
+// short is dropped. Returns the steps it holds.
+std::set<int64_t> resumeRecord(const std::string& dir, int rank) {
+  const std::string recordPath = evaluatorRecordPath(dir, rank);
+  if (fs::exists(recordPath)) trimPartialLine(recordPath);
+  std::set<int64_t> done = evaluatedSteps(dir, rank);
+  if (!done.empty()) {
+    std::fprintf(stderr, "cohort: evaluator %d: %zu checkpoints already recorded in %s (last: step %lld)\n", rank,
+                 done.size(), recordPath.c_str(), (long long)*done.rbegin());
+  }
+  return done;
+}
+
+// The workers' data, with their --validation examples held out.
+DataSplits heldOutData(const TrainOptions& o) {
+  DataSplits data = loadData(o.data, o.seed);
+  holdOutValidation(data, o.validation, o.validationSeed);
+  return data;
+}
+
+// The workers' model, in evaluation mode: each checkpoint's parameters are loaded into it.
+torch::nn::Sequential evaluationModel(const TrainOptions& o, const DataSplits& data) {
+  torch::nn::Sequential model = makeModel(o.model, {data.channels(), data.height(), data.width(), data.classes});
+  model->eval();
+  return model;
+}
+
+// One evaluator task's run over the chief's checkpoint directory: the data and the model it
+// scores, its record, and the checkpoints it has seen.
+class EvaluatorTask {
+ public:
+  EvaluatorTask(const TrainOptions& o, int rank, const EvaluatorOptions& eo)
+      : o_(o),
+        rank_(rank),
+        eo_(eo),
+        dir_(o.checkpointDir),
+        data_(heldOutData(o)),
+        model_(evaluationModel(o, data_)),
+        store_(dir_),
+        done_(resumeRecord(dir_, rank)),
+        record_(evaluatorRecordPath(dir_, rank), /*append=*/true) {
+    if (!o.tensorboardDir.empty()) board_ = std::make_unique<TensorBoardWriter>(o.tensorboardDir + "/eval");
+  }
+
+  // Evaluates every checkpoint as it comes, until the chief's end-of-training marker says that
+  // no other will; returns the exit status.
+  int run() {
+    for (;;) {
+      // Read the marker before listing: a checkpoint listed after it was written is complete.
+      const std::optional<int64_t> finalStep = readTrainingDone(dir_);
+      evaluateNewCheckpoints();
+      if (finalStep) {
+        if (!pendingUpTo(*finalStep)) return finish(*finalStep);
+        continue;
+      }
+      COHORT_CHECK(secondsSince(lastProgress_) < eo_.idleTimeoutSeconds, TimeoutError, "evaluator ", rank_,
+                   ": no new checkpoint in ", dir_, " for ", eo_.idleTimeoutSeconds,
+                   " s and no end-of-training marker: is the chief running with this --checkpoint-dir? "
+                   "(--evaluator-timeout sets the wait)");
+      std::this_thread::sleep_for(std::chrono::duration<double>(eo_.pollSeconds));
+    }
+  }
+
+ private:
+  // The checkpoints in the directory that are not recorded yet, oldest first.
+  void evaluateNewCheckpoints() {
+    std::vector<CheckpointFile> files = store_.list();
+    std::reverse(files.begin(), files.end());  // oldest first
+    for (const CheckpointFile& file : files) {
+      if (done_.count(file.step) != 0 || unreadable_.count(file.step) != 0) continue;
+      if (std::optional<std::vector<uint8_t>> payload = readPayload(file)) evaluate(file, *payload);
+    }
+  }
+
+  // The checkpoint's payload; nullopt for one pruned since it was listed, or one that does not
+  // verify (reported once).
+  std::optional<std::vector<uint8_t>> readPayload(const CheckpointFile& file) {
+    try {
+      return CheckpointStore::readVerified(file.path);
+    } catch (const IoError& e) {
+      if (!fs::exists(file.path)) return std::nullopt;  // pruned since it was listed
+      std::fprintf(stderr, "cohort: warning: evaluator %d: %s; skipping it\n", rank_, e.what());
+      unreadable_.insert(file.step);
+      return std::nullopt;
+    }
+  }
+
+  // Scores the checkpoint's model and records them: the eval event, TensorBoard, a line on stderr.
+  void evaluate(const CheckpointFile& file, const std::vector<uint8_t>& payload) {
+    loadCheckpointModel(payload, file.path, o_, model_);
+    const auto evalStart = Clock::now();
+    auto forward = [&](const torch::Tensor& x) { return model_->forward(x); };
+    const Scores test = scoreDataset(forward, data_.test, data_.classes);
+    MetricFields fields{{"step", file.step}};
+    MetricFields scores = scoreFields("", test, false);
+    fields.insert(fields.end(), scores.begin(), scores.end());
+    std::optional<Scores> val;
+    if (data_.validation.size() > 0) {
+      val = scoreDataset(forward, data_.validation, data_.classes);
+      MetricFields v = scoreFields("val_", *val, false);
+      fields.insert(fields.end(), v.begin(), v.end());
+    }
+    fields.emplace_back("eval_s", secondsSince(evalStart));
+    fields.emplace_back("wall_s", secondsSince(start_));
+    fields.emplace_back("checkpoint", file.path);
+    fields.emplace_back("evaluator", int64_t(rank_));
+    record_.write("eval", fields);
+    if (board_) boardScores(file.step, test, val);
+    std::fprintf(stderr, "cohort: evaluator %d: step %lld: test accuracy %.4f, loss %.4f\n", rank_,
+                 (long long)file.step, test.accuracy, test.loss);
+    done_.insert(file.step);
+    ++evaluatedNow_;
+    if (eo_.testKillAfter > 0 && int64_t(done_.size()) == eo_.testKillAfter) ::raise(SIGKILL);
+    lastProgress_ = Clock::now();
+  }
+
+  void boardScores(int64_t step, const Scores& test, const std::optional<Scores>& val) {
+    std::vector<std::pair<std::string, float>> scalars{{"test/accuracy", float(test.accuracy)},
+                                                       {"test/loss", float(test.loss)},
+                                                       {"test/macro_f1", float(test.macroF1)}};
+    if (val) {
+      scalars.emplace_back("validation/accuracy", float(val->accuracy));
+      scalars.emplace_back("validation/loss", float(val->loss));
+    }
+    board_->scalars(step, scalars);
+  }
+
+  // Whether a checkpoint up to the final step is still on disk and neither recorded nor unreadable.
+  bool pendingUpTo(int64_t finalStep) {
+    for (const CheckpointFile& file : store_.list()) {
+      if (file.step <= finalStep && done_.count(file.step) == 0 && unreadable_.count(file.step) == 0) return true;
+    }
+    return false;
+  }
+
+  // The record's done event, once every checkpoint of the run is recorded.
+  int finish(int64_t finalStep) {
+    record_.write("done", {{"final_step", finalStep},
+                           {"evaluated", int64_t(done_.size())},
+                           {"evaluated_by_this_process", evaluatedNow_},
+                           {"wall_s", secondsSince(start_)}});
+    std::fprintf(stderr, "cohort: evaluator %d: training ended at step %lld; %zu checkpoints evaluated\n", rank_,
+                 (long long)finalStep, done_.size());
+    return 0;
+  }
+
+  const TrainOptions& o_;
+  const int rank_;
+  const EvaluatorOptions& eo_;
+  const std::string dir_;
+  DataSplits data_;
+  torch::nn::Sequential model_;
+  CheckpointStore store_;
+  std::set<int64_t> done_;  // the steps recorded, by this process or an earlier run of it
+  MetricsWriter record_;
+  std::unique_ptr<TensorBoardWriter> board_;
+  const Clock::time_point start_ = Clock::now();
+  Clock::time_point lastProgress_ = Clock::now();
+  std::set<int64_t> unreadable_;  // reported once each
+  int64_t evaluatedNow_ = 0;
+};
+
 }  // namespace
 
 std::string evaluatorRecordPath(const std::string& checkpointDir, int index) {
@@ -138,104 +300,11 @@ int runEvaluator(const TrainOptions& o, const ClusterSpec& cluster, const Evalua
                " does not write (it checkpoints per ", o.strategy.scheme == Scheme::kPs ? "shard" : "stage",
                "): drop the evaluator task");
   const char* ompThreads = std::getenv("OMP_NUM_THREADS");
-  setComputeThreads(o.threads > 0 ? o.threads : ompThreads != nullptr && std::atoi(ompThreads) > 0 ? std::atoi(ompThreads) : 1);
+  setComputeThreads(o.threads > 0                                        ? o.threads
+                    : ompThreads != nullptr && std::atoi(ompThreads) > 0 ? std::atoi(ompThreads)
+                                                                         : 1);
   torch::manual_seed(o.seed);
-  DataSplits data = loadData(o.data, o.seed);
-  holdOutValidation(data, o.validation, o.validationSeed);
-  torch::nn::Sequential model =
-      makeModel(o.model, {data.channels(), data.height(), data.width(), data.classes});
-  model->eval();
-
-  const std::string& dir = o.checkpointDir;
-  CheckpointStore store(dir);
-  const std::string recordPath = evaluatorRecordPath(dir, cluster.rank);
-  if (fs::exists(recordPath)) trimPartialLine(recordPath);
-  std::set<int64_t> done = evaluatedSteps(dir, cluster.rank);
-  if (!done.empty()) {
-    std::fprintf(stderr, "cohort: evaluator %d: %zu checkpoints already recorded in %s (last: step %lld)\n",
-                 cluster.rank, done.size(), recordPath.c_str(), (long long)*done.rbegin());
-  }
-  MetricsWriter record(recordPath, /*append=*/true);
-  std::unique_ptr<TensorBoardWriter> board;
-  if (!o.tensorboardDir.empty()) board = std::make_unique<TensorBoardWriter>(o.tensorboardDir + "/eval");
-
-  const auto start = Clock::now();
-  auto lastProgress = Clock::now();
-  std::set<int64_t> unreadable;  // reported once each
-  int64_t evaluatedNow = 0;
-  for (;;) {
-    // Read the marker before listing: a checkpoint listed after it was written is complete.
-    const std::optional<int64_t> finalStep = readTrainingDone(dir);
-    std::vector<CheckpointFile> files = store.list();
-    std::reverse(files.begin(), files.end());  // oldest first
-    for (const CheckpointFile& file : files) {
-      if (done.count(file.step) != 0 || unreadable.count(file.step) != 0) continue;
-      std::vector<uint8_t> payload;
-      try {
-        payload = CheckpointStore::readVerified(file.path);
-      } catch (const IoError& e) {
-        if (!fs::exists(file.path)) continue;  // pruned since it was listed
-        std::fprintf(stderr, "cohort: warning: evaluator %d: %s; skipping it\n", cluster.rank, e.what());
-        unreadable.insert(file.step);
-        continue;
-      }
-      loadCheckpointModel(payload, file.path, o, model);
-      const auto evalStart = Clock::now();
-      auto forward = [&](const torch::Tensor& x) { return model->forward(x); };
-      const Scores test = scoreDataset(forward, data.test, data.classes);
-      MetricFields fields{{"step", file.step}};
-      MetricFields scores = scoreFields("", test, false);
-      fields.insert(fields.end(), scores.begin(), scores.end());
-      std::optional<Scores> val;
-      if (data.validation.size() > 0) {
-        val = scoreDataset(forward, data.validation, data.classes);
-        MetricFields v = scoreFields("val_", *val, false);
-        fields.insert(fields.end(), v.begin(), v.end());
-      }
-      fields.emplace_back("eval_s", secondsSince(evalStart));
-      fields.emplace_back("wall_s", secondsSince(start));
-      fields.emplace_back("checkpoint", file.path);
-      fields.emplace_back("evaluator", int64_t(cluster.rank));
-      record.write("eval", fields);
-      if (board) {
-        std::vector<std::pair<std::string, float>> scalars{{"test/accuracy", float(test.accuracy)},
-                                                           {"test/loss", float(test.loss)},
-                                                           {"test/macro_f1", float(test.macroF1)}};
-        if (val) {
-          scalars.emplace_back("validation/accuracy", float(val->accuracy));
-          scalars.emplace_back("validation/loss", float(val->loss));
-        }
-        board->scalars(file.step, scalars);
-      }
-      std::fprintf(stderr, "cohort: evaluator %d: step %lld: test accuracy %.4f, loss %.4f\n", cluster.rank,
-                   (long long)file.step, test.accuracy, test.loss);
-      done.insert(file.step);
-      ++evaluatedNow;
-      if (eo.testKillAfter > 0 && int64_t(done.size()) == eo.testKillAfter) ::raise(SIGKILL);
-      lastProgress = Clock::now();
-    }
-    if (finalStep) {
-      bool pending = false;
-      for (const CheckpointFile& file : store.list()) {
-        if (file.step <= *finalStep && done.count(file.step) == 0 && unreadable.count(file.step) == 0) pending = true;
-      }
-      if (!pending) {
-        record.write("done", {{"final_step", *finalStep},
-                              {"evaluated", int64_t(done.size())},
-                              {"evaluated_by_this_process", evaluatedNow},
-                              {"wall_s", secondsSince(start)}});
-        std::fprintf(stderr, "cohort: evaluator %d: training ended at step %lld; %zu checkpoints evaluated\n",
-                     cluster.rank, (long long)*finalStep, done.size());
-        return 0;
-      }
-      continue;
-    }
-    COHORT_CHECK(secondsSince(lastProgress) < eo.idleTimeoutSeconds, TimeoutError, "evaluator ", cluster.rank,
-                 ": no new checkpoint in ", dir, " for ", eo.idleTimeoutSeconds,
-                 " s and no end-of-training marker: is the chief running with this --checkpoint-dir? "
-                 "(--evaluator-timeout sets the wait)");
-    std::this_thread::sleep_for(std::chrono::duration<double>(eo.pollSeconds));
-  }
+  return EvaluatorTask(o, cluster.rank, eo).run();
 }
 
 }  // namespace cohort

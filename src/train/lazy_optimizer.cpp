@@ -10,11 +10,13 @@
 
 namespace cohort {
 
-LazyOptimizer::LazyOptimizer(std::vector<torch::Tensor> params, const std::string& name, double lr, double momentum)
+LazyOptimizer::LazyOptimizer(std::vector<torch::Tensor> params, OptimizerKind kind, double lr, double momentum)
     : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(params)},
                               std::make_unique<torch::optim::SGDOptions>(lr)) {
   for (const auto& p : params) {
-    perParameter_.push_back(std::make_unique<ps::ServerOptimizer>(name, lr, momentum, size_t(p.numel())));
+    // The parameter server's optimizer takes the kind's name (its own type is ps's business).
+    perParameter_.push_back(
+        std::make_unique<ps::ServerOptimizer>(optimizerName(kind), lr, momentum, size_t(p.numel())));
   }
 }
 

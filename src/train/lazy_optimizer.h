@@ -5,6 +5,8 @@
 // without bound and its Adam refuses sparse gradients, hence this one.
 #pragma once
 
+#include "train/optimizer.h"
+
 #include <torch/optim/optimizer.h>
 
 #include <memory>
@@ -19,8 +21,7 @@ class ServerOptimizer;
 
 class LazyOptimizer final : public torch::optim::Optimizer {
  public:
-  // Throws InvalidArgument for an unknown name.
-  LazyOptimizer(std::vector<torch::Tensor> params, const std::string& name, double lr, double momentum);
+  LazyOptimizer(std::vector<torch::Tensor> params, OptimizerKind kind, double lr, double momentum);
   ~LazyOptimizer() override;
 
   torch::Tensor step(LossClosure closure = nullptr) override;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "strategy/strategy.h"
+#include "train/optimizer.h"
 
 #include <cstdint>
 #include <functional>
@@ -26,7 +27,7 @@ struct TrainOptions {
   int64_t steps = 0;  // when > 0, train this many steps in all and ignore epochs
   int64_t batch = 64;  // per replica
   double lr = 0.01;
-  std::string optimizer = "momentum";  // sgd | momentum | adam | adagrad
+  OptimizerKind optimizer = OptimizerKind::kMomentum;
   double momentum = 0.9;
   int threads = 0;  // intra-op threads; 0 = $OMP_NUM_THREADS, else cores / workers on this host
   // Where the model trains (resolveDevice): "auto" is the local rank's GPU for the schemes that
