@@ -1,6 +1,7 @@
 #include "base/host_port.h"
 #include "base/launcher_channel.h"
 #include "base/thread_annotations.h"
+#include "comm/c10d_store.h"
 #include "comm/nccl.h"
 #include "comm/store.h"
 
@@ -43,53 +44,6 @@ std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& masterH
   }
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
-
-// c10d's Store over cohort's own (comm/store.h), which authenticates its clients: what Gloo's
-// group formation reads from it is what the job's own processes wrote. Failures are thrown as
-// c10d's errors are (std::runtime_error with a message), and caught by Communicator::connect.
-//
-// c10d 2.x asks a store for clone(): an independent connection to the same store, for a thread
-// that must not wait behind another's request. Ours connects a new Client with the same secret.
-class AuthenticatedStore : public c10d::Store {
- public:
-  AuthenticatedStore(std::string host, int port, std::string secret, std::chrono::milliseconds timeout)
-      : c10d::Store(timeout),
-        host_(std::move(host)),
-        port_(port),
-        secret_(std::move(secret)),
-        client_(store::Client::connect(host_, port_, secret_, timeout)) {}
-
-  c10::intrusive_ptr<c10d::Store> clone() override {
-    return c10::make_intrusive<AuthenticatedStore>(host_, port_, secret_, timeout_);
-  }
-
-  void set(const std::string& key, const std::vector<uint8_t>& value) override { client_->set(key, value); }
-  std::vector<uint8_t> get(const std::string& key) override {
-    std::optional<std::vector<uint8_t>> value = client_->get(key, timeout_);
-    if (!value) {
-      throw TimeoutError("rendezvous store at " + client_->where() + ": " + key + " did not appear within " +
-                         std::to_string(timeout_.count() / 1000) + " s (timed out)");
-    }
-    return std::move(*value);
-  }
-  int64_t add(const std::string& key, int64_t value) override { return client_->add(key, value); }
-  bool deleteKey(const std::string& key) override { return client_->remove(key); }
-  bool check(const std::vector<std::string>& keys) override { return client_->check(keys); }
-  int64_t getNumKeys() override { return client_->numKeys(); }
-  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
-    if (!client_->wait(keys, timeout)) {
-      throw TimeoutError("rendezvous store at " + client_->where() + ": keys did not appear within " +
-                         std::to_string(timeout.count() / 1000) + " s (timed out)");
-    }
-  }
-
- private:
-  std::string host_;
-  int port_;
-  std::string secret_;
-  std::unique_ptr<store::Client> client_;
-};
 
 int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
 
@@ -429,7 +383,7 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
       if (options.onListening) options.onListening(impl->master.port);
     }
     const int port = impl->master.port;
-    impl->store = c10::make_intrusive<AuthenticatedStore>(spec.master.host, port, spec.storeKey(), options.timeout);
+    impl->store = c10::make_intrusive<store::C10dStore>(spec.master.host, port, spec.storeKey(), options.timeout);
     impl->heartbeatStore = store::Client::connect(spec.master.host, port, spec.storeKey(), options.timeout);
     impl->heartbeatStore->add(heartbeatKey(spec.rank), 1);
   } catch (const Error& e) {

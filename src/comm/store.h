@@ -1,7 +1,7 @@
 // The job's rendezvous store: a small key-value server the chief hosts at the master address, and
 // its client. It replaces c10d's TCPStore, which trusts the network: it listens on every
 // interface, has no authentication, and allocates whatever size a stranger's SET announces.
-// Torch-free (compiled into cohort_comm); communicator.cpp adapts Client to c10d::Store for Gloo.
+// Torch-free (compiled into cohort_comm); comm/c10d_store.h adapts Client to c10d::Store for Gloo.
 //
 //   CHALLENGE (server -> client) = magic u32 "CST1" | flags u32 (1: the job has a secret) | nonce (32)
 //   HELLO     (client -> server) = nonce (32) | HMAC(secret, "cohort-store client" | both nonces)

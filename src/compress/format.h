@@ -29,7 +29,7 @@ inline bool bitAt(const uint8_t* bitmap, size_t i) { return (bitmap[i / 8] >> (i
 //                bits, n set) | the value entries' ordinals among the n entries (v u32, strictly
 //                increasing, only when 0 < v < n) | sign bitmap (n - v bits, one per sign entry)
 //                | v floats.
-// The encoder picks the smaller by its estimate (encoder.cpp, bitmapFormPays), per message.
+// The encoder picks the smaller by its estimate (encoder_forms.cpp, bitmapFormPays), per message.
 inline constexpr uint8_t kFormList = 0;
 inline constexpr uint8_t kFormBitmap = 1;
 

@@ -24,6 +24,7 @@
 
 #include "gossip/wire.h"
 
+#include <cohort/env.h>
 #include <cohort/host_port.h>
 
 #include <cstdint>
@@ -49,6 +50,7 @@ struct PeerOptions {
   // follows the rows it changed. The codec applies to the floats outside them; the rows' values
   // travel as 16 bits under fp16 and bf16 (after the warm-up), as float32 under the other codecs.
   std::vector<RowTable> tables;
+  Env* env = nullptr;  // where warnings go (a lost peer, refused strangers); null: Env::standard()
 };
 
 // What the receivers folded into the inbox since the last drain().

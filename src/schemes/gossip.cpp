@@ -59,6 +59,30 @@ struct Gossip::Impl {
 
   // `rendezvous`: one the caller connected already (GossipStrategy, to share a checkpoint), or null.
   void attach(torch::nn::Module& model, std::unique_ptr<Rendezvous> rendezvous) {
+    layOutParameters(model);
+    const ClusterSpec& cl = c_.cluster;
+    const auto timeout = std::chrono::milliseconds(int64_t(c_.timeoutSeconds * 1000));
+    std::string token = c_.options.authToken.empty() ? cl.secret : c_.options.authToken;
+    // No shared secret: only on loopback, where the store and the peers are this machine's.
+    COHORT_CHECK(!token.empty() || isLoopbackHost(cl.master.host), InvalidArgument,
+                 "gossip between machines needs the job's secret, or any host that reaches the store could "
+                 "join: set COHORT_AUTH_TOKEN (or --auth-token) to the same random value on every process "
+                 "(cohort launch makes one)");
+    rendezvous_ = rendezvous ? std::move(rendezvous) : Rendezvous::connect(cl, timeout);
+    if (token.empty()) {
+      // A random one for this job that the chief publishes, so streams are at least bound to it.
+      if (cl.isChief()) rendezvous_->set("cohort/gossip/job", crypto::randomToken());
+      token = rendezvous_->get("cohort/gossip/job");
+    }
+    const std::string advertise = startPeer(token);
+    startFromChiefParameters();
+    connectPeers(advertise);
+    copyOut(before_);
+  }
+
+  // Lays the model's parameters out as one flat update (row tables for the sparse embeddings)
+  // and sizes the buffers; on a device, the exchange works on a pinned host mirror.
+  void layOutParameters(torch::nn::Module& model) {
     numel_ = 0;
     for (const auto& [name, p] : uniqueParameters(model)) {
       COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous(), InvalidArgument,
@@ -84,21 +108,11 @@ struct Gossip::Impl {
     before_.assign(numel_, 0.0f);
     update_.assign(numel_, 0.0f);
     arrived_.assign(numel_, 0.0f);
+  }
 
+  // Starts this process's peer listening; returns the host the others should reach it at.
+  std::string startPeer(const std::string& token) {
     const ClusterSpec& cl = c_.cluster;
-    const auto timeout = std::chrono::milliseconds(int64_t(c_.timeoutSeconds * 1000));
-    std::string token = c_.options.authToken.empty() ? cl.secret : c_.options.authToken;
-    // No shared secret: only on loopback, where the store and the peers are this machine's.
-    COHORT_CHECK(!token.empty() || isLoopbackHost(cl.master.host), InvalidArgument,
-                 "gossip between machines needs the job's secret, or any host that reaches the store could "
-                 "join: set COHORT_AUTH_TOKEN (or --auth-token) to the same random value on every process "
-                 "(cohort launch makes one)");
-    rendezvous_ = rendezvous ? std::move(rendezvous) : Rendezvous::connect(cl, timeout);
-    if (token.empty()) {
-      // A random one for this job that the chief publishes, so streams are at least bound to it.
-      if (cl.isChief()) rendezvous_->set("cohort/gossip/job", crypto::randomToken());
-      token = rendezvous_->get("cohort/gossip/job");
-    }
     // Where to listen, and the address to publish: the cluster spec's, loopback on one machine,
     // else every interface under the address the store's host is reached from (addressTowards).
     std::string bind = "0.0.0.0", advertise;
@@ -117,27 +131,36 @@ struct Gossip::Impl {
                                                                .numel = numel_,
                                                                .codec = c_.options.codec,
                                                                .codecWarmupSteps = c_.options.codecWarmupSteps,
-                                                               .tables = tables_});
-    // Every replica starts from the chief's parameters (TorchScript models are not seeded alike).
-    if (cl.isChief()) {
+                                                               .tables = tables_,
+                                                               .env = c_.env});
+    return advertise;
+  }
+
+  // Every replica starts from the chief's parameters (TorchScript models are not seeded alike).
+  void startFromChiefParameters() {
+    if (c_.cluster.isChief()) {
       copyOut(before_);
       rendezvous_->set("cohort/gossip/init", std::string(reinterpret_cast<const char*>(before_.data()),
                                                         before_.size() * sizeof(float)));
-    } else {
-      const std::string init = rendezvous_->get("cohort/gossip/init");
-      COHORT_CHECK(init.size() == numel_ * sizeof(float), CommError, "gossip: the chief's model has ",
-                   init.size() / sizeof(float), " parameters, this one ", numel_, ": run the same model everywhere");
-      std::memcpy(before_.data(), init.data(), init.size());
-      COHORT_CHECK(std::all_of(before_.begin(), before_.end(), [](float v) { return std::isfinite(v); }), CommError,
-                   "gossip: the chief's initial parameters hold a NaN or Inf: refusing to start from them");
-      copyIn(before_);
-      if (mirror_) mirror_->toDevice();
+      return;
     }
-    // A peer publishes its address only once it holds the chief's parameters, and every peer
-    // waits for all addresses: so no one takes its first step before every replica is ready to
-    // take its own. (Published before the copy, the chief trained alone while the others read
-    // its parameters from the store: 1 s for the embed model's 128 MB, most of a short run, and
-    // the chief received most of their updates only after its last step.)
+    const std::string init = rendezvous_->get("cohort/gossip/init");
+    COHORT_CHECK(init.size() == numel_ * sizeof(float), CommError, "gossip: the chief's model has ",
+                 init.size() / sizeof(float), " parameters, this one ", numel_, ": run the same model everywhere");
+    std::memcpy(before_.data(), init.data(), init.size());
+    COHORT_CHECK(std::all_of(before_.begin(), before_.end(), [](float v) { return std::isfinite(v); }), CommError,
+                 "gossip: the chief's initial parameters hold a NaN or Inf: refusing to start from them");
+    copyIn(before_);
+    if (mirror_) mirror_->toDevice();
+  }
+
+  // A peer publishes its address only once it holds the chief's parameters, and every peer
+  // waits for all addresses: so no one takes its first step before every replica is ready to
+  // take its own. (Published before the copy, the chief trained alone while the others read
+  // its parameters from the store: 1 s for the embed model's 128 MB, most of a short run, and
+  // the chief received most of their updates only after its last step.)
+  void connectPeers(const std::string& advertise) {
+    const ClusterSpec& cl = c_.cluster;
     rendezvous_->set("cohort/gossip/addr/" + std::to_string(cl.rank),
                      HostPort{advertise, peer_->address().port}.str());
     std::vector<HostPort> addresses;
@@ -146,7 +169,6 @@ struct Gossip::Impl {
                                        : gossip::parsePeerAddress(rendezvous_->get("cohort/gossip/addr/" + std::to_string(r))));
     }
     peer_->connect(addresses);
-    copyOut(before_);
   }
 
   GossipStep step(int64_t samples) {
