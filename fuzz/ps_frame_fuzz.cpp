@@ -49,12 +49,12 @@ Shard& shard() {
     wire::InitRequest init;
     init.set_protocol(kProtocolVersion);
     wire::Policy* p = init.mutable_policy();
-    p->set_mode("async");
+    p->set_mode(wire::MODE_ASYNC);
     p->set_workers(1);
-    p->set_optimizer("sgd");
+    p->set_optimizer(wire::OPTIMIZER_SGD);
     p->set_lr(0.1);
-    p->set_push("gradients");
-    p->set_staleness_lr("none");
+    p->set_push(wire::PUSH_GRADIENTS);
+    p->set_staleness_lr(wire::STALENESS_LR_NONE);
     p->set_max_staleness(-1);
     p->set_timeout_s(5);
     const std::vector<float> zeros(300, 0.0f);

@@ -72,12 +72,12 @@ wire::InitRequest initRequest() {
   wire::InitRequest r;
   r.set_protocol(kProtocolVersion);
   auto* policy = r.mutable_policy();
-  policy->set_mode("async");
+  policy->set_mode(wire::MODE_ASYNC);
   policy->set_workers(2);
-  policy->set_optimizer("sgd");
+  policy->set_optimizer(wire::OPTIMIZER_SGD);
   policy->set_lr(0.01);
-  policy->set_push("gradients");
-  policy->set_staleness_lr("none");
+  policy->set_push(wire::PUSH_GRADIENTS);
+  policy->set_staleness_lr(wire::STALENESS_LR_NONE);
   policy->set_max_staleness(-1);
   policy->set_timeout_s(20);
   for (const auto& p : kPieces) {

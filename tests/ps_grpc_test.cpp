@@ -46,12 +46,12 @@ using test::TempDir;
 
 wire::Policy asyncPolicy() {
   wire::Policy p;
-  p.set_mode("async");
+  p.set_mode(wire::MODE_ASYNC);
   p.set_workers(1);
-  p.set_optimizer("sgd");
+  p.set_optimizer(wire::OPTIMIZER_SGD);
   p.set_lr(0.5);
-  p.set_push("gradients");
-  p.set_staleness_lr("none");
+  p.set_push(wire::PUSH_GRADIENTS);
+  p.set_staleness_lr(wire::STALENESS_LR_NONE);
   p.set_max_staleness(-1);
   p.set_timeout_s(5);
   return p;
@@ -574,7 +574,7 @@ TEST(PsGrpcTest, HeldCallEndsAtTheClientsDeadlineNamingTheShard) {
   TestServer server;
   auto chief = server.client();
   wire::Policy sync = asyncPolicy();
-  sync.set_mode("sync");
+  sync.set_mode(wire::MODE_SYNC);
   sync.set_workers(2);
   // Longer than the client's deadline, and no longer: the server's shutdown waits for the held push.
   sync.set_timeout_s(9);
@@ -654,7 +654,7 @@ TEST(PsGrpcTest, RunShardServerFailsWhenTheShardFails) {
   RunningServer run({});
   auto client = run.client();
   wire::Policy sync = asyncPolicy();
-  sync.set_mode("sync");
+  sync.set_mode(wire::MODE_SYNC);
   sync.set_workers(2);
   sync.set_timeout_s(1);
   wire::InitReply initReply;
@@ -982,43 +982,44 @@ struct FramedTargets {
 // workers' parameters bit-identical, under every optimizer the shards run.
 TEST(PsFrameTest, FramedPushesEqualProtobufPushes) {
   const auto pieces = largePieces();
-  for (const char* optimizer : {"sgd", "momentum", "adam"}) {
+  for (const wire::Optimizer optimizer : {wire::OPTIMIZER_SGD, wire::OPTIMIZER_MOMENTUM, wire::OPTIMIZER_ADAM}) {
     for (const bool fake : {false, true}) {
      for (const size_t chunkBytes : {size_t(0), size_t(1) << 20}) {
-      SCOPED_TRACE(std::string(optimizer) + (fake ? " over the fake transport" : " over gRPC") +
-                   (chunkBytes == 0 ? ", one message" : ", streamed"));
-      TestServer protobufServer, framedServer;
-      auto fakeShard = std::make_shared<Shard>(ShardOptions{.log = [](const std::string&) {}});
-      auto protobufClient = protobufServer.client();
-      auto framedClient = fake ? makeFakeClient(fakeShard, "fake", chunkBytes)
-                               : framedServer.client({.timeoutSeconds = 5, .quiet = true, .pushChunkBytes = chunkBytes});
-      auto policy = asyncPolicy();
-      policy.set_optimizer(optimizer);
-      policy.set_momentum(0.9);
-      policy.set_lr(0.01);
-      const auto start = randomValues(pieces, 1);
-      wire::InitReply initReply;
-      ASSERT_TRUE(protobufClient->init(initOf(policy, pieces, start), &initReply).ok());
-      ASSERT_TRUE(framedClient->init(initOf(policy, pieces, start), &initReply).ok());
-      for (int step = 0; step < 4; ++step) {
-        const auto grads = randomValues(pieces, 100 + uint32_t(step));
-        const auto request = protobufPush(pieces, grads, step);
-        wire::PushReply viaProtobuf, viaFrame;
-        const Status a = protobufClient->push(request, &viaProtobuf);
-        ASSERT_TRUE(a.ok()) << a.message;
-        FramedTargets targets(pieces);
-        const Status b = framedClient->pushFramed(framedPush(request, grads), targets.into, &viaFrame);
-        ASSERT_TRUE(b.ok()) << codeName(b.code) << ": " << b.message;
-        EXPECT_EQ(viaFrame.applied(), viaProtobuf.applied());
-        EXPECT_EQ(viaFrame.version(), viaProtobuf.version());
-        EXPECT_EQ(viaFrame.staleness(), viaProtobuf.staleness());
-        EXPECT_EQ(viaFrame.samples_total(), viaProtobuf.samples_total());
-        std::vector<float> expected;
-        for (const auto& t : viaProtobuf.values()) appendFloats(t, expected);
-        ASSERT_EQ(targets.all().size(), expected.size());
-        EXPECT_TRUE(targets.all() == expected) << "step " << step << ": the framed reply differs";
-        ASSERT_EQ(viaFrame.values_size(), int(pieces.size()));
-        EXPECT_TRUE(viaFrame.values(1).data().empty());
+       SCOPED_TRACE(std::string(optimizerName(optimizer)) + (fake ? " over the fake transport" : " over gRPC") +
+                    (chunkBytes == 0 ? ", one message" : ", streamed"));
+       TestServer protobufServer, framedServer;
+       auto fakeShard = std::make_shared<Shard>(ShardOptions{.log = [](const std::string&) {}});
+       auto protobufClient = protobufServer.client();
+       auto framedClient =
+           fake ? makeFakeClient(fakeShard, "fake", chunkBytes)
+                : framedServer.client({.timeoutSeconds = 5, .quiet = true, .pushChunkBytes = chunkBytes});
+       auto policy = asyncPolicy();
+       policy.set_optimizer(optimizer);
+       policy.set_momentum(0.9);
+       policy.set_lr(0.01);
+       const auto start = randomValues(pieces, 1);
+       wire::InitReply initReply;
+       ASSERT_TRUE(protobufClient->init(initOf(policy, pieces, start), &initReply).ok());
+       ASSERT_TRUE(framedClient->init(initOf(policy, pieces, start), &initReply).ok());
+       for (int step = 0; step < 4; ++step) {
+         const auto grads = randomValues(pieces, 100 + uint32_t(step));
+         const auto request = protobufPush(pieces, grads, step);
+         wire::PushReply viaProtobuf, viaFrame;
+         const Status a = protobufClient->push(request, &viaProtobuf);
+         ASSERT_TRUE(a.ok()) << a.message;
+         FramedTargets targets(pieces);
+         const Status b = framedClient->pushFramed(framedPush(request, grads), targets.into, &viaFrame);
+         ASSERT_TRUE(b.ok()) << codeName(b.code) << ": " << b.message;
+         EXPECT_EQ(viaFrame.applied(), viaProtobuf.applied());
+         EXPECT_EQ(viaFrame.version(), viaProtobuf.version());
+         EXPECT_EQ(viaFrame.staleness(), viaProtobuf.staleness());
+         EXPECT_EQ(viaFrame.samples_total(), viaProtobuf.samples_total());
+         std::vector<float> expected;
+         for (const auto& t : viaProtobuf.values()) appendFloats(t, expected);
+         ASSERT_EQ(targets.all().size(), expected.size());
+         EXPECT_TRUE(targets.all() == expected) << "step " << step << ": the framed reply differs";
+         ASSERT_EQ(viaFrame.values_size(), int(pieces.size()));
+         EXPECT_TRUE(viaFrame.values(1).data().empty());
       }
       EXPECT_EQ(pullAll(*framedClient), pullAll(*protobufClient));
       const auto p = statsOf(*protobufClient), f = statsOf(*framedClient);
@@ -1350,7 +1351,7 @@ struct ModeCase {
 // first gradient, the other worker's comes late); ssp whose bound the round-robin pushes keep.
 std::vector<ModeCase> modeCases() {
   std::vector<ModeCase> out;
-  auto with = [](const char* mode, int workers, const char* optimizer) {
+  auto with = [](wire::Mode mode, int workers, wire::Optimizer optimizer) {
     wire::Policy p = asyncPolicy();
     p.set_mode(mode);
     p.set_workers(uint32_t(workers));
@@ -1359,25 +1360,25 @@ std::vector<ModeCase> modeCases() {
     p.set_lr(0.01);
     return p;
   };
-  out.push_back({"async sgd", with("async", 2, "sgd"), 2});
-  out.push_back({"async momentum", with("async", 2, "momentum"), 2});
-  out.push_back({"async adam", with("async", 2, "adam"), 2});
-  auto remedies = with("async", 3, "momentum");
-  remedies.set_staleness_lr("inverse");
+  out.push_back({"async sgd", with(wire::MODE_ASYNC, 2, wire::OPTIMIZER_SGD), 2});
+  out.push_back({"async momentum", with(wire::MODE_ASYNC, 2, wire::OPTIMIZER_MOMENTUM), 2});
+  out.push_back({"async adam", with(wire::MODE_ASYNC, 2, wire::OPTIMIZER_ADAM), 2});
+  auto remedies = with(wire::MODE_ASYNC, 3, wire::OPTIMIZER_MOMENTUM);
+  remedies.set_staleness_lr(wire::STALENESS_LR_INVERSE);
   remedies.set_max_staleness(2);
   out.push_back({"async, staleness_lr inverse, max_staleness 2", remedies, 3});
-  auto softsync = with("softsync", 2, "sgd");
+  auto softsync = with(wire::MODE_SOFTSYNC, 2, wire::OPTIMIZER_SGD);
   softsync.set_softsync(2);
   out.push_back({"softsync 2", softsync, 2});
-  out.push_back({"sync, one worker", with("sync", 1, "momentum"), 1});
-  auto backup = with("sync", 2, "sgd");
+  out.push_back({"sync, one worker", with(wire::MODE_SYNC, 1, wire::OPTIMIZER_MOMENTUM), 1});
+  auto backup = with(wire::MODE_SYNC, 2, wire::OPTIMIZER_SGD);
   backup.set_backup_workers(1);
   out.push_back({"sync, a backup worker", backup, 2});
-  auto ssp = with("ssp", 2, "adam");
+  auto ssp = with(wire::MODE_SSP, 2, wire::OPTIMIZER_ADAM);
   ssp.set_staleness_bound(2);
   out.push_back({"ssp 2", ssp, 2});
-  auto updates = with("async", 2, "sgd");
-  updates.set_push("updates");
+  auto updates = with(wire::MODE_ASYNC, 2, wire::OPTIMIZER_SGD);
+  updates.set_push(wire::PUSH_UPDATES);
   out.push_back({"async, pushed updates", updates, 2});
   return out;
 }
@@ -1691,7 +1692,7 @@ std::vector<float> pullShard(Shard& shard) {
   return out;
 }
 
-wire::Policy streamPolicy(const char* mode, const char* optimizer, int workers) {
+wire::Policy streamPolicy(wire::Mode mode, wire::Optimizer optimizer, int workers) {
   wire::Policy p = asyncPolicy();
   p.set_mode(mode);
   p.set_optimizer(optimizer);
@@ -1705,7 +1706,7 @@ wire::Policy streamPolicy(const char* mode, const char* optimizer, int workers) 
 // stepping the pieces apart; the version counts each push once, when it completes.
 TEST(PsStreamTest, AnotherPushBetweenTwoChunksAppliesWholeToEachPiece) {
   Shard shard(ShardOptions{.log = [](const std::string&) {}});
-  wire::Policy policy = streamPolicy("async", "adam", 2);
+  wire::Policy policy = streamPolicy(wire::MODE_ASYNC, wire::OPTIMIZER_ADAM, 2);
   policy.set_lr(0.01);
   wire::InitReply initReply;
   ASSERT_TRUE(shard.init(initOf(policy, kPieces, kStart), &initReply).ok());
@@ -1751,7 +1752,7 @@ TEST(PsStreamTest, AnotherPushBetweenTwoChunksAppliesWholeToEachPiece) {
 // of it leaks into the next step.
 TEST(PsStreamTest, ASyncStepClosingMidStreamTakesThePiecesThatArrived) {
   Shard shard(ShardOptions{.log = [](const std::string&) {}});
-  wire::Policy policy = streamPolicy("sync", "sgd", 2);
+  wire::Policy policy = streamPolicy(wire::MODE_SYNC, wire::OPTIMIZER_SGD, 2);
   policy.set_backup_workers(1);
   wire::InitReply initReply;
   ASSERT_TRUE(shard.init(initOf(policy, kPieces, kStart), &initReply).ok());
@@ -1792,7 +1793,7 @@ TEST(PsStreamTest, ASyncStepClosingMidStreamTakesThePiecesThatArrived) {
 // with the push that closes it); the stream counts in the next group, whole.
 TEST(PsStreamTest, ASoftsyncGroupClosingMidStreamAveragesEachPieceOverWhatItGot) {
   Shard shard(ShardOptions{.log = [](const std::string&) {}});
-  wire::Policy policy = streamPolicy("softsync", "sgd", 2);
+  wire::Policy policy = streamPolicy(wire::MODE_SOFTSYNC, wire::OPTIMIZER_SGD, 2);
   policy.set_softsync(2);
   wire::InitReply initReply;
   ASSERT_TRUE(shard.init(initOf(policy, kPieces, kStart), &initReply).ok());
@@ -1829,7 +1830,7 @@ TEST(PsStreamTest, ASoftsyncGroupClosingMidStreamAveragesEachPieceOverWhatItGot)
 // one that wrote it (the same next push, bit for bit).
 TEST(PsStreamTest, ACheckpointKeepsEachPiecesOptimizerSteps) {
   TempDir dir;
-  wire::Policy policy = streamPolicy("async", "adam", 1);
+  wire::Policy policy = streamPolicy(wire::MODE_ASYNC, wire::OPTIMIZER_ADAM, 1);
   policy.set_lr(0.01);
   Shard first(ShardOptions{.name = "first", .checkpointDir = dir.path(), .log = [](const std::string&) {}});
   wire::InitReply initReply;

@@ -32,15 +32,15 @@ namespace {
 
 using namespace std::chrono_literals;
 
-wire::Policy policy(const std::string& mode, int workers) {
+wire::Policy policy(wire::Mode mode, int workers) {
   wire::Policy p;
   p.set_mode(mode);
   p.set_workers(uint32_t(workers));
   p.set_softsync(1);
-  p.set_staleness_lr("none");
+  p.set_staleness_lr(wire::STALENESS_LR_NONE);
   p.set_max_staleness(-1);
-  p.set_push("gradients");
-  p.set_optimizer("sgd");
+  p.set_push(wire::PUSH_GRADIENTS);
+  p.set_optimizer(wire::OPTIMIZER_SGD);
   p.set_lr(1.0);
   p.set_momentum(0.9);
   p.set_timeout_s(5);
@@ -182,7 +182,7 @@ TEST(PsOptimizer, MatchesTorchMomentumAndAdam) {
 }
 
 TEST(PsShard, AsyncAppliesOnArrivalAndMeasuresStaleness) {
-  Fixture f(policy("async", 2));
+  Fixture f(policy(wire::MODE_ASYNC, 2));
   auto a = f.push(0, 0, 1.0f);  // computed on version 0, applied at version 0: tau 0
   auto b = f.push(1, 0, 1.0f);  // also computed on version 0, but one update went in since: tau 1
   EXPECT_TRUE(a.applied());
@@ -201,7 +201,7 @@ TEST(PsShard, AsyncAppliesOnArrivalAndMeasuresStaleness) {
 }
 
 TEST(PsShard, MaxStalenessDropsExactlyTheGradientsOverTheBound) {
-  auto p = policy("async", 3);
+  auto p = policy(wire::MODE_ASYNC, 3);
   p.set_max_staleness(1);
   Fixture f(p);
   f.push(0, 0, 1.0f);             // tau 0: applied
@@ -218,8 +218,8 @@ TEST(PsShard, MaxStalenessDropsExactlyTheGradientsOverTheBound) {
 }
 
 TEST(PsShard, InverseStalenessScalesTheGradient) {
-  auto p = policy("async", 3);
-  p.set_staleness_lr("inverse");
+  auto p = policy(wire::MODE_ASYNC, 3);
+  p.set_staleness_lr(wire::STALENESS_LR_INVERSE);
   Fixture f(p);
   f.push(0, 0, 1.0f);  // tau 0 -> scale 1
   f.push(1, 0, 1.0f);  // tau 1 -> scale 1
@@ -228,7 +228,7 @@ TEST(PsShard, InverseStalenessScalesTheGradient) {
 }
 
 TEST(PsShard, SyncAveragesAllWorkersAndHoldsEachUntilTheStepCloses) {
-  Fixture f(policy("sync", 2));
+  Fixture f(policy(wire::MODE_SYNC, 2));
   auto first = std::async(std::launch::async, [&] { return f.push(0, 0, 1.0f); });
   EXPECT_EQ(first.wait_for(300ms), std::future_status::timeout) << "released before the other worker pushed";
   auto second = f.push(1, 0, 3.0f);
@@ -247,7 +247,7 @@ TEST(PsShard, SyncAveragesAllWorkersAndHoldsEachUntilTheStepCloses) {
 // the end and held them there: the fault table's ps-sync "kill inside a write" row).
 TEST(PsShard, SyncCheckpointsCountEveryGradientOfAClosedStep) {
   test::TempDir dir;
-  auto p = policy("sync", 2);
+  auto p = policy(wire::MODE_SYNC, 2);
   p.set_checkpoint_every(1);
   Fixture f(p, 4, 0.0f, dir.path());
   for (uint64_t step = 0; step < 20; ++step) {
@@ -267,7 +267,7 @@ TEST(PsShard, SyncCheckpointsCountEveryGradientOfAClosedStep) {
 }
 
 TEST(PsShard, SyncWithBackupWorkersDoesNotWaitForTheLastAndDropsIt) {
-  auto p = policy("sync", 3);
+  auto p = policy(wire::MODE_SYNC, 3);
   p.set_backup_workers(1);
   Fixture f(p);
   auto a = std::async(std::launch::async, [&] { return f.push(0, 0, 1.0f); });
@@ -282,7 +282,7 @@ TEST(PsShard, SyncWithBackupWorkersDoesNotWaitForTheLastAndDropsIt) {
 }
 
 TEST(PsShard, SyncStopsNamingAWorkerThatNeverPushes) {
-  auto p = policy("sync", 2);
+  auto p = policy(wire::MODE_SYNC, 2);
   p.set_timeout_s(0.5);
   Fixture f(p);
   Status status;
@@ -297,7 +297,7 @@ TEST(PsShard, SyncStopsNamingAWorkerThatNeverPushes) {
 }
 
 TEST(PsShard, SoftsyncAppliesTheAverageOfEverySGradients) {
-  auto p = policy("softsync", 3);
+  auto p = policy(wire::MODE_SOFTSYNC, 3);
   p.set_softsync(2);
   Fixture f(p);
   auto a = f.push(0, 0, 1.0f);
@@ -308,7 +308,7 @@ TEST(PsShard, SoftsyncAppliesTheAverageOfEverySGradients) {
 }
 
 TEST(PsShard, SspNeverLetsAWorkerRunMoreThanTheBoundAhead) {
-  auto p = policy("ssp", 3);
+  auto p = policy(wire::MODE_SSP, 3);
   p.set_staleness_bound(2);
   // Every time the shard holds a push it says so (worker, its clock, the slowest's clock).
   struct Held {
@@ -358,7 +358,7 @@ TEST(PsShard, SspNeverLetsAWorkerRunMoreThanTheBoundAhead) {
 }
 
 TEST(PsShard, WarmupLetsWorkerZeroTrainAloneFirst) {
-  auto p = policy("async", 2);
+  auto p = policy(wire::MODE_ASYNC, 2);
   p.set_warmup_steps(3);
   Fixture f(p);
   auto other = std::async(std::launch::async, [&] { return f.push(1, 0, 100.0f); });
@@ -372,7 +372,7 @@ TEST(PsShard, WarmupLetsWorkerZeroTrainAloneFirst) {
 }
 
 TEST(PsShard, RejectsMalformedPushesWithoutTouchingTheParameters) {
-  Fixture f(policy("async", 1));
+  Fixture f(policy(wire::MODE_ASYNC, 1));
   auto check = [&](wire::PushRequest r, Code code, const std::string& words) {
     wire::PushReply reply;
     Status s = f.shard->push(r, &reply);
@@ -410,8 +410,8 @@ TEST(PsShard, RejectsMalformedPushesWithoutTouchingTheParameters) {
 
 TEST(PsShard, RestoresFromItsCheckpointAndResumes) {
   test::TempDir dir;
-  auto p = policy("async", 1);
-  p.set_optimizer("momentum");
+  auto p = policy(wire::MODE_ASYNC, 1);
+  p.set_optimizer(wire::OPTIMIZER_MOMENTUM);
   p.set_checkpoint_every(2);
   std::vector<float> before;
   {
@@ -465,7 +465,7 @@ TEST(PsShard, RestoresFromItsCheckpointAndResumes) {
 // on. Were the write under the lock, the second push would wait for the hook, which waits for it.
 TEST(PsShard, APushIsNotHeldWhileACheckpointIsWritten) {
   test::TempDir dir;
-  auto p = policy("async", 2);
+  auto p = policy(wire::MODE_ASYNC, 2);
   p.set_checkpoint_every(1);
   std::promise<void> writing;
   std::promise<void> pushedMeanwhile;
@@ -498,7 +498,7 @@ TEST(PsShard, APushIsNotHeldWhileACheckpointIsWritten) {
 TEST(PsShard, AFailedCheckpointIsCountedAndAFailedFinalOneIsReported) {
   test::TempDir dir;
   const std::string ckpt = dir.file("ckpt");
-  auto p = policy("async", 2);
+  auto p = policy(wire::MODE_ASYNC, 2);
   p.set_checkpoint_every(1);
   Fixture f(p, 4, 0.0f, ckpt, false, [&](uint64_t version) {
     if (version < 2) return;
@@ -534,7 +534,7 @@ TEST(PsShard, AFailedCheckpointIsCountedAndAFailedFinalOneIsReported) {
 }
 
 TEST(PsShard, FinishesWhenEveryWorkerIsDone) {
-  Fixture f(policy("async", 2));
+  Fixture f(policy(wire::MODE_ASYNC, 2));
   f.done(0);
   EXPECT_FALSE(f.shard->finished());
   f.done(1);
@@ -543,7 +543,7 @@ TEST(PsShard, FinishesWhenEveryWorkerIsDone) {
 }
 
 TEST(PsShard, CountsAWorkerSilentForTheTimeoutAsLost) {
-  auto p = policy("async", 2);
+  auto p = policy(wire::MODE_ASYNC, 2);
   p.set_timeout_s(0.3);
   Fixture f(p);
   f.done(0);
@@ -553,7 +553,7 @@ TEST(PsShard, CountsAWorkerSilentForTheTimeoutAsLost) {
 }
 
 TEST(PsShard, ARetriedPushIsNotCountedTwice) {
-  Fixture f(policy("async", 1));
+  Fixture f(policy(wire::MODE_ASYNC, 1));
   auto first = f.pushOf(0, 0, 1.0f);
   wire::PushReply reply;
   ASSERT_TRUE(f.shard->push(first, &reply).ok());
@@ -588,7 +588,7 @@ void checkpointOneStep(const wire::Policy& p, const std::string& dir) {
 
 TEST(PsShard, ARestoredShardServesAFirstPullOnlyAfterAnInit) {
   test::TempDir dir;
-  auto p = policy("async", 2);
+  auto p = policy(wire::MODE_ASYNC, 2);
   checkpointOneStep(p, dir.path());
   // Restarted with the directory of an earlier run: a new job's first pull must wait for its
   // chief, but a running job's later pulls are served (that is how it rides out a restart).
@@ -609,7 +609,7 @@ TEST(PsShard, ARestoredShardServesAFirstPullOnlyAfterAnInit) {
 // at once, instead of waiting for an Init the chief, already training, will not send again.
 TEST(PsShard, AShardRestartedInItsJobServesAFirstPullAtOnce) {
   test::TempDir dir;
-  auto p = policy("async", 2);
+  auto p = policy(wire::MODE_ASYNC, 2);
   checkpointOneStep(p, dir.path());
   Shard restored(ShardOptions{.name = "again", .checkpointDir = dir.path(), .log = [](const std::string&) {},
                               .restartedInJob = true});
@@ -625,7 +625,7 @@ TEST(PsShard, AShardRestartedInItsJobServesAFirstPullAtOnce) {
 
 TEST(PsShard, ResumeRefusesToDeleteCheckpointsItCannotRead) {
   test::TempDir dir;
-  auto p = policy("async", 1);
+  auto p = policy(wire::MODE_ASYNC, 1);
   checkpointOneStep(p, dir.path());
   // The only checkpoint is made unreadable: a --resume Init must not start afresh over it.
   const auto files = CheckpointStore(dir.path(), "shard").list();
@@ -646,10 +646,10 @@ TEST(PsShard, ResumeRefusesToDeleteCheckpointsItCannotRead) {
 
 TEST(PsShard, ResumeWithAnotherOptimizerIsRefused) {
   test::TempDir dir;
-  auto p = policy("async", 1);
+  auto p = policy(wire::MODE_ASYNC, 1);
   Fixture f(p, 4, 1.0f, dir.path());
   auto other = p;
-  other.set_optimizer("adam");
+  other.set_optimizer(wire::OPTIMIZER_ADAM);
   wire::InitRequest init = initOf(other, f.piece, true);
   wire::InitReply reply;
   Status s = f.shard->init(init, &reply);
@@ -658,7 +658,7 @@ TEST(PsShard, ResumeWithAnotherOptimizerIsRefused) {
 }
 
 TEST(PsShard, AWarmupPushIsHeldAtMostTheTimeout) {
-  auto p = policy("async", 2);
+  auto p = policy(wire::MODE_ASYNC, 2);
   p.set_warmup_steps(1'000'000'000);
   p.set_timeout_s(0.3);
   Fixture f(p);
@@ -678,7 +678,7 @@ TEST(PsShard, AWarmupPushIsHeldAtMostTheTimeout) {
 }
 
 TEST(PsShard, SspWithWarmupIsRefused) {
-  auto p = policy("ssp", 2);
+  auto p = policy(wire::MODE_SSP, 2);
   p.set_warmup_steps(3);
   Status s = checkPolicy(p);
   EXPECT_EQ(s.code, Code::kInvalidArgument);
@@ -686,13 +686,13 @@ TEST(PsShard, SspWithWarmupIsRefused) {
 }
 
 TEST(PsShard, AnInitWhileAPushIsHeldAbortsThatPush) {
-  auto p = policy("sync", 2);
+  auto p = policy(wire::MODE_SYNC, 2);
   Fixture f(p);
   Status held;
   auto one = std::async(std::launch::async, [&] { return f.push(0, 0, 1.0f, &held); });
   EXPECT_EQ(one.wait_for(200ms), std::future_status::timeout);
   // A new job's chief re-initializes with three workers (workers_ is replaced under the push).
-  wire::InitRequest init = initOf(policy("sync", 3), f.piece, false);
+  wire::InitRequest init = initOf(policy(wire::MODE_SYNC, 3), f.piece, false);
   wire::InitReply reply;
   ASSERT_TRUE(f.shard->init(init, &reply).ok());
   one.get();

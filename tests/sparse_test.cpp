@@ -308,12 +308,12 @@ struct Shards {
   }
 };
 
-std::pair<torch::nn::Sequential, int64_t> trainOnPs(bool sparse, const std::string& mode, const std::string& codec,
-                                                    int steps) {
+std::pair<torch::nn::Sequential, int64_t> trainOnPs(bool sparse, PsMode mode, const std::string& codec, int steps) {
   Shards shards(2);
   auto model = embedModel(sparse);
-  ParameterServerClient client(Job::single(), *model, nullptr,
-                               {.mode = mode, .optimizer = "sgd", .lr = 0.5, .hosts = shards.hosts, .codec = codec});
+  ParameterServerClient client(
+      Job::single(), *model, nullptr,
+      {.mode = mode, .optimizer = PsOptimizer::kSgd, .lr = 0.5, .hosts = shards.hosts, .codec = codec});
   int64_t bytes = 0;
   for (int s = 0; s < steps; ++s) {
     const Batch b = bagBatch(uint64_t(s));
@@ -330,20 +330,20 @@ std::pair<torch::nn::Sequential, int64_t> trainOnPs(bool sparse, const std::stri
 }
 
 TEST(SparsePs, RowPushesAndPullsEqualTheDensePathBitForBit) {
-  for (const std::string mode : {"sync", "async"}) {
+  for (const PsMode mode : {PsMode::kSync, PsMode::kAsync}) {
     // sum pooling: the sparse gradient is the dense one's rows bit for bit (test above), and the
     // shards' sgd leaves untouched rows exactly as they are (p - lr * 0 == p).
     auto [sparse, sparseBytes] = trainOnPs(true, mode, "none", 4);
     auto [dense, denseBytes] = trainOnPs(false, mode, "none", 4);
-    expectSameParameters(sparse, dense, mode);
+    expectSameParameters(sparse, dense, psModeName(mode));
     EXPECT_GT(sparseBytes, 0);
     EXPECT_GT(denseBytes, 0);
   }
 }
 
 TEST(SparsePs, Fp16RowsTrainCloseToFloat32Rows) {
-  auto [half, halfBytes] = trainOnPs(true, "sync", "fp16", 3);
-  auto [full, fullBytes] = trainOnPs(true, "sync", "none", 3);
+  auto [half, halfBytes] = trainOnPs(true, PsMode::kSync, "fp16", 3);
+  auto [full, fullBytes] = trainOnPs(true, PsMode::kSync, "none", 3);
   EXPECT_LT(halfBytes, fullBytes);
   EXPECT_TRUE(torch::allclose(table(half), table(full), 1e-2, 1e-2));
   EXPECT_FALSE(torch::equal(table(half), table(full)));
@@ -402,13 +402,13 @@ TEST(SparsePs, TrainerStepsCarryRowsAtEpochEndsEvaluationsAndTheLastStep) {
 TEST(SparsePs, ShardCheckpointsCoverTheRowsAndTheirLazyState) {
   test::TempDir dir;
   ps::wire::Policy policy;
-  policy.set_mode("async");
+  policy.set_mode(ps::wire::MODE_ASYNC);
   policy.set_workers(1);
   policy.set_softsync(1);
-  policy.set_staleness_lr("none");
+  policy.set_staleness_lr(ps::wire::STALENESS_LR_NONE);
   policy.set_max_staleness(-1);
-  policy.set_push("gradients");
-  policy.set_optimizer("adam");
+  policy.set_push(ps::wire::PUSH_GRADIENTS);
+  policy.set_optimizer(ps::wire::OPTIMIZER_ADAM);
   policy.set_lr(0.1);
   policy.set_timeout_s(5);
   ps::wire::PieceSpec piece;

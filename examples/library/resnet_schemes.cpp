@@ -28,8 +28,10 @@ int main(int argc, char** argv) try {
     average.emplace(job, *net, &optimizer, cohort::AveragingOptions{.period = args.period});  // [cohort] average
   } else if (args.scheme == "ps") {
     // The shards run the optimizer (momentum SGD here); the worker pushes gradients.
-    ps.emplace(job, *net, nullptr,                                              // [cohort] ps
-               cohort::ParameterServerOptions{.mode = "async", .optimizer = "momentum", .lr = args.lr,
+    ps.emplace(job, *net, nullptr,  // [cohort] ps
+               cohort::ParameterServerOptions{.mode = cohort::PsMode::kAsync,
+                                              .optimizer = cohort::PsOptimizer::kMomentum,
+                                              .lr = args.lr,
                                               .authToken = authToken()});
   } else {
     throw std::invalid_argument("--scheme must be average or ps, got " + args.scheme);

@@ -4,7 +4,7 @@
 // it, the shards apply the optimizer under the chosen policy, and the reply brings the parameters
 // back (the next step's pull rides on this step's push).
 //
-//   cohort::ParameterServerClient ps(job, *net, nullptr, {.mode = "async", .lr = 0.05});
+//   cohort::ParameterServerClient ps(job, *net, nullptr, {.mode = cohort::PsMode::kAsync, .lr = 0.05});
 //   for (...) {
 //     net->zero_grad();
 //     criterion(net->forward(x), y).backward();
@@ -12,7 +12,7 @@
 //   }
 //   ps.finish();                 // every worker, at the end: pull the final parameters, say Done
 //
-// With push = "updates" the worker runs its own optimizer (pass it) and calls step() after
+// With push = PsPush::kUpdates the worker runs its own optimizer (pass it) and calls step() after
 // optimizer.step(): the change its optimizer made is pushed and added on the shards.
 //
 // A model on a CUDA device trains there (the shards stay CPU processes): the client keeps pinned
@@ -44,22 +44,44 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace cohort {
 
+// The policy's choices, one vocabulary from the command line to the shards (which get them as the
+// wire's enums). A name is parsed once, where it comes in (--ps-mode, --staleness-lr, --push,
+// --optimizer); inside, the code compares these.
+enum class PsMode { kSync, kAsync, kSoftsync, kSsp };
+enum class PsStalenessLr { kNone, kInverse };  // inverse: lr / staleness
+enum class PsPush { kGradients, kUpdates };    // updates: the workers run the optimizer
+enum class PsOptimizer { kSgd, kMomentum, kAdam, kAdagrad };
+
+// The names the command line gives them: "sync", "async", "softsync", "ssp"; "none", "inverse";
+// "gradients", "updates"; "sgd", "momentum", "adam", "adagrad".
+COHORT_API const char* psModeName(PsMode mode);
+COHORT_API const char* psStalenessLrName(PsStalenessLr rule);
+COHORT_API const char* psPushName(PsPush push);
+COHORT_API const char* psOptimizerName(PsOptimizer optimizer);
+
+// The choice a name means; nullopt for any other text (the caller names what it read and where).
+COHORT_API std::optional<PsMode> parsePsMode(std::string_view name);
+COHORT_API std::optional<PsStalenessLr> parsePsStalenessLr(std::string_view name);
+COHORT_API std::optional<PsPush> parsePsPush(std::string_view name);
+COHORT_API std::optional<PsOptimizer> parsePsOptimizer(std::string_view name);
+
 struct COHORT_API ParameterServerOptions {
   // The update policy on the shards (see docs/ARCHITECTURE.md "The parameter server").
-  std::string mode = "async";  // sync | async | softsync | ssp
+  PsMode mode = PsMode::kAsync;
   int backupWorkers = 0;       // sync: the step closes after N - b gradients
   int softsync = 1;            // softsync: gradients averaged per update
   int stalenessBound = 3;      // ssp: the largest clock gap
-  std::string stalenessLr = "none";  // none | inverse (lr / staleness)
+  PsStalenessLr stalenessLr = PsStalenessLr::kNone;
   int64_t maxStaleness = -1;         // drop gradients staler than this; < 0: keep all
   int64_t warmupSteps = 0;           // workers other than 0 wait until version W
-  std::string push = "gradients";    // gradients | updates
+  PsPush push = PsPush::kGradients;
   // The shards' optimizer (gradients mode).
-  std::string optimizer = "sgd";  // sgd | momentum | adam | adagrad (row-sparse tables: lazy)
+  PsOptimizer optimizer = PsOptimizer::kSgd;  // row-sparse tables: lazy
   double lr = 0.01;
   double momentum = 0.9;
   // Where the shards are: host:port each; empty: the job's cluster spec ("ps" tasks).

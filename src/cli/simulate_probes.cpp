@@ -175,13 +175,13 @@ ps::wire::PieceSpec pieceOf(size_t floats) {
 
 ps::wire::InitRequest initRequest(const ps::wire::PieceSpec& piece, const std::vector<float>& values) {
   ps::wire::Policy policy;
-  policy.set_mode("async");
+  policy.set_mode(ps::wire::MODE_ASYNC);
   policy.set_workers(1);
   policy.set_softsync(1);
-  policy.set_staleness_lr("none");
+  policy.set_staleness_lr(ps::wire::STALENESS_LR_NONE);
   policy.set_max_staleness(-1);
-  policy.set_push("gradients");
-  policy.set_optimizer("sgd");
+  policy.set_push(ps::wire::PUSH_GRADIENTS);
+  policy.set_optimizer(ps::wire::OPTIMIZER_SGD);
   policy.set_lr(0.01);
   policy.set_momentum(0.9);
   policy.set_timeout_s(30);

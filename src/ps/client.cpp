@@ -432,9 +432,9 @@ class GrpcClient : public ShardClient {
     }
   }
 
-  // One line on stderr, unless quiet.
+  // One line through the Env, unless quiet.
   void say(const std::string& line) const {
-    if (!options_.quiet) std::fprintf(stderr, "cohort: %s\n", line.c_str());
+    if (!options_.quiet) envOrStandard(options_.env).log(LogLevel::kInfo, line);
   }
 
   const std::string address_;

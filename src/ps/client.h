@@ -3,6 +3,8 @@
 // checks what the wire would.
 #pragma once
 
+#include <cohort/env.h>
+
 #include "ps/status.h"
 #include "ps.pb.h"
 
@@ -79,7 +81,7 @@ struct ClientOptions {
   // How long one spell of an unreachable (or refusing) shard is retried; a call's retries end after
   // kRetryBoundTimeouts x this in all; one attempt's deadline is 2x + 5 s.
   double timeoutSeconds = 60;
-  bool quiet = false;         // no line on stderr when a shard stops or starts answering
+  bool quiet = false;  // no line when a shard stops or starts answering
   // Called (from the calling thread) after each attempt that failed with UNAVAILABLE, before the
   // back-off, when the call will be retried; tests wait on it instead of sleeping.
   std::function<void(const RetryEvent&)> onRetry;
@@ -87,6 +89,7 @@ struct ClientOptions {
   // of at most this many bytes (a larger piece alone), which the shard checks as they arrive (the
   // PushStream call); a smaller push, or any push when 0, goes as one message (PushFramed).
   size_t pushChunkBytes = kDefaultPushChunkBytes;
+  Env* env = nullptr;  // where those lines go; null: Env::standard()
 };
 
 // Whether both clients send `push` as a stream (PushStream) under ClientOptions::pushChunkBytes:

@@ -34,7 +34,6 @@
 #include <atomic>
 #include <cerrno>
 #include <charconv>
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -57,8 +56,6 @@ using Clock = std::chrono::system_clock;
 constexpr auto kShutdownGrace = std::chrono::milliseconds(500);
 // How long a connection may take to finish gRPC's handshake.
 constexpr int kHandshakeTimeoutMs = 10'000;
-// How often runShardServer looks for a signal.
-constexpr auto kPoll = std::chrono::milliseconds(250);
 
 // The most bytes an Init may carry: a shard's part of the model, at most what one checkpoint may
 // hold (2 GiB), and its names. It is every request's cap until the chief's Init came, and an
@@ -111,8 +108,8 @@ bool isLoopbackAddress(const std::string& address) {
 // flood the log), and asks for the memory its request took back from the heap.
 class Refusals {
  public:
-  Refusals(std::shared_ptr<Shard> shard, std::string name, std::function<void(const std::string&)> log)
-      : shard_(std::move(shard)), name_(std::move(name)), log_(std::move(log)) {}
+  Refusals(std::shared_ptr<Shard> shard, std::string name, std::function<void(const std::string&)> log, Env* env)
+      : shard_(std::move(shard)), name_(std::move(name)), log_(std::move(log)), env_(envOrStandard(env)) {}
 
   grpc::Status refuse(const std::string& peer, ProofCheck why) {
     shard_->countUnauthenticated();
@@ -183,7 +180,7 @@ class Refusals {
     if (log_) {
       log_(message);
     } else {
-      std::fprintf(stderr, "cohort %s: %s\n", name_.c_str(), message.c_str());
+      env_.log(LogLevel::kInfo, name_ + ": " + message);
     }
   }
 
@@ -211,6 +208,7 @@ class Refusals {
   const std::shared_ptr<Shard> shard_;
   const std::string name_;
   const std::function<void(const std::string&)> log_;
+  Env& env_;
   std::atomic<int64_t> refused_{0};
   std::atomic<bool> trim_{false};
   std::atomic<uint64_t> layoutCap_{kInitCap};  // until the first Init: an Init's
@@ -795,40 +793,6 @@ class Service final : public wire::ParameterServer::Service {
   Connections* const connections_;
 };
 
-// The signal runShardServer was asked to stop by; 0 while none.
-volatile std::sig_atomic_t stopSignal = 0;
-
-void onStopSignal(int signal) { stopSignal = signal; }
-
-// Installs onStopSignal for SIGTERM and SIGINT while alive; puts the previous handlers back after.
-class StopSignals {
- public:
-  StopSignals() {
-    stopSignal = 0;
-    struct sigaction action {};
-    action.sa_handler = onStopSignal;
-    sigemptyset(&action.sa_mask);
-    sigaction(SIGTERM, &action, &oldTerm_);
-    sigaction(SIGINT, &action, &oldInt_);
-  }
-  ~StopSignals() {
-    sigaction(SIGTERM, &oldTerm_, nullptr);
-    sigaction(SIGINT, &oldInt_, nullptr);
-  }
-  StopSignals(const StopSignals&) = delete;
-  StopSignals& operator=(const StopSignals&) = delete;
-
- private:
-  struct sigaction oldTerm_ {};
-  struct sigaction oldInt_ {};
-};
-
-// "0.0.0.0:0" with port 4711: "0.0.0.0:4711".
-std::string withPort(const std::string& address, int port) {
-  const size_t colon = address.rfind(':');
-  return (colon == std::string::npos ? address : address.substr(0, colon)) + ":" + std::to_string(port);
-}
-
 }  // namespace
 
 struct ShardServer::Impl {
@@ -860,7 +824,7 @@ ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()
     readPem(options.tlsCertFile, "--tls-cert");
   }
   impl_->shard = std::make_shared<Shard>(options.shard);
-  impl_->refusals = std::make_shared<Refusals>(impl_->shard, options.shard.name, options.shard.log);
+  impl_->refusals = std::make_shared<Refusals>(impl_->shard, options.shard.name, options.shard.log, options.shard.env);
   const auto credentials = serverCredentials(options, verifier, impl_->refusals, impl_->checksBeforeBody);
   impl_->tokenBeforeBody = impl_->checksBeforeBody && verifier != nullptr;
   impl_->connections = std::make_unique<Connections>(options.address, impl_->refusals);
@@ -915,54 +879,6 @@ void ShardServer::shutdown() {
     if (impl_->shard) impl_->shard->stop("the parameter-server shard is shutting down");
     if (impl_->server) impl_->server->Shutdown(Clock::now() + kShutdownGrace);
   });
-}
-
-int runShardServer(const ServerOptions& options) {
-  keepFreedMemory();
-  StopSignals signals;
-  ShardServer server(options);
-  const std::shared_ptr<Shard> shard = server.shard();
-  std::printf("cohort ps: listening on %s\n", withPort(options.address, server.port()).c_str());
-  std::fflush(stdout);
-  launcher::tellPort(server.port());  // port 0: cohort launch starts the workers once it knows this
-  if (options.onListening) options.onListening(server.port());
-  if (!options.authToken.empty() && !server.checksTokenBeforeBody()) {
-    std::fprintf(stderr,
-                 "cohort ps: warning: plaintext on %s: calls prove the secret without sending it, but their bodies "
-                 "travel unprotected and are read before the proof is checked; serve TLS (--tls-cert/--tls-key) off "
-                 "loopback\n",
-                 options.address.c_str());
-  }
-  for (;;) {
-    server.trimFreedMemory();
-    if (const auto failure = shard->waitFinished(kPoll)) {
-      std::fprintf(stderr, "cohort ps: error: %s\n", failure->c_str());
-      server.shutdown();
-      return 1;
-    }
-    if (shard->finished()) {
-      server.shutdown();
-      if (const auto error = shard->finalCheckpointError()) {
-        // The run is over (every worker is done) but cannot be resumed: the job fails, naming the
-        // disk, and cohort launch does not restart it onto that disk again.
-        std::fprintf(stderr, "cohort ps: error: %s\n", error->c_str());
-        launcher::tellFinished();
-        launcher::tellError(*error);
-        return 1;
-      }
-      return 0;
-    }
-    if (const int signal = stopSignal; signal != 0) {
-      // Checkpoint before shutting down: a held push can keep shutdown busy, and a second signal
-      // (or SIGKILL) may follow.
-      std::fprintf(stderr, "cohort ps: %s: %s, stopping\n", signal == SIGINT ? "SIGINT" : "SIGTERM",
-                   options.shard.checkpointDir.empty() ? "no --checkpoint-dir, nothing saved"
-                                                       : "writing a checkpoint");
-      shard->checkpoint();
-      server.shutdown();
-      return 0;
-    }
-  }
 }
 
 }  // namespace cohort::ps

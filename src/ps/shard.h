@@ -22,6 +22,8 @@
 // (averaged, under sync and softsync) updates to the values.
 #pragma once
 
+#include <cohort/env.h>
+
 #include "base/thread_annotations.h"
 #include "ps/status.h"
 #include "ps.pb.h"
@@ -46,8 +48,12 @@ class ServerOptimizer;
 struct ShardOptions {
   std::string name = "ps 0";   // in messages and logs
   std::string checkpointDir;   // empty: no checkpoints
-  // Where the shard reports what it refuses, loses or recovers; default: stderr.
+  // Where the shard reports what it refuses, loses or recovers; default: env's log, as
+  // "NAME: MESSAGE".
   std::function<void(const std::string&)> log;
+  // Its messages (without `log`) and its fault points: "ps.shard.version" each time the shard
+  // reaches a version (the value); null: Env::standard().
+  Env* env = nullptr;
   // This process was started again alone by its launcher inside a running job (cohort launch's
   // COHORT_RESTARTED_ALONE=1): the checkpoint it restores is that job's own, so a worker's first
   // pull (marked `initial`) is served from it at once. (Not after a group restart: there a worker
@@ -141,6 +147,12 @@ class Shard {
  private:
   struct Worker;
   Status checkWorker(uint32_t worker) const REQUIRES(mu_);
+  // Init's two ways: the chief resumes this shard's state (same model, workers and optimizer; the
+  // policy and learning rate may change), or starts afresh from its values, replacing the state
+  // and every checkpoint. A fresh start is refused when the state could not fit one checkpoint.
+  Status resumeLocked(const wire::InitRequest& request, wire::InitReply* reply) REQUIRES(mu_);
+  Status checkFitsCheckpoint(const wire::InitRequest& request, const std::vector<wire::PieceSpec>& pieces) const;
+  void startAfreshLocked(const wire::InitRequest& request, const std::vector<wire::PieceSpec>& pieces) REQUIRES(mu_);
   // A push's values for one piece, in the shard's order (views into the request or a scratch
   // buffer): the whole piece (rows empty), or some of its rows, values side by side (row-sparse).
   struct Part {
@@ -174,9 +186,64 @@ class Shard {
   // The checks every push passes first (protocol, initialized, worker); gives the layout.
   Status admitPush(const wire::PushRequest& request, std::vector<wire::PieceSpec>* pieces) EXCLUDES(mu_);
   // framed: the push's floats are there (pushFramed); streamed: they were checked as they arrived
-  // (finishStream). Either way the reply's floats go to *replyValues.
+  // (finishStream). Either way the reply's floats go to *replyValues. Checks and decodes the push
+  // outside the lock (a large push does not stall the others), admits it under the lock, then
+  // hands it to the update policy (shard_policies.cpp).
   Status handlePush(const wire::PushRequest& request, const FramePayload* framed, const Stream* streamed,
                     wire::PushReply* reply, std::vector<float>* replyValues) EXCLUDES(mu_);
+
+  // A push's values checked and decoded, outside the lock (shard_push.cpp).
+  struct DecodedPush;
+  void decodePush(const wire::PushRequest& request, const FramePayload* framed, const Stream* streamed,
+                  const std::vector<wire::PieceSpec>& pieces, DecodedPush& out) const;
+  // Under the lock: a push the shard refuses now (a bad clock, a layout changed by an Init since it
+  // was decoded, a failed shard) is counted and its error returned; Ok admits it.
+  Status acceptLocked(const wire::PushRequest& request, const DecodedPush& decoded, const Stream* streamed)
+      REQUIRES(mu_);
+
+  // A push admitted under the lock, on its way through the update policy to its reply. Lives on
+  // handlePush's stack; `id` indexes workers_, never a reference across a wait (an Init while the
+  // push is held may replace workers_; `generation` tells).
+  struct HeldPush {
+    const wire::PushRequest& request;
+    wire::PushReply* reply;
+    std::vector<float>* replyValues;
+    const Stream* streamed;  // a streamed push, or null
+    bool early;              // streamed, its pieces applied or gathered as they arrived (Stream::Plan)
+    const Parts& grad;       // its values (unused when early)
+    std::chrono::steady_clock::time_point arrived;
+    uint32_t id;          // the worker
+    uint64_t generation;  // the Init it was admitted under
+    uint64_t pulled;      // the version its gradient was computed from (at most the shard's)
+    std::string dropped;  // why it was not applied: late, stale, warmup, stopped; empty: applied
+  };
+  // The worker heard from; a retry of a push already handled is answered as a duplicate (true).
+  bool noteArrivalLocked(HeldPush& push) REQUIRES(mu_);
+  void countPushLocked(const HeldPush& push, int64_t pushedBytes) REQUIRES(mu_);
+
+  // The update policies (shard_policies.cpp), one per --ps-mode: what becomes of an admitted push
+  // and how long it is held. sync: gathered into the step, held until the step closes. async:
+  // applied at once; softsync: gathered into groups of `softsync`; ssp: applied, then held while
+  // its worker is more than the bound ahead of the slowest. The three asynchronous ones share the
+  // warm-up and the staleness remedies (pushAsyncLocked); absorbLocked and holdSspLocked are
+  // where they differ.
+  Status pushSyncLocked(HeldPush& push) REQUIRES(mu_);
+  Status pushAsyncLocked(HeldPush& push) REQUIRES(mu_);
+  // sync: the step closes once enough workers gave a gradient (all live ones, less the backup
+  // workers).
+  void closeSyncStepIfReadyLocked(uint64_t step) REQUIRES(mu_);
+  // sync: a worker lost without a gradient for `step` fails the shard (without backup workers).
+  void failOnLostWorkersLocked(uint64_t step) REQUIRES(mu_);
+  // Workers other than 0 during the warm-up: held until version W (at most the timeout), dropped.
+  bool inWarmupLocked(const HeldPush& push) const REQUIRES(mu_);
+  Status holdForWarmupLocked(HeldPush& push) REQUIRES(mu_);
+  // The gradient into the parameters (async, ssp) or the group (softsync), scaled.
+  void absorbLocked(const HeldPush& push, float scale) REQUIRES(mu_);
+  // ssp: held until this worker, about to start step clock+1, is at most the bound ahead.
+  Status holdSspLocked(HeldPush& push) REQUIRES(mu_);
+  // The reply: the worker's clock, the version, the wait, the values when asked for.
+  Status finishPushLocked(HeldPush& push, bool applied) REQUIRES(mu_);
+  int64_t stalenessLocked(const HeldPush& push) const REQUIRES(mu_);
   void maybeCheckpointLocked() REQUIRES(mu_);
   void checkpointLocked() REQUIRES(mu_);
   // The state as a checkpoint (nullopt without a store or before Init), and its writing, which

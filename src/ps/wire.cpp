@@ -266,33 +266,82 @@ Status checkPieces(std::span<const wire::PieceSpec> pieces, uint64_t maxElements
   return Status::Ok();
 }
 
-Status checkPolicy(const wire::Policy& p) {
-  const std::string& m = p.mode();
-  if (m != "sync" && m != "async" && m != "softsync" && m != "ssp") {
-    return invalid("Init: unknown mode '" + m + "': expected sync, async, softsync or ssp");
+const char* modeName(wire::Mode mode) {
+  switch (mode) {
+    case wire::MODE_SYNC: return "sync";
+    case wire::MODE_ASYNC: return "async";
+    case wire::MODE_SOFTSYNC: return "softsync";
+    case wire::MODE_SSP: return "ssp";
+    default: return "";
   }
+}
+
+const char* stalenessLrName(wire::StalenessLr rule) {
+  switch (rule) {
+    case wire::STALENESS_LR_NONE: return "none";
+    case wire::STALENESS_LR_INVERSE: return "inverse";
+    default: return "";
+  }
+}
+
+const char* pushName(wire::Push push) {
+  switch (push) {
+    case wire::PUSH_GRADIENTS: return "gradients";
+    case wire::PUSH_UPDATES: return "updates";
+    default: return "";
+  }
+}
+
+const char* optimizerName(wire::Optimizer optimizer) {
+  switch (optimizer) {
+    case wire::OPTIMIZER_SGD: return "sgd";
+    case wire::OPTIMIZER_MOMENTUM: return "momentum";
+    case wire::OPTIMIZER_ADAM: return "adam";
+    case wire::OPTIMIZER_ADAGRAD: return "adagrad";
+    default: return "";
+  }
+}
+
+namespace {
+
+// One of the policy's choices: refused when unset (UNSPECIFIED, or a peer that sent it as text
+// in its old field) or unknown (a number this version does not know).
+Status checkChoice(int value, const char* name, const char* field, const char* expected) {
+  if (value == 0) return invalid(std::string("Init: no ") + field + ": expected " + expected);
+  if (*name == '\0') {
+    return invalid(std::string("Init: unknown ") + field + " '" + std::to_string(value) + "': expected " + expected);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status checkPolicy(const wire::Policy& p) {
+  const wire::Mode m = p.mode();
+  if (Status s = checkChoice(m, modeName(m), "mode", "sync, async, softsync or ssp"); !s.ok()) return s;
   if (p.workers() < 1 || p.workers() > 65536) return invalid("Init: workers must be in 1..65536");
   if (p.backup_workers() >= p.workers()) {
     return invalid("Init: backup workers (" + std::to_string(p.backup_workers()) + ") must be fewer than the " +
                    std::to_string(p.workers()) + " workers");
   }
-  if (m == "softsync" && (p.softsync() < 1 || p.softsync() > p.workers())) {
+  if (m == wire::MODE_SOFTSYNC && (p.softsync() < 1 || p.softsync() > p.workers())) {
     return invalid("Init: softsync must be in 1.." + std::to_string(p.workers()) + ", got " +
                    std::to_string(p.softsync()));
   }
-  if (p.staleness_lr() != "none" && p.staleness_lr() != "inverse") {
-    return invalid("Init: unknown staleness_lr '" + p.staleness_lr() + "': expected none or inverse");
+  if (Status s = checkChoice(p.staleness_lr(), stalenessLrName(p.staleness_lr()), "staleness_lr", "none or inverse");
+      !s.ok()) {
+    return s;
   }
-  if (p.push() != "gradients" && p.push() != "updates") {
-    return invalid("Init: unknown push '" + p.push() + "': expected gradients or updates");
-  }
-  if (p.optimizer() != "sgd" && p.optimizer() != "momentum" && p.optimizer() != "adam" && p.optimizer() != "adagrad") {
-    return invalid("Init: unknown optimizer '" + p.optimizer() + "': expected sgd, momentum, adam or adagrad");
+  if (Status s = checkChoice(p.push(), pushName(p.push()), "push", "gradients or updates"); !s.ok()) return s;
+  if (Status s =
+          checkChoice(p.optimizer(), optimizerName(p.optimizer()), "optimizer", "sgd, momentum, adam or adagrad");
+      !s.ok()) {
+    return s;
   }
   if (!(p.lr() > 0) || !std::isfinite(p.lr())) return invalid("Init: lr must be positive");
   if (!(p.momentum() >= 0 && p.momentum() < 1)) return invalid("Init: momentum must be in [0, 1)");
   if (!(p.timeout_s() > 0) || !(p.timeout_s() <= 1e6)) return invalid("Init: timeout must be in (0, 1e6] s");
-  if (m == "ssp" && p.warmup_steps() > 0) {
+  if (m == wire::MODE_SSP && p.warmup_steps() > 0) {
     // Workers held in warm-up would be the slowest, and hold worker 0 in turn.
     return invalid("Init: warm-up steps cannot be combined with ssp: use async or softsync for a warm-up");
   }

@@ -67,7 +67,14 @@ void setTensor(wire::Tensor* tensor, const wire::PieceSpec& piece, const float* 
 // The pieces of an Init request: distinct keys, positive sizes, at most maxElements in all.
 Status checkPieces(std::span<const wire::PieceSpec> pieces, uint64_t maxElements);
 
-// The policy of an Init request: known names, counts that fit the number of workers.
+// The names of the policy's choices, as the command line and messages spell them ("sync",
+// "inverse", "gradients", "adam"); "" for UNSPECIFIED or a value this version does not know.
+const char* modeName(wire::Mode mode);
+const char* stalenessLrName(wire::StalenessLr rule);
+const char* pushName(wire::Push push);
+const char* optimizerName(wire::Optimizer optimizer);
+
+// The policy of an Init request: every choice set and known, counts that fit the number of workers.
 Status checkPolicy(const wire::Policy& policy);
 
 }  // namespace cohort::ps

@@ -8,6 +8,7 @@
 #include "ps/wire.h"
 #include "schemes/host_mirror.h"
 #include "schemes/model_sync.h"
+#include "schemes/ps_policy.h"
 
 #include <cohort/error.h>
 #include <cohort/job.h>
@@ -73,25 +74,7 @@ struct ParameterServerClient::Impl {
                  "--strategy ps needs parameter servers: run it under `cohort launch --ps M`, with a TF_CONFIG "
                  "that lists a \"ps\" job, or give --ps-hosts HOST:PORT,...");
     const auto& o = c_.options;
-    COHORT_CHECK(o.mode == "sync" || o.mode == "async" || o.mode == "softsync" || o.mode == "ssp", InvalidArgument,
-                 "unknown --ps-mode '", o.mode, "': expected sync, async, softsync or ssp");
-    COHORT_CHECK(o.backupWorkers >= 0 && o.backupWorkers < c_.workers, InvalidArgument,
-                 "--backup-workers must be in 0..", c_.workers - 1, " with ", c_.workers, " workers, got ",
-                 o.backupWorkers);
-    COHORT_CHECK(o.backupWorkers == 0 || o.mode == "sync", InvalidArgument,
-                 "--backup-workers applies to --ps-mode sync only");
-    COHORT_CHECK(o.mode != "softsync" || (o.softsync >= 1 && o.softsync <= c_.workers), InvalidArgument,
-                 "--softsync must be in 1..", c_.workers, " (the number of workers), got ", o.softsync);
-    COHORT_CHECK(o.stalenessBound >= 0, InvalidArgument, "--staleness-bound must not be negative");
-    COHORT_CHECK(o.mode != "sync" || (o.stalenessLr == "none" && o.maxStaleness < 0 && o.warmupSteps == 0),
-                 InvalidArgument,
-                 "--staleness-lr, --max-staleness and --warmup-steps are remedies for the asynchronous modes "
-                 "(async, softsync, ssp); sync gradients are never stale");
-    COHORT_CHECK(o.stalenessLr == "none" || o.stalenessLr == "inverse", InvalidArgument,
-                 "unknown --staleness-lr '", o.stalenessLr, "': expected none or inverse");
-    COHORT_CHECK(o.push == "gradients" || o.push == "updates", InvalidArgument, "unknown --push '", o.push,
-                 "': expected gradients or updates");
-    COHORT_CHECK(o.warmupSteps >= 0, InvalidArgument, "--warmup-steps must not be negative");
+    checkPolicyOptions(o, c_.workers);
     codec_ = compress::CodecSpec::parse(c_.options.codec);
     for (size_t i = 0; i < c_.shards.size(); ++i) {
       {
@@ -101,7 +84,8 @@ struct ParameterServerClient::Impl {
                                             .timeoutSeconds = c_.timeoutSeconds,
                                             .quiet = false,
                                             .onRetry = {},
-                                            .pushChunkBytes = size_t(o.pushChunkMb * double(1 << 20))}));
+                                            .pushChunkBytes = size_t(o.pushChunkMb * double(1 << 20)),
+                                            .env = c_.env}));
       }
     }
     versions_.assign(c_.shards.size(), 0);
@@ -109,7 +93,7 @@ struct ParameterServerClient::Impl {
   }
 
   void attach(torch::nn::Module& model, torch::optim::Optimizer* optimizer) {
-    COHORT_CHECK(c_.options.push != "updates" || optimizer != nullptr, InvalidArgument,
+    COHORT_CHECK(c_.options.push != PsPush::kUpdates || optimizer != nullptr, InvalidArgument,
                  "cohort::ParameterServerClient: push = updates runs the worker's own optimizer: pass it");
     std::vector<ps::ParamInfo> infos;
     for (const auto& [name, p] : uniqueParameters(model)) {
@@ -121,7 +105,7 @@ struct ParameterServerClient::Impl {
       rowSparse_.push_back(rowSparse);
       anyRowSparse_ = anyRowSparse_ || rowSparse;
     }
-    COHORT_CHECK(!anyRowSparse_ || c_.options.push == "gradients", InvalidArgument,
+    COHORT_CHECK(!anyRowSparse_ || c_.options.push == PsPush::kGradients, InvalidArgument,
                  "--push updates is not supported for a model with a sparse embedding table (its rows travel as "
                  "gradients): use --push gradients");
     nextRows_.assign(params_.size(), torch::Tensor());
@@ -134,7 +118,7 @@ struct ParameterServerClient::Impl {
       // gradients leave the device into a pinned buffer of their own, each allocated once.
       params_ = mirror_->views();
       mirror_->toHost();  // the chief's Init sends them
-      if (c_.options.push == "gradients") gradMirror_ = std::make_unique<HostMirror>(modelParams_, *c_.env);
+      if (c_.options.push == PsPush::kGradients) gradMirror_ = std::make_unique<HostMirror>(modelParams_, *c_.env);
     }
     pieces_ = ps::planLayout(infos, int(c_.shards.size()));
     specs_.assign(c_.shards.size(), {});
@@ -176,7 +160,7 @@ struct ParameterServerClient::Impl {
 
   // The parameters as last pulled, for push = updates: the change since is what is pushed.
   void snapshot() {
-    if (c_.options.push != "updates") return;
+    if (c_.options.push != PsPush::kUpdates) return;
     torch::NoGradGuard noGrad;
     if (before_.empty()) {
       for (const auto& p : params_) before_.push_back(p.detach().clone());
@@ -185,52 +169,16 @@ struct ParameterServerClient::Impl {
     }
   }
 
-  ParameterServerStep push(int64_t samples) {
-    COHORT_CHECK(!finished_, InvalidArgument, "cohort::ParameterServerClient::step() after finish()");
-    ParameterServerStep stats;
-    if (c_.options.push != "updates") {
-      bool any = false;
-      for (const auto& p : modelParams_) any = any || p.grad().defined();
-      COHORT_CHECK(any, InvalidArgument,
-                   "cohort::ParameterServerClient::step() before backward(): no parameter has a gradient to push");
-    }
-    // What goes to the shards: the gradients, or the change the local optimizer made; a
-    // row-sparse table's gradient as its touched rows.
+  // What one step pushes: per parameter, the gradient or the change the local optimizer made
+  // (send; CPU, contiguous), or for a row-sparse table its touched rows (rows: ids and values).
+  struct Outgoing {
     std::vector<torch::Tensor> send;
-    std::vector<std::pair<torch::Tensor, torch::Tensor>> rows(params_.size());
-    {
-      torch::NoGradGuard noGrad;
-      if (mirror_ && c_.options.push == "updates") {
-        mirror_->toHost();  // the change the local optimizer made on the device
-      } else if (mirror_) {
-        // The dense gradients leave the device once, together; the tables' rows below.
-        std::vector<torch::Tensor> grads;
-        for (size_t i = 0; i < modelParams_.size(); ++i) {
-          grads.push_back(rowSparse_[i] ? torch::Tensor() : modelParams_[i].grad());
-        }
-        gradMirror_->toHost(grads);
-        mirror_->awaitDevice();  // the reply is written into the parameters' host views
-      }
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (rowSparse_[i]) {
-          const auto& g = modelParams_[i].grad();
-          if (g.defined()) {
-            auto [ids, values] = gradientRows(g);
-            rows[i] = {ids.to(torch::kCPU), values.to(torch::kCPU)};  // the same tensors on the CPU
-          } else {
-            rows[i] = {torch::empty({0}, torch::kInt64), torch::empty({0, params_[i].size(1)})};
-          }
-          send.emplace_back();
-        } else if (c_.options.push == "updates") {
-          send.push_back((params_[i].detach() - before_[i]).contiguous());
-        } else if (gradMirror_) {
-          send.push_back(gradMirror_->views()[i]);
-        } else {
-          const auto& g = params_[i].grad();
-          send.push_back(g.defined() ? g.contiguous() : torch::zeros_like(params_[i]));
-        }
-      }
-    }
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> rows;
+  };
+
+  ParameterServerStep push(int64_t samples) {
+    checkCanPush();
+    const Outgoing out = outgoing();
     const auto commStart = Clock::now();
     std::vector<ps::wire::PushReply> replies(clients_.size());
     std::vector<int64_t> sent(clients_.size(), 0);
@@ -250,47 +198,10 @@ struct ParameterServerClient::Impl {
       request.set_row_sparse(anyRowSparse_);
       request.set_want_all_rows(anyRowSparse_ && !wantRows);
       if (!compress && !anyRowSparse_) {
-        sent[s] = pushFramed(s, request, send, &replies[s]);
+        sent[s] = pushFramed(s, request, out.send, &replies[s]);
         return;
       }
-      if (compress && !denseSpecs_[s].empty()) {
-        // The shard's dense pieces side by side, through this shard's encoder (and its residual).
-        float* flat = flat_[s].data();
-        for (const ps::Piece* p : shardPieces_[s]) {
-          if (anyRowSparse_ && p->rowDim > 0) continue;
-          std::memcpy(flat, send[p->param].data_ptr<float>() + p->offset, p->numel * sizeof(float));
-          flat += p->numel;
-        }
-        encoders_[s].encode(flat_[s], messages_[s]);
-        request.set_compressed(messages_[s].data(), messages_[s].size());
-        sent[s] = int64_t(messages_[s].size());
-      } else {
-        for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
-          const ps::Piece& p = *shardPieces_[s][k];
-          if (anyRowSparse_ && p.rowDim > 0) continue;
-          ps::setTensor(request.add_values(), specs_[s][k], send[p.param].data_ptr<float>() + p.offset);
-        }
-        sent[s] = payloadBytes(request.values());
-      }
-      for (size_t k = 0; anyRowSparse_ && k < shardPieces_[s].size(); ++k) {
-        const ps::Piece& p = *shardPieces_[s][k];
-        if (p.rowDim == 0) continue;
-        const auto [begin, end] = rowRange(rows[p.param].first, p);
-        if (end > begin) {
-          ps::wire::Rows* r = request.add_rows();
-          setPushedRows(r, p, rows[p.param].first, rows[p.param].second, begin, end, compress);
-          sent[s] += int64_t(r->ByteSizeLong());
-        }
-        if (wantRows) {
-          const auto [from, to] = rowRange(nextRows_[p.param], p);
-          ps::wire::Rows* want = request.add_want_rows();
-          want->set_key(p.key);
-          const int64_t* ids = nextRows_[p.param].data_ptr<int64_t>();
-          const int64_t first = int64_t(p.offset / p.rowDim);
-          for (int64_t j = from; j < to; ++j) want->add_rows(uint32_t(ids[j] - first));
-          sent[s] += int64_t(want->ByteSizeLong());
-        }
-      }
+      sent[s] = addValues(s, out.send, compress, request) + addRows(s, out.rows, compress, wantRows, request);
       check(clients_[s]->push(request, &replies[s]), c_.shards[s], "Push");
       if (anyRowSparse_ && wantRows) {
         loadRows(s, replies[s].version(), replies[s].values(), replies[s].rows());
@@ -301,10 +212,114 @@ struct ParameterServerClient::Impl {
     for (auto& next : nextRows_) next = torch::Tensor();
     if (mirror_) mirror_->toDevice();  // the next step's parameters, without blocking the host
     snapshot();
-    stats.commWaitSeconds = secondsSince(commStart);
+    const double commWaitSeconds = secondsSince(commStart);
     ++clock_;
     ++steps_;
+    ParameterServerStep stats = stepOf(replies, sent);
+    stats.commWaitSeconds = commWaitSeconds;
+    return stats;
+  }
 
+  void checkCanPush() const {
+    COHORT_CHECK(!finished_, InvalidArgument, "cohort::ParameterServerClient::step() after finish()");
+    if (c_.options.push == PsPush::kUpdates) return;
+    bool any = false;
+    for (const auto& p : modelParams_) any = any || p.grad().defined();
+    COHORT_CHECK(any, InvalidArgument,
+                 "cohort::ParameterServerClient::step() before backward(): no parameter has a gradient to push");
+  }
+
+  // The gradients, or the change the local optimizer made; a row-sparse table's gradient as its
+  // touched rows. From a device: through the host mirrors, each leaving the device once.
+  Outgoing outgoing() {
+    torch::NoGradGuard noGrad;
+    Outgoing out;
+    out.rows.resize(params_.size());
+    if (mirror_ && c_.options.push == PsPush::kUpdates) {
+      mirror_->toHost();  // the change the local optimizer made on the device
+    } else if (mirror_) {
+      // The dense gradients leave the device once, together; the tables' rows below.
+      std::vector<torch::Tensor> grads;
+      for (size_t i = 0; i < modelParams_.size(); ++i) {
+        grads.push_back(rowSparse_[i] ? torch::Tensor() : modelParams_[i].grad());
+      }
+      gradMirror_->toHost(grads);
+      mirror_->awaitDevice();  // the reply is written into the parameters' host views
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (rowSparse_[i]) {
+        const auto& g = modelParams_[i].grad();
+        if (g.defined()) {
+          auto [ids, values] = gradientRows(g);
+          out.rows[i] = {ids.to(torch::kCPU), values.to(torch::kCPU)};  // the same tensors on the CPU
+        } else {
+          out.rows[i] = {torch::empty({0}, torch::kInt64), torch::empty({0, params_[i].size(1)})};
+        }
+        out.send.emplace_back();
+      } else if (c_.options.push == PsPush::kUpdates) {
+        out.send.push_back((params_[i].detach() - before_[i]).contiguous());
+      } else if (gradMirror_) {
+        out.send.push_back(gradMirror_->views()[i]);
+      } else {
+        const auto& g = params_[i].grad();
+        out.send.push_back(g.defined() ? g.contiguous() : torch::zeros_like(params_[i]));
+      }
+    }
+    return out;
+  }
+
+  // Shard s's dense pieces into its push: side by side through its encoder (and its residual)
+  // when compressing, else as float32 tensors. Returns the bytes added.
+  int64_t addValues(size_t s, const std::vector<torch::Tensor>& send, bool compress, ps::wire::PushRequest& request) {
+    if (compress && !denseSpecs_[s].empty()) {
+      float* flat = flat_[s].data();
+      for (const ps::Piece* p : shardPieces_[s]) {
+        if (anyRowSparse_ && p->rowDim > 0) continue;
+        std::memcpy(flat, send[p->param].data_ptr<float>() + p->offset, p->numel * sizeof(float));
+        flat += p->numel;
+      }
+      encoders_[s].encode(flat_[s], messages_[s]);
+      request.set_compressed(messages_[s].data(), messages_[s].size());
+      return int64_t(messages_[s].size());
+    }
+    for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
+      const ps::Piece& p = *shardPieces_[s][k];
+      if (anyRowSparse_ && p.rowDim > 0) continue;
+      ps::setTensor(request.add_values(), specs_[s][k], send[p.param].data_ptr<float>() + p.offset);
+    }
+    return payloadBytes(request.values());
+  }
+
+  // Shard s's part of each row-sparse table into its push: the touched rows, and (wantRows) the
+  // rows the next step reads, asked back. Returns the bytes added.
+  int64_t addRows(size_t s, const std::vector<std::pair<torch::Tensor, torch::Tensor>>& rows, bool compress,
+                  bool wantRows, ps::wire::PushRequest& request) {
+    int64_t bytes = 0;
+    for (size_t k = 0; anyRowSparse_ && k < shardPieces_[s].size(); ++k) {
+      const ps::Piece& p = *shardPieces_[s][k];
+      if (p.rowDim == 0) continue;
+      const auto [begin, end] = rowRange(rows[p.param].first, p);
+      if (end > begin) {
+        ps::wire::Rows* r = request.add_rows();
+        setPushedRows(r, p, rows[p.param].first, rows[p.param].second, begin, end, compress);
+        bytes += int64_t(r->ByteSizeLong());
+      }
+      if (wantRows) {
+        const auto [from, to] = rowRange(nextRows_[p.param], p);
+        ps::wire::Rows* want = request.add_want_rows();
+        want->set_key(p.key);
+        const int64_t* ids = nextRows_[p.param].data_ptr<int64_t>();
+        const int64_t first = int64_t(p.offset / p.rowDim);
+        for (int64_t j = from; j < to; ++j) want->add_rows(uint32_t(ids[j] - first));
+        bytes += int64_t(want->ByteSizeLong());
+      }
+    }
+    return bytes;
+  }
+
+  // The step as shard 0 saw it (samples, staleness, drops), with every shard's bytes.
+  ParameterServerStep stepOf(const std::vector<ps::wire::PushReply>& replies, const std::vector<int64_t>& sent) {
+    ParameterServerStep stats;
     const auto& first = replies[0];
     stats.samples = std::max<int64_t>(0, first.samples_total() - samplesSeen_);
     samplesSeen_ = std::max(samplesSeen_, first.samples_total());
@@ -374,16 +389,14 @@ struct ParameterServerClient::Impl {
     // warning: the shard can resume, from an older state than it could have.
     for (size_t s = 0; s < checkpointFailures_.size() && !finalCheckpointError_; ++s) {
       if (checkpointFailures_[s].first == 0) continue;
-      std::fprintf(stderr,
-                   "cohort: warning: ps %zu: %lld periodic checkpoint write(s) failed, training went on (the last: %s); "
-                   "its final checkpoint was written\n",
-                   s, static_cast<long long>(checkpointFailures_[s].first), checkpointFailures_[s].second.c_str());
+      c_.env->log(LogLevel::kWarning, "ps " + std::to_string(s) + ": " + std::to_string(checkpointFailures_[s].first) +
+                                          " periodic checkpoint write(s) failed, training went on (the last: " +
+                                          checkpointFailures_[s].second + "); its final checkpoint was written");
     }
     if (!lostWorkers_.empty()) {
       std::string list;
       for (auto w : lostWorkers_) list += (list.empty() ? "" : ", ") + std::to_string(w);
-      std::fprintf(stderr, "cohort: warning: worker %s stopped before the end; the others finished without it\n",
-                   list.c_str());
+      c_.env->log(LogLevel::kWarning, "worker " + list + " stopped before the end; the others finished without it");
     }
     return report_;
   }
@@ -420,7 +433,7 @@ struct ParameterServerClient::Impl {
         if (r.lost(w) && !(w < r.done_size() && r.done(w))) lostWorkers.push_back(w);
       }
     }
-    fields = {{"ps_mode", c_.options.mode},
+    fields = {{"ps_mode", std::string(psModeName(c_.options.mode))},
               {"ps_shards", int64_t(clients_.size())},
               {"staleness_mean", stalenessSum},
               {"staleness_max", stalenessMax},
@@ -514,22 +527,7 @@ struct ParameterServerClient::Impl {
       request.set_protocol(ps::kProtocolVersion);
       request.set_worker(0);
       request.set_resume(c_.options.resume);
-      auto* p = request.mutable_policy();
-      const auto& o = c_.options;
-      p->set_mode(o.mode);
-      p->set_workers(uint32_t(c_.workers));
-      p->set_backup_workers(uint32_t(o.backupWorkers));
-      p->set_softsync(uint32_t(o.softsync));
-      p->set_staleness_bound(uint32_t(o.stalenessBound));
-      p->set_staleness_lr(o.stalenessLr);
-      p->set_max_staleness(o.maxStaleness);
-      p->set_warmup_steps(o.warmupSteps);
-      p->set_push(o.push);
-      p->set_optimizer(c_.options.optimizer);
-      p->set_lr(c_.options.lr);
-      p->set_momentum(c_.options.momentum);
-      p->set_checkpoint_every(c_.options.checkpointEvery);
-      p->set_timeout_s(c_.timeoutSeconds);
+      *request.mutable_policy() = wirePolicy(c_.options, c_.workers, c_.timeoutSeconds);
       for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
         const ps::Piece& piece = *shardPieces_[s][k];
         *request.add_pieces() = specs_[s][k];
@@ -538,8 +536,8 @@ struct ParameterServerClient::Impl {
       ps::wire::InitReply reply;
       check(clients_[s]->init(request, &reply), c_.shards[s], "Init");
       if (reply.resumed()) {
-        std::fprintf(stderr, "cohort: ps shard %s resumed at version %llu\n", c_.shards[s].c_str(),
-                     (unsigned long long)reply.version());
+        c_.env->log(LogLevel::kInfo,
+                    "ps shard " + c_.shards[s] + " resumed at version " + std::to_string(reply.version()));
       }
     });
   }
@@ -754,12 +752,13 @@ int serveParameterServerShard(const Job& job, const ParameterServerOptions& opti
   server.tlsCertFile = options.tlsCert;
   server.tlsKeyFile = options.tlsKey;
   server.shard.name = "ps " + std::to_string(cluster.rank);
+  server.shard.env = &job.env();
   if (!checkpointDir.empty()) server.shard.checkpointDir = checkpointDir + "/ps-" + std::to_string(cluster.rank);
   // cohort launch restarted this shard alone: the workers and the chief run on (ShardOptions::
   // restartedInJob). Not after a group restart, where the chief's resume Init comes first.
   if (const char* alone = std::getenv("COHORT_RESTARTED_ALONE")) server.shard.restartedInJob = std::string(alone) == "1";
   if (options.authToken.empty()) {
-    std::fprintf(stderr, "cohort ps: warning: no auth token: this shard accepts requests from anyone who can reach it\n");
+    job.env().log(LogLevel::kWarning, "no auth token: this shard accepts requests from anyone who can reach it");
   }
   return ps::runShardServer(server);
 }

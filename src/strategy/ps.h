@@ -4,7 +4,7 @@
 // The worker pulls the parameters, computes a gradient on its batch, and pushes it to every shard;
 // the shards run the optimizer and the update policy (ps/shard.h). Each push asks for the
 // parameters back, so a step is one round trip per shard, to all shards in parallel: the next
-// step's pull rides on this step's push. With push = "updates" the worker runs its optimizer
+// step's pull rides on this step's push. With push = updates the worker runs its optimizer
 // itself and pushes the change in its parameters, which the shards add. With --codec, each push
 // carries one codec message per shard (PushRequest.compressed); the worker keeps one encoder, and
 // so one residual, per shard. The pulls stay float32.
@@ -18,6 +18,10 @@
 #include <memory>
 
 namespace cohort {
+
+// The command line's ps options with the policy's names parsed; throws InvalidArgument naming the
+// option (--ps-mode, --staleness-lr, --push, --optimizer) of a name it does not know.
+ParameterServerOptions parsePsOptions(const PsCommandLineOptions& options);
 
 std::unique_ptr<Strategy> makePsStrategy(const Job& job, ParameterServerOptions options);
 
