@@ -134,13 +134,13 @@ double grpcShard(size_t floats, int rounds, bool framed, size_t chunkBytes) {
   wire::InitRequest init;
   init.set_protocol(kProtocolVersion);
   auto* p = init.mutable_policy();
-  p->set_mode("async");
+  p->set_mode(wire::MODE_ASYNC);
   p->set_workers(1);
   p->set_softsync(1);
-  p->set_staleness_lr("none");
+  p->set_staleness_lr(wire::STALENESS_LR_NONE);
   p->set_max_staleness(-1);
-  p->set_push("gradients");
-  p->set_optimizer("sgd");
+  p->set_push(wire::PUSH_GRADIENTS);
+  p->set_optimizer(wire::OPTIMIZER_SGD);
   p->set_lr(0.001);
   p->set_timeout_s(60);
   size_t at = 0;
