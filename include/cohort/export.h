@@ -4,3 +4,7 @@
 #pragma once
 
 #define COHORT_API __attribute__((visibility("default")))
+
+// COHORT_LOCAL marks what src/ defines inside a public class (its Impl): a nested class takes its
+// exported parent's visibility, so without this its out-of-line members would be exported too.
+#define COHORT_LOCAL __attribute__((visibility("hidden")))

@@ -123,7 +123,7 @@ std::optional<std::string> valueForRank(const std::string& text, int rank, const
 // needs every worker at every step.
 const char* workerLossOf(const StrategyOptions& s) {
   if (s.scheme == Scheme::kGossip) return "tolerated";
-  if (s.scheme == Scheme::kPs && s.ps.mode != "sync") return "rejoins";
+  if (s.scheme == Scheme::kPs && s.ps.mode != PsMode::kSync) return "rejoins";
   if (s.scheme == Scheme::kPs && s.ps.backupWorkers > 0) return "tolerated";
   return "stops-group";
 }
@@ -162,6 +162,9 @@ struct TrainFlags {
   TrainOptions options;
   EvaluatorOptions evaluator;
   std::string optimizer;  // --optimizer: parseOptimizer
+  std::string psMode = "async";      // --ps-mode: parsePsMode
+  std::string stalenessLr = "none";  // --staleness-lr: parsePsStalenessLr
+  std::string push = "gradients";    // --push: parsePsPush
   std::string backend;    // --backend: parseCommBackend
   std::string strategy;   // --strategy: parseScheme
   std::string progress = "auto";
@@ -394,7 +397,7 @@ void addCompressionOptions(CLI::App* train, StrategyOptions& s) {
 void addParameterServerOptions(CLI::App* train, TrainFlags& f) {
   auto* psGroup = "Parameter server (--strategy ps)";
   auto& p = f.options.strategy.ps;
-  train->add_option("--ps-mode", p.mode, "sync, async, softsync or ssp")
+  train->add_option("--ps-mode", f.psMode, "sync, async, softsync or ssp")
       ->check(CLI::IsMember({"sync", "async", "softsync", "ssp"}))
       ->group(psGroup)
       ->capture_default_str();
@@ -408,7 +411,7 @@ void addParameterServerOptions(CLI::App* train, TrainFlags& f) {
   train->add_option("--staleness-bound", p.stalenessBound, "ssp: a worker more than S steps ahead of the slowest waits")
       ->group(psGroup)
       ->capture_default_str();
-  train->add_option("--staleness-lr", p.stalenessLr, "none, or inverse: scale each gradient by 1/staleness")
+  train->add_option("--staleness-lr", f.stalenessLr, "none, or inverse: scale each gradient by 1/staleness")
       ->check(CLI::IsMember({"none", "inverse"}))
       ->group(psGroup)
       ->capture_default_str();
@@ -418,7 +421,7 @@ void addParameterServerOptions(CLI::App* train, TrainFlags& f) {
   train->add_option("--warmup-steps", p.warmupSteps, "Worker 0 trains alone for the first W updates")
       ->group(psGroup)
       ->capture_default_str();
-  train->add_option("--push", p.push, "gradients (the shards run the optimizer) or updates (the workers do)")
+  train->add_option("--push", f.push, "gradients (the shards run the optimizer) or updates (the workers do)")
       ->check(CLI::IsMember({"gradients", "updates"}))
       ->group(psGroup)
       ->capture_default_str();
@@ -492,6 +495,9 @@ void applyFlags(TrainFlags& f) {
   o.strategy.pipeline.microBatches =
       parseMicroBatches(f.microBatches, o.strategy.scheme == Scheme::kPipeline ? o.batch : INT64_MAX);
   auto& p = o.strategy.ps;
+  p.mode = *parsePsMode(f.psMode);  // the flags' checks let only these names through
+  p.stalenessLr = *parsePsStalenessLr(f.stalenessLr);
+  p.push = *parsePsPush(f.push);
   p.authToken = resolveAuthToken(p.authToken, f.authTokenFile);
   // The job's secret is also the rendezvous store's, which the cluster spec carries from
   // $COHORT_AUTH_TOKEN: a secret given as a flag goes there too.

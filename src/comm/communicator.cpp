@@ -78,7 +78,7 @@ CommBackend parseCommBackend(const std::string& name) {
   throw InvalidArgument("backend \"" + name + "\": expected auto, nccl or gloo");
 }
 
-struct Communicator::Impl {
+struct COHORT_LOCAL Communicator::Impl {
   int rank = 0;  // in this group
   int size = 1;
   // A sub-group's ranks in the whole job, and the whole job's communicator, which keeps the
@@ -313,7 +313,7 @@ struct Communicator::Impl {
   }
 };
 
-struct CommWork::Impl {
+struct COHORT_LOCAL CommWork::Impl {
   std::shared_ptr<Communicator::Impl> comm;
   c10::intrusive_ptr<c10d::Work> work;
   std::string op;

@@ -7,7 +7,7 @@
 
 namespace cohort {
 
-struct Job::State {
+struct COHORT_LOCAL Job::State {
   ClusterSpec spec;
   JobOptions options;
   c10::Device device{c10::kCPU};

@@ -6,7 +6,7 @@
 
 namespace cohort {
 
-struct Rendezvous::Impl {
+struct COHORT_LOCAL Rendezvous::Impl {
   std::unique_ptr<store::Server> server;  // the chief's
   std::unique_ptr<store::Client> client;
   std::chrono::milliseconds timeout;

@@ -58,7 +58,7 @@ std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimi
   return out;
 }
 
-struct ParameterAveraging::Impl {
+struct COHORT_LOCAL ParameterAveraging::Impl {
   std::shared_ptr<Communicator> comm;  // null for a single process
   torch::nn::Module* module = nullptr;
   torch::optim::Optimizer* optimizer = nullptr;

@@ -22,7 +22,7 @@ constexpr const char* kWho = "cohort::DataParallel";
 
 }  // namespace
 
-struct DataParallel::Impl {
+struct COHORT_LOCAL DataParallel::Impl {
   // Notices a synchronized backward whose final callback never ran (see beginSync).
   struct Sentinel {
     explicit Sentinel(Impl* i) : impl(i) {}

@@ -44,7 +44,7 @@ struct Received {
 
 }  // namespace
 
-struct Gossip::Impl {
+struct COHORT_LOCAL Gossip::Impl {
   explicit Impl(GossipContext c) : c_(std::move(c)), rng_(c_.options.seed * 7919 + uint64_t(c_.cluster.rank)) {
     const int others = c_.cluster.worldSize - 1;
     COHORT_CHECK(c_.cluster.worldSize >= 2, InvalidArgument,

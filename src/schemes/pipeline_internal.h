@@ -49,7 +49,7 @@ struct StepTimes {
   double optimizer = 0;
 };
 
-struct Pipeline::Impl {
+struct COHORT_LOCAL Pipeline::Impl {
   std::shared_ptr<Communicator> comm;
   std::shared_ptr<Communicator> stageGroup;  // this stage in every replica
   PipelineOptions options;                   // microBatches as chosen

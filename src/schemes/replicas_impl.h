@@ -40,7 +40,7 @@ namespace cohort {
 // Thrown on a replica thread that stops because another replica failed: not the step's error.
 struct ReplicaAborted {};
 
-struct ReplicaGroup::Impl {
+struct COHORT_LOCAL ReplicaGroup::Impl {
   struct Bucket {
     std::vector<size_t> params;  // indices into params[r]
     int64_t numel = 0;

@@ -267,7 +267,7 @@ class WaySplitter {
 
 }  // namespace
 
-struct TensorParallel::Impl {
+struct COHORT_LOCAL TensorParallel::Impl {
   std::shared_ptr<Communicator> waysComm;
   std::shared_ptr<Communicator> dataComm;
   int ways = 1, way = 0, replicas = 1, replica = 0;

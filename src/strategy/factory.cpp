@@ -51,7 +51,7 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
       return std::make_unique<LocalStrategy>();
     case Scheme::kPs: {
       // Workers meet at the parameter servers, not in a Gloo group: a lost worker stops no one else.
-      ParameterServerOptions ps = parsePsOptions(options.ps);
+      ParameterServerOptions ps = options.ps;
       ps.codec = options.codec;
       ps.codecWarmupSteps = options.codecWarmupSteps;
       ps.keepFreedMemory = true;  // the CLI owns its process

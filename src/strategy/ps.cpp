@@ -93,25 +93,6 @@ class PsStrategy final : public Strategy {
 
 }  // namespace
 
-ParameterServerOptions parsePsOptions(const PsCommandLineOptions& text) {
-  ParameterServerOptions options = text;  // every field but the four names
-  const std::optional<PsMode> mode = parsePsMode(text.mode);
-  COHORT_CHECK(mode, InvalidArgument, "unknown --ps-mode '", text.mode, "': expected sync, async, softsync or ssp");
-  options.mode = *mode;
-  const std::optional<PsStalenessLr> stalenessLr = parsePsStalenessLr(text.stalenessLr);
-  COHORT_CHECK(stalenessLr, InvalidArgument, "unknown --staleness-lr '", text.stalenessLr,
-               "': expected none or inverse");
-  options.stalenessLr = *stalenessLr;
-  const std::optional<PsPush> push = parsePsPush(text.push);
-  COHORT_CHECK(push, InvalidArgument, "unknown --push '", text.push, "': expected gradients or updates");
-  options.push = *push;
-  const std::optional<PsOptimizer> optimizer = parsePsOptimizer(text.optimizer);
-  COHORT_CHECK(optimizer, InvalidArgument, "unknown optimizer '", text.optimizer,
-               "': expected sgd, momentum, adam or adagrad");
-  options.optimizer = *optimizer;
-  return options;
-}
-
 std::unique_ptr<Strategy> makePsStrategy(const Job& job, ParameterServerOptions options) {
   return std::make_unique<PsStrategy>(job, std::move(options));
 }

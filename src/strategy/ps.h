@@ -19,10 +19,6 @@
 
 namespace cohort {
 
-// The command line's ps options with the policy's names parsed; throws InvalidArgument naming the
-// option (--ps-mode, --staleness-lr, --push, --optimizer) of a name it does not know.
-ParameterServerOptions parsePsOptions(const PsCommandLineOptions& options);
-
 std::unique_ptr<Strategy> makePsStrategy(const Job& job, ParameterServerOptions options);
 
 }  // namespace cohort

@@ -166,18 +166,6 @@ class Strategy {
 };
 
 // What `cohort train` asks for: the scheme, and each scheme's options.
-// The ps options as the command line and the Trainer fill them: ParameterServerOptions with the
-// policy's choices still as their names (--ps-mode, --staleness-lr, --push, the Trainer's
-// --optimizer), which hide the base's enums of the same names. makeStrategy parses them once
-// (parsePsOptions, strategy/ps.h), naming the option of an unknown one. For now: once the command
-// line parses them itself, this is ParameterServerOptions.
-struct PsCommandLineOptions : ParameterServerOptions {
-  std::string mode = "async";        // sync | async | softsync | ssp
-  std::string stalenessLr = "none";  // none | inverse
-  std::string push = "gradients";    // gradients | updates
-  std::string optimizer = "sgd";     // sgd | momentum | adam | adagrad
-};
-
 struct StrategyOptions {
   Scheme scheme = Scheme::kLocal;
   // The Trainer's, for schemes that keep records next to its checkpoints (pipeline: the manifest).
@@ -193,7 +181,7 @@ struct StrategyOptions {
   AveragingOptions average;
   // ps (include/cohort/parameter_server.h); the shards' optimizer, checkpoints and codec are
   // filled from the run's options by the Trainer.
-  PsCommandLineOptions ps;
+  ParameterServerOptions ps;
   // pipeline (see strategy/pipeline.h)
   struct Pipeline {
     int stages = 2;

@@ -60,4 +60,14 @@ std::unique_ptr<torch::optim::Optimizer> makeOptimizer(OptimizerKind kind, doubl
   throw InvalidArgument("unknown optimizer: expected sgd, momentum, adam or adagrad");
 }
 
+PsOptimizer psOptimizer(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kSgd: return PsOptimizer::kSgd;
+    case OptimizerKind::kMomentum: return PsOptimizer::kMomentum;
+    case OptimizerKind::kAdam: return PsOptimizer::kAdam;
+    case OptimizerKind::kAdagrad: return PsOptimizer::kAdagrad;
+  }
+  return PsOptimizer::kSgd;  // unreachable: every kind is listed
+}
+
 }  // namespace cohort

@@ -4,6 +4,8 @@
 // OptimizerKinds, never names.
 #pragma once
 
+#include <cohort/parameter_server.h>
+
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -25,6 +27,9 @@ std::optional<OptimizerKind> parseOptimizer(std::string_view name);
 
 // Every kind, in declaration order.
 std::vector<OptimizerKind> allOptimizers();
+
+// The same optimizer run by the parameter-server shards (ParameterServerOptions::optimizer).
+PsOptimizer psOptimizer(OptimizerKind kind);
 
 // The optimizer of `model`'s parameters: torch::optim's SGD (with `momentum` for kMomentum), Adam
 // or Adagrad at `lr`; for a model with a sparse embedding table, the lazy optimizer of the same

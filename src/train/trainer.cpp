@@ -36,8 +36,7 @@ StrategyOptions strategyOptions(const TrainOptions& o) {
   StrategyOptions so = o.strategy;
   so.checkpointDir = o.checkpointDir;
   so.resume = o.resume;
-  // The parameter server's options take the optimizer's name (schemes' public options, for now).
-  so.ps.optimizer = optimizerName(o.optimizer);
+  so.ps.optimizer = psOptimizer(o.optimizer);
   so.ps.lr = o.lr;
   so.ps.momentum = o.momentum;
   so.ps.checkpointEvery = o.checkpointEvery;
