@@ -74,7 +74,7 @@ void forEachShard(size_t shards, F f) {
 
 }  // namespace parameter_server_internal
 
-struct ParameterServerClient::Impl {
+struct COHORT_LOCAL ParameterServerClient::Impl {
   explicit Impl(parameter_server_internal::PsContext c);
 
   void attach(torch::nn::Module& model, torch::optim::Optimizer* optimizer);
