@@ -159,6 +159,15 @@ Status Shard::checkFitsCheckpoint(const wire::InitRequest& request, const std::v
   return Status::Ok();
 }
 
+void Shard::clearPendingLocked() {
+  pending_.assign(values_.size(), 0.0f);
+  pendingMarked_.assign(pieces_.size(), {});
+  pendingRows_.assign(pieces_.size(), {});
+  pendingCount_ = 0;
+  pendingPieceCount_.assign(pieces_.size(), 0);
+  pendingFrom_.assign(policy_.workers(), false);
+}
+
 void Shard::startAfreshLocked(const wire::InitRequest& request, const std::vector<wire::PieceSpec>& pieces) {
   policy_ = request.policy();
   pieces_.assign(pieces.begin(), pieces.end());
@@ -170,12 +179,7 @@ void Shard::startAfreshLocked(const wire::InitRequest& request, const std::vecto
   version_ = 0;
   lastCheckpointVersion_ = 0;
   workers_.assign(policy_.workers(), Worker{});
-  pending_.assign(values_.size(), 0.0f);
-  pendingMarked_.assign(pieces_.size(), {});
-  pendingRows_.assign(pieces_.size(), {});
-  pendingCount_ = 0;
-  pendingPieceCount_.assign(pieces_.size(), 0);
-  pendingFrom_.assign(policy_.workers(), false);
+  clearPendingLocked();
   failure_.reset();
   finished_ = false;
   stopJob_ = false;

@@ -153,6 +153,8 @@ class Shard {
   Status resumeLocked(const wire::InitRequest& request, wire::InitReply* reply) REQUIRES(mu_);
   Status checkFitsCheckpoint(const wire::InitRequest& request, const std::vector<wire::PieceSpec>& pieces) const;
   void startAfreshLocked(const wire::InitRequest& request, const std::vector<wire::PieceSpec>& pieces) REQUIRES(mu_);
+  // No gradient pending: sized to the values, pieces and workers set just before.
+  void clearPendingLocked() REQUIRES(mu_);
   // A push's values for one piece, in the shard's order (views into the request or a scratch
   // buffer): the whole piece (rows empty), or some of its rows, values side by side (row-sparse).
   struct Part {

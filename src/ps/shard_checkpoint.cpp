@@ -199,12 +199,7 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
   lastCheckpointVersion_ = version_;
   workers_.assign(policy_.workers(), Worker{});
   for (size_t i = 0; i < workers_.size(); ++i) workers_[i].clock = c.clocks(int(i));
-  pending_.assign(values_.size(), 0.0f);
-  pendingMarked_.assign(pieces_.size(), {});
-  pendingRows_.assign(pieces_.size(), {});
-  pendingCount_ = 0;
-  pendingPieceCount_.assign(pieces_.size(), 0);
-  pendingFrom_.assign(policy_.workers(), false);
+  clearPendingLocked();
   stats_ = c.stats();
   stalenessSum_ = stats_.staleness_mean() * double(stats_.applied());
   initialized_ = true;
