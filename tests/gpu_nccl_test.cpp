@@ -8,6 +8,8 @@
 #include <cohort/device.h>
 #include <cohort/error.h>
 
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -85,6 +87,43 @@ TEST(GpuNccl, CollectivesOfCudaTensorsAtWorldSizeOne) {
   EXPECT_TRUE(torch::equal(variable[0], expected.narrow(0, 0, 37))) << "allgatherVariable: " << test::showTensor(variable[0]);
   EXPECT_EQ(comm->counters().bytesSent, 0) << "one rank puts nothing on the wire";
   EXPECT_EQ(comm->cudaBackend(), CommBackend::kNccl);
+}
+
+// cohort waits for NCCL as the DDP reducer does: wait() makes the current stream wait for NCCL's and
+// returns while the collective is still queued behind the GPU's work (no host synchronization per
+// bucket); what the stream does next sees the result, and the communicator's watchdog sees it end.
+TEST(GpuNccl, AWaitOrdersTheStreamAndLeavesTheHostFree) {
+  REQUIRE_GPU();
+  REQUIRE_NCCL();
+  auto comm = alone(CommBackend::kNccl);
+  auto t = torch::ones({1 << 20}, torch::TensorOptions().device(kGpu));
+  comm->allreduce(t);  // forms the group
+  // Every kernel used below once first: loading a kernel lazily (CUDA_MODULE_LOADING=LAZY, CUDA's
+  // default) can synchronize the context, which would wait for the sleep on the host.
+  t.mul_(1).add_(0);
+  ASSERT_TRUE(torch::all(t == 1.0f).item<bool>());
+  using Clock = std::chrono::steady_clock;
+  auto ms = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+  const auto t0 = Clock::now();
+  at::cuda::sleep(int64_t(2'000'000'000));  // about a second of the GPU's time, on the current stream
+  t.mul_(2);
+  const bool pendingBefore = !c10::cuda::getCurrentCUDAStream(0).query();
+  const auto t1 = Clock::now();
+  CommWork work = comm->allreduceAsync(t);
+  const auto t2 = Clock::now();
+  work.wait();
+  const auto t3 = Clock::now();
+  const bool completed = work.isCompleted();
+  const auto t4 = Clock::now();
+  std::cout << "sleep+mul " << ms(t0, t1) << " ms (stream busy: " << pendingBefore << "), launch " << ms(t1, t2)
+            << " ms, wait " << ms(t2, t3) << " ms, isCompleted " << ms(t3, t4) << " ms" << std::endl;
+  ASSERT_TRUE(pendingBefore) << "the GPU finished its sleep before the collective was launched: something on the "
+                                "host waited for it before the collective (a kernel loaded lazily?)";
+  EXPECT_FALSE(completed) << "wait() held the host until the GPU had finished the collective";
+  t.add_(1);
+  EXPECT_TRUE(torch::all(t == 3.0f).item<bool>()) << test::showTensor(t);
+  EXPECT_TRUE(work.isCompleted());
+  comm->barrier();  // waits for the watchdog to see every NCCL work end: none failed
 }
 
 // auto picks NCCL for a rank alone on its GPU; gloo keeps CUDA tensors on Gloo.

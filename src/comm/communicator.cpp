@@ -4,6 +4,7 @@
 #include "comm/c10d_store.h"
 #include "comm/nccl.h"
 #include "comm/store.h"
+#include "comm/work_watchdog.h"
 
 #include <cohort/comm_backend.h>
 #include <cohort/communicator.h>
@@ -103,6 +104,25 @@ struct COHORT_LOCAL Communicator::Impl {
   // A work of the NCCL group failed or timed out (its communicator is aborted): it is aborted, not
   // shut down, with this communicator.
   std::atomic<bool> ncclBroken{false};
+  // The NCCL group's works, which the GPU waits for and the host does not (work_watchdog.h); made
+  // with the group.
+  std::shared_ptr<WorkWatchdog> ncclWatchdog GUARDED_BY(cudaMutex);
+
+  std::shared_ptr<WorkWatchdog> watchdog() EXCLUDES(cudaMutex) {
+    MutexLock lock(cudaMutex);
+    return ncclWatchdog;
+  }
+
+  // The failure the watchdog recorded for an earlier NCCL work (with `drain`: for any work before
+  // now), reported as this operation's.
+  void checkNccl(bool drain = false) EXCLUDES(cudaMutex) {
+    std::shared_ptr<WorkWatchdog> watching = watchdog();
+    if (!watching) return;
+    if (std::optional<WorkWatchdog::Failure> failed = drain ? watching->drain() : watching->failure()) {
+      ncclBroken = true;
+      fail(failed->op, std::runtime_error(failed->what));
+    }
+  }
 
   // The heartbeat has its own store connection: the group's connection must never wait behind a
   // heartbeat, nor a heartbeat behind a key Gloo waits for.
@@ -238,6 +258,7 @@ struct COHORT_LOCAL Communicator::Impl {
     try {
       ncclGroup = nccl::makeGroup(c10::make_intrusive<c10d::PrefixStore>(storePrefix + "/nccl", store),
                                   {.rank = rank, .size = size, .timeout = options.timeout, .device = device});
+      ncclWatchdog = std::make_shared<WorkWatchdog>(options.timeout);
     } catch (const std::exception& e) {
       fail("forming the NCCL group on " + device.str(), e);
     }
@@ -276,14 +297,20 @@ struct COHORT_LOCAL Communicator::Impl {
   // communicator's timeout, and is left behind after that, saying so.
   void closeNccl() EXCLUDES(cudaMutex) {
     c10::intrusive_ptr<c10d::Backend> nccl;
+    std::shared_ptr<WorkWatchdog> watchdog;
     {
       MutexLock lock(cudaMutex);
       nccl = std::move(ncclGroup);
+      watchdog = std::move(ncclWatchdog);
     }
     if (!nccl) return;
+    if (watchdog && watchdog->failure()) ncclBroken = true;
     auto closed = std::make_shared<std::promise<void>>();
     std::future<void> done = closed->get_future();
-    std::thread([nccl = std::move(nccl), broken = ncclBroken.load(), closed, &env = env()] {
+    // The watchdog goes with the group: it holds the tensors of works still in flight, which the
+    // shutdown completes.
+    std::thread([nccl = std::move(nccl), watchdog = std::move(watchdog), broken = ncclBroken.load(), closed,
+                 &env = env()]() mutable {
       try {
         if (broken) {
           nccl->abort();
@@ -293,6 +320,7 @@ struct COHORT_LOCAL Communicator::Impl {
       } catch (const std::exception& e) {
         env.log(LogLevel::kWarning, "closing the NCCL group: " + firstLine(e.what()));
       }
+      watchdog.reset();
       closed->set_value();
     }).detach();
     if (done.wait_for(options.timeout) != std::future_status::ready) {
@@ -318,7 +346,7 @@ struct COHORT_LOCAL CommWork::Impl {
   c10::intrusive_ptr<c10d::Work> work;
   std::string op;
   std::vector<torch::Tensor> keepAlive;  // Gloo or NCCL reads and writes these until the work is done
-  bool nccl = false;  // the work is the NCCL group's: waited for by nccl::waitForWork
+  bool nccl = false;  // the work is the NCCL group's: waited for on the GPU, watched by ncclWatchdog
   bool waited = false;
 };
 
@@ -329,7 +357,14 @@ double CommWork::wait() {
   const auto start = Clock::now();
   try {
     if (impl_->nccl) {
-      nccl::waitForWork(*impl_->work, impl_->comm->options.timeout);
+      // As the DDP reducer waits: the caller's current stream waits for NCCL's, the host does not;
+      // the watchdog bounds the work's time and keeps its tensors until it completes. Not
+      // Work::synchronize(), which blocks the host until the work is done under
+      // TORCH_NCCL_BLOCKING_WAIT (nccl.cpp): the work's future, completed when it was launched
+      // with events on NCCL's stream, makes the current stream wait for those events only.
+      impl_->comm->checkNccl();
+      impl_->work->getFuture()->wait();
+      impl_->comm->watchdog()->watch(impl_->work, impl_->op, std::move(impl_->keepAlive));
     } else {
       impl_->work->wait(impl_->comm->options.timeout);
     }
@@ -462,6 +497,7 @@ namespace {
 CommWork start(const std::shared_ptr<Communicator::Impl>& comm, c10d::Backend& group, const std::string& op,
                const std::function<c10::intrusive_ptr<c10d::Work>()>& launch, std::vector<torch::Tensor> keep) {
   const bool nccl = group.getBackendName() == "nccl";
+  if (nccl) comm->checkNccl();
   try {
     return CommWork(std::make_shared<CommWork::Impl>(CommWork::Impl{comm, launch(), op, std::move(keep), nccl}));
   } catch (const std::exception& e) {
@@ -539,6 +575,8 @@ std::vector<torch::Tensor> Communicator::allgatherVariable(const torch::Tensor& 
 }
 
 void Communicator::barrier() {
+  // After the NCCL works before it, as a barrier over NCCL would be: their failure is the barrier's.
+  impl_->checkNccl(/*drain=*/true);
   start(impl_, *impl_->group, "barrier", [&] { return impl_->group->barrier(); }, {}).wait();
 }
 

@@ -10,12 +10,14 @@
 //     TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 minutes). Neither is cohort's error policy: a library
 //     never ends its caller's process, and a lost peer is named by cohort within --timeout.
 //   - With TORCH_NCCL_BLOCKING_WAIT=1 the group starts neither thread (nor keeps a list of works
-//     for them), and failures surface where the caller waits. makeGroup sets it, for the whole
-//     process, before the first group is made.
-//   - cohort waits itself (waitForWork): the caller's stream waits for NCCL's stream, the thread
-//     polls the work until done or the communicator's timeout, and a timed-out or failed work
-//     aborts its NCCL communicator (ncclCommAbort, so that no kernel spins on the GPU forever)
-//     before Communicator::Impl::fail turns the failure into cohort's error naming the lost rank.
+//     for them). makeGroup sets it, for the whole process, before the first group is made. It also
+//     makes a work's wait() and synchronize() hold the host until the work is done, so cohort calls
+//     neither: it waits through the work's future (below).
+//   - cohort waits itself, as the DDP reducer does: the caller's stream waits for NCCL's stream
+//     (the work's future, completed at launch with an event on NCCL's stream) and the host goes on; the communicator's WorkWatchdog (work_watchdog.h) checks each work
+//     until done or the communicator's timeout, aborts the NCCL communicator of one that failed or
+//     timed out (ncclCommAbort, so that no kernel spins on the GPU forever), and the next operation
+//     turns the failure into cohort's error naming the lost rank (Communicator::Impl::fail).
 // What is not bounded: ncclCommInitRank itself, when a peer dies after the unique id went through
 // the store and before it joined (the store's waits before it are bounded).
 #include "comm/nccl.h"
@@ -40,18 +42,6 @@ namespace cohort {
 bool hasNccl() { return true; }
 
 namespace nccl {
-
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// Polling: yield for the first 200 us (a bucket's allreduce that is nearly done), then sleep from
-// 10 us doubling to 500 us: a wait costs at most about half a millisecond more than the work.
-constexpr auto kSpin = std::chrono::microseconds(200);
-constexpr auto kFirstSleep = std::chrono::microseconds(10);
-constexpr auto kLongestSleep = std::chrono::microseconds(500);
-
-}  // namespace
 
 c10::intrusive_ptr<c10d::Backend> makeGroup(c10::intrusive_ptr<c10d::Store> store, const GroupOptions& options) {
   // Read by ProcessGroupNCCL's constructor. Set once, before any group of this process exists (a
@@ -82,32 +72,6 @@ std::array<int64_t, 2> gpuIdentity(c10::Device device) {
   static_assert(sizeof(properties->uuid.bytes) == sizeof(id));
   std::memcpy(id.data(), properties->uuid.bytes, sizeof(id));
   return id;
-}
-
-void waitForWork(c10d::Work& work, std::chrono::milliseconds timeout) {
-  work.synchronize();  // the caller's current stream waits for NCCL's (no host synchronization)
-  const auto start = Clock::now();
-  auto pause = kFirstSleep;
-  // isCompleted() also asks NCCL for the communicator's asynchronous error (a peer lost, a
-  // network failure): the work then counts as completed, with an exception.
-  while (!work.isCompleted()) {
-    const auto waited = Clock::now() - start;
-    if (waited >= timeout) {
-      work.abort();
-      throw std::runtime_error("NCCL did not complete it within " + std::to_string(timeout.count()) +
-                               " ms (timed out)");
-    }
-    if (waited < kSpin) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, kLongestSleep);
-    }
-  }
-  if (std::exception_ptr error = work.exception()) {
-    work.abort();
-    std::rethrow_exception(error);
-  }
 }
 
 }  // namespace nccl

@@ -4,7 +4,7 @@
 //
 // The group is c10d's, with cohort's error policy imposed on it (nccl.cpp says how): no c10d
 // watchdog thread and no heartbeat monitor that could take the process down; every wait is
-// cohort's own (waitForWork below), bounded by the communicator's timeout.
+// cohort's own (the communicator's WorkWatchdog, work_watchdog.h), bounded by its timeout.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -33,12 +33,5 @@ c10::intrusive_ptr<c10d::Backend> makeGroup(c10::intrusive_ptr<c10d::Store> stor
 // The physical GPU behind `device` (its UUID, 16 bytes as two integers): equal in two processes
 // exactly when they use the same GPU, whatever CUDA_VISIBLE_DEVICES numbers it as.
 std::array<int64_t, 2> gpuIdentity(c10::Device device);
-
-// Waits for NCCL work launched on `group`: the caller's current CUDA stream waits for NCCL's, and
-// this thread until the work is done (checked every few microseconds, not c10d's 1 ms sleeps) or
-// `timeout` has passed. On a timeout or an NCCL error it aborts the NCCL communicator (so that the
-// GPU is not left spinning in a collective that will never end) and throws: a std::runtime_error
-// whose message says "timed out", or NCCL's error.
-void waitForWork(c10d::Work& work, std::chrono::milliseconds timeout);
 
 }  // namespace cohort::nccl

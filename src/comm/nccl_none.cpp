@@ -26,7 +26,5 @@ c10::intrusive_ptr<c10d::Backend> makeGroup(c10::intrusive_ptr<c10d::Store>, con
 
 std::array<int64_t, 2> gpuIdentity(c10::Device) { unavailable(); }
 
-void waitForWork(c10d::Work&, std::chrono::milliseconds) { unavailable(); }
-
 }  // namespace nccl
 }  // namespace cohort
