@@ -117,7 +117,8 @@ double grpcShard(size_t floats, int rounds, bool framed, size_t chunkBytes) {
     ServerOptions options;
     options.address = address;
     options.shard.log = [](const std::string&) {};
-    std::_Exit(runShardServer(options));
+    keepFreedMemory();  // as `cohort ps` does (src/cli/shard_process.cpp)
+    std::_Exit(serveShard(options).exitStatus());
   }
   keepFreedMemory();
   auto client = makeGrpcClient(address, ClientOptions{.timeoutSeconds = 60, .quiet = true, .pushChunkBytes = chunkBytes});

@@ -1,5 +1,5 @@
 // The parameter server over real gRPC on 127.0.0.1: the ShardServer, the retrying client, auth
-// tokens, TLS, refused pushes, message sizes, and runShardServer's ways to end.
+// tokens, TLS, refused pushes, message sizes, and serveShard's ways to end.
 #include "compress/codec.h"
 #include "ps/client.h"
 #include "ps/service.h"
@@ -25,6 +25,7 @@
 #include <grpcpp/resource_quota.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -616,30 +617,32 @@ TEST(PsGrpcTest, SixtyFourMegabytePieceRoundTrips) {
   EXPECT_TRUE(back == values) << "the 64 MB piece came back different";
 }
 
-// runShardServer on a port of its choosing, in a thread, until it returns.
+// serveShard on a port of its choosing, in a thread, until it returns.
 struct RunningServer {
   ServerOptions options;
   std::promise<int> listening;
   std::shared_future<int> port = listening.get_future().share();
-  std::future<int> exit;
+  std::atomic<bool> stop{false};
+  std::future<ServeOutcome> exit;
 
   explicit RunningServer(ServerOptions o) : options(std::move(o)) {
     options.address = "127.0.0.1:0";
     options.shard.log = [](const std::string&) {};
     options.onListening = [this](int p) { listening.set_value(p); };
-    exit = std::async(std::launch::async, [this] { return runShardServer(options); });
+    options.stopRequested = [this]() -> std::string { return stop ? "asked by the test" : ""; };
+    exit = std::async(std::launch::async, [this] { return serveShard(options); });
   }
   std::unique_ptr<ShardClient> client() const {
-    EXPECT_EQ(port.wait_for(20s), std::future_status::ready) << "runShardServer did not listen";
+    EXPECT_EQ(port.wait_for(20s), std::future_status::ready) << "serveShard did not listen";
     return makeGrpcClient("127.0.0.1:" + std::to_string(port.get()), {.timeoutSeconds = 10, .quiet = true});
   }
-  int waitExit() {
-    EXPECT_EQ(exit.wait_for(20s), std::future_status::ready) << "runShardServer did not return";
+  ServeOutcome waitExit() {
+    EXPECT_EQ(exit.wait_for(20s), std::future_status::ready) << "serveShard did not return";
     return exit.get();
   }
 };
 
-TEST(PsGrpcTest, RunShardServerEndsWhenEveryWorkerIsDone) {
+TEST(PsGrpcTest, ServeShardEndsWhenEveryWorkerIsDone) {
   RunningServer run({});
   auto client = run.client();
   expectInit(*client);
@@ -647,10 +650,12 @@ TEST(PsGrpcTest, RunShardServerEndsWhenEveryWorkerIsDone) {
   wire::DoneReply reply;
   ASSERT_TRUE(client->done(done, &reply).ok());
   EXPECT_TRUE(reply.all_done());
-  EXPECT_EQ(run.waitExit(), 0);
+  const ServeOutcome outcome = run.waitExit();
+  EXPECT_EQ(outcome.end, ServeOutcome::End::kFinished);
+  EXPECT_EQ(outcome.exitStatus(), 0);
 }
 
-TEST(PsGrpcTest, RunShardServerFailsWhenTheShardFails) {
+TEST(PsGrpcTest, ServeShardFailsWhenTheShardFails) {
   RunningServer run({});
   auto client = run.client();
   wire::Policy sync = asyncPolicy();
@@ -662,16 +667,24 @@ TEST(PsGrpcTest, RunShardServerFailsWhenTheShardFails) {
   // Worker 1 never pushes: after the timeout sync mode gives up on the step.
   wire::PushReply reply;
   EXPECT_EQ(client->push(pushOf({{1, 1, 1}, {1, 1}}), &reply).code, Code::kAborted);
-  EXPECT_EQ(run.waitExit(), 1);
+  const ServeOutcome outcome = run.waitExit();
+  EXPECT_EQ(outcome.end, ServeOutcome::End::kFailed);
+  EXPECT_FALSE(outcome.message.empty());
+  EXPECT_EQ(outcome.exitStatus(), 1);
 }
 
-TEST(PsGrpcTest, RunShardServerCheckpointsOnSigterm) {
+// A stop request (the command line's SIGTERM and SIGINT, src/cli/shard_process.cpp; tested on a
+// real `cohort ps` in ps_test.cpp) ends the serving with a checkpoint.
+TEST(PsGrpcTest, ServeShardCheckpointsWhenAskedToStop) {
   TempDir dir;
   RunningServer run(ServerOptions{.shard = {.checkpointDir = dir.path()}});
   auto client = run.client();
-  expectInit(*client);  // answered: the signal handlers are in place
-  ASSERT_EQ(::kill(::getpid(), SIGTERM), 0);
-  EXPECT_EQ(run.waitExit(), 0);
+  expectInit(*client);
+  run.stop = true;
+  const ServeOutcome outcome = run.waitExit();
+  EXPECT_EQ(outcome.end, ServeOutcome::End::kStopped);
+  EXPECT_EQ(outcome.message, "asked by the test");
+  EXPECT_EQ(outcome.exitStatus(), 0);
   bool written = false;
   for (const auto& f : std::filesystem::directory_iterator(dir.path())) {
     written = written || f.path().extension() == ".ckpt";

@@ -168,8 +168,11 @@ class COHORT_API ParameterServerClient {
 // command on the shards, as TensorFlow does): serves this task's shard at its address in the
 // cluster spec until every worker has said Done or is lost, then returns the exit status (0: all
 // done). The policy and optimizer come from the chief's Init. `checkpointDir` (optional): the
-// shard checkpoints there and resumes from it when restarted. Throws InvalidArgument when this
-// process is not a ps task or has no address.
+// shard checkpoints there and resumes from it when restarted. A failure is logged through the
+// job's Env (1). It touches nothing of the caller's process: no signal handlers (`cohort ps` and
+// the command line's ps tasks add SIGTERM/SIGINT, which checkpoint and stop the shard), no
+// allocator settings, no output but the Env's. Throws InvalidArgument when this process is not a
+// ps task or has no address.
 COHORT_API int serveParameterServerShard(const Job& job, const ParameterServerOptions& options,
                               const std::string& checkpointDir = "");
 

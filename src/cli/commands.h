@@ -30,8 +30,12 @@ Run addSweepCommand(CLI::App& app);
 // $COHORT_AUTH_TOKEN (which `cohort launch --ps` sets), else none.
 std::string resolveAuthToken(const std::string& token, const std::string& file);
 
-// Serves one shard until the workers are done; the exit status.
-int serveShard(ps::ServerOptions options);
+// The process around one shard, for `cohort ps` and the ps tasks of `cohort train`
+// (shard_process.cpp): serves it (ps::serveShard) until the workers are done, prints
+// "cohort ps: listening on HOST:PORT" once ready, stops on SIGTERM or SIGINT with a checkpoint,
+// keeps freed memory off the heap's top, and arms the test hook COHORT_TEST_KILL_SHARD_AT. The
+// exit status.
+int runShardProcess(ps::ServerOptions options);
 
 // The options a TOML file sets, as command-line arguments for `command` ("--batch", "32", ...).
 // Throws InvalidArgument naming the file and the key that `command` does not know.

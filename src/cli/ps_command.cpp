@@ -28,13 +28,6 @@ std::string resolveAuthToken(const std::string& token, const std::string& file) 
   return "";
 }
 
-int serveShard(ps::ServerOptions options) {
-  if (options.authToken.empty()) {
-    std::fprintf(stderr, "cohort ps: warning: no --auth-token: this shard accepts requests from anyone who can reach it\n");
-  }
-  return ps::runShardServer(options);
-}
-
 Run addPsCommand(CLI::App& app) {
   struct Flags {
     std::string host = "0.0.0.0";
@@ -70,7 +63,7 @@ Run addPsCommand(CLI::App& app) {
     options.tlsCertFile = f.tlsCert;
     options.tlsKeyFile = f.tlsKey;
     options.shard.checkpointDir = f.checkpointDir;
-    return serveShard(options);
+    return runShardProcess(options);
   };
 }
 

@@ -11,6 +11,7 @@
 #include "base/scheme.h"
 #include "cli/commands.h"
 #include "schemes/pipeline_plan.h"
+#include "schemes/ps_shard_task.h"
 
 #include <cstdint>
 #include <cstdio>
@@ -552,7 +553,8 @@ int runTrain(TrainFlags& f) {
   // launch) that is loopback, where strangers on the network cannot reach the shard at all.
   if (cluster.role == Role::kParameterServer) {
     if (!o.checkpointDir.empty()) launcher::tellShardCheckpoints();
-    return serveParameterServerShard(Job::fromSpec(cluster), o.strategy.ps, o.checkpointDir);
+    const Job job = Job::fromSpec(cluster);
+    return runShardProcess(shardTaskOptions(job, o.strategy.ps, o.checkpointDir));
   }
   launcher::tellFaultPolicy(workerLossOf(o.strategy));
   o.restartCount = restartCountFromEnvironment();

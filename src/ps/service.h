@@ -17,8 +17,18 @@ struct ServerOptions {
   std::string tlsCertFile;  // with tlsKeyFile: serve TLS instead of plaintext
   std::string tlsKeyFile;
   ShardOptions shard;
-  // runShardServer: called with the port it listens on (the one it chose, for port 0) once it does.
+  // serveShard: called with the port it listens on (the one it chose, for port 0) once it does.
   std::function<void(int port)> onListening;
+  // serveShard: asked every 250 ms; a reason ("SIGTERM") ends the serving, with a checkpoint first.
+  std::function<std::string()> stopRequested;
+};
+
+// How serveShard ended.
+struct ServeOutcome {
+  enum class End { kFinished, kFailed, kStopped };
+  End end = End::kFinished;
+  std::string message;  // kFailed: what failed; kStopped: the reason stopRequested gave
+  int exitStatus() const { return end == End::kFailed ? 1 : 0; }
 };
 
 // The connections a ShardServer holds (see ShardServer::connections).
@@ -61,7 +71,7 @@ class ShardServer {
   // 1024) in all.
   ConnectionCounts connections() const;
   // Gives the heap pages a refused large request took back to the system (malloc_trim), if a
-  // request was refused since the last time. runShardServer calls it every 250 ms.
+  // request was refused since the last time. serveShard calls it every 250 ms.
   void trimFreedMemory();
 
  private:
@@ -69,10 +79,12 @@ class ShardServer {
   std::unique_ptr<Impl> impl_;
 };
 
-// `cohort ps`: serves until every worker is done (0) or the shard fails (1); every worker done but
-// the final checkpoint not written (a full disk) is a failure too (1, "finished" and the error told
-// to cohort launch, which then does not restart it); SIGTERM or SIGINT write a checkpoint and end
-// it (0). Prints "cohort ps: listening on HOST:PORT" once ready.
-int runShardServer(const ServerOptions& options);
+// Serves one shard until every worker is done (kFinished), the shard fails (kFailed), or
+// stopRequested gives a reason (a checkpoint, then kStopped). Every worker done but the final
+// checkpoint not written (a full disk) is kFailed too, told to cohort launch as "finished" with the
+// error, so that it does not restart the shard onto that disk. Tells cohort launch the port, warns
+// through the shard's Env when the calls are open (no secret, or plaintext off loopback). Nothing
+// process-wide: no signal handlers, no allocator settings, no output of its own.
+ServeOutcome serveShard(const ServerOptions& options);
 
 }  // namespace cohort::ps

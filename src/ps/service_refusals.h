@@ -121,7 +121,7 @@ class Refusals {
   }
 
   // A large request that was refused was read into the heap, which keepFreedMemory() keeps from
-  // shrinking; the next call (or runShardServer's loop) gives those pages back.
+  // shrinking; the next call (or serveShard's loop) gives those pages back.
   void wantTrim() { trim_ = true; }
   void trimIfWanted() {
     if (trim_.exchange(false)) ::malloc_trim(0);

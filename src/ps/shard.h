@@ -137,7 +137,7 @@ class Shard {
   // the shard writes none. A periodic checkpoint that fails is logged and counted in the stats
   // (checkpoints_failed, checkpoint_error) and training goes on from the previous one; the final
   // one failing is the run's end without a state to resume from, so the server exits non-zero
-  // (runShardServer) and the chief's Done reply carries it.
+  // (serveShard) and the chief's Done reply carries it.
   std::optional<std::string> finalCheckpointError() const;
 
   // The server is going down: every held push is let go at once with ABORTED and `reason`, and

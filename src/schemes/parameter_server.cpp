@@ -3,6 +3,7 @@
 // report; a step's push is in parameter_server_push.cpp, the class they share in
 // parameter_server_internal.h. serveParameterServerShard runs a shard in a training program.
 #include "schemes/parameter_server_internal.h"
+#include "schemes/ps_shard_task.h"
 
 #include "base/launcher_channel.h"
 #include "base/clock.h"
@@ -363,7 +364,8 @@ std::optional<std::string> ParameterServerClient::finalCheckpointError() const {
   return impl_->finalCheckpointError();
 }
 
-int serveParameterServerShard(const Job& job, const ParameterServerOptions& options, const std::string& checkpointDir) {
+ps::ServerOptions shardTaskOptions(const Job& job, const ParameterServerOptions& options,
+                                   const std::string& checkpointDir) {
   const ClusterSpec& cluster = job.cluster();
   COHORT_CHECK(cluster.role == Role::kParameterServer, InvalidArgument,
                "serveParameterServerShard: this process is not a ps task (", describe(cluster), ")");
@@ -380,10 +382,13 @@ int serveParameterServerShard(const Job& job, const ParameterServerOptions& opti
   // cohort launch restarted this shard alone: the workers and the chief run on (ShardOptions::
   // restartedInJob). Not after a group restart, where the chief's resume Init comes first.
   if (const char* alone = std::getenv("COHORT_RESTARTED_ALONE")) server.shard.restartedInJob = std::string(alone) == "1";
-  if (options.authToken.empty()) {
-    job.env().log(LogLevel::kWarning, "no auth token: this shard accepts requests from anyone who can reach it");
-  }
-  return ps::runShardServer(server);
+  return server;
+}
+
+int serveParameterServerShard(const Job& job, const ParameterServerOptions& options, const std::string& checkpointDir) {
+  const ps::ServeOutcome outcome = ps::serveShard(shardTaskOptions(job, options, checkpointDir));
+  if (outcome.end == ps::ServeOutcome::End::kFailed) job.env().log(LogLevel::kError, outcome.message);
+  return outcome.exitStatus();
 }
 
 }  // namespace cohort
