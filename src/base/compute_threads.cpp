@@ -1,6 +1,16 @@
 #include "base/compute_threads.h"
 
 #include <dlfcn.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
 
 namespace cohort {
 
@@ -11,7 +21,63 @@ Fn lookUp(const char* name) {
   return reinterpret_cast<Fn>(::dlsym(RTLD_DEFAULT, name));
 }
 
+struct CpuTimes {
+  uint64_t idle = 0;   // idle and iowait
+  uint64_t total = 0;  // user, nice, system, idle, iowait, irq, softirq, steal
+};
+
+// The "cpuN" lines of /proc/stat, summed over the CPUs of this process's affinity mask.
+std::optional<CpuTimes> readCpuTimes() {
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  const bool haveMask = ::sched_getaffinity(0, sizeof(mask), &mask) == 0;
+  std::ifstream in("/proc/stat");
+  if (!in) return std::nullopt;
+  CpuTimes times;
+  bool any = false;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("cpu", 0) != 0 || line.size() < 4 || line[3] < '0' || line[3] > '9') continue;
+    std::istringstream fields(line.substr(3));
+    int cpu = -1;
+    fields >> cpu;
+    if (cpu < 0 || (haveMask && cpu < CPU_SETSIZE && !CPU_ISSET(cpu, &mask))) continue;
+    uint64_t value[8] = {};
+    for (uint64_t& v : value) fields >> v;
+    if (!fields) continue;
+    times.idle += value[3] + value[4];
+    for (uint64_t v : value) times.total += v;
+    any = true;
+  }
+  if (!any) return std::nullopt;
+  return times;
+}
+
+int allowedCores() {
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (::sched_getaffinity(0, sizeof(mask), &mask) == 0) return std::max(1, CPU_COUNT(&mask));
+  return int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 }  // namespace
+
+std::optional<double> idleCores(std::chrono::milliseconds window) {
+  const std::optional<CpuTimes> before = readCpuTimes();
+  std::this_thread::sleep_for(window);
+  const std::optional<CpuTimes> after = readCpuTimes();
+  if (!before || !after || after->total <= before->total) return std::nullopt;
+  const double idleShare = double(after->idle - before->idle) / double(after->total - before->total);
+  return idleShare * allowedCores();
+}
+
+int defaultComputeThreads(int processes) {
+  processes = std::max(1, processes);
+  const int cores = allowedCores();
+  const std::optional<double> idle = idleCores(std::chrono::milliseconds(100));
+  const int free = idle ? std::clamp(int(std::floor(*idle + 0.25)), 1, cores) : cores;
+  return std::max(1, free / processes);
+}
 
 void setOpenMpThreads(int threads) {
   if (auto fn = lookUp<void (*)(int)>("omp_set_num_threads")) fn(threads);

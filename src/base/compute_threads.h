@@ -4,7 +4,23 @@
 // libtorch links them, cohort does not, and where one is missing its calls do nothing.
 #pragma once
 
+#include <chrono>
+#include <optional>
+
 namespace cohort {
+
+// The cores this process may run on (its affinity mask) that were idle over `window`, from
+// /proc/stat's per-CPU counters: 1.9 when two are nearly free, 1.0 beside one busy neighbour.
+// nullopt where /proc/stat cannot be read. Sleeps for the window.
+std::optional<double> idleCores(std::chrono::milliseconds window);
+
+// Intra-op threads for each of `processes` processes about to start on this host when none is
+// asked for: the idle cores (idleCores over 100 ms, a core counting from 75 % idle) shared among
+// them, at least 1; all the cores of the affinity mask, shared, where /proc/stat cannot be read.
+// A thread on a core a neighbour keeps busy makes every parallel region wait for its time slice:
+// on a 2-core machine beside one spinning process, 2 threads ran the mlp at a third of 1 thread's
+// speed (docs/BENCHMARKS.md, "Threads").
+int defaultComputeThreads(int processes);
 
 // omp_set_num_threads: the OpenMP threads of the calling thread's parallel regions.
 void setOpenMpThreads(int threads);

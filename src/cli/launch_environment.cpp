@@ -1,5 +1,6 @@
 #include "cli/launch_environment.h"
 
+#include "base/compute_threads.h"
 #include "base/crypto.h"
 
 #include <algorithm>
@@ -24,8 +25,7 @@ std::vector<std::string> assignedElsewhere() {
 EnvChanges sharedChildEnv(int processes) {
   EnvChanges env;
   if (!hasEnv("OMP_NUM_THREADS")) {
-    const int cores = std::max(1, int(std::thread::hardware_concurrency()));
-    const std::string threads = std::to_string(std::max(1, cores / processes));
+    const std::string threads = std::to_string(defaultComputeThreads(processes));
     env["OMP_NUM_THREADS"] = threads;
     if (!hasEnv("OPENBLAS_NUM_THREADS")) env["OPENBLAS_NUM_THREADS"] = threads;
   }

@@ -43,7 +43,7 @@ void addDataFlags(CLI::App* command, DataFlags& f) {
       ->capture_default_str();
   command->add_option("--seed", f.seed, "The training run's --seed (synthetic data depends on it)")
       ->capture_default_str();
-  command->add_option("--threads", f.threads, "Intra-op threads (0: all cores)")->capture_default_str();
+  command->add_option("--threads", f.threads, "Intra-op threads (0: the idle cores of this host)")->capture_default_str();
   command->add_option("--metrics", f.metricsPath, "Write the results as JSON lines to this file");
 }
 

@@ -204,7 +204,7 @@ void addTrainingOptions(CLI::App* train, TrainFlags& f) {
   train->add_option("--optimizer", f.optimizer, "sgd, momentum, adam or adagrad (lazy on sparse embedding rows)")
       ->capture_default_str();
   train->add_option("--momentum", o.momentum, "Momentum of the momentum optimizer")->capture_default_str();
-  train->add_option("--threads", o.threads, "Intra-op threads (0: all cores)")->capture_default_str();
+  train->add_option("--threads", o.threads, "Intra-op threads (0: the idle cores of this host, shared among its workers)")->capture_default_str();
   train
       ->add_option("--device", o.device,
                    "Where the model trains: auto (the local rank's GPU when there is one and the scheme trains on "

@@ -9,7 +9,7 @@
 namespace cohort {
 
 int setComputeThreads(int threads) {
-  if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads <= 0) threads = defaultComputeThreads(1);
   torch::set_num_threads(threads);
   setOpenBlasThreads(threads);  // OpenBLAS keeps its own pool
   return threads;

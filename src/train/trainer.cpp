@@ -2,6 +2,7 @@
 // the sampler, the checkpoints (resumed when asked), and the chief's metrics.
 #include "base/launcher_channel.h"
 #include "train/evaluator.h"
+#include "base/compute_threads.h"
 #include "train/threads.h"
 #include "train/trainer_internal.h"
 #include <cohort/error.h>
@@ -18,17 +19,16 @@ namespace cohort {
 namespace {
 
 // Threads for this process when --threads is not given: OMP_NUM_THREADS (cohort launch sets it),
-// else this host's cores shared among the workers on it.
+// else this host's idle cores shared among the workers on it (defaultComputeThreads).
 int defaultThreads() {
   if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr && std::atoi(env) > 0) return std::atoi(env);
-  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
   int local = 1;
   try {
     local = std::max(1, resolveClusterFromEnvironment().localWorldSize);
   } catch (const Error&) {
     // reported when the trainer resolves the cluster
   }
-  return std::max(1, cores / local);
+  return defaultComputeThreads(local);
 }
 
 // The scheme is the factory's business; the Trainer gives it the run's options it needs.
