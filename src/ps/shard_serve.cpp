@@ -24,13 +24,20 @@ ServeOutcome serveShard(const ServerOptions& options) {
   const std::shared_ptr<Shard> shard = server.shard();
   launcher::tellPort(server.port());  // port 0: cohort launch starts the workers once it knows this
   if (options.onListening) options.onListening(server.port());
+  // Where the shard's own messages go: ShardOptions::log when given, else the Env.
+  auto warn = [&](const std::string& line) {
+    if (options.shard.log) {
+      options.shard.log(line);
+    } else {
+      env.log(LogLevel::kWarning, line);
+    }
+  };
   if (options.authToken.empty()) {
-    env.log(LogLevel::kWarning, "no auth token: this shard accepts requests from anyone who can reach it");
+    warn("no auth token: this shard accepts requests from anyone who can reach it");
   } else if (!server.checksTokenBeforeBody()) {
-    env.log(LogLevel::kWarning, "plaintext on " + options.address +
-                                    ": calls prove the secret without sending it, but their bodies travel "
-                                    "unprotected and are read before the proof is checked; serve TLS "
-                                    "(--tls-cert/--tls-key) off loopback");
+    warn("plaintext on " + options.address +
+         ": calls prove the secret without sending it, but their bodies travel unprotected and are read before "
+         "the proof is checked; serve TLS (--tls-cert/--tls-key) off loopback");
   }
   for (;;) {
     server.trimFreedMemory();
