@@ -1,8 +1,9 @@
 // Where the pipeline cuts the model (Pipeline::Impl::chooseCut, schemes/pipeline_internal.h): from
 // the resumed checkpoints' manifest, from the partition given, or balanced by each layer's
 // forward+backward timed on rank 0; with kAutoMicroBatches, the micro-batch count with it
-// (chooseMicroBatches, schemes/pipeline_plan.h). Rank 0 decides and says why on stderr; every
+// (chooseMicroBatches, schemes/pipeline_plan.h). Rank 0 decides and says why (the job's Env); every
 // rank takes its choice, since timings differ between processes.
+#include <cohort/env.h>
 #include <cohort/error.h>
 
 #include "schemes/pipeline_internal.h"
@@ -40,8 +41,8 @@ std::string stageCosts(const std::vector<double>& costs, const std::vector<int>&
   return stages;
 }
 
-// The cut, and the predicted time per stage, on stderr.
-void printCut(const std::vector<std::string>& layerNames, const std::vector<double>& costs,
+// The cut, and the predicted time per stage, to `env`.
+void printCut(Env& env, const std::vector<std::string>& layerNames, const std::vector<double>& costs,
               const std::vector<int>& counts, const std::vector<int>& splits = {},
               const std::vector<int64_t>& channels = {}) {
   double slowest = 0;
@@ -55,16 +56,16 @@ void printCut(const std::vector<std::string>& layerNames, const std::vector<doub
            std::to_string(channels[size_t(j)]) + " output channels of layer " + std::to_string(j) + " (" +
            layerNames[size_t(j)] + "), stage " + std::to_string(s + 1) + " the others";
   }
-  std::fprintf(stderr,
-               "cohort: pipeline: cut %s (%s); predicted time per stage %s; slowest stage %.2fx the mean (1.00 is "
-               "perfect balance)\n",
-               joinCut(counts, splits).c_str(), how.c_str(), stages.c_str(), slowest / (total / double(counts.size())));
+  char balance[32];
+  std::snprintf(balance, sizeof(balance), "%.2fx", slowest / (total / double(counts.size())));
+  env.log(LogLevel::kInfo, "pipeline: cut " + joinCut(counts, splits) + " (" + how + "); predicted time per stage " +
+                               stages + "; slowest stage " + balance + " the mean (1.00 is perfect balance)");
 }
 
 // kAutoMicroBatches, on rank 0: every layer timed on 1 example and on the whole batch gives its
 // cost per micro-batch and per example (a straight line through the two), and chooseMicroBatches
 // picks M and, with the partition auto (empty `counts`), the cut at that M.
-MicroBatchChoice chooseMicroBatchCount(torch::nn::Sequential& model, const torch::Tensor& sample, int stages,
+MicroBatchChoice chooseMicroBatchCount(Env& env, torch::nn::Sequential& model, const torch::Tensor& sample, int stages,
                                        const LayerProfile& profile, const std::vector<int>& counts,
                                        double messageSeconds, const std::vector<std::string>& layerNames) {
   const int64_t B = sample.size(0);
@@ -79,22 +80,24 @@ MicroBatchChoice chooseMicroBatchCount(torch::nn::Sequential& model, const torch
   }
   const MicroBatchChoice choice = chooseMicroBatches(costs, B, stages, counts, profile.cutAfter);
   const int64_t m = (B + choice.microBatches - 1) / choice.microBatches;
-  std::fprintf(stderr,
-               "cohort: pipeline: --micro-batches auto chose M = %d (micro-batches of %lld examples or fewer): the "
+  char line[512];
+  std::snprintf(line, sizeof(line),
+               "pipeline: --micro-batches auto chose M = %d (micro-batches of %lld examples or fewer): the "
                "slowest stage's fixed cost per micro-batch is %.3f ms (per-op overheads %.3f ms, messages %.3f ms "
-               "measured), its work per micro-batch %.2f ms; predicted step %.1f ms (M = 1: %.1f ms)\n",
+               "measured), its work per micro-batch %.2f ms; predicted step %.1f ms (M = 1: %.1f ms)",
                choice.microBatches, (long long)m, choice.fixedSeconds * 1e3,
                (choice.fixedSeconds - (stages > 1 ? messageSeconds : 0.0)) * 1e3, messageSeconds * 1e3,
                (choice.slotSeconds - choice.fixedSeconds) * 1e3, choice.stepSeconds * 1e3,
                predictStep(costs, B, stages, choice.counts, 1).stepSeconds * 1e3);
+  env.log(LogLevel::kInfo, line);
   std::vector<double> atChoice;
   for (size_t j = 0; j < one.size(); ++j) atChoice.push_back(costs.perMicroBatch[j] + costs.perExample[j] * double(m));
-  printCut(layerNames, atChoice, choice.counts);
+  printCut(env, layerNames, atChoice, choice.counts);
   return choice;
 }
 
 // The partition auto or split, on rank 0: the cut balanced by each layer's time on a micro-batch.
-void measuredCut(torch::nn::Sequential& model, const torch::Tensor& sample, const PipelineOptions& options,
+void measuredCut(Env& env, torch::nn::Sequential& model, const torch::Tensor& sample, const PipelineOptions& options,
                  const LayerProfile& profile, const std::vector<std::string>& layerNames, std::vector<int>* counts,
                  std::vector<int>* splits) {
   const int64_t micro = std::max<int64_t>(1, (sample.size(0) + options.microBatches - 1) / options.microBatches);
@@ -106,20 +109,20 @@ void measuredCut(torch::nn::Sequential& model, const torch::Tensor& sample, cons
   } else {
     *counts = balanceStages(costs, options.stages, profile.cutAfter);
   }
-  std::string text = "cohort: pipeline: --partition " + options.partition +
+  std::string text = "pipeline: --partition " + options.partition +
                      " measured forward+backward per layer on a micro-batch of " + std::to_string(micro) + ":";
   for (size_t j = 0; j < costs.size(); ++j) {
     char item[96];
     std::snprintf(item, sizeof(item), " %s %.2f ms", layerNames[j].c_str(), costs[j] * 1e3);
     text += item;
   }
-  std::fprintf(stderr, "%s\n", text.c_str());
-  printCut(layerNames, costs, *counts, *splits, profile.channels);
+  env.log(LogLevel::kInfo, text);
+  printCut(env, layerNames, costs, *counts, *splits, profile.channels);
 }
 
 // On rank 0 with `resume`: the checkpoints' manifest, when there is one, decides. `automatic`:
 // the partition was auto or split (the manifest's cut is taken), else it must be the given one.
-void cutFromManifest(const PipelineOptions& options, bool automatic, std::vector<int>* counts,
+void cutFromManifest(Env& env, const PipelineOptions& options, bool automatic, std::vector<int>* counts,
                      std::vector<int>* splits) {
   const std::string path = options.checkpointDir + "/" + kPipelineManifest;
   const std::optional<PipelineManifest> manifest = readPipelineManifest(path);
@@ -132,8 +135,7 @@ void cutFromManifest(const PipelineOptions& options, bool automatic, std::vector
   if (automatic) {
     *counts = manifest->counts;
     *splits = manifest->splits;
-    std::fprintf(stderr, "cohort: pipeline: resuming with the checkpoints' cut %s (%s)\n", theirs.c_str(),
-                 path.c_str());
+    env.log(LogLevel::kInfo, "pipeline: resuming with the checkpoints' cut " + theirs + " (" + path + ")");
   }
   COHORT_CHECK(*counts == manifest->counts && *splits == manifest->splits, InvalidArgument, path,
                ": the checkpoints cut the model as ", theirs, " (layers per stage), but this run asks for --partition ",
@@ -166,6 +168,7 @@ void checkCut(const std::vector<int>& counts, const std::vector<int>& splits, co
 }  // namespace
 
 void Pipeline::Impl::chooseCut(torch::nn::Sequential& model, const torch::Tensor& sample, const LayerProfile& profile) {
+  Env& env = envOrStandard(comm->options().env);
   const int S = options.stages;
   const bool automatic = options.partition == "auto" || options.partition == "split";
   std::vector<int> cut;
@@ -177,13 +180,13 @@ void Pipeline::Impl::chooseCut(torch::nn::Sequential& model, const torch::Tensor
   // Layers per stage, the splits, then M: rank 0's are everyone's.
   std::vector<int64_t> shared(2 * size_t(S) + 1, options.microBatches);
   if (comm->rank() == 0) {
-    if (options.resume && !options.checkpointDir.empty()) cutFromManifest(options, automatic, &cut, &split);
+    if (options.resume && !options.checkpointDir.empty()) cutFromManifest(env, options, automatic, &cut, &split);
     if (autoMicroBatches) {
-      autoChoice = chooseMicroBatchCount(model, sample, S, profile, cut, messageSeconds, layerNames);
+      autoChoice = chooseMicroBatchCount(env, model, sample, S, profile, cut, messageSeconds, layerNames);
       cut = autoChoice->counts;
       shared[2 * size_t(S)] = autoChoice->microBatches;
     } else if (cut.empty()) {
-      measuredCut(model, sample, options, profile, layerNames, &cut, &split);
+      measuredCut(env, model, sample, options, profile, layerNames, &cut, &split);
     }
     std::copy(cut.begin(), cut.end(), shared.begin());
     std::copy(split.begin(), split.end(), shared.begin() + S);
