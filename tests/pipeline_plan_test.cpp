@@ -94,6 +94,30 @@ TEST(PipelinePlan, PartitionListsAreChecked) {
   EXPECT_THROW(parseSchedule("zigzag"), InvalidArgument);
 }
 
+// The partition is parsed once, where the command line (or the library's options) gives it.
+TEST(PipelinePlan, APartitionIsParsedOnceIntoAValue) {
+  EXPECT_EQ(PipelinePartition().kind, PipelinePartition::Kind::kAuto);
+  EXPECT_EQ(PipelinePartition("auto"), PipelinePartition());
+  EXPECT_EQ(PipelinePartition("split").kind, PipelinePartition::Kind::kSplit);
+  const PipelinePartition given("1,3+7,2");
+  EXPECT_EQ(given.kind, PipelinePartition::Kind::kLayers);
+  EXPECT_EQ(given.layers, (std::vector<int>{1, 3, 2}));
+  EXPECT_EQ(given.channels, (std::vector<int>{0, 7, 0}));
+  EXPECT_TRUE(given.splitsALayer());
+  EXPECT_FALSE(PipelinePartition("3,3").splitsALayer());
+  EXPECT_TRUE(PipelinePartition("split").splitsALayer());
+  for (const char* text : {"auto", "split", "3,3", "1,3+7,2"}) EXPECT_EQ(PipelinePartition(text).text(), text);
+  EXPECT_THROW(PipelinePartition("balanced"), InvalidArgument);
+  EXPECT_THROW(PipelinePartition("3,3+1"), InvalidArgument);
+  std::vector<int> splits;
+  EXPECT_EQ(partitionCut(given, 3, 6, &splits), (std::vector<int>{1, 3, 2}));
+  EXPECT_EQ(splits, (std::vector<int>{0, 7, 0}));
+  EXPECT_THROW(partitionCut(given, 2, 6, &splits), InvalidArgument);  // 3 stages given
+  EXPECT_THROW(partitionCut(PipelinePartition("split"), 2, 6), InvalidArgument);
+  EXPECT_EQ(scheduleName(parseSchedule("gpipe")), "gpipe");
+  EXPECT_EQ(scheduleName(parseSchedule("1f1b")), "1f1b");
+}
+
 TEST(PipelinePlan, SplitCutsAreParsedAndChecked) {
   std::vector<int> splits;
   EXPECT_EQ(parsePartition("2+19,6", 2, 8, &splits), (std::vector<int>{2, 6}));

@@ -50,15 +50,35 @@ enum class PipeSchedule { kGpipe, kOneFOneB };
 // PipelineOptions::microBatches: chosen at construction from timings on rank 0.
 constexpr int kAutoMicroBatches = 0;
 
+// Where the model is cut into stages: balanced by each layer's measured cost (kAuto), the same
+// with a stage allowed to end inside a Conv2d or Linear, taking its first output channels (kSplit),
+// or given (kLayers). Made from the command line's text, implicitly, so that
+// `.partition = "3,3"` reads as `--partition 3,3` does.
+struct COHORT_API PipelinePartition {
+  enum class Kind { kAuto, kSplit, kLayers };
+  Kind kind = Kind::kAuto;
+  std::vector<int> layers;    // kLayers: layers per stage, each positive
+  std::vector<int> channels;  // kLayers: per stage, the first C output channels of the next stage's
+                              // first layer it also computes ("L+C"; 0: none); the last is 0
+
+  PipelinePartition() = default;
+  // "auto", "split", or "L1,L2,..." with each item L or L+C. Throws InvalidArgument naming what
+  // is wrong; how many stages and layers it must cover is checked against the model.
+  PipelinePartition(const char* text);         // NOLINT(google-explicit-constructor)
+  PipelinePartition(const std::string& text);  // NOLINT(google-explicit-constructor)
+  // The text it was made from, canonical: PipelinePartition(p.text()) == p.
+  std::string text() const;
+  // kSplit, or a given cut that splits a layer (some C > 0).
+  bool splitsALayer() const;
+  bool operator==(const PipelinePartition&) const = default;
+};
+
 struct COHORT_API PipelineOptions {
   int stages = 0;        // 0: every process of the job
   int replicas = 0;      // copies of the pipeline; 0: the job's processes / stages
   int microBatches = 4;  // per batch (a batch smaller than that runs one example per micro-batch)
   PipeSchedule schedule = PipeSchedule::kOneFOneB;
-  // "auto" (balanced by measured cost), "split" (balanced, a layer may be split by channels), or
-  // "L1,L2,..." layers per stage, each L or L+C (the stage also computes the first C output
-  // channels of the next stage's first layer).
-  std::string partition = "auto";
+  PipelinePartition partition;  // auto
   // Where the stages' checkpoints are kept: rank 0 writes `pipeline.manifest` there (the stages
   // and the cut); with `resume`, the cut is read from it and another is refused.
   std::string checkpointDir;

@@ -170,6 +170,8 @@ struct TrainFlags {
   std::string strategy;   // --strategy: parseScheme
   std::string progress = "auto";
   std::string microBatches = "4";  // a count or auto: parseMicroBatches
+  std::string schedule = "1f1b";   // --schedule: parseSchedule
+  std::string partition = "auto";  // --partition: PipelinePartition
   std::string psHosts;
   std::string authTokenFile;
   std::string slowWorker;
@@ -365,13 +367,13 @@ void addModelParallelOptions(CLI::App* train, TrainFlags& f) {
       ->group(mp)
       ->capture_default_str();
   train
-      ->add_option("--schedule", pl.schedule,
+      ->add_option("--schedule", f.schedule,
                    "gpipe (all forwards, then all backwards) or 1f1b (at most S micro-batches held per stage)")
       ->check(CLI::IsMember({"gpipe", "1f1b"}))
       ->group(mp)
       ->capture_default_str();
   train
-      ->add_option("--partition", pl.partition,
+      ->add_option("--partition", f.partition,
                    "auto (balance measured forward+backward time per layer), split (as auto, and a stage may end "
                    "inside a Conv2d or Linear, taking its first output channels: balances models whose layers are "
                    "unequal), or L1,L2,... layers per stage, where L+C also gives the stage the first C output "
@@ -495,6 +497,8 @@ void applyFlags(TrainFlags& f) {
   applyBucketOptions(o.strategy, f.bucketMb->count() > 0, f.firstBucketMb->count() > 0);
   o.strategy.pipeline.microBatches =
       parseMicroBatches(f.microBatches, o.strategy.scheme == Scheme::kPipeline ? o.batch : INT64_MAX);
+  o.strategy.pipeline.schedule = parseSchedule(f.schedule);  // --schedule's check let only these through
+  o.strategy.pipeline.partition = PipelinePartition(f.partition);  // a bad one is a usage error here
   auto& p = o.strategy.ps;
   p.mode = *parsePsMode(f.psMode);  // the flags' checks let only these names through
   p.stalenessLr = *parsePsStalenessLr(f.stalenessLr);

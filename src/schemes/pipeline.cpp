@@ -37,9 +37,8 @@ std::shared_ptr<Communicator> checkJob(const Job& job, PipelineOptions& options)
                " processes, but the job has ", W);
   COHORT_CHECK(options.microBatches >= 1 || options.microBatches == kAutoMicroBatches, InvalidArgument, kWho,
                ": microBatches must be positive or kAutoMicroBatches, got ", options.microBatches);
-  const bool splitCut = options.partition == "split" || options.partition.find('+') != std::string::npos;
-  COHORT_CHECK(!(splitCut && options.microBatches == kAutoMicroBatches), InvalidArgument, kWho, ": partition ",
-               options.partition, " splits a layer, which kAutoMicroBatches does not model");
+  COHORT_CHECK(!(options.partition.splitsALayer() && options.microBatches == kAutoMicroBatches), InvalidArgument,
+               kWho, ": partition ", options.partition.text(), " splits a layer, which kAutoMicroBatches does not model");
   return comm;
 }
 

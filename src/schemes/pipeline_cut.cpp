@@ -102,14 +102,14 @@ void measuredCut(Env& env, torch::nn::Sequential& model, const torch::Tensor& sa
                  std::vector<int>* splits) {
   const int64_t micro = std::max<int64_t>(1, (sample.size(0) + options.microBatches - 1) / options.microBatches);
   const std::vector<double> costs = timeLayers(model, sample.narrow(0, 0, std::min(micro, sample.size(0))));
-  if (options.partition == "split") {
+  if (options.partition.kind == PipelinePartition::Kind::kSplit) {
     const SplitCut cut = balanceStagesSplit(costs, options.stages, profile.cutAfter, profile.channels);
     *counts = cut.counts;
     *splits = cut.splits;
   } else {
     *counts = balanceStages(costs, options.stages, profile.cutAfter);
   }
-  std::string text = "pipeline: --partition " + options.partition +
+  std::string text = "pipeline: --partition " + options.partition.text() +
                      " measured forward+backward per layer on a micro-batch of " + std::to_string(micro) + ":";
   for (size_t j = 0; j < costs.size(); ++j) {
     char item[96];
@@ -170,10 +170,10 @@ void checkCut(const std::vector<int>& counts, const std::vector<int>& splits, co
 void Pipeline::Impl::chooseCut(torch::nn::Sequential& model, const torch::Tensor& sample, const LayerProfile& profile) {
   Env& env = envOrStandard(comm->options().env);
   const int S = options.stages;
-  const bool automatic = options.partition == "auto" || options.partition == "split";
+  const bool automatic = options.partition.kind != PipelinePartition::Kind::kLayers;
   std::vector<int> cut;
   std::vector<int> split(size_t(S), 0);
-  if (!automatic) cut = parsePartition(options.partition, S, int(model->size()), &split);
+  if (!automatic) cut = partitionCut(options.partition, S, int(model->size()), &split);
   const bool autoMicroBatches = options.microBatches == kAutoMicroBatches;
   // Ranks 0 and 1 time the messages first (every rank calls chooseCut).
   const double messageSeconds = autoMicroBatches ? probeMessages(*comm, S) : 0.0;

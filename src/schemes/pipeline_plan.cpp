@@ -13,6 +13,8 @@ PipeSchedule parseSchedule(const std::string& name) {
   throw InvalidArgument("unknown --schedule '" + name + "': expected gpipe or 1f1b");
 }
 
+std::string scheduleName(PipeSchedule schedule) { return schedule == PipeSchedule::kGpipe ? "gpipe" : "1f1b"; }
+
 std::vector<PipeOp> makeSchedule(PipeSchedule schedule, int stages, int stage, int micro) {
   std::vector<PipeOp> ops;
   int forwards = 0;
@@ -57,10 +59,10 @@ std::string joinCut(const std::vector<int>& counts, const std::vector<int>& spli
   return out;
 }
 
-std::vector<int> parsePartition(const std::string& text, int stages, int layers, std::vector<int>* splits) {
-  std::vector<int> counts;
-  std::vector<int> channels;
-  size_t at = 0;
+namespace {
+
+// "L1,L2,..." with each item L or L+C: the counts and the Cs (0 where none). Throws naming `text`.
+void parseLayerList(const std::string& text, std::vector<int>* counts, std::vector<int>* channels) {
   auto number = [&](const std::string& item, const std::string& part, const char* what) {
     size_t used = 0;
     int value = 0;
@@ -74,29 +76,72 @@ std::vector<int> parsePartition(const std::string& text, int stages, int layers,
                  " (expected auto, split or L1,L2,... layers per stage, each optionally +C channels of the next layer)");
     return value;
   };
+  size_t at = 0;
   while (at <= text.size()) {
     const size_t comma = std::min(text.find(',', at), text.size());
     const std::string item = text.substr(at, comma - at);
     const size_t plus = item.find('+');
-    counts.push_back(number(item, item.substr(0, plus), "layers"));
-    channels.push_back(0);
-    if (plus != std::string::npos) {
-      COHORT_CHECK(splits != nullptr, InvalidArgument, "--partition '", text, "': '", item,
-                   "' splits a layer, which is not allowed here");
-      channels.back() = number(item, item.substr(plus + 1), "channels");
-    }
+    counts->push_back(number(item, item.substr(0, plus), "layers"));
+    channels->push_back(plus == std::string::npos ? 0 : number(item, item.substr(plus + 1), "channels"));
     at = comma + 1;
   }
-  COHORT_CHECK(int(counts.size()) == stages, InvalidArgument, "--partition ", text, " has ", counts.size(),
-               " stages but --stages is ", stages, ": give one layer count per stage");
+}
+
+}  // namespace
+
+PipelinePartition::PipelinePartition(const char* text) : PipelinePartition(std::string(text)) {}
+
+PipelinePartition::PipelinePartition(const std::string& text) {
+  if (text == "auto") return;
+  if (text == "split") {
+    kind = Kind::kSplit;
+    return;
+  }
+  kind = Kind::kLayers;
+  parseLayerList(text, &layers, &channels);
   COHORT_CHECK(channels.back() == 0, InvalidArgument, "--partition ", text,
                ": the last stage has no next layer to split (+C goes on a stage before another)");
+}
+
+std::string PipelinePartition::text() const {
+  switch (kind) {
+    case Kind::kAuto:
+      return "auto";
+    case Kind::kSplit:
+      return "split";
+    case Kind::kLayers:
+      return joinCut(layers, channels);
+  }
+  return "auto";
+}
+
+bool PipelinePartition::splitsALayer() const {
+  return kind == Kind::kSplit || std::any_of(channels.begin(), channels.end(), [](int c) { return c > 0; });
+}
+
+std::vector<int> partitionCut(const PipelinePartition& partition, int stages, int layers, std::vector<int>* splits) {
+  const std::string text = partition.text();
+  COHORT_CHECK(partition.kind == PipelinePartition::Kind::kLayers, InvalidArgument, "--partition ", text,
+               " is measured, not given: expected L1,L2,... layers per stage");
+  COHORT_CHECK(int(partition.layers.size()) == stages, InvalidArgument, "--partition ", text, " has ",
+               partition.layers.size(), " stages but --stages is ", stages, ": give one layer count per stage");
   int sum = 0;
-  for (int c : counts) sum += c;
+  for (int c : partition.layers) sum += c;
   COHORT_CHECK(sum == layers, InvalidArgument, "--partition ", text, " covers ", sum, " layers but the model has ",
                layers, ": the counts must add up to ", layers);
-  if (splits != nullptr) *splits = channels;
-  return counts;
+  if (splits != nullptr) {
+    *splits = partition.channels;
+  } else {
+    for (size_t s = 0; s < partition.channels.size(); ++s) {
+      COHORT_CHECK(partition.channels[s] == 0, InvalidArgument, "--partition '", text, "': '",
+                   partition.layers[s], "+", partition.channels[s], "' splits a layer, which is not allowed here");
+    }
+  }
+  return partition.layers;
+}
+
+std::vector<int> parsePartition(const std::string& text, int stages, int layers, std::vector<int>* splits) {
+  return partitionCut(PipelinePartition(text), stages, layers, splits);
 }
 
 std::vector<int> balanceStages(const std::vector<double>& costs, int stages, const std::vector<bool>& cutAfter) {

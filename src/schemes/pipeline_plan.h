@@ -13,6 +13,8 @@ namespace cohort {
 
 // "gpipe" or "1f1b"; throws InvalidArgument otherwise.
 PipeSchedule parseSchedule(const std::string& name);
+// "gpipe" or "1f1b".
+std::string scheduleName(PipeSchedule schedule);
 
 struct PipeOp {
   bool forward = true;
@@ -37,6 +39,11 @@ int peakInFlight(const std::vector<PipeOp>& ops);
 // counted in the next stage); splits[s] is that C (0: none), splits[S-1] always 0. Without
 // `splits`, "+C" is refused.
 std::vector<int> parsePartition(const std::string& text, int stages, int layers, std::vector<int>* splits = nullptr);
+
+// The same for a partition already parsed (kLayers; auto and split are refused): its counts,
+// checked against the stages and the model's layers.
+std::vector<int> partitionCut(const PipelinePartition& partition, int stages, int layers,
+                              std::vector<int>* splits = nullptr);
 
 // "2+20,6" for counts {2, 6} and splits {20, 0}; "2,6" without splits.
 std::string joinCut(const std::vector<int>& counts, const std::vector<int>& splits);

@@ -11,7 +11,6 @@ namespace cohort {
 PipelineStrategy::PipelineStrategy(std::shared_ptr<Communicator> comm, Options options, std::string checkpointDir,
                                    bool resume)
     : comm_(std::move(comm)), options_(std::move(options)), checkpointDir_(std::move(checkpointDir)), resume_(resume) {
-  parseSchedule(options_.schedule);  // a bad --schedule is refused before anything starts
   const int S = options_.stages;
   const int R = options_.replicas;
   COHORT_CHECK(S >= 1, InvalidArgument, "--stages must be positive, got ", S);
@@ -21,9 +20,8 @@ PipelineStrategy::PipelineStrategy(std::shared_ptr<Communicator> comm, Options o
   COHORT_CHECK(comm_ != nullptr && comm_->worldSize() == S * R, InvalidArgument, "--strategy pipeline --stages ", S,
                " --replicas ", R, " needs ", S * R, " processes (cohort launch -n ", S * R, "), but this job has ",
                comm_ ? comm_->worldSize() : 1);
-  const bool splitCut = options_.partition == "split" || options_.partition.find('+') != std::string::npos;
-  COHORT_CHECK(!(splitCut && options_.microBatches == kAutoMicroBatches), InvalidArgument, "--partition ",
-               options_.partition, " splits a layer, which --micro-batches auto does not model: give a count of "
+  COHORT_CHECK(!(options_.partition.splitsALayer() && options_.microBatches == kAutoMicroBatches), InvalidArgument,
+               "--partition ", options_.partition.text(), " splits a layer, which --micro-batches auto does not model: give a count of "
                "micro-batches, or a cut between layers (auto or L1,L2,...)");
   stage_ = comm_->rank() % S;
   replica_ = comm_->rank() / S;
@@ -41,7 +39,7 @@ torch::nn::Sequential PipelineStrategy::localModel(torch::nn::Sequential model, 
                                          PipelineOptions{.stages = options_.stages,
                                                          .replicas = options_.replicas,
                                                          .microBatches = options_.microBatches,
-                                                         .schedule = parseSchedule(options_.schedule),
+                                                         .schedule = options_.schedule,
                                                          .partition = options_.partition,
                                                          .checkpointDir = checkpointDir_,
                                                          .resume = resume_});
@@ -112,7 +110,7 @@ MetricFields PipelineStrategy::report() {
                       {"replicas", int64_t(options_.replicas)},
                       {"micro_batches", int64_t(options_.microBatches)},
                       {"micro_batches_auto", s.microBatchesAuto},
-                      {"schedule", options_.schedule},
+                      {"schedule", scheduleName(options_.schedule)},
                       {"cut", cut},
                       {"cut_split_channels", splits},
                       {"stage_peak_activation_bytes", s.stagePeakActivationBytes},

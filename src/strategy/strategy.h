@@ -10,6 +10,7 @@
 #include <cohort/job.h>
 #include <cohort/metrics.h>
 #include <cohort/parameter_server.h>
+#include <cohort/pipeline.h>
 #include <cohort/replicas.h>
 
 #include "base/scheme.h"
@@ -187,8 +188,8 @@ struct StrategyOptions {
     int stages = 2;
     int replicas = 1;
     int microBatches = 4;
-    std::string schedule = "1f1b";   // gpipe | 1f1b
-    std::string partition = "auto";  // auto | split | L1,L2,... (layers per stage, each L or L+C)
+    PipeSchedule schedule = PipeSchedule::kOneFOneB;
+    PipelinePartition partition;  // auto
   } pipeline;
   // --replicas: pipeline copies, or the in-process schemes' replica threads; 0: the scheme's
   // default (pipeline: 1; mirrored, central, hogwild: this host's cores).
