@@ -164,12 +164,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // What checkFramedTensors lets through reads back as exactly the pieces' floats.
   if (checkFramedTensors(request.values(), pieces(), payload.size(), "push").ok()) {
     if (payload.size() != kTotal * sizeof(float)) fail("checkFramedTensors passed a payload of another length");
-    std::vector<float> copied(kTotal), scratch;
+    std::vector<float> copied(kTotal);
+    FloatScratch scratch, checkedScratch;
     payload.copyFloats(0, copied);
     const auto view = payload.floats(0, kTotal, scratch);
+    size_t bad = 0;
+    const auto checked = payload.checkedFloats(0, kTotal, checkedScratch, &bad);
     for (size_t i = 0; i < kTotal; ++i) {
       if (std::memcmp(&view[i], &copied[i], sizeof(float)) != 0) fail("floats() and copyFloats() disagree");
+      if (std::memcmp(&checked[i], &copied[i], sizeof(float)) != 0) fail("checkedFloats() and copyFloats() disagree");
     }
+    if (bad != firstNonFinite(copied.data(), kTotal)) fail("checkedFloats() named another first non-finite float");
   }
   if (size % 2 == 0) request.set_protocol(kProtocolVersion);
   request.set_worker(0);

@@ -1069,14 +1069,33 @@ TEST(PsFrameTest, AFrameCutAnywhereParsesTheSame) {
       ASSERT_TRUE(s.ok()) << "cut at " << cut << ", " << second << ": " << s.message;
       EXPECT_EQ(parsed.clock(), 3);
       ASSERT_TRUE(checkFramedTensors(parsed.values(), pieces, payload.size(), "push").ok());
-      std::vector<float> scratch, copied(6);
+      FloatScratch scratch;
+      std::vector<float> copied(6);
       const auto view = payload.floats(0, 6, scratch);
       EXPECT_EQ(std::vector<float>(view.begin(), view.end()), floats);
       payload.copyFloats(0, copied);
       EXPECT_EQ(copied, floats);
       const auto tail = payload.floats(8, 4, scratch);
       EXPECT_EQ(std::vector<float>(tail.begin(), tail.end()), std::vector<float>(floats.begin() + 2, floats.end()));
+      size_t bad = 0;
+      FloatScratch checkedScratch;
+      const auto checked = payload.checkedFloats(0, 6, checkedScratch, &bad);
+      EXPECT_EQ(std::vector<float>(checked.begin(), checked.end()), floats);
+      EXPECT_EQ(bad, 6u) << "every float is finite";
     }
+  }
+  // A NaN is found wherever the parts cut the floats around it.
+  const std::vector<float> withNan{1, 2, std::nanf(""), 4};
+  const auto* raw = reinterpret_cast<const uint8_t*>(withNan.data());
+  const size_t n = withNan.size() * sizeof(float);
+  for (size_t cut = 0; cut <= n; ++cut) {
+    const FramePayload payload({{raw, cut}, {raw + cut, n - cut}});
+    FloatScratch scratch;
+    size_t bad = 0;
+    payload.checkedFloats(0, 4, scratch, &bad);
+    EXPECT_EQ(bad, 2u) << "cut at byte " << cut;
+    payload.checkedFloats(4, 1, scratch, &bad);
+    EXPECT_EQ(bad, 1u) << "no NaN among the floats from the second on: cut at byte " << cut;
   }
 }
 

@@ -39,19 +39,41 @@ FramePayload::FramePayload(std::vector<std::span<const uint8_t>> parts) {
   }
 }
 
-std::span<const float> FramePayload::floats(size_t offset, size_t count, std::vector<float>& scratch) const {
-  const size_t bytes = count * sizeof(float);
+std::span<const float> FramePayload::checkedFloats(size_t offset, size_t count, FloatScratch& scratch,
+                                                   size_t* firstBad) const {
+  *firstBad = count;
   if (count == 0) return {};
-  // The part holding `offset`: the last whose start is <= offset.
+  const size_t bytes = count * sizeof(float);
   const size_t k = size_t(std::upper_bound(starts_.begin(), starts_.end(), offset) - starts_.begin()) - 1;
   const uint8_t* at = parts_[k].data() + (offset - starts_[k]);
   if (offset - starts_[k] + bytes <= parts_[k].size() && reinterpret_cast<uintptr_t>(at) % alignof(float) == 0) {
     ++inPlace_;
+    *firstBad = firstNonFinite(at, count);
     return {reinterpret_cast<const float*>(at), count};
   }
   scratch.resize(count);
-  copyFloats(offset, scratch);
+  auto* out = reinterpret_cast<uint8_t*>(scratch.data());
+  size_t copied = 0;   // bytes
+  size_t checked = 0;  // floats
+  for (size_t part = k; part < parts_.size() && copied < bytes; ++part) {
+    const auto& c = parts_[part];
+    const size_t from = part == k ? offset - starts_[k] : 0;
+    const size_t take = std::min(bytes - copied, c.size() - from);
+    std::memcpy(out + copied, c.data() + from, take);
+    copied += take;
+    const size_t whole = copied / sizeof(float);  // the floats complete so far, checked while in cache
+    if (*firstBad == count && whole > checked) {
+      const size_t bad = firstNonFinite(scratch.data() + checked, whole - checked);
+      if (bad < whole - checked) *firstBad = checked + bad;
+    }
+    checked = whole;
+  }
   return scratch;
+}
+
+std::span<const float> FramePayload::floats(size_t offset, size_t count, FloatScratch& scratch) const {
+  size_t unused = 0;
+  return checkedFloats(offset, count, scratch, &unused);
 }
 
 void FramePayload::copyFloats(size_t offset, std::span<float> out) const {

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "ps/status.h"
+#include "ps/wire.h"
 #include "ps.pb.h"
 
 #include <cstdint>
@@ -40,8 +41,13 @@ class FramePayload {
 
   size_t size() const { return size_; }
   // `count` floats from byte `offset` (offset + 4 count <= size()): a view into the buffers when
-  // they lie in one part at an address aligned for floats, else copied into scratch.
-  std::span<const float> floats(size_t offset, size_t count, std::vector<float>& scratch) const;
+  // they lie in one part at an address aligned for floats, else copied into scratch; and the index
+  // of the first NaN or Inf among them (count when none), found as they are copied, part by part
+  // while each is in cache, rather than in a pass of its own.
+  std::span<const float> checkedFloats(size_t offset, size_t count, FloatScratch& scratch,
+                                       size_t* firstNonFinite) const;
+  // The same without the index.
+  std::span<const float> floats(size_t offset, size_t count, FloatScratch& scratch) const;
   // Copies out.size() floats from byte `offset` into out.
   void copyFloats(size_t offset, std::span<float> out) const;
   // How many of the views floats() gave were in place (the rest were copied): for the benchmark.

@@ -26,6 +26,7 @@
 
 #include "base/thread_annotations.h"
 #include "ps/status.h"
+#include "ps/wire.h"
 #include "ps.pb.h"
 
 #include <chrono>
@@ -322,7 +323,7 @@ struct Shard::Stream {
   wire::PushRequest request;
   std::vector<wire::PieceSpec> pieces;        // the shard's layout when the stream began
   std::vector<std::span<const float>> dense;  // kAtTheEnd: each piece's floats, once its chunk has arrived
-  std::vector<std::vector<float>> copies;     // pieces that did not lie float-aligned in one slice
+  std::vector<FloatScratch> copies;           // pieces that did not lie float-aligned in one slice
   size_t nextPiece = 0;                       // the first piece not received yet
   int64_t bytes = 0;                          // payload received
   Plan plan = Plan::kAtTheEnd;

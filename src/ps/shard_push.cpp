@@ -22,7 +22,7 @@ struct Shard::DecodedPush {
   int64_t pushedBytes = 0;
   std::vector<wire::PieceSpec> densePieces;   // the pieces values (or compressed) cover
   std::vector<std::span<const float>> dense;  // their floats, in order
-  std::vector<std::vector<float>> copies;     // for misaligned data only
+  std::vector<FloatScratch> copies;           // for misaligned data only
   std::vector<float> decoded;                 // a compressed push
   std::vector<std::vector<float>> rowValues;  // a row-sparse push's rows, as floats
 };
@@ -125,9 +125,10 @@ void Shard::decodePush(const wire::PushRequest& request, const FramePayload* fra
     size_t offset = 0;
     for (int i = 0; i < request.values_size() && valid.ok(); ++i) {
       const size_t numel = size_t(request.values(i).numel());
-      out.dense.push_back(framed->floats(offset, numel, out.copies[size_t(i)]));
+      size_t bad = numel;
+      out.dense.push_back(framed->checkedFloats(offset, numel, out.copies[size_t(i)], &bad));
       offset += numel * sizeof(float);
-      if (const size_t bad = firstNonFinite(out.dense.back().data(), numel); bad < numel) {
+      if (bad < numel) {
         valid = nonFinite(out.densePieces[size_t(i)], out.dense.back(), bad);
       }
     }

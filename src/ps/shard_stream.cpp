@@ -101,9 +101,10 @@ Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const Frame
   size_t offset = 0;
   for (size_t k = first; s.ok() && k < first + count; ++k) {
     const size_t numel = size_t(stream.pieces[k].numel());
-    stream.dense[k] = payload.floats(offset, numel, stream.copies[k]);
+    size_t bad = numel;
+    stream.dense[k] = payload.checkedFloats(offset, numel, stream.copies[k], &bad);
     offset += numel * sizeof(float);
-    if (const size_t bad = firstNonFinite(stream.dense[k].data(), numel); bad < numel) {
+    if (bad < numel) {
       s = nonFinite(stream.pieces[k], stream.dense[k], bad);
     }
   }
@@ -136,7 +137,7 @@ Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const Frame
       }  // else sync's step closed meanwhile: the rest of the push is late (finishStream says so)
     }
     stream.dense[k] = {};
-    std::vector<float>().swap(stream.copies[k]);
+    FloatScratch().swap(stream.copies[k]);
     at += numel;
   }
   return Status::Ok();

@@ -99,7 +99,7 @@ void appendFloats(const wire::Tensor& tensor, std::vector<float>& out) {
   std::memcpy(out.data() + at, tensor.data().data(), n * sizeof(float));
 }
 
-std::span<const float> floatsOf(const wire::Tensor& tensor, std::vector<float>& scratch) {
+std::span<const float> floatsOf(const wire::Tensor& tensor, FloatScratch& scratch) {
   const std::string& data = tensor.data();
   const size_t n = data.size() / sizeof(float);
   if (reinterpret_cast<uintptr_t>(data.data()) % alignof(float) == 0) {

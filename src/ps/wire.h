@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <memory>
+#include <utility>
 #include <vector>
 
 namespace cohort::ps {
@@ -32,12 +34,36 @@ Status checkPieceShape(const wire::Tensor& t, const wire::PieceSpec& p, const st
 // The index of the first NaN or Inf among n floats at any alignment, or n when all are finite.
 size_t firstNonFinite(const void* floats, size_t n);
 
+// Leaves what it makes uninitialized (resize() does not zero): for buffers about to be written
+// whole, such as a push's floats copied out of the transport's buffers.
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+// Where a piece's floats are copied when they cannot be read in place.
+using FloatScratch = std::vector<float, DefaultInitAllocator<float>>;
+
 // The values of a tensor checked by checkTensors, appended to out.
 void appendFloats(const wire::Tensor& tensor, std::vector<float>& out);
 
 // The values of a tensor checked by checkTensors, in place when its data is aligned for floats
 // (it is, from protobuf's parser), else copied into scratch.
-std::span<const float> floatsOf(const wire::Tensor& tensor, std::vector<float>& scratch);
+std::span<const float> floatsOf(const wire::Tensor& tensor, FloatScratch& scratch);
 
 // A push's compressed field: a codec message of every piece's values side by side, in the
 // pieces' order. Decodes it into out (resized to the pieces' total), refusing a malformed message
