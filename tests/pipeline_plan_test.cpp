@@ -113,6 +113,18 @@ TEST(PipelinePlan, APartitionIsParsedOnceIntoAValue) {
   EXPECT_EQ(partitionCut(given, 3, 6, &splits), (std::vector<int>{1, 3, 2}));
   EXPECT_EQ(splits, (std::vector<int>{0, 7, 0}));
   EXPECT_THROW(partitionCut(given, 2, 6, &splits), InvalidArgument);  // 3 stages given
+  // Built by hand, as the public fields allow: what the text refuses is refused here too.
+  PipelinePartition byHand;
+  byHand.kind = PipelinePartition::Kind::kLayers;
+  byHand.layers = {3, 3};
+  EXPECT_THROW(partitionCut(byHand, 2, 6, &splits), InvalidArgument) << "no channel counts";
+  byHand.channels = {0, 0};
+  EXPECT_EQ(partitionCut(byHand, 2, 6, &splits), (std::vector<int>{3, 3}));
+  byHand.layers = {0, 6};
+  EXPECT_THROW(partitionCut(byHand, 2, 6, &splits), InvalidArgument) << "an empty stage";
+  byHand.layers = {3, 3};
+  byHand.channels = {0, 2};
+  EXPECT_THROW(partitionCut(byHand, 2, 6, &splits), InvalidArgument) << "the last stage split";
   EXPECT_THROW(partitionCut(PipelinePartition("split"), 2, 6), InvalidArgument);
   EXPECT_EQ(scheduleName(parseSchedule("gpipe")), "gpipe");
   EXPECT_EQ(scheduleName(parseSchedule("1f1b")), "1f1b");

@@ -7,12 +7,21 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <stdexcept>
 
 namespace cohort {
 namespace {
 
 using namespace std::chrono_literals;
+
+// The thread aborts a failed work just after it records the failure (which wakes drain()).
+bool abortedSoon(const std::atomic<bool>& aborted) {
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (!aborted && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  return aborted;
+}
 
 // Completes after it has been asked `polls` times (never, for -1), with `error` if one is set.
 class ScriptedWork : public c10d::Work {
@@ -55,7 +64,7 @@ TEST(WorkWatchdog, AWorkThatOutlivesTheTimeoutIsAbortedAndReported) {
   ASSERT_TRUE(failed.has_value());
   EXPECT_EQ(failed->op, "allreduce of 4096 bytes");
   EXPECT_NE(failed->what.find("within 50 ms (timed out)"), std::string::npos) << failed->what;
-  EXPECT_TRUE(stuck->aborted);
+  EXPECT_TRUE(abortedSoon(stuck->aborted));
   ASSERT_TRUE(watchdog.failure().has_value());
   // Its communicator is aborted: a later work is not watched.
   watchdog.watch(c10::make_intrusive<ScriptedWork>(1), "broadcast", {});
@@ -74,8 +83,8 @@ TEST(WorkWatchdog, AFailedWorkIsReportedWithItsErrorAndTheOnesAfterItAreDropped)
   ASSERT_TRUE(failed.has_value());
   EXPECT_EQ(failed->op, "allreduce of 16 bytes");
   EXPECT_EQ(failed->what, "NCCL error: remote process exited");
+  EXPECT_TRUE(abortedSoon(broken->aborted));
   EXPECT_FALSE(ok->aborted);
-  EXPECT_TRUE(broken->aborted);
   EXPECT_EQ(watchdog.watching(), 0u);
 }
 

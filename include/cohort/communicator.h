@@ -67,8 +67,12 @@ class COHORT_API CommWork {
   explicit CommWork(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   bool valid() const { return impl_ != nullptr; }
   bool isCompleted() const;
-  // Blocks until done or the communicator's timeout. Throws CommError / TimeoutError naming the
-  // operation and, when it can be found, the rank that was lost. Returns the seconds waited.
+  // Gloo: blocks until done or the communicator's timeout. NCCL (CUDA tensors): makes the calling
+  // thread's current CUDA stream wait for the work and returns at once, as PyTorch's DDP does; the
+  // communicator's watchdog bounds the work by the timeout, and a failure is thrown by the next
+  // operation on the communicator (a barrier waits for the works before it). Throws CommError /
+  // TimeoutError naming the operation and, when it can be found, the rank that was lost. Returns
+  // the seconds the host waited (about 0 for NCCL: its time is the stream's, not counted here).
   double wait();
 
  private:

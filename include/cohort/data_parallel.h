@@ -61,7 +61,8 @@ struct COHORT_API DataParallelStats {
   int64_t shadowSteps = 0;       // steps this rank joined in for others after its loop (join())
   int64_t bytesSent = 0;         // gradient payload, as the codec put it on the wire
   int64_t bytesReceived = 0;
-  double commWaitSeconds = 0.0;  // time backward's end waited for communication (not hidden)
+  double commWaitSeconds = 0.0;  // time backward's end waited for communication (not hidden; on
+                                 // the host: NCCL's waits are the stream's, about 0 here)
   size_t buckets = 0;
   // Buckets whose exchange started from a gradient hook, before the end of backward (the others
   // start at its end: with overlap off, or parameters that got no gradient).

@@ -71,12 +71,25 @@ std::optional<double> idleCores(std::chrono::milliseconds window) {
   return idleShare * allowedCores();
 }
 
+namespace {
+
+// The idle cores as a whole number (at least 1), or every allowed core where it cannot be told.
+int freeCores(int cores) {
+  const std::optional<double> idle = idleCores(std::chrono::milliseconds(100));
+  return idle ? std::clamp(int(std::floor(*idle + 0.25)), 1, cores) : cores;
+}
+
+}  // namespace
+
 int defaultComputeThreads(int processes) {
   processes = std::max(1, processes);
+  return std::max(1, freeCores(allowedCores()) / processes);
+}
+
+int defaultComputeThreadsBeside(int processes) {
+  processes = std::max(1, processes);
   const int cores = allowedCores();
-  const std::optional<double> idle = idleCores(std::chrono::milliseconds(100));
-  const int free = idle ? std::clamp(int(std::floor(*idle + 0.25)), 1, cores) : cores;
-  return std::max(1, free / processes);
+  return std::max(1, std::min(cores / processes, freeCores(cores)));
 }
 
 void setOpenMpThreads(int threads) {

@@ -15,12 +15,18 @@ namespace cohort {
 std::optional<double> idleCores(std::chrono::milliseconds window);
 
 // Intra-op threads for each of `processes` processes about to start on this host when none is
-// asked for: the idle cores (idleCores over 100 ms, a core counting from 75 % idle) shared among
-// them, at least 1; all the cores of the affinity mask, shared, where /proc/stat cannot be read.
+// asked for: the idle cores (idleCores over 100 ms, their sum rounded down once it is within a
+// quarter of a core of the next whole one) shared among them, at least 1; all the cores of the
+// affinity mask, shared, where /proc/stat cannot be read. For a launcher, before any of them runs.
 // A thread on a core a neighbour keeps busy makes every parallel region wait for its time slice:
 // on a 2-core machine beside one spinning process, 2 threads ran the mlp at a third of 1 thread's
 // speed (docs/BENCHMARKS.md, "Threads").
 int defaultComputeThreads(int processes);
+
+// The same for one of `processes` processes of this host that may already be running beside it
+// (a rank under Slurm or mpirun): its share of the cores, cores / processes, but no more than the
+// idle cores, which its running siblings have already taken from.
+int defaultComputeThreadsBeside(int processes);
 
 // omp_set_num_threads: the OpenMP threads of the calling thread's parallel regions.
 void setOpenMpThreads(int threads);

@@ -351,7 +351,11 @@ class Launcher {
       const bool failed = !status->ok();
       // One that ends well without telling a port listens on nothing: who waited for it goes on.
       if (!failed && child.port < 0) child.port = 0;
-      if (failed && !ending_) onChildFailed(int(i), *status);
+      // A server this launcher stopped with SIGTERM once the workers were done (a shard served by
+      // the library's serveParameterServerShard, which leaves SIGTERM to its process) ended as
+      // asked, not in failure.
+      const bool stoppedAsAsked = child.server && serversStopped_ && status->signal() == SIGTERM;
+      if (failed && !ending_ && !stoppedAsAsked) onChildFailed(int(i), *status);
     }
   }
 

@@ -304,13 +304,20 @@ struct COHORT_LOCAL Communicator::Impl {
       watchdog = std::move(ncclWatchdog);
     }
     if (!nccl) return;
-    if (watchdog && watchdog->failure()) ncclBroken = true;
+    // The works still in flight end first (their failure is said here: no operation is left to
+    // report it); the watchdog's thread then stops before the group is shut down or aborted.
+    if (watchdog) {
+      if (std::optional<WorkWatchdog::Failure> failed = watchdog->drain()) {
+        ncclBroken = true;
+        env().log(LogLevel::kError, describeRank(rank) + ": " + failed->op + " failed after its last wait (" +
+                                        firstLine(failed->what) + "): the NCCL group is aborted");
+      }
+    }
     auto closed = std::make_shared<std::promise<void>>();
     std::future<void> done = closed->get_future();
-    // The watchdog goes with the group: it holds the tensors of works still in flight, which the
-    // shutdown completes.
     std::thread([nccl = std::move(nccl), watchdog = std::move(watchdog), broken = ncclBroken.load(), closed,
                  &env = env()]() mutable {
+      watchdog.reset();  // nothing polls the group while it closes
       try {
         if (broken) {
           nccl->abort();
@@ -320,7 +327,6 @@ struct COHORT_LOCAL Communicator::Impl {
       } catch (const std::exception& e) {
         env.log(LogLevel::kWarning, "closing the NCCL group: " + firstLine(e.what()));
       }
-      watchdog.reset();
       closed->set_value();
     }).detach();
     if (done.wait_for(options.timeout) != std::future_status::ready) {
@@ -355,6 +361,7 @@ bool CommWork::isCompleted() const { return impl_ == nullptr || impl_->work->isC
 double CommWork::wait() {
   if (impl_ == nullptr || impl_->waited) return 0.0;
   const auto start = Clock::now();
+  if (impl_->nccl) impl_->comm->checkNccl();  // an earlier work's failure is this wait's
   try {
     if (impl_->nccl) {
       // As the DDP reducer waits: the caller's current stream waits for NCCL's, the host does not;
@@ -362,7 +369,6 @@ double CommWork::wait() {
       // Work::synchronize(), which blocks the host until the work is done under
       // TORCH_NCCL_BLOCKING_WAIT (nccl.cpp): the work's future, completed when it was launched
       // with events on NCCL's stream, makes the current stream wait for those events only.
-      impl_->comm->checkNccl();
       impl_->work->getFuture()->wait();
       impl_->comm->watchdog()->watch(impl_->work, impl_->op, std::move(impl_->keepAlive));
     } else {
@@ -497,7 +503,9 @@ namespace {
 CommWork start(const std::shared_ptr<Communicator::Impl>& comm, c10d::Backend& group, const std::string& op,
                const std::function<c10::intrusive_ptr<c10d::Work>()>& launch, std::vector<torch::Tensor> keep) {
   const bool nccl = group.getBackendName() == "nccl";
-  if (nccl) comm->checkNccl();
+  // Any operation, Gloo's too, reports an NCCL work that failed since (after the last step's
+  // allreduce, the Trainer's collectives are Gloo's).
+  comm->checkNccl();
   try {
     return CommWork(std::make_shared<CommWork::Impl>(CommWork::Impl{comm, launch(), op, std::move(keep), nccl}));
   } catch (const std::exception& e) {

@@ -105,6 +105,9 @@ void WorkWatchdog::run() {
       std::deque<Entry> abandoned;  // their tensors are released after the abort, not before
       {
         MutexLock lock(mu_);
+        // Being destroyed (its group is being shut down): the group's close owns the work now, and
+        // an abort here, which can wait for peers, would hold the destructor's join.
+        if (stopping_) return;
         abandoned.swap(works_);
         failLocked(Failure{std::move(op), std::move(error)});
       }

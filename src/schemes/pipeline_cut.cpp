@@ -178,7 +178,8 @@ void Pipeline::Impl::chooseCut(torch::nn::Sequential& model, const torch::Tensor
   // Ranks 0 and 1 time the messages first (every rank calls chooseCut).
   const double messageSeconds = autoMicroBatches ? probeMessages(*comm, S) : 0.0;
   // Layers per stage, the splits, then M: rank 0's are everyone's.
-  std::vector<int64_t> shared(2 * size_t(S) + 1, options.microBatches);
+  std::vector<int64_t> shared(2 * size_t(S) + 1, 0);
+  shared[2 * size_t(S)] = options.microBatches;
   if (comm->rank() == 0) {
     if (options.resume && !options.checkpointDir.empty()) cutFromManifest(env, options, automatic, &cut, &split);
     if (autoMicroBatches) {

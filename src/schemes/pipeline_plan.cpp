@@ -123,8 +123,19 @@ std::vector<int> partitionCut(const PipelinePartition& partition, int stages, in
   const std::string text = partition.text();
   COHORT_CHECK(partition.kind == PipelinePartition::Kind::kLayers, InvalidArgument, "--partition ", text,
                " is measured, not given: expected L1,L2,... layers per stage");
-  COHORT_CHECK(int(partition.layers.size()) == stages, InvalidArgument, "--partition ", text, " has ",
-               partition.layers.size(), " stages but --stages is ", stages, ": give one layer count per stage");
+  // Its fields are public: what the text would have refused is refused here too.
+  const size_t n = partition.layers.size();
+  COHORT_CHECK(n > 0 && partition.channels.size() == n, InvalidArgument, "partition ", text, ": ", n,
+               " layer counts and ", partition.channels.size(), " channel counts (give one of each per stage)");
+  for (size_t s = 0; s < n; ++s) {
+    COHORT_CHECK(partition.layers[s] > 0 && partition.channels[s] >= 0, InvalidArgument, "partition ", text,
+                 ": stage ", s, " has ", partition.layers[s], " layers and ", partition.channels[s],
+                 " channels of the next layer (layers must be positive, channels not negative)");
+  }
+  COHORT_CHECK(partition.channels.back() == 0, InvalidArgument, "--partition ", text,
+               ": the last stage has no next layer to split (+C goes on a stage before another)");
+  COHORT_CHECK(int(n) == stages, InvalidArgument, "--partition ", text, " has ", n, " stages but --stages is ",
+               stages, ": give one layer count per stage");
   int sum = 0;
   for (int c : partition.layers) sum += c;
   COHORT_CHECK(sum == layers, InvalidArgument, "--partition ", text, " covers ", sum, " layers but the model has ",

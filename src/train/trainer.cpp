@@ -19,7 +19,7 @@ namespace cohort {
 namespace {
 
 // Threads for this process when --threads is not given: OMP_NUM_THREADS (cohort launch sets it),
-// else this host's idle cores shared among the workers on it (defaultComputeThreads).
+// else its share of this host's cores, no more than are idle (its siblings may be running).
 int defaultThreads() {
   if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr && std::atoi(env) > 0) return std::atoi(env);
   int local = 1;
@@ -28,7 +28,7 @@ int defaultThreads() {
   } catch (const Error&) {
     // reported when the trainer resolves the cluster
   }
-  return defaultComputeThreads(local);
+  return defaultComputeThreadsBeside(local);
 }
 
 // The scheme is the factory's business; the Trainer gives it the run's options it needs.
