@@ -1099,6 +1099,29 @@ TEST(PsFrameTest, AFrameCutAnywhereParsesTheSame) {
   }
 }
 
+// firstNonFinite: every exponent and both signs, at every place in and past its blocks of 16, at
+// any alignment.
+TEST(PsWire, FirstNonFiniteFindsEveryNanAndInfAndNothingElse) {
+  std::vector<uint8_t> buffer(41 * sizeof(float) + 3);
+  for (size_t misalign = 0; misalign < 4; ++misalign) {
+    for (uint32_t exponent = 0; exponent < 256; exponent += (exponent < 250 ? 25 : 1)) {
+      for (uint32_t sign : {0u, 1u}) {
+        for (uint32_t mantissa : {0u, 1u, 0x400000u, 0x7fffffu}) {
+          const uint32_t bits = (sign << 31) | (exponent << 23) | mantissa;
+          const bool bad = exponent == 255;
+          for (size_t at : {size_t(0), size_t(15), size_t(16), size_t(17), size_t(32), size_t(40)}) {
+            std::vector<float> values(41, 1.5f);
+            std::memcpy(&values[at], &bits, sizeof(bits));
+            std::memcpy(buffer.data() + misalign, values.data(), values.size() * sizeof(float));
+            EXPECT_EQ(firstNonFinite(buffer.data() + misalign, values.size()), bad ? at : values.size())
+                << "bits " << std::hex << bits << std::dec << " at " << at << ", misaligned by " << misalign;
+          }
+        }
+      }
+    }
+  }
+}
+
 // A frame's bytes sent as they are (no client-side checks): what a hostile or broken peer sends.
 grpc::Status sendRawFrame(const std::string& address, const std::string& head, const std::vector<float>& payload,
                           IncomingFrame* reply) {

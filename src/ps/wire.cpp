@@ -35,18 +35,30 @@ Status checkPieceShape(const wire::Tensor& t, const wire::PieceSpec& p, const st
 }
 
 size_t firstNonFinite(const void* floats, size_t n) {
-  // Exponent bits all ones: NaN or Inf. Read as integers, so the loop vectorizes; any alignment.
+  // Exponent bits all ones (NaN or Inf) carry into bit 31 when 2^23 is added to them, and no other
+  // exponent does. Read as integers (any alignment) in blocks of a fixed size: a loop of known
+  // length that GCC vectorizes at -O2, where the loop over all n floats stayed scalar (perf saw it
+  // take 5 % of a shard's push).
   const auto* bytes = static_cast<const char*>(floats);
-  auto bad = [&](size_t j) {
+  auto flag = [](uint32_t bits) { return (bits & 0x7f800000u) + 0x00800000u; };
+  constexpr size_t kBlock = 16;
+  uint32_t worst = 0;
+  size_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    uint32_t bits[kBlock];
+    std::memcpy(bits, bytes + j * sizeof(float), sizeof(bits));
+    for (size_t k = 0; k < kBlock; ++k) worst |= flag(bits[k]);
+  }
+  for (; j < n; ++j) {
     uint32_t bits;
     std::memcpy(&bits, bytes + j * sizeof(float), sizeof(bits));
-    return (bits & 0x7f800000u) == 0x7f800000u;
-  };
-  uint32_t worst = 0;
-  for (size_t j = 0; j < n; ++j) worst |= uint32_t(bad(j));
-  if (worst == 0) return n;
-  for (size_t j = 0; j < n; ++j) {
-    if (bad(j)) return j;
+    worst |= flag(bits);
+  }
+  if ((worst & 0x80000000u) == 0) return n;
+  for (j = 0; j < n; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, bytes + j * sizeof(float), sizeof(bits));
+    if (flag(bits) & 0x80000000u) return j;
   }
   return n;
 }
