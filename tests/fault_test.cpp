@@ -131,6 +131,19 @@ TEST(LaunchFaults, TheChiefsFailureEndsATolerantJobSayingWhy) {
       << r.output;
 }
 
+// A shard that does not end by itself once the workers are done (the library's
+// serveParameterServerShard leaves SIGTERM to its process) is stopped after the grace period, and
+// its death by that SIGTERM is the end the launcher asked for, not a failure.
+TEST(LaunchFaults, AShardStoppedByTheLauncherAfterTheWorkersIsNoFailure) {
+  auto r = test::runCommand(
+      launch("-n 1 --ps 1 --grace 1" + kAnyPort + script("if [ -z \"$RANK\" ]; then " + kShardPort +
+                                                          "exec sleep 60; fi; echo worker-done")),
+      60);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("worker-done"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("killed by signal"), std::string::npos) << r.output;
+}
+
 TEST(LaunchFaults, AShardWithoutCheckpointsEndsTheJob) {
   FifoDir d;
   auto r = test::runCommand(
