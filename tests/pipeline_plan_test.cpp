@@ -78,10 +78,10 @@ TEST(PipelinePlan, BalanceMinimizesTheSlowestStage) {
 }
 
 TEST(PipelinePlan, PartitionListsAreChecked) {
-  EXPECT_EQ(parsePartition("2,4", 2, 6), (std::vector<int>{2, 4}));
+  EXPECT_EQ(partitionCut("2,4", 2, 6), (std::vector<int>{2, 4}));
   auto message = [](const std::string& text, int stages, int layers) {
     try {
-      parsePartition(text, stages, layers);
+      partitionCut(PipelinePartition(text), stages, layers);
     } catch (const InvalidArgument& e) {
       return std::string(e.what());
     }
@@ -132,16 +132,16 @@ TEST(PipelinePlan, APartitionIsParsedOnceIntoAValue) {
 
 TEST(PipelinePlan, SplitCutsAreParsedAndChecked) {
   std::vector<int> splits;
-  EXPECT_EQ(parsePartition("2+19,6", 2, 8, &splits), (std::vector<int>{2, 6}));
+  EXPECT_EQ(partitionCut("2+19,6", 2, 8, &splits), (std::vector<int>{2, 6}));
   EXPECT_EQ(splits, (std::vector<int>{19, 0}));
-  EXPECT_EQ(parsePartition("1,3+7,2", 3, 6, &splits), (std::vector<int>{1, 3, 2}));
+  EXPECT_EQ(partitionCut("1,3+7,2", 3, 6, &splits), (std::vector<int>{1, 3, 2}));
   EXPECT_EQ(splits, (std::vector<int>{0, 7, 0}));
   EXPECT_EQ(joinCut({1, 3, 2}, {0, 7, 0}), "1,3+7,2");
   EXPECT_EQ(joinCut({2, 6}, {}), "2,6");
   auto message = [](const std::string& text, bool allowSplits) {
     std::vector<int> out;
     try {
-      parsePartition(text, 2, 8, allowSplits ? &out : nullptr);
+      partitionCut(PipelinePartition(text), 2, 8, allowSplits ? &out : nullptr);
     } catch (const InvalidArgument& e) {
       return std::string(e.what());
     }

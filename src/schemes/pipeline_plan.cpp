@@ -87,6 +87,21 @@ void parseLayerList(const std::string& text, std::vector<int>* counts, std::vect
   }
 }
 
+// What a given cut must be whatever the model: a layer count and a channel count per stage, the
+// layers positive, the channels not negative, none on the last stage (it has no next layer).
+void checkLayerList(const std::string& text, const std::vector<int>& layers, const std::vector<int>& channels) {
+  const size_t n = layers.size();
+  COHORT_CHECK(n > 0 && channels.size() == n, InvalidArgument, "partition ", text, ": ", n, " layer counts and ",
+               channels.size(), " channel counts (give one of each per stage)");
+  for (size_t s = 0; s < n; ++s) {
+    COHORT_CHECK(layers[s] > 0 && channels[s] >= 0, InvalidArgument, "partition ", text, ": stage ", s, " has ",
+                 layers[s], " layers and ", channels[s],
+                 " channels of the next layer (layers must be positive, channels not negative)");
+  }
+  COHORT_CHECK(channels.back() == 0, InvalidArgument, "--partition ", text,
+               ": the last stage has no next layer to split (+C goes on a stage before another)");
+}
+
 }  // namespace
 
 PipelinePartition::PipelinePartition(const char* text) : PipelinePartition(std::string(text)) {}
@@ -99,8 +114,7 @@ PipelinePartition::PipelinePartition(const std::string& text) {
   }
   kind = Kind::kLayers;
   parseLayerList(text, &layers, &channels);
-  COHORT_CHECK(channels.back() == 0, InvalidArgument, "--partition ", text,
-               ": the last stage has no next layer to split (+C goes on a stage before another)");
+  checkLayerList(text, layers, channels);
 }
 
 std::string PipelinePartition::text() const {
@@ -124,16 +138,8 @@ std::vector<int> partitionCut(const PipelinePartition& partition, int stages, in
   COHORT_CHECK(partition.kind == PipelinePartition::Kind::kLayers, InvalidArgument, "--partition ", text,
                " is measured, not given: expected L1,L2,... layers per stage");
   // Its fields are public: what the text would have refused is refused here too.
+  checkLayerList(text, partition.layers, partition.channels);
   const size_t n = partition.layers.size();
-  COHORT_CHECK(n > 0 && partition.channels.size() == n, InvalidArgument, "partition ", text, ": ", n,
-               " layer counts and ", partition.channels.size(), " channel counts (give one of each per stage)");
-  for (size_t s = 0; s < n; ++s) {
-    COHORT_CHECK(partition.layers[s] > 0 && partition.channels[s] >= 0, InvalidArgument, "partition ", text,
-                 ": stage ", s, " has ", partition.layers[s], " layers and ", partition.channels[s],
-                 " channels of the next layer (layers must be positive, channels not negative)");
-  }
-  COHORT_CHECK(partition.channels.back() == 0, InvalidArgument, "--partition ", text,
-               ": the last stage has no next layer to split (+C goes on a stage before another)");
   COHORT_CHECK(int(n) == stages, InvalidArgument, "--partition ", text, " has ", n, " stages but --stages is ",
                stages, ": give one layer count per stage");
   int sum = 0;
@@ -149,10 +155,6 @@ std::vector<int> partitionCut(const PipelinePartition& partition, int stages, in
     }
   }
   return partition.layers;
-}
-
-std::vector<int> parsePartition(const std::string& text, int stages, int layers, std::vector<int>* splits) {
-  return partitionCut(PipelinePartition(text), stages, layers, splits);
 }
 
 std::vector<int> balanceStages(const std::vector<double>& costs, int stages, const std::vector<bool>& cutAfter) {

@@ -33,15 +33,11 @@ std::vector<PipeOp> makeSchedule(PipeSchedule schedule, int stages, int stage, i
 // The largest number of micro-batches whose forward has run and whose backward has not.
 int peakInFlight(const std::vector<PipeOp>& ops);
 
-// Layers per stage from "L1,L2,...": one positive count per stage, adding up to `layers`.
-// Throws InvalidArgument naming what is wrong. With `splits`, an item may be "L+C": the stage
-// also computes the first C output channels of the next stage's first layer (a split layer,
-// counted in the next stage); splits[s] is that C (0: none), splits[S-1] always 0. Without
-// `splits`, "+C" is refused.
-std::vector<int> parsePartition(const std::string& text, int stages, int layers, std::vector<int>* splits = nullptr);
-
-// The same for a partition already parsed (kLayers; auto and split are refused): its counts,
-// checked against the stages and the model's layers.
+// Layers per stage of a given partition (kLayers; auto and split are refused): one positive count
+// per stage, adding up to `layers`. Throws InvalidArgument naming what is wrong. With `splits`,
+// splits[s] is the C of a stage's "L+C" (it also computes the first C output channels of the next
+// stage's first layer, a split layer counted in the next stage; 0: none), splits[S-1] always 0.
+// Without `splits`, a "+C" is refused.
 std::vector<int> partitionCut(const PipelinePartition& partition, int stages, int layers,
                               std::vector<int>* splits = nullptr);
 
