@@ -12,20 +12,28 @@ namespace {
 
 Status invalid(std::string message) { return Status::error(Code::kInvalidArgument, std::move(message)); }
 
-// Copies n bytes from byte `offset` of the chunks (which hold at least offset + n) into out.
-void gather(std::span<const std::span<const uint8_t>> chunks, size_t offset, size_t n, uint8_t* out) {
+// Copies n bytes from byte `offset` of the chunks (which hold at least offset + n) into out,
+// calling afterChunk(bytes copied so far) after each chunk's share.
+template <typename AfterChunk>
+void gather(std::span<const std::span<const uint8_t>> chunks, size_t offset, size_t n, uint8_t* out,
+            AfterChunk afterChunk) {
+  size_t copied = 0;
   for (const auto& c : chunks) {
-    if (n == 0) return;
+    if (copied == n) return;
     if (offset >= c.size()) {
       offset -= c.size();
       continue;
     }
-    const size_t take = std::min(n, c.size() - offset);
-    std::memcpy(out, c.data() + offset, take);
-    out += take;
-    n -= take;
+    const size_t take = std::min(n - copied, c.size() - offset);
+    std::memcpy(out + copied, c.data() + offset, take);
+    copied += take;
     offset = 0;
+    afterChunk(copied);
   }
+}
+
+void gather(std::span<const std::span<const uint8_t>> chunks, size_t offset, size_t n, uint8_t* out) {
+  gather(chunks, offset, n, out, [](size_t) {});
 }
 
 }  // namespace
@@ -44,6 +52,7 @@ std::span<const float> FramePayload::checkedFloats(size_t offset, size_t count, 
   *firstBad = count;
   if (count == 0) return {};
   const size_t bytes = count * sizeof(float);
+  // The part holding `offset`: the last whose start is <= offset.
   const size_t k = size_t(std::upper_bound(starts_.begin(), starts_.end(), offset) - starts_.begin()) - 1;
   const uint8_t* at = parts_[k].data() + (offset - starts_[k]);
   if (offset - starts_[k] + bytes <= parts_[k].size() && reinterpret_cast<uintptr_t>(at) % alignof(float) == 0) {
@@ -52,22 +61,16 @@ std::span<const float> FramePayload::checkedFloats(size_t offset, size_t count, 
     return {reinterpret_cast<const float*>(at), count};
   }
   scratch.resize(count);
-  auto* out = reinterpret_cast<uint8_t*>(scratch.data());
-  size_t copied = 0;   // bytes
   size_t checked = 0;  // floats
-  for (size_t part = k; part < parts_.size() && copied < bytes; ++part) {
-    const auto& c = parts_[part];
-    const size_t from = part == k ? offset - starts_[k] : 0;
-    const size_t take = std::min(bytes - copied, c.size() - from);
-    std::memcpy(out + copied, c.data() + from, take);
-    copied += take;
-    const size_t whole = copied / sizeof(float);  // the floats complete so far, checked while in cache
-    if (*firstBad == count && whole > checked) {
-      const size_t bad = firstNonFinite(scratch.data() + checked, whole - checked);
-      if (bad < whole - checked) *firstBad = checked + bad;
-    }
-    checked = whole;
-  }
+  gather(parts_, offset, bytes, reinterpret_cast<uint8_t*>(scratch.data()),
+         [&](size_t copied) {
+           const size_t whole = copied / sizeof(float);  // the floats complete so far, checked while in cache
+           if (*firstBad == count && whole > checked) {
+             const size_t bad = firstNonFinite(scratch.data() + checked, whole - checked);
+             if (bad < whole - checked) *firstBad = checked + bad;
+           }
+           checked = whole;
+         });
   return scratch;
 }
 
