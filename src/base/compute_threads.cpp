@@ -26,11 +26,16 @@ struct CpuTimes {
   uint64_t total = 0;  // user, nice, system, idle, iowait, irq, softirq, steal
 };
 
-// The "cpuN" lines of /proc/stat, summed over the CPUs of this process's affinity mask.
-std::optional<CpuTimes> readCpuTimes() {
+// The CPUs this process may run on; nullopt where the kernel does not say.
+std::optional<cpu_set_t> affinityMask() {
   cpu_set_t mask;
   CPU_ZERO(&mask);
-  const bool haveMask = ::sched_getaffinity(0, sizeof(mask), &mask) == 0;
+  if (::sched_getaffinity(0, sizeof(mask), &mask) != 0) return std::nullopt;
+  return mask;
+}
+
+// The "cpuN" lines of /proc/stat, summed over the CPUs of `mask` (every CPU without one).
+std::optional<CpuTimes> readCpuTimes(const std::optional<cpu_set_t>& mask) {
   std::ifstream in("/proc/stat");
   if (!in) return std::nullopt;
   CpuTimes times;
@@ -41,7 +46,7 @@ std::optional<CpuTimes> readCpuTimes() {
     std::istringstream fields(line.substr(3));
     int cpu = -1;
     fields >> cpu;
-    if (cpu < 0 || (haveMask && cpu < CPU_SETSIZE && !CPU_ISSET(cpu, &mask))) continue;
+    if (cpu < 0 || (mask && cpu < CPU_SETSIZE && !CPU_ISSET(cpu, &*mask))) continue;
     uint64_t value[8] = {};
     for (uint64_t& v : value) fields >> v;
     if (!fields) continue;
@@ -53,22 +58,23 @@ std::optional<CpuTimes> readCpuTimes() {
   return times;
 }
 
-int allowedCores() {
-  cpu_set_t mask;
-  CPU_ZERO(&mask);
-  if (::sched_getaffinity(0, sizeof(mask), &mask) == 0) return std::max(1, CPU_COUNT(&mask));
+int allowedCores(const std::optional<cpu_set_t>& mask) {
+  if (mask) return std::max(1, CPU_COUNT(&*mask));
   return int(std::max(1u, std::thread::hardware_concurrency()));
 }
+
+int allowedCores() { return allowedCores(affinityMask()); }
 
 }  // namespace
 
 std::optional<double> idleCores(std::chrono::milliseconds window) {
-  const std::optional<CpuTimes> before = readCpuTimes();
+  const std::optional<cpu_set_t> mask = affinityMask();
+  const std::optional<CpuTimes> before = readCpuTimes(mask);
   std::this_thread::sleep_for(window);
-  const std::optional<CpuTimes> after = readCpuTimes();
+  const std::optional<CpuTimes> after = readCpuTimes(mask);
   if (!before || !after || after->total <= before->total) return std::nullopt;
   const double idleShare = double(after->idle - before->idle) / double(after->total - before->total);
-  return idleShare * allowedCores();
+  return idleShare * allowedCores(mask);
 }
 
 namespace {

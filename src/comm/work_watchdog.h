@@ -1,8 +1,8 @@
 // Works the GPU waits for and the host does not.
 //
 // A collective over CUDA tensors (NCCL's) is waited for as PyTorch's DDP reducer does: the
-// caller's CUDA stream is made to wait for the collective's (c10d::Work::synchronize) and the host
-// goes on launching kernels, so that a step costs no host synchronization per bucket. What a host
+// caller's CUDA stream is made to wait for the collective's (through the work's future) and the
+// host goes on launching kernels, so that a step costs no host synchronization per bucket. What a host
 // wait used to give, a bound on the collective's time and its error, the watchdog gives: one thread
 // per communicator checks the works it was given, oldest first (one NCCL stream completes them in
 // order), until each completes. A work that fails, or that has not completed `timeout` after it was
@@ -45,8 +45,8 @@ class WorkWatchdog {
   WorkWatchdog& operator=(const WorkWatchdog&) = delete;
 
   // Watches `work` from now until it completes, and holds `keepAlive` (the tensors it reads and
-  // writes) until then. The first call starts the thread. After a failure, nothing more is watched:
-  // the work is aborted at once.
+  // writes) until then. The first call starts the thread. After a failure nothing more is watched:
+  // the work is dropped, its communicator being aborted already.
   void watch(c10::intrusive_ptr<c10d::Work> work, std::string op, std::vector<at::Tensor> keepAlive)
       EXCLUDES(mu_);
 
