@@ -1,6 +1,7 @@
 #include <cohort/error.h>
 
 #include "base/launcher_channel.h"
+#include "base/text.h"
 #include "cli/commands.h"
 
 #include <c10/util/Exception.h>
@@ -11,11 +12,9 @@
 
 namespace {
 
-std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
-
 int fail(int code, const std::string& message) {
-  std::fprintf(stderr, "cohort: error: %s\n", firstLine(message).c_str());
-  cohort::launcher::tellError(firstLine(message));  // `cohort launch` names it with the exit
+  std::fprintf(stderr, "cohort: error: %s\n", cohort::firstLine(message).c_str());
+  cohort::launcher::tellError(cohort::firstLine(message));  // `cohort launch` names it with the exit
   return code;
 }
 

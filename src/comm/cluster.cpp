@@ -2,6 +2,7 @@
 #include <cohort/error.h>
 
 #include "base/host_port.h"
+#include "base/text.h"
 
 #include <nlohmann/json.hpp>
 
@@ -35,8 +36,6 @@ class Env {
  private:
   const EnvLookup& lookup_;
 };
-
-std::string firstLine(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 // "NAME=value" parsed as an int; the message names both.
 int parseWhole(const std::string& name, const std::string& value) {

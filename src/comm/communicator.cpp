@@ -1,10 +1,8 @@
 #include "base/host_port.h"
 #include "base/launcher_channel.h"
-#include "base/thread_annotations.h"
 #include "comm/c10d_store.h"
+#include "comm/communicator_impl.h"
 #include "comm/nccl.h"
-#include "comm/store.h"
-#include "comm/work_watchdog.h"
 
 #include <cohort/comm_backend.h>
 #include <cohort/communicator.h>
@@ -17,13 +15,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <functional>
-#include <future>
 #include <cstdio>
-#include <cstring>
-#include <iostream>
 #include <cstdlib>
-#include <map>
+#include <cstring>
+#include <functional>
+#include <iostream>
 #include <thread>
 
 namespace cohort {
@@ -33,8 +29,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::chrono::milliseconds kHeartbeatPeriod{500};
-
-std::string firstLine(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 std::string heartbeatKey(int rank) { return "cohort/heartbeat/" + std::to_string(rank); }
 
@@ -47,16 +41,6 @@ std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& masterH
 }
 
 int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
-
-// "ranks 0 and 1", "ranks 0, 2 and 3".
-std::string listRanks(const std::vector<std::string>& names) {
-  std::string out = "ranks ";
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (i > 0) out += i + 1 == names.size() ? " and " : ", ";
-    out += names[i].rfind("rank ", 0) == 0 ? names[i].substr(5) : names[i];
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -79,282 +63,75 @@ CommBackend parseCommBackend(const std::string& name) {
   throw InvalidArgument("backend \"" + name + "\": expected auto, nccl or gloo");
 }
 
-struct COHORT_LOCAL Communicator::Impl {
-  int rank = 0;  // in this group
-  int size = 1;
-  // A sub-group's ranks in the whole job, and the whole job's communicator, which keeps the
-  // heartbeats and the counters. Both empty for the whole job.
-  std::vector<int> members;
-  std::shared_ptr<Impl> world;
-  std::function<std::string(int)> rankName;  // of the whole job's; set before any operation
-  CommOptions options;
-  Env& env() const { return envOrStandard(options.env); }
-  HostPort master;
-  std::shared_ptr<store::Server> storeServer;  // the chief's; shared with its sub-groups
-  c10::intrusive_ptr<c10d::Store> store;
-  std::string storePrefix;  // of this group's keys in the store
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
-
-  // Collectives over CUDA tensors: the first of them chooses (chooseCudaBackend), on every rank
-  // alike, and the choice stays. The mutex orders that choice against later CUDA collectives
-  // (DataParallel launches them from autograd's device thread).
-  Mutex cudaMutex;
-  CommBackend cudaChoice GUARDED_BY(cudaMutex) = CommBackend::kAuto;  // kNccl or kGloo once chosen
-  c10::intrusive_ptr<c10d::Backend> ncclGroup GUARDED_BY(cudaMutex);
-  // A work of the NCCL group failed or timed out (its communicator is aborted): it is aborted, not
-  // shut down, with this communicator.
-  std::atomic<bool> ncclBroken{false};
-  // The NCCL group's works, which the GPU waits for and the host does not (work_watchdog.h); made
-  // with the group.
-  std::shared_ptr<WorkWatchdog> ncclWatchdog GUARDED_BY(cudaMutex);
-
-  std::shared_ptr<WorkWatchdog> watchdog() EXCLUDES(cudaMutex) {
-    MutexLock lock(cudaMutex);
-    return ncclWatchdog;
-  }
-
-  // The failure the watchdog recorded for an earlier NCCL work (with `drain`: for any work before
-  // now), reported as this operation's.
-  void checkNccl(bool drain = false) EXCLUDES(cudaMutex) {
-    std::shared_ptr<WorkWatchdog> watching = watchdog();
-    if (!watching) return;
-    if (std::optional<WorkWatchdog::Failure> failed = drain ? watching->drain() : watching->failure()) {
-      ncclBroken = true;
-      fail(failed->op, std::runtime_error(failed->what));
-    }
-  }
-
-  // The heartbeat has its own store connection: the group's connection must never wait behind a
-  // heartbeat, nor a heartbeat behind a key Gloo waits for.
-  std::unique_ptr<store::Client> heartbeatStore;
-  std::thread heartbeat;
-  Mutex stopMutex;
-  CondVar stopCv;
-  bool stopping GUARDED_BY(stopMutex) = false;
-
-  std::atomic<int64_t> bytesSent{0};
-  std::atomic<int64_t> bytesReceived{0};
-  std::atomic<int64_t> waitNanos{0};
-
-  Impl& root() { return world ? *world : *this; }
-  int jobRank(int groupRank) const { return members.empty() ? groupRank : members[size_t(groupRank)]; }
-  std::string describeRank(int groupRank) {
-    const int r = jobRank(groupRank);
-    if (root().rankName) return root().rankName(r);
-    return "rank " + std::to_string(r);
-  }
-
-  void count(int64_t sent, int64_t received) {
-    root().bytesSent += sent;
-    root().bytesReceived += received;
-  }
-
-  void beat() EXCLUDES(stopMutex) {
-    for (;;) {
-      {
-        MutexLock lock(stopMutex);
-        const auto next = Clock::now() + kHeartbeatPeriod;
-        while (!stopping && stopCv.waitUntil(stopMutex, next) == std::cv_status::no_timeout) continue;
-        if (stopping) return;
-      }
-      try {
-        heartbeatStore->add(heartbeatKey(rank), 1);
-      } catch (const std::exception&) {
-        return;  // the store (the chief) is gone; the next operation reports it
-      }
-    }
-  }
-
-  // Heartbeat counters of every rank, or nothing when the store cannot be reached.
-  std::optional<std::vector<int64_t>> readHeartbeats() {
-    std::vector<int64_t> out(size_t(size), 0);
-    try {
-      for (int r = 0; r < size; ++r) out[size_t(r)] = heartbeatStore->add(heartbeatKey(r), 0);
-    } catch (const std::exception&) {
-      return std::nullopt;
-    }
-    return out;
-  }
-
-  // Ranks of the whole job.
-  std::vector<int> lostRanks() {
-    if (world) return world->lostRanks();
-    auto before = readHeartbeats();
-    if (!before) return {0};  // the chief hosts the store
-    std::this_thread::sleep_for(kHeartbeatPeriod * 3);
-    auto after = readHeartbeats();
-    if (!after) return {0};
-    std::vector<int> lost;
-    for (int r = 0; r < size; ++r) {
-      if (r != rank && (*after)[size_t(r)] == (*before)[size_t(r)]) lost.push_back(r);
-    }
-    return lost;
-  }
-
-  // Turns a failed operation into cohort's error, naming the lost peer when there is one.
-  [[noreturn]] void fail(const std::string& op, const std::exception& e) {
-    const std::string what = firstLine(e.what());
-    const bool timedOut = what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
-    std::string who;
-    Impl& job = root();
-    for (int r : lostRanks()) {
-      who += (who.empty() ? "" : ", ") + job.describeRank(r) +
-             (r == 0 ? " (the chief, which hosts the rendezvous store)" : "");
-    }
-    std::string message = describeRank(rank) + ": " + op + " failed";
-    if (!who.empty()) message += ": lost " + who + ", whose heartbeat stopped";
-    message += " (" + what + ")";
-    if (timedOut && who.empty()) {
-      message += "; no peer answered within " + std::to_string(options.timeout.count() / 1000) +
-                 " s (--timeout to change)";
-      throw TimeoutError(message);
-    }
-    throw CommError(message);
-  }
-
-  // The group that carries a collective over `tensor`.
-  c10d::Backend& groupFor(const torch::Tensor& tensor) EXCLUDES(cudaMutex) {
-    if (!tensor.is_cuda()) return *group;
-    MutexLock lock(cudaMutex);
-    if (cudaChoice == CommBackend::kAuto) chooseCudaBackend(tensor.device());
-    if (ncclGroup) return *ncclGroup;
-    return *group;
-  }
-
-  // NCCL or Gloo for CUDA tensors, on every rank of the group alike (a collective over Gloo: every
-  // rank gets here at its first collective over CUDA tensors). NCCL needs one GPU per rank; the
-  // ranks compare their GPUs' UUIDs, and when any two share one the whole group stays on Gloo
-  // (kAuto, said once, by the group's rank 0) or every rank throws InvalidArgument (kNccl).
-  void chooseCudaBackend(c10::Device device) REQUIRES(cudaMutex) {
-    if (options.backend == CommBackend::kGloo) {
-      cudaChoice = CommBackend::kGloo;
-      return;
-    }
-    if (!hasNccl()) {  // kAuto: connect() refused kNccl
-      if (rank == 0) {
-        env().log(LogLevel::kInfo,
-                  "this LibTorch has no NCCL: collectives over CUDA tensors go through Gloo (staged through host "
-                  "memory)");
-      }
-      cudaChoice = CommBackend::kGloo;
-      return;
-    }
-    if (std::string shared = ranksSharingAGpu(device); !shared.empty()) {
-      const std::string what =
-          shared + " use one GPU (" + device.str() + " on " + describeRank(rank) + "), and NCCL needs one GPU per rank";
-      COHORT_CHECK(options.backend != CommBackend::kNccl, InvalidArgument, describeRank(rank),
-                   ": backend nccl (--backend nccl): ", what,
-                   ": give each rank a GPU of its own (--device cuda puts a process on cuda:LOCAL_RANK mod the GPU "
-                   "count: at most as many processes per host as GPUs), or use --backend gloo or auto (Gloo, "
-                   "staged through host memory)");
-      if (rank == 0) {
-        env().log(LogLevel::kInfo, what +
-                                       ": collectives over CUDA tensors go through Gloo (staged through host memory); "
-                                       "give each rank a GPU of its own for NCCL");
-      }
-      cudaChoice = CommBackend::kGloo;
-      return;
-    }
-    try {
-      ncclGroup = nccl::makeGroup(c10::make_intrusive<c10d::PrefixStore>(storePrefix + "/nccl", store),
-                                  {.rank = rank, .size = size, .timeout = options.timeout, .device = device});
-      ncclWatchdog = std::make_shared<WorkWatchdog>(options.timeout);
-    } catch (const std::exception& e) {
-      fail("forming the NCCL group on " + device.str(), e);
-    }
-    cudaChoice = CommBackend::kNccl;
-  }
-
-  // The first set of this group's ranks whose GPUs are one ("ranks 0 and 1"), or "" when every
-  // rank has its own. A Gloo allgather of each rank's GPU identity.
-  std::string ranksSharingAGpu(c10::Device device) {
-    if (size == 1) return "";
-    const std::array<int64_t, 2> mine = nccl::gpuIdentity(device);
-    std::vector<std::vector<torch::Tensor>> all(1);
-    for (int r = 0; r < size; ++r) all[0].push_back(torch::empty({2}, torch::kInt64));
-    std::vector<torch::Tensor> input{torch::tensor({mine[0], mine[1]}, torch::kInt64)};
-    try {
-      group->allgather(all, input)->wait(options.timeout);
-    } catch (const std::exception& e) {
-      fail("comparing the ranks' GPUs", e);
-    }
-    std::map<std::pair<int64_t, int64_t>, std::vector<std::string>> byGpu;
-    for (int r = 0; r < size; ++r) {
-      const auto* id = all[0][size_t(r)].data_ptr<int64_t>();
-      byGpu[{id[0], id[1]}].push_back(describeRank(r));
-    }
-    for (int r = 0; r < size; ++r) {  // in rank order: the same answer on every rank
-      const auto* id = all[0][size_t(r)].data_ptr<int64_t>();
-      const auto& names = byGpu[{id[0], id[1]}];
-      if (names.size() > 1) return listRanks(names);
-    }
-    return "";
-  }
-
-  // The NCCL group is shut down (NCCL flushes what it has in flight) or, after one of its works
-  // failed, aborted. Either can wait for peers inside NCCL (NVIDIA/nccl#863, #1777: a peer that is
-  // gone), with no timeout of its own: it runs on a thread of its own, waited for up to the
-  // communicator's timeout, and is left behind after that, saying so.
-  void closeNccl() EXCLUDES(cudaMutex) {
-    c10::intrusive_ptr<c10d::Backend> nccl;
-    std::shared_ptr<WorkWatchdog> watchdog;
-    {
-      MutexLock lock(cudaMutex);
-      nccl = std::move(ncclGroup);
-      watchdog = std::move(ncclWatchdog);
-    }
-    if (!nccl) return;
-    // The works still in flight end first (their failure is said here: no operation is left to
-    // report it); the watchdog's thread then stops before the group is shut down or aborted.
-    if (watchdog) {
-      if (std::optional<WorkWatchdog::Failure> failed = watchdog->drain()) {
-        ncclBroken = true;
-        env().log(LogLevel::kError, describeRank(rank) + ": " + failed->op + " failed after its last wait (" +
-                                        firstLine(failed->what) + "): the NCCL group is aborted");
-      }
-    }
-    auto closed = std::make_shared<std::promise<void>>();
-    std::future<void> done = closed->get_future();
-    std::thread([nccl = std::move(nccl), watchdog = std::move(watchdog), broken = ncclBroken.load(), closed,
-                 &env = env()]() mutable {
-      watchdog.reset();  // nothing polls the group while it closes
-      try {
-        if (broken) {
-          nccl->abort();
-        } else {
-          nccl->shutdown();
-        }
-      } catch (const std::exception& e) {
-        env.log(LogLevel::kWarning, "closing the NCCL group: " + firstLine(e.what()));
-      }
-      closed->set_value();
-    }).detach();
-    if (done.wait_for(options.timeout) != std::future_status::ready) {
-      env().log(LogLevel::kWarning, describeRank(rank) + ": closing the NCCL group did not end within " +
-                                        std::to_string(options.timeout.count() / 1000) +
-                                        " s (a peer gone?): left behind");
-    }
-  }
-
-  ~Impl() {
-    closeNccl();
+void Communicator::Impl::beat() {
+  for (;;) {
     {
       MutexLock lock(stopMutex);
-      stopping = true;
+      const auto next = Clock::now() + kHeartbeatPeriod;
+      while (!stopping && stopCv.waitUntil(stopMutex, next) == std::cv_status::no_timeout) continue;
+      if (stopping) return;
     }
-    stopCv.notifyAll();
-    if (heartbeat.joinable()) heartbeat.join();
+    try {
+      heartbeatStore->add(heartbeatKey(rank), 1);
+    } catch (const std::exception&) {
+      return;  // the store (the chief) is gone; the next operation reports it
+    }
   }
-};
+}
 
-struct COHORT_LOCAL CommWork::Impl {
-  std::shared_ptr<Communicator::Impl> comm;
-  c10::intrusive_ptr<c10d::Work> work;
-  std::string op;
-  std::vector<torch::Tensor> keepAlive;  // Gloo or NCCL reads and writes these until the work is done
-  bool nccl = false;  // the work is the NCCL group's: waited for on the GPU, watched by ncclWatchdog
-  bool waited = false;
-};
+std::optional<std::vector<int64_t>> Communicator::Impl::readHeartbeats() {
+  std::vector<int64_t> out(size_t(size), 0);
+  try {
+    for (int r = 0; r < size; ++r) out[size_t(r)] = heartbeatStore->add(heartbeatKey(r), 0);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  return out;
+}
+
+std::vector<int> Communicator::Impl::lostRanks() {
+  if (world) return world->lostRanks();
+  auto before = readHeartbeats();
+  if (!before) return {0};  // the chief hosts the store
+  std::this_thread::sleep_for(kHeartbeatPeriod * 3);
+  auto after = readHeartbeats();
+  if (!after) return {0};
+  std::vector<int> lost;
+  for (int r = 0; r < size; ++r) {
+    if (r != rank && (*after)[size_t(r)] == (*before)[size_t(r)]) lost.push_back(r);
+  }
+  return lost;
+}
+
+void Communicator::Impl::fail(const std::string& op, const std::exception& e) {
+  const std::string what = firstLine(e.what());
+  const bool timedOut = what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
+  std::string who;
+  Impl& job = root();
+  for (int r : lostRanks()) {
+    who += (who.empty() ? "" : ", ") + job.describeRank(r) +
+           (r == 0 ? " (the chief, which hosts the rendezvous store)" : "");
+  }
+  std::string message = describeRank(rank) + ": " + op + " failed";
+  if (!who.empty()) message += ": lost " + who + ", whose heartbeat stopped";
+  message += " (" + what + ")";
+  if (timedOut && who.empty()) {
+    message +=
+        "; no peer answered within " + std::to_string(options.timeout.count() / 1000) + " s (--timeout to change)";
+    throw TimeoutError(message);
+  }
+  throw CommError(message);
+}
+
+Communicator::Impl::~Impl() {
+  closeNccl();
+  {
+    MutexLock lock(stopMutex);
+    stopping = true;
+  }
+  stopCv.notifyAll();
+  if (heartbeat.joinable()) heartbeat.join();
+}
 
 bool CommWork::isCompleted() const { return impl_ == nullptr || impl_->work->isCompleted(); }
 

@@ -1,5 +1,7 @@
 #include "train/model_file.h"
 
+#include "base/text.h"
+
 #include <cohort/error.h>
 
 #include <ATen/native/quantized/PackedParams.h>
@@ -19,8 +21,6 @@ constexpr const char* kQuantizedFormat = "int8-linear-v1";
 // the libsvm reader's limit). The data sets cohort trains on have 784 to 3072 values per image.
 constexpr int64_t kMaxInputValues = int64_t{1} << 16;
 constexpr int64_t kMaxClasses = 4096;
-
-std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
 
 // Every tensor of the model in a fixed order: parameters, then buffers.
 std::vector<torch::Tensor> modelTensors(torch::nn::Sequential& model) {
