@@ -60,21 +60,6 @@ constexpr std::string_view kInitMethod = "/cohort.ps.wire.ParameterServer/Init";
 // a client queues more). A worker has one call at a time to each shard.
 constexpr int kMaxStreamsPerConnection = 16;
 
-// What gRPC may hold for requests being read: its resource quota. It is not what refuses a large
-// request (the caps are): past it gRPC cancels streams of other connections too, the oldest
-// first, so an oversized body took the job's workers' pushes down with it (issue 30). It only
-// keeps gRPC from taking the machine: half its memory, or of the cgroup's limit if lower, and at
-// least what one Init may carry.
-size_t quotaForMachine() {
-  uint64_t memory = uint64_t(::sysconf(_SC_PHYS_PAGES)) * uint64_t(::sysconf(_SC_PAGESIZE));
-  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
-    std::ifstream in(path);
-    uint64_t limit = 0;
-    if (in >> limit && limit > 0) memory = std::min(memory, limit);  // "max" does not parse: no limit
-  }
-  return size_t(std::max(memory / 2, kInitCap));
-}
-
 std::string readPem(const std::string& path, const char* flag) {
   std::ifstream in(path, std::ios::binary);
   COHORT_CHECK(in.good(), InvalidArgument, "cannot read ", flag, " ", path, ": check the path and its permissions");
@@ -353,9 +338,24 @@ class Service final : public wire::ParameterServer::Service {
 
 }  // namespace
 
+// What gRPC may hold for requests being read: its resource quota. It is not what refuses a large
+// request (the caps are): past it gRPC cancels streams of other connections too, the oldest
+// first, so an oversized body took the job's workers' pushes down with it (issue 30). It only
+// keeps gRPC from taking the machine: half its memory, or of the cgroup's limit if lower, and at
+// least what one Init may carry.
+size_t requestQuotaBytesForMachine() {
+  uint64_t memory = uint64_t(::sysconf(_SC_PHYS_PAGES)) * uint64_t(::sysconf(_SC_PAGESIZE));
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(path);
+    uint64_t limit = 0;
+    if (in >> limit && limit > 0) memory = std::min(memory, limit);  // "max" does not parse: no limit
+  }
+  return size_t(std::max(memory / 2, kInitCap));
+}
+
 struct ShardServer::Impl {
   grpc::ResourceQuota quota{"cohort ps shard"};
-  size_t quotaBytes = quotaForMachine();
+  size_t quotaBytes = requestQuotaBytesForMachine();
   std::shared_ptr<Shard> shard;
   std::shared_ptr<Refusals> refusals;
   std::unique_ptr<Connections> connections;

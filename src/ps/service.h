@@ -79,6 +79,10 @@ class ShardServer {
   std::unique_ptr<Impl> impl_;
 };
 
+// What a ShardServer gives gRPC for requests being read on this machine (requestQuotaBytes): for
+// a server that must be set up as a shard's is (bench/ps_bandwidth.cpp's bare gRPC).
+size_t requestQuotaBytesForMachine();
+
 // Serves one shard until every worker is done (kFinished), the shard fails (kFailed), or
 // stopRequested gives a reason (a checkpoint, then kStopped). Every worker done but the final
 // checkpoint not written (a full disk) is kFailed too, told to cohort launch as "finished" with the
