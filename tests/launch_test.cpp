@@ -1,8 +1,11 @@
 // `cohort launch`: the environment every rank gets, output prefixed line by line, the first failure
 // stopping the others with its status, signals forwarded, bad input rejected.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -10,11 +13,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <regex>
 #include <set>
 #include <thread>
 
+#include "comm/store.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
@@ -417,6 +422,58 @@ TEST(Launch, TokenlessJobsOnOnePortRefuseEachOtherByTheirJobId) {
   EXPECT_NE(outsider.exitCode, 0) << outsider.output;
   EXPECT_NE(outsider.output.find("needs the job's secret"), std::string::npos) << outsider.output;
   EXPECT_TRUE(a.running()) << a.out() << a.err();  // A still waits for its own rank 1
+}
+
+// Gloo's rendezvous value for `rank` (gloo/transport/tcp/context.cc, Rank::bytes): the host name
+// and the device address, each after its size_t length, then one pair identifier (ssize_t) per
+// rank. An outsider who can write the store forges one that sends the other ranks to `to`.
+std::vector<uint8_t> forgedGlooRank(const std::vector<uint8_t>& honest, const sockaddr_in& to) {
+  size_t hostBytes = 0;
+  std::memcpy(&hostBytes, honest.data(), sizeof(hostBytes));
+  const size_t addressAt = sizeof(size_t) + hostBytes + sizeof(size_t);
+  std::vector<uint8_t> forged = honest;
+  sockaddr_storage storage{};
+  std::memcpy(&storage, &to, sizeof(to));
+  std::memcpy(forged.data() + addressAt, &storage, sizeof(storage));  // the sequence number after it stays
+  return forged;
+}
+
+// Without a secret or a job id the store is open (the chief says so): an outsider who writes rank
+// 1's Gloo address before rank 1 does makes the chief wait for a connection that never comes (Gloo
+// pairs compare their addresses: the lower listens, and port 65535 is above the chief's). The
+// chief must give up within its --timeout, naming the Gloo group, where it waited five timeouts
+// in Gloo (issue 30: 75 s at --timeout 15).
+TEST(Launch, AForgedGlooAddressWithoutASecretEndsWithinTheTimeout) {
+  test::ReservedPort port;
+  const std::string where =
+      "env -u COHORT_AUTH_TOKEN -u COHORT_JOB_ID -u SLURM_JOB_ID -u PMIX_NAMESPACE "
+      "-u TORCHELASTIC_RUN_ID MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+      std::to_string(port.port()) + " WORLD_SIZE=2 ";
+  const int timeout = 5;
+  LauncherProcess chief({"sh", "-c",
+                         where + "RANK=0 " + test::cohortBinary() +
+                             " train --strategy allreduce --model mlp --data synthetic:500 --steps 5 "
+                             "--progress off --threads 1 --timeout " +
+                             std::to_string(timeout)});
+  ASSERT_TRUE(chief.waitForError("this job has no secret", seconds(60))) << chief.err();
+
+  auto outsider = store::Client::connect("127.0.0.1", port.port(), "", std::chrono::seconds(30));
+  const auto honest = outsider->get("cohort/group/0/0", std::chrono::seconds(30));
+  ASSERT_TRUE(honest.has_value()) << chief.err();
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  to.sin_port = htons(65535);
+  const auto forgedAt = Clock::now();
+  outsider->set("cohort/group/0/1", forgedGlooRank(*honest, to));
+
+  const int status = chief.wait(seconds(60));
+  const auto took = Clock::now() - forgedAt;
+  EXPECT_NE(status, 0) << chief.err();
+  EXPECT_NE(chief.err().find("forming the Gloo group"), std::string::npos) << chief.err();
+  // Its own timeout and the 1.5 s in which it looks for lost heartbeats, with room for a loaded
+  // machine; before, 5 timeouts.
+  EXPECT_LT(took, seconds(3 * timeout)) << chief.err();
 }
 
 class LaunchSignal : public testing::TestWithParam<int> {};

@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <thread>
 
@@ -38,6 +39,30 @@ std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& masterH
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
   }
   return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+// The Gloo group of `size` ranks over `store`, formed within `timeout`. Gloo's own connection
+// waits are bounded by it, but not its whole: a rank that publishes an address and never
+// completes Gloo's handshake (a stranger's, in a job without a secret, whose store anyone may
+// write) held the constructor five timeouts (issue 30). It runs on a thread of its own, which is
+// left behind, holding only what it was given, when the timeout passes first.
+c10::intrusive_ptr<c10d::ProcessGroupGloo> formGlooGroup(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                         int size, const HostPort& master, const CommOptions& options) {
+  auto groupOptions = c10d::ProcessGroupGloo::Options::create(options.timeout);
+  groupOptions->devices.push_back(makeDevice(master.host));
+  groupOptions->threads = options.glooThreads;
+  std::packaged_task<c10::intrusive_ptr<c10d::ProcessGroupGloo>()> form([store, rank, size, groupOptions] {
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, groupOptions);
+  });
+  std::future<c10::intrusive_ptr<c10d::ProcessGroupGloo>> formed = form.get_future();
+  std::thread(std::move(form)).detach();
+  if (formed.wait_for(options.timeout) != std::future_status::ready) {
+    throw std::runtime_error("Gloo's connections between the " + std::to_string(size) +
+                             " ranks did not complete within " + std::to_string(options.timeout.count() / 1000) +
+                             " s: a rank was not started, is not this job's, or its address cannot be reached "
+                             "(GLOO_SOCKET_IFNAME)");
+  }
+  return formed.get();
 }
 
 int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
@@ -214,12 +239,9 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
                     "is free (--timeout to wait longer)");
   }
   try {
-    auto groupOptions = c10d::ProcessGroupGloo::Options::create(options.timeout);
-    groupOptions->devices.push_back(makeDevice(spec.master.host));
-    groupOptions->threads = options.glooThreads;
     impl->storePrefix = "cohort/group";
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(impl->storePrefix, impl->store);
-    impl->group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, spec.rank, spec.worldSize, groupOptions);
+    impl->group = formGlooGroup(c10::make_intrusive<c10d::PrefixStore>(impl->storePrefix, impl->store), spec.rank,
+                                spec.worldSize, impl->master, options);
   } catch (const std::exception& e) {
     throw CommError("rank " + std::to_string(spec.rank) + ": forming the Gloo group through " + where +
                     " failed: " + firstLine(e.what()));
@@ -242,12 +264,9 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks,
   sub->world = impl_->world ? impl_->world : impl_;
   for (int r : ranks) sub->members.push_back(impl_->members.empty() ? r : impl_->members[size_t(r)]);
   try {
-    auto groupOptions = c10d::ProcessGroupGloo::Options::create(impl_->options.timeout);
-    groupOptions->devices.push_back(makeDevice(impl_->master.host));
-    groupOptions->threads = impl_->options.glooThreads;
     sub->storePrefix = "cohort/group/" + name;
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(sub->storePrefix, impl_->store);
-    sub->group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, sub->rank, sub->size, groupOptions);
+    sub->group = formGlooGroup(c10::make_intrusive<c10d::PrefixStore>(sub->storePrefix, impl_->store), sub->rank,
+                               sub->size, impl_->master, impl_->options);
   } catch (const std::exception& e) {
     sub->fail("forming the group '" + name + "'", e);
   }
