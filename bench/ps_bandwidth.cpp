@@ -132,6 +132,7 @@ double grpcShard(size_t floats, int rounds, bool framed, size_t chunkBytes) {
     options.address = address;
     options.shard.log = [](const std::string&) {};
     keepFreedMemory();  // as `cohort ps` does (src/cli/shard_process.cpp)
+    allocateFromOneHeap();
     std::_Exit(serveShard(options).exitStatus());
   }
   keepFreedMemory();
@@ -251,12 +252,12 @@ bool copyOut(grpc::ByteBuffer& message, std::span<float> out) {
 // local credentials on loopback (plaintext, no frame protection, as a shard's on 127.0.0.1), no
 // message size limits, HTTP/2 frames of kHttp2MaxFrame and a kHttp2Window stream window, the same
 // resource quota (requestQuotaBytesForMachine), no compression (gRPC's default: neither sets any),
-// and keepFreedMemory as `cohort ps` calls it. Left out, as nothing of one call at a time depends
-// on them: the TokenCheck metadata processor (cohort work), the shard's own accept loop
-// (Connections: a listening port of gRPC's here), the handshake timeout and the cap of 16 streams
-// per connection.
+// and keepFreedMemory and allocateFromOneHeap as `cohort ps` calls them. Left out, as nothing of one call at a time
+// depends on them: the TokenCheck metadata processor (cohort work), the shard's own accept loop (Connections: a
+// listening port of gRPC's here), the handshake timeout and the cap of 16 streams per connection.
 [[noreturn]] void bareServe(const std::string& address, size_t floats, int calls, bool copyIn) {
   keepFreedMemory();
+  allocateFromOneHeap();
   grpc::AsyncGenericService service;
   grpc::ResourceQuota quota("ps_bandwidth bare");
   grpc::ServerBuilder builder;

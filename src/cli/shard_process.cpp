@@ -81,6 +81,7 @@ class KillAtVersionEnv final : public Env {
 
 int runShardProcess(ps::ServerOptions options) {
   ps::keepFreedMemory();
+  ps::allocateFromOneHeap();
   StopSignals signals;
   KillAtVersionEnv faults(options.shard.env);
   options.shard.env = &faults;

@@ -459,6 +459,8 @@ void keepFreedMemory() {
   ::mallopt(M_TRIM_THRESHOLD, INT_MAX);
 }
 
+void allocateFromOneHeap() { ::mallopt(M_ARENA_MAX, 1); }
+
 std::unique_ptr<ShardClient> makeFakeClient(std::shared_ptr<Shard> shard, std::string name, size_t pushChunkBytes) {
   return std::make_unique<FakeClient>(std::move(shard), std::move(name), pushChunkBytes);
 }

@@ -103,6 +103,14 @@ bool pushStreams(const FramedPush& push, size_t chunkBytes);
 // freed memory stay in the process's heap for reuse instead. Called by shards and ps workers.
 void keepFreedMemory();
 
+// For a shard's process, after keepFreedMemory and before any thread starts: every thread
+// allocates from the main heap, which keepFreedMemory keeps. glibc gives a thread a heap of its
+// own and unmaps it whenever it empties, so a request of the model's size, read or answered by a
+// gRPC thread, was faulted in afresh every call; with one heap the shard's streamed push and
+// pull of 58 MB moved 1.5-1.9 GB/s before and 2.0-2.1 after (bench/ps_bandwidth, issue 30). Not
+// for a worker: its compute threads would contend for the one heap's lock.
+void allocateFromOneHeap();
+
 // pushChunkBytes: as ClientOptions's (the fake's pushes go through Shard::beginStream and its
 // chunks when > 0); 0 by default.
 std::unique_ptr<ShardClient> makeFakeClient(std::shared_ptr<Shard> shard, std::string name = "fake",

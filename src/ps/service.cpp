@@ -160,6 +160,43 @@ uint64_t frameBytes(const IncomingFrame& frame) {
   return bytes;
 }
 
+// The buffers that replies' floats are sent from, kept for later replies once gRPC has let them
+// go. A buffer of the model's size made afresh for each reply was mapped, faulted in page by page
+// and unmapped again every time (glibc serves a request that large for a thread from a heap of
+// its own): a sixth of the shard's time in bench/ps_bandwidth (issue 30, item 4).
+class ReplyBuffers {
+ public:
+  // An empty buffer, with the capacity of one that went before when there is one; it comes back
+  // here when its last holder lets it go (a slice gRPC is still sending, on a thread of gRPC's).
+  std::shared_ptr<std::vector<float>> take() {
+    std::unique_ptr<std::vector<float>> buffer;
+    {
+      MutexLock lock(kept_->mu);
+      if (!kept_->buffers.empty()) {
+        buffer = std::move(kept_->buffers.back());
+        kept_->buffers.pop_back();
+      }
+    }
+    if (buffer == nullptr) buffer = std::make_unique<std::vector<float>>();
+    buffer->clear();
+    return std::shared_ptr<std::vector<float>>(buffer.release(), [kept = kept_](std::vector<float>* given) {
+      std::unique_ptr<std::vector<float>> back(given);  // freed after the lock when not kept
+      MutexLock lock(kept->mu);
+      if (kept->buffers.size() < kKept) kept->buffers.push_back(std::move(back));
+    });
+  }
+
+ private:
+  // As many as replies usually overlap (a worker has one call at a time to a shard); more are
+  // freed.
+  static constexpr size_t kKept = 2;
+  struct Kept {
+    Mutex mu;
+    std::vector<std::unique_ptr<std::vector<float>>> buffers GUARDED_BY(mu);
+  };
+  const std::shared_ptr<Kept> kept_ = std::make_shared<Kept>();
+};
+
 class Service final : public wire::ParameterServer::Service {
  public:
   // `verifier` when the handler must check the proof itself (TokenCheck could not run); null
@@ -202,7 +239,7 @@ class Service final : public wire::ParameterServer::Service {
     return handle(c, Request::kOther, q->ByteSizeLong(), [&](uint64_t) { return shard_->push(*q, r); });
   }
   // The push's floats are read where gRPC's slices hold them; the reply's are one copy of the
-  // shard's values, made under its lock, sent from that buffer without another.
+  // shard's values, made under its lock into a kept buffer, sent from there without another.
   grpc::Status PushFramed(grpc::ServerContext* c, const IncomingFrame* q, OutgoingFrame* r) {
     return handle(c, Request::kOther, frameBytes(*q), [&](uint64_t) {
       wire::PushRequest request;
@@ -212,7 +249,7 @@ class Service final : public wire::ParameterServer::Service {
         return s;
       }
       wire::PushReply reply;
-      auto values = std::make_shared<std::vector<float>>();
+      std::shared_ptr<std::vector<float>> values = replyBuffers_.take();
       Status s = shard_->pushFramed(request, payload, &reply, values.get());
       if (!s.ok()) return s;
       r->head = frameHead(reply);
@@ -269,7 +306,7 @@ class Service final : public wire::ParameterServer::Service {
                                                             " pieces"));
       }
       wire::PushReply reply;
-      auto values = std::make_shared<std::vector<float>>();
+      std::shared_ptr<std::vector<float>> values = replyBuffers_.take();
       Status s = shard_->finishStream(*stream, &reply, values.get());
       if (!s.ok()) return s;
       r->head = frameHead(reply);
@@ -334,6 +371,7 @@ class Service final : public wire::ParameterServer::Service {
   const std::shared_ptr<CallVerifier> verifier_;
   const std::shared_ptr<Refusals> refusals_;
   Connections* const connections_;
+  ReplyBuffers replyBuffers_;
 };
 
 }  // namespace
