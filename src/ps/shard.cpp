@@ -1,7 +1,7 @@
 // A Shard (shard.h): its Init (fresh or resumed), pulls, the arithmetic of an update (apply,
 // gather, the gathered step applied), the workers' liveness and clocks, Done, stats and stop. A
-// push's path is in shard_push.cpp and shard_policies.cpp, streams in shard_stream.cpp,
-// checkpoints in shard_checkpoint.cpp.
+// push's path is in shard_push.cpp and the update policies (update_policy.h), streams in
+// shard_stream.cpp, checkpoints in shard_checkpoint.cpp.
 #include "base/clock.h"
 #include "base/launcher_channel.h"
 #include "ps/shard.h"
@@ -9,6 +9,7 @@
 #include "ps/frame.h"
 #include "ps/optimizer.h"
 #include "ps/shard_internal.h"
+#include "ps/update_policy.h"
 #include "ps/wire.h"
 
 #include <cohort/checkpoint.h>
@@ -129,6 +130,7 @@ Status Shard::resumeLocked(const wire::InitRequest& request, wire::InitReply* re
                                                         "): resume with the same optimizer, or start afresh");
   }
   policy_ = request.policy();  // the resumed job may change mode or learning rate
+  updatePolicy_ = UpdatePolicy::make(policy_);
   optimizer_->setLr(policy_.lr());
   ++generation_;
   initSinceStart_ = true;
@@ -170,6 +172,7 @@ void Shard::clearPendingLocked() {
 
 void Shard::startAfreshLocked(const wire::InitRequest& request, const std::vector<wire::PieceSpec>& pieces) {
   policy_ = request.policy();
+  updatePolicy_ = UpdatePolicy::make(policy_);
   pieces_.assign(pieces.begin(), pieces.end());
   values_.clear();
   for (const auto& t : request.values()) appendFloats(t, values_);
@@ -389,26 +392,6 @@ void Shard::markLostLocked(Clock::time_point now) {
         " (at its step " + std::to_string(w.clock) + ")");
     changed_.notifyAll();
   }
-}
-
-int64_t Shard::slowestClockLocked() const {
-  int64_t slowest = INT64_MAX;
-  for (const auto& w : workers_) {
-    if (!w.done && !w.lost) slowest = std::min(slowest, w.clock);
-  }
-  return slowest;
-}
-
-// The ssp record, measured independently of the hold decision: how far the fastest worker that
-// is free to compute is ahead of the slowest live one.
-void Shard::recordClockGapLocked() {
-  const int64_t slowest = slowestClockLocked();
-  if (slowest == INT64_MAX) return;
-  int64_t fastest = INT64_MIN;
-  for (const auto& w : workers_) {
-    if (!w.done && !w.lost && !w.held) fastest = std::max(fastest, w.clock);
-  }
-  if (fastest != INT64_MIN) stats_.set_max_clock_gap(std::max(stats_.max_clock_gap(), fastest - slowest));
 }
 
 void Shard::finishIfAllDoneLocked() {

@@ -1,5 +1,6 @@
 // One parameter-server shard: its pieces of the model, the optimizer, and the update policy that
-// decides when a pushed gradient is applied, held, or dropped. Transport-free: the gRPC service
+// decides when a pushed gradient is applied, held, or dropped (ps/update_policy.h, one class per
+// mode, working on this shard's state under its lock). Transport-free: the gRPC service
 // (ps/service.h) and the in-process fake transport (ps/client.h) both call it, so every policy is
 // tested without sockets.
 //
@@ -45,6 +46,7 @@ namespace cohort::ps {
 
 class FramePayload;
 class ServerOptimizer;
+class UpdatePolicy;
 
 struct ShardOptions {
   std::string name = "ps 0";   // in messages and logs
@@ -146,6 +148,13 @@ class Shard {
   void stop(const std::string& reason);
 
  private:
+  // The update policies work on the state below, under mu_ (update_policy.h).
+  friend class UpdatePolicy;
+  friend class SyncPolicy;
+  friend class AsyncPolicy;
+  friend class SoftSyncPolicy;
+  friend class SspPolicy;
+
   struct Worker;
   Status checkWorker(uint32_t worker) const REQUIRES(mu_);
   // Init's two ways: the chief resumes this shard's state (same model, workers and optimizer; the
@@ -185,13 +194,12 @@ class Shard {
   void fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out, std::vector<float>* framed = nullptr)
       REQUIRES(mu_);
   void markLostLocked(std::chrono::steady_clock::time_point now) REQUIRES(mu_);
-  int64_t slowestClockLocked() const REQUIRES(mu_);
   // The checks every push passes first (protocol, initialized, worker); gives the layout.
   Status admitPush(const wire::PushRequest& request, std::vector<wire::PieceSpec>* pieces) EXCLUDES(mu_);
   // framed: the push's floats are there (pushFramed); streamed: they were checked as they arrived
   // (finishStream). Either way the reply's floats go to *replyValues. Checks and decodes the push
   // outside the lock (a large push does not stall the others), admits it under the lock, then
-  // hands it to the update policy (shard_policies.cpp).
+  // hands it to the update policy (updatePolicy_).
   Status handlePush(const wire::PushRequest& request, const FramePayload* framed, const Stream* streamed,
                     wire::PushReply* reply, std::vector<float>* replyValues) EXCLUDES(mu_);
 
@@ -224,27 +232,8 @@ class Shard {
   bool noteArrivalLocked(HeldPush& push) REQUIRES(mu_);
   void countPushLocked(const HeldPush& push, int64_t pushedBytes) REQUIRES(mu_);
 
-  // The update policies (shard_policies.cpp), one per --ps-mode: what becomes of an admitted push
-  // and how long it is held. sync: gathered into the step, held until the step closes. async:
-  // applied at once; softsync: gathered into groups of `softsync`; ssp: applied, then held while
-  // its worker is more than the bound ahead of the slowest. The three asynchronous ones share the
-  // warm-up and the staleness remedies (pushAsyncLocked); absorbLocked and holdSspLocked are
-  // where they differ.
-  Status pushSyncLocked(HeldPush& push) REQUIRES(mu_);
-  Status pushAsyncLocked(HeldPush& push) REQUIRES(mu_);
-  // sync: the step closes once enough workers gave a gradient (all live ones, less the backup
-  // workers).
-  void closeSyncStepIfReadyLocked(uint64_t step) REQUIRES(mu_);
-  // sync: a worker lost without a gradient for `step` fails the shard (without backup workers).
-  void failOnLostWorkersLocked(uint64_t step) REQUIRES(mu_);
-  // Workers other than 0 during the warm-up: held until version W (at most the timeout), dropped.
-  bool inWarmupLocked(const HeldPush& push) const REQUIRES(mu_);
-  Status holdForWarmupLocked(HeldPush& push) REQUIRES(mu_);
-  // The gradient into the parameters (async, ssp) or the group (softsync), scaled.
-  void absorbLocked(const HeldPush& push, float scale) REQUIRES(mu_);
-  // ssp: held until this worker, about to start step clock+1, is at most the bound ahead.
-  Status holdSspLocked(HeldPush& push) REQUIRES(mu_);
-  // The reply: the worker's clock, the version, the wait, the values when asked for.
+  // The reply: the worker's clock, the version, the wait, the values when asked for. The update
+  // policy calls it when it lets the push go.
   Status finishPushLocked(HeldPush& push, bool applied) REQUIRES(mu_);
   int64_t stalenessLocked(const HeldPush& push) const REQUIRES(mu_);
   void maybeCheckpointLocked() REQUIRES(mu_);
@@ -259,7 +248,6 @@ class Shard {
   void writeDueCheckpoint() EXCLUDES(mu_);
   bool loadCheckpoint();
   bool restoreFrom(const std::string& path, const std::vector<uint8_t>& bytes);
-  void recordClockGapLocked() REQUIRES(mu_);
   void finishIfAllDoneLocked() REQUIRES(mu_);
   void log(const std::string& message) const;
 
@@ -274,6 +262,8 @@ class Shard {
   bool initSinceStart_ GUARDED_BY(mu_) = false;  // an Init came since this process started (not only a restore)
   uint64_t generation_ GUARDED_BY(mu_) = 0;      // bumped by every Init: a held push under an older one gives up
   wire::Policy policy_ GUARDED_BY(mu_);
+  // Made from policy_ with it (UpdatePolicy::make); never null once initialized_.
+  std::shared_ptr<const UpdatePolicy> updatePolicy_ GUARDED_BY(mu_);
   std::vector<wire::PieceSpec> pieces_ GUARDED_BY(mu_);
   std::vector<float> values_ GUARDED_BY(mu_);
   std::unique_ptr<ServerOptimizer> optimizer_ GUARDED_BY(mu_);

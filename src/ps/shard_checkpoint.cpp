@@ -7,6 +7,7 @@
 #include "ps/optimizer.h"
 #include "ps/shard.h"
 #include "ps/shard_internal.h"
+#include "ps/update_policy.h"
 #include "ps/wire.h"
 
 #include <cohort/checkpoint.h>
@@ -190,6 +191,7 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
 
   MutexLock lock(mu_);
   policy_ = c.policy();
+  updatePolicy_ = UpdatePolicy::make(policy_);
   pieces_.assign(pieces.begin(), pieces.end());
   values_.resize(size_t(total));
   std::memcpy(values_.data(), c.values().data(), c.values().size());

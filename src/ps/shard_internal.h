@@ -1,5 +1,6 @@
-// What the files of the Shard (shard.cpp, shard_push.cpp, shard_policies.cpp, shard_stream.cpp,
-// shard_checkpoint.cpp) share: its limits and the helpers their messages use. Private to src/ps.
+// What the files of the Shard (shard.cpp, shard_push.cpp, shard_stream.cpp, shard_checkpoint.cpp)
+// and of its update policies (update_policy.h) share: its limits and the helpers their messages
+// use. Private to src/ps.
 #pragma once
 
 #include "base/clock.h"

@@ -1,11 +1,13 @@
 // Shard::handlePush, a push from its arrival to the update policy: the checks of its shape and
 // values and their decoding (outside the lock), then, under the lock, its admission (the clock,
 // the layout it was checked against, the worker heard from, a retry answered as a duplicate).
-// What becomes of it then is the policy's (shard_policies.cpp).
+// What becomes of it then is the update policy's (update_policy.h), which answers it with
+// finishPushLocked.
 #include "base/clock.h"
 #include "ps/frame.h"
 #include "ps/shard.h"
 #include "ps/shard_internal.h"
+#include "ps/update_policy.h"
 #include "ps/wire.h"
 
 #include <algorithm>
@@ -203,6 +205,29 @@ bool Shard::noteArrivalLocked(HeldPush& push) {
   return true;
 }
 
+int64_t Shard::stalenessLocked(const HeldPush& push) const {
+  return int64_t(version_ - std::min<uint64_t>(push.pulled, version_));
+}
+
+Status Shard::finishPushLocked(HeldPush& push, bool applied) {
+  Worker& me = workers_[push.id];
+  me.clock += 1;
+  me.inClosedStep = false;
+  me.lastSeen = Clock::now();
+  wire::PushReply* reply = push.reply;
+  reply->set_applied(applied);
+  reply->set_dropped(push.dropped);
+  reply->set_version(version_);
+  reply->set_samples_total(stats_.samples_total());
+  const double held = secondsSince(push.arrived);
+  reply->set_wait_s(held);
+  reply->set_stop_job(stopJob_);
+  stats_.set_wait_s(stats_.wait_s() + held);
+  if (push.request.want_values()) fillReplyLocked(push.request, reply, push.replyValues);
+  changed_.notifyAll();
+  return Status::Ok();
+}
+
 void Shard::countPushLocked(const HeldPush& push, int64_t pushedBytes) {
   // A shard restored from a checkpoint is behind the workers: their count is the true one.
   workers_[push.id].clock = push.request.clock();
@@ -235,7 +260,9 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
                 .dropped = {}};
   if (noteArrivalLocked(push)) return Status::Ok();
   countPushLocked(push, decoded.pushedBytes);
-  return policy_.mode() == wire::MODE_SYNC ? pushSyncLocked(push) : pushAsyncLocked(push);
+  // This push's policy stays alive while it is held, whatever an Init does to updatePolicy_.
+  const std::shared_ptr<const UpdatePolicy> policy = updatePolicy_;
+  return policy->push(*this, push);
 }
 
 }  // namespace cohort::ps

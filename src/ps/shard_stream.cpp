@@ -6,6 +6,7 @@
 #include "ps/optimizer.h"
 #include "ps/shard.h"
 #include "ps/shard_internal.h"
+#include "ps/update_policy.h"
 #include "ps/wire.h"
 
 #include <cohort/checkpoint.h>
@@ -61,14 +62,7 @@ Status Shard::beginStream(const wire::PushRequest& request, std::unique_ptr<Stre
   }
   const uint64_t pulled = std::min<uint64_t>(request.pulled_version(), version_);
   st.tau = int64_t(version_ - pulled);
-  if (policy_.mode() == wire::MODE_SYNC) {
-    if (request.pulled_version() >= version_ && !pendingFrom_[id]) st.plan = Stream::Plan::kAccumulate;
-  } else if (policy_.warmup_steps() > 0 && id != 0 && version_ < uint64_t(policy_.warmup_steps())) {
-    // held, then dropped: at the end
-  } else if (policy_.max_staleness() < 0 || st.tau <= policy_.max_staleness()) {
-    st.scale = (policy_.staleness_lr() == wire::STALENESS_LR_INVERSE && st.tau > 1) ? 1.0f / float(st.tau) : 1.0f;
-    st.plan = policy_.mode() == wire::MODE_SOFTSYNC ? Stream::Plan::kAccumulate : Stream::Plan::kApply;
-  }
+  updatePolicy_->planStream(*this, st);
   workers_[id].lastSeen = Clock::now();
   *stream = std::move(opened);
   return Status::Ok();
@@ -131,7 +125,7 @@ Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const Frame
       if (stream.plan == Stream::Plan::kApply) {
         applyPieceLocked(k, at, part, stream.scale);
         ++stream.applied;
-      } else if (policy_.mode() != wire::MODE_SYNC || version_ == stream.version) {
+      } else if (updatePolicy_->stillGathering(*this, stream)) {
         accumulatePieceLocked(k, at, part, stream.scale);
         ++stream.applied;
       }  // else sync's step closed meanwhile: the rest of the push is late (finishStream says so)
