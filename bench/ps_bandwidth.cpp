@@ -213,7 +213,8 @@ constexpr const char* kBareMethod = "/ps_bandwidth.Bare/Push";
 
 // `values`' memory as one slice per piece of at most kMaxPieceElements floats, none copied, each
 // holding a reference to `keepAlive` until gRPC lets it go: as SerializationTraits<OutgoingFrame>
-// (ps/grpc_frame.h) sends a framed push's payload and a shard's reply, less the frame's header.
+// (ps/grpc_frame.h) sends a framed push's payload (a shard's reply goes as one slice), less the
+// frame's header.
 grpc::ByteBuffer wrapped(std::span<float> values, const std::shared_ptr<void>& keepAlive) {
   std::vector<grpc::Slice> slices;
   for (size_t at = 0; at < values.size(); at += kMaxPieceElements) {

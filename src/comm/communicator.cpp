@@ -30,6 +30,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::chrono::milliseconds kHeartbeatPeriod{500};
+// formGlooGroup's wait beyond the timeout, in which Gloo's own error comes first.
+constexpr std::chrono::milliseconds kGlooMargin{2000};
 
 std::string heartbeatKey(int rank) { return "cohort/heartbeat/" + std::to_string(rank); }
 
@@ -41,28 +43,40 @@ std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& masterH
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
-// The Gloo group of `size` ranks over `store`, formed within `timeout`. Gloo's own connection
-// waits are bounded by it, but not its whole: a rank that publishes an address and never
-// completes Gloo's handshake (a stranger's, in a job without a secret, whose store anyone may
-// write) held the constructor five timeouts (issue 30). It runs on a thread of its own, which is
-// left behind, holding only what it was given, when the timeout passes first.
-c10::intrusive_ptr<c10d::ProcessGroupGloo> formGlooGroup(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                                         int size, const HostPort& master, const CommOptions& options) {
+// The Gloo group of `size` ranks over the store's keys under `prefix`, formed within the timeout.
+// Gloo's own waits are bounded by it, but not its whole: a rank that publishes an address and
+// never completes Gloo's handshake (a stranger's, in a job without a secret, whose store anyone
+// may write) held the constructor five timeouts (issue 30). It runs on a thread of its own, over a
+// store connection of its own, and is left behind when the timeout (and a margin in which Gloo's
+// own error, naming the key or the peer, comes first) passes. A thread left behind holds nothing
+// of the communicator's; in a process that exits meanwhile it ends with the process.
+c10::intrusive_ptr<c10d::ProcessGroupGloo> formGlooGroup(const c10::intrusive_ptr<c10d::Store>& store,
+                                                         const std::string& prefix, int rank, int size,
+                                                         const HostPort& master, const CommOptions& options) {
   auto groupOptions = c10d::ProcessGroupGloo::Options::create(options.timeout);
   groupOptions->devices.push_back(makeDevice(master.host));
   groupOptions->threads = options.glooThreads;
-  std::packaged_task<c10::intrusive_ptr<c10d::ProcessGroupGloo>()> form([store, rank, size, groupOptions] {
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, groupOptions);
+  auto own = c10::make_intrusive<c10d::PrefixStore>(prefix, store->clone());
+  std::packaged_task<c10::intrusive_ptr<c10d::ProcessGroupGloo>()> form([own, rank, size, groupOptions] {
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(own, rank, size, groupOptions);
   });
   std::future<c10::intrusive_ptr<c10d::ProcessGroupGloo>> formed = form.get_future();
   std::thread(std::move(form)).detach();
-  if (formed.wait_for(options.timeout) != std::future_status::ready) {
-    throw std::runtime_error("Gloo's connections between the " + std::to_string(size) +
-                             " ranks did not complete within " + std::to_string(options.timeout.count() / 1000) +
-                             " s: a rank was not started, is not this job's, or its address cannot be reached "
-                             "(GLOO_SOCKET_IFNAME)");
+  if (formed.wait_for(options.timeout + kGlooMargin) == std::future_status::ready) return formed.get();
+  // Gloo's keys are "<prefix>/0/<rank>" (ProcessGroupGloo's device 0): the ranks without one never
+  // came; when every rank has one, an address is not this job's or cannot be reached.
+  std::string absent;
+  for (int r = 0; r < size; ++r) {
+    if (!store->check({prefix + "/0/" + std::to_string(r)})) absent += (absent.empty() ? "" : ", ") + std::to_string(r);
   }
-  return formed.get();
+  const std::string within = " within " + std::to_string(options.timeout.count() / 1000) + " s";
+  if (!absent.empty()) {
+    throw std::runtime_error("rank " + absent + " did not give its Gloo address" + within +
+                             ": is every worker started, with the same MASTER_ADDR/MASTER_PORT?");
+  }
+  throw std::runtime_error("every rank gave its Gloo address, but Gloo's connections did not complete" + within +
+                           ": an address that is not this job's (without a secret anyone may write the store), or "
+                           "one this host cannot reach (GLOO_SOCKET_IFNAME)");
 }
 
 int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
@@ -240,8 +254,7 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
   }
   try {
     impl->storePrefix = "cohort/group";
-    impl->group = formGlooGroup(c10::make_intrusive<c10d::PrefixStore>(impl->storePrefix, impl->store), spec.rank,
-                                spec.worldSize, impl->master, options);
+    impl->group = formGlooGroup(impl->store, impl->storePrefix, spec.rank, spec.worldSize, impl->master, options);
   } catch (const std::exception& e) {
     throw CommError("rank " + std::to_string(spec.rank) + ": forming the Gloo group through " + where +
                     " failed: " + firstLine(e.what()));
@@ -265,8 +278,7 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks,
   for (int r : ranks) sub->members.push_back(impl_->members.empty() ? r : impl_->members[size_t(r)]);
   try {
     sub->storePrefix = "cohort/group/" + name;
-    sub->group = formGlooGroup(c10::make_intrusive<c10d::PrefixStore>(sub->storePrefix, impl_->store), sub->rank,
-                               sub->size, impl_->master, impl_->options);
+    sub->group = formGlooGroup(impl_->store, sub->storePrefix, sub->rank, sub->size, impl_->master, impl_->options);
   } catch (const std::exception& e) {
     sub->fail("forming the group '" + name + "'", e);
   }

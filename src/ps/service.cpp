@@ -187,10 +187,11 @@ class ReplyBuffers {
   }
 
  private:
-  // As many as replies usually overlap (a worker has one call at a time to a shard); more are
-  // freed.
-  static constexpr size_t kKept = 2;
+  // A worker has one call at a time to a shard, so as many replies overlap as workers push at
+  // once: up to this many buffers (each the model's size) are kept, more are freed.
+  static constexpr size_t kKept = 4;
   struct Kept {
+    Kept() { buffers.reserve(kKept); }  // the deleter's push_back never allocates, so never throws
     Mutex mu;
     std::vector<std::unique_ptr<std::vector<float>>> buffers GUARDED_BY(mu);
   };

@@ -3,7 +3,7 @@
 // taken as they arrive. One is made from the wire::Policy at each Init (and at a restore), and
 // holds nothing but that policy's parameters: the state they work on (the values, the step or
 // group being gathered, the workers, the version) stays in the Shard, guarded by its mutex. Every
-// method takes the shard and runs under that mutex (REQUIRES(shard.mu_)), so clang's lock check
+// method that reads it takes the shard and runs under that mutex (REQUIRES(shard.mu_)), so clang's lock check
 // covers the policies as it covers the shard. A held push waits on the shard's changed_, which
 // releases the mutex, and after each wait checks that no Init replaced the state (generation); the
 // Init replaces the shard's policy too, so a held push keeps its own alive (shared_ptr).
