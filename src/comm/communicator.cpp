@@ -20,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <future>
+#include <mutex>
 #include <iostream>
 #include <thread>
 
@@ -77,6 +78,16 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> formGlooGroup(const c10::intrusive_pt
   throw std::runtime_error("every rank gave its Gloo address, but Gloo's connections did not complete" + within +
                            ": an address that is not this job's (without a secret anyone may write the store), or "
                            "one this host cannot reach (GLOO_SOCKET_IFNAME)");
+}
+
+// c10d's flight recorder (a trace of collectives for debugging NCCL hangs, which cohort's own
+// watchdog and errors cover) inserts into a map without a lock when two groups of one process
+// start their first collectives at once: ranks as threads of one process (the tests, replicas)
+// crashed in FlightRecorder::recordWithResetEnabled, 14 runs in 100 of a unit test. It is read
+// from the environment once, at the first group: off unless the user set it.
+void turnOffTorchsFlightRecorder() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0); });
 }
 
 int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
@@ -206,6 +217,7 @@ Communicator::Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) 
 Communicator::~Communicator() = default;
 
 std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, const CommOptions& options) {
+  turnOffTorchsFlightRecorder();
   COHORT_CHECK(options.backend != CommBackend::kNccl || hasNccl(), InvalidArgument, "rank ", spec.rank,
                ": backend nccl (--backend nccl), but this cohort was built without NCCL (its LibTorch has no c10d "
                "ProcessGroupNCCL, or CMake found no nccl.h): use --backend gloo or auto, or rebuild cohort against a "
