@@ -1783,7 +1783,7 @@ TEST(PsStreamTest, AnotherPushBetweenTwoChunksAppliesWholeToEachPiece) {
   EXPECT_EQ(reply.staleness(), 0);  // as when it began
 
   std::vector<float> p0 = kStart[0], p1 = kStart[1];
-  ServerOptimizer first("adam", 0.01, 0.0, 3), second("adam", 0.01, 0.0, 2);
+  ServerOptimizer first(UpdateRule::kAdam, 0.01, 0.0, 3), second(UpdateRule::kAdam, 0.01, 0.0, 2);
   first.apply(p0, a0);
   first.apply(p0, b0);
   second.apply(p1, b1);

@@ -56,11 +56,15 @@ struct Fixture {
 
   explicit Fixture(const wire::Policy& p, size_t n = 4, float start = 0.0f, std::string dir = "", bool resume = false,
                    std::function<void(uint64_t)> beforeCheckpointWrite = {},
-                   std::function<void(uint32_t, int64_t, int64_t)> onHeld = {}) {
-    shard = std::make_shared<Shard>(ShardOptions{.name = "test", .checkpointDir = dir, .log = [this](const std::string& m) {
-                                                   std::lock_guard<std::mutex> lock(logMu);
-                                                   logged.push_back(m);
-                                                 },
+                   std::function<void(uint32_t, int64_t, int64_t)> onHeld = {}, Env* env = nullptr) {
+    shard = std::make_shared<Shard>(ShardOptions{.name = "test",
+                                                 .checkpointDir = dir,
+                                                 .log =
+                                                     [this](const std::string& m) {
+                                                       std::lock_guard<std::mutex> lock(logMu);
+                                                       logged.push_back(m);
+                                                     },
+                                                 .env = env,
                                                  .beforeCheckpointWrite = std::move(beforeCheckpointWrite),
                                                  .onHeld = std::move(onHeld)});
     piece.set_key(7);
@@ -168,7 +172,10 @@ TEST(PsOptimizer, MatchesTorchMomentumAndAdam) {
     std::unique_ptr<torch::optim::Optimizer> reference;
     if (name == "adam") reference = std::make_unique<torch::optim::Adam>(std::vector{param}, torch::optim::AdamOptions(0.01));
     else reference = std::make_unique<torch::optim::SGD>(std::vector{param}, torch::optim::SGDOptions(0.01).momentum(name == "momentum" ? 0.9 : 0.0));
-    ServerOptimizer mine(name, 0.01, 0.9, 50);
+    const UpdateRule rule = name == "sgd"        ? UpdateRule::kSgd
+                            : name == "momentum" ? UpdateRule::kMomentum
+                                                 : UpdateRule::kAdam;
+    ServerOptimizer mine(rule, 0.01, 0.9, 50);
     std::vector<float> values(p.data_ptr<float>(), p.data_ptr<float>() + 50);
     for (int step = 0; step < 4; ++step) {
       auto g = torch::randn({50});
@@ -548,6 +555,31 @@ TEST(PsShard, CountsAWorkerSilentForTheTimeoutAsLost) {
   Fixture f(p);
   f.done(0);
   f.shard->waitFinished(2s);  // worker 1 never speaks: lost, so the shard is finished
+  EXPECT_TRUE(f.shard->finished());
+  EXPECT_TRUE(f.stats().lost(1));
+}
+
+// An Env whose clock moves only when the test says.
+struct ManualClock : Env {
+  const Clock::time_point start = Clock::now();
+  std::atomic<int64_t> elapsedSeconds{0};
+  void log(LogLevel, const std::string&) override {}
+  Clock::time_point now() override { return start + std::chrono::seconds(elapsedSeconds.load()); }
+};
+
+// The shard measures silence on its Env's clock: an hour of it passes in no time, and a worker
+// silent for it is lost, while one silent for no time of it is not.
+TEST(PsShard, MeasuresAWorkersSilenceOnItsEnvsClock) {
+  ManualClock clock;
+  auto p = policy(wire::MODE_ASYNC, 2);
+  p.set_timeout_s(3600);
+  Fixture f(p, 4, 0.0f, "", false, {}, {}, &clock);
+  f.done(0);
+  f.shard->waitFinished(0ms);  // one look: worker 1 was last heard at the Init, no time ago
+  EXPECT_FALSE(f.shard->finished());
+  EXPECT_FALSE(f.stats().lost(1));
+  clock.elapsedSeconds = 3601;
+  f.shard->waitFinished(0ms);
   EXPECT_TRUE(f.shard->finished());
   EXPECT_TRUE(f.stats().lost(1));
 }

@@ -32,7 +32,7 @@ class COHORT_API Env {
   // retries. Not for errors it throws: those reach the caller as exceptions.
   virtual void log(LogLevel level, const std::string& line) = 0;
 
-  // Now, on a clock that never goes back.
+  // Now, on a clock that never goes back (the ps shard measures workers' silence on it).
   virtual std::chrono::steady_clock::time_point now();
 
   // A named point in library code that a test may turn into a fault: the code calls

@@ -1,7 +1,5 @@
 #include "ps/optimizer.h"
 
-#include <cohort/error.h>
-
 #include <cmath>
 
 namespace cohort::ps {
@@ -13,30 +11,40 @@ constexpr double kEps = 1e-8;
 constexpr double kAdagradEps = 1e-10;
 }  // namespace
 
-ServerOptimizer::ServerOptimizer(std::string name, double lr, double momentum, size_t size)
-    : name_(std::move(name)), lr_(lr), momentum_(momentum) {
-  const int slots = slotCount(name_);
-  COHORT_CHECK(slots >= 0, InvalidArgument, "unknown optimizer '", name_,
-               "': expected sgd, momentum, adam or adagrad");
-  slots_.assign(size_t(slots), std::vector<float>(size, 0.0f));
+const char* updateRuleName(UpdateRule rule) {
+  switch (rule) {
+    case UpdateRule::kSgd: return "sgd";
+    case UpdateRule::kMomentum: return "momentum";
+    case UpdateRule::kAdam: return "adam";
+    case UpdateRule::kAdagrad: return "adagrad";
+  }
+  return "?";
 }
 
-int ServerOptimizer::slotCount(const std::string& name) {
-  if (name == "sgd") return 0;
-  if (name == "momentum" || name == "adagrad") return 1;
-  if (name == "adam") return 2;
-  return -1;
+ServerOptimizer::ServerOptimizer(UpdateRule rule, double lr, double momentum, size_t size)
+    : rule_(rule), lr_(lr), momentum_(momentum) {
+  slots_.assign(size_t(slotCount(rule_)), std::vector<float>(size, 0.0f));
+}
+
+int ServerOptimizer::slotCount(UpdateRule rule) {
+  switch (rule) {
+    case UpdateRule::kSgd: return 0;
+    case UpdateRule::kMomentum:
+    case UpdateRule::kAdagrad: return 1;
+    case UpdateRule::kAdam: return 2;
+  }
+  return 0;
 }
 
 void ServerOptimizer::applyPartAtStep(size_t offset, std::span<float> p, std::span<const float> g, float scale,
                                       int64_t step) {
   const size_t n = p.size();
   const float lr = float(lr_);
-  if (name_ == "sgd") {
+  if (rule_ == UpdateRule::kSgd) {
     for (size_t i = 0; i < n; ++i) p[i] -= lr * (scale * g[i]);
     return;
   }
-  if (name_ == "momentum") {
+  if (rule_ == UpdateRule::kMomentum) {
     // torch::optim::SGD: the buffer starts as the first gradient, then b = m b + g (dampening 0).
     float* b = slots_[0].data() + offset;
     const float m = float(momentum_);
@@ -48,7 +56,7 @@ void ServerOptimizer::applyPartAtStep(size_t offset, std::span<float> p, std::sp
     for (size_t i = 0; i < n; ++i) p[i] -= lr * b[i];
     return;
   }
-  if (name_ == "adagrad") {
+  if (rule_ == UpdateRule::kAdagrad) {
     // torch::optim::Adagrad (lr_decay 0, initial accumulator 0): s += g^2; p -= lr g / (sqrt(s) + eps)
     float* sum = slots_[0].data() + offset;
     const float eps = float(kAdagradEps);

@@ -11,15 +11,20 @@
 
 #include <cstdint>
 #include <span>
-#include <string>
 #include <vector>
 
 namespace cohort::ps {
 
+// The update rules a shard runs. The wire carries them as wire::Optimizer (ps/wire.h converts),
+// the trainer's lazy optimizer maps its OptimizerKind to one; inside, the code compares rules.
+enum class UpdateRule { kSgd, kMomentum, kAdam, kAdagrad };
+
+// "sgd", "momentum", "adam" or "adagrad": for messages.
+const char* updateRuleName(UpdateRule rule);
+
 class ServerOptimizer {
  public:
-  // Throws InvalidArgument for an unknown name.
-  ServerOptimizer(std::string name, double lr, double momentum, size_t size);
+  ServerOptimizer(UpdateRule rule, double lr, double momentum, size_t size);
 
   // Applies gradient g (scaled by `scale`) to all of values: one optimizer step.
   void apply(std::span<float> values, std::span<const float> g, float scale = 1.0f) {
@@ -37,18 +42,17 @@ class ServerOptimizer {
   // for a caller that counts steps per run of elements (a shard, per piece).
   void applyPartAtStep(size_t offset, std::span<float> values, std::span<const float> g, float scale, int64_t step);
 
-  // Per-element state vectors the optimizer `name` keeps (sgd 0, momentum and adagrad 1, adam 2);
-  // -1 for an unknown name.
-  static int slotCount(const std::string& name);
+  // Per-element state vectors the rule keeps: sgd 0, momentum and adagrad 1, adam 2.
+  static int slotCount(UpdateRule rule);
 
-  const std::string& name() const { return name_; }
+  UpdateRule rule() const { return rule_; }
   void setLr(double lr) { lr_ = lr; }
   // The optimizer's per-element state (momentum, adagrad: 1 slot, adam: 2) and step count, for checkpoints.
   std::vector<std::vector<float>>& slots() { return slots_; }
   int64_t& steps() { return steps_; }
 
  private:
-  std::string name_;
+  UpdateRule rule_;
   double lr_;
   double momentum_;
   // Per element, as many as the optimizer needs (slotCount).

@@ -55,12 +55,12 @@ Status AsyncPolicy::holdForWarmup(Shard& shard, Shard::HeldPush& push) const {
   // A push is held for at most the timeout (the worker then pushes again and is held again), so
   // that no call outlives the client's deadline; the held worker counts as heard from.
   const auto limit = std::chrono::duration<double>(policy_.timeout_s());
-  auto progress = Clock::now();
+  auto progress = shard.now();
   uint64_t seen = shard.version_;
   while (shard.version_ < uint64_t(policy_.warmup_steps()) && !shard.failure_ && !shard.stopJob_) {
     shard.changed_.waitFor(shard.mu_, kTick);
     if (shard.generation_ != push.generation) return reinitializedWhileHeld();
-    const auto now = Clock::now();
+    const auto now = shard.now();
     shard.workers_[push.id].lastSeen = now;
     if (shard.version_ != seen) {
       seen = shard.version_;

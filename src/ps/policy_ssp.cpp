@@ -16,7 +16,7 @@ Status SspPolicy::holdAfterAbsorbing(Shard& shard, Shard::HeldPush& push) const 
   const int64_t bound = int64_t(policy_.staleness_bound());
   bool told = false;
   while (!shard.failure_ && !shard.stopJob_) {
-    const auto now = Clock::now();
+    const auto now = shard.now();
     shard.workers_[push.id].lastSeen = now;
     shard.markLostLocked(now);
     const int64_t slowest = slowestClock(shard);

@@ -73,7 +73,7 @@ void SyncPolicy::closeStepIfReady(Shard& shard, uint64_t step) const {
 }
 
 void SyncPolicy::failOnLostWorkers(Shard& shard, uint64_t step) const {
-  const auto now = Clock::now();
+  const auto now = shard.now();
   auto& workers = shard.workers_;
   // Workers held in this step are alive: they are waiting on us.
   for (size_t i = 0; i < workers.size(); ++i) {

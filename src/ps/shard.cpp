@@ -137,7 +137,7 @@ Status Shard::resumeLocked(const wire::InitRequest& request, wire::InitReply* re
   failure_.reset();
   finished_ = false;
   stopJob_ = false;
-  for (auto& w : workers_) w = Worker{.clock = w.clock, .lastSeen = Clock::now()};
+  for (auto& w : workers_) w = Worker{.clock = w.clock, .lastSeen = now()};
   reply->set_version(version_);
   reply->set_resumed(true);
   for (const auto& w : workers_) reply->add_clocks(w.clock);
@@ -151,7 +151,7 @@ Status Shard::checkFitsCheckpoint(const wire::InitRequest& request, const std::v
   for (const auto& p : pieces) total += p.numel();
   const uint64_t slots = request.policy().push() == wire::PUSH_UPDATES
                              ? 0
-                             : uint64_t(ServerOptimizer::slotCount(optimizerName(request.policy().optimizer())));
+                             : uint64_t(ServerOptimizer::slotCount(updateRule(request.policy().optimizer())));
   if ((1 + slots) * total * sizeof(float) > kMaxCheckpointBytes) {
     return Status::error(Code::kInvalidArgument,
                          "this shard's part of the model (" + std::to_string(total) +
@@ -176,7 +176,7 @@ void Shard::startAfreshLocked(const wire::InitRequest& request, const std::vecto
   pieces_.assign(pieces.begin(), pieces.end());
   values_.clear();
   for (const auto& t : request.values()) appendFloats(t, values_);
-  optimizer_ = std::make_unique<ServerOptimizer>(optimizerName(policy_.optimizer()), policy_.lr(), policy_.momentum(),
+  optimizer_ = std::make_unique<ServerOptimizer>(updateRule(policy_.optimizer()), policy_.lr(), policy_.momentum(),
                                                  values_.size());
   pieceSteps_.assign(pieces_.size(), 0);
   version_ = 0;
@@ -249,7 +249,7 @@ Status Shard::pull(const wire::PullRequest& request, wire::PullReply* reply) {
   if (Status s = checkWorker(request.worker()); !s.ok()) return s;
   if (failure_) return Status::error(Code::kAborted, *failure_);
   Worker& w = workers_[request.worker()];
-  w.lastSeen = Clock::now();
+  w.lastSeen = now();
   reply->set_version(version_);
   reply->set_samples_total(stats_.samples_total());
   reply->set_stop_job(stopJob_);
@@ -429,7 +429,7 @@ Status Shard::done(const wire::DoneRequest& request, wire::DoneReply* reply) {
   Worker& w = workers_[request.worker()];
   w.done = true;
   w.lost = false;
-  w.lastSeen = Clock::now();
+  w.lastSeen = now();
   changed_.notifyAll();
   finishIfAllDoneLocked();
   reply->set_all_done(finished_);
@@ -447,7 +447,7 @@ Status Shard::stats(const wire::StatsRequest& request, wire::StatsReply* reply) 
   }
   if (request.has_worker() && request.worker() < workers_.size()) {
     Worker& w = workers_[request.worker()];  // waiting on the others, not lost
-    w.lastSeen = Clock::now();
+    w.lastSeen = now();
     w.lost = false;
     if (request.finishing() && !w.finishing) {
       w.finishing = true;
@@ -477,7 +477,7 @@ std::optional<std::string> Shard::waitFinished(std::chrono::milliseconds timeout
   const auto until = Clock::now() + timeout;
   while (!finished_ && !failure_) {
     if (initialized_) {
-      markLostLocked(Clock::now());
+      markLostLocked(now());
       finishIfAllDoneLocked();
       if (finished_) break;
     }

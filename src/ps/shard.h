@@ -25,10 +25,11 @@
 
 #include <cohort/env.h>
 
+#include "base/clock.h"
 #include "base/thread_annotations.h"
+#include "ps.pb.h"
 #include "ps/status.h"
 #include "ps/wire.h"
-#include "ps.pb.h"
 
 #include <chrono>
 #include <functional>
@@ -54,8 +55,8 @@ struct ShardOptions {
   // Where the shard reports what it refuses, loses or recovers; default: env's log, as
   // "NAME: MESSAGE".
   std::function<void(const std::string&)> log;
-  // Its messages (without `log`) and its fault points: "ps.shard.version" each time the shard
-  // reaches a version (the value); null: Env::standard().
+  // Its messages (without `log`), its clock (workers' silence, held pushes) and its fault points:
+  // "ps.shard.version" each time the shard reaches a version (the value); null: Env::standard().
   Env* env = nullptr;
   // This process was started again alone by its launcher inside a running job (cohort launch's
   // COHORT_RESTARTED_ALONE=1): the checkpoint it restores is that job's own, so a worker's first
@@ -250,6 +251,10 @@ class Shard {
   bool restoreFrom(const std::string& path, const std::vector<uint8_t>& bytes);
   void finishIfAllDoneLocked() REQUIRES(mu_);
   void log(const std::string& message) const;
+  // The shard's clock: its Env's (ShardOptions::env), so that a test may move it. Workers' last
+  // contact, held pushes and the lost-worker timeout are measured on it; the waits themselves
+  // (CondVar) are on the steady clock, in ticks.
+  Clock::time_point now() const { return envOrStandard(options_.env).now(); }
 
   // Constant after construction.
   ShardOptions options_;

@@ -173,7 +173,7 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
   uint64_t total = 0;
   for (const auto& p : pieces) total += p.numel();
   if (c.values().size() != total * sizeof(float)) return corrupt("its values do not match its pieces");
-  auto optimizer = std::make_unique<ServerOptimizer>(optimizerName(c.policy().optimizer()), c.policy().lr(),
+  auto optimizer = std::make_unique<ServerOptimizer>(updateRule(c.policy().optimizer()), c.policy().lr(),
                                                      c.policy().momentum(), size_t(total));
   if (optimizer->slots().size() != size_t(c.optimizer_slots_size()))
     return corrupt("its optimizer state is incomplete");

@@ -213,13 +213,13 @@ Status Shard::finishPushLocked(HeldPush& push, bool applied) {
   Worker& me = workers_[push.id];
   me.clock += 1;
   me.inClosedStep = false;
-  me.lastSeen = Clock::now();
+  me.lastSeen = now();
   wire::PushReply* reply = push.reply;
   reply->set_applied(applied);
   reply->set_dropped(push.dropped);
   reply->set_version(version_);
   reply->set_samples_total(stats_.samples_total());
-  const double held = secondsSince(push.arrived);
+  const double held = std::chrono::duration<double>(now() - push.arrived).count();
   reply->set_wait_s(held);
   reply->set_stop_job(stopJob_);
   stats_.set_wait_s(stats_.wait_s() + held);
@@ -239,7 +239,7 @@ void Shard::countPushLocked(const HeldPush& push, int64_t pushedBytes) {
 
 Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* framed, const Stream* streamed,
                          wire::PushReply* reply, std::vector<float>* replyValues) {
-  const auto arrived = Clock::now();
+  const auto arrived = now();
   std::vector<wire::PieceSpec> pieces;
   if (Status s = admitPush(request, &pieces); !s.ok()) return s;
   DecodedPush decoded;

@@ -63,7 +63,7 @@ Status Shard::beginStream(const wire::PushRequest& request, std::unique_ptr<Stre
   const uint64_t pulled = std::min<uint64_t>(request.pulled_version(), version_);
   st.tau = int64_t(version_ - pulled);
   updatePolicy_->planStream(*this, st);
-  workers_[id].lastSeen = Clock::now();
+  workers_[id].lastSeen = now();
   *stream = std::move(opened);
   return Status::Ok();
 }
@@ -120,7 +120,7 @@ Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const Frame
                                     : Status::error(Code::kAborted, "the shard was re-initialized during the push");
         return endStreamLocked(stream, why, false);
       }
-      workers_[stream.request.worker()].lastSeen = Clock::now();
+      workers_[stream.request.worker()].lastSeen = now();
       const Part part{.values = stream.dense[k], .rows = {}, .numel = numel};
       if (stream.plan == Stream::Plan::kApply) {
         applyPieceLocked(k, at, part, stream.scale);

@@ -1,6 +1,7 @@
 #include "ps/wire.h"
 
 #include "compress/codec.h"
+#include <cohort/error.h>
 
 #include <cmath>
 #include <cstring>
@@ -311,6 +312,16 @@ const char* optimizerName(wire::Optimizer optimizer) {
     case wire::OPTIMIZER_ADAM: return "adam";
     case wire::OPTIMIZER_ADAGRAD: return "adagrad";
     default: return "";
+  }
+}
+
+UpdateRule updateRule(wire::Optimizer optimizer) {
+  switch (optimizer) {
+    case wire::OPTIMIZER_SGD: return UpdateRule::kSgd;
+    case wire::OPTIMIZER_MOMENTUM: return UpdateRule::kMomentum;
+    case wire::OPTIMIZER_ADAM: return UpdateRule::kAdam;
+    case wire::OPTIMIZER_ADAGRAD: return UpdateRule::kAdagrad;
+    default: throw InvalidArgument("optimizer " + std::to_string(int(optimizer)) + " is not one this shard knows");
   }
 }
 

@@ -2,8 +2,9 @@
 // it is what the fuzz target (fuzz/push_fuzz.cpp) drives.
 #pragma once
 
-#include "ps/status.h"
 #include "ps.pb.h"
+#include "ps/optimizer.h"
+#include "ps/status.h"
 
 #include <cstdint>
 #include <span>
@@ -99,6 +100,10 @@ const char* modeName(wire::Mode mode);
 const char* stalenessLrName(wire::StalenessLr rule);
 const char* pushName(wire::Push push);
 const char* optimizerName(wire::Optimizer optimizer);
+
+// The update rule an optimizer on the wire means. Only for a policy checkPolicy() accepted: any
+// other value throws InvalidArgument.
+UpdateRule updateRule(wire::Optimizer optimizer);
 
 // The policy of an Init request: every choice set and known, counts that fit the number of workers.
 Status checkPolicy(const wire::Policy& policy);

@@ -10,13 +10,25 @@
 
 namespace cohort {
 
+namespace {
+
+ps::UpdateRule updateRuleOf(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kSgd: return ps::UpdateRule::kSgd;
+    case OptimizerKind::kMomentum: return ps::UpdateRule::kMomentum;
+    case OptimizerKind::kAdam: return ps::UpdateRule::kAdam;
+    case OptimizerKind::kAdagrad: return ps::UpdateRule::kAdagrad;
+  }
+  throw InvalidArgument("the lazy optimizer has no rule for optimizer kind " + std::to_string(int(kind)));
+}
+
+}  // namespace
+
 LazyOptimizer::LazyOptimizer(std::vector<torch::Tensor> params, OptimizerKind kind, double lr, double momentum)
     : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(params)},
                               std::make_unique<torch::optim::SGDOptions>(lr)) {
   for (const auto& p : params) {
-    // The parameter server's optimizer takes the kind's name (its own type is ps's business).
-    perParameter_.push_back(
-        std::make_unique<ps::ServerOptimizer>(optimizerName(kind), lr, momentum, size_t(p.numel())));
+    perParameter_.push_back(std::make_unique<ps::ServerOptimizer>(updateRuleOf(kind), lr, momentum, size_t(p.numel())));
   }
 }
 
