@@ -145,7 +145,7 @@ TEST(SimEvents, AllreduceWithoutStragglersIsTheClosedForm) {
 
 TEST(SimEvents, SparseCodecIsEncodeAllgatherDecode) {
   Scenario s = scenarioOf(Scheme::kAllreduce);
-  s.codec = "threshold:0.001";
+  s.codec = compress::CodecSpec::parse("threshold:0.001");
   const int p = 4;
   // Two buckets (1 MiB, then the rest), each: encode, an allgather of the 8-byte lengths and one of
   // the messages (5 % of the bucket), each of p-1 = 3 steps of a (50 us) plus the bytes at kB, and p
@@ -369,7 +369,7 @@ TEST(SimSetup, BadInputNamesTheOption) {
   s.stages = 9;
   expectError(s, 9, "--stages");
   s = scenarioOf(Scheme::kAllreduce);
-  s.codec = "onebit";
+  s.codec = compress::CodecSpec::parse("onebit");
   expectError(s, 2, "--codec onebit");
 }
 
@@ -406,7 +406,7 @@ TEST(SimSetup, WorkersBeyondTheLimitAreRefusedWithTheRange) {
 // As cohort train: a pipeline exchanges nothing a codec compresses.
 TEST(SimSetup, PipelineRefusesACodec) {
   Scenario s = scenarioOf(Scheme::kPipeline);
-  s.codec = "fp16";  // measured by plain()
+  s.codec = compress::CodecSpec::parse("fp16");  // measured by plain()
   try {
     simulateWorkers(s, 4);
     ADD_FAILURE() << "accepted --strategy pipeline --codec fp16";

@@ -398,7 +398,7 @@ std::vector<sim::Curve> simulateCurves(const Flags& f, const sim::Scenario& base
     for (const std::string& codec : splitList(f.codec)) {
       sim::Scenario s = base;
       s.scheme = schemeOf(strategy);
-      s.codec = codec == "none" ? "none" : compress::CodecSpec::parse(codec).text();
+      s.codec = compress::CodecSpec::parse(codec);
       curves.push_back({curveName(s.scheme, f, codec), sim::sweep(s, workers)});
     }
   }

@@ -13,10 +13,11 @@ namespace cohort::sim {
 
 using nlohmann::json;
 
-const CodecCost& Calibration::codec(const std::string& name) const {
+const CodecCost& Calibration::codec(const compress::CodecSpec& spec) const {
   for (const CodecCost& c : codecs) {
-    if (c.codec == name) return c;
+    if (compress::CodecSpec::parse(c.codec) == spec) return c;  // validate() parsed each one
   }
+  const std::string name = spec.text();
   std::string known;
   for (const CodecCost& c : codecs) known += (known.empty() ? "" : ", ") + c.codec;
   throw InvalidArgument("--codec " + name + ": the calibration has no measurement of it (measured: " + known +
@@ -104,6 +105,11 @@ void validate(const Calibration& c, const std::string& where) {
   requireNonNegative(c.rpcWorkerSecondsPerByte, "rpc_worker_seconds_per_byte", where);
   requireNonNegative(c.shardSecondsPerByte, "shard_seconds_per_byte", where);
   for (const CodecCost& k : c.codecs) {
+    try {
+      compress::CodecSpec::parse(k.codec);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(where + ": field \"codecs[].codec\" is not a codec: " + e.what());
+    }
     requireNonNegative(k.encodeSecondsPerByte, "codecs[].encode_seconds_per_byte", where);
     requireNonNegative(k.decodeSecondsPerByte, "codecs[].decode_seconds_per_byte", where);
     requirePositive(k.sentFraction, "codecs[].sent_fraction", where);

@@ -2,6 +2,8 @@
 // with a version: a file of another version is refused, naming the field).
 #pragma once
 
+#include "compress/codec.h"
+
 #include <string>
 #include <vector>
 
@@ -76,8 +78,9 @@ struct Calibration {
   // The simulator slows it again by ranks / cores when more ranks than cores compute in step.
   double sharedComputeSecondsPerExample(int ranks) const;
 
-  // The measured cost of `codec`; throws InvalidArgument naming the codec when it was not measured.
-  const CodecCost& codec(const std::string& name) const;
+  // The measured cost of `codec` (its entry's text parses to the same spec); throws
+  // InvalidArgument naming the codec when it was not measured.
+  const CodecCost& codec(const compress::CodecSpec& spec) const;
 };
 
 // Checks every field (positive where it must be); throws InvalidArgument naming the first bad one.

@@ -64,8 +64,6 @@ namespace {
 // 1514-byte frame: the link's rate counts the frame.
 constexpr double kWireOverhead = 1514.0 / 1448.0;
 
-bool isSparseCodec(const std::string& codec) { return codec != "none" && codec != "fp16" && codec != "bf16"; }
-
 }  // namespace
 
 Derived derive(const Scenario& s, int workers) {
@@ -94,12 +92,12 @@ Derived derive(const Scenario& s, int workers) {
   d.aGloo = c.glooAllgatherSeconds + s.network.latency;
   d.bGloo = wire + c.glooSecondsPerByte;
   d.g = c.reduceSecondsPerByte;
-  if (s.codec == "none") {
+  if (s.codec.kind == compress::CodecKind::None) {
     d.codec = CodecCost{"none", 0, 0, 1};
   } else {
     d.codec = c.codec(s.codec);
   }
-  d.sparseCodec = isSparseCodec(s.codec);
+  d.sparseCodec = !s.codec.dense();
   return d;
 }
 
@@ -122,7 +120,7 @@ void checkSetup(const Scenario& s, int workers) {
   if (s.cores < 0) throw InvalidArgument("--cores must be >= 0");
   if (s.steps < 4) throw InvalidArgument("--steps must be >= 4, got " + std::to_string(s.steps));
   if (!(s.density >= 0 && s.density <= 1)) throw InvalidArgument("--density must be in (0, 1]");
-  if (s.codec != "none") s.calibration.codec(s.codec);
+  if (s.codec.kind != compress::CodecKind::None) s.calibration.codec(s.codec);
   switch (s.scheme) {
     case Scheme::kAllreduce:
       if (!(s.bucketMb > 0)) throw InvalidArgument("--bucket-mb must be > 0");
@@ -149,8 +147,9 @@ void checkSetup(const Scenario& s, int workers) {
       break;
     case Scheme::kPipeline:
       // As cohort train: the codecs compress what data-parallel schemes exchange.
-      if (s.codec != "none") {
-        throw InvalidArgument("--codec " + s.codec + " applies to allreduce, average, ps and gossip; --strategy "
+      if (s.codec.kind != compress::CodecKind::None) {
+        throw InvalidArgument("--codec " + s.codec.text() +
+                              " applies to allreduce, average, ps and gossip; --strategy "
                               "pipeline sends activations and their gradients uncompressed: drop --codec");
       }
       if (s.stages < 1) throw InvalidArgument("--stages must be >= 1");
@@ -243,7 +242,7 @@ std::vector<Prediction> sweep(const Scenario& setup, const std::vector<int>& wor
   // One worker training alone: its compute only (with the same stragglers).
   Scenario base = setup;
   base.scheme = Scheme::kAllreduce;
-  base.codec = "none";
+  base.codec = {};
   const Prediction one = simulateWorkers(base, 1);
   for (int w : workers) {
     if (setup.scheme == Scheme::kPipeline && w % setup.stages != 0) continue;

@@ -41,7 +41,7 @@ struct Scenario {
   Network network;
   Scheme scheme = Scheme::kAllreduce;
   Algorithm algorithm = Algorithm::Ring;
-  std::string codec = "none";
+  compress::CodecSpec codec;                // none by default
   double bucketMb = 25, firstBucketMb = 1;  // MiB, as --bucket-mb
   bool overlap = true;
   int period = 1;  // average: steps between averages
