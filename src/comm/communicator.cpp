@@ -80,14 +80,21 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> formGlooGroup(const c10::intrusive_pt
                            "one this host cannot reach (GLOO_SOCKET_IFNAME)");
 }
 
-// c10d's flight recorder (a trace of collectives for debugging NCCL hangs, which cohort's own
-// watchdog and errors cover) inserts into a map without a lock when two groups of one process
-// start their first collectives at once: ranks as threads of one process (the tests, replicas)
-// crashed in FlightRecorder::recordWithResetEnabled, 14 runs in 100 of a unit test. It is read
-// from the environment once, at the first group: off unless the user set it.
-void turnOffTorchsFlightRecorder() {
+// The variables c10d reads when it makes a group, set once, before this process's first group
+// (a setenv racing c10d's getenv in another thread's group would be undefined):
+// - TORCH_FR_BUFFER_SIZE=0, unless the user set it. c10d's flight recorder (a trace of
+//   collectives for debugging NCCL hangs, which cohort's own watchdog and errors cover) inserts
+//   into a map without a lock when two groups of one process start their first collectives at
+//   once: ranks as threads of one process (the tests, replicas) crashed in
+//   FlightRecorder::recordWithResetEnabled, 14 runs in 100 of a unit test.
+// - TORCH_NCCL_BLOCKING_WAIT=1, always: a timed-out NCCL wait throws into the caller, which names
+//   the rank (nccl.h), instead of the watchdog tearing the process down.
+void setTorchsEnvironmentOnce() {
   static std::once_flag once;
-  std::call_once(once, [] { ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0); });
+  std::call_once(once, [] {
+    ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+    ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/1);
+  });
 }
 
 int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
@@ -217,7 +224,7 @@ Communicator::Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) 
 Communicator::~Communicator() = default;
 
 std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, const CommOptions& options) {
-  turnOffTorchsFlightRecorder();
+  setTorchsEnvironmentOnce();
   COHORT_CHECK(options.backend != CommBackend::kNccl || hasNccl(), InvalidArgument, "rank ", spec.rank,
                ": backend nccl (--backend nccl), but this cohort was built without NCCL (its LibTorch has no c10d "
                "ProcessGroupNCCL, or CMake found no nccl.h): use --backend gloo or auto, or rebuild cohort against a "

@@ -30,9 +30,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -44,8 +42,6 @@ bool hasNccl() { return true; }
 namespace nccl {
 
 c10::intrusive_ptr<c10d::Backend> makeGroup(c10::intrusive_ptr<c10d::Store> store, const GroupOptions& options) {
-  // Read by ProcessGroupNCCL's constructor. Set once, before any group of this process exists (a
-  // setenv racing c10d's getenv of another group's construction would be undefined).
   // c10d's Options embed nccl.h's ncclConfig_t, whose size changes between NCCL versions: the
   // nccl.h compiled here must be the one LibTorch was built with (torch::cuda::nccl::version() is
   // that version, a constant in libtorch_cuda.so).
@@ -55,8 +51,8 @@ c10::intrusive_ptr<c10d::Backend> makeGroup(c10::intrusive_ptr<c10d::Store> stor
                NCCL_MINOR, ".", NCCL_PATCH, " and its LibTorch with NCCL ", built >> 32, ".", (built >> 16) & 0xffff, ".",
                built & 0xffff, ": rebuild cohort with -DNCCL_INCLUDE_DIR naming the headers of LibTorch's NCCL (the "
                "wheel's nvidia/nccl/include), or use --backend gloo");
-  static std::once_flag blockingWait;
-  std::call_once(blockingWait, [] { ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/1); });
+  // TORCH_NCCL_BLOCKING_WAIT, which ProcessGroupNCCL's constructor reads, was set by
+  // Communicator::connect before any group of this process (setTorchsEnvironmentOnce).
   auto groupOptions = c10d::ProcessGroupNCCL::Options::create();
   groupOptions->timeout = options.timeout;
   auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(std::move(store), options.rank, options.size, groupOptions);
