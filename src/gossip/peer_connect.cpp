@@ -88,11 +88,10 @@ int Peer::Impl::openStream(int r, const HostPort& to, Proof& key) {
     if (fd >= 0) {
       const Attempt a = handshake(fd, r, to, key, error);
       if (a == Attempt::kOk) return fd;
+      // Lost (and said so) before the close, which the other side may be waiting to see.
+      if (a == Attempt::kGiveUp) markLost(r, error);
       ::close(fd);
-      if (a == Attempt::kGiveUp) {
-        markLost(r, error);
-        return -1;
-      }
+      if (a == Attempt::kGiveUp) return -1;
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(1000));
