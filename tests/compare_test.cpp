@@ -324,6 +324,37 @@ TEST(Sweep, FailedTrialsAreRecordedTheOthersRunAndTheBestAreKept) {
   EXPECT_EQ(kept, 1);
 }
 
+// --device reaches every trial: one no machine has fails each of them, naming it.
+TEST(Sweep, TheDeviceReachesEveryTrial) {
+  test::TempDir dir;
+  test::writeFile(dir.file("s.toml"),
+                  "model = \"mlp\"\ndata = \"synthetic:600\"\nsteps = 2\nthreads = 1\nlr = [0.01, 0.05]\n");
+  const std::string out = dir.file("out");
+  auto r =
+      test::runCommand(test::cohortBinary() + " sweep " + dir.file("s.toml") + " --device cuda:99 --out " + out, 120);
+  const auto lines = test::lines(test::readFile(out + "/results.jsonl"));
+  ASSERT_EQ(lines.size(), 2u) << r.output;
+  for (const auto& line : lines) {
+    auto j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["status"], "failed") << j;
+    EXPECT_NE(j["error"].get<std::string>().find("cuda:99"), std::string::npos) << j;
+  }
+}
+
+// A device the model cannot train on stops a comparison before its first run, in one line.
+TEST(Compare, ADeviceThatCannotTrainIsAnErrorBeforeAnyRun) {
+  test::TempDir dir;
+  const std::string out = dir.file("out");
+  auto r = test::runCommand(test::cohortBinary() +
+                                " compare --model mlp --data synthetic:600 --steps 2 --only "
+                                "local,allreduce --device cuda:99 --out " +
+                                out,
+                            120);
+  EXPECT_NE(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("--model mlp cannot be trained on --device cuda:99: "), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(out)) << "a run started";
+}
+
 TEST(Sweep, AKilledSweepResumesWithoutRerunningFinishedTrials) {
   test::TempDir dir;
   // Each trial sleeps 0.2 s a step (--test-slow-worker), so the kill lands while trial 2 runs.

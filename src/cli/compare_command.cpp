@@ -31,6 +31,7 @@ struct CompareFlags {
   uint64_t seed = 1;
   int64_t batch = 64;
   std::string lr;
+  std::string device;
   int64_t epochs = 1;
   int64_t steps = 0;
   int64_t examples = 0;
@@ -103,12 +104,13 @@ std::vector<std::string> splitComma(const std::string& text) {
   return out;
 }
 
-// A train run of one step on a few synthetic examples: the model must at least build and train
-// before a comparison of many runs starts on it.
-void checkModel(const std::string& binary, const std::string& model) {
-  const std::string command = experiment::shellQuote({binary, "train", "--model", model, "--data", "synthetic:60",
-                                                      "--steps", "1", "--batch", "4", "--threads", "1", "--progress",
-                                                      "off"}) + " 2>&1";
+// A train run of one step on a few synthetic examples: the model must at least build and train,
+// on the runs' device when one is given, before a comparison of many runs starts on it.
+void checkModel(const std::string& binary, const std::string& model, const std::string* device) {
+  std::vector<std::string> argv{binary, "train",   "--model", model,       "--data", "synthetic:60", "--steps",
+                                "1",    "--batch", "4",       "--threads", "1",      "--progress",   "off"};
+  if (device != nullptr) argv.insert(argv.end(), {"--device", *device});
+  const std::string command = experiment::shellQuote(argv) + " 2>&1";
   FILE* pipe = ::popen(command.c_str(), "r");
   COHORT_CHECK(pipe != nullptr, Error, "cannot run ", binary);
   std::string output;
@@ -118,6 +120,8 @@ void checkModel(const std::string& binary, const std::string& model) {
   const int status = ::pclose(pipe);
   if (status != 0) {
     std::string why = experiment::errorFromLog(output);
+    if (device != nullptr)
+      throw InvalidArgument("--model " + model + " cannot be trained on --device " + *device + ": " + why);
     throw InvalidArgument("--model " + model + " cannot be trained by any scheme: " + why);
   }
 }
@@ -141,6 +145,8 @@ void addTrainOptions(CLI::App* cmd, CompareFlags& f) {
   cmd->add_option("--seed", f.seed, "The same seed for every run")->capture_default_str();
   cmd->add_option("--batch", f.batch, "Batch size per worker")->capture_default_str();
   cmd->add_option("--lr", f.lr, "Learning rate (default: train's)");
+  cmd->add_option("--device", f.device,
+                  "cpu, cuda or cuda:N for every run (default: train's, each rank's GPU when there is one)");
 }
 
 // How long every run trains: one of epochs, steps, examples or seconds.
@@ -264,6 +270,7 @@ experiment::TrainArgs sharedTrainArgs(const CompareFlags& f, const CLI::App& cmd
   cliOption("--seed", std::to_string(f.seed));
   cliOption("--batch", std::to_string(f.batch));
   if (!f.lr.empty()) experiment::setArg(shared, "--lr", f.lr);
+  if (!f.device.empty()) experiment::setArg(shared, "--device", f.device);
   for (const auto& [flag, value] : fileShared) {
     if (experiment::findArg(shared, flag) == nullptr) experiment::setArg(shared, flag, value);
   }
@@ -393,7 +400,7 @@ int runCompare(const CompareFlags& f, const CLI::App& app) {
     network = std::make_unique<experiment::EmulatedNetwork>(f.network, processesPerRun(configs));
     plan.network = network.get();
   }
-  checkModel(plan.binary, model);
+  checkModel(plan.binary, model, experiment::findArg(plan.shared, "--device"));
   if (hosts) checkHostsSeeOut(*hosts, f.out);
 
   const std::vector<experiment::JobSpec> jobs = experiment::planJobs(configs, plan);

@@ -27,6 +27,7 @@ struct SweepFlags {
   int top = 0;
   std::string out = "sweep-out";
   double runTimeout = 3600;
+  std::string device;  // every trial's, over the file's
 };
 
 std::string paramsText(const experiment::TrainArgs& args) {
@@ -44,6 +45,7 @@ std::vector<experiment::JobSpec> trialJobs(const experiment::SweepSpace& space,
   for (const experiment::Trial& t : trials) {
     experiment::TrainArgs args = space.fixed;
     for (const auto& [flag, value] : t.chosen) experiment::setArg(args, flag, value);
+    if (!f.device.empty()) experiment::setArg(args, "--device", f.device);
     experiment::setArg(args, "--metrics", experiment::metricsPathOf(f.out, t.id));
     experiment::setArg(args, "--progress", "off");
     if (f.top > 0) experiment::setArg(args, "--save-model", experiment::jobDirOf(f.out, t.id) + "/model.pt");
@@ -230,6 +232,7 @@ Run addSweepCommand(CLI::App& app) {
   cmd->add_option("--top", f.top, "Keep the models of the best N trials in OUT/top/ (--save-model)")
       ->capture_default_str();
   cmd->add_option("--out", f.out, "Output folder (results.jsonl, runs/, top/)")->capture_default_str();
+  cmd->add_option("--device", f.device, "cpu, cuda or cuda:N for every trial (over the file's device)");
   cmd->add_option("--run-timeout", f.runTimeout, "Seconds after which a trial is stopped and counted as failed")
       ->capture_default_str();
   return [flags, &app]() { return runSweep(*flags, app); };
