@@ -181,7 +181,7 @@ void Shard::startAfreshLocked(const wire::InitRequest& request, const std::vecto
   pieceSteps_.assign(pieces_.size(), 0);
   version_ = 0;
   lastCheckpointVersion_ = 0;
-  workers_.assign(policy_.workers(), Worker{});
+  workers_.assign(policy_.workers(), Worker{.lastSeen = now()});
   clearPendingLocked();
   failure_.reset();
   finished_ = false;

@@ -199,7 +199,7 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
   pieceSteps_ = std::move(pieceSteps);
   version_ = c.version();
   lastCheckpointVersion_ = version_;
-  workers_.assign(policy_.workers(), Worker{});
+  workers_.assign(policy_.workers(), Worker{.lastSeen = now()});
   for (size_t i = 0; i < workers_.size(); ++i) workers_[i].clock = c.clocks(int(i));
   clearPendingLocked();
   stats_ = c.stats();

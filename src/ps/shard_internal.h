@@ -55,7 +55,7 @@ struct Shard::Worker {
   // `clock`, has not run yet (it waits for the lock). A checkpoint taken meanwhile counts it: every
   // worker's clock in a checkpoint of version V is then V, and all resume at the same step.
   bool inClosedStep = false;
-  Clock::time_point lastSeen = Clock::now();
+  Clock::time_point lastSeen;  // on the shard's clock (Shard::now()), set when the worker is made
 };
 
 }  // namespace cohort::ps
