@@ -246,8 +246,9 @@ TEST(LazyOptimizer, MatchesTorchDenseOptimizersOnTheTouchedRows) {
 // Lazy state: a row touched only at the last step starts from zero state, and rows not touched
 // are never changed, whatever their neighbours' state.
 TEST(LazyOptimizer, UntouchedRowsAndTheirStateStayAsTheyAre) {
-  for (const ps::UpdateRule rule : {ps::UpdateRule::kMomentum, ps::UpdateRule::kAdam, ps::UpdateRule::kAdagrad}) {
-    const std::string name = ps::updateRuleName(rule);
+  const std::pair<ps::UpdateRule, const char*> rules[] = {
+      {ps::UpdateRule::kMomentum, "momentum"}, {ps::UpdateRule::kAdam, "adam"}, {ps::UpdateRule::kAdagrad, "adagrad"}};
+  for (const auto& [rule, name] : rules) {
     ps::ServerOptimizer opt(rule, 0.1, 0.9, 6);
     std::vector<float> values(6, 1.0f);
     const std::vector<float> g = {0.5f, -0.25f};

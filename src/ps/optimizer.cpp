@@ -11,16 +11,6 @@ constexpr double kEps = 1e-8;
 constexpr double kAdagradEps = 1e-10;
 }  // namespace
 
-const char* updateRuleName(UpdateRule rule) {
-  switch (rule) {
-    case UpdateRule::kSgd: return "sgd";
-    case UpdateRule::kMomentum: return "momentum";
-    case UpdateRule::kAdam: return "adam";
-    case UpdateRule::kAdagrad: return "adagrad";
-  }
-  return "?";
-}
-
 ServerOptimizer::ServerOptimizer(UpdateRule rule, double lr, double momentum, size_t size)
     : rule_(rule), lr_(lr), momentum_(momentum) {
   slots_.assign(size_t(slotCount(rule_)), std::vector<float>(size, 0.0f));

@@ -19,9 +19,6 @@ namespace cohort::ps {
 // the trainer's lazy optimizer maps its OptimizerKind to one; inside, the code compares rules.
 enum class UpdateRule { kSgd, kMomentum, kAdam, kAdagrad };
 
-// "sgd", "momentum", "adam" or "adagrad": for messages.
-const char* updateRuleName(UpdateRule rule);
-
 class ServerOptimizer {
  public:
   ServerOptimizer(UpdateRule rule, double lr, double momentum, size_t size);

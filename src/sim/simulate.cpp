@@ -98,6 +98,7 @@ Derived derive(const Scenario& s, int workers) {
     d.codec = c.codec(s.codec);
   }
   d.sparseCodec = !s.codec.dense();
+  d.gathered = d.sparseCodec || s.codec.kind == compress::CodecKind::Bf16;
   return d;
 }
 

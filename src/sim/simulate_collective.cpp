@@ -27,7 +27,7 @@ double exchangeSeconds(const Scenario& s, const Derived& d, double bytes, double
     return 0;
   }
   const double codecCpu = bytes * d.codec.encodeSecondsPerByte;
-  if (d.sparseCodec || s.codec.kind == compress::CodecKind::Bf16) {
+  if (d.gathered) {
     const double m = bytes * d.codec.sentFraction;
     *sentBytes = (p - 1) * m;
     return codecCpu + allgatherMessagesSeconds(d, m, d.sparseCodec) + p * bytes * d.codec.decodeSecondsPerByte;
@@ -57,10 +57,9 @@ Totals simulateCollective(const Scenario& s, const Derived& d, double computeSca
   double sent = 0;
   double exchange = 0;
   std::vector<double> buckets;
-  const bool overlapped = s.scheme == Scheme::kAllreduce && s.overlap && !d.sparseCodec &&
-                          s.codec.kind != compress::CodecKind::Bf16 &&
+  const bool overlapped = s.scheme == Scheme::kAllreduce && s.overlap && !d.gathered &&
                           !(d.density < 1 && (d.p - 1) * d.density < 2.0 * (d.p - 1) / d.p);
-  const bool perBucket = s.scheme == Scheme::kAllreduce && (d.sparseCodec || s.codec.kind == compress::CodecKind::Bf16);
+  const bool perBucket = s.scheme == Scheme::kAllreduce && d.gathered;
   if (overlapped || perBucket) buckets = bucketSizes(d.n, s.firstBucketMb * 1048576.0, s.bucketMb * 1048576.0);
   if (perBucket) {
     // DataParallel exchanges bf16 and the sparse codecs after backward, one bucket after another,
@@ -74,8 +73,7 @@ Totals simulateCollective(const Scenario& s, const Derived& d, double computeSca
     exchange = exchangeSeconds(s, d, d.n, &sent);
   }
   const double reduceCpu = d.sparseCodec ? 0.0 : double(d.p - 1) / d.p * d.n * d.g;
-  const double linkCpu =
-      d.sparseCodec || s.codec.kind == compress::CodecKind::Bf16 ? s.calibration.glooSecondsPerByte : 2 * d.bCpu;
+  const double linkCpu = d.gathered ? s.calibration.glooSecondsPerByte : 2 * d.bCpu;
   for (int step = 0; step < s.steps; ++step) {
     double slowest = 0, sum = 0;
     for (int i = 0; i < d.p; ++i) {
@@ -105,10 +103,9 @@ Totals simulateCollective(const Scenario& s, const Derived& d, double computeSca
     t.wait += std::max(0.0, slowest - sum / d.p);
     t.comm += comm;
     t.bytes += sent;
-    t.cpu += sum / computeScale + d.p * (sent * linkCpu + reduceCpu +
-                                         d.n * (d.codec.encodeSecondsPerByte +
-                                                (d.sparseCodec || s.codec.kind == compress::CodecKind::Bf16 ? d.p : 1) *
-                                                    d.codec.decodeSecondsPerByte));
+    t.cpu += sum / computeScale +
+             d.p * (sent * linkCpu + reduceCpu +
+                    d.n * (d.codec.encodeSecondsPerByte + (d.gathered ? d.p : 1) * d.codec.decodeSecondsPerByte));
   }
   return t;
 }

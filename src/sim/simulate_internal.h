@@ -59,6 +59,9 @@ struct Derived {
   double g = 0;
   CodecCost codec;
   bool sparseCodec = false;
+  // The codec's messages are allgathered and decoded by every rank, not summed on the way: the
+  // sparse codecs and bf16 (DataParallel sums fp16 in 16 bits, bf16 it gathers).
+  bool gathered = false;
 };
 
 // The numbers of `s` at `workers` workers.
