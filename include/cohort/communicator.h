@@ -12,8 +12,8 @@
 // (CommOptions::timeout); when a peer dies, the error names the rank that stopped responding,
 // found through heartbeats the ranks keep in the store. NCCL's failures and hangs end the same way:
 // cohort waits on NCCL's work itself and aborts the NCCL communicator on a timeout; c10d's NCCL
-// watchdog, which would end the process, is not started (forming the first NCCL group sets
-// TORCH_NCCL_BLOCKING_WAIT=1 in the process's environment; src/comm/nccl.cpp says why).
+// watchdog, which would end the process, is not started (the first connect() of a cohort built with
+// NCCL sets TORCH_NCCL_BLOCKING_WAIT=1 in the process's environment; src/comm/nccl.cpp says why).
 #pragma once
 
 #include <cohort/export.h>

@@ -20,8 +20,8 @@
 #include <cstring>
 #include <functional>
 #include <future>
-#include <mutex>
 #include <iostream>
+#include <mutex>
 #include <thread>
 
 namespace cohort {
@@ -87,13 +87,13 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> formGlooGroup(const c10::intrusive_pt
 //   into a map without a lock when two groups of one process start their first collectives at
 //   once: ranks as threads of one process (the tests, replicas) crashed in
 //   FlightRecorder::recordWithResetEnabled, 14 runs in 100 of a unit test.
-// - TORCH_NCCL_BLOCKING_WAIT=1, always: a timed-out NCCL wait throws into the caller, which names
-//   the rank (nccl.h), instead of the watchdog tearing the process down.
+// - TORCH_NCCL_BLOCKING_WAIT=1 where this cohort has NCCL: a timed-out NCCL wait throws into the
+//   caller, which names the rank (nccl.cpp), instead of the watchdog tearing the process down.
 void setTorchsEnvironmentOnce() {
   static std::once_flag once;
   std::call_once(once, [] {
     ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
-    ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/1);
+    if (hasNccl()) ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/1);
   });
 }
 

@@ -10,14 +10,14 @@
 //     TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 minutes). Neither is cohort's error policy: a library
 //     never ends its caller's process, and a lost peer is named by cohort within --timeout.
 //   - With TORCH_NCCL_BLOCKING_WAIT=1 the group starts neither thread (nor keeps a list of works
-//     for them). makeGroup sets it, for the whole process, before the first group is made. It also
+//     for them). Communicator::connect sets it, for the whole process, before any group. It also
 //     makes a work's wait() and synchronize() hold the host until the work is done, so cohort calls
 //     neither: it waits through the work's future (below).
 //   - cohort waits itself, as the DDP reducer does: the caller's stream waits for NCCL's stream
-//     (the work's future, completed at launch with an event on NCCL's stream) and the host goes on; the communicator's WorkWatchdog (work_watchdog.h) checks each work
-//     until done or the communicator's timeout, aborts the NCCL communicator of one that failed or
-//     timed out (ncclCommAbort, so that no kernel spins on the GPU forever), and the next operation
-//     turns the failure into cohort's error naming the lost rank (Communicator::Impl::fail).
+//     (the work's future, completed at launch with an event on NCCL's stream) and the host goes on; the communicator's
+//     WorkWatchdog (work_watchdog.h) checks each work until done or the communicator's timeout, aborts the NCCL
+//     communicator of one that failed or timed out (ncclCommAbort, so that no kernel spins on the GPU forever), and the
+//     next operation turns the failure into cohort's error naming the lost rank (Communicator::Impl::fail).
 // What is not bounded: ncclCommInitRank itself, when a peer dies after the unique id went through
 // the store and before it joined (the store's waits before it are bounded).
 #include "comm/nccl.h"
