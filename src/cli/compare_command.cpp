@@ -146,7 +146,8 @@ void addTrainOptions(CLI::App* cmd, CompareFlags& f) {
   cmd->add_option("--batch", f.batch, "Batch size per worker")->capture_default_str();
   cmd->add_option("--lr", f.lr, "Learning rate (default: train's)");
   cmd->add_option("--device", f.device,
-                  "cpu, cuda or cuda:N for every run (default: train's, each rank's GPU when there is one)");
+                  "cpu, cuda or cuda:N for every run without a device of its own in FILE (default: train's, each "
+                  "rank's GPU when there is one)");
 }
 
 // How long every run trains: one of epochs, steps, examples or seconds.
@@ -400,7 +401,8 @@ int runCompare(const CompareFlags& f, const CLI::App& app) {
     network = std::make_unique<experiment::EmulatedNetwork>(f.network, processesPerRun(configs));
     plan.network = network.get();
   }
-  checkModel(plan.binary, model, experiment::findArg(plan.shared, "--device"));
+  // With --hosts the runs' device is on the hosts, not here: the check trains on this one's default.
+  checkModel(plan.binary, model, hosts ? nullptr : experiment::findArg(plan.shared, "--device"));
   if (hosts) checkHostsSeeOut(*hosts, f.out);
 
   const std::vector<experiment::JobSpec> jobs = experiment::planJobs(configs, plan);
