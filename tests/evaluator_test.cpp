@@ -38,9 +38,9 @@ const std::string kSmallRun = " --data synthetic:1200 --model mlp --validation 1
 TEST(Evaluator, EvaluatesEveryCheckpointOnceAndEndsWithTheJob) {
   test::TempDir dir;
   const std::string ckpt = dir.file("ckpt");
-  const std::string command = test::cohortBinary() + " launch -n 2 --evaluator -- " + train() + " --strategy allreduce" +
-                              kSmallRun + " --steps 40 --eval-every 10 --checkpoint-dir " + ckpt + " --metrics " +
-                              dir.file("m.jsonl");
+  const std::string command =
+      test::cohortBinary() + " launch -n 2 --evaluator -- " + train() + " --strategy allreduce" + kSmallRun +
+      " --steps 40 --eval-every 10 --device cpu --checkpoint-dir " + ckpt + " --metrics " + dir.file("m.jsonl");
   auto run = test::runCommand(command, 180);
   ASSERT_EQ(run.exitCode, 0) << run.output;
   const std::string record = ckpt + "/evaluator-0.jsonl";
@@ -48,6 +48,7 @@ TEST(Evaluator, EvaluatesEveryCheckpointOnceAndEndsWithTheJob) {
   EXPECT_EQ(counts, (std::map<int64_t, int>{{10, 1}, {20, 1}, {30, 1}, {40, 1}})) << test::readFile(record);
   for (const auto& e : events(record, "eval")) {
     EXPECT_TRUE(e.contains("val_accuracy") && e.contains("val_loss") && e.contains("accuracy")) << e.dump();
+    EXPECT_EQ(e["device"], "cpu") << e.dump();  // the workers' --device
   }
   const auto done = events(record, "done");
   ASSERT_EQ(done.size(), 1u);
@@ -161,10 +162,10 @@ TEST(Ensemble, OfIdenticalModelsEqualsTheModel) {
   test::TempDir dir;
   auto r = test::runCommand(train() + kSmallRun + " --steps 30 --threads 1 --save-model " + dir.file("a.pt"), 120);
   ASSERT_EQ(r.exitCode, 0) << r.output;
-  r = test::runCommand(test::cohortBinary() + " ensemble " + dir.file("a.pt") + " " + dir.file("a.pt") + " " +
-                           dir.file("a.pt") + " --data synthetic:1200 --validation 100 --threads 1 --metrics " +
-                           dir.file("e.jsonl"),
-                       120);
+  r = test::runCommand(
+      test::cohortBinary() + " ensemble " + dir.file("a.pt") + " " + dir.file("a.pt") + " " + dir.file("a.pt") +
+          " --data synthetic:1200 --validation 100 --threads 1 --device cpu --metrics " + dir.file("e.jsonl"),
+      120);
   ASSERT_EQ(r.exitCode, 0) << r.output;
   const auto models = events(dir.file("e.jsonl"), "model");
   const auto ensemble = events(dir.file("e.jsonl"), "ensemble");
@@ -176,7 +177,18 @@ TEST(Ensemble, OfIdenticalModelsEqualsTheModel) {
   EXPECT_NEAR(ensemble[0]["test_loss"].get<double>(), models[0]["test_loss"].get<double>(), 1e-5);
   EXPECT_NEAR(ensemble[0]["val_loss"].get<double>(), models[0]["val_loss"].get<double>(), 1e-5);
   EXPECT_GT(models[0]["test_accuracy"].get<double>(), 0.3);  // it did learn something: the check has teeth
+  EXPECT_EQ(ensemble[0]["device"], "cpu");
   EXPECT_NE(r.output.find("ensemble"), std::string::npos);
+}
+
+// A device this machine does not have ends the command before any model is read (cuda:99: no
+// machine has it, so the test means the same with or without a GPU).
+TEST(Ensemble, ADeviceThatIsNotThereIsAOneLineError) {
+  test::TempDir dir;
+  expectOneLineError(
+      test::runCommand(
+          test::cohortBinary() + " ensemble " + dir.file("absent.pt") + " --data synthetic:600 --device cuda:99", 60),
+      "device \"cuda:99\"");
 }
 
 TEST(Ensemble, RefusesModelsWithDifferentOutputs) {
@@ -215,7 +227,7 @@ TEST(Quantize, RoundTripKeepsAccuracyAndShrinksTheFile) {
   EXPECT_NEAR(q["dequantized_test_accuracy"].get<double>(), q["float_test_accuracy"].get<double>(), 0.02);
   // The 8-bit file reads back as a model (its int8 weights dequantized) wherever a model is taken.
   r = test::runCommand(test::cohortBinary() + " ensemble " + dir.file("q.pt") +
-                           " --data synthetic:1200 --threads 1 --metrics " + dir.file("e.jsonl"),
+                           " --data synthetic:1200 --threads 1 --device cpu --metrics " + dir.file("e.jsonl"),
                        120);
   ASSERT_EQ(r.exitCode, 0) << r.output;
   EXPECT_DOUBLE_EQ(test::lastEvent(dir.file("e.jsonl"), "ensemble")["test_accuracy"].get<double>(),

@@ -91,6 +91,42 @@ TEST(Gpu, AllreduceTrainsOnCudaUnderCohortLaunch) {
   EXPECT_EQ(test::lastEvent(dir.path() + "/m.jsonl", "done")["steps"].get<int64_t>(), 60) << r.output;
 }
 
+// A model trained on the GPU scores the same in `cohort ensemble` on the GPU as on the CPU (the
+// kernels sum in other orders: an argmax at a near-tie may flip), and the evaluator task scores
+// the chief's checkpoints on the workers' device.
+TEST(Gpu, EnsembleAndTheEvaluatorScoreOnTheGpu) {
+  REQUIRE_GPU();
+  test::TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  auto r = test::runCommand(test::cohortBinary() + " launch -n 1 --evaluator -- " +
+                                train("--model cnn --data synthetic:2000 --steps 30 --eval-every 15 --device cuda "
+                                      "--checkpoint-dir " +
+                                      ckpt + " --save-model " + dir.file("m.pt")),
+                            180);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  int evals = 0;
+  for (const auto& line : test::lines(test::readFile(ckpt + "/evaluator-0.jsonl"))) {
+    const auto e = nlohmann::json::parse(line);
+    if (e["event"] != "eval") continue;
+    ++evals;
+    EXPECT_EQ(e["device"], "cuda:0") << e.dump();
+  }
+  EXPECT_EQ(evals, 2) << r.output;
+  double accuracy[2] = {0, 0};
+  const char* devices[2] = {"cuda:0", "cpu"};
+  for (int k = 0; k < 2; ++k) {
+    const std::string metrics = dir.file(std::string("e") + std::to_string(k) + ".jsonl");
+    auto e = test::runCommand(test::cohortBinary() + " ensemble " + dir.file("m.pt") + " " + dir.file("m.pt") +
+                              " --data synthetic:2000 --device " + devices[k] + " --metrics " + metrics);
+    ASSERT_EQ(e.exitCode, 0) << e.output;
+    const auto event = test::lastEvent(metrics, "ensemble");
+    EXPECT_EQ(event["device"], devices[k]);
+    accuracy[k] = event["test_accuracy"].get<double>();
+  }
+  EXPECT_GT(accuracy[1], 0.3);
+  EXPECT_NEAR(accuracy[0], accuracy[1], 0.005);
+}
+
 TEST(Gpu, BadDeviceRequestsAreOneLineEach) {
   REQUIRE_GPU();
   const std::string base = "--model mlp --data synthetic:200 --steps 2 ";

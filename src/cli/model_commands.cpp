@@ -1,12 +1,13 @@
 // `cohort ensemble` and `cohort quantize`: what is done with trained models after training.
-#include <cohort/data.h>
-#include <cohort/error.h>
-#include <cohort/metrics.h>
 #include "base/clock.h"
 #include "base/stats.h"
 #include "train/evaluation.h"
 #include "train/model_file.h"
 #include "train/threads.h"
+#include <cohort/data.h>
+#include <cohort/device.h>
+#include <cohort/error.h>
+#include <cohort/metrics.h>
 
 #include "cli/commands.h"
 
@@ -77,8 +78,10 @@ struct EnsembleScores {
   Scores ensemble;
 };
 
-// Each model's scores and those of the mean of their softmax outputs, on one data set.
-EnsembleScores scoreEnsemble(std::vector<ModelFile>& models, const Dataset& set, int64_t classes) {
+// Each model's scores and those of the mean of their softmax outputs, on one data set. The models
+// are on `device`; the batches go there.
+EnsembleScores scoreEnsemble(std::vector<ModelFile>& models, const Dataset& set, int64_t classes,
+                             const c10::Device& device) {
   torch::NoGradGuard noGrad;
   std::vector<ScoreAccumulator> each(models.size(), ScoreAccumulator(classes));
   ScoreAccumulator mean(classes);
@@ -89,9 +92,10 @@ EnsembleScores scoreEnsemble(std::vector<ModelFile>& models, const Dataset& set,
     idx.resize(size_t(std::min(kBatch, set.size() - start)));
     std::iota(idx.begin(), idx.end(), start);
     Batch batch = makeBatch(set, idx);
+    const torch::Tensor inputs = onDevice(batch.inputs, device);
     std::vector<torch::Tensor> logProbs;
     for (size_t k = 0; k < models.size(); ++k) {
-      torch::Tensor logits = models[k].model->forward(batch.inputs);
+      torch::Tensor logits = models[k].model->forward(inputs);
       each[k].add(logits, batch.targets);
       logProbs.push_back(torch::log_softmax(logits, 1));
     }
@@ -104,11 +108,13 @@ EnsembleScores scoreEnsemble(std::vector<ModelFile>& models, const Dataset& set,
   return out;
 }
 
-int runEnsemble(const std::vector<std::string>& paths, const DataFlags& f) {
+int runEnsemble(const std::vector<std::string>& paths, const std::string& deviceName, const DataFlags& f) {
   COHORT_CHECK(!paths.empty(), InvalidArgument, "no model given: cohort ensemble A.pt B.pt ...");
+  const c10::Device device = resolveDevice(deviceName);
   std::vector<ModelFile> models;
   for (const std::string& path : paths) {
-    models.push_back(loadModelFile(path));
+    models.push_back(loadModelFile(path));  // read on the CPU, whatever device wrote it
+    models.back().model->to(device);
     const ModelFile& m = models.back();
     COHORT_CHECK(m.shape.classes == models.front().shape.classes, InvalidArgument, m.path, " has ", m.shape.classes,
                  " outputs but ", models.front().path, " has ", models.front().shape.classes,
@@ -117,8 +123,8 @@ int runEnsemble(const std::vector<std::string>& paths, const DataFlags& f) {
   const DataSplits data = loadSplits(f);
   for (const ModelFile& m : models) checkFitsData(m, data);
   std::optional<EnsembleScores> val;
-  if (data.validation.size() > 0) val = scoreEnsemble(models, data.validation, data.classes);
-  const EnsembleScores test = scoreEnsemble(models, data.test, data.classes);
+  if (data.validation.size() > 0) val = scoreEnsemble(models, data.validation, data.classes, device);
+  const EnsembleScores test = scoreEnsemble(models, data.test, data.classes, device);
 
   MetricsWriter metrics(f.metricsPath);
   auto fields = [&](const Scores& t, const Scores* v) {
@@ -144,11 +150,14 @@ int runEnsemble(const std::vector<std::string>& paths, const DataFlags& f) {
                 format(test.models[k].accuracy).c_str(), format(test.models[k].loss).c_str(),
                 format(test.models[k].macroF1).c_str());
   }
-  MetricFields line{{"models", int64_t(models.size())}, {"paths", [&] {
-                      std::string all;
-                      for (const auto& p : paths) all += (all.empty() ? "" : ",") + p;
-                      return all;
-                    }()}};
+  MetricFields line{{"models", int64_t(models.size())},
+                    {"paths",
+                     [&] {
+                       std::string all;
+                       for (const auto& p : paths) all += (all.empty() ? "" : ",") + p;
+                       return all;
+                     }()},
+                    {"device", device.str()}};
   MetricFields scores = fields(test.ensemble, val ? &val->ensemble : nullptr);
   line.insert(line.end(), scores.begin(), scores.end());
   metrics.write("ensemble", line);
@@ -247,14 +256,22 @@ int runQuantize(const std::string& path, const std::string& outPath, int repeats
 Run addEnsembleCommand(CLI::App& app) {
   auto flags = std::make_shared<DataFlags>();
   auto paths = std::make_shared<std::vector<std::string>>();
+  auto device = std::make_shared<std::string>("auto");
   CLI::App* command = app.add_subcommand(
       "ensemble", "Evaluate the average of the softmax outputs of saved models (cohort train --save-model)");
   command->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   command->add_option("models", *paths, "Model files written by cohort train --save-model")->required();
+  command
+      ->add_option("--device", *device,
+                   "Where the models run: auto (the first GPU when there is one, else the CPU), cpu, cuda, "
+                   "cuda:N")
+      ->capture_default_str();
   addDataFlags(command, *flags);
-  command->footer("Prints each model's validation and test accuracy beside the ensemble's. The models must have\n"
-                  "the same outputs; give --data, --validation and --validation-seed as in training.");
-  return [flags, paths]() { return runEnsemble(*paths, *flags); };
+  command->footer(
+      "Prints each model's validation and test accuracy beside the ensemble's. The models must have\n"
+      "the same outputs; give --data, --validation and --validation-seed as in training. A model\n"
+      "file saved on any device runs on any other.");
+  return [flags, paths, device]() { return runEnsemble(*paths, *device, *flags); };
 }
 
 Run addQuantizeCommand(CLI::App& app) {
@@ -272,9 +289,11 @@ Run addQuantizeCommand(CLI::App& app) {
       ->capture_default_str();
   command->add_option("--batch", *batch, "Inference batch size for the timing")->capture_default_str();
   addDataFlags(command, *flags);
-  command->footer("Linear weights become int8 with one scale per output row (symmetric). Inference uses libtorch's\n"
-                  "dynamic int8 kernel (quantized::linear_dynamic) where this libtorch has an engine for it\n"
-                  "(onednn, fbgemm or qnnpack), else the int8 weights are dequantized to float at load.");
+  command->footer(
+      "Linear weights become int8 with one scale per output row (symmetric). Inference uses libtorch's\n"
+      "dynamic int8 kernel (quantized::linear_dynamic) where this libtorch has an engine for it\n"
+      "(onednn, fbgemm or qnnpack), else the int8 weights are dequantized to float at load. It runs\n"
+      "on the CPU, where those kernels are, and reads a model saved on any device.");
   return [flags, path, out, repeats, batch]() { return runQuantize(*path, *out, *repeats, *batch, *flags); };
 }
 

@@ -15,7 +15,9 @@ ScoreAccumulator::ScoreAccumulator(int64_t classes)
   COHORT_CHECK(classes > 0, InvalidArgument, "a classifier needs at least one class, got ", classes);
 }
 
-void ScoreAccumulator::add(const torch::Tensor& logits, const torch::Tensor& targets) {
+void ScoreAccumulator::add(const torch::Tensor& outputs, const torch::Tensor& labels) {
+  const torch::Tensor logits = outputs.to(torch::kCPU);  // the confusion matrix is counted on the host
+  const torch::Tensor targets = labels.to(torch::kCPU);
   COHORT_CHECK(logits.dim() == 2 && logits.size(1) == classes_, InvalidArgument, "the model gives ",
                logits.dim() == 2 ? logits.size(1) : -1, " outputs per example but the data has ", classes_,
                " classes");
@@ -68,8 +70,13 @@ Scores scoresFromConfusion(const std::vector<int64_t>& confusion, int64_t classe
   return s;
 }
 
+torch::Tensor onDevice(const torch::Tensor& t, const c10::Device& device) {
+  if (device.is_cpu() || !t.defined()) return t;
+  return t.pin_memory().to(device, /*non_blocking=*/true);
+}
+
 Scores scoreDataset(const std::function<torch::Tensor(const torch::Tensor&)>& forward, const Dataset& data,
-                    int64_t classes, int64_t batch) {
+                    int64_t classes, int64_t batch, const c10::Device& device) {
   torch::NoGradGuard noGrad;
   ScoreAccumulator acc(classes);
   std::vector<int64_t> idx;
@@ -78,7 +85,7 @@ Scores scoreDataset(const std::function<torch::Tensor(const torch::Tensor&)>& fo
     idx.resize(size_t(count));
     std::iota(idx.begin(), idx.end(), start);
     Batch b = makeBatch(data, idx);
-    acc.add(forward(b.inputs), b.targets);
+    acc.add(forward(onDevice(b.inputs, device)), b.targets);
   }
   return acc.scores();
 }

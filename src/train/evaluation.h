@@ -26,7 +26,7 @@ class ScoreAccumulator {
   explicit ScoreAccumulator(int64_t classes);
 
   // logits: [B, classes] (any values whose log_softmax are the log-probabilities: an ensemble
-  // passes the log of its averaged probabilities); targets: [B] int64.
+  // passes the log of its averaged probabilities); targets: [B] int64. Either may be on any device.
   void add(const torch::Tensor& logits, const torch::Tensor& targets);
   Scores scores() const;
 
@@ -40,9 +40,14 @@ class ScoreAccumulator {
 // Scores from a confusion matrix ([true][predicted], row-major classes x classes). Torch-free.
 Scores scoresFromConfusion(const std::vector<int64_t>& confusion, int64_t classes, double lossSum);
 
-// Runs `forward` over `data` in batches of `batch` and scores the outputs.
+// A tensor assembled in host memory, on `device`: pinned and copied without blocking the host (the
+// copy is ordered on the device's current stream); a CPU device or an undefined tensor as it is.
+torch::Tensor onDevice(const torch::Tensor& t, const c10::Device& device);
+
+// Runs `forward` over `data` in batches of `batch` and scores the outputs. The inputs go to
+// `device` (where the model is); the outputs may be on any device.
 Scores scoreDataset(const std::function<torch::Tensor(const torch::Tensor& inputs)>& forward, const Dataset& data,
-                    int64_t classes, int64_t batch = 1000);
+                    int64_t classes, int64_t batch = 1000, const c10::Device& device = c10::Device(c10::kCPU));
 
 // The fields an eval or done event carries for a set of scores: `prefix`accuracy, `prefix`loss,
 // `prefix`macro_f1, and with perClass `prefix`per_class_accuracy.

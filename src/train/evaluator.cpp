@@ -1,13 +1,14 @@
 #include "train/evaluator.h"
 
-#include <cohort/checkpoint.h>
-#include <cohort/error.h>
-#include <cohort/metrics.h>
-#include <cohort/models.h>
 #include "base/clock.h"
 #include "base/tensorboard.h"
 #include "train/evaluation.h"
 #include "train/threads.h"
+#include <cohort/checkpoint.h>
+#include <cohort/device.h>
+#include <cohort/error.h>
+#include <cohort/metrics.h>
+#include <cohort/models.h>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -101,19 +102,21 @@ torch::nn::Sequential evaluationModel(const TrainOptions& o, const DataSplits& d
 }
 
 // One evaluator task's run over the chief's checkpoint directory: the data and the model it
-// scores, its record, and the checkpoints it has seen.
+// scores, its record, and the checkpoints it has seen. It scores on the workers' --device (its own
+// GPU under "auto" when it has one: it only runs forward passes, whatever the scheme).
 class EvaluatorTask {
  public:
-  EvaluatorTask(const TrainOptions& o, int rank, const EvaluatorOptions& eo)
+  EvaluatorTask(const TrainOptions& o, const ClusterSpec& cluster, const EvaluatorOptions& eo)
       : o_(o),
-        rank_(rank),
+        rank_(cluster.rank),
         eo_(eo),
         dir_(o.checkpointDir),
+        device_(resolveDevice(o.device, cluster.localRank)),
         data_(heldOutData(o)),
         model_(evaluationModel(o, data_)),
         store_(dir_),
-        done_(resumeRecord(dir_, rank)),
-        record_(evaluatorRecordPath(dir_, rank), /*append=*/true) {
+        done_(resumeRecord(dir_, rank_)),
+        record_(evaluatorRecordPath(dir_, rank_), /*append=*/true) {
     if (!o.tensorboardDir.empty()) board_ = std::make_unique<TensorBoardWriter>(o.tensorboardDir + "/eval");
   }
 
@@ -163,15 +166,16 @@ class EvaluatorTask {
   // Scores the checkpoint's model and records them: the eval event, TensorBoard, a line on stderr.
   void evaluate(const CheckpointFile& file, const std::vector<uint8_t>& payload) {
     loadCheckpointModel(payload, file.path, o_, model_);
+    model_->to(device_);  // loading into parameters on another device moved them to the archive's, the CPU
     const auto evalStart = Clock::now();
     auto forward = [&](const torch::Tensor& x) { return model_->forward(x); };
-    const Scores test = scoreDataset(forward, data_.test, data_.classes);
+    const Scores test = scoreDataset(forward, data_.test, data_.classes, /*batch=*/1000, device_);
     MetricFields fields{{"step", file.step}};
     MetricFields scores = scoreFields("", test, false);
     fields.insert(fields.end(), scores.begin(), scores.end());
     std::optional<Scores> val;
     if (data_.validation.size() > 0) {
-      val = scoreDataset(forward, data_.validation, data_.classes);
+      val = scoreDataset(forward, data_.validation, data_.classes, /*batch=*/1000, device_);
       MetricFields v = scoreFields("val_", *val, false);
       fields.insert(fields.end(), v.begin(), v.end());
     }
@@ -179,6 +183,7 @@ class EvaluatorTask {
     fields.emplace_back("wall_s", secondsSince(start_));
     fields.emplace_back("checkpoint", file.path);
     fields.emplace_back("evaluator", int64_t(rank_));
+    fields.emplace_back("device", device_.str());
     record_.write("eval", fields);
     if (board_) boardScores(file.step, test, val);
     std::fprintf(stderr, "cohort: evaluator %d: step %lld: test accuracy %.4f, loss %.4f\n", rank_,
@@ -223,6 +228,7 @@ class EvaluatorTask {
   const int rank_;
   const EvaluatorOptions& eo_;
   const std::string dir_;
+  const c10::Device device_;
   DataSplits data_;
   torch::nn::Sequential model_;
   CheckpointStore store_;
@@ -304,7 +310,7 @@ int runEvaluator(const TrainOptions& o, const ClusterSpec& cluster, const Evalua
                     : ompThreads != nullptr && std::atoi(ompThreads) > 0 ? std::atoi(ompThreads)
                                                                          : 1);
   torch::manual_seed(o.seed);
-  return EvaluatorTask(o, cluster.rank, eo).run();
+  return EvaluatorTask(o, cluster, eo).run();
 }
 
 }  // namespace cohort

@@ -92,8 +92,4 @@ c10::Device chooseDevice(const TrainOptions& o, const Strategy& strategy, torch:
 // it is there. (A build without NCCL refuses it earlier: validate().)
 void checkBackend(const TrainOptions& o, const Strategy& strategy, torch::nn::Module& model, const c10::Device& device);
 
-// A tensor assembled in host memory, on `device`: pinned and copied without blocking the host (the
-// copy is ordered before the step's kernels on the same stream).
-torch::Tensor onDevice(const torch::Tensor& t, const c10::Device& device);
-
 }  // namespace cohort

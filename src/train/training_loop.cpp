@@ -96,11 +96,6 @@ struct Throughput {
 
 }  // namespace
 
-torch::Tensor onDevice(const torch::Tensor& t, const c10::Device& device) {
-  if (device.is_cpu() || !t.defined()) return t;
-  return t.pin_memory().to(device, /*non_blocking=*/true);
-}
-
 // A training batch on `device`: its inputs and its targets. (Beside the tensor's, not in the
 // anonymous namespace, whose name would hide it.)
 static Batch onDevice(Batch batch, const c10::Device& device) {
