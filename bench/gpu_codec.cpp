@@ -2,6 +2,8 @@
 // same run (issue 28's figure: the encode at least half the copy's rate).
 //
 //   gpu_codec [--mb 25] [--reps 20] [--device cuda:0]
+//   gpu_codec --device cpu [--mb 4]    # the sparse comparison alone, on CPU tensors: a check of this
+//                                      # program where there is no GPU
 //
 // The encode is what DataParallel does to a bucket on a device with codec fp16 (CompressedSum's
 // staging): the float32 bucket cast into a preallocated float16 tensor of the same length
@@ -12,14 +14,26 @@
 // the float32 bucket's bytes per second for both (the encode reads them and writes half as many;
 // the copy reads and writes them all): how fast a bucket gets through each.
 //
+// Then topk:0.01 and threshold:0.002 on the same bucket (threshold sends 5 % of it at first, more
+// as the residual grows: the same bucket is added every sample), as CompressedSum runs them on a
+// device either way (compressed.h): on the host (the bucket copied to pinned memory, then the CPU
+// encoder) against on the device (DeviceSelect's pass, then the message from the selected
+// entries), alternating, each timed on the wall clock from the call to the message (both wait for
+// the device); medians of --reps after the warm-up. The two write the same messages (checked on
+// every sample: "identical").
+//
 // One JSON line per measurement, then one with the ratio. Without a CUDA GPU: one line on stderr,
 // exit status 2.
+#include "compress/codec.h"
+#include "schemes/device_select.h"
+
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -43,7 +57,8 @@ Options parseArgs(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (i + 1 >= argc) {
-      std::fprintf(stderr, "gpu_codec: %s needs a value (usage: gpu_codec [--mb MB] [--reps N] [--device cuda:N])\n",
+      std::fprintf(stderr,
+                   "gpu_codec: %s needs a value (usage: gpu_codec [--mb MB] [--reps N] [--device cuda:N|cpu])\n",
                    arg.c_str());
       std::exit(2);
     }
@@ -55,7 +70,8 @@ Options parseArgs(int argc, char** argv) {
     } else if (arg == "--device") {
       o.device = value;
     } else {
-      std::fprintf(stderr, "gpu_codec: unknown option %s (usage: gpu_codec [--mb MB] [--reps N] [--device cuda:N])\n",
+      std::fprintf(stderr,
+                   "gpu_codec: unknown option %s (usage: gpu_codec [--mb MB] [--reps N] [--device cuda:N|cpu])\n",
                    arg.c_str());
       std::exit(2);
     }
@@ -85,10 +101,63 @@ double medianSeconds(const c10::Device& device, int reps, const std::function<vo
   return samples[samples.size() / 2];
 }
 
+double median(std::vector<double> samples) {
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
+double secondsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// A sparse codec's encode of `bucket` on the host and on the device (above); one JSON line.
+void compareSparse(const Options& o, const c10::Device& device, const torch::Tensor& bucket, const std::string& codec) {
+  using namespace cohort;
+  const auto spec = compress::CodecSpec::parse(codec);
+  const int64_t n = bucket.numel();
+  compress::Encoder onHost(spec, size_t(n));
+  compress::Encoder fromSelection(spec, size_t(n));
+  DeviceSelect onDevice(spec, n, device);
+  torch::Tensor pinned =
+      torch::empty({n}, torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(device.is_cuda()));
+  std::vector<uint8_t> hostMessage, deviceMessage;
+  std::vector<double> hostSeconds, deviceSeconds;
+  bool identical = true;
+  for (int r = 0; r < kWarmup + o.reps; ++r) {
+    auto t = std::chrono::steady_clock::now();
+    pinned.copy_(bucket, /*non_blocking=*/true);
+    if (device.is_cuda()) c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
+    onHost.encode({pinned.data_ptr<float>(), size_t(n)}, hostMessage);
+    const double host = secondsSince(t);
+    t = std::chrono::steady_clock::now();
+    const DeviceSelect::Selected chosen = onDevice.select(bucket);
+    fromSelection.encodeSelected({chosen.indices.data_ptr<int64_t>(), size_t(chosen.indices.numel())},
+                                 {chosen.values.data_ptr<float>(), size_t(chosen.values.numel())}, deviceMessage);
+    const double onGpu = secondsSince(t);
+    identical = identical && hostMessage == deviceMessage;
+    if (r >= kWarmup) {
+      hostSeconds.push_back(host);
+      deviceSeconds.push_back(onGpu);
+    }
+  }
+  const double h = median(hostSeconds), d = median(deviceSeconds);
+  std::printf(
+      "{\"bench\": \"gpu_codec\", \"what\": \"sparse_encode\", \"codec\": \"%s\", \"device\": \"%s\", "
+      "\"mb\": %g, \"host_median_s\": %.6f, \"device_median_s\": %.6f, \"host_over_device\": %.3f, "
+      "\"sent\": %zu, \"message_bytes\": %zu, \"identical\": %s, \"reps\": %d}\n",
+      codec.c_str(), o.device.c_str(), o.mb, h, d, h / d, onHost.lastSent(), hostMessage.size(),
+      identical ? "true" : "false", o.reps);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const Options o = parseArgs(argc, argv);
+  if (o.device == "cpu") {  // the sparse comparison alone, as a check of this program where there is no GPU
+    const torch::Tensor bucket = torch::randn({int64_t(o.mb * 1024 * 1024) / int64_t(sizeof(float))}) * 1e-3;
+    for (const char* codec : {"topk:0.01", "threshold:0.002"}) compareSparse(o, c10::Device(c10::kCPU), bucket, codec);
+    return 0;
+  }
   if (!torch::cuda::is_available()) {
     std::fprintf(stderr, "gpu_codec: needs a CUDA GPU, and this process sees none (torch::cuda::device_count() = %d)\n",
                  int(torch::cuda::device_count()));
@@ -117,6 +186,7 @@ int main(int argc, char** argv) {
     std::printf("{\"bench\": \"gpu_codec\", \"what\": \"ratio\", \"device\": \"%s\", \"mb\": %g, "
                 "\"encode_over_copy\": %.3f, \"reps\": %d}\n",
                 name, o.mb, d2d / encode, o.reps);
+    for (const char* codec : {"topk:0.01", "threshold:0.002"}) compareSparse(o, device, bucket, codec);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpu_codec: %s\n", e.what());
     return 1;

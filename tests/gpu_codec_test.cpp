@@ -72,8 +72,11 @@ std::vector<torch::Tensor> makeRounds(int rank, int rounds, int64_t length) {
 
 struct SumCase {
   std::string codec;
+  SelectOn select = SelectOn::Host;  // Device: topk's and threshold's pass on the GPU (DeviceSelect)
 };
-void PrintTo(const SumCase& c, std::ostream* out) { *out << c.codec; }
+void PrintTo(const SumCase& c, std::ostream* out) {
+  *out << c.codec << (c.select == SelectOn::Device ? " selected on the device" : "");
+}
 
 class GpuCodecSum : public ::testing::TestWithParam<SumCase> {};
 
@@ -97,7 +100,7 @@ TEST_P(GpuCodecSum, SumsOnTheDeviceEqualTheCpusBitForBit) {
     std::vector<std::vector<torch::Tensor>> inputs;
     for (int64_t n : lengths) inputs.push_back(makeRounds(rank, kRounds, n));
     {
-      CompressedSum sum(comm, spec, lengths, kCuda);
+      CompressedSum sum(comm, spec, lengths, kCuda, GetParam().select);
       std::vector<torch::Tensor> flats;
       for (int64_t n : lengths) flats.push_back(torch::zeros({n}, torch::TensorOptions().device(kCuda)));
       for (int round = 0; round < kRounds; ++round) {
@@ -161,9 +164,12 @@ TEST_P(GpuCodecSum, SumsOnTheDeviceEqualTheCpusBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(EveryCodec, GpuCodecSum,
                          ::testing::Values(SumCase{"none"}, SumCase{"fp16"}, SumCase{"bf16"}, SumCase{"topk:0.1"},
-                                           SumCase{"threshold:0.01"}, SumCase{"onebit"}),
+                                           SumCase{"threshold:0.01"}, SumCase{"onebit"},
+                                           SumCase{"topk:0.1", SelectOn::Device},
+                                           SumCase{"threshold:0.01", SelectOn::Device}),
                          [](const auto& info) {
-                           std::string name = info.param.codec;
+                           std::string name =
+                               info.param.codec + (info.param.select == SelectOn::Device ? "_on_device" : "");
                            for (char& c : name) {
                              if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
                            }
@@ -178,6 +184,7 @@ struct TrainCase {
   std::string codec;
   // At most kFewFraction of the elements differ by more than bulkOfMovement * movement.
   double bulkOfMovement;
+  std::string environment;  // for the cuda run: "env COHORT_SPARSE_SELECT=device " or empty
 };
 // The elements allowed beyond the bulk's bound: a ReLU whose input is within rounding of zero may
 // pass a sample's gradient on one device and not the other (a row of 784 or 512 weights), and an
@@ -185,7 +192,7 @@ struct TrainCase {
 // bucket exchanged wrongly (stale, unsynchronized, another rank's) moves far more (on the CPU,
 // 39 to 89 % of the elements move by more than 1 % of the movement in these runs).
 constexpr double kFewFraction = 0.005;
-void PrintTo(const TrainCase& c, std::ostream* out) { *out << c.codec; }
+void PrintTo(const TrainCase& c, std::ostream* out) { *out << c.environment << c.codec; }
 
 std::string train(const std::string& options) {
   return test::cohortBinary() + " train --progress off --timeout 60 " + options;
@@ -250,8 +257,9 @@ TEST_P(GpuCodecTraining, TwoRanksOnCudaTrainAsTwoRanksOnTheCpu) {
   const TrainCase c = GetParam();
   test::TempDir dir;
   const std::string options = kCommon + "--steps 6 --lr 0.1 --strategy allreduce --codec " + c.codec + " ";
-  auto gpuRun = test::runCommand(test::launchPrefix(2) +
-                                 train(options + "--device cuda --save-model " + dir.file("cuda{rank}.pt")), 120);
+  auto gpuRun = test::runCommand(c.environment + test::launchPrefix(2) +
+                                     train(options + "--device cuda --save-model " + dir.file("cuda{rank}.pt")),
+                                 120);
   ASSERT_EQ(gpuRun.exitCode, 0) << c.codec << " on cuda:\n" << gpuRun.output;
   auto cpuRun = test::runCommand(test::launchPrefix(2) +
                                  train(options + "--device cpu --save-model " + dir.file("cpu{rank}.pt")), 120);
@@ -294,9 +302,11 @@ TEST_P(GpuCodecTraining, TwoRanksOnCudaTrainAsTwoRanksOnTheCpu) {
 INSTANTIATE_TEST_SUITE_P(EveryCodec, GpuCodecTraining,
                          ::testing::Values(TrainCase{"none", 1e-3}, TrainCase{"fp16", 1e-2}, TrainCase{"bf16", 5e-2},
                                            TrainCase{"topk:0.1", 1e-2}, TrainCase{"threshold:0.001", 1e-2},
-                                           TrainCase{"onebit", 1e-2}),
+                                           TrainCase{"onebit", 1e-2},
+                                           TrainCase{"topk:0.1", 1e-2, "env COHORT_SPARSE_SELECT=device "},
+                                           TrainCase{"threshold:0.001", 1e-2, "env COHORT_SPARSE_SELECT=device "}),
                          [](const auto& info) {
-                           std::string name = info.param.codec;
+                           std::string name = info.param.codec + (info.param.environment.empty() ? "" : "_on_device");
                            for (char& c : name) {
                              if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
                            }

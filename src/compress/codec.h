@@ -50,6 +50,9 @@ struct CodecSpec {
   bool operator==(const CodecSpec&) const = default;
 };
 
+// topk's k: how many of `finite` finite entries it sends, ceil(ratio * finite), at least 1 of any.
+size_t topKCount(double ratio, size_t finite);
+
 // tau with at most 8 significant bits, so that acc -+ tau is exact for tau <= |acc| < 2^16 tau.
 float roundTau(double tau);
 
@@ -98,6 +101,12 @@ class Encoder {
   // beyond its range to +-65504 (bf16 to +-3.39e38) instead of sending infinities.
   std::vector<uint8_t> encode(std::span<const float> input);
   void encode(std::span<const float> input, std::vector<uint8_t>& message);
+
+  // topk and threshold, when a device made the pass (src/schemes/device_select.h): the message
+  // encode() sends for a buffer whose acc (input + residual) selected these entries, `indices`
+  // strictly increasing and below length(), `acc` their values. The residual here is not touched:
+  // the device keeps it. InvalidArgument for another codec or indices out of order.
+  void encodeSelected(std::span<const int64_t> indices, std::span<const float> acc, std::vector<uint8_t>& message);
 
   std::span<const float> residual() const { return residual_; }
   // Forgets the residual (after a warm-up, or when the parameters were replaced).

@@ -188,4 +188,34 @@ void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message
   finishMessage(spec_.kind, n, param, form, s.body, s.cctx.get(), message);
 }
 
+void Encoder::encodeSelected(std::span<const int64_t> indices, std::span<const float> acc,
+                             std::vector<uint8_t>& message) {
+  const bool topk = spec_.kind == CodecKind::TopK;
+  COHORT_CHECK(topk || spec_.kind == CodecKind::Threshold, InvalidArgument, "--codec ", kindName(spec_.kind),
+               ": only topk and threshold select their entries on a device");
+  COHORT_CHECK_EQ(indices.size(), acc.size(), InvalidArgument, "a selection's indices and values differ in number");
+  message.clear();
+  Scratch& s = *scratch_;
+  s.body.clear();
+  Cursor c = s.list.reserve(s.list.begin(s.body), indices.size());
+  int64_t previous = -1;
+  for (size_t j = 0; j < indices.size(); ++j) {
+    const int64_t i = indices[j];
+    COHORT_CHECK(i > previous && uint64_t(i) < length_, InvalidArgument, "selected index ", i, " after ", previous,
+                 " in a buffer of ", length_, ": indices must increase and stay inside the buffer");
+    previous = i;
+    const ThresholdEntry e = topk ? ThresholdEntry{true, acc[j], 0.0f} : thresholdEntry(acc[j], spec_.tau);
+    if (e.isValue) {
+      s.list.addValue(c, size_t(i), e.value);
+    } else {
+      s.list.addSign(c, size_t(i), acc[j] < 0.0f);
+    }
+  }
+  const SparsePass pass{indices.size(), s.list.values(), /*wroteBitmap=*/false};
+  s.list.finish(c);
+  lastSent_ = pass.count;
+  const uint8_t form = chooseForm(length_, pass, s.body, s.otherForm, s.list, s.bitmap);
+  finishMessage(spec_.kind, length_, topk ? float(spec_.ratio) : spec_.tau, form, s.body, s.cctx.get(), message);
+}
+
 }  // namespace cohort::compress

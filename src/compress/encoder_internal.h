@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -214,6 +215,21 @@ struct SparsePass {
 
 // acc[i] = residual[i] + input[i], in place.
 void accumulate(std::span<const float> input, float* residual);
+
+// What threshold sends for an entry whose acc a has !(|a| < tau) (|a| >= tau, or NaN): a sign entry
+// (+-tau) or a value entry, and the residual it keeps (encoder_threshold.cpp says why).
+struct ThresholdEntry {
+  bool isValue;
+  float value;
+  float residual;
+};
+inline ThresholdEntry thresholdEntry(float a, float tau) {
+  if (std::isnan(a)) return {true, a, 0.0f};
+  const float r = a < 0.0f ? a + tau : a - tau;
+  if (std::fabs(a) < tau * 65536.0f) return {false, 0.0f, r};
+  if (std::isfinite(a) && r != a) return {true, a - r, r};
+  return {true, a, 0.0f};
+}
 
 // encoder_forms.cpp
 // Whether the bitmap form of n entries (v of them value entries) out of `length` is worth sending

@@ -42,20 +42,6 @@ inline uint64_t compactBits(unsigned bits, unsigned mask) {
   return uint64_t(low | high << std::popcount(mask & 15));
 }
 
-// What threshold sends for an entry whose acc a has !(|a| < tau) (|a| >= tau, or NaN): a sign entry
-// (+-tau) or a value entry, and the residual it keeps.
-struct ThresholdEntry {
-  bool isValue;
-  float value;
-  float residual;
-};
-inline ThresholdEntry thresholdEntry(float a, float tau) {
-  if (std::isnan(a)) return {true, a, 0.0f};
-  const float r = a < 0.0f ? a + tau : a - tau;
-  if (std::fabs(a) < tau * 65536.0f) return {false, 0.0f, r};
-  if (std::isfinite(a) && r != a) return {true, a - r, r};
-  return {true, a, 0.0f};
-}
 // One entry with |a| >= tau into either form's writer (both take addValue / addSign by index).
 template <typename Writer>
 inline void addThresholdEntry(Writer& list, typename Writer::Cursor& c, size_t i, float a, float tau, float* residual) {

@@ -28,10 +28,6 @@ size_t sampleRank(double ratio, size_t sampled, double sigmas) {
   return size_t(std::max(1.0, std::ceil(expected + sigmas * std::sqrt(expected) + 4.0)));
 }
 
-size_t topKCount(double ratio, size_t finite) {
-  return finite == 0 ? 0 : std::clamp<size_t>(size_t(std::ceil(ratio * double(finite))), 1, finite);
-}
-
 // Sends the k largest finite |acc| among the entries indexAt(0), ..., indexAt(count - 1)
 // (increasing), ties in index order, zeros never, and every non-finite one; mags holds the finite
 // |acc| of exactly those entries.
@@ -176,6 +172,10 @@ void encodeTopKSampled(std::span<const float> input, float* residual, double rat
 }
 
 }  // namespace
+
+size_t topKCount(double ratio, size_t finite) {
+  return finite == 0 ? 0 : std::clamp<size_t>(size_t(std::ceil(ratio * double(finite))), 1, finite);
+}
 
 SparsePass encodeTopKPass(std::span<const float> input, float* acc, double ratio, bool fused, TopKScratch& scratch,
                           ListWriter& list, std::vector<uint8_t>& body) {

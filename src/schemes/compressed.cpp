@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -63,10 +64,20 @@ void timed(double& into, F&& f) {
 
 }  // namespace
 
+SelectOn selectOnFromEnvironment() {
+  const char* value = std::getenv("COHORT_SPARSE_SELECT");
+  if (value == nullptr || std::string(value).empty() || std::string(value) == "host") return SelectOn::Host;
+  COHORT_CHECK(std::string(value) == "device", InvalidArgument, "COHORT_SPARSE_SELECT=", value,
+               ": expected host (topk and threshold encode on the host) or device (on the GPU)");
+  return SelectOn::Device;
+}
+
 CompressedSum::CompressedSum(std::shared_ptr<Communicator> comm, compress::CodecSpec spec, std::vector<int64_t> buffers,
-                             c10::Device device)
+                             c10::Device device, SelectOn select)
     : comm_(std::move(comm)), spec_(spec), device_(device) {
   const bool staged = !device_.is_cpu() && spec_.kind != CodecKind::None;
+  const bool selectsOnDevice =
+      staged && select == SelectOn::Device && (spec_.kind == CodecKind::TopK || spec_.kind == CodecKind::Threshold);
   if (staged) {
     stream_ = c10::impl::VirtualGuardImpl(device_.type()).getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
   }
@@ -74,6 +85,7 @@ CompressedSum::CompressedSum(std::shared_ptr<Communicator> comm, compress::Codec
   int64_t longest = 0;
   for (int64_t n : buffers) {
     encoders_.emplace_back(spec_, size_t(n));
+    if (selectsOnDevice) selects_.emplace_back(spec_, n, device_);
     longest = std::max(longest, n);
     if (staged) {
       Staging& s = staging_.emplace_back(device_.type());
@@ -110,6 +122,26 @@ CompressedSum::~CompressedSum() {
 
 void CompressedSum::resetResiduals() {
   for (auto& e : encoders_) e.resetResidual();
+  if (selects_.empty()) return;
+  c10::StreamGuard onCopies(*stream_);  // after the passes queued there
+  for (auto& d : selects_) d.residual().zero_();
+}
+
+std::span<const float> CompressedSum::residual(size_t id) {
+  if (!selects_.empty()) {
+    stream_->synchronize();  // the passes that wrote it
+    const torch::Tensor onHost = selects_.at(id).residual().to(torch::kCPU);
+    encoders_.at(id).setResidual({onHost.data_ptr<float>(), size_t(onHost.numel())});
+  }
+  return encoders_.at(id).residual();
+}
+
+void CompressedSum::setResidual(size_t id, std::span<const float> residual) {
+  encoders_.at(id).setResidual(residual);
+  if (selects_.empty()) return;
+  c10::StreamGuard onCopies(*stream_);
+  const torch::Tensor from = torch::from_blob(const_cast<float*>(residual.data()), {int64_t(residual.size())});
+  selects_[id].residual().copy_(from);  // from pageable memory: done when copy_ returns
 }
 
 CompressedSum::Phases CompressedSum::phases() const {
@@ -147,6 +179,7 @@ void CompressedSum::stageToHost(size_t id, const torch::Tensor& flat) {
   // buffer. The caller does not touch the buffer again before finish().
   s.written.record(currentStream(device_));
   s.written.block(*stream_);
+  if (!selects_.empty()) return;  // the communication thread's pass reads the buffer on the stream
   c10::StreamGuard onCopies(*stream_);
   if (spec_.sixteenBit()) {
     s.device16.copy_(flat);  // the cast, on the device
@@ -231,6 +264,13 @@ void CompressedSum::exchange(size_t id, torch::Tensor& flat) {
 
 void CompressedSum::exchangeStaged(size_t id, torch::Tensor& flat) {
   Staging& s = staging_[id];
+  if (!selects_.empty()) {
+    sparseOnDevice(id, flat, s.host);
+    c10::StreamGuard onCopies(*stream_);
+    flat.copy_(s.host, /*non_blocking=*/true);
+    s.returned.record(*stream_);
+    return;
+  }
   const auto t = Clock::now();
   s.copied.synchronize();  // this buffer's copy to the host, nothing else of the device's
   {
@@ -330,12 +370,27 @@ void CompressedSum::ring16(torch::Tensor& wire, torch::Tensor& flat, bool toFloa
 }
 
 void CompressedSum::sparse(size_t id, torch::Tensor& flat) {
+  const auto t = Clock::now();
+  encoders_[id].encode(floats(flat), message_);
+  gatherAndSum(flat, secondsSince(t));
+}
+
+void CompressedSum::sparseOnDevice(size_t id, const torch::Tensor& flat, torch::Tensor& host) {
+  const auto t = Clock::now();
+  {
+    c10::StreamGuard onCopies(*stream_);  // after the kernels that wrote the buffer (start())
+    const DeviceSelect::Selected chosen = selects_[id].select(flat);
+    encoders_[id].encodeSelected({chosen.indices.data_ptr<int64_t>(), size_t(chosen.indices.numel())},
+                                 {chosen.values.data_ptr<float>(), size_t(chosen.values.numel())}, message_);
+  }
+  gatherAndSum(host, secondsSince(t));
+}
+
+void CompressedSum::gatherAndSum(torch::Tensor& flat, double encodeSeconds) {
   const int n = comm_->worldSize();
   Phases spent;
+  spent.encodeSeconds = encodeSeconds;
   auto t = Clock::now();
-  encoders_[id].encode(floats(flat), message_);
-  spent.encodeSeconds = secondsSince(t);
-  t = Clock::now();
   auto bytes = torch::from_blob(message_.data(), {int64_t(message_.size())}, torch::kUInt8);
   std::vector<torch::Tensor> all = comm_->allgatherVariable(bytes);
   spent.wireSeconds = secondsSince(t);

@@ -41,7 +41,13 @@
 //              becomes infinite, where the CPU's conversion saturates.
 //   sparse     the float32 buffer crosses; the encoder, its residual and the decoding stay on the
 //              host, exactly as on the CPU (the same messages, residuals and sums for the same
-//              buffer).
+//              buffer). Or, for topk and threshold with SelectOn::Device: the communication thread
+//              runs the codec's pass on the device, on this object's stream (DeviceSelect: acc,
+//              the selection and the residual stay on the device), and only the selected entries
+//              cross to the host, where the message is written; the same messages and residuals
+//              as the CPU's. The decoded sum is made on the host and crosses back as above.
+//              Whichever is faster is for a GPU to measure (bench/gpu_codec.cpp); Host is the
+//              default, and COHORT_SPARSE_SELECT=device chooses Device for DataParallel.
 //
 // Contract: like every collective, start() must be called by every rank for the same buffers in
 // the same order, and each start(id) must be followed by finish(id) before the next start(id).
@@ -53,6 +59,7 @@
 
 #include "base/thread_annotations.h"
 #include "compress/codec.h"
+#include "schemes/device_select.h"
 
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
@@ -69,13 +76,18 @@
 
 namespace cohort {
 
+// Where a device buffer's topk or threshold pass runs (above).
+enum class SelectOn : uint8_t { Host, Device };
+// COHORT_SPARSE_SELECT: host (or unset) or device; InvalidArgument for anything else.
+SelectOn selectOnFromEnvironment();
+
 class CompressedSum {
  public:
   // `buffers`: the length of each buffer this object will sum (one encoder, so one residual,
   // each). `device`: where every buffer given to start() lives (a CUDA device: staged through
   // pinned host memory, as above).
   CompressedSum(std::shared_ptr<Communicator> comm, compress::CodecSpec spec, std::vector<int64_t> buffers,
-                c10::Device device = c10::Device(c10::kCPU));
+                c10::Device device = c10::Device(c10::kCPU), SelectOn select = SelectOn::Host);
   // Ends the communication thread after the exchange it is running (bounded by the communicator's
   // timeout); buffers started and not finished are dropped.
   ~CompressedSum();
@@ -113,10 +125,10 @@ class CompressedSum {
   // Forgets every residual (after the warm-up, or when the parameters are replaced). Not while a
   // buffer is under way.
   void resetResiduals();
-  // Buffer `id`'s residual (error feedback), empty for the codecs without one; setResidual() puts
-  // a saved one back (InvalidArgument for another size).
-  std::span<const float> residual(size_t id) const { return encoders_.at(id).residual(); }
-  void setResidual(size_t id, std::span<const float> residual) { encoders_.at(id).setResidual(residual); }
+  // Buffer `id`'s residual (error feedback), empty for the codecs without one (a device's is copied
+  // to the host first); setResidual() puts a saved one back (InvalidArgument for another size).
+  std::span<const float> residual(size_t id);
+  void setResidual(size_t id, std::span<const float> residual);
 
  private:
   struct Job {
@@ -139,6 +151,10 @@ class CompressedSum {
   // float32 of the 16-bit sum; otherwise only wire holds the sum.
   void ring16(torch::Tensor& wire, torch::Tensor& flat, bool toFloats);
   void sparse(size_t id, torch::Tensor& flat);
+  // SelectOn::Device: the pass over `flat` on the device, the sum into `host`.
+  void sparseOnDevice(size_t id, const torch::Tensor& flat, torch::Tensor& host);
+  // The message in message_ allgathered, and every rank's decoded and added into flat (zeroed).
+  void gatherAndSum(torch::Tensor& flat, double encodeSeconds);
   void stageToHost(size_t id, const torch::Tensor& flat);
   void exchangeStaged(size_t id, torch::Tensor& flat);
 
@@ -149,6 +165,7 @@ class CompressedSum {
   std::optional<c10::Stream> stream_;  // on a device, with a codec: the copies' stream
   // Owned by the communication thread while a buffer is under way.
   std::vector<compress::Encoder> encoders_;
+  std::vector<DeviceSelect> selects_;  // SelectOn::Device, topk and threshold: each buffer's pass
   std::vector<torch::Tensor> wire16_;  // fp16 / bf16 on the CPU: the 16-bit form of each buffer
   // On a device: written by start() before it queues the buffer, then used by the communication
   // thread, then (returned) by finish() after the thread marked the buffer done.

@@ -126,7 +126,7 @@ struct COHORT_LOCAL DataParallel::Impl {
     }
     stats.buckets = buckets.size();
     const auto spec = compress::CodecSpec::parse(options.codec);
-    compressed = std::make_unique<CompressedSum>(comm, spec, sizes, params.front().device());
+    compressed = std::make_unique<CompressedSum>(comm, spec, sizes, params.front().device(), selectOnFromEnvironment());
     plain = std::make_unique<CompressedSum>(comm, compress::CodecSpec{}, sizes);
   }
 
