@@ -369,6 +369,71 @@ TEST(DataParallel, UnevenInputsWithoutJoinFailWithAClearError) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
 }
 
+// The gradients are views of the buckets (DDP's gradient_as_bucket_view): from the first
+// synchronized step on, each .grad is its bucket slot, and during backward a parameter whose
+// gradient has come is already its slot again, whether the optimizer zeroed .grad in place or set it
+// to none, so that no second copy of the gradients lives through backward. Seen from a hook on
+// the first layer's weight, whose gradient autograd computes after the last layer's are added.
+TEST(DataParallel, GradientsAreTheBucketSlotsThroughBackward) {
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    torch::manual_seed(1);
+    torch::nn::Sequential net(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 3));
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    DataParallel dp(Job::fromCommunicator(comm), *net);
+    auto x = torch::full({4, 4}, 0.5f + float(comm->rank()));
+    auto y = torch::zeros({4}, torch::kInt64);
+    lossOf(net->forward(x), y).backward();
+    opt.step();
+    const auto params = net->parameters();  // weight 0, bias 0, weight 2, bias 2
+    std::vector<void*> slots;
+    for (const auto& p : params) slots.push_back(p.grad().data_ptr());
+    for (bool toNone : {true, false}) {
+      std::vector<void*> seen;
+      const unsigned hook = params[0].register_hook([&](const torch::Tensor&) {
+        for (size_t k = 2; k < 4; ++k)
+          seen.push_back(params[k].grad().defined() ? params[k].grad().data_ptr() : nullptr);
+      });
+      opt.zero_grad(toNone);
+      lossOf(net->forward(x), y).backward();
+      params[0].remove_hook(hook);
+      ASSERT_EQ(seen.size(), 2u);
+      EXPECT_EQ(seen[0], slots[2]) << "last layer's weight during backward, zero_grad(" << toNone << ")";
+      EXPECT_EQ(seen[1], slots[3]) << "last layer's bias during backward, zero_grad(" << toNone << ")";
+      for (size_t k = 0; k < params.size(); ++k) EXPECT_EQ(params[k].grad().data_ptr(), slots[k]) << k;
+      opt.step();
+    }
+    // ...and they are the averaged gradients: the replicas are still the same.
+    auto gathered = comm->allgather(torch::cat({params[0].flatten(), params[2].flatten()}));
+    EXPECT_TRUE(torch::equal(gathered[0], gathered[1]));
+  });
+}
+
+// Changing a parameter's dtype or device (set_data) makes autograd replace its gradient
+// accumulator, where DataParallel's hook is: the handle hooks the new one, and the ranks still
+// average (a dtype there and back stands in for a checkpoint loaded onto the CPU and moved back).
+TEST(DataParallel, ParametersWhoseDataWasReplacedStaySynchronized) {
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    torch::manual_seed(1);
+    Net net;
+    DataParallel dp(Job::fromCommunicator(comm), *net);
+    {
+      torch::NoGradGuard noGrad;
+      for (auto& p : net->parameters()) {
+        p.set_data(p.data().to(torch::kFloat64));
+        p.set_data(p.data().to(torch::kFloat32));
+      }
+    }
+    auto x = torch::full({4, 4}, 0.5f + float(comm->rank()));
+    auto y = torch::zeros({4}, torch::kInt64);
+    lossOf(net->forward(x), y).backward();
+    EXPECT_EQ(dp.stats().syncSteps, 1);
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : net->parameters()) grads.push_back(p.grad().flatten());
+    auto gathered = comm->allgather(torch::cat(grads));
+    EXPECT_TRUE(torch::equal(gathered[0], gathered[1])) << "the ranks' gradients were not averaged";
+  });
+}
+
 // Destroying the handle removes its hooks: the model then trains alone, with its local gradient.
 TEST(DataParallel, DestroyedHandleLeavesAModelThatTrainsAlone) {
   onRanks(2, [&](std::shared_ptr<Communicator> comm) {

@@ -127,6 +127,19 @@ TEST(Gpu, EnsembleAndTheEvaluatorScoreOnTheGpu) {
   EXPECT_NEAR(accuracy[0], accuracy[1], 0.005);
 }
 
+// A codec's warm-up on a GPU: the first steps go uncompressed (codec none over the device's
+// buckets), then the codec takes over.
+TEST(Gpu, ACodecWarmUpOnCudaTrains) {
+  REQUIRE_GPU();
+  test::TempDir dir;
+  auto r = test::runCommand(test::launchPrefix(2) + train("--strategy allreduce --model mlp --data synthetic:2000 "
+                                                          "--steps 8 --codec topk:0.1 --codec-warmup-steps 3 "
+                                                          "--device cuda --metrics " +
+                                                          dir.path() + "/m.jsonl"));
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(test::lastEvent(dir.path() + "/m.jsonl", "done")["steps"].get<int64_t>(), 8) << r.output;
+}
+
 TEST(Gpu, BadDeviceRequestsAreOneLineEach) {
   REQUIRE_GPU();
   const std::string base = "--model mlp --data synthetic:200 --steps 2 ";

@@ -9,12 +9,15 @@
 //     optimizer.step();         // every rank applies the same averaged gradient
 //   }
 //
-// How: a hook on every parameter copies its gradient, scaled by 1/N, into a bucket (buckets hold
-// parameters in reverse order, roughly the order backward produces them; the first is small so
-// that communication starts early); a full bucket's allreduce is launched at once and overlaps the
-// rest of backward. At the end of backward (an autograd final callback) the buckets are waited
-// for and each parameter's .grad becomes the average. Parameters that got no gradient on this
-// rank contribute zeros, so unused parameters never hang a step.
+// How: the gradients are views of buckets (buckets hold parameters in reverse order, roughly the
+// order backward produces them; the first is small so that communication starts early): after the
+// first synchronized step each .grad is its parameter's slot of a bucket, as DDP's
+// gradient_as_bucket_view, so no second copy of the gradients is kept. A post hook on every
+// parameter's gradient accumulator runs once autograd has added the gradient into .grad and scales
+// the slot by 1/N (a .grad of its own, after zero_grad() set it to none, is copied in and dropped);
+// a full bucket's allreduce is launched at once and overlaps the rest of backward. At the end of
+// backward (an autograd final callback) the buckets are waited for and each .grad holds the average. Parameters that
+// got no gradient on this rank contribute zeros, so unused parameters never hang a step.
 //
 // Contract, as for c10d's ProcessGroup:
 //   - Every rank constructs the handle over the same model (names, shapes, dtypes are checked;

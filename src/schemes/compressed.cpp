@@ -375,6 +375,8 @@ void CompressedSum::sparse(size_t id, torch::Tensor& flat) {
   gatherAndSum(flat, secondsSince(t));
 }
 
+// `host` is written again (gatherAndSum) only after select() has synchronized the stream, so after
+// the previous round's copy out of it, queued there, has read it.
 void CompressedSum::sparseOnDevice(size_t id, const torch::Tensor& flat, torch::Tensor& host) {
   const auto t = Clock::now();
   {

@@ -9,16 +9,36 @@
 #include "schemes/rows.h"
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstdint>
 #include <exception>
+#include <functional>
 
 namespace cohort {
 
 namespace {
 
 constexpr const char* kWho = "cohort::DataParallel";
+
+// A post hook of a parameter's gradient accumulator: it runs once autograd has added this
+// backward's gradient into .grad (as the DDP reducer's hooks do).
+class GradientAccumulated : public torch::autograd::FunctionPostHook {
+ public:
+  // f(the gradient that came in: sparse or not, as autograd made it).
+  explicit GradientAccumulated(std::function<void(const torch::Tensor&)> f) : f_(std::move(f)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& inputs) override {
+    f_(inputs.empty() ? torch::Tensor() : inputs[0]);
+    return outputs;
+  }
+
+ private:
+  std::function<void(const torch::Tensor&)> f_;
+};
 
 }  // namespace
 
@@ -41,10 +61,12 @@ struct COHORT_LOCAL DataParallel::Impl {
   struct Bucket {
     torch::Tensor flat;                // the bucket's gradients, side by side
     std::vector<size_t> params;        // indices into params
-    // Each parameter's slot of `flat`, shaped like it; the hooks write there and it becomes the
-    // parameter's .grad. Made with from_blob, not as autograd views of `flat`: libtorch 1.13's
-    // Optimizer::zero_grad() detaches .grad in place, which a view refuses. Each keeps `flat`
-    // alive, so a .grad outlives the handle safely.
+    // Each parameter's slot of `flat`, shaped like it: the parameter's .grad from its first
+    // synchronized backward on (the gradients as views of the buckets, DDP's
+    // gradient_as_bucket_view), so that autograd adds each gradient into the bucket and no second
+    // copy of the gradients lives through backward. Made with from_blob, not as autograd views of
+    // `flat`, which autograd would refuse to detach in place. Each keeps `flat` alive, so a .grad
+    // outlives the handle safely.
     std::vector<torch::Tensor> slots;
     std::vector<bool> filled;
     size_t pending = 0;  // gradients still to come this step
@@ -56,7 +78,18 @@ struct COHORT_LOCAL DataParallel::Impl {
   DataParallelOptions options;
   std::vector<std::string> names;
   std::vector<torch::Tensor> params;
-  std::vector<unsigned> hookHandles;
+  // Each parameter's gradient accumulator, kept alive (autograd holds it weakly) with our post hook.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<uintptr_t> hookKeys;
+  std::vector<unsigned> tensorHooks;  // per parameter: re-hooks a replaced accumulator
+
+  // Puts onGradient on parameter k's current gradient accumulator (off the one it had).
+  void hookAccumulator(size_t k) {
+    if (accumulators[k] != nullptr) accumulators[k]->del_post_hook(hookKeys[k]);
+    accumulators[k] = torch::autograd::impl::grad_accumulator(params[k]);
+    hookKeys[k] = accumulators[k]->add_post_hook(
+        std::make_unique<GradientAccumulated>([this, k](const torch::Tensor& g) { onGradient(k, g); }));
+  }
   std::vector<std::pair<size_t, size_t>> slotOf;  // param -> (bucket, index in bucket)
   // Row-sparse parameters (sparse embedding tables) skip the buckets: after them, each one's
   // gradient is exchanged as rows (exchangeRows).
@@ -127,7 +160,7 @@ struct COHORT_LOCAL DataParallel::Impl {
     stats.buckets = buckets.size();
     const auto spec = compress::CodecSpec::parse(options.codec);
     compressed = std::make_unique<CompressedSum>(comm, spec, sizes, params.front().device(), selectOnFromEnvironment());
-    plain = std::make_unique<CompressedSum>(comm, compress::CodecSpec{}, sizes);
+    plain = std::make_unique<CompressedSum>(comm, compress::CodecSpec{}, sizes, params.front().device());
   }
 
   // The ranks still training (join()): a one-integer allreduce at the start of every synchronized
@@ -162,38 +195,41 @@ struct COHORT_LOCAL DataParallel::Impl {
     }
   }
 
-  void onGradient(size_t k, const torch::Tensor& grad) {
+  // Parameter k's .grad has just had this backward's gradient added (or, after zero_grad() set it
+  // to none, is that gradient): this rank's contribution, what earlier backward passes (under
+  // noSync, or without zero_grad) left there plus this one's.
+  void onGradient(size_t k, const torch::Tensor& incoming) {
     if (noSyncDepth > 0 || comm == nullptr) return;
     checkUsable();
-    COHORT_CHECK(!grad.is_sparse() || rowSparse[k], InvalidArgument, kWho, ": parameter ", names[k],
+    torch::Tensor& grad = params[k].mutable_grad();
+    COHORT_CHECK(!incoming.is_sparse() || rowSparse[k], InvalidArgument, kWho, ": parameter ", names[k],
                  " got a sparse gradient, but it is not the weight of an nn::Embedding or nn::EmbeddingBag made "
                  "with sparse(true), the row-sparse parameters DataParallel knows");
     if (!inBackward) beginSync();
+    torch::NoGradGuard noGrad;
     if (rowSparse[k]) {
-      torch::NoGradGuard noGrad;
-      const torch::Tensor& existing = params[k].grad();
-      sparseGrads[k] = existing.defined() ? existing + grad : grad;
-      params[k].mutable_grad().reset();
+      sparseGrads[k] = grad;
+      grad.reset();
       return;
     }
     auto [b, i] = slotOf[k];
     Bucket& bucket = buckets[b];
-    torch::NoGradGuard noGrad;
-    // What this rank contributes is its .grad after this backward: what earlier backward passes
-    // (under noSync, or without zero_grad) left there plus this one's gradient.
-    const torch::Tensor& existing = params[k].grad();
-    if (existing.defined()) {
-      torch::add_out(bucket.slots[i], existing, grad).mul_(scale);
+    // A second gradient in one synchronized backward (reentrant checkpointing, a nested backward)
+    // would be added into a slot already scaled, perhaps already on the wire.
+    COHORT_CHECK(!bucket.filled[i], InvalidArgument, kWho, ": parameter ", names[k],
+                 " got a second gradient in one synchronized backward (reentrant checkpointing or a nested "
+                 "backward?); DataParallel takes one per parameter and step: run the others under noSync()");
+    torch::Tensor& slot = bucket.slots[i];
+    if (grad.defined() && grad.data_ptr() == slot.data_ptr()) {
+      slot.mul_(scale);  // autograd added into the bucket itself
+    } else if (grad.defined()) {
+      torch::mul_out(slot, grad, scale);  // a .grad of its own (zero_grad() set it to none): copied, dropped
     } else {
-      torch::mul_out(bucket.slots[i], grad, scale);
+      slot.zero_();
     }
-    // Autograd would add this gradient into .grad after the hook; with .grad dropped it keeps the
-    // gradient as .grad instead, and the bucket (possibly .grad itself) stays ours.
-    params[k].mutable_grad().reset();
-    if (!bucket.filled[i]) {
-      bucket.filled[i] = true;
-      --bucket.pending;
-    }
+    grad = slot;
+    bucket.filled[i] = true;
+    --bucket.pending;
     if (options.overlap) guard([&] { launchReady(/*inBackward=*/true); });
   }
 
@@ -380,14 +416,28 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
                                 " device=", c10::DeviceTypeName(device.type(), /*lower_case=*/true)));
   broadcastModel(*s.comm, module);
   s.buildBuckets();
-  Impl* impl = impl_.get();
+  s.accumulators.resize(s.params.size());
+  s.hookKeys.resize(s.params.size());
   for (size_t k = 0; k < s.params.size(); ++k) {
-    s.hookHandles.push_back(s.params[k].register_hook([impl, k](torch::Tensor grad) { impl->onGradient(k, grad); }));
+    s.hookAccumulator(k);
+    // Autograd replaces a parameter's accumulator when set_data() changes its device or dtype (a
+    // checkpoint loaded onto another device, then moved back); hooks on the parameter itself stay,
+    // and run before its accumulator: this one puts the post hook on the new accumulator.
+    Impl* impl = impl_.get();
+    s.tensorHooks.push_back(s.params[k].register_hook([impl, k](const torch::Tensor&) {
+      if (torch::autograd::impl::try_get_grad_accumulator(impl->params[k]) != impl->accumulators[k]) {
+        impl->hookAccumulator(k);
+      }
+    }));
   }
 }
 
 DataParallel::~DataParallel() {
-  for (size_t k = 0; k < impl_->hookHandles.size(); ++k) impl_->params[k].remove_hook(impl_->hookHandles[k]);
+  Impl& s = *impl_;
+  for (size_t k = 0; k < s.tensorHooks.size(); ++k) s.params[k].remove_hook(s.tensorHooks[k]);
+  for (size_t k = 0; k < s.accumulators.size(); ++k) {
+    if (s.accumulators[k] != nullptr) s.accumulators[k]->del_post_hook(s.hookKeys[k]);
+  }
 }
 
 DataParallel::NoSync::NoSync(int* depth) : depth_(depth) { ++*depth_; }
