@@ -94,7 +94,7 @@ TEST(Gpu, AllreduceTrainsOnCudaUnderCohortLaunch) {
 // A model trained on the GPU scores the same in `cohort ensemble` on the GPU as on the CPU (the
 // kernels sum in other orders: an argmax at a near-tie may flip), and the evaluator task scores
 // the chief's checkpoints on the workers' device.
-TEST(Gpu, EnsembleAndTheEvaluatorScoreOnTheGpu) {
+TEST(GpuAfterTraining, EnsembleAndTheEvaluatorScoreOnTheGpu) {
   REQUIRE_GPU();
   test::TempDir dir;
   const std::string ckpt = dir.file("ckpt");
@@ -128,8 +128,9 @@ TEST(Gpu, EnsembleAndTheEvaluatorScoreOnTheGpu) {
 }
 
 // A codec's warm-up on a GPU: the first steps go uncompressed (codec none over the device's
-// buckets), then the codec takes over.
-TEST(Gpu, ACodecWarmUpOnCudaTrains) {
+// buckets), then the codec takes over. (A suite of its own, as the one above: scripts/gpu-check.sh
+// runs each suite in a process of its own, under its own timeout.)
+TEST(GpuCodecWarmUp, TheFirstStepsGoUncompressedOnCuda) {
   REQUIRE_GPU();
   test::TempDir dir;
   auto r = test::runCommand(test::launchPrefix(2) + train("--strategy allreduce --model mlp --data synthetic:2000 "

@@ -53,8 +53,10 @@ TEST(Subprocess, KilledBySignal) {
   EXPECT_EQ(signalName(SIGTERM), "SIGTERM");
 }
 
+// `exec`: the child is sleep itself. A shell that forked it would leave an orphaned sleep holding
+// the test's stdout when killed, and ctest would wait the 30 s for it (it did, under load).
 TEST(Subprocess, SignalReachesTheChild) {
-  Subprocess child = Subprocess::spawn(shell("sleep 30"));
+  Subprocess child = Subprocess::spawn(shell("exec sleep 30"));
   EXPECT_FALSE(child.tryWait());
   child.signal(SIGKILL);
   EXPECT_EQ(child.wait().signal(), SIGKILL);
