@@ -230,6 +230,17 @@ TEST(Launch, PortZeroStartsTheOthersWithThePortRankZeroTells) {
   EXPECT_NE(r.output.find("[rank 1] rank 1 port 0\n"), std::string::npos) << r.output;
 }
 
+// Rank 1 fails first (status 1, as a rank that lost a peer does); rank 0, asked to stop, then exits
+// with 2, as a rank that refused its input does: the refusal is the cause, so the job ends with 2.
+TEST(Launch, ARefusedInputDuringTheEndIsTheJobsStatus) {
+  auto r = test::runCommand(launch("-n 2 -- sh -c 'if [ $RANK = 0 ]; then echo port none >&3; "
+                                   "trap \"exit 2\" TERM; while :; do sleep 0.05; done; fi; exit 1'"),
+                            60);
+  EXPECT_EQ(r.exitCode, 2) << r.output;
+  EXPECT_NE(r.output.find("rank 1 exited with status 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 0 exited with status 2"), std::string::npos) << r.output;
+}
+
 // A rank 0 that takes its time to tell its port: after a few seconds the launcher says whom it is
 // waiting for and what a program that never tells needs; the others start once rank 0 has told
 // (here only after the test saw that line: rank 0 reads a FIFO the test writes then).

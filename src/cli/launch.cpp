@@ -356,6 +356,12 @@ class Launcher {
       // asked, not in failure.
       const bool stoppedAsAsked = child.server && serversStopped_ && status->signal() == SIGTERM;
       if (failed && !ending_ && !stoppedAsAsked) onChildFailed(int(i), *status);
+      // A process that refused its input (status 2) while the job was ending is the cause, and a
+      // rank that lost it first (status 1) only the consequence: the job says so with 2.
+      if (failed && ending_ && !killed_ && !status->signaled() && status->code() == 2 && exitCode_ == 1) {
+        exitCode_ = 2;
+        say(child.label + " exited with status 2" + (child.error.empty() ? "" : ": " + child.error));
+      }
     }
   }
 

@@ -11,11 +11,13 @@ Run addLaunchCommand(CLI::App& app) {
   CLI::App* launch = app.add_subcommand(
       "launch", "Run N processes of a command on this machine as ranks 0 .. N-1");
   launch->footer(
-      "Usage: cohort launch -n N [--ps M] [--evaluator] [--max-restarts K] [--port P] [--host H] [--grace S] -- COMMAND...\n"
+      "Usage: cohort launch -n N [--ps M] [--evaluator] [--max-restarts K] [--port P] [--host H] [--grace S] -- "
+      "COMMAND...\n"
       "Every process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and,\n"
       "unless OMP_NUM_THREADS is set, OMP_NUM_THREADS = cores / N. Its output lines are prefixed with\n"
       "[rank i], and every process of the job the same random COHORT_AUTH_TOKEN (unless it is set).\n"
-      "The first rank to fail stops the others; its status is the exit status. Under a scheme that\n"
+      "The first rank to fail stops the others; its status is the exit status, or 2 when another then\n"
+      "exits with 2 (a refused input, the cause of the first failure). Under a scheme that\n"
       "survives a lost worker (ps async/softsync/ssp, gossip) a failed worker other than rank 0 is\n"
       "logged and the others go on. --max-restarts K restarts a failed job (or, in the asynchronous\n"
       "ps modes, the failed worker or checkpointing shard alone) up to K times; cohort train resumes\n"
