@@ -53,10 +53,11 @@ void trimPartialLine(const std::string& path) {
 
 // The model, loaded from a trainer checkpoint's payload (the archive Trainer writes).
 void loadCheckpointModel(const std::vector<uint8_t>& payload, const std::string& path, const TrainOptions& o,
-                         torch::nn::Sequential& model) {
+                         const c10::Device& device, torch::nn::Sequential& model) {
   try {
     torch::serialize::InputArchive archive;
-    archive.load_from(reinterpret_cast<const char*>(payload.data()), payload.size(), torch::Device(torch::kCPU));
+    // Onto the model's device, whichever device wrote it, as the Trainer's restore does.
+    archive.load_from(reinterpret_cast<const char*>(payload.data()), payload.size(), device);
     c10::IValue fingerprint;
     archive.read("fingerprint", fingerprint);
     const std::string expected = "model=" + o.model + " data=" + o.data + " ";
@@ -94,9 +95,10 @@ DataSplits heldOutData(const TrainOptions& o) {
   return data;
 }
 
-// The workers' model, in evaluation mode: each checkpoint's parameters are loaded into it.
-torch::nn::Sequential evaluationModel(const TrainOptions& o, const DataSplits& data) {
+// The workers' model on `device`, in evaluation mode: each checkpoint's parameters are loaded into it.
+torch::nn::Sequential evaluationModel(const TrainOptions& o, const DataSplits& data, const c10::Device& device) {
   torch::nn::Sequential model = makeModel(o.model, {data.channels(), data.height(), data.width(), data.classes});
+  model->to(device);
   model->eval();
   return model;
 }
@@ -113,7 +115,7 @@ class EvaluatorTask {
         dir_(o.checkpointDir),
         device_(resolveDevice(o.device, cluster.localRank)),
         data_(heldOutData(o)),
-        model_(evaluationModel(o, data_)),
+        model_(evaluationModel(o, data_, device_)),
         store_(dir_),
         done_(resumeRecord(dir_, rank_)),
         record_(evaluatorRecordPath(dir_, rank_), /*append=*/true) {
@@ -165,8 +167,7 @@ class EvaluatorTask {
 
   // Scores the checkpoint's model and records them: the eval event, TensorBoard, a line on stderr.
   void evaluate(const CheckpointFile& file, const std::vector<uint8_t>& payload) {
-    loadCheckpointModel(payload, file.path, o_, model_);
-    model_->to(device_);  // loading into parameters on another device moved them to the archive's, the CPU
+    loadCheckpointModel(payload, file.path, o_, device_, model_);
     const auto evalStart = Clock::now();
     auto forward = [&](const torch::Tensor& x) { return model_->forward(x); };
     const Scores test = scoreDataset(forward, data_.test, data_.classes, /*batch=*/1000, device_);
