@@ -408,6 +408,81 @@ TEST(DataParallel, GradientsAreTheBucketSlotsThroughBackward) {
   });
 }
 
+// A channels_last convolution's weight keeps its layout through the buckets (DDP's bucket views
+// take their parameter's strides): .grad is laid out as its parameter, as autograd's layout
+// contract asks (a contiguous slot made libtorch warn and the optimizer mix layouts), whether the
+// optimizer zeroes .grad in place or sets it to none, and the ranks still equal one process with
+// the combined batch.
+torch::nn::Sequential convNet() {
+  torch::manual_seed(1);
+  return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3)), torch::nn::ReLU(),
+                               torch::nn::Flatten(), torch::nn::Linear(4 * 4 * 4, 3));
+}
+
+void toChannelsLast(torch::nn::Module& m) {
+  torch::NoGradGuard noGrad;
+  for (auto& p : m.parameters()) {
+    if (p.dim() == 4) p.set_data(p.data().contiguous(torch::MemoryFormat::ChannelsLast));
+  }
+}
+
+TEST(DataParallel, ChannelsLastParametersKeepTheirLayoutInTheBuckets) {
+  torch::manual_seed(7);
+  const auto x = torch::randn({8, 3, 6, 6});
+  const auto y = torch::randint(0, 3, {8}, torch::kInt64);
+  constexpr int kSteps = 4;
+  auto reference = convNet();
+  {
+    torch::optim::SGD opt(reference->parameters(), 0.1);
+    for (int s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      lossOf(reference->forward(x), y).backward();
+      opt.step();
+    }
+  }
+  std::vector<std::vector<torch::Tensor>> ends(2);
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    auto net = convNet();
+    toChannelsLast(*net);
+    const torch::Tensor weight = net->parameters()[0];
+    ASSERT_TRUE(weight.is_contiguous(torch::MemoryFormat::ChannelsLast));
+    ASSERT_FALSE(weight.is_contiguous());
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    DataParallel dp(Job::fromCommunicator(comm), *net);
+    const auto mine = torch::arange(4 * r, 4 * r + 4);
+    void* slot = nullptr;
+    for (int s = 0; s < kSteps; ++s) {
+      opt.zero_grad(/*set_to_none=*/s % 2 == 0);
+      lossOf(net->forward(x.index_select(0, mine)), y.index_select(0, mine)).backward();
+      EXPECT_EQ(weight.grad().strides(), weight.strides()) << "step " << s;
+      if (s == 0) slot = weight.grad().data_ptr();
+      EXPECT_EQ(weight.grad().data_ptr(), slot) << "step " << s << ": .grad is no longer its bucket slot";
+      opt.step();
+    }
+    ends[size_t(r)] = snapshot(*net);
+  });
+  expectEqual(ends[0], ends[1]);
+  expectClose(ends[0], snapshot(*reference));
+}
+
+// Ranks whose parameters are laid out differently would add unlike elements of their buckets:
+// refused on every rank, naming the strides.
+TEST(DataParallel, RanksWhoseLayoutsDifferAreRefused) {
+  std::vector<std::string> errors(2);
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    auto net = convNet();
+    if (r == 0) toChannelsLast(*net);
+    try {
+      DataParallel dp(Job::fromCommunicator(comm), *net);
+    } catch (const InvalidArgument& e) {
+      errors[size_t(r)] = e.what();
+    }
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("0.weight strides [27, 1, 9, 3]"), std::string::npos) << e;
+}
+
 // Changing a parameter's dtype or device (set_data) makes autograd replace its gradient
 // accumulator, where DataParallel's hook is: the handle hooks the new one, and the ranks still
 // average (a dtype there and back stands in for a checkpoint loaded onto the CPU and moved back).

@@ -12,7 +12,8 @@
 // How: the gradients are views of buckets (buckets hold parameters in reverse order, roughly the
 // order backward produces them; the first is small so that communication starts early): after the
 // first synchronized step each .grad is its parameter's slot of a bucket, as DDP's
-// gradient_as_bucket_view, so no second copy of the gradients is kept. A post hook on every
+// gradient_as_bucket_view, so no second copy of the gradients is kept; a slot has its parameter's
+// strides (a channels_last weight's .grad is channels_last too). A post hook on every
 // parameter's gradient accumulator runs once autograd has added the gradient into .grad and scales
 // the slot by 1/N (a .grad of its own, after zero_grad() set it to none, is copied in and dropped);
 // a full bucket's allreduce is launched at once and overlaps the rest of backward. At the end of
@@ -20,9 +21,10 @@
 // got no gradient on this rank contribute zeros, so unused parameters never hang a step.
 //
 // Contract, as for c10d's ProcessGroup:
-//   - Every rank constructs the handle over the same model (names, shapes, dtypes are checked;
-//     the first difference is named) and runs the same number of synchronized backward passes.
-//     Ranks with fewer batches run their loop inside join().
+//   - Every rank constructs the handle over the same model (names, shapes, dtypes and the
+//     strides of parameters that are not contiguous are checked; the first difference is named)
+//     and runs the same number of synchronized backward passes. Ranks with fewer batches run
+//     their loop inside join().
 //   - backward() and the handle's methods are called from one thread at a time (the training
 //     thread); the handle must outlive every backward pass that started while it existed.
 //   - Destroying the handle removes its hooks: the model then trains on alone.

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <sstream>
 
 namespace cohort {
 
@@ -61,12 +62,10 @@ struct COHORT_LOCAL DataParallel::Impl {
   struct Bucket {
     torch::Tensor flat;                // the bucket's gradients, side by side
     std::vector<size_t> params;        // indices into params
-    // Each parameter's slot of `flat`, shaped like it: the parameter's .grad from its first
+    // Each parameter's slot of `flat` (slotFor): the parameter's .grad from its first
     // synchronized backward on (the gradients as views of the buckets, DDP's
     // gradient_as_bucket_view), so that autograd adds each gradient into the bucket and no second
-    // copy of the gradients lives through backward. Made with from_blob, not as autograd views of
-    // `flat`, which autograd would refuse to detach in place. Each keeps `flat` alive, so a .grad
-    // outlives the handle safely.
+    // copy of the gradients lives through backward.
     std::vector<torch::Tensor> slots;
     std::vector<bool> filled;
     size_t pending = 0;  // gradients still to come this step
@@ -105,6 +104,7 @@ struct COHORT_LOCAL DataParallel::Impl {
   int noSyncDepth = 0;
   int64_t syncStepsAtJoin = 0;  // stats.syncSteps when join() began
   double scale = 1.0;
+  torch::Tensor scaleTensor;               // `scale` as a 0-dim float32 tensor on the CPU (scaledInto)
   std::vector<torch::Tensor> sparseGrads;  // per parameter: this step's row-sparse gradient (or undefined)
   std::string broken;  // set when a communication failed: the group is unusable
   int64_t sentAtStart = 0;  // the step's exchange's byte counts when the step began
@@ -149,8 +149,7 @@ struct COHORT_LOCAL DataParallel::Impl {
       for (size_t k : group) {
         slotOf[k] = {buckets.size(), bucket.params.size()};
         bucket.params.push_back(k);
-        bucket.slots.push_back(torch::from_blob(bucket.flat.data_ptr<float>() + offset, params[k].sizes(),
-                                                [keep = bucket.flat](void*) {}, options));
+        bucket.slots.push_back(slotFor(bucket.flat, offset, params[k]));
         offset += params[k].numel();
       }
       bucket.filled.assign(group.size(), false);
@@ -161,6 +160,31 @@ struct COHORT_LOCAL DataParallel::Impl {
     const auto spec = compress::CodecSpec::parse(options.codec);
     compressed = std::make_unique<CompressedSum>(comm, spec, sizes, params.front().device(), selectOnFromEnvironment());
     plain = std::make_unique<CompressedSum>(comm, compress::CodecSpec{}, sizes, params.front().device());
+  }
+
+  // The strides of the parameters that are not contiguous (their bucket slots take them): a rank
+  // whose model is channels_last where another's is not would add up unlike elements.
+  std::string layouts() const {
+    std::ostringstream out;
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (!params[k].is_contiguous()) out << names[k] << " strides " << params[k].strides() << "; ";
+    }
+    return out.str();
+  }
+
+  // Parameter p's slot in `flat` from `offset` on: a tensor shaped like p over p.numel() floats
+  // there, with p's strides when p's elements are dense and do not overlap (a channels_last
+  // convolution's weight), as DDP's bucket views are, so that autograd's gradient, which follows
+  // its parameter's layout, is added in place and the optimizer sees .grad laid out as the
+  // parameter; contiguous otherwise. Made with from_blob, not as an autograd view of `flat`,
+  // which autograd would refuse to detach in place; each keeps `flat` alive, so a .grad outlives
+  // the handle safely. Every rank lays its slots out the same way (checked with the model).
+  static torch::Tensor slotFor(const torch::Tensor& flat, int64_t offset, const torch::Tensor& p) {
+    const bool ownLayout = p.is_non_overlapping_and_dense() && !p.is_contiguous();
+    float* at = flat.data_ptr<float>() + offset;
+    auto keep = [flat](void*) {};
+    if (!ownLayout) return torch::from_blob(at, p.sizes(), keep, flat.options());
+    return torch::from_blob(at, p.sizes(), p.strides(), keep, flat.options());
   }
 
   // The ranks still training (join()): a one-integer allreduce at the start of every synchronized
@@ -193,6 +217,20 @@ struct COHORT_LOCAL DataParallel::Impl {
       const int64_t active = guard([&] { return activeRanks(1); });
       scale = 1.0 / double(std::max<int64_t>(1, active));
     }
+    scaleTensor = torch::scalar_tensor(scale, torch::kFloat32);
+  }
+
+  // slot = gradient * scale, in one kernel. mul_out with a Scalar would not be: in LibTorch 2.11
+  // its out= form multiplies into a temporary and copies that into `out` (seen in a --profile
+  // trace: 5 operators, an allocation and 2 kernels per parameter); mul_out with a 0-dim CPU
+  // tensor is the structured kernel itself, and a CUDA kernel takes a CPU scalar. The product is the
+  // same: either way the float32 gradient is multiplied by float(scale). At one rank, a copy.
+  void scaledInto(torch::Tensor& slot, const torch::Tensor& gradient) const {
+    if (scale == 1.0) {
+      slot.copy_(gradient);
+    } else {
+      torch::mul_out(slot, gradient, scaleTensor);
+    }
   }
 
   // Parameter k's .grad has just had this backward's gradient added (or, after zero_grad() set it
@@ -221,9 +259,9 @@ struct COHORT_LOCAL DataParallel::Impl {
                  "backward?); DataParallel takes one per parameter and step: run the others under noSync()");
     torch::Tensor& slot = bucket.slots[i];
     if (grad.defined() && grad.data_ptr() == slot.data_ptr()) {
-      slot.mul_(scale);  // autograd added into the bucket itself
+      if (scale != 1.0) slot.mul_(scaleTensor);  // autograd added into the bucket itself (x * 1 is x: no kernel)
     } else if (grad.defined()) {
-      torch::mul_out(slot, grad, scale);  // a .grad of its own (zero_grad() set it to none): copied, dropped
+      scaledInto(slot, grad);  // a .grad of its own (zero_grad() set it to none): copied, dropped
     } else {
       slot.zero_();
     }
@@ -255,7 +293,7 @@ struct COHORT_LOCAL DataParallel::Impl {
           if (bucket.filled[i]) continue;
           const torch::Tensor& existing = params[bucket.params[i]].grad();
           if (existing.defined()) {
-            torch::mul_out(bucket.slots[i], existing, scale);
+            scaledInto(bucket.slots[i], existing);
           } else {
             bucket.slots[i].zero_();
           }
@@ -412,8 +450,8 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
   checkSameModel(*s.comm, module, kWho,
                  detail::concat("options codec=", s.options.codec, " codecWarmupSteps=", s.options.codecWarmupSteps,
                                 " bucketMb=", s.options.bucketMb, " firstBucketMb=", s.options.firstBucketMb,
-                                " overlap=", s.options.overlap, " buffers=", int(s.options.buffers),
-                                " device=", c10::DeviceTypeName(device.type(), /*lower_case=*/true)));
+                                " overlap=", s.options.overlap, " buffers=", int(s.options.buffers), " device=",
+                                c10::DeviceTypeName(device.type(), /*lower_case=*/true), " layouts=", s.layouts()));
   broadcastModel(*s.comm, module);
   s.buildBuckets();
   s.accumulators.resize(s.params.size());

@@ -63,7 +63,9 @@ void ReplicaGroup::Impl::onGradient(size_t r, size_t k, const torch::Tensor& gra
   const auto start = Clock::now();
   torch::NoGradGuard noGrad;
   auto [b, i] = slotOf[k];
-  torch::mul_out(buckets[b]->localSlots[r][i], grad, self.weight);
+  // With a tensor, not a Scalar: mul_out's Scalar form multiplies into a temporary and copies it
+  // (data_parallel.cpp's scaledInto); this is one kernel, and the same float32 product.
+  torch::mul_out(buckets[b]->localSlots[r][i], grad, self.weightTensor);
   self.times.copy += secondsSince(start);
   if (!self.filled[b][i]) {
     self.filled[b][i] = true;

@@ -244,6 +244,7 @@ void ReplicaGroup::Impl::splitBatch(const torch::Tensor& inputs, const torch::Te
     shardInputs.push_back(inputs.narrow(0, offset, size).to(device));
     shardTargets.push_back(targets.narrow(0, offset, size).to(device));
     replicas[r].weight = double(size) / double(n);
+    replicas[r].weightTensor = torch::scalar_tensor(replicas[r].weight, torch::kFloat32);
     replicas[r].loss = 0;
     offset += size;
   }

@@ -68,6 +68,7 @@ struct COHORT_LOCAL ReplicaGroup::Impl {
     std::vector<size_t> pending;            // [bucket]: gradients still to come
     size_t nextToSum = 0;                   // the first bucket whose chunk this replica has not summed
     double weight = 0;                      // its shard's share of the batch
+    torch::Tensor weightTensor;             // the same, a 0-dim float32 CPU tensor (onGradient's mul_out)
     double loss = 0;
     bool inBackward = false;
     std::vector<unsigned> hooks;
