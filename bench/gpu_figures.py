@@ -9,6 +9,9 @@ ws1:    cohort --strategy allreduce at world size 1 (DataParallel's buckets and 
         against --strategy local, cnn: samples/s and peak GPU memory.
 resnet: the ResNet of examples/library (resnet_ddp.cpp, a user's own loop with cohort's handles) alone
         on the GPU against its Python twin (bench/resnet_ddp.py) alone, batch 32: samples/s.
+streams: where a step's time goes, per CUDA stream and CPU thread: one run each of --strategy
+        allreduce at world size 1 and --strategy local, cnn, with --profile over 10 steps of the
+        steady state (the PyTorch profiler: each stream's busy time per step, its top kernel).
 ddp2:   2 ranks sharing cuda:0: cohort --strategy allreduce against PyTorch DDP (gloo over CUDA
         tensors, bench/pytorch_ddp.py), cnn and mlp: samples/s over both ranks.
 
@@ -70,6 +73,28 @@ def cohort_train(binary, tmp, model, steps, flags, workers=0):
         cmd = [binary, "launch", "-n", str(workers), "--"] + cmd
     run(cmd)
     return done_event(metrics)
+
+
+def profiled(binary, tmp, label, flags):
+    """One cnn run with --profile over steps 101..110: prints its lanes (busy ms per step)."""
+    trace = os.path.join(tmp, f"{label}.trace.json")
+    metrics = os.path.join(tmp, "p.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    run([binary, "train", "--model", "cnn", "--data", "fashion-mnist", "--steps", "120", "--batch", "64",
+         "--threads", "1", "--optimizer", "momentum", "--lr", "0.01", "--progress", "off", "--device", DEVICE[0],
+         "--timeout", "60", "--metrics", metrics, "--profile", trace, "--profile-steps", "101:110"] + flags)
+    with open(metrics) as f:
+        lanes = [e for e in (json.loads(line) for line in f) if e.get("event") == "profile"]
+    if not lanes:
+        print(f"  streams, {label}: no profile event", flush=True)
+        return
+    steps = lanes[0]["steps"]
+    print(f"  streams, {label}: {steps} steps, {lanes[0]['window_s'] * 1e3 / steps:.3f} ms each", flush=True)
+    for lane in lanes:
+        top = f"; most: {lane['top'][:60]} {lane['top_s'] * 1e3 / steps:.3f} ms/step" if "top" in lane else ""
+        print(f"    {lane['lane']:<24} busy {lane['busy_s'] * 1e3 / steps:8.3f} ms/step, "
+              f"{lane['events'] // steps} events/step{top}", flush=True)
 
 
 def pytorch_single(model, steps):
@@ -135,7 +160,7 @@ def main():
     p.add_argument("--resnet", help="the ResNet example's binary (bench/resnet_ddp), for the resnet section")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--budget", type=float, default=200, help="seconds after which no new run starts")
-    p.add_argument("--sections", default="single,resnet,ws1,ddp2")
+    p.add_argument("--sections", default="single,resnet,ws1,streams,ddp2")
     p.add_argument("--models", default="cnn,mlp")
     p.add_argument("--device", default="cuda", help="cuda (the figures); cpu to try the script where there is none")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every run's steps")
@@ -174,6 +199,15 @@ def main():
                         lambda: with_peak("local", ["--strategy", "local"]), "allreduce", "local")
                 for label, v in peaks.items():
                     print(f"  peak GPU memory, {label}: median {median(v) / 1e6:.2f} MB", flush=True)
+            elif section == "streams":
+                for label, flags in (("allreduce", ["--strategy", "allreduce"]), ("local", ["--strategy", "local"])):
+                    if out_of_time():
+                        print(f"  streams, {label}: out of time", flush=True)
+                        break
+                    try:
+                        profiled(binary, tmp, label, flags)
+                    except RuntimeError as e:
+                        print(f"  streams, {label} failed: {e}", flush=True)
             elif section == "ddp2":
                 for m in models:
                     compare(f"2 ranks on cuda:0, {m} (samples/s)", args.runs,

@@ -83,7 +83,7 @@ echo "## figures" >> "$report"
 {
   echo '```'
   [ "${GPU_CHECK_SECTIONS:-all}" = none ] || PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_FIGURES_S:-230}" "$python" "$root/bench/gpu_figures.py" --cohort "$wrapper" --resnet "$wrappers/resnet_ddp" \
-    --runs "${GPU_CHECK_RUNS:-2}" --budget "${GPU_CHECK_BUDGET_S:-150}" --sections "${GPU_CHECK_SECTIONS:-single,resnet,ws1,ddp2}" 2>&1 |
+    --runs "${GPU_CHECK_RUNS:-2}" --budget "${GPU_CHECK_BUDGET_S:-150}" --sections "${GPU_CHECK_SECTIONS:-single,resnet,ws1,streams,ddp2}" 2>&1 |
     tee "$out/figures.log"
   # fp16's encode of a 25 MB bucket on the GPU against the device's own copy, and topk's and
   # threshold's encode on the host against on the device (bench/gpu_codec.cpp).

@@ -95,14 +95,7 @@ std::map<std::string, size_t> header(const std::vector<std::string>& row) {
   return out;
 }
 
-std::vector<nlohmann::json> events(const std::string& path, const std::string& kind) {
-  std::vector<nlohmann::json> out;
-  for (const auto& line : test::lines(test::readFile(path))) {
-    auto j = nlohmann::json::parse(line);
-    if (j["event"] == kind) out.push_back(j);
-  }
-  return out;
-}
+using test::events;
 
 std::string compareCommand(const std::string& file, const std::string& out) {
   return test::cohortBinary() + " compare " + file + " --steps 12 --evaluations 3 --out " + out;

@@ -9,15 +9,7 @@ namespace {
 
 std::string train() { return test::cohortBinary() + " train"; }
 
-// Every `event` line of a JSON-lines file.
-std::vector<nlohmann::json> events(const std::string& path, const std::string& event) {
-  std::vector<nlohmann::json> out;
-  for (const auto& line : test::lines(test::readFile(path))) {
-    auto j = nlohmann::json::parse(line);
-    if (j["event"] == event) out.push_back(j);
-  }
-  return out;
-}
+using test::events;
 
 std::map<int64_t, int> evaluatedCounts(const std::string& record) {
   std::map<int64_t, int> counts;

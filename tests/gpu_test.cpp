@@ -91,6 +91,32 @@ TEST(Gpu, AllreduceTrainsOnCudaUnderCohortLaunch) {
   EXPECT_EQ(test::lastEvent(dir.path() + "/m.jsonl", "done")["steps"].get<int64_t>(), 60) << r.output;
 }
 
+// --profile on the GPU: the window's kernels are in the trace, and the compute stream is a lane of
+// its own, busy for part of the window and for no longer than it lasted, with its top kernel named.
+TEST(GpuProfile, TheWindowSaysWhereTheTimeWentPerCudaStream) {
+  REQUIRE_GPU();
+  test::TempDir dir;
+  auto r =
+      test::runCommand(train("--strategy allreduce --model cnn --data synthetic:4000 --steps 30 --device cuda "
+                             "--profile " +
+                             dir.file("t.json") + " --profile-steps 21:25 --metrics " + dir.file("m.jsonl")));
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  int streams = 0;
+  for (const auto& e : test::events(dir.file("m.jsonl"), "profile")) {
+    if (e["lane"].get<std::string>().rfind("cuda:0 stream ", 0) != 0) continue;
+    ++streams;
+    EXPECT_GT(e["busy_s"].get<double>(), 0.0) << e.dump();
+    EXPECT_LE(e["busy_s"].get<double>(), e["window_s"].get<double>()) << e.dump();
+    EXPECT_FALSE(e["top"].get<std::string>().empty()) << e.dump();
+  }
+  EXPECT_GE(streams, 1) << "no CUDA stream in the profile: " << r.output;
+  int kernels = 0;
+  for (const auto& e : nlohmann::json::parse(test::readFile(dir.file("t.json"))).at("traceEvents")) {
+    if (e.contains("cat") && e["cat"] == "kernel") ++kernels;
+  }
+  EXPECT_GT(kernels, 0) << "no kernel in the trace";
+}
+
 // A model trained on the GPU scores the same in `cohort ensemble` on the GPU as on the CPU (the
 // kernels sum in other orders: an argmax at a near-tie may flip), and the evaluator task scores
 // the chief's checkpoints on the workers' device.

@@ -137,6 +137,16 @@ inline std::vector<std::string> lines(const std::string& text) {
   return out;
 }
 
+// Every `event` line of a metrics file, in order.
+inline std::vector<nlohmann::json> events(const std::string& metricsPath, const std::string& event) {
+  std::vector<nlohmann::json> out;
+  for (const auto& line : lines(readFile(metricsPath))) {
+    auto j = nlohmann::json::parse(line);
+    if (j["event"] == event) out.push_back(j);
+  }
+  return out;
+}
+
 // The last `event` line of a metrics file (null when there is none).
 inline nlohmann::json lastEvent(const std::string& metricsPath, const std::string& event) {
   nlohmann::json found;

@@ -177,6 +177,7 @@ struct TrainFlags {
   std::string slowWorker;
   std::string killAt;
   std::string nanAt;
+  std::string profileSteps = "6:10";  // --profile-steps: parseProfileSteps
   // Whether they were given, for the checks that depend on it.
   CLI::Option* bucketMb = nullptr;
   CLI::Option* firstBucketMb = nullptr;
@@ -267,6 +268,15 @@ void addOutputOptions(CLI::App* train, TrainFlags& f) {
       ->capture_default_str();
   train->add_option("--progress", f.progress, "auto, bar, lines or off")
       ->check(CLI::IsMember({"auto", "bar", "lines", "off"}))
+      ->capture_default_str();
+  train->add_option("--profile", o.profile.path,
+                    "Profile the --profile-steps window with the PyTorch profiler (Kineto: CPU operators, and on a GPU "
+                    "every CUDA stream's kernels and copies): write its trace here (Chrome's trace format; each "
+                    "rank its own, FILE.rankN.json, when there are several) and say where its time went, per CPU "
+                    "thread and per CUDA stream (the log, profile events in --metrics)");
+  train
+      ->add_option("--profile-steps", f.profileSteps,
+                   "FIRST:LAST, the steps --profile records, numbered from 1 (they are left out of samples/s)")
       ->capture_default_str();
   f.saveModel =
       train->add_option("--save-model", o.saveModelPath,
@@ -493,6 +503,7 @@ void applyFlags(TrainFlags& f) {
   COHORT_CHECK(f.saveModel->count() == 0 || !o.saveModelPath.empty(), InvalidArgument,
                "--save-model needs a file "
                "to write the model to, got an empty path: give --save-model FILE or drop it");
+  parseProfileSteps(f.profileSteps, o.profile);
   checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
   applyBucketOptions(o.strategy, f.bucketMb->count() > 0, f.firstBucketMb->count() > 0);
   o.strategy.pipeline.microBatches =

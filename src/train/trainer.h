@@ -3,6 +3,7 @@
 
 #include "strategy/strategy.h"
 #include "train/optimizer.h"
+#include "train/step_profiler.h"
 
 #include <cstdint>
 #include <functional>
@@ -57,6 +58,7 @@ struct TrainOptions {
   int64_t testNanAtStep = 0;
   std::string metricsPath;  // JSON lines; empty = none
   std::string tensorboardDir;  // the chief's TensorBoard event files; empty = none
+  ProfileOptions profile;      // --profile: a trace of a window of steps; empty path = none
   std::string saveModelPath;  // the trained model (torch::save); "{rank}" in it: every rank writes
   double timeoutSeconds = 60.0;  // every wait on a peer
   ProgressMode progress = ProgressMode::kAuto;

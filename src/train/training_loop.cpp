@@ -7,6 +7,7 @@
 #include "train/evaluator.h"
 #include "train/model_file.h"
 #include "train/progress.h"
+#include "train/step_profiler.h"
 #include "train/trainer_internal.h"
 #include <cohort/error.h>
 
@@ -17,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdio>
 #include <sstream>
 #include <thread>
 
@@ -118,11 +120,19 @@ class Trainer::State::Loop {
         loss_(o_.loss ? o_.loss : LossFn(crossEntropy)),
         serverCheckpoints_(s_.checkpointPlan.keptByScheme),
         progress_(progressStyle(o_.progress, chief_), totalSteps_, o_.progressIntervalSeconds),
+        profiler_(o_.profile, s_.device, s_.cluster.rank, s_.cluster.worldSize),
         start_(Clock::now()),
         firstStep_(s_.step) {}
 
   TrainResult run() {
     while (s_.step < totalSteps_ && !stop_) trainEpoch();
+    if (auto summary = profiler_.finish()) reportProfile(*summary);  // the run ended inside the window
+    if (profiler_.enabled() && !profiler_.wrote() && chief_) {
+      s_.warn("--profile: the run ended at step " + std::to_string(s_.step) +
+              ", before --profile-steps' first "
+              "step " +
+              std::to_string(o_.profile.first) + ": no trace was written");
+    }
     progress_.finish();
     s_.strategy->finish();
     const std::optional<std::string> finalCheckpointError = evaluateAndCheckpointAtEnd();
@@ -161,6 +171,7 @@ class Trainer::State::Loop {
     if (o_.strategy.slowRank == s_.replica.rank && o_.strategy.slowSeconds > 0) {  // --test-slow-worker
       std::this_thread::sleep_for(std::chrono::duration<double>(o_.strategy.slowSeconds));
     }
+    profiler_.beforeStep(s_.step + 1);
     const int64_t begin = s_.stepInEpoch * o_.batch;
     const Batch batch = batchAt(indices, begin);
     if (s_.strategy->readsAhead()) s_.strategy->upcoming(nextBatch(indices, begin + o_.batch));
@@ -169,9 +180,13 @@ class Trainer::State::Loop {
     ++s_.stepInEpoch;
     countStep(stats);
     if (o_.testKillAtStep > 0 && s_.step == o_.testKillAtStep && o_.restartCount == 0) ::raise(SIGKILL);
+    std::optional<ProfileSummary> profiled = profiler_.afterStep(s_.step);
     const double stepSeconds = secondsSince(stepStart);
-    const double rate = throughput_.add(stepSeconds, stats.samples, s_.step - firstStep_ > kWarmupSteps);
+    // The profiled steps run slower: they are not the steady state's.
+    const bool steady = s_.step - firstStep_ > kWarmupSteps && !profiler_.profiles(s_.step);
+    const double rate = throughput_.add(stepSeconds, stats.samples, steady);
     if (chief_) recordStep(stats, stepSeconds, rate);
+    if (profiled) reportProfile(*profiled);
     progress_.update(s_.step, s_.epoch, stats.loss, rate);
     const bool evalPoint = evaluatesAfter(s_.step) && s_.step < totalSteps_;
     if (evalPoint) evaluateAtPoint();
@@ -233,6 +248,27 @@ class Trainer::State::Loop {
     }
     recentLoss_ = stats.loss;
     if (stats.stopJob) stop_ = true;  // the chief reached the target accuracy
+  }
+
+  // --profile's window has ended: the chief says where its time went (the log, a profile event per
+  // lane); every rank has written its trace.
+  void reportProfile(const ProfileSummary& summary) {
+    if (!chief_) return;
+    if (o_.progress == ProgressMode::kOff) {
+      std::fprintf(stderr, "%s\n", describeProfile(summary).c_str());  // a result, as the done line is
+    } else {
+      progress_.message(describeProfile(summary));
+    }
+    for (const ProfileSummary::Lane& lane : summary.lanes) {
+      MetricFields fields{{"step", s_.step},           {"lane", lane.where},     {"busy_s", lane.busySeconds},
+                          {"events", lane.events},     {"steps", summary.steps}, {"window_s", summary.windowSeconds},
+                          {"trace", summary.tracePath}};
+      if (!lane.top.empty()) {
+        fields.emplace_back("top", lane.top);
+        fields.emplace_back("top_s", lane.topSeconds);
+      }
+      s_.metrics->write("profile", fields);
+    }
   }
 
   // The chief's step event and TensorBoard scalars.
@@ -398,6 +434,7 @@ class Trainer::State::Loop {
   const LossFn loss_;
   const bool serverCheckpoints_;  // the scheme keeps the checkpoints (ps: the shards)
   Progress progress_;
+  StepProfiler profiler_;  // --profile
   const Clock::time_point start_;
   const int64_t firstStep_;  // where this run began (a resumed run: the checkpoint's step)
   TrainResult result_;

@@ -1,0 +1,203 @@
+#include "train/step_profiler.h"
+
+#include <cohort/error.h>
+
+#include <torch/csrc/autograd/profiler_kineto.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <sstream>
+#include <utility>
+
+namespace cohort {
+
+namespace profiler = torch::autograd::profiler;
+namespace profiler_impl = torch::profiler::impl;
+
+namespace {
+
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// "trace.json" -> "trace.rank1.json"; "trace" -> "trace.rank1".
+std::string pathForRank(const std::string& path, int rank, int worldSize) {
+  if (worldSize <= 1) return path;
+  const std::filesystem::path p(path);
+  return (p.parent_path() / (p.stem().string() + ".rank" + std::to_string(rank) + p.extension().string())).string();
+}
+
+// The length of the union of [start, end) intervals.
+double unionSeconds(std::vector<std::pair<uint64_t, uint64_t>> intervals) {
+  std::sort(intervals.begin(), intervals.end());
+  uint64_t total = 0;
+  uint64_t coveredTo = 0;
+  for (const auto& [start, end] : intervals) {
+    const uint64_t from = std::max(start, coveredTo);
+    if (end > from) total += end - from;
+    coveredTo = std::max(coveredTo, end);
+  }
+  return double(total) * 1e-9;
+}
+
+struct LaneEvents {
+  std::vector<std::pair<uint64_t, uint64_t>> intervals;
+  std::map<std::string, uint64_t> byName;  // GPU lanes: each kernel's or copy's total
+};
+
+}  // namespace
+
+void parseProfileSteps(const std::string& text, ProfileOptions& opts) {
+  const auto colon = text.find(':');
+  int64_t first = 0;
+  int64_t last = 0;
+  bool ok = colon != std::string::npos;
+  if (ok) {
+    try {
+      size_t used = 0;
+      first = std::stoll(text.substr(0, colon), &used);
+      ok = used == colon;
+      const std::string rest = text.substr(colon + 1);
+      last = std::stoll(rest, &used);
+      ok = ok && used == rest.size();
+    } catch (const std::exception&) {
+      ok = false;
+    }
+  }
+  COHORT_CHECK(ok && first >= 1 && last >= first, InvalidArgument, "--profile-steps ", text,
+               ": expected FIRST:LAST, the steps to profile numbered from 1 with FIRST <= LAST (for example 6:10, "
+               "after the warm-up)");
+  opts.first = first;
+  opts.last = last;
+}
+
+StepProfiler::StepProfiler(ProfileOptions options, c10::Device device, int rank, int worldSize)
+    : options_(std::move(options)), device_(device), path_(pathForRank(options_.path, rank, worldSize)) {
+  if (!enabled()) return;
+  // Refused now, not after the window's steps ran.
+  COHORT_CHECK(!profiler::isProfilerEnabledInMainThread(), InvalidArgument,
+               "--profile: the PyTorch profiler is already running in this process; profile one way at a time");
+  const std::filesystem::path dir = std::filesystem::path(path_).parent_path();
+  std::error_code error;
+  COHORT_CHECK(dir.empty() || std::filesystem::is_directory(dir, error), IoError, "--profile ", path_,
+               ": the directory ", dir.string(), " does not exist; create it first");
+}
+
+StepProfiler::~StepProfiler() {
+  if (!running_) return;
+  try {
+    profiler::disableProfiler();
+  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): nothing to report it to
+  }
+}
+
+void StepProfiler::beforeStep(int64_t step) {
+  if (!enabled() || running_ || step != options_.first) return;
+  const profiler_impl::ProfilerConfig config(profiler_impl::ProfilerState::KINETO);
+  std::set<profiler_impl::ActivityType> activities{profiler_impl::ActivityType::CPU};
+  if (device_.is_cuda()) activities.insert(profiler_impl::ActivityType::CUDA);
+  profiler::prepareProfiler(config, activities);
+  profiler::enableProfiler(config, activities);
+  running_ = true;
+  profiled_ = 0;
+  startNs_ = nowNs();
+}
+
+std::optional<ProfileSummary> StepProfiler::afterStep(int64_t step) {
+  if (!running_) return std::nullopt;
+  ++profiled_;
+  if (step < options_.last) return std::nullopt;
+  return stop();
+}
+
+std::optional<ProfileSummary> StepProfiler::finish() {
+  if (!running_) return std::nullopt;
+  return stop();
+}
+
+std::optional<ProfileSummary> StepProfiler::stop() {
+  // The window's kernels have run before the profiler stops: a kernel still queued would be left
+  // out of the trace.
+  if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+  const int64_t windowNs = nowNs() - startNs_;
+  running_ = false;
+  std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
+  COHORT_CHECK(result != nullptr, Error, "--profile: the profiler returned no result");
+  try {
+    result->save(path_);
+  } catch (const std::exception& e) {
+    throw IoError("--profile: writing the trace " + path_ + " failed: " + e.what());
+  }
+  COHORT_CHECK(std::filesystem::exists(path_), IoError, "--profile: the trace ", path_, " was not written");
+  wrote_ = true;
+
+  std::map<std::pair<int, std::string>, LaneEvents> lanes;  // (0 GPU / 1 CPU, name)
+  for (const profiler::KinetoEvent& e : result->events()) {
+    if (e.endNs() <= e.startNs()) continue;
+    const bool onGpu = e.deviceType() == c10::DeviceType::CUDA;
+    std::string where;
+    if (onGpu) {
+      where = "cuda:" + std::to_string(e.deviceIndex()) + " stream " + std::to_string(e.deviceResourceId());
+    } else {
+      where = "cpu thread " + std::to_string(e.deviceResourceId());  // the trace's tid: the system's
+    }
+    LaneEvents& lane = lanes[{onGpu ? 0 : 1, where}];
+    lane.intervals.emplace_back(e.startNs(), e.endNs());
+    if (onGpu) lane.byName[e.name()] += e.endNs() - e.startNs();
+  }
+  ProfileSummary summary;
+  summary.tracePath = path_;
+  summary.steps = profiled_;
+  summary.windowSeconds = double(windowNs) * 1e-9;
+  for (auto& [key, events] : lanes) {
+    ProfileSummary::Lane lane;
+    lane.where = key.second;
+    lane.events = int64_t(events.intervals.size());
+    lane.busySeconds = unionSeconds(std::move(events.intervals));
+    for (const auto& [name, ns] : events.byName) {
+      if (double(ns) * 1e-9 > lane.topSeconds) {
+        lane.top = name;
+        lane.topSeconds = double(ns) * 1e-9;
+      }
+    }
+    summary.lanes.push_back(std::move(lane));
+  }
+  std::stable_sort(summary.lanes.begin(), summary.lanes.end(), [](const auto& a, const auto& b) {
+    const bool aGpu = a.where.rfind("cuda", 0) == 0;
+    const bool bGpu = b.where.rfind("cuda", 0) == 0;
+    if (aGpu != bGpu) return aGpu;
+    return a.busySeconds > b.busySeconds;
+  });
+  return summary;
+}
+
+std::string describeProfile(const ProfileSummary& summary) {
+  std::ostringstream out;
+  char line[512];
+  std::snprintf(
+      line, sizeof line, "profile of %lld step(s), %.3f ms each, written to %s", static_cast<long long>(summary.steps),
+      summary.steps > 0 ? summary.windowSeconds * 1e3 / double(summary.steps) : 0.0, summary.tracePath.c_str());
+  out << line;
+  for (const auto& lane : summary.lanes) {
+    const double perStep = summary.steps > 0 ? lane.busySeconds * 1e3 / double(summary.steps) : 0.0;
+    const double share = summary.windowSeconds > 0 ? 100.0 * lane.busySeconds / summary.windowSeconds : 0.0;
+    std::snprintf(line, sizeof line, "\n  %-24s busy %8.3f ms/step (%5.1f %%), %lld events", lane.where.c_str(),
+                  perStep, share, static_cast<long long>(lane.events));
+    out << line;
+    if (!lane.top.empty()) {
+      std::string top = lane.top.size() > 60 ? lane.top.substr(0, 57) + "..." : lane.top;
+      std::snprintf(line, sizeof line, "; most: %s (%.3f ms/step)", top.c_str(),
+                    summary.steps > 0 ? lane.topSeconds * 1e3 / double(summary.steps) : 0.0);
+      out << line;
+    }
+  }
+  return out.str();
+}
+
+}  // namespace cohort
