@@ -280,5 +280,26 @@ TEST(CompareHosts, AnUnreachableHostIsAOneLineErrorBeforeAnyRun) {
   EXPECT_EQ(count(sshd.log(), "Accepted publickey"), 1u) << sshd.log();  // the check of 127.0.0.1 only
 }
 
+// --device with --hosts: every host trains one step on that device before anything runs; a host
+// that cannot (this one has no GPU) is a one-line error naming it, the device and why.
+TEST(CompareHosts, AHostThatCannotTrainOnTheDeviceIsAOneLineErrorBeforeAnyRun) {
+  test::TempDir dir;
+  PrivateSshd sshd(dir);
+  ReservedPorts ports(3);
+  const std::string out = dir.file("out");
+  auto r = test::runCommand(test::cohortBinary() +
+                                " compare --only allreduce --model mlp --data synthetic:600 --steps 6 --device cuda:3" +
+                                compareArgs(sshd, ports, out),
+                            120);
+  EXPECT_EQ(r.exitCode, 2) << r.output;
+  const auto lines = test::lines(r.output);
+  ASSERT_EQ(lines.size(), 1u) << r.output;
+  EXPECT_EQ(lines[0].rfind("cohort: error: --hosts: host 127.0.0.1 cannot train --model mlp on --device cuda:3: ", 0),
+            0u)
+      << lines[0];
+  EXPECT_NE(lines[0].find("cuda:3"), lines[0].rfind("cuda:3")) << "the host's own reason is missing: " << lines[0];
+  EXPECT_FALSE(fs::exists(out)) << "something ran";
+}
+
 }  // namespace
 }  // namespace cohort

@@ -286,12 +286,13 @@ int processesPerRun(const std::vector<experiment::Configuration>& configs) {
 }
 
 // OUT made and every host checked before anything runs; a check that fails leaves no OUT behind.
-void checkHostsSeeOut(const experiment::RemoteHosts& hosts, const std::string& out) {
+void checkHostsSeeOut(const experiment::RemoteHosts& hosts, const std::string& out,
+                      const experiment::HostTraining& training) {
   std::error_code ec;
   const bool created = std::filesystem::create_directories(out, ec);
   COHORT_CHECK(!ec, IoError, out, ": cannot create the output folder: ", ec.message());
   try {
-    experiment::checkHosts(hosts, out);
+    experiment::checkHosts(hosts, out, training);
   } catch (const InvalidArgument&) {
     if (created) std::filesystem::remove(out, ec);  // nothing ran: leave nothing behind
     throw;
@@ -401,9 +402,11 @@ int runCompare(const CompareFlags& f, const CLI::App& app) {
     network = std::make_unique<experiment::EmulatedNetwork>(f.network, processesPerRun(configs));
     plan.network = network.get();
   }
-  // With --hosts the runs' device is on the hosts, not here: the check trains on this one's default.
-  checkModel(plan.binary, model, hosts ? nullptr : experiment::findArg(plan.shared, "--device"));
-  if (hosts) checkHostsSeeOut(*hosts, f.out);
+  // With --hosts the runs' device is on the hosts, not here: the check trains on this one's default,
+  // and each host trains one step on --device.
+  const std::string* device = experiment::findArg(plan.shared, "--device");
+  checkModel(plan.binary, model, hosts ? nullptr : device);
+  if (hosts) checkHostsSeeOut(*hosts, f.out, {.model = model, .device = device != nullptr ? *device : ""});
 
   const std::vector<experiment::JobSpec> jobs = experiment::planJobs(configs, plan);
   std::printf("cohort compare: %zu configurations x %d run%s = %zu runs of %s on %s, %s; output in %s\n",
@@ -447,9 +450,9 @@ Run addCompareCommand(CLI::App& app) {
       "--hosts H1,H2: every process runs on a host through --remote-shell, in this working folder, with the\n"
       "variables cohort launch would set on its command line (the auth token on its stdin); process i of a run\n"
       "(ranks, then ps shards) on host i mod n, port --base-port + i. Each host must answer, see OUT and this\n"
-      "folder as this machine does (a shared filesystem: the runs write their metrics there) and have\n"
-      "--remote-binary, or nothing runs. A run that ends (timeout, Ctrl-C) closes the remote shell's stdin,\n"
-      "and its remote process gets SIGTERM.");
+      "folder as this machine does (a shared filesystem: the runs write their metrics there), have\n"
+      "--remote-binary and, with --device, train a step on it, or nothing runs. A run that ends (timeout,\n"
+      "Ctrl-C) closes the remote shell's stdin, and its remote process gets SIGTERM.");
   cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   addTrainOptions(cmd, *flags);
   addBudgetOptions(cmd, *flags);

@@ -39,7 +39,8 @@ constexpr const char* kRemoteScript =
     "kill $watcher 2>/dev/null; wait $watcher 2>/dev/null\n"
     "exit $status";
 
-// Run by `sh -c SCRIPT cohort-check WORKDIR OUT MARKER BINARY` with "cohort\n" on standard input.
+// Run by `sh -c SCRIPT cohort-check WORKDIR OUT MARKER BINARY DEVICE MODEL` with "cohort\n" on standard
+// input; an empty DEVICE: no training step.
 constexpr const char* kCheckScript =
     "cd \"$1\" 2>/dev/null || { echo \"cohort-check: has no folder $1 (--hosts runs in the same folder on every "
     "host)\"; exit 0; }\n"
@@ -48,6 +49,9 @@ constexpr const char* kCheckScript =
     "[ -x \"$4\" ] || { echo \"cohort-check: has no executable $4 (--remote-binary)\"; exit 0; }\n"
     "IFS= read -r line; [ \"$line\" = cohort ] || { echo \"cohort-check: does not get standard input through the "
     "remote shell (it must pass it on: no ssh -n)\"; exit 0; }\n"
+    "[ -z \"$5\" ] || out=$(\"$4\" train --model \"$6\" --data synthetic:60 --steps 1 --batch 4 --threads 1 "
+    "--progress off --device \"$5\" 2>&1) || { echo \"cohort-check: cannot train --model $6 on --device $5: "
+    "$(printf '%s\\n' \"$out\" | tail -n 1)\"; exit 0; }\n"
     "echo \"cohort-check: ok\"";
 
 bool validHost(const std::string& host) {
@@ -272,7 +276,8 @@ std::vector<ProcessSpec> remoteProcesses(const RemoteHosts& hosts, int workers, 
   return out;
 }
 
-void checkHosts(const RemoteHosts& hosts, const std::string& outDir, double timeoutSeconds) {
+void checkHosts(const RemoteHosts& hosts, const std::string& outDir, const HostTraining& training,
+                double timeoutSeconds) {
   // A file only this check knows, made here and looked for there: OUT is shared, not merely
   // present under the same name.
   const std::string marker = (fs::path(outDir) / (".cohort-hosts-" + crypto::randomToken().substr(0, 16))).string();
@@ -287,8 +292,8 @@ void checkHosts(const RemoteHosts& hosts, const std::string& outDir, double time
     Probe p;
     p.host = host;
     p.argv = remoteShellArgv(hosts.shell, host,
-                             shellQuote({"exec", "sh", "-c", kCheckScript, "cohort-check", hosts.workdir, outDir, marker,
-                                         hosts.binary}));
+                             shellQuote({"exec", "sh", "-c", kCheckScript, "cohort-check", hosts.workdir, outDir,
+                                         marker, hosts.binary, training.device, training.model}));
     probes.push_back(std::move(p));
   }
   try {

@@ -73,10 +73,18 @@ std::vector<std::string> remoteShellArgv(const std::string& shellTemplate, const
 std::vector<ProcessSpec> remoteProcesses(const RemoteHosts& hosts, int workers, int shards,
                                          const std::vector<std::string>& train);
 
+// What checkHosts also asks of every host: that `binary train` can train `model` on `device` (one
+// step on a few synthetic examples). Empty device: not asked.
+struct HostTraining {
+  std::string model;
+  std::string device;
+};
+
 // Before anything runs: every distinct host answers through the remote shell, passes its standard
-// input on, has `workdir`, `outDir` (relative to workdir unless absolute; it must exist here first)
-// and an executable `binary`. All hosts are asked at once, each within timeoutSeconds. Throws
-// InvalidArgument with one line naming the first host that fails and why.
-void checkHosts(const RemoteHosts& hosts, const std::string& outDir, double timeoutSeconds = kHostCheckSeconds);
+// input on, has `workdir`, `outDir` (relative to workdir unless absolute; it must exist here first),
+// an executable `binary`, and trains as `training` asks. All hosts are asked at once, each within
+// timeoutSeconds. Throws InvalidArgument with one line naming the first host that fails and why.
+void checkHosts(const RemoteHosts& hosts, const std::string& outDir, const HostTraining& training = {},
+                double timeoutSeconds = kHostCheckSeconds);
 
 }  // namespace cohort::experiment
