@@ -2,6 +2,7 @@
 // with a shared layer and a nested block), ranks as threads over a TCPStore on 127.0.0.1.
 #include <cohort/cohort.h>
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include "rank_threads.h"
@@ -481,6 +482,64 @@ TEST(DataParallel, RanksWhoseLayoutsDifferAreRefused) {
     }
   });
   for (const auto& e : errors) EXPECT_NE(e.find("0.weight strides [27, 1, 9, 3]"), std::string::npos) << e;
+}
+
+// The operators this thread dispatches (RecordFunction, as the profiler counts them) while alive.
+class OperatorCount {
+ public:
+  OperatorCount()
+      : handle_(at::addThreadLocalCallback(
+            at::RecordFunctionCallback([](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+              ++count_;
+              return nullptr;
+            }).scopes({at::RecordScope::FUNCTION}))) {
+    count_ = 0;
+  }
+  ~OperatorCount() { at::removeCallback(handle_); }
+  int64_t count() const { return count_; }
+
+ private:
+  static thread_local int64_t count_;
+  at::CallbackHandle handle_;
+};
+thread_local int64_t OperatorCount::count_ = 0;
+
+// What DataParallel adds to a step is host time on a GPU, where most operators are a kernel launch
+// and a small model's step is short enough for the host to limit it. At one rank, with the
+// gradients set to none before backward as the command line does, it adds one copy per parameter
+// (into its bucket slot) and a few operators per step, against the plain loop: a gradient that went
+// through mul_out with a Scalar (a multiplication into a temporary, then a copy: 8 operators)
+// fails this.
+TEST(DataParallel, AStepAtOneRankAddsAboutOneOperatorPerParameter) {
+  constexpr int kSteps = 3;
+  const Data d = makeData(16);
+  auto stepsCost = [&](Net& net, torch::optim::Optimizer& opt) {
+    auto once = [&] {
+      for (auto& p : net->parameters()) p.mutable_grad().reset();
+      lossOf(net->forward(d.x), d.y).backward();
+      opt.step();
+    };
+    once();  // the first step makes the momentum buffers and the slots
+    OperatorCount ops;
+    for (int s = 0; s < kSteps; ++s) once();
+    return ops.count();
+  };
+  torch::manual_seed(1);
+  Net plain;
+  torch::optim::SGD plainOpt(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const int64_t alone = stepsCost(plain, plainOpt);
+  const int64_t params = int64_t(plain->parameters().size());
+  onRanks(1, [&](std::shared_ptr<Communicator> comm) {
+    torch::manual_seed(1);
+    Net net;
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    DataParallel dp(Job::fromCommunicator(comm), *net);
+    const int64_t synchronized = stepsCost(net, opt);
+    EXPECT_GT(synchronized, alone);
+    EXPECT_LE(synchronized - alone, kSteps * (params + 6))
+        << "per step: " << double(synchronized - alone) / kSteps << " operators more than the plain loop's "
+        << double(alone) / kSteps << ", for " << params << " parameters";
+  });
 }
 
 // Changing a parameter's dtype or device (set_data) makes autograd replace its gradient
