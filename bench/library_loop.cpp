@@ -32,7 +32,7 @@ int main(int argc, char** argv) try {
   torch::manual_seed(1);
   const auto data = cohort::loadData("fashion-mnist", 1);
   auto net = cohort::makeModel(model, {data.channels(), data.height(), data.width(), data.classes});
-  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  cohort::ForeachSGD optimizer(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
 
   auto job = cohort::Job::fromEnvironment();
   cohort::DataParallel dp(job, *net, {.buffers = cohort::DataParallelOptions::Buffers::kOnRequest});

@@ -4,6 +4,7 @@
 #include <cohort/device.h>
 #include <cohort/error.h>
 #include <cohort/job.h>
+#include <cohort/optim.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -115,6 +116,40 @@ TEST(GpuProfile, TheWindowSaysWhereTheTimeWentPerCudaStream) {
     if (e.contains("cat") && e["cat"] == "kernel") ++kernels;
   }
   EXPECT_GT(kernels, 0) << "no kernel in the trace";
+}
+
+// ForeachSGD on CUDA (multi-tensor kernels) against torch::optim::SGD (a kernel per operation and
+// parameter) from the same start: the same momentum SGD; the kernels may contract the
+// multiply-add differently, so within a rounding, not bit for bit.
+TEST(GpuOptim, ForeachSGDFollowsTorchOptimSGDOnCuda) {
+  REQUIRE_GPU();
+  torch::manual_seed(5);
+  torch::nn::Sequential a(torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3)), torch::nn::ReLU(), torch::nn::Flatten(),
+                          torch::nn::Linear(8 * 26 * 26, 10));
+  auto b = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(a->clone());
+  a->to(torch::kCUDA);
+  b->to(torch::kCUDA);
+  const auto o = torch::optim::SGDOptions(0.05).momentum(0.9);
+  torch::optim::SGD reference(a->parameters(), o);
+  ForeachSGD foreach (b->parameters(), o);
+  const auto x = torch::randn({16, 1, 28, 28}, torch::kCUDA);
+  const auto y = torch::randint(0, 10, {16}, torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA));
+  for (int s = 0; s < 5; ++s) {
+    reference.zero_grad();
+    foreach
+      .zero_grad();
+    torch::nn::functional::cross_entropy(a->forward(x), y).backward();
+    torch::nn::functional::cross_entropy(b->forward(x), y).backward();
+    reference.step();
+    foreach
+      .step();
+  }
+  const auto pa = a->parameters();
+  const auto pb = b->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(pb[i].is_cuda());
+    EXPECT_LT((pa[i] - pb[i]).abs().max().item<float>(), 1e-5) << "parameter " << i;
+  }
 }
 
 // A model trained on the GPU scores the same in `cohort ensemble` on the GPU as on the CPU (the

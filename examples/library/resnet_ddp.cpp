@@ -17,7 +17,8 @@ int main(int argc, char** argv) try {
   auto job = cohort::Job::fromEnvironment();                                  // [cohort]
   const torch::Device device = job.device();  // [cohort] the local rank's GPU when there is one, else the CPU
   net->to(device);
-  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
+  // Optional: cohort's torch::optim::SGD stepped with multi-tensor kernels (as Python's SGD on a GPU).
+  cohort::ForeachSGD optimizer(net->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
 
   cohort::DataParallel dp(job, *net, {.codec = args.codec});                  // [cohort]
   cohort::DistributedSampler sampler(data.train.size(), job, /*seed=*/1);     // [cohort]

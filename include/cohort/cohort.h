@@ -24,6 +24,7 @@
 #include <cohort/job.h>
 #include <cohort/metrics.h>
 #include <cohort/models.h>
+#include <cohort/optim.h>
 #include <cohort/parameter_server.h>
 #include <cohort/pipeline.h>
 #include <cohort/rendezvous.h>

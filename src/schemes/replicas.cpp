@@ -15,6 +15,7 @@
 
 #include <cohort/communicator.h>
 #include <cohort/error.h>
+#include <cohort/optim.h>
 #include <cohort/replicas.h>
 
 #include "base/compute_threads.h"
@@ -157,6 +158,7 @@ std::unique_ptr<torch::optim::Optimizer> ReplicaGroup::Impl::copyOptimizer(
     groups.emplace_back(std::move(mine), group.options().clone());
   }
   std::unique_ptr<torch::optim::Optimizer> copy;
+  if (!copy) copy = copyAs<ForeachSGD, torch::optim::SGDOptions>(optimizer, groups);  // before its base class
   if (!copy) copy = copyAs<torch::optim::SGD, torch::optim::SGDOptions>(optimizer, groups);
   if (!copy) copy = copyAs<torch::optim::Adam, torch::optim::AdamOptions>(optimizer, groups);
   if (!copy) copy = copyAs<torch::optim::AdamW, torch::optim::AdamWOptions>(optimizer, groups);

@@ -3,6 +3,7 @@
 #include "schemes/model_sync.h"
 #include "train/lazy_optimizer.h"
 #include <cohort/error.h>
+#include <cohort/optim.h>
 
 #include <torch/torch.h>
 
@@ -50,9 +51,10 @@ std::unique_ptr<torch::optim::Optimizer> makeOptimizer(OptimizerKind kind, doubl
     if (hasRowSparseGradient(model, p)) return std::make_unique<LazyOptimizer>(params, kind, lr, momentum);
   }
   switch (kind) {
-    case OptimizerKind::kSgd: return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr));
+    // torch::optim::SGD's update and state, its step in multi-tensor kernels on a GPU.
+    case OptimizerKind::kSgd: return std::make_unique<ForeachSGD>(params, torch::optim::SGDOptions(lr));
     case OptimizerKind::kMomentum:
-      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(momentum));
+      return std::make_unique<ForeachSGD>(params, torch::optim::SGDOptions(lr).momentum(momentum));
     case OptimizerKind::kAdam: return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr));
     case OptimizerKind::kAdagrad:
       return std::make_unique<torch::optim::Adagrad>(params, torch::optim::AdagradOptions(lr));

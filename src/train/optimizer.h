@@ -31,9 +31,9 @@ std::vector<OptimizerKind> allOptimizers();
 // The same optimizer run by the parameter-server shards (ParameterServerOptions::optimizer).
 PsOptimizer psOptimizer(OptimizerKind kind);
 
-// The optimizer of `model`'s parameters: torch::optim's SGD (with `momentum` for kMomentum), Adam
-// or Adagrad at `lr`; for a model with a sparse embedding table, the lazy optimizer of the same
-// kind (train/lazy_optimizer.h), which updates only the rows a step touched.
+// The optimizer of `model`'s parameters: ForeachSGD (torch::optim::SGD's update in multi-tensor
+// kernels; with `momentum` for kMomentum), torch::optim's Adam or Adagrad at `lr`; for a model with a sparse embedding
+// table, the lazy optimizer of the same kind (train/lazy_optimizer.h), which updates only the rows a step touched.
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(OptimizerKind kind, double lr, double momentum,
                                                        torch::nn::Module& model);
 
