@@ -4,6 +4,7 @@
 
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
+#include <kineto/ActivityType.h>
 
 #include <algorithm>
 #include <chrono>
@@ -44,6 +45,25 @@ double unionSeconds(std::vector<std::pair<uint64_t, uint64_t>> intervals) {
     coveredTo = std::max(coveredTo, end);
   }
   return double(total) * 1e-9;
+}
+
+// Which lane an event's time belongs to: work a GPU stream ran (kernels, copies, sets), or work a
+// CPU thread ran (operators, CUDA runtime and driver calls). Not lanes' work: a stream's waits
+// (CUDA_SYNC, which would count the compute stream waiting for NCCL as busy), annotations that
+// span other events, the profiler's own overhead, instants.
+enum class LaneKind { kNone, kGpu, kCpu };
+
+LaneKind laneKind(uint8_t activity) {
+  using libkineto::ActivityType;
+  switch (static_cast<ActivityType>(activity)) {
+    case ActivityType::CONCURRENT_KERNEL:
+    case ActivityType::GPU_MEMCPY:
+    case ActivityType::GPU_MEMSET: return LaneKind::kGpu;
+    case ActivityType::CPU_OP:
+    case ActivityType::CUDA_RUNTIME:
+    case ActivityType::CUDA_DRIVER: return LaneKind::kCpu;
+    default: return LaneKind::kNone;
+  }
 }
 
 struct LaneEvents {
@@ -139,8 +159,9 @@ std::optional<ProfileSummary> StepProfiler::stop() {
 
   std::map<std::pair<int, std::string>, LaneEvents> lanes;  // (0 GPU / 1 CPU, name)
   for (const profiler::KinetoEvent& e : result->events()) {
-    if (e.endNs() <= e.startNs()) continue;
-    const bool onGpu = e.deviceType() == c10::DeviceType::CUDA;
+    const LaneKind kind = laneKind(e.activityType());
+    if (kind == LaneKind::kNone || e.endNs() <= e.startNs()) continue;
+    const bool onGpu = kind == LaneKind::kGpu;
     std::string where;
     if (onGpu) {
       where = "cuda:" + std::to_string(e.deviceIndex()) + " stream " + std::to_string(e.deviceResourceId());
