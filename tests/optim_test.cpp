@@ -124,6 +124,39 @@ TEST_P(ForeachSGDEquals, ItsStateLoadsIntoTorchOptimSGDAndBack) {
 
 INSTANTIATE_TEST_SUITE_P(Options, ForeachSGDEquals, ::testing::Range(0, 5));
 
+// A parameter listed twice (tied weights, as model.parameters() lists a shared module's under both
+// names) is updated as torch::optim::SGD updates it: once per listing. And step() leaves the
+// parameters' version counters alone, as SGD's update through .data() does, so a graph saved
+// before step() still runs backward after it.
+TEST(ForeachSGD, TiedParametersAndVersionCountersAreSGDs) {
+  torch::manual_seed(4);
+  auto a = torch::randn({4, 3}).requires_grad_();
+  auto b = a.detach().clone().requires_grad_();
+  const auto o = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01);
+  torch::optim::SGD reference(std::vector<torch::Tensor>{a, a}, o);
+  ForeachSGD foreach (std::vector<torch::Tensor>{b, b}, o);
+  for (int s = 0; s < 3; ++s) {
+    reference.zero_grad();
+    foreach
+      .zero_grad();
+    (a * a).sum().backward();
+    (b * b).sum().backward();
+    reference.step();
+    foreach
+      .step();
+  }
+  EXPECT_TRUE(torch::equal(a, b));
+
+  auto c = torch::randn({3}).requires_grad_();
+  ForeachSGD momentum(std::vector<torch::Tensor>{c}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  (c * 2).sum().backward();
+  auto saved = (c * c).sum();  // saves c for its backward
+  const auto version = c._version();
+  momentum.step();
+  EXPECT_EQ(c._version(), version);
+  EXPECT_NO_THROW(saved.backward());
+}
+
 // A sparse gradient (an embedding table made sparse) takes torch::optim::SGD's own step.
 TEST(ForeachSGD, ASparseGradientTakesTorchOptimSGDsStep) {
   torch::manual_seed(2);

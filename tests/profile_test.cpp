@@ -70,6 +70,22 @@ TEST(Profile, EachRankWritesItsOwnTrace) {
   EXPECT_FALSE(std::filesystem::exists(dir.file("t.json")));
 }
 
+// A run resumed inside the window profiles the window's steps it runs.
+TEST(Profile, ARunResumedInsideTheWindowProfilesTheRestOfIt) {
+  test::TempDir dir;
+  const std::string common =
+      test::cohortBinary() + kRun + " --progress off --checkpoint-every 4 --checkpoint-dir " + dir.path();
+  auto first = test::runCommand(common + " --steps 4");
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  auto resumed = test::runCommand(common + " --steps 8 --resume --profile " + dir.file("t.json") +
+                                  " --profile-steps 3:6 --metrics " + dir.file("m.jsonl"));
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  const auto lanes = test::events(dir.file("m.jsonl"), "profile");
+  ASSERT_FALSE(lanes.empty()) << resumed.output;
+  EXPECT_EQ(lanes[0]["steps"], 2) << lanes[0].dump();  // steps 5 and 6
+  EXPECT_EQ(lanes[0]["step"], 6) << lanes[0].dump();
+}
+
 // Bad input: one line naming the problem and the fix, before any step runs; a window the run
 // never reaches is said at the end.
 TEST(Profile, BadWindowsAndPathsAreNamed) {
@@ -86,7 +102,8 @@ TEST(Profile, BadWindowsAndPathsAreNamed) {
   auto tooShort = test::runCommand(test::cohortBinary() + kRun + " --steps 4 --progress off --profile " +
                                    dir.file("t.json") + " --profile-steps 6:10");
   EXPECT_EQ(tooShort.exitCode, 0) << tooShort.output;
-  EXPECT_NE(tooShort.output.find("before --profile-steps' first step 6: no trace was written"), std::string::npos)
+  EXPECT_NE(tooShort.output.find("no step of this run (steps 1 to 4) is in --profile-steps 6:10: no trace was written"),
+            std::string::npos)
       << tooShort.output;
   EXPECT_FALSE(std::filesystem::exists(dir.file("t.json")));
 }

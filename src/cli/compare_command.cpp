@@ -292,7 +292,9 @@ void checkHostsSeeOut(const experiment::RemoteHosts& hosts, const std::string& o
   const bool created = std::filesystem::create_directories(out, ec);
   COHORT_CHECK(!ec, IoError, out, ": cannot create the output folder: ", ec.message());
   try {
-    experiment::checkHosts(hosts, out, training);
+    // A training step starts LibTorch (and CUDA) on the host: longer than a shell's answer.
+    experiment::checkHosts(hosts, out, training,
+                           training.device.empty() ? experiment::kHostCheckSeconds : 4 * experiment::kHostCheckSeconds);
   } catch (const InvalidArgument&) {
     if (created) std::filesystem::remove(out, ec);  // nothing ran: leave nothing behind
     throw;

@@ -50,7 +50,7 @@ constexpr const char* kCheckScript =
     "IFS= read -r line; [ \"$line\" = cohort ] || { echo \"cohort-check: does not get standard input through the "
     "remote shell (it must pass it on: no ssh -n)\"; exit 0; }\n"
     "[ -z \"$5\" ] || out=$(\"$4\" train --model \"$6\" --data synthetic:60 --steps 1 --batch 4 --threads 1 "
-    "--progress off --device \"$5\" 2>&1) || { echo \"cohort-check: cannot train --model $6 on --device $5: "
+    "--progress off --device \"$5\" </dev/null 2>&1) || { echo \"cohort-check: cannot train --model $6 on --device $5: "
     "$(printf '%s\\n' \"$out\" | tail -n 1)\"; exit 0; }\n"
     "echo \"cohort-check: ok\"";
 

@@ -2,20 +2,28 @@
 
 #include <torch/torch.h>
 
+#include <unordered_set>
 #include <vector>
 
 namespace cohort {
 
 namespace {
 
-// Every parameter of `group` that has a gradient, and its gradient; false when one is sparse.
+// Every parameter of `group` that has a gradient: its .data() (what SGD updates: the parameter's
+// storage, without bumping its version counter, so a graph saved before step() still runs
+// backward as under torch::optim::SGD), its gradient, and its state's key. False when a gradient
+// is sparse, or when the group lists a parameter twice (tied weights through model.parameters()):
+// SGD updates such a parameter once per listing, one after the other, which one multi-tensor
+// operator over the list would not do.
 bool gather(torch::optim::OptimizerParamGroup& group, std::vector<torch::Tensor>& params,
-            std::vector<torch::Tensor>& grads) {
+            std::vector<torch::Tensor>& grads, std::vector<c10::TensorImpl*>& keys) {
+  std::unordered_set<c10::TensorImpl*> seen;
   for (const torch::Tensor& p : group.params()) {
     if (!p.grad().defined()) continue;
-    if (p.grad().is_sparse()) return false;
-    params.push_back(p);
-    grads.push_back(p.grad());
+    if (p.grad().is_sparse() || !seen.insert(p.unsafeGetTensorImpl()).second) return false;
+    params.push_back(p.data());
+    grads.push_back(p.grad().data());
+    keys.push_back(p.unsafeGetTensorImpl());
   }
   return true;
 }
@@ -30,9 +38,12 @@ bool gather(torch::optim::OptimizerParamGroup& group, std::vector<torch::Tensor>
 torch::Tensor ForeachSGD::step(LossClosure closure) {
   std::vector<std::vector<torch::Tensor>> params(param_groups_.size());
   std::vector<std::vector<torch::Tensor>> grads(param_groups_.size());
-  bool dense = true;
-  for (size_t g = 0; g < param_groups_.size() && dense; ++g) dense = gather(param_groups_[g], params[g], grads[g]);
-  if (closure != nullptr || !dense) return torch::optim::SGD::step(std::move(closure));
+  std::vector<std::vector<c10::TensorImpl*>> keys(param_groups_.size());
+  bool listable = true;
+  for (size_t g = 0; g < param_groups_.size() && listable; ++g) {
+    listable = gather(param_groups_[g], params[g], grads[g], keys[g]);
+  }
+  if (closure != nullptr || !listable) return torch::optim::SGD::step(std::move(closure));
   torch::NoGradGuard noGrad;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     if (params[g].empty()) continue;
@@ -44,7 +55,7 @@ torch::Tensor ForeachSGD::step(LossClosure closure) {
       std::vector<torch::Tensor> older;  // the buffers that existed before this step, and their steps
       std::vector<torch::Tensor> olderSteps;
       for (size_t i = 0; i < params[g].size(); ++i) {
-        auto* key = params[g][i].unsafeGetTensorImpl();
+        c10::TensorImpl* key = keys[g][i];
         auto found = state_.find(key);
         if (found == state_.end()) {
           auto state = std::make_unique<torch::optim::SGDParamState>();

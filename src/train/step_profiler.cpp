@@ -118,13 +118,14 @@ StepProfiler::~StepProfiler() {
 }
 
 void StepProfiler::beforeStep(int64_t step) {
-  if (!enabled() || running_ || step != options_.first) return;
+  if (!enabled() || started_ || !profiles(step)) return;
   const profiler_impl::ProfilerConfig config(profiler_impl::ProfilerState::KINETO);
   std::set<profiler_impl::ActivityType> activities{profiler_impl::ActivityType::CPU};
   if (device_.is_cuda()) activities.insert(profiler_impl::ActivityType::CUDA);
   profiler::prepareProfiler(config, activities);
   profiler::enableProfiler(config, activities);
   running_ = true;
+  started_ = true;
   profiled_ = 0;
   startNs_ = nowNs();
 }
@@ -144,7 +145,10 @@ std::optional<ProfileSummary> StepProfiler::finish() {
 std::optional<ProfileSummary> StepProfiler::stop() {
   // The window's kernels have run before the profiler stops: a kernel still queued would be left
   // out of the trace.
-  if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+  // Every GPU: replicas (mirrored, central) run on several.
+  if (device_.is_cuda()) {
+    for (int64_t d = 0; d < int64_t(torch::cuda::device_count()); ++d) torch::cuda::synchronize(d);
+  }
   const int64_t windowNs = nowNs() - startNs_;
   running_ = false;
   std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
@@ -155,12 +159,13 @@ std::optional<ProfileSummary> StepProfiler::stop() {
     throw IoError("--profile: writing the trace " + path_ + " failed: " + e.what());
   }
   COHORT_CHECK(std::filesystem::exists(path_), IoError, "--profile: the trace ", path_, " was not written");
-  wrote_ = true;
 
   std::map<std::pair<int, std::string>, LaneEvents> lanes;  // (0 GPU / 1 CPU, name)
   for (const profiler::KinetoEvent& e : result->events()) {
     const LaneKind kind = laneKind(e.activityType());
     if (kind == LaneKind::kNone || e.endNs() <= e.startNs()) continue;
+    // A thread waiting in cuda*Synchronize is not busy (stop()'s own wait among them).
+    if (kind == LaneKind::kCpu && e.name().find("Synchronize") != std::string::npos) continue;
     const bool onGpu = kind == LaneKind::kGpu;
     std::string where;
     if (onGpu) {

@@ -2,7 +2,10 @@
 // trace (Chrome's trace format: chrome://tracing, Perfetto, TensorBoard's profiler plugin) and
 // says where the window's time went on each lane: each CPU thread that ran operators, and on a
 // GPU each CUDA stream that ran kernels or copies (the compute stream, NCCL's, the copies of the
-// compressed exchanges), as the time the lane was busy and what it ran most.
+// compressed exchanges), as the time the lane was busy and what it ran most. The CPU operators
+// recorded are the training thread's and autograd's threads' (a backward carries the profiler to
+// them); cohort's own threads (the replicas', a codec's communication thread) are not enabled,
+// and show in the trace only through their CUDA runtime calls.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -52,18 +55,20 @@ class StepProfiler {
   bool enabled() const { return !options_.path.empty(); }
   // Whether the step numbered `step` is in the window (its time is not the steady state's).
   bool profiles(int64_t step) const { return enabled() && step >= options_.first && step <= options_.last; }
-  // Before step `step`: starts the profiler at the window's first step.
+  // Before step `step`: starts the profiler at the first step of the run in the window (the
+  // window's first, or a resumed run's first when it resumed inside the window).
   void beforeStep(int64_t step);
-  // After step `step`: at the window's last, waits for the device, stops the profiler, writes the
-  // trace and returns the summary. IoError when the trace cannot be written.
+  // After step `step`: at the window's last, waits for every GPU, stops the profiler, writes the
+  // trace and returns the summary. IoError when the trace cannot be written (the profiler is
+  // stopped all the same).
   std::optional<ProfileSummary> afterStep(int64_t step);
   // The run ended inside the window: the same for the steps that ran.
   std::optional<ProfileSummary> finish();
 
   // The trace's file for this rank.
   const std::string& tracePath() const { return path_; }
-  // Whether the trace has been written.
-  bool wrote() const { return wrote_; }
+  // Whether the profiler has run (the run had a step in the window).
+  bool started() const { return started_; }
 
  private:
   std::optional<ProfileSummary> stop();
@@ -72,7 +77,7 @@ class StepProfiler {
   c10::Device device_;
   std::string path_;
   bool running_ = false;
-  bool wrote_ = false;
+  bool started_ = false;
   int64_t profiled_ = 0;
   int64_t startNs_ = 0;
 };

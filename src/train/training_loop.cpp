@@ -126,12 +126,11 @@ class Trainer::State::Loop {
 
   TrainResult run() {
     while (s_.step < totalSteps_ && !stop_) trainEpoch();
-    if (auto summary = profiler_.finish()) reportProfile(*summary);  // the run ended inside the window
-    if (profiler_.enabled() && !profiler_.wrote() && chief_) {
-      s_.warn("--profile: the run ended at step " + std::to_string(s_.step) +
-              ", before --profile-steps' first "
-              "step " +
-              std::to_string(o_.profile.first) + ": no trace was written");
+    endProfile([&] { return profiler_.finish(); });  // the run ended inside the window
+    if (profiler_.enabled() && !profiler_.started() && chief_) {
+      s_.warn("--profile: no step of this run (steps " + std::to_string(firstStep_ + 1) + " to " +
+              std::to_string(s_.step) + ") is in --profile-steps " + std::to_string(o_.profile.first) + ":" +
+              std::to_string(o_.profile.last) + ": no trace was written");
     }
     progress_.finish();
     s_.strategy->finish();
@@ -167,11 +166,11 @@ class Trainer::State::Loop {
   // One step on the next batch of the epoch's `indices`, its figures, and the evaluation and
   // checkpoint that the options put after it.
   void trainStep(const std::vector<int64_t>& indices) {
+    profiler_.beforeStep(s_.step + 1);  // not timed, as the trace's writing after the last is not
     const auto stepStart = Clock::now();
     if (o_.strategy.slowRank == s_.replica.rank && o_.strategy.slowSeconds > 0) {  // --test-slow-worker
       std::this_thread::sleep_for(std::chrono::duration<double>(o_.strategy.slowSeconds));
     }
-    profiler_.beforeStep(s_.step + 1);
     const int64_t begin = s_.stepInEpoch * o_.batch;
     const Batch batch = batchAt(indices, begin);
     if (s_.strategy->readsAhead()) s_.strategy->upcoming(nextBatch(indices, begin + o_.batch));
@@ -180,13 +179,12 @@ class Trainer::State::Loop {
     ++s_.stepInEpoch;
     countStep(stats);
     if (o_.testKillAtStep > 0 && s_.step == o_.testKillAtStep && o_.restartCount == 0) ::raise(SIGKILL);
-    std::optional<ProfileSummary> profiled = profiler_.afterStep(s_.step);
     const double stepSeconds = secondsSince(stepStart);
     // The profiled steps run slower: they are not the steady state's.
     const bool steady = s_.step - firstStep_ > kWarmupSteps && !profiler_.profiles(s_.step);
     const double rate = throughput_.add(stepSeconds, stats.samples, steady);
     if (chief_) recordStep(stats, stepSeconds, rate);
-    if (profiled) reportProfile(*profiled);
+    endProfile([&] { return profiler_.afterStep(s_.step); });
     progress_.update(s_.step, s_.epoch, stats.loss, rate);
     const bool evalPoint = evaluatesAfter(s_.step) && s_.step < totalSteps_;
     if (evalPoint) evaluateAtPoint();
@@ -248,6 +246,17 @@ class Trainer::State::Loop {
     }
     recentLoss_ = stats.loss;
     if (stats.stopJob) stop_ = true;  // the chief reached the target accuracy
+  }
+
+  // Ends --profile's window when `stop` does. A trace that cannot be written is a warning: the
+  // training goes on (an IoError here would end the run, and cohort launch might restart it).
+  template <typename Stop>
+  void endProfile(Stop&& stop) {
+    try {
+      if (std::optional<ProfileSummary> summary = stop()) reportProfile(*summary);
+    } catch (const IoError& e) {
+      s_.warn(e.what());
+    }
   }
 
   // --profile's window has ended: the chief says where its time went (the log, a profile event per
