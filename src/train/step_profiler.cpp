@@ -143,9 +143,8 @@ std::optional<ProfileSummary> StepProfiler::finish() {
 }
 
 std::optional<ProfileSummary> StepProfiler::stop() {
-  // The window's kernels have run before the profiler stops: a kernel still queued would be left
-  // out of the trace.
-  // Every GPU: replicas (mirrored, central) run on several.
+  // The window's kernels, on every GPU (replicas run on several), have run before the profiler
+  // stops: a kernel still queued would be left out of the trace.
   if (device_.is_cuda()) {
     for (int64_t d = 0; d < int64_t(torch::cuda::device_count()); ++d) torch::cuda::synchronize(d);
   }
@@ -184,6 +183,7 @@ std::optional<ProfileSummary> StepProfiler::stop() {
   for (auto& [key, events] : lanes) {
     ProfileSummary::Lane lane;
     lane.where = key.second;
+    lane.gpu = key.first == 0;
     lane.events = int64_t(events.intervals.size());
     lane.busySeconds = unionSeconds(std::move(events.intervals));
     for (const auto& [name, ns] : events.byName) {
@@ -195,9 +195,7 @@ std::optional<ProfileSummary> StepProfiler::stop() {
     summary.lanes.push_back(std::move(lane));
   }
   std::stable_sort(summary.lanes.begin(), summary.lanes.end(), [](const auto& a, const auto& b) {
-    const bool aGpu = a.where.rfind("cuda", 0) == 0;
-    const bool bGpu = b.where.rfind("cuda", 0) == 0;
-    if (aGpu != bGpu) return aGpu;
+    if (a.gpu != b.gpu) return a.gpu;
     return a.busySeconds > b.busySeconds;
   });
   return summary;

@@ -32,6 +32,7 @@ void parseProfileSteps(const std::string& text, ProfileOptions& opts);
 struct ProfileSummary {
   struct Lane {
     std::string where;       // "cpu thread 1234" (the system's id, as in the trace), "cuda:0 stream 7"
+    bool gpu = false;        // a device stream's lane
     double busySeconds = 0;  // the union of its events' intervals (nested operators count once)
     int64_t events = 0;
     std::string top;  // a GPU lane's kernel or copy with the most time; empty on the CPU
@@ -65,8 +66,6 @@ class StepProfiler {
   // The run ended inside the window: the same for the steps that ran.
   std::optional<ProfileSummary> finish();
 
-  // The trace's file for this rank.
-  const std::string& tracePath() const { return path_; }
   // Whether the profiler has run (the run had a step in the window).
   bool started() const { return started_; }
 
