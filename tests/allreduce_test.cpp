@@ -8,7 +8,7 @@
 
 #include "rank_threads.h"
 
-namespace cohort {
+namespace cohort::allreduce_test {
 namespace {
 
 // A layer that only some ranks use in their forward pass.
@@ -54,4 +54,4 @@ TEST(Allreduce, UnusedParametersDoNotHangAndReplicasAgree) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::allreduce_test

@@ -10,7 +10,7 @@
 
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::checkpoint_kill_test {
 namespace {
 
 constexpr size_t kPayload = 8 << 20;  // big enough that a kill often lands mid-write
@@ -68,4 +68,4 @@ TEST(CheckpointKill, KillAtAnyMomentLeavesTheNewestWhole) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::checkpoint_kill_test

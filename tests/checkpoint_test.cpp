@@ -7,7 +7,7 @@
 #include "hostile.h"
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::checkpoint_test {
 namespace {
 
 std::vector<uint8_t> payloadFor(int64_t step, size_t size) {
@@ -178,4 +178,4 @@ TEST(Checkpoint, PrefixesKeepStoresApart) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::checkpoint_test

@@ -3,7 +3,7 @@
 
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::cli_test {
 namespace {
 
 void expectOneLineError(const std::string& args, const std::string& needle, int code = -1,
@@ -167,4 +167,4 @@ TEST(Cli, HelpListsTheTrainOptions) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::cli_test

@@ -9,7 +9,7 @@
 #include <tuple>
 #include <vector>
 
-namespace cohort {
+namespace cohort::cluster_test {
 namespace {
 
 using Vars = std::map<std::string, std::string>;
@@ -705,4 +705,4 @@ TEST(Cluster, TheJobIdentityIsTheLaunchersJobIdWhenThereIsNoSecret) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::cluster_test

@@ -8,7 +8,7 @@
 
 #include "rank_threads.h"
 
-namespace cohort {
+namespace cohort::communicator_test {
 namespace {
 
 // The collectives take a Communicator&; the harness hands out shared pointers.
@@ -183,4 +183,4 @@ TEST(Communicator, RendezvousTimesOutNamingTheChief) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::communicator_test

@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <numeric>
 
-namespace cohort {
+namespace cohort::compress_multiproc_test {
 namespace {
 
 using test::loadParameters;
@@ -146,4 +146,4 @@ TEST(Compression, BadCodecTextIsAUsageError) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::compress_multiproc_test

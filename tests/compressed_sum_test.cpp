@@ -12,7 +12,7 @@
 
 #include <cmath>
 
-namespace cohort {
+namespace cohort::compressed_sum_test {
 namespace {
 
 using test::onRanks;
@@ -202,4 +202,4 @@ TEST(CompressedSum, APeerThatNeverAnswersEndsInAnError) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::compressed_sum_test

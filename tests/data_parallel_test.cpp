@@ -7,7 +7,7 @@
 
 #include "rank_threads.h"
 
-namespace cohort {
+namespace cohort::data_parallel_test {
 namespace {
 
 using test::onRanks;
@@ -661,4 +661,4 @@ TEST(DataParallel, DifferentModelsAcrossRanksAreNamed) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::data_parallel_test

@@ -13,7 +13,7 @@
 
 #include <csignal>
 
-namespace cohort {
+namespace cohort::dataparallel_test {
 namespace {
 
 using test::loadParameters;
@@ -271,4 +271,4 @@ TEST(DataParallel, SurvivorNamesTheLostRankWithinTheTimeout) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::dataparallel_test

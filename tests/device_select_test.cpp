@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace cohort {
+namespace cohort::device_select_test {
 namespace {
 
 // Normal values with what the passes treat specially planted: ties of magnitude at several
@@ -125,4 +125,4 @@ TEST(DeviceSelect, TheEnvironmentChoosesHostOrDevice) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::device_select_test

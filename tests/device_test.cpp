@@ -13,7 +13,7 @@
 
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::device_test {
 namespace {
 
 std::string errorOf(const std::string& name) {
@@ -148,4 +148,4 @@ TEST(DeviceCli, AnUnknownOrAbsentDeviceEndsTheRunWithOneLine) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::device_test

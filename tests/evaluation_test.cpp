@@ -13,7 +13,7 @@
 #include <filesystem>
 #include <map>
 
-namespace cohort {
+namespace cohort::evaluation_test {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
@@ -280,4 +280,4 @@ TEST(TensorBoard, TrainerWritesWhatTheMetricsSay) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::evaluation_test

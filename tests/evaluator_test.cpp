@@ -4,7 +4,7 @@
 #include <filesystem>
 #include <map>
 
-namespace cohort {
+namespace cohort::evaluator_test {
 namespace {
 
 std::string train() { return test::cohortBinary() + " train"; }
@@ -236,4 +236,4 @@ TEST(Quantize, RefusesAFileThatIsNotAModel) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::evaluator_test

@@ -20,7 +20,7 @@
 #include <exception>
 #include <thread>
 
-namespace cohort {
+namespace cohort::gossip_test {
 namespace {
 
 std::string train() { return test::cohortBinary() + " train --threads 1 --progress off --strategy gossip"; }
@@ -281,4 +281,4 @@ TEST(GossipMultiproc, SparseTablesUnderFp16SendAboutHalfTheRowBytes) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::gossip_test

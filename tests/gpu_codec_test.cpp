@@ -25,7 +25,7 @@
 #include "gpu_util.h"
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::gpu_codec_test {
 namespace {
 
 const c10::Device kCuda(c10::kCUDA, 0);
@@ -314,4 +314,4 @@ INSTANTIATE_TEST_SUITE_P(EveryCodec, GpuCodecTraining,
                          });
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::gpu_codec_test

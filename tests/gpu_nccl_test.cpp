@@ -23,11 +23,8 @@
 #include "gpu_util.h"
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::gpu_nccl_test {
 namespace {
-
-#define REQUIRE_NCCL() \
-  ASSERT_TRUE(hasNccl()) << "this cohort was built without NCCL (CMake's COHORT_NCCL is OFF): nothing to test"
 
 const torch::Device kGpu(torch::kCUDA, 0);
 
@@ -218,4 +215,4 @@ TEST(GpuNccl, TwoProcessesOnOneGpuUnderLaunch) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::gpu_nccl_test

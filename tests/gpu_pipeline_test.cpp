@@ -19,7 +19,7 @@
 #include "gpu_util.h"
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::gpu_pipeline_test {
 namespace {
 
 using test::fractionDifferent;
@@ -304,4 +304,4 @@ TEST(GpuReplicas, HogwildRefusesAModelOnTheGpuInOneLine) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::gpu_pipeline_test

@@ -24,7 +24,7 @@
 #include "gpu_util.h"
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::gpu_sync_test {
 namespace {
 
 constexpr double kMaxDifference = 1e-3;
@@ -219,4 +219,4 @@ TEST(GpuSync, GossipPeersOnCudaTrainAsOnTheCpu) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::gpu_sync_test

@@ -17,7 +17,7 @@
 #include "gpu_util.h"
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::gpu_test {
 namespace {
 
 std::string train(const std::string& options) {
@@ -220,4 +220,4 @@ TEST(Gpu, BadDeviceRequestsAreOneLineEach) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::gpu_test

@@ -14,6 +14,11 @@
 #define REQUIRE_GPU()                                                                                    \
   ASSERT_GT(cudaDeviceCount(), 0) << "this test needs a CUDA GPU and this process sees none (label gpu: " \
                                      "run it through scripts/gpu-check.sh on a machine that has one)"
+#define REQUIRE_TWO_GPUS()                                                                                       \
+  ASSERT_GE(cudaDeviceCount(), 2) << "this test needs two CUDA GPUs and this process sees " << cudaDeviceCount() \
+                                  << " (label multigpu: run it where a machine has two or more)"
+#define REQUIRE_NCCL() \
+  ASSERT_TRUE(hasNccl()) << "this cohort was built without NCCL (CMake's COHORT_NCCL is OFF): nothing to test"
 
 namespace cohort::test {
 

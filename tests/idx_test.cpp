@@ -7,7 +7,7 @@
 #include "hostile.h"
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::idx_test {
 namespace {
 
 std::vector<uint8_t> idxBytes(uint8_t type, std::vector<uint32_t> dims, size_t bodyBytes) {
@@ -190,4 +190,4 @@ TEST(Data, MakeBatchScalesToUnitRange) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::idx_test

@@ -24,7 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
-namespace cohort {
+namespace cohort::launch_test {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -540,4 +540,4 @@ TEST(Launch, BadArgumentsExit2) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::launch_test

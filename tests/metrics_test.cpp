@@ -8,7 +8,7 @@
 
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::metrics_test {
 namespace {
 
 TEST(Metrics, LineIsJsonWithEventFirst) {
@@ -62,4 +62,4 @@ TEST(Metrics, UnwritablePathIsAnError) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::metrics_test

@@ -6,7 +6,7 @@
 
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::models_test {
 namespace {
 
 const InputShape kShape{1, 28, 28, 10};
@@ -145,4 +145,4 @@ TEST(ModelFile, AShapeBeyondTheLimitIsRefusedBeforeTheModelIsMade) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::models_test

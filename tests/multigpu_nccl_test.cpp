@@ -20,19 +20,15 @@
 #include "gpu_util.h"
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::multigpu_nccl_test {
 namespace {
-
-#define REQUIRE_TWO_GPUS()                                                                                  \
-  ASSERT_GE(cudaDeviceCount(), 2) << "this test needs 2 CUDA GPUs and this process sees " << cudaDeviceCount() \
-                                  << " (label multigpu: run it where a machine has two or more)";           \
-  ASSERT_TRUE(hasNccl()) << "this cohort was built without NCCL (CMake's COHORT_NCCL is OFF)"
 
 torch::TensorOptions onGpu(int index) { return torch::TensorOptions().device(torch::Device(torch::kCUDA, index)); }
 
 // Two ranks as threads, rank r on cuda:r, through NCCL: sums, broadcasts and gathers are right.
 TEST(MultiGpuNccl, CollectivesAcrossTwoGpus) {
   REQUIRE_TWO_GPUS();
+  REQUIRE_NCCL();
   test::onRanks(
       2,
       [&](std::shared_ptr<Communicator> comm) {
@@ -58,6 +54,7 @@ TEST(MultiGpuNccl, CollectivesAcrossTwoGpus) {
 // TimeoutError naming it and the operation, not in a hang nor in c10d's watchdog ending the process.
 TEST(MultiGpuNccl, AMissingPeerEndsInATimeoutErrorWithinTheTimeout) {
   REQUIRE_TWO_GPUS();
+  REQUIRE_NCCL();
   std::promise<void> rank0Done;
   std::shared_future<void> done = rank0Done.get_future().share();
   test::onRanks(
@@ -94,6 +91,7 @@ TEST(MultiGpuNccl, AMissingPeerEndsInATimeoutErrorWithinTheTimeout) {
 // within rounding.
 TEST(MultiGpuNccl, TrainWithTwoProcessesOnTwoGpus) {
   REQUIRE_TWO_GPUS();
+  REQUIRE_NCCL();
   test::TempDir dir;
   const std::string common = "--strategy allreduce --device cuda --model mlp --data synthetic:1200 --optimizer sgd "
                              "--lr 0.1 --batch 16 --steps 12 --seed 5 --threads 1 --progress off --timeout 60 ";
@@ -112,4 +110,4 @@ TEST(MultiGpuNccl, TrainWithTwoProcessesOnTwoGpus) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::multigpu_nccl_test

@@ -11,14 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "gpu_util.h"
 #include "model_util.h"
 
-namespace cohort {
+namespace cohort::multigpu_test {
 namespace {
-
-#define REQUIRE_TWO_GPUS()                                                                                   \
-  ASSERT_GE(cudaDeviceCount(), 2) << "this test needs two CUDA GPUs and this process sees " << cudaDeviceCount() \
-                                  << " (label multigpu: run it where two or more GPUs are)"
 
 using test::maxDifference;
 
@@ -123,4 +120,4 @@ TEST(MultiGpu, CentralStorageComputesOnEachGpuAndEqualsTheCpuRun) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::multigpu_test

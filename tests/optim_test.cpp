@@ -7,7 +7,7 @@
 
 #include <sstream>
 
-namespace cohort {
+namespace cohort::optim_test {
 namespace {
 
 // Two parameter groups (the second with its own lr), a parameter that never gets a gradient.
@@ -184,4 +184,4 @@ TEST(ForeachSGD, ASparseGradientTakesTorchOptimSGDsStep) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::optim_test

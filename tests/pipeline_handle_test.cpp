@@ -10,7 +10,7 @@
 
 #include "rank_threads.h"
 
-namespace cohort {
+namespace cohort::pipeline_handle_test {
 namespace {
 
 constexpr int kSteps = 3;
@@ -110,4 +110,4 @@ TEST(PipelineHandle, AJobThatIsNotStagesTimesReplicasIsRefused) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::pipeline_handle_test

@@ -5,7 +5,7 @@
 
 #include "schemes/pipeline_plan.h"
 
-namespace cohort {
+namespace cohort::pipeline_plan_test {
 namespace {
 
 // Runs every stage's op list as far as the dependencies allow (forward of i after the forward of
@@ -234,4 +234,4 @@ TEST(PipelinePlan, AutoMicroBatchesTradesTheBubbleAgainstFixedCosts) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::pipeline_plan_test

@@ -19,7 +19,7 @@
 
 #include <csignal>
 
-namespace cohort {
+namespace cohort::pipeline_test {
 namespace {
 
 using test::maxDifference;
@@ -492,4 +492,4 @@ TEST(Pipeline, ResumeFromSplitCutCheckpointsIsExactAndAnotherSplitIsRefused) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::pipeline_test

@@ -6,7 +6,7 @@
 #include <filesystem>
 #include <set>
 
-namespace cohort {
+namespace cohort::profile_test {
 namespace {
 
 const std::string kRun = " train --model mlp --data fashion-mnist --threads 1 --batch 32 --timeout 60";
@@ -109,4 +109,4 @@ TEST(Profile, BadWindowsAndPathsAreNamed) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::profile_test

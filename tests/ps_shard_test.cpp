@@ -27,7 +27,7 @@
 #include <mutex>
 #include <thread>
 
-namespace cohort::ps {
+namespace cohort::ps::shard_test {
 namespace {
 
 using namespace std::chrono_literals;
@@ -733,4 +733,4 @@ TEST(PsShard, AnInitWhileAPushIsHeldAbortsThatPush) {
 }
 
 }  // namespace
-}  // namespace cohort::ps
+}  // namespace cohort::ps::shard_test

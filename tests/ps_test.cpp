@@ -14,7 +14,7 @@
 #include <csignal>
 #include <filesystem>
 
-namespace cohort {
+namespace cohort::ps_test {
 namespace {
 
 using test::loadParameters;
@@ -270,4 +270,4 @@ TEST(PsFaults, NoServersIsAClearError) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::ps_test

@@ -3,7 +3,7 @@
 
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::replicas_e2e_test {
 namespace {
 
 // Hogwild through `cohort train` reaches the mlp's accuracy bound (0.80 after one epoch) and
@@ -25,4 +25,4 @@ TEST(ReplicasCli, HogwildTrainsTheMlpToItsBound) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::replicas_e2e_test

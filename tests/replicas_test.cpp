@@ -21,7 +21,7 @@
 #include "rank_threads.h"
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::replicas_test {
 namespace {
 
 namespace nn = torch::nn;
@@ -552,4 +552,4 @@ TEST(ReplicasCli, BalanceShardsReportsTheSplit) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::replicas_test

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <set>
 
-namespace cohort {
+namespace cohort::sampler_test {
 namespace {
 
 TEST(Sampler, ShardsAreDisjointAndCoverWhenDivisible) {
@@ -87,4 +87,4 @@ TEST(Sampler, RejectsBadRanks) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::sampler_test

@@ -30,7 +30,7 @@
 
 #include <fstream>
 
-namespace cohort {
+namespace cohort::sparse_test {
 namespace {
 
 constexpr int64_t kRows = 40;
@@ -548,4 +548,4 @@ TEST(SparseAverage, OnlyChangedRowsTravelAndReplicasAgree) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::sparse_test

@@ -5,7 +5,7 @@
 
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::train_e2e_test {
 namespace {
 
 using test::lastEvent;
@@ -70,4 +70,4 @@ TEST(TrainE2E, KilledRunResumesFromItsCheckpoint) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::train_e2e_test

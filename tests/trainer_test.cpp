@@ -12,7 +12,7 @@
 
 #include "test_util.h"
 
-namespace cohort {
+namespace cohort::trainer_test {
 namespace {
 
 TrainOptions smallRun() {
@@ -274,4 +274,4 @@ TEST(Scheme, EveryNameParsesBackToItsSchemeAndNothingElseParses) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::trainer_test

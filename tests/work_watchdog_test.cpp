@@ -11,7 +11,7 @@
 #include <thread>
 #include <stdexcept>
 
-namespace cohort {
+namespace cohort::work_watchdog_test {
 namespace {
 
 using namespace std::chrono_literals;
@@ -99,4 +99,4 @@ TEST(WorkWatchdog, ADestroyedWatchdogStopsWithWorksStillRunning) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::work_watchdog_test

@@ -36,7 +36,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kMaxPort = 65535;
 // More processes than any one machine trains with; RLIMIT_NPROC may lower it.
 constexpr long kMaxProcesses = 1024;
 constexpr std::array<int, 3> kHandledSignals{SIGINT, SIGTERM, SIGCHLD};

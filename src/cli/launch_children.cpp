@@ -13,8 +13,6 @@ namespace cohort::cli {
 
 namespace {
 
-constexpr int kMaxPort = 65535;
-
 // The launcher reads its ends of a child's pipes without blocking (cli/launch_output.h).
 int nonBlocking(int fd) {
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);

@@ -14,6 +14,9 @@
 
 namespace cohort::cli {
 
+// The highest TCP port: what a port option and a child's "port P" line may name.
+inline constexpr int kMaxPort = 65535;
+
 struct LaunchedChild {
   int rank = 0;
   bool server = false;     // a parameter-server shard (--ps), not a worker

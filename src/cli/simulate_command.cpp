@@ -125,7 +125,7 @@ void profileModel(sim::Calibration& c, const std::string& modelSpec, const std::
   torch::manual_seed(1);
   DataSplits data = loadData(dataSpec, 1);
   torch::nn::Sequential model =
-      makeModel(modelSpec, {data.channels(), data.height(), data.width(), data.classes});
+      makeModel(modelSpec, {data.channels(), data.height(), data.width(), data.classes, 0, {}});
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   c.model = modelSpec;
   c.layers = int(model->size());

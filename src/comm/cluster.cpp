@@ -22,9 +22,9 @@ constexpr char kLoopback[] = "127.0.0.1";
 constexpr long long kMaxRangeHosts = 1 << 20;
 
 // The environment with empty values read as unset, as shells and launchers tend to leave them.
-class Env {
+class NonEmptyEnv {
  public:
-  explicit Env(const EnvLookup& lookup) : lookup_(lookup) {}
+  explicit NonEmptyEnv(const EnvLookup& lookup) : lookup_(lookup) {}
 
   std::optional<std::string> get(const std::string& name) const {
     std::optional<std::string> value = lookup_ ? lookup_(name) : std::nullopt;
@@ -50,26 +50,26 @@ int parseWhole(const std::string& name, const std::string& value) {
   return int(parsed);
 }
 
-std::optional<int> wholeVar(const Env& env, const std::string& name) {
+std::optional<int> wholeVar(const NonEmptyEnv& env, const std::string& name) {
   std::optional<std::string> value = env.get(name);
   if (!value) return std::nullopt;
   return parseWhole(name, *value);
 }
 
-int nonNegativeVar(const Env& env, const std::string& name, int fallback) {
+int nonNegativeVar(const NonEmptyEnv& env, const std::string& name, int fallback) {
   const int value = wholeVar(env, name).value_or(fallback);
   COHORT_CHECK(value >= 0, InvalidArgument, name, "=", value, " is negative");
   return value;
 }
 
-int positiveVar(const Env& env, const std::string& name, int fallback) {
+int positiveVar(const NonEmptyEnv& env, const std::string& name, int fallback) {
   const int value = wholeVar(env, name).value_or(fallback);
   COHORT_CHECK(value >= 1, InvalidArgument, name, "=", value, " must be at least 1");
   return value;
 }
 
 // A pair of variables a launcher always sets together (RANK and WORLD_SIZE): both or neither.
-void requireBoth(const Env& env, const std::string& a, const std::string& b, const std::string& who) {
+void requireBoth(const NonEmptyEnv& env, const std::string& a, const std::string& b, const std::string& who) {
   const bool hasA = env.has(a);
   const bool hasB = env.has(b);
   COHORT_CHECK(hasA || !hasB, InvalidArgument, b, " is set but ", a, " is not: ", who, " sets both");
@@ -81,7 +81,7 @@ void requireBoth(const Env& env, const std::string& a, const std::string& b, con
 // tasks started after them); whoever connects to port 0 is refused where it connects.
 bool validPort(long long port) { return port >= 0 && port <= 65535; }
 
-int portVar(const Env& env, const std::string& name) {
+int portVar(const NonEmptyEnv& env, const std::string& name) {
   std::optional<std::string> value = env.get(name);
   if (!value) return kDefaultMasterPort;
   const int port = parseWhole(name, *value);
@@ -95,8 +95,7 @@ std::string bareHost(const std::string& host) {
   return host;
 }
 
-
-HostPort masterFrom(const Env& env, const std::string& host) {
+HostPort masterFrom(const NonEmptyEnv& env, const std::string& host) {
   return HostPort{bareHost(host), portVar(env, "MASTER_PORT")};
 }
 
@@ -234,7 +233,7 @@ ClusterSpec fromTfConfig(const std::string& text) {
 
 // torchrun's variables next to TF_CONFIG must say the same thing (a launcher that sets both is
 // usually a wrapper that got one of them wrong).
-void checkTorchrunAgreesWithTfConfig(const Env& env, const ClusterSpec& spec) {
+void checkTorchrunAgreesWithTfConfig(const NonEmptyEnv& env, const ClusterSpec& spec) {
   if (std::optional<int> world = wholeVar(env, "WORLD_SIZE")) {
     COHORT_CHECK(*world == spec.worldSize, InvalidArgument, "WORLD_SIZE=", *world,
                  " disagrees with TF_CONFIG, whose cluster has ", spec.worldSize,
@@ -252,14 +251,15 @@ void checkTorchrunAgreesWithTfConfig(const Env& env, const ClusterSpec& spec) {
 // torchrun / cohort launch
 
 // Reads a launcher's world size and rank variables into spec; the rank must be below the size.
-void readRankAndSize(const Env& env, const std::string& rankVar, const std::string& sizeVar, ClusterSpec& spec) {
+void readRankAndSize(const NonEmptyEnv& env, const std::string& rankVar, const std::string& sizeVar,
+                     ClusterSpec& spec) {
   spec.worldSize = positiveVar(env, sizeVar, 1);
   spec.rank = nonNegativeVar(env, rankVar, 0);
   COHORT_CHECK(spec.rank < spec.worldSize, InvalidArgument, rankVar, "=", spec.rank, " is not below ", sizeVar,
                "=", spec.worldSize);
 }
 
-ClusterSpec fromTorchrun(const Env& env) {
+ClusterSpec fromTorchrun(const NonEmptyEnv& env) {
   requireBoth(env, "RANK", "WORLD_SIZE", "torchrun");
   ClusterSpec spec;
   spec.source = "torchrun";
@@ -290,7 +290,7 @@ ClusterSpec fromTorchrun(const Env& env) {
 }
 
 // RANK/WORLD_SIZE next to OpenMPI's variables must agree with them.
-void checkTorchrunAgreesWithOpenMpi(const Env& env, const ClusterSpec& spec) {
+void checkTorchrunAgreesWithOpenMpi(const NonEmptyEnv& env, const ClusterSpec& spec) {
   struct Pair {
     const char* torchrun;
     int value;
@@ -307,7 +307,7 @@ void checkTorchrunAgreesWithOpenMpi(const Env& env, const ClusterSpec& spec) {
 // ---------------------------------------------------------------------------------------------
 // OpenMPI's mpirun
 
-ClusterSpec fromOpenMpi(const Env& env) {
+ClusterSpec fromOpenMpi(const NonEmptyEnv& env) {
   requireBoth(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpirun");
   requireBoth(env, "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "mpirun");
   ClusterSpec spec;
@@ -430,7 +430,7 @@ std::optional<int> tasksOnNode(const std::string& perNode, int node) {
   return std::nullopt;
 }
 
-ClusterSpec fromSlurm(const Env& env) {
+ClusterSpec fromSlurm(const NonEmptyEnv& env) {
   requireBoth(env, "SLURM_PROCID", "SLURM_NTASKS", "srun");
   ClusterSpec spec;
   spec.source = "Slurm";
@@ -485,7 +485,7 @@ ClusterSpec fromSlurm(const Env& env) {
 
 namespace {
 
-ClusterSpec resolveRoles(const Env& env) {
+ClusterSpec resolveRoles(const NonEmptyEnv& env) {
   if (std::optional<std::string> tfConfig = env.get("TF_CONFIG")) {
     ClusterSpec spec = fromTfConfig(*tfConfig);
     checkTorchrunAgreesWithTfConfig(env, spec);
@@ -506,7 +506,7 @@ ClusterSpec resolveRoles(const Env& env) {
 }  // namespace
 
 ClusterSpec resolveCluster(const EnvLookup& lookup) {
-  const Env env(lookup);
+  const NonEmptyEnv env(lookup);
   ClusterSpec spec = resolveRoles(env);
   spec.secret = env.get("COHORT_AUTH_TOKEN").value_or("");
   // torchrun's default run id is the word "none", which every job without --rdzv-id shares.

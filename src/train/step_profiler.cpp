@@ -215,7 +215,8 @@ std::string describeProfile(const ProfileSummary& summary) {
                   perStep, share, static_cast<long long>(lane.events));
     out << line;
     if (!lane.top.empty()) {
-      std::string top = lane.top.size() > 60 ? lane.top.substr(0, 57) + "..." : lane.top;
+      std::string top = lane.top;
+      if (top.size() > 60) top.replace(57, std::string::npos, "...");
       std::snprintf(line, sizeof line, "; most: %s (%.3f ms/step)", top.c_str(),
                     summary.steps > 0 ? lane.topSeconds * 1e3 / double(summary.steps) : 0.0);
       out << line;
