@@ -406,7 +406,10 @@ TEST(PsAttackTest, ConnectionsThatNeverProveTheSecretAreHeldTo64WhileTwoWorkersT
   const int closed = pollUntil(
       closedStrangers, [&](int n) { return n >= kStrangers - kUnprovenHeld; }, std::chrono::seconds(30));
   EXPECT_EQ(closed, kStrangers - kUnprovenHeld) << "strangers closed by the shard";
-  const int held = descriptorsOf(shard);
+  // A stranger sees its end closed a moment before gRPC's thread has released the shard's: the
+  // count is polled until it settles (under load it lagged by 73 descriptors).
+  const int held = pollUntil([&] { return descriptorsOf(shard); }, [&](int n) { return n <= before + kUnprovenHeld; },
+                             std::chrono::seconds(30));
   EXPECT_LE(held, before + kUnprovenHeld) << "the shard holds " << held - before << " more descriptors";
   // A new client (its own connection: other channel arguments) still gets in and is answered.
   {

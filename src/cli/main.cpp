@@ -7,12 +7,18 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <string>
 
 namespace {
 
 int fail(int code, const std::string& message) {
+  // The verdict is in; what is left is exiting. `cohort launch` stops the other ranks with SIGTERM
+  // when one of them fails, and a rank that lost this process can fail first: a SIGTERM now would
+  // turn this status (2: the input was refused) into a kill, and the job would end with the
+  // consequence's status instead of the cause's.
+  std::signal(SIGTERM, SIG_IGN);
   std::fprintf(stderr, "cohort: error: %s\n", cohort::firstLine(message).c_str());
   cohort::launcher::tellError(cohort::firstLine(message));  // `cohort launch` names it with the exit
   return code;
