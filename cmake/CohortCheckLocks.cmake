@@ -7,8 +7,9 @@
 # The torch layers' files are parsed with <torch/torch.h> precompiled once by clang (src/pch.h, as
 # the g++ build force-includes it), which brings a file from ~15 s to 1.5-6.5 s: the whole pass
 # (about 140 files and the PCH) costs about 350 s of CPU on a clean build (2026-11-28, ninja's
-# log), and a rebuild re-checks only the files whose sources or headers changed (clang's depfiles). Each target's flags are in a response file,
-# check_locks/<target>.rsp, so that tests/check_locks_test.sh runs the build's exact command.
+# log), and a rebuild re-checks only the files whose sources or headers changed (clang's
+# depfiles). Each target's flags are in a response file, check_locks/<target>.rsp, so that
+# tests/check_locks_test.sh runs the build's exact command.
 
 find_program(COHORT_CLANGXX NAMES clang++ clang++-14)
 if(NOT COHORT_CLANGXX)
