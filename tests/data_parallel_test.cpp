@@ -433,6 +433,9 @@ TEST(DataParallel, ChannelsLastParametersKeepTheirLayoutInTheBuckets) {
   const auto y = torch::randint(0, 3, {8}, torch::kInt64);
   constexpr int kSteps = 4;
   auto reference = convNet();
+  // The ranks start from these: their threads share torch's generator, so convNet()'s seeding
+  // there races and rank 0's own draws could differ from the reference's.
+  const auto init = snapshot(*reference);
   {
     torch::optim::SGD opt(reference->parameters(), 0.1);
     for (int s = 0; s < kSteps; ++s) {
@@ -445,6 +448,7 @@ TEST(DataParallel, ChannelsLastParametersKeepTheirLayoutInTheBuckets) {
   onRanks(2, [&](std::shared_ptr<Communicator> comm) {
     const int r = comm->rank();
     auto net = convNet();
+    load(*net, init);
     toChannelsLast(*net);
     const torch::Tensor weight = net->parameters()[0];
     ASSERT_TRUE(weight.is_contiguous(torch::MemoryFormat::ChannelsLast));
