@@ -208,6 +208,101 @@ TEST_P(DataParallelReplicas, EndBitIdenticalWithMomentumUnusedParametersAndBuffe
 INSTANTIATE_TEST_SUITE_P(Codecs, DataParallelReplicas,
                          ::testing::Values("none", "fp16", "bf16", "topk:0.3", "threshold:0.01", "onebit"));
 
+// findUnusedParameters: a branch no rank takes keeps no .grad, so momentum and weight decay
+// leave it alone, as in one process with the combined batch (DDP's find_unused_parameters);
+// without the option its .grad becomes zeros and momentum moves it on.
+TEST(DataParallel, ParametersNoRankUsedKeepNoGradientWithFindUnusedParameters) {
+  const int world = 2, steps = 5;
+  const int64_t b = 4;
+  const Data d = makeData(int64_t(world) * b * steps);
+  const auto init = initialParameters();
+  const auto sgd = [](Net& net) {
+    return torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+  };
+  const auto useSide = [](int s) { return s < 2; };  // every rank: the side branch in the first steps only
+  Net ref;
+  load(*ref, init);
+  auto refOpt = sgd(ref);
+  for (int s = 0; s < steps; ++s) {
+    refOpt.zero_grad();
+    auto part = shard(d, int64_t(s) * world * b, int64_t(world) * b, 0, 1);
+    lossOf(ref->forward(part.x, useSide(s)), part.y).backward();
+    refOpt.step();
+  }
+  ASSERT_FALSE(ref->side->weight.grad().defined());
+  const auto reference = snapshot(*ref);
+  for (const bool find : {true, false}) {
+    SCOPED_TRACE(find ? "findUnusedParameters" : "without findUnusedParameters");
+    std::vector<std::vector<torch::Tensor>> finals(world);
+    std::vector<torch::Tensor> sides(world);
+    onRanks(world, [&](std::shared_ptr<Communicator> comm) {
+      const int r = comm->rank();
+      Net net;
+      load(*net, init);
+      auto opt = sgd(net);
+      DataParallel dp(Job::fromCommunicator(comm), *net, {.bucketMb = 0.0005, .findUnusedParameters = find});
+      for (int s = 0; s < steps; ++s) {
+        opt.zero_grad();
+        auto part = shard(d, int64_t(s) * world * b, b, r, world);
+        lossOf(net->forward(part.x, useSide(s)), part.y).backward();
+        EXPECT_EQ(net->side->weight.grad().defined(), useSide(s) || !find) << "step " << s;
+        EXPECT_EQ(net->side->bias.grad().defined(), useSide(s) || !find) << "step " << s;
+        EXPECT_TRUE(net->out->weight.grad().defined()) << "step " << s;
+        opt.step();
+      }
+      EXPECT_EQ(dp.stats().syncSteps, steps);
+      finals[size_t(r)] = snapshot(*net);
+      sides[size_t(r)] = net->side->weight.detach().clone();
+    });
+    expectEqual(finals[0], finals[1]);
+    if (find) {
+      expectClose(finals[0], reference);
+    } else {
+      // The side branch's weight went on moving.
+      EXPECT_FALSE(torch::allclose(sides[0], ref->side->weight, 1e-5, 1e-5));
+    }
+  }
+}
+
+// With findUnusedParameters, a branch only some ranks take is averaged (zeros from the others)
+// and every rank gets its .grad; one no rank takes stays without. It holds through join(): the
+// ranks that have joined count as using nothing.
+TEST(DataParallel, FindUnusedParametersAgreesAcrossRanksAndThroughJoin) {
+  std::vector<std::vector<torch::Tensor>> finals(3), sideGrads(3);
+  std::vector<DataParallelStats> stats(3);
+  onRanks(3, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    torch::manual_seed(1);
+    Net net;
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    DataParallel dp(Job::fromCommunicator(comm), *net, {.findUnusedParameters = true});
+    const int batches = 5 - r;  // 5, 4, 3: ranks 1 and 2 join early
+    dp.join([&] {
+      for (int s = 0; s < batches; ++s) {
+        opt.zero_grad();
+        // Step 0: only rank 2 takes the side branch; step 1: none; later: rank 0 alone, while
+        // the others have joined (step 4) or not (steps 2, 3).
+        const bool side = (s == 0 && r == 2) || (s >= 2 && r == 0);
+        auto x = torch::full({4, 4}, 0.1 * (r + 1) + 0.01 * s);
+        lossOf(net->forward(x, side), torch::full({4}, s % 3, torch::kInt64)).backward();
+        const bool someRank = s != 1;
+        EXPECT_EQ(net->side->weight.grad().defined(), someRank) << "rank " << r << " step " << s;
+        if (s == 0) sideGrads[size_t(r)].push_back(net->side->weight.grad().clone());
+        opt.step();
+      }
+    });
+    finals[size_t(r)] = snapshot(*net);
+    stats[size_t(r)] = dp.stats();
+  });
+  expectEqual(sideGrads[0], sideGrads[2]);
+  expectEqual(sideGrads[1], sideGrads[2]);
+  EXPECT_GT(sideGrads[0][0].abs().sum().item<float>(), 0.0f);
+  expectEqual(finals[0], finals[1]);
+  expectEqual(finals[0], finals[2]);
+  EXPECT_EQ(stats[0].syncSteps, 5);
+  EXPECT_EQ(stats[2].shadowSteps, 2);
+}
+
 // Every codec's buckets start from the gradient hooks, before backward ends (the sparse codecs
 // used to wait for its end): one bucket per parameter, and a hook of the test's own on the first
 // layer's weight, whose gradient comes last, sees the buckets of every later layer started. The

@@ -17,8 +17,9 @@
 // parameter's gradient accumulator runs once autograd has added the gradient into .grad and scales
 // the slot by 1/N (a .grad of its own, after zero_grad() set it to none, is copied in and dropped);
 // a full bucket's allreduce is launched at once and overlaps the rest of backward. At the end of
-// backward (an autograd final callback) the buckets are waited for and each .grad holds the average. Parameters that
-// got no gradient on this rank contribute zeros, so unused parameters never hang a step.
+// backward (an autograd final callback) the buckets are waited for and each .grad holds the
+// average. Parameters that got no gradient on this rank contribute zeros, so unused parameters
+// never hang a step (findUnusedParameters leaves those no rank used without a .grad).
 //
 // Contract, as for c10d's ProcessGroup:
 //   - Every rank constructs the handle over the same model (names, shapes, dtypes and the
@@ -58,6 +59,12 @@ struct COHORT_API DataParallelOptions {
   // synchronizeBuffers().
   enum class Buffers { kEveryStep, kOnRequest };
   Buffers buffers = Buffers::kEveryStep;
+  // DDP's find_unused_parameters. true: a parameter whose .grad is none on every rank when a
+  // synchronized backward ends (zero_grad() set it to none and no rank's graph reached it) keeps
+  // none, so the optimizer skips it (no weight decay, no momentum), as one process would; it
+  // costs one allreduce of an int32 per parameter per step, after the buckets. false: such a
+  // parameter's .grad becomes zeros. A .grad that any rank has is averaged either way.
+  bool findUnusedParameters = false;
 };
 
 // Counters since the handle was made.

@@ -282,11 +282,36 @@ struct COHORT_LOCAL DataParallel::Impl {
     }
   }
 
+  // Whether parameter k has a gradient on this rank at the end of backward: its hook ran in this
+  // backward, or its .grad is still there (earlier backward passes under noSync, or no zero_grad()).
+  bool hasGradient(size_t k) const {
+    if (params[k].grad().defined()) return true;
+    if (rowSparse[k]) return sparseGrads[k].defined();
+    const auto [b, i] = slotOf[k];
+    return buckets[b].filled[i];
+  }
+
+  // Per parameter, whether some rank has a gradient for it (`mine`: this rank's; a rank that
+  // has joined has none): an allreduce of one int32 per parameter, issued after the buckets by
+  // every rank so that the collectives pair up. Without findUnusedParameters, all true.
+  std::vector<bool> usedOnSomeRank(const std::vector<bool>& mine) {
+    std::vector<bool> used(params.size(), true);
+    if (!options.findUnusedParameters) return used;
+    auto counts = torch::zeros({int64_t(params.size())}, torch::kInt32);
+    auto* count = counts.data_ptr<int32_t>();
+    for (size_t k = 0; k < mine.size(); ++k) count[k] = mine[k] ? 1 : 0;
+    comm->allreduce(counts);
+    for (size_t k = 0; k < params.size(); ++k) used[k] = count[k] > 0;
+    return used;
+  }
+
   // The autograd final callback of a synchronized backward.
   void endSync() {
     inBackward = false;
     guard([&] {
       torch::NoGradGuard noGrad;
+      std::vector<bool> mine(params.size());
+      for (size_t k = 0; k < params.size(); ++k) mine[k] = hasGradient(k);
       // Parameters that got no gradient: what their .grad holds (averaged like any), else zeros.
       for (auto& bucket : buckets) {
         for (size_t i = 0; i < bucket.params.size(); ++i) {
@@ -308,12 +333,16 @@ struct COHORT_LOCAL DataParallel::Impl {
       }
       const auto waitStart = Clock::now();
       exchangeAll();
+      const std::vector<bool> used = usedOnSomeRank(mine);
       stats.commWaitSeconds += secondsSince(waitStart);
+      // A parameter no rank has a gradient for keeps none (findUnusedParameters): its slot summed zeros.
       for (auto& bucket : buckets) {
-        for (size_t i = 0; i < bucket.params.size(); ++i) params[bucket.params[i]].mutable_grad() = bucket.slots[i];
+        for (size_t i = 0; i < bucket.params.size(); ++i) {
+          if (used[bucket.params[i]]) params[bucket.params[i]].mutable_grad() = bucket.slots[i];
+        }
       }
       for (size_t k = 0; k < params.size(); ++k) {
-        if (rowSparse[k]) params[k].mutable_grad() = sparseGrads[k];
+        if (rowSparse[k] && used[k]) params[k].mutable_grad() = sparseGrads[k];
       }
       if (options.buffers == DataParallelOptions::Buffers::kEveryStep) averageInPlace(*comm, module->buffers());
       ++stats.syncSteps;
@@ -373,6 +402,7 @@ struct COHORT_LOCAL DataParallel::Impl {
         for (auto& g : sparseGrads) g = torch::Tensor();
         startCounting();
         exchangeAll();
+        usedOnSomeRank(std::vector<bool>(params.size(), false));
         if (options.buffers == DataParallelOptions::Buffers::kEveryStep) averageInPlace(*comm, module->buffers());
         ++stats.shadowSteps;
       }
@@ -447,11 +477,12 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
   }
   s.comm = job.communicator();
   if (s.comm == nullptr) return;  // one process: nothing to exchange, nothing hooked
-  checkSameModel(*s.comm, module, kWho,
-                 detail::concat("options codec=", s.options.codec, " codecWarmupSteps=", s.options.codecWarmupSteps,
-                                " bucketMb=", s.options.bucketMb, " firstBucketMb=", s.options.firstBucketMb,
-                                " overlap=", s.options.overlap, " buffers=", int(s.options.buffers), " device=",
-                                c10::DeviceTypeName(device.type(), /*lower_case=*/true), " layouts=", s.layouts()));
+  checkSameModel(
+      *s.comm, module, kWho,
+      detail::concat("options codec=", s.options.codec, " codecWarmupSteps=", s.options.codecWarmupSteps, " bucketMb=",
+                     s.options.bucketMb, " firstBucketMb=", s.options.firstBucketMb, " overlap=", s.options.overlap,
+                     " buffers=", int(s.options.buffers), " findUnusedParameters=", s.options.findUnusedParameters,
+                     " device=", c10::DeviceTypeName(device.type(), /*lower_case=*/true), " layouts=", s.layouts()));
   broadcastModel(*s.comm, module);
   s.buildBuckets();
   s.accumulators.resize(s.params.size());
