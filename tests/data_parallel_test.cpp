@@ -303,6 +303,105 @@ TEST(DataParallel, FindUnusedParametersAgreesAcrossRanksAndThroughJoin) {
   EXPECT_EQ(stats[2].shadowSteps, 2);
 }
 
+// A model of any floating dtype, or of several (a bucket per dtype): rank r's final parameters
+// after `steps` SGD steps on its half of each batch of 8, for r = 0, 1, and then one process's on
+// the whole batches. The models are made on the test's thread (the ranks share one generator).
+struct DtypeRun {
+  std::vector<std::vector<torch::Tensor>> ranks;
+  std::vector<torch::Tensor> oneProcess;
+  size_t buckets = 0;
+};
+
+DtypeRun trainInDtypes(const std::function<torch::nn::Sequential()>& make, torch::Dtype inputs, int steps = 3) {
+  torch::manual_seed(5);
+  const auto x = torch::randn({8 * steps, 4}).to(inputs);
+  const auto y = torch::randint(0, 3, {8 * steps}, torch::kInt64);
+  const auto train = [&](torch::nn::Sequential& net, int64_t from, int64_t every) {
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      const auto idx = torch::arange(8 * s + from, 8 * (s + 1), every, torch::kInt64);
+      lossOf(net->forward(x.index_select(0, idx)), y.index_select(0, idx)).backward();
+      opt.step();
+    }
+  };
+  std::vector<torch::nn::Sequential> models = {make(), make()};
+  DtypeRun run;
+  run.ranks.resize(2);
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    DataParallel dp(Job::fromCommunicator(comm), *models[size_t(r)], {.bucketMb = 0.0001, .firstBucketMb = 0.0001});
+    train(models[size_t(r)], r, 2);
+    run.ranks[size_t(r)] = snapshot(*models[size_t(r)]);
+    if (r == 0) run.buckets = dp.stats().buckets;
+  });
+  auto one = make();
+  train(one, 0, 1);
+  run.oneProcess = snapshot(*one);
+  return run;
+}
+
+torch::nn::Sequential smallNet() {
+  torch::manual_seed(2);
+  return torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 3));
+}
+
+// float64 parameters: the ranks equal one process at float64's precision. A model whose first
+// layer is float32 and last float64 gets buckets of each and still equals one process.
+TEST(DataParallel, Float64AndMixedDtypeModelsEqualOneProcess) {
+  const DtypeRun f64 = trainInDtypes(
+      [] {
+        auto net = smallNet();
+        net->to(torch::kFloat64);
+        return net;
+      },
+      torch::kFloat64);
+  expectEqual(f64.ranks[0], f64.ranks[1]);
+  expectClose(f64.ranks[0], f64.oneProcess, 1e-12);
+  for (const auto& p : f64.ranks[0]) EXPECT_EQ(p.scalar_type(), torch::kFloat64);
+
+  const DtypeRun mixed = trainInDtypes(
+      [] {
+        torch::manual_seed(2);
+        torch::nn::Sequential net(torch::nn::Linear(4, 8), torch::nn::ReLU(),
+                                  torch::nn::Functional([](const torch::Tensor& h) { return h.to(torch::kFloat64); }),
+                                  torch::nn::Linear(8, 3));
+        net->ptr(3)->to(torch::kFloat64);
+        return net;
+      },
+      torch::kFloat32);
+  EXPECT_GE(mixed.buckets, 2u);
+  expectEqual(mixed.ranks[0], mixed.ranks[1]);
+  expectClose(mixed.ranks[0], mixed.oneProcess);
+  EXPECT_EQ(mixed.ranks[0].front().scalar_type(), torch::kFloat32);
+  EXPECT_EQ(mixed.ranks[0].back().scalar_type(), torch::kFloat64);
+}
+
+// bfloat16 parameters: the gradients are averaged in bfloat16 (the ranks stay bit-identical, and
+// within bfloat16's rounding of one process); a codec that compresses float32 is refused, naming
+// the fix.
+TEST(DataParallel, Bfloat16ModelsAverageInBfloat16AndRefuseCompression) {
+  const DtypeRun bf16 = trainInDtypes(
+      [] {
+        auto net = smallNet();
+        net->to(torch::kBFloat16);
+        return net;
+      },
+      torch::kBFloat16);
+  expectEqual(bf16.ranks[0], bf16.ranks[1]);
+  for (const auto& p : bf16.ranks[0]) EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
+  expectClose(bf16.ranks[0], bf16.oneProcess, 2e-3);  // 1.2e-4 seen
+  auto net = smallNet();
+  net->to(torch::kBFloat16);
+  try {
+    DataParallel dp(Job::single(), *net, {.codec = "fp16"});
+    FAIL() << "no error for a bfloat16 model under fp16";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("codec none"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("BFloat16"), std::string::npos) << e.what();
+  }
+}
+
 // Every codec's buckets start from the gradient hooks, before backward ends (the sparse codecs
 // used to wait for its end): one bucket per parameter, and a hook of the test's own on the first
 // layer's weight, whose gradient comes last, sees the buckets of every later layer started. The

@@ -91,8 +91,11 @@ struct COHORT_API DataParallelStats {
 class COHORT_API DataParallel {
  public:
   // Broadcasts rank 0's parameters and buffers to every rank and hooks the parameters. A collective
-  // of the job's workers. Throws InvalidArgument for a module without trainable parameters, with
-  // parameters that are not float32, that differ across ranks, or for a codec that does not parse.
+  // of the job's workers. Parameters may be of any floating dtype (float32, float64, float16,
+  // bfloat16; a bucket holds one dtype, its sums taken in it); codecs other than none need float32.
+  // Throws InvalidArgument for a module without trainable parameters, with parameters that are not
+  // floating-point (or not float32 under a codec), that differ across ranks, or for a codec that
+  // does not parse.
   DataParallel(const Job& job, torch::nn::Module& module, DataParallelOptions options = {});
   ~DataParallel();
   DataParallel(const DataParallel&) = delete;

@@ -150,10 +150,13 @@ CompressedSum::Phases CompressedSum::phases() const {
 }
 
 void CompressedSum::start(size_t id, torch::Tensor flat) {
-  COHORT_CHECK(id < encoders_.size() && flat.scalar_type() == torch::kFloat32 && flat.is_contiguous() &&
-                   flat.numel() == int64_t(encoders_[id].length()),
-               InvalidArgument, "CompressedSum: buffer ", id, " must be a contiguous float32 tensor of ",
-               id < encoders_.size() ? encoders_[id].length() : 0, " elements");
+  // Codec none sums any floating dtype (Gloo and NCCL do); the others encode float32 values.
+  const bool dtypeOk = spec_.kind == CodecKind::None ? flat.is_floating_point() : flat.scalar_type() == torch::kFloat32;
+  COHORT_CHECK(
+      id < encoders_.size() && dtypeOk && flat.is_contiguous() && flat.numel() == int64_t(encoders_[id].length()),
+      InvalidArgument, "CompressedSum: buffer ", id, " must be a contiguous ",
+      spec_.kind == CodecKind::None ? "floating-point" : "float32", " tensor of ",
+      id < encoders_.size() ? encoders_[id].length() : 0, " elements");
   COHORT_CHECK(flat.device() == device_, InvalidArgument, "CompressedSum: buffer ", id, " is on ", flat.device(),
                ", but this exchange was made for buffers on ", device_);
   if (spec_.kind == CodecKind::None) {

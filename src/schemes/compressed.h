@@ -2,8 +2,8 @@
 // exchange with collectives (allreduce, average).
 //
 // How each codec travels:
-//   none       Gloo allreduce of the float32 buffer (ring: 2 (N-1)/N of it each way), launched
-//              from the caller's thread.
+//   none       Gloo allreduce of the buffer (ring: 2 (N-1)/N of it each way), launched from the
+//              caller's thread; the buffer may be of any floating dtype (the others take float32).
 //   fp16,bf16  a ring allreduce of this class's own, over point-to-point sends and receives: the
 //              wire carries 16 bits, the sums are taken in float32. Reduce-scatter: in N-1 hops
 //              each rank sends one chunk (its own float32 values rounded to 16 bits, or the partial

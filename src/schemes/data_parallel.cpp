@@ -129,7 +129,9 @@ struct COHORT_LOCAL DataParallel::Impl {
       if (rowSparse[k]) continue;
       const int64_t size = params[k].numel() * int64_t(params[k].element_size());
       const double capMb = groups.size() == 1 ? options.firstBucketMb : options.bucketMb;
-      if (!groups.back().empty() && double(bytes + size) > capMb * 1024 * 1024) {
+      // A bucket holds one dtype (a model of float32 and float64 layers gets buckets of each).
+      const bool otherDtype = !groups.back().empty() && params[groups.back().front()].dtype() != params[k].dtype();
+      if (!groups.back().empty() && (otherDtype || double(bytes + size) > capMb * 1024 * 1024)) {
         groups.emplace_back();
         bytes = 0;
       }
@@ -142,8 +144,9 @@ struct COHORT_LOCAL DataParallel::Impl {
       Bucket bucket;
       int64_t numel = 0;
       for (size_t k : group) numel += params[k].numel();
-      // On the parameters' device (a CUDA model's buckets are CUDA memory).
-      const auto options = torch::TensorOptions().dtype(torch::kFloat32).device(params[group.front()].device());
+      // On the parameters' device (a CUDA model's buckets are CUDA memory), in their dtype.
+      const auto options =
+          torch::TensorOptions().dtype(params[group.front()].dtype()).device(params[group.front()].device());
       bucket.flat = torch::zeros({numel}, options);
       int64_t offset = 0;
       for (size_t k : group) {
@@ -181,7 +184,7 @@ struct COHORT_LOCAL DataParallel::Impl {
   // the handle safely. Every rank lays its slots out the same way (checked with the model).
   static torch::Tensor slotFor(const torch::Tensor& flat, int64_t offset, const torch::Tensor& p) {
     const bool ownLayout = p.is_non_overlapping_and_dense() && !p.is_contiguous();
-    float* at = flat.data_ptr<float>() + offset;
+    void* at = static_cast<char*>(flat.data_ptr()) + offset * int64_t(flat.element_size());
     auto keep = [flat](void*) {};
     if (!ownLayout) return torch::from_blob(at, p.sizes(), keep, flat.options());
     return torch::from_blob(at, p.sizes(), p.strides(), keep, flat.options());
@@ -217,14 +220,16 @@ struct COHORT_LOCAL DataParallel::Impl {
       const int64_t active = guard([&] { return activeRanks(1); });
       scale = 1.0 / double(std::max<int64_t>(1, active));
     }
-    scaleTensor = torch::scalar_tensor(scale, torch::kFloat32);
+    scaleTensor = torch::scalar_tensor(scale, torch::kFloat64);
   }
 
   // slot = gradient * scale, in one kernel. mul_out with a Scalar would not be: in LibTorch 2.11
   // its out= form multiplies into a temporary and copies that into `out` (seen in a --profile
   // trace: 5 operators, an allocation and 2 kernels per parameter); mul_out with a 0-dim CPU
   // tensor is the structured kernel itself, and a CUDA kernel takes a CPU scalar. The product is the
-  // same: either way the float32 gradient is multiplied by float(scale). At one rank, a copy.
+  // same: either way a float32 gradient is multiplied by float(scale) (a 0-dim tensor does not
+  // promote the gradient's dtype; it is double so that a float64 gradient gets the exact scale).
+  // At one rank, a copy.
   void scaledInto(torch::Tensor& slot, const torch::Tensor& gradient) const {
     if (scale == 1.0) {
       slot.copy_(gradient);
@@ -447,19 +452,24 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
                options.firstBucketMb);
   COHORT_CHECK(options.codecWarmupSteps >= 0, InvalidArgument, kWho, ": codecWarmupSteps must be at least 0, got ",
                options.codecWarmupSteps);
-  compress::CodecSpec::parse(options.codec);  // throws InvalidArgument naming the accepted forms
+  const auto codec = compress::CodecSpec::parse(options.codec);  // throws InvalidArgument naming the accepted forms
   s.options = std::move(options);
   s.module = &module;
   for (auto& [name, p] : uniqueParameters(module)) {
     if (!p.requires_grad()) continue;
-    COHORT_CHECK(p.scalar_type() == torch::kFloat32, InvalidArgument, kWho, ": parameter ", name, " is ", p.dtype(),
-                 "; DataParallel averages float32 parameters");
+    COHORT_CHECK(p.is_floating_point(), InvalidArgument, kWho, ": parameter ", name, " is ", p.dtype(),
+                 "; DataParallel averages floating-point parameters (float32, float64, float16, bfloat16)");
+    COHORT_CHECK(p.scalar_type() == torch::kFloat32 || codec.kind == compress::CodecKind::None, InvalidArgument, kWho,
+                 ": parameter ", name, " is ", p.dtype(), ", but codec ", codec.text(),
+                 " compresses float32 gradients: use codec none (any floating dtype) or a float32 model");
     COHORT_CHECK(s.params.empty() || p.device() == s.params.front().device(), InvalidArgument, kWho, ": parameter ",
                  name, " is on ", p.device(), " but ", s.names.front(), " on ", s.params.front().device(),
                  "; DataParallel needs the whole model on one device: call module->to(device) first");
     s.names.push_back(name);
     s.params.push_back(p);
     s.rowSparse.push_back(p.dim() == 2 && hasRowSparseGradient(module, p));
+    COHORT_CHECK(!s.rowSparse.back() || p.scalar_type() == torch::kFloat32, InvalidArgument, kWho, ": parameter ", name,
+                 " is a sparse embedding in ", p.dtype(), "; row-sparse gradients are exchanged in float32 only");
   }
   s.sparseGrads.resize(s.params.size());
   COHORT_CHECK(!s.params.empty(), InvalidArgument, kWho,
