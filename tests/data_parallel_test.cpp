@@ -341,21 +341,17 @@ DtypeRun trainInDtypes(const std::function<torch::nn::Sequential()>& make, torch
   return run;
 }
 
-torch::nn::Sequential smallNet() {
+torch::nn::Sequential smallNet(torch::Dtype dtype = torch::kFloat32) {
   torch::manual_seed(2);
-  return torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 3));
+  torch::nn::Sequential net(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 3));
+  net->to(dtype);
+  return net;
 }
 
 // float64 parameters: the ranks equal one process at float64's precision. A model whose first
 // layer is float32 and last float64 gets buckets of each and still equals one process.
 TEST(DataParallel, Float64AndMixedDtypeModelsEqualOneProcess) {
-  const DtypeRun f64 = trainInDtypes(
-      [] {
-        auto net = smallNet();
-        net->to(torch::kFloat64);
-        return net;
-      },
-      torch::kFloat64);
+  const DtypeRun f64 = trainInDtypes([] { return smallNet(torch::kFloat64); }, torch::kFloat64);
   expectEqual(f64.ranks[0], f64.ranks[1]);
   expectClose(f64.ranks[0], f64.oneProcess, 1e-12);
   for (const auto& p : f64.ranks[0]) EXPECT_EQ(p.scalar_type(), torch::kFloat64);
@@ -381,18 +377,11 @@ TEST(DataParallel, Float64AndMixedDtypeModelsEqualOneProcess) {
 // within bfloat16's rounding of one process); a codec that compresses float32 is refused, naming
 // the fix.
 TEST(DataParallel, Bfloat16ModelsAverageInBfloat16AndRefuseCompression) {
-  const DtypeRun bf16 = trainInDtypes(
-      [] {
-        auto net = smallNet();
-        net->to(torch::kBFloat16);
-        return net;
-      },
-      torch::kBFloat16);
+  const DtypeRun bf16 = trainInDtypes([] { return smallNet(torch::kBFloat16); }, torch::kBFloat16);
   expectEqual(bf16.ranks[0], bf16.ranks[1]);
   for (const auto& p : bf16.ranks[0]) EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
   expectClose(bf16.ranks[0], bf16.oneProcess, 2e-3);  // 1.2e-4 seen
-  auto net = smallNet();
-  net->to(torch::kBFloat16);
+  auto net = smallNet(torch::kBFloat16);
   try {
     DataParallel dp(Job::single(), *net, {.codec = "fp16"});
     FAIL() << "no error for a bfloat16 model under fp16";
