@@ -356,6 +356,214 @@ TEST_P(MirroredAcrossProcesses, EqualsOneProcessOnAllBatches) {
 INSTANTIATE_TEST_SUITE_P(Mirrored, MirroredAcrossProcesses, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "Overlapped" : "AfterBackward"; });
 
+// ---- dtypes, and parameters no replica used ----
+
+// Mirrored and CentralStorage on a float64 model equal one process at float64's precision; on a
+// bfloat16 model they sum in bfloat16, the replicas bit-identical and within its rounding of one
+// process.
+class ReplicaDtypes : public ::testing::TestWithParam<std::tuple<Scheme, torch::Dtype>> {};
+
+TEST_P(ReplicaDtypes, EqualOneProcessInTheModelsDtype) {
+  const auto [scheme, dtype] = GetParam();
+  Data d = batches(3, 12);
+  for (auto& x : d.x) x = x.to(dtype);
+  auto alone = smallNet(1);
+  alone->to(dtype);
+  torch::optim::SGD aloneOpt(alone->parameters(), 0.1);
+  for (size_t i = 0; i < d.x.size(); ++i) {
+    aloneOpt.zero_grad();
+    crossEntropy(*alone, d.x[i], d.y[i]).backward();
+    aloneOpt.step();
+  }
+  auto net = smallNet(1);
+  net->to(dtype);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  auto group = makeGroup(scheme, net, opt, {.replicas = 3, .bucketMb = 0.0002});
+  for (size_t i = 0; i < d.x.size(); ++i) group->step(d.x[i], d.y[i], kLoss);
+  const auto got = parametersOf(*net);
+  for (const auto& p : got) EXPECT_EQ(p.scalar_type(), dtype);
+  const double tolerance = dtype == torch::kFloat64 ? 1e-12 : 4e-3;  // seen: 1.4e-17, 4.9e-4
+  EXPECT_LT(maxDifference(got, parametersOf(*alone)), tolerance);
+  for (int r = 1; r < 3; ++r) EXPECT_TRUE(identical(parametersOf(group->replica(r)), got)) << r;
+  int64_t bytes = 0;  // of the model's gradients, in its dtype
+  for (const auto& p : got) bytes += p.numel() * int64_t(p.element_size());
+  EXPECT_EQ(group->stats().bytesReduced, int64_t(d.x.size()) * 3 * bytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(Replicas, ReplicaDtypes,
+                         ::testing::Values(std::make_tuple(Scheme::kMirrored, torch::kFloat64),
+                                           std::make_tuple(Scheme::kCentral, torch::kFloat64),
+                                           std::make_tuple(Scheme::kMirrored, torch::kBFloat16)),
+                         [](const auto& info) {
+                           const bool mirrored = std::get<0>(info.param) == Scheme::kMirrored;
+                           const bool f64 = std::get<1>(info.param) == torch::kFloat64;
+                           return std::string(mirrored ? "Mirrored" : "Central") + (f64 ? "Float64" : "Bfloat16");
+                         });
+
+// A model whose last layer is float64 and the others float32: a bucket of each (the buckets are
+// large enough for the whole model), and the group equals one process.
+TEST(Mirrored, MixedDtypeModelGetsABucketPerDtype) {
+  const auto mixedNet = [] {
+    auto base = smallNet(1);
+    nn::Sequential net;
+    for (size_t i = 0; i < base->size(); ++i) {
+      if (i == 5) net->push_back(nn::Functional([](const torch::Tensor& h) { return h.to(torch::kFloat64); }));
+      net->push_back(base->begin()[std::ptrdiff_t(i)]);
+    }
+    net->ptr(6)->to(torch::kFloat64);
+    return net;
+  };
+  const Data d = batches(3, 12);
+  auto alone = mixedNet();
+  torch::optim::SGD aloneOpt(alone->parameters(), 0.1);
+  for (size_t i = 0; i < d.x.size(); ++i) {
+    aloneOpt.zero_grad();
+    crossEntropy(*alone, d.x[i], d.y[i]).backward();
+    aloneOpt.step();
+  }
+  auto net = mixedNet();
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  Mirrored mirrored(net.ptr(), opt, {.replicas = 2});
+  for (size_t i = 0; i < d.x.size(); ++i) mirrored.step(d.x[i], d.y[i], kLoss);
+  EXPECT_EQ(mirrored.stats().buckets, 2);
+  EXPECT_EQ(net->parameters().back().scalar_type(), torch::kFloat64);
+  EXPECT_LT(maxDifference(parametersOf(*net), parametersOf(*alone)), 1e-5);
+  EXPECT_TRUE(identical(parametersOf(mirrored.replica(1)), parametersOf(*net)));
+}
+
+// A net whose side branch the loss function may skip: its parameters then get no gradient.
+struct BranchNetImpl : nn::Cloneable<BranchNetImpl> {
+  BranchNetImpl() { reset(); }
+  void reset() override {
+    in = register_module("in", nn::Linear(4, 6));
+    side = register_module("side", nn::Linear(6, 6));
+    out = register_module("out", nn::Linear(6, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool useSide) {
+    auto h = torch::relu(in->forward(x));
+    if (useSide) h = h + side->forward(h);
+    return out->forward(h);
+  }
+  nn::Linear in{nullptr}, side{nullptr}, out{nullptr};
+};
+TORCH_MODULE(BranchNet);
+
+BranchNet branchNet() {
+  static std::mutex generator;
+  std::lock_guard<std::mutex> lock(generator);
+  torch::manual_seed(4);
+  return BranchNet();
+}
+
+torch::optim::SGD momentumSgd(BranchNet& net) {
+  return torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+}
+
+// Shard j of a step takes the side branch when takes(step, j). One process, loss the shards'
+// losses weighted by their sizes (equal here), gradients set to none before each step: the
+// reference. *sideGrad[s]: whether the side branch had a .grad at step s.
+std::vector<torch::Tensor> branchAlone(const Data& d, int shards, const std::function<bool(int, int)>& takes,
+                                       std::vector<bool>* sideGrad) {
+  auto net = branchNet();
+  auto opt = momentumSgd(net);
+  for (size_t s = 0; s < d.x.size(); ++s) {
+    opt.zero_grad();
+    const int64_t each = d.x[s].size(0) / shards;
+    torch::Tensor loss = torch::zeros({});
+    for (int j = 0; j < shards; ++j) {
+      auto out = net->forward(d.x[s].narrow(0, each * j, each), takes(int(s), j));
+      loss = loss + nn::functional::cross_entropy(out, d.y[s].narrow(0, each * j, each)) / shards;
+    }
+    loss.backward();
+    sideGrad->push_back(net->side->weight.grad().defined());
+    opt.step();
+  }
+  return parametersOf(*net);
+}
+
+Data branchData(int steps, int64_t n) {
+  torch::manual_seed(98);
+  Data d;
+  for (int i = 0; i < steps; ++i) {
+    d.x.push_back(torch::randn({n, 4}));
+    d.y.push_back(torch::randint(0, 3, {n}));
+  }
+  return d;
+}
+
+// Step 0: every shard takes the side branch; step 1: only shard 1; later steps: none.
+bool takesSide(int step, int shard) { return step == 0 || (step == 1 && shard == 1); }
+
+// Mirrored and CentralStorage: a branch no replica takes keeps .grad none, so momentum and weight
+// decay leave it alone, and the group equals one process with the gradients set to none; a branch
+// one replica takes gets the sum.
+class UnusedParameters : public ::testing::TestWithParam<Scheme> {};
+
+TEST_P(UnusedParameters, KeepNoGradientAndEqualOneProcess) {
+  const Data d = branchData(5, 8);
+  std::vector<bool> aloneSide;
+  const auto expected = branchAlone(d, 2, takesSide, &aloneSide);
+  ASSERT_EQ(aloneSide, (std::vector<bool>{true, true, false, false, false}));
+  auto net = branchNet();
+  auto opt = momentumSgd(net);
+  std::unique_ptr<ReplicaGroup> g;
+  if (GetParam() == Scheme::kMirrored) {
+    g = std::make_unique<Mirrored>(net.ptr(), opt, ReplicaOptions{.replicas = 2, .bucketMb = 0.0002});
+  } else {
+    g = std::make_unique<CentralStorage>(net.ptr(), opt, ReplicaOptions{.replicas = 2, .bucketMb = 0.0002});
+  }
+  for (size_t s = 0; s < d.x.size(); ++s) {
+    g->step(d.x[s], d.y[s], [s](int r, nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
+      return nn::functional::cross_entropy(m.as<BranchNetImpl>()->forward(x, takesSide(int(s), r)), y);
+    });
+    EXPECT_EQ(net->side->weight.grad().defined(), aloneSide[s]) << "step " << s;
+    EXPECT_EQ(net->side->bias.grad().defined(), aloneSide[s]) << "step " << s;
+    EXPECT_TRUE(net->out->weight.grad().defined()) << "step " << s;
+  }
+  EXPECT_LT(maxDifference(parametersOf(*net), expected), 1e-5);
+  EXPECT_TRUE(identical(parametersOf(g->replica(1)), parametersOf(*net)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Replicas, UnusedParameters, ::testing::Values(Scheme::kMirrored, Scheme::kCentral),
+                         [](const auto& info) { return info.param == Scheme::kMirrored ? "Mirrored" : "Central"; });
+
+// Mirrored across processes (ranks as threads), 2 replicas each: with findUnusedParameters a
+// branch no replica of any process takes keeps .grad none on every process, and the job equals
+// one process; without it, the branch gets zeros and momentum moves it on.
+TEST(Mirrored, FindUnusedParametersAcrossProcessesEqualsOneProcess) {
+  const int world = 2, R = 2;
+  const Data d = branchData(5, 8 * world);
+  std::vector<bool> aloneSide;
+  const auto expected = branchAlone(d, world * R, takesSide, &aloneSide);
+  for (const bool find : {true, false}) {
+    SCOPED_TRACE(find ? "findUnusedParameters" : "without findUnusedParameters");
+    std::vector<BranchNet> nets{branchNet(), branchNet()};
+    std::vector<std::vector<torch::Tensor>> got(world);
+    test::onRanks(world, [&](std::shared_ptr<Communicator> comm) {
+      const int rank = comm->rank();
+      auto& net = nets[size_t(rank)];
+      auto opt = momentumSgd(net);
+      Mirrored mirrored(Job::fromCommunicator(comm), net.ptr(), opt,
+                        {.replicas = R, .bucketMb = 0.0002, .findUnusedParameters = find});
+      for (size_t s = 0; s < d.x.size(); ++s) {
+        mirrored.step(d.x[s].narrow(0, 8 * rank, 8), d.y[s].narrow(0, 8 * rank, 8),
+                      [&, s](int r, nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
+                        const bool side = takesSide(int(s), rank * R + r);
+                        return nn::functional::cross_entropy(m.as<BranchNetImpl>()->forward(x, side), y);
+                      });
+        EXPECT_EQ(net->side->weight.grad().defined(), aloneSide[s] || !find) << "rank " << rank << " step " << s;
+      }
+      got[size_t(rank)] = parametersOf(*net);
+    });
+    EXPECT_TRUE(identical(got[0], got[1]));
+    if (find) {
+      EXPECT_LT(maxDifference(got[0], expected), 1e-5);
+    } else {
+      EXPECT_GT(maxDifference(got[0], expected), 1e-4);  // the side branch moved on
+    }
+  }
+}
+
 // ---- averaging's outer optimizer ----
 
 // Two ranks, K local SGD steps on different data, then an average; returns rank 0's parameters,

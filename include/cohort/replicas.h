@@ -22,10 +22,13 @@
 //   }
 //
 // step() owns the whole step: it splits the batch along its first dimension into R shards (sizes
-// differing by at most one, or with `balance` in proportion to the replicas' speeds), runs forward, loss and backward of each shard on its replica's thread,
-// and the optimizer. The loss function runs on a replica thread and must touch only its arguments.
-// The gradient is the shards' gradients weighted by their sizes: for Mirrored and CentralStorage a
-// step equals one step of a single process on the whole batch.
+// differing by at most one, or with `balance` in proportion to the replicas' speeds), runs forward, loss and backward
+// of each shard on its replica's thread, and the optimizer. The loss function runs on a replica thread and must touch
+// only its arguments. The gradient is the shards' gradients weighted by their sizes: for Mirrored and CentralStorage a
+// step equals one step of a single process on the whole batch. A parameter that no replica got a
+// gradient for (a branch the step skipped) keeps .grad none, so the optimizer skips it as one
+// process would (across processes: with findUnusedParameters). Parameters may be of any floating
+// dtype, or of several: a bucket holds one dtype and its sums are taken in that dtype.
 //
 // Devices: Mirrored and CentralStorage take a model on the CPU or on a GPU (Hogwild: the CPU only).
 // With the model on cuda:K, replica r is on cuda:((K + r) mod the GPU count): with one GPU every
@@ -78,6 +81,12 @@ struct COHORT_API ReplicaOptions {
   // gradient is weighted by its size) and the replicas stay bit-identical, but the split, and so
   // the rounding of the sums, depends on timing: two runs are no longer bit for bit the same.
   bool balance = false;
+  // Mirrored across processes: a parameter that no replica of any process got a gradient for
+  // (a branch the whole step skipped) keeps .grad none, so the optimizer leaves it alone as one
+  // process would (DDP's find_unused_parameters); costs one allreduce of an int32 per parameter
+  // per step. Without it such a parameter gets zeros (momentum and weight decay move it). Inside
+  // one process this needs no communication and is always done.
+  bool findUnusedParameters = false;
   std::chrono::milliseconds timeout{60000};  // every wait of one replica for another
 };
 

@@ -12,11 +12,14 @@ namespace cohort {
 void ReplicaGroup::Impl::buildBuckets() {
   const auto& params = replicas[0].params;
   slotOf.resize(params.size());
+  // A bucket holds one dtype, its sums taken in it: a parameter of another dtype than the one
+  // before it (in a model that mixes them) starts a bucket, as a full bucket does.
   std::vector<std::vector<size_t>> groups(1);
   int64_t bytes = 0;
   for (size_t k = params.size(); k-- > 0;) {  // roughly the order backward produces them
-    const int64_t size = params[k].numel() * int64_t(sizeof(float));
-    if (!groups.back().empty() && double(bytes + size) > options.bucketMb * 1024 * 1024) {
+    const int64_t size = params[k].numel() * int64_t(params[k].element_size());
+    const bool otherDtype = !groups.back().empty() && params[groups.back().back()].dtype() != params[k].dtype();
+    if (!groups.back().empty() && (otherDtype || double(bytes + size) > options.bucketMb * 1024 * 1024)) {
       groups.emplace_back();
       bytes = 0;
     }
@@ -27,13 +30,14 @@ void ReplicaGroup::Impl::buildBuckets() {
   for (auto& group : groups) {
     auto bucket = std::make_unique<Bucket>();
     for (size_t k : group) bucket->numel += params[k].numel();
-    bucket->sum = torch::zeros({bucket->numel}, torch::TensorOptions().device(replicas[0].device));
+    const auto dtype = params[group.front()].scalar_type();
+    bucket->sum = torch::zeros({bucket->numel}, torch::TensorOptions().dtype(dtype).device(replicas[0].device));
     bucket->local.resize(R);
     bucket->localSlots.resize(R);
     bucket->sumOnDevice.resize(R);
     bucket->sumOnDeviceSlots.resize(R);
     for (size_t r = 0; r < R; ++r) {
-      const auto on = torch::TensorOptions().device(replicas[r].device);
+      const auto on = torch::TensorOptions().dtype(dtype).device(replicas[r].device);
       bucket->local[r] = torch::zeros({bucket->numel}, on);
       bucket->sumOnDevice[r] = elsewhere(r) ? torch::zeros({bucket->numel}, on) : bucket->sum;
     }
@@ -64,7 +68,8 @@ void ReplicaGroup::Impl::onGradient(size_t r, size_t k, const torch::Tensor& gra
   torch::NoGradGuard noGrad;
   auto [b, i] = slotOf[k];
   // With a tensor, not a Scalar: mul_out's Scalar form multiplies into a temporary and copies it
-  // (data_parallel.cpp's scaledInto); this is one kernel, and the same float32 product.
+  // (data_parallel.cpp's scaledInto); this is one kernel. The weight is a 0-dim double, which
+  // does not promote the gradient's dtype: a float32 gradient gets float(weight), as before.
   torch::mul_out(buckets[b]->localSlots[r][i], grad, self.weightTensor);
   self.times.copy += secondsSince(start);
   if (!self.filled[b][i]) {

@@ -125,6 +125,10 @@ void ReplicaGroup::Impl::applyTheSums(Replica& self, size_t r) {
     for (auto& bucket : buckets) bucket->sumOnDevice[r].copy_(bucket->sum);
   }
   for (size_t k = 0; k < self.params.size(); ++k) {
+    if (!usedThisStep(k)) {
+      self.params[k].mutable_grad().reset();  // its slot holds zeros: the optimizer skips it instead
+      continue;
+    }
     auto [b, i] = slotOf[k];
     self.params[k].mutable_grad() = buckets[b]->sumOnDeviceSlots[r][i];
   }
@@ -132,9 +136,23 @@ void ReplicaGroup::Impl::applyTheSums(Replica& self, size_t r) {
   self.times.optimizer += secondsSince(start);
 }
 
+bool ReplicaGroup::Impl::usedHere(size_t k) const {
+  auto [b, i] = slotOf[k];
+  for (const auto& replica : replicas) {
+    if (replica.filled[b][i]) return true;
+  }
+  return false;
+}
+
+bool ReplicaGroup::Impl::usedThisStep(size_t k) const {
+  if (comm == nullptr) return usedHere(k);
+  return !options.findUnusedParameters || usedAcross[k] != 0;
+}
+
 // On replica 0 once every chunk is summed: waits for the buckets' allreduces (launched while
-// backward ran, or now without overlap) and makes the sums means. The traffic is counted by
-// step(); the time waited here is the communication backward did not hide.
+// backward ran, or now without overlap) and makes the sums means; with findUnusedParameters,
+// then allreduces which parameters got a gradient. The traffic is counted by step(); the time
+// waited here is the communication backward did not hide.
 void ReplicaGroup::Impl::averageAcrossProcesses() {
   const auto start = Clock::now();
   if (!options.overlap) {
@@ -147,6 +165,15 @@ void ReplicaGroup::Impl::averageAcrossProcesses() {
     bucket->crossWork.wait();
     bucket->crossWork = CommWork();
     bucket->sum.div_(comm->worldSize());
+  }
+  if (options.findUnusedParameters) {
+    // After every bucket, in the same place on every process, so the collectives pair up.
+    const size_t P = replicas[0].params.size();
+    auto used = torch::empty({int64_t(P)}, torch::kInt32);
+    auto* flags = used.data_ptr<int32_t>();
+    for (size_t k = 0; k < P; ++k) flags[k] = usedHere(k) ? 1 : 0;
+    comm->allreduce(used);
+    usedAcross.assign(flags, flags + P);
   }
   MutexLock lock(mutex);
   stats.commWaitSeconds += secondsSince(start);

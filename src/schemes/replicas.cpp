@@ -54,7 +54,9 @@ ReplicaGroup::ReplicaGroup(Kind kind, const Job* job, std::shared_ptr<torch::nn:
   const auto named = s.trainableParameters(*model);
   if (job != nullptr) s.comm = job->communicator();
   if (s.comm != nullptr) {
-    checkSameModel(*s.comm, *model, s.who, detail::concat("replicas=", options.replicas));
+    checkSameModel(
+        *s.comm, *model, s.who,
+        detail::concat("replicas=", options.replicas, " findUnusedParameters=", options.findUnusedParameters));
     broadcastModel(*s.comm, *model);
   }
   // Which optimizer parameter is which model parameter, to give each copy the same groups.
@@ -90,8 +92,8 @@ std::vector<std::pair<std::string, torch::Tensor>> ReplicaGroup::Impl::trainable
   std::vector<std::pair<std::string, torch::Tensor>> named;
   for (auto& [name, p] : uniqueParameters(model)) {
     if (!p.requires_grad()) continue;
-    COHORT_CHECK(p.scalar_type() == torch::kFloat32, InvalidArgument, who, ": parameter ", name, " is ", p.dtype(),
-                 "; replicas train float32 parameters: call module->to(torch::kFloat32)");
+    COHORT_CHECK(p.is_floating_point(), InvalidArgument, who, ": parameter ", name, " is ", p.dtype(),
+                 "; replicas train floating-point parameters (float32, float64, float16, bfloat16)");
     COHORT_CHECK(kind != Kind::kHogwild || p.device().is_cpu(), InvalidArgument, who, ": parameter ", name,
                  " is on ", p.device(), "; Hogwild's threads update one copy in host memory without locks, a CPU "
                  "scheme: call module->to(torch::kCPU) (--device cpu), or use Mirrored on the GPU");
@@ -228,7 +230,7 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
   ++s.stats.steps;
   s.stats.lastShards = sizes;
   if (s.sumsGradients()) {
-    for (auto& bucket : s.buckets) s.stats.bytesReduced += bucket->numel * int64_t(sizeof(float)) * R;
+    for (auto& bucket : s.buckets) s.stats.bytesReduced += int64_t(bucket->sum.nbytes()) * R;
   }
   return total;
 }
@@ -246,7 +248,7 @@ void ReplicaGroup::Impl::splitBatch(const torch::Tensor& inputs, const torch::Te
     shardInputs.push_back(inputs.narrow(0, offset, size).to(device));
     shardTargets.push_back(targets.narrow(0, offset, size).to(device));
     replicas[r].weight = double(size) / double(n);
-    replicas[r].weightTensor = torch::scalar_tensor(replicas[r].weight, torch::kFloat32);
+    replicas[r].weightTensor = torch::scalar_tensor(replicas[r].weight, torch::kFloat64);
     replicas[r].loss = 0;
     offset += size;
   }

@@ -112,6 +112,9 @@ struct COHORT_LOCAL ReplicaGroup::Impl {
   // of collectives every process must follow).
   Mutex launchMutex;
   size_t launched GUARDED_BY(launchMutex) = 0;
+  // Mirrored across processes with findUnusedParameters: [k], whether some process's replicas
+  // got a gradient for parameter k this step; written by replica 0 before crossDone.
+  std::vector<int32_t> usedAcross;
   std::atomic<bool> updating{false};           // a replica has begun its optimizer step
   std::exception_ptr error GUARDED_BY(mutex);  // the first failure
   int errorReplica GUARDED_BY(mutex) = -1;
@@ -136,7 +139,7 @@ struct COHORT_LOCAL ReplicaGroup::Impl {
   // ---- making the replicas (replicas.cpp) ----
 
   void checkOptions(const ReplicaOptions& o) const;
-  // The model's trainable parameters by name, checked: float32, on one device (the CPU for
+  // The model's trainable parameters by name, checked: floating-point, on one device (the CPU for
   // Hogwild), at least one.
   std::vector<std::pair<std::string, torch::Tensor>> trainableParameters(torch::nn::Module& model) const;
   // Replica r: its device (the r-th GPU after the model's, wrapping around), its copy of the model
@@ -217,9 +220,15 @@ struct COHORT_LOCAL ReplicaGroup::Impl {
   void zeroMissingGradients(Replica& self, size_t r);
   void waitForTheSums(Replica& self, size_t r);
   void applyTheSums(Replica& self, size_t r);
+  // Whether parameter k got a gradient this step on some replica of this process, and whether it
+  // gets a .grad: one that no replica got keeps none, as in one process (across processes, with
+  // findUnusedParameters: no replica of any process). Read once every replica has summed.
+  bool usedHere(size_t k) const;
+  bool usedThisStep(size_t k) const;
 
   // On replica 0 once every chunk is summed: waits for the buckets' allreduces (launched while
-  // backward ran, or now without overlap) and makes the sums means. The traffic is counted by
+  // backward ran, or now without overlap) and makes the sums means; with findUnusedParameters,
+  // then allreduces which parameters got a gradient (usedAcross). The traffic is counted by
   // step(); the time waited here is the communication backward did not hide.
   void averageAcrossProcesses() EXCLUDES(launchMutex, mutex);
 
