@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """cohort as a library, measured against the command line and against PyTorch.
 
-    .venv/bin/python bench/library.py [--build build] [--runs 5] [--sections train,resnet]
+    .venv/bin/python bench/library.py [--build build] [--runs 5] [--sections train,resnet,unused]
 
 train:  the cnn, 2 workers x 1 thread, batch 64: `cohort train --strategy allreduce` against the
         same loop written by a user with the library (bench/library_loop.cpp), with the gradients
@@ -9,6 +9,9 @@ train:  the cnn, 2 workers x 1 thread, batch 64: `cohort train --strategy allred
 resnet: examples/library/resnet_ddp.cpp (a ResNet with BatchNorm and skip connections, the user's
         own loop, cohort::DataParallel) against its Python twin under PyTorch DDP
         (bench/resnet_ddp.py), 2 workers x 1 thread, batch 32. Target: cohort / PyTorch >= 1.10.
+unused: the library loop (zero_grad) with and without DataParallelOptions::findUnusedParameters,
+        whose cost is an allreduce of an int32 per parameter per step; the ratio, and the bytes
+        and the time waited on communication per step.
 Runs alternate within each section; medians, the spread (min-max) and the ratio of medians.
 """
 import argparse
@@ -40,11 +43,13 @@ def cohort_train(build, tmp, steps):
     return done_event(metrics)["samples_per_s"]
 
 
-def library_loop(build, steps, zero_grad):
+def library_loop(build, steps, zero_grad, find_unused=False, everything=False):
     cmd = [os.path.join(build, "cohort"), "launch", "-n", "2", "--", os.path.join(build, "bench", "library_loop"),
            "--steps", str(steps)] + (["--zero-grad"] if zero_grad else [])
+    cmd += ["--find-unused-parameters"] if find_unused else []
     proc, _ = run(cmd, env=single_thread_env())
-    return json_line(proc.stdout)["samples_per_s"]
+    line = json_line(proc.stdout)
+    return line if everything else line["samples_per_s"]
 
 
 def resnet_cohort(build, steps):
@@ -71,7 +76,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--sections", default="train,resnet")
+    p.add_argument("--sections", default="train,resnet,unused")
     args = p.parse_args()
     sections = args.sections.split(",")
     print(machine())
@@ -88,6 +93,22 @@ def main():
             base = median(rates["cohort train"])
             for name in ("library (grads dropped)", "library (zero_grad)"):
                 print(f"ratio {name} / cohort train: {median(rates[name]) / base:.3f}")
+        if "unused" in sections:
+            steps = 300
+            runs = {False: [], True: []}
+            for _ in range(args.runs):
+                for find in (False, True):
+                    runs[find].append(library_loop(args.build, steps, True, find_unused=find, everything=True))
+            print(f"\n[unused] cnn library loop (zero_grad), 2 workers x 1 thread, batch 64, {steps} steps")
+            for find in (False, True):
+                name = "findUnusedParameters" if find else "default"
+                rates = [r["samples_per_s"] for r in runs[find]]
+                sent = median([r["bytes_sent"] / r["steps"] for r in runs[find]])
+                wait = median([1000 * r["comm_wait_s"] / r["steps"] for r in runs[find]])
+                print(summary(name, rates) + f"  sent/step {sent:.0f} B  waited/step {wait:.2f} ms")
+            base = median([r["samples_per_s"] for r in runs[False]])
+            print(f"ratio findUnusedParameters / default: "
+                  f"{median([r['samples_per_s'] for r in runs[True]]) / base:.3f}")
         if "resnet" in sections:
             rates = {"cohort DataParallel (C++)": [], "PyTorch DDP (Python)": []}
             for _ in range(args.runs):

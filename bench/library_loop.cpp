@@ -3,10 +3,12 @@
 // so that bench/library.py can put the two side by side. Rank 0 prints one JSON line:
 // samples_per_s over all workers, steps after the first 5.
 //
-//   cohort launch -n 2 -- build/bench/library_loop --steps 300 [--zero-grad]
+//   cohort launch -n 2 -- build/bench/library_loop --steps 300 [--zero-grad] [--find-unused-parameters]
 //
 // --zero-grad calls optimizer.zero_grad() (the usual loop; libtorch 1.13 zero-fills .grad, which
 // costs the hooks an addition); without it the gradients are dropped as `cohort train` does.
+// --find-unused-parameters sets DataParallelOptions::findUnusedParameters (every parameter is used
+// here: what it costs is its allreduce of an int32 per parameter per step).
 #include <cohort/cohort.h>
 #include <cohort/models.h>
 
@@ -19,13 +21,15 @@
 
 int main(int argc, char** argv) try {
   int64_t steps = 300, batch = 64;
-  bool zeroGrad = false;
+  bool zeroGrad = false, findUnused = false;
   std::string model = "cnn";
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--steps") && i + 1 < argc) steps = std::stoll(argv[++i]);
     else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) batch = std::stoll(argv[++i]);
     else if (!std::strcmp(argv[i], "--model") && i + 1 < argc) model = argv[++i];
     else if (!std::strcmp(argv[i], "--zero-grad")) zeroGrad = true;
+    else if (!std::strcmp(argv[i], "--find-unused-parameters"))
+      findUnused = true;
     else throw std::invalid_argument(std::string("unknown argument ") + argv[i]);
   }
   torch::set_num_threads(1);
@@ -35,7 +39,8 @@ int main(int argc, char** argv) try {
   cohort::ForeachSGD optimizer(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
 
   auto job = cohort::Job::fromEnvironment();
-  cohort::DataParallel dp(job, *net, {.buffers = cohort::DataParallelOptions::Buffers::kOnRequest});
+  cohort::DataParallel dp(
+      job, *net, {.buffers = cohort::DataParallelOptions::Buffers::kOnRequest, .findUnusedParameters = findUnused});
   cohort::DistributedSampler sampler(data.train.size(), job, 1);
 
   const std::vector<int64_t> order = sampler.indices(0);

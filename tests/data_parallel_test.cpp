@@ -5,6 +5,8 @@
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
+#include <map>
+
 #include "rank_threads.h"
 
 namespace cohort::data_parallel_test {
@@ -231,6 +233,7 @@ TEST(DataParallel, ParametersNoRankUsedKeepNoGradientWithFindUnusedParameters) {
   }
   ASSERT_FALSE(ref->side->weight.grad().defined());
   const auto reference = snapshot(*ref);
+  std::map<bool, int64_t> sent;  // by rank 0
   for (const bool find : {true, false}) {
     SCOPED_TRACE(find ? "findUnusedParameters" : "without findUnusedParameters");
     std::vector<std::vector<torch::Tensor>> finals(world);
@@ -251,6 +254,7 @@ TEST(DataParallel, ParametersNoRankUsedKeepNoGradientWithFindUnusedParameters) {
         opt.step();
       }
       EXPECT_EQ(dp.stats().syncSteps, steps);
+      if (r == 0) sent[find] = dp.stats().bytesSent;
       finals[size_t(r)] = snapshot(*net);
       sides[size_t(r)] = net->side->weight.detach().clone();
     });
@@ -262,6 +266,9 @@ TEST(DataParallel, ParametersNoRankUsedKeepNoGradientWithFindUnusedParameters) {
       EXPECT_FALSE(torch::allclose(sides[0], ref->side->weight, 1e-5, 1e-5));
     }
   }
+  // The option's cost, counted in stats: an int32 per parameter per step, allreduced by 2 ranks
+  // (each sends 2 (w-1)/w of it).
+  EXPECT_EQ(sent[true] - sent[false], int64_t(steps) * int64_t(ref->parameters().size()) * 4);
 }
 
 // With findUnusedParameters, a branch only some ranks take is averaged (zeros from the others)

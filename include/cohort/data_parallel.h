@@ -71,7 +71,7 @@ struct COHORT_API DataParallelOptions {
 struct COHORT_API DataParallelStats {
   int64_t syncSteps = 0;         // backward passes whose gradients were averaged
   int64_t shadowSteps = 0;       // steps this rank joined in for others after its loop (join())
-  int64_t bytesSent = 0;         // gradient payload, as the codec put it on the wire
+  int64_t bytesSent = 0;         // gradient payload as the codec put it on the wire, and findUnusedParameters' flags
   int64_t bytesReceived = 0;
   double commWaitSeconds = 0.0;  // time backward's end waited for communication (not hidden; on
                                  // the host: NCCL's waits are the stream's, about 0 here)

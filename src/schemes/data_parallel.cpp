@@ -298,14 +298,19 @@ struct COHORT_LOCAL DataParallel::Impl {
 
   // Per parameter, whether some rank has a gradient for it (`mine`: this rank's; a rank that
   // has joined has none): an allreduce of one int32 per parameter, issued after the buckets by
-  // every rank so that the collectives pair up. Without findUnusedParameters, all true.
+  // every rank so that the collectives pair up, its bytes counted in stats. Without
+  // findUnusedParameters, all true.
   std::vector<bool> usedOnSomeRank(const std::vector<bool>& mine) {
     std::vector<bool> used(params.size(), true);
     if (!options.findUnusedParameters) return used;
     auto counts = torch::zeros({int64_t(params.size())}, torch::kInt32);
     auto* count = counts.data_ptr<int32_t>();
     for (size_t k = 0; k < mine.size(); ++k) count[k] = mine[k] ? 1 : 0;
+    const CommCounters before = comm->counters();
     comm->allreduce(counts);
+    const CommCounters after = comm->counters();
+    stats.bytesSent += after.bytesSent - before.bytesSent;  // in stats() with the buckets' traffic
+    stats.bytesReceived += after.bytesReceived - before.bytesReceived;
     for (size_t k = 0; k < params.size(); ++k) used[k] = count[k] > 0;
     return used;
   }
