@@ -5,8 +5,10 @@
 // with two GPUs are in multigpu_nccl_test.cpp. Without a GPU every test here fails at once.
 #include <cohort/comm_backend.h>
 #include <cohort/communicator.h>
+#include <cohort/data_parallel.h>
 #include <cohort/device.h>
 #include <cohort/error.h>
+#include <cohort/job.h>
 
 #include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAStream.h>
@@ -212,6 +214,58 @@ TEST(GpuNccl, TwoProcessesOnOneGpuUnderLaunch) {
   EXPECT_EQ(test::lastEvent(dir.file("m.jsonl"), "done")["backend"], "gloo") << fallback.output;
   EXPECT_NE(fallback.output.find("collectives over CUDA tensors go through Gloo"), std::string::npos)
       << fallback.output;
+}
+
+// A small net of `dtype` on cuda:0 after 3 momentum-SGD steps on fixed batches: under
+// DataParallel over `comm` (a group of one) when given, else the plain loop. Its parameters, on
+// the CPU in float64.
+std::vector<torch::Tensor> trainInDtype(torch::Dtype dtype, const std::shared_ptr<Communicator>& comm) {
+  torch::manual_seed(3);
+  torch::nn::Sequential net(torch::nn::Linear(12, 32), torch::nn::ReLU(), torch::nn::Linear(32, 5));
+  net->to(kGpu, dtype);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::unique_ptr<DataParallel> dp;
+  if (comm != nullptr) dp = std::make_unique<DataParallel>(Job::fromCommunicator(comm), *net);
+  torch::manual_seed(4);
+  for (int s = 0; s < 3; ++s) {
+    const auto x = torch::randn({16, 12}).to(kGpu, dtype);
+    const auto y = torch::randint(0, 5, {16}).to(kGpu);
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    opt.step();
+  }
+  std::vector<torch::Tensor> out;
+  for (const auto& p : net->parameters()) {
+    EXPECT_EQ(p.device(), kGpu);
+    EXPECT_EQ(p.scalar_type(), dtype);
+    out.push_back(p.detach().to(torch::kCPU, torch::kFloat64));
+  }
+  return out;
+}
+
+// DataParallel's buckets in bfloat16 and float64 on cuda:0, through a one-rank NCCL group and a
+// one-rank Gloo group (which stages CUDA tensors through host memory): the model keeps its dtype
+// and device and ends where the plain loop on the same GPU ends (a sum over one rank is the
+// gradient itself; the tolerance is one bfloat16 rounding of values of order 0.1 to 1, in case
+// the two runs' kernels round apart).
+TEST(GpuNccl, Bfloat16AndFloat64BucketsOnCudaEqualThePlainLoop) {
+  REQUIRE_GPU();
+  REQUIRE_NCCL();
+  for (const auto dtype : {torch::kBFloat16, torch::kFloat64}) {
+    const auto loop = trainInDtype(dtype, nullptr);
+    for (const auto backend : {CommBackend::kNccl, CommBackend::kGloo}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " through " + commBackendName(backend));
+      auto comm = alone(backend);
+      const auto got = trainInDtype(dtype, comm);
+      EXPECT_EQ(comm->cudaBackend(), backend) << commBackendName(comm->cudaBackend());
+      EXPECT_LT(test::maxDifference(got, loop), dtype == torch::kFloat64 ? 1e-12 : 4e-3);
+    }
+    torch::manual_seed(3);
+    torch::nn::Sequential start(torch::nn::Linear(12, 32), torch::nn::ReLU(), torch::nn::Linear(32, 5));
+    std::vector<torch::Tensor> before;
+    for (const auto& p : start->parameters()) before.push_back(p.detach().to(torch::kFloat64));
+    EXPECT_GT(test::maxDifference(before, loop), 1e-2) << "training did not move the parameters";
+  }
 }
 
 }  // namespace
