@@ -315,6 +315,42 @@ struct COHORT_LOCAL DataParallel::Impl {
     return used;
   }
 
+  // At backward's end, the slots no hook filled: what the parameter's .grad holds (averaged like
+  // any), else zeros; and the row-sparse gradients left from earlier backward passes.
+  void fillMissingSlots() {
+    for (auto& bucket : buckets) {
+      for (size_t i = 0; i < bucket.params.size(); ++i) {
+        if (bucket.filled[i]) continue;
+        const torch::Tensor& existing = params[bucket.params[i]].grad();
+        if (existing.defined()) {
+          scaledInto(bucket.slots[i], existing);
+        } else {
+          bucket.slots[i].zero_();
+        }
+        bucket.filled[i] = true;
+      }
+      bucket.pending = 0;
+    }
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (rowSparse[k] && !sparseGrads[k].defined() && params[k].grad().defined()) {
+        sparseGrads[k] = params[k].grad();  // scaled in exchangeRows
+      }
+    }
+  }
+
+  // Every parameter some rank used gets the average as its .grad (a view of its slot, or the
+  // summed rows); one no rank used keeps none (findUnusedParameters): its slot summed zeros.
+  void assignGradients(const std::vector<bool>& used) {
+    for (auto& bucket : buckets) {
+      for (size_t i = 0; i < bucket.params.size(); ++i) {
+        if (used[bucket.params[i]]) params[bucket.params[i]].mutable_grad() = bucket.slots[i];
+      }
+    }
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (rowSparse[k] && used[k]) params[k].mutable_grad() = sparseGrads[k];
+    }
+  }
+
   // The autograd final callback of a synchronized backward.
   void endSync() {
     inBackward = false;
@@ -322,38 +358,12 @@ struct COHORT_LOCAL DataParallel::Impl {
       torch::NoGradGuard noGrad;
       std::vector<bool> mine(params.size());
       for (size_t k = 0; k < params.size(); ++k) mine[k] = hasGradient(k);
-      // Parameters that got no gradient: what their .grad holds (averaged like any), else zeros.
-      for (auto& bucket : buckets) {
-        for (size_t i = 0; i < bucket.params.size(); ++i) {
-          if (bucket.filled[i]) continue;
-          const torch::Tensor& existing = params[bucket.params[i]].grad();
-          if (existing.defined()) {
-            scaledInto(bucket.slots[i], existing);
-          } else {
-            bucket.slots[i].zero_();
-          }
-          bucket.filled[i] = true;
-        }
-        bucket.pending = 0;
-      }
-      for (size_t k = 0; k < params.size(); ++k) {
-        if (rowSparse[k] && !sparseGrads[k].defined() && params[k].grad().defined()) {
-          sparseGrads[k] = params[k].grad();  // scaled in exchangeRows
-        }
-      }
+      fillMissingSlots();
       const auto waitStart = Clock::now();
       exchangeAll();
       const std::vector<bool> used = usedOnSomeRank(mine);
       stats.commWaitSeconds += secondsSince(waitStart);
-      // A parameter no rank has a gradient for keeps none (findUnusedParameters): its slot summed zeros.
-      for (auto& bucket : buckets) {
-        for (size_t i = 0; i < bucket.params.size(); ++i) {
-          if (used[bucket.params[i]]) params[bucket.params[i]].mutable_grad() = bucket.slots[i];
-        }
-      }
-      for (size_t k = 0; k < params.size(); ++k) {
-        if (rowSparse[k] && used[k]) params[k].mutable_grad() = sparseGrads[k];
-      }
+      assignGradients(used);
       if (options.buffers == DataParallelOptions::Buffers::kEveryStep) averageInPlace(*comm, module->buffers());
       ++stats.syncSteps;
     });
