@@ -12,6 +12,11 @@
 // With a codec, what travels is each rank's change since the last average, through the codec
 // (with its residual); buffers and optimizer state travel uncompressed.
 //
+// Parameters may be float32, float64, float16 or bfloat16, or several in one model (on a GPU, of
+// one dtype): they are averaged in their dtype, and the outer optimizer's state is kept in it (a
+// model of several dtypes: in the one they promote to). The codecs other than none compress float32
+// changes and refuse other models, as sparse embedding tables other than float32 are refused.
+//
 // Sparse embedding tables (nn::Embedding / nn::EmbeddingBag with sparse(true)) are averaged by
 // rows: each rank sends the rows its gradients touched since the last average, which step() reads
 // from the tables' gradients; so between two step() calls a table must change only through its

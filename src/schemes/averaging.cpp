@@ -20,7 +20,25 @@ namespace {
 
 constexpr const char* kWho = "cohort::ParameterAveraging";
 
-std::span<float> flat(torch::Tensor& t) { return {t.data_ptr<float>(), size_t(t.numel())}; }
+// `params` side by side into the flat `out` (of their dtype, or of the one a model of several
+// promotes to), and back: copy_ converts, and moves each parameter's version counter.
+void pack(const std::vector<torch::Tensor>& params, const torch::Tensor& out) {
+  torch::NoGradGuard noGrad;
+  int64_t at = 0;
+  for (const auto& p : params) {
+    out.narrow(0, at, p.numel()).copy_(p.detach().reshape({-1}));
+    at += p.numel();
+  }
+}
+
+void unpack(const torch::Tensor& flat, const std::vector<torch::Tensor>& params) {
+  torch::NoGradGuard noGrad;
+  int64_t at = 0;
+  for (const auto& p : params) {
+    p.detach().copy_(flat.narrow(0, at, p.numel()).view_as(p));
+    at += p.numel();
+  }
+}
 
 }  // namespace
 
@@ -150,12 +168,12 @@ struct COHORT_LOCAL ParameterAveraging::Impl {
         anchor.add_(change, lr).add_(outerVelocity, lr * mu);
         break;
     }
-    unflattenParameters(params, flat(anchor));
+    unpack(anchor, params);
   }
 
   void averageChanges() {
     torch::NoGradGuard noGrad;
-    flattenParameters(params, flat(delta));
+    pack(params, delta);
     delta.sub_(anchor).mul_(1.0 / comm->worldSize());
     const int64_t sent = compressed->bytesSent(), received = compressed->bytesReceived();
     compressed->start(0, delta);
@@ -167,7 +185,7 @@ struct COHORT_LOCAL ParameterAveraging::Impl {
       applyOuter(delta);
     } else {
       anchor.add_(delta);
-      unflattenParameters(params, flat(anchor));
+      unpack(anchor, params);
     }
   }
 
@@ -183,13 +201,13 @@ struct COHORT_LOCAL ParameterAveraging::Impl {
         torch::NoGradGuard noGrad;
         averageCounted(tensors);
         tensors.clear();
-        flattenParameters(params, flat(delta));
+        pack(params, delta);
         delta.sub_(anchor);
         applyOuter(delta);
       } else if (compressed) {  // the warm-up: average uncompressed, and start the changes from here
         averageCounted(tensors);
         tensors.clear();
-        flattenParameters(params, flat(anchor));
+        pack(params, anchor);
       }
     }
     for (size_t t = 0; t < tables.size(); ++t) {
@@ -239,10 +257,17 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
   s.module = &module;
   s.optimizer = optimizer;
   for (auto& [name, p] : uniqueParameters(module)) {
-    COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous(), InvalidArgument, kWho, ": parameter ",
-                 name, " is ", p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
-                 "; ParameterAveraging averages contiguous float32 parameters");
-    if (p.dim() == 2 && hasRowSparseGradient(module, p)) {
+    COHORT_CHECK(p.is_floating_point() && p.is_contiguous(), InvalidArgument, kWho, ": parameter ", name, " is ",
+                 p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
+                 "; ParameterAveraging averages contiguous floating-point parameters");
+    COHORT_CHECK(p.scalar_type() == torch::kFloat32 || s.codec.kind == compress::CodecKind::None, InvalidArgument, kWho,
+                 ": parameter ", name, " is ", p.dtype(), "; the codec ", s.options.codec,
+                 " compresses float32 changes: use codec none (the parameters are then averaged in their dtype) "
+                 "or a float32 model");
+    const bool rowSparse = p.dim() == 2 && hasRowSparseGradient(module, p);
+    COHORT_CHECK(!rowSparse || p.scalar_type() == torch::kFloat32, InvalidArgument, kWho, ": embedding table ", name,
+                 " is ", p.dtype(), "; row-sparse tables are averaged by rows in float32: make the table float32");
+    if (rowSparse) {
       s.tables.push_back(p);
       s.tableParams.push_back(p);
     } else {
@@ -319,7 +344,7 @@ void ParameterAveraging::setOuterMomentum(const torch::Tensor& momentum) {
                " elements but this model's dense parameters have ", s.outerVelocity.numel(),
                ": restore the momentum saved with this model");
   torch::NoGradGuard noGrad;
-  s.outerVelocity.copy_(momentum.to(torch::kFloat32));
+  s.outerVelocity.copy_(momentum.to(s.outerVelocity.scalar_type()));
 }
 
 ParameterAveraging::CodecState ParameterAveraging::codecState() const {

@@ -27,11 +27,12 @@ HostMirror::HostMirror(std::vector<torch::Tensor> tensors, Env& env)
   for (const auto& t : tensors_) {
     COHORT_CHECK(t.device() == device_, InvalidArgument, "HostMirror: a tensor is on ", t.device(), ", another on ",
                  device_, ": the model must be on one device");
-    COHORT_CHECK(t.scalar_type() == torch::kFloat32, InvalidArgument, "HostMirror: a tensor is ", t.dtype(),
-                 ", not float32");
+    COHORT_CHECK(t.scalar_type() == tensors_.front().scalar_type(), InvalidArgument, "HostMirror: a tensor is ",
+                 t.dtype(), ", another ", tensors_.front().dtype(),
+                 ": a model on a GPU is mirrored in one dtype; convert it to one (module->to(dtype))");
     total += t.numel();
   }
-  flat_ = torch::empty({total}, torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(true));
+  flat_ = torch::empty({total}, torch::TensorOptions().dtype(tensors_.front().scalar_type()).pinned_memory(true));
   int64_t at = 0;
   for (const auto& t : tensors_) {
     views_.push_back(flat_.narrow(0, at, t.numel()).view(t.sizes()));

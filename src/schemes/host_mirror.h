@@ -28,8 +28,8 @@ namespace cohort {
 
 class HostMirror {
  public:
-  // Mirrors `tensors` (float32, all on one CUDA device): the pinned buffer holds their elements
-  // side by side, in order. Throws InvalidArgument for other dtypes or mixed devices.
+  // Mirrors `tensors` (of one dtype, all on one CUDA device): the pinned buffer, of that dtype,
+  // holds their elements side by side, in order. Throws InvalidArgument for mixed dtypes or devices.
   // env: where a failure in the destructor is reported (it cannot throw).
   HostMirror(std::vector<torch::Tensor> tensors, Env& env);
   ~HostMirror();
