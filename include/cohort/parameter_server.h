@@ -23,8 +23,14 @@
 // Sparse tables' gradient rows leave the device as rows, but the tables travel back to the
 // device whole at each step.
 //
+// The shards hold float32. A model of another floating dtype (float64, float16, bfloat16; with
+// push = gradients, dense parameters) gets a float32 host copy the same way: its gradients are
+// pushed as float32 and the shards' float32 parameters come back rounded to the model's dtype, so
+// the shards keep master weights at float32's precision (updates smaller than a bfloat16 unit
+// still accumulate there).
+//
 // Contract: the chief (rank 0) initializes the shards with its parameters; every worker's model
-// must have the same parameters (names, shapes; float32). Calls come from the training thread.
+// must have the same parameters (names and shapes). Calls come from the training thread.
 // Every call to a shard is bounded by the job's timeout: UNAVAILABLE is retried with back-off
 // for up to the timeout after the shard went silent (or began refusing), which is how a worker
 // rides out a shard restart, and for at most 3 x the timeout per call. Errors are cohort::Error

@@ -28,10 +28,13 @@ namespace cohort {
 
 class HostMirror {
  public:
-  // Mirrors `tensors` (of one dtype, all on one CUDA device): the pinned buffer, of that dtype,
-  // holds their elements side by side, in order. Throws InvalidArgument for mixed dtypes or devices.
-  // env: where a failure in the destructor is reported (it cannot throw).
-  HostMirror(std::vector<torch::Tensor> tensors, Env& env);
+  // Mirrors `tensors` (of one dtype, all on one CUDA device): the pinned buffer holds their
+  // elements side by side, in order, in their dtype or in `hostType` (copy_ converts both ways:
+  // a bfloat16 model's float32 copy). With a hostType other than theirs the tensors may also be
+  // on the CPU: the buffer is then plain host memory and both copies are synchronous. Throws
+  // InvalidArgument for mixed dtypes or devices. env: where a failure in the destructor is
+  // reported (it cannot throw).
+  HostMirror(std::vector<torch::Tensor> tensors, Env& env, std::optional<c10::ScalarType> hostType = std::nullopt);
   ~HostMirror();
   HostMirror(const HostMirror&) = delete;
   HostMirror& operator=(const HostMirror&) = delete;
@@ -65,5 +68,10 @@ class HostMirror {
 // A mirror of `tensors` when they are on a CUDA device, null when they are on the CPU (the
 // exchange then works on the tensors themselves, exactly as it always has).
 std::unique_ptr<HostMirror> mirrorIfOnDevice(const std::vector<torch::Tensor>& tensors, Env& env);
+
+// For the schemes whose exchange works on float32 host memory (the parameter-server client): a
+// float32 mirror of `tensors` when they are on a CUDA device or of another dtype, null when they
+// are float32 on the CPU (the exchange then works on the tensors themselves).
+std::unique_ptr<HostMirror> float32Mirror(const std::vector<torch::Tensor>& tensors, Env& env);
 
 }  // namespace cohort

@@ -65,9 +65,16 @@ void ParameterServerClient::Impl::attach(torch::nn::Module& model, torch::optim:
                "cohort::ParameterServerClient: push = updates runs the worker's own optimizer: pass it");
   std::vector<ps::ParamInfo> infos;
   for (const auto& [name, p] : uniqueParameters(model)) {
-    COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous(), InvalidArgument, "parameter ", name,
-                 " is not a contiguous float32 tensor: the parameter server holds float32");
+    COHORT_CHECK(p.is_floating_point() && p.is_contiguous(), InvalidArgument, "parameter ", name, " is ", p.dtype(),
+                 p.is_contiguous() ? "" : " and not contiguous",
+                 ": the parameter server takes contiguous floating-point parameters");
     const bool rowSparse = p.dim() == 2 && hasRowSparseGradient(model, p);
+    const bool float32 = p.scalar_type() == torch::kFloat32;
+    COHORT_CHECK(float32 || !rowSparse, InvalidArgument, "embedding table ", name, " is ", p.dtype(),
+                 ": its rows travel as float32; make the table float32");
+    COHORT_CHECK(float32 || c_.options.push == PsPush::kGradients, InvalidArgument, "parameter ", name, " is ",
+                 p.dtype(), ": --push updates sends the change a float32 model made; with a ", p.dtype(),
+                 " model push gradients (the shards keep float32 parameters)");
     infos.push_back({name, uint64_t(p.numel()), rowSparse ? uint64_t(p.size(1)) : 0});
     params_.push_back(p);
     rowSparse_.push_back(rowSparse);
@@ -80,13 +87,15 @@ void ParameterServerClient::Impl::attach(torch::nn::Module& model, torch::optim:
   COHORT_CHECK(!params_.empty(), InvalidArgument,
                "cohort::ParameterServerClient: the module has no parameters; there is nothing to serve");
   modelParams_ = params_;
-  mirror_ = mirrorIfOnDevice(modelParams_, *c_.env);
+  mirror_ = float32Mirror(modelParams_, *c_.env);
   if (mirror_) {
-    // On a device: the shards' values come into pinned host views of the parameters, and the
-    // gradients leave the device into a pinned buffer of their own, each allocated once.
+    // On a device, or of another dtype than float32: the shards' values come into float32 host
+    // views of the parameters (pinned, for a device), and the gradients leave the model into a
+    // float32 buffer of their own, each allocated once. The shards keep float32 parameters: a
+    // bfloat16 model's updates accumulate there at float32's precision (master weights).
     params_ = mirror_->views();
     mirror_->toHost();  // the chief's Init sends them
-    if (c_.options.push == PsPush::kGradients) gradMirror_ = std::make_unique<HostMirror>(modelParams_, *c_.env);
+    if (c_.options.push == PsPush::kGradients) gradMirror_ = float32Mirror(modelParams_, *c_.env);
   }
   pieces_ = ps::planLayout(infos, int(c_.shards.size()));
   specs_.assign(c_.shards.size(), {});

@@ -173,12 +173,13 @@ struct COHORT_LOCAL ParameterServerClient::Impl {
 
   parameter_server_internal::PsContext c_;
   std::vector<std::unique_ptr<ps::ShardClient>> clients_;
-  // What the exchange reads and writes: the module's parameters on the CPU; on a CUDA device,
-  // views of mirror_'s pinned host buffer (the module's own are modelParams_).
+  // What the exchange reads and writes: the module's parameters when float32 on the CPU; else
+  // (on a CUDA device, or of another dtype) float32 views of mirror_'s host buffer (the module's
+  // own are modelParams_).
   std::vector<torch::Tensor> params_;
   std::vector<torch::Tensor> modelParams_;  // the module's parameters, where the model is
-  std::unique_ptr<HostMirror> mirror_;      // on a device: the parameters in pinned host memory
-  std::unique_ptr<HostMirror> gradMirror_;  // on a device, push = gradients: the gradients there
+  std::unique_ptr<HostMirror> mirror_;      // the parameters in float32 host memory (float32Mirror)
+  std::unique_ptr<HostMirror> gradMirror_;  // the same for the gradients, with push = gradients
   std::vector<torch::Tensor> before_;       // push = updates: the parameters as last pulled
   std::vector<ps::Piece> pieces_;
   std::vector<std::vector<ps::wire::PieceSpec>> specs_;       // per shard, in key order
