@@ -12,6 +12,7 @@
 #include <cohort/averaging.h>
 #include <cohort/device.h>
 #include <cohort/job.h>
+#include <cohort/parameter_server.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -24,6 +25,7 @@
 
 #include "gpu_util.h"
 #include "model_util.h"
+#include "ps/service.h"
 #include "rank_threads.h"
 #include "test_util.h"
 
@@ -273,6 +275,64 @@ TEST(GpuSync, AveragingABfloat16ModelOnCudaEqualsOneProcessThere) {
   EXPECT_EQ(test::maxDifference(got[0], got[1]), 0.0) << "the ranks differ after the last average";
   EXPECT_LT(test::maxDifference(got[0], expected), 1.2e-2) << worstElement(got[0], expected);
   EXPECT_GT(test::maxDifference(got[0], start), 1e-2) << "training did not move the parameters";
+}
+
+// The ps client with a bfloat16 model on cuda:0 and two in-process CPU shards: the gradients leave
+// the device into a pinned float32 buffer (converted on the way), the shards' float32 parameters
+// come back rounded to bfloat16. Steps below half a bfloat16 unit of most weights accumulate on
+// the shards: the model follows the float32 model on the same GPU from the same start, rounded
+// (the CPU test, tests/sparse_test.cpp, saw 26 of 163 weights move, 0 apart).
+TEST(GpuSync, ParameterServerKeepsFloat32MasterWeightsOfABfloat16ModelOnCuda) {
+  REQUIRE_GPU();
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto make = [&](torch::Dtype dtype) {
+    torch::manual_seed(12);
+    torch::nn::Sequential net(torch::nn::Linear(6, 16), torch::nn::ReLU(), torch::nn::Linear(16, 3));
+    net->to(torch::kBFloat16);  // the same bfloat16 start for both runs
+    net->to(gpu, dtype);
+    return net;
+  };
+  torch::manual_seed(13);
+  const auto x = torch::randn({8, 32, 6});
+  const auto y = torch::randint(0, 3, {8, 32});
+  const auto train = [&](torch::Dtype dtype) {
+    auto net = make(dtype);
+    std::vector<std::unique_ptr<ps::ShardServer>> servers;
+    std::vector<std::string> hosts;
+    for (int i = 0; i < 2; ++i) {
+      servers.push_back(
+          std::make_unique<ps::ShardServer>(ps::ServerOptions{.shard = {.log = [](const std::string&) {}}}));
+      hosts.push_back("127.0.0.1:" + std::to_string(servers.back()->port()));
+    }
+    ParameterServerClient client(Job::single(), *net, nullptr,
+                                 {.mode = PsMode::kSync, .optimizer = PsOptimizer::kSgd, .lr = 2e-4, .hosts = hosts});
+    for (int s = 0; s < 64; ++s) {
+      for (auto& p : net->parameters()) p.mutable_grad().reset();
+      torch::nn::functional::cross_entropy(net->forward(x[s % 8].to(gpu, dtype)), y[s % 8].to(gpu)).backward();
+      client.step(32);
+    }
+    client.finish();
+    std::vector<torch::Tensor> out;  // as bfloat16 values, on the CPU in float64
+    for (const auto& p : net->parameters()) {
+      EXPECT_EQ(p.device(), gpu);
+      EXPECT_EQ(p.scalar_type(), dtype);
+      out.push_back(p.detach().to(torch::kBFloat16).to(torch::kCPU, torch::kFloat64));
+    }
+    return out;
+  };
+  std::vector<torch::Tensor> initial;
+  for (const auto& p : make(torch::kBFloat16)->parameters())
+    initial.push_back(p.detach().to(torch::kCPU, torch::kFloat64));
+  const auto float32 = train(torch::kFloat32);
+  const auto bf16 = train(torch::kBFloat16);
+  int64_t moved = 0, apart = 0;
+  for (size_t i = 0; i < bf16.size(); ++i) {
+    moved += bf16[i].ne(initial[i]).sum().item<int64_t>();
+    apart += bf16[i].ne(float32[i]).sum().item<int64_t>();
+  }
+  EXPECT_GE(moved, 10) << "the shards' float32 updates did not reach the model on cuda:0";
+  EXPECT_LE(apart, moved / 10) << moved << " moved; " << worstElement(bf16, float32);
+  EXPECT_LE(test::maxDifference(bf16, float32), 8e-3) << worstElement(bf16, float32);
 }
 
 }  // namespace
