@@ -16,6 +16,13 @@ mkdir -p "$out"
 report="$out/gpu-report.md"
 python="${COHORT_GPU_PYTHON:-python3}"
 
+# The programs and libraries travel packed (scripts/gpu-bundle.sh): unpacked in place, once. tar
+# if the machine has it, else Python's tarfile.
+if [ ! -x "$bundle/bin/cohort" ] && [ -f "$bundle/programs.tar.gz" ]; then
+  tar -xzf "$bundle/programs.tar.gz" -C "$bundle" 2>/dev/null ||
+    "$python" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$bundle/programs.tar.gz" "$bundle" ||
+    { echo "gpu-check: could not unpack $bundle/programs.tar.gz" >&2; exit 1; }
+fi
 [ -x "$bundle/bin/cohort" ] || { echo "gpu-check: $bundle/bin/cohort is missing: run scripts/gpu-bundle.sh first and carry build-gpu" >&2; exit 1; }
 torch_lib="$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')" ||
   { echo "gpu-check: $python has no torch" >&2; exit 1; }
