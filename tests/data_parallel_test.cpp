@@ -287,12 +287,13 @@ TEST(DataParallel, FindUnusedParametersAgreesAcrossRanksAndThroughJoin) {
     dp.join([&] {
       for (int s = 0; s < batches; ++s) {
         opt.zero_grad();
-        // Step 0: only rank 2 takes the side branch; step 1: none; later: rank 0 alone, while
-        // the others have joined (step 4) or not (steps 2, 3).
-        const bool side = (s == 0 && r == 2) || (s >= 2 && r == 0);
+        // Step 0: only rank 2 takes the side branch; step 1: none; steps 2 and 3: rank 0 alone,
+        // the others training (2) or rank 2 joined (3); step 4: none, ranks 1 and 2 joined (what
+        // they send from their shadow steps must say "not used").
+        const bool side = (s == 0 && r == 2) || ((s == 2 || s == 3) && r == 0);
         auto x = torch::full({4, 4}, 0.1 * (r + 1) + 0.01 * s);
         lossOf(net->forward(x, side), torch::full({4}, s % 3, torch::kInt64)).backward();
-        const bool someRank = s != 1;
+        const bool someRank = s != 1 && s != 4;
         EXPECT_EQ(net->side->weight.grad().defined(), someRank) << "rank " << r << " step " << s;
         if (s == 0) sideGrads[size_t(r)].push_back(net->side->weight.grad().clone());
         opt.step();
@@ -319,7 +320,10 @@ struct DtypeRun {
   size_t buckets = 0;
 };
 
-DtypeRun trainInDtypes(const std::function<torch::nn::Sequential()>& make, torch::Dtype inputs, int steps = 3) {
+// `bucketMb` sizes every bucket (the first too): the default tiny one gives each parameter its own;
+// 25 puts the model in one bucket per dtype.
+DtypeRun trainInDtypes(const std::function<torch::nn::Sequential()>& make, torch::Dtype inputs, int steps = 3,
+                       double bucketMb = 0.0001) {
   torch::manual_seed(5);
   const auto x = torch::randn({8 * steps, 4}).to(inputs);
   const auto y = torch::randint(0, 3, {8 * steps}, torch::kInt64);
@@ -337,7 +341,7 @@ DtypeRun trainInDtypes(const std::function<torch::nn::Sequential()>& make, torch
   run.ranks.resize(2);
   onRanks(2, [&](std::shared_ptr<Communicator> comm) {
     const int r = comm->rank();
-    DataParallel dp(Job::fromCommunicator(comm), *models[size_t(r)], {.bucketMb = 0.0001, .firstBucketMb = 0.0001});
+    DataParallel dp(Job::fromCommunicator(comm), *models[size_t(r)], {.bucketMb = bucketMb, .firstBucketMb = bucketMb});
     train(models[size_t(r)], r, 2);
     run.ranks[size_t(r)] = snapshot(*models[size_t(r)]);
     if (r == 0) run.buckets = dp.stats().buckets;
@@ -358,10 +362,13 @@ torch::nn::Sequential smallNet(torch::Dtype dtype = torch::kFloat32) {
 // float64 parameters: the ranks equal one process at float64's precision. A model whose first
 // layer is float32 and last float64 gets buckets of each and still equals one process.
 TEST(DataParallel, Float64AndMixedDtypeModelsEqualOneProcess) {
-  const DtypeRun f64 = trainInDtypes([] { return smallNet(torch::kFloat64); }, torch::kFloat64);
-  expectEqual(f64.ranks[0], f64.ranks[1]);
-  expectClose(f64.ranks[0], f64.oneProcess, 1e-12);
-  for (const auto& p : f64.ranks[0]) EXPECT_EQ(p.scalar_type(), torch::kFloat64);
+  for (const double bucketMb : {0.0001, 25.0}) {  // a bucket per parameter; all in one (8-byte slots at offsets)
+    const DtypeRun f64 = trainInDtypes([] { return smallNet(torch::kFloat64); }, torch::kFloat64, 3, bucketMb);
+    EXPECT_EQ(f64.buckets, bucketMb > 1 ? 1u : 4u);
+    expectEqual(f64.ranks[0], f64.ranks[1]);
+    expectClose(f64.ranks[0], f64.oneProcess, 1e-12);
+    for (const auto& p : f64.ranks[0]) EXPECT_EQ(p.scalar_type(), torch::kFloat64);
+  }
 
   const DtypeRun mixed = trainInDtypes(
       [] {
@@ -372,8 +379,8 @@ TEST(DataParallel, Float64AndMixedDtypeModelsEqualOneProcess) {
         net->ptr(3)->to(torch::kFloat64);
         return net;
       },
-      torch::kFloat32);
-  EXPECT_GE(mixed.buckets, 2u);
+      torch::kFloat32, 3, 25.0);
+  EXPECT_EQ(mixed.buckets, 2u);  // buckets large enough for the whole model: one per dtype
   expectEqual(mixed.ranks[0], mixed.ranks[1]);
   expectClose(mixed.ranks[0], mixed.oneProcess);
   EXPECT_EQ(mixed.ranks[0].front().scalar_type(), torch::kFloat32);
@@ -396,6 +403,36 @@ TEST(DataParallel, Bfloat16ModelsAverageInBfloat16AndRefuseCompression) {
     EXPECT_NE(std::string(e.what()).find("codec none"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("BFloat16"), std::string::npos) << e.what();
   }
+}
+
+// What findUnusedParameters and the dtypes refuse, each in one line naming the fix: a codec that
+// keeps a residual (a skipped parameter's share of it would be dropped), a float8 model, and a
+// model converted to another dtype after the handle was made.
+TEST(DataParallel, RefusesWhatItCannotAverageByName) {
+  const auto expectRefused = [](const std::function<void()>& f, const std::string& phrase) {
+    try {
+      f();
+      FAIL() << "no error; expected one saying: " << phrase;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(phrase), std::string::npos) << e.what();
+    }
+  };
+  auto net = smallNet();
+  expectRefused([&] { DataParallel dp(Job::single(), *net, {.codec = "topk:0.1", .findUnusedParameters = true}); },
+                "use codec none, fp16 or bf16");
+  auto float8 = smallNet();
+  float8->to(torch::kFloat8_e4m3fn);
+  expectRefused([&] { DataParallel dp(Job::single(), *float8, {}); }, "float32, float64, float16 and bfloat16");
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    auto model = smallNet();
+    DataParallel dp(Job::fromCommunicator(comm), *model);
+    model->to(torch::kFloat64);
+    expectRefused(
+        [&] {
+          lossOf(model->forward(torch::ones({2, 4}, torch::kFloat64)), torch::zeros({2}, torch::kInt64)).backward();
+        },
+        "before making the handle");
+  });
 }
 
 // Every codec's buckets start from the gradient hooks, before backward ends (the sparse codecs

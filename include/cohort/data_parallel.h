@@ -63,7 +63,9 @@ struct COHORT_API DataParallelOptions {
   // synchronized backward ends (zero_grad() set it to none and no rank's graph reached it) keeps
   // none, so the optimizer skips it (no weight decay, no momentum), as one process would; it
   // costs one allreduce of an int32 per parameter per step, after the buckets. false: such a
-  // parameter's .grad becomes zeros. A .grad that any rank has is averaged either way.
+  // parameter's .grad becomes zeros. A .grad that any rank has is averaged either way. Refused
+  // with the codecs that keep a residual (topk, threshold, onebit): a skipped parameter's share
+  // of it would be sent and then dropped.
   bool findUnusedParameters = false;
 };
 

@@ -257,9 +257,9 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
   s.module = &module;
   s.optimizer = optimizer;
   for (auto& [name, p] : uniqueParameters(module)) {
-    COHORT_CHECK(p.is_floating_point() && p.is_contiguous(), InvalidArgument, kWho, ": parameter ", name, " is ",
-                 p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
-                 "; ParameterAveraging averages contiguous floating-point parameters");
+    COHORT_CHECK(isAveragedDtype(p.scalar_type()) && p.is_contiguous(), InvalidArgument, kWho, ": parameter ", name,
+                 " is ", p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
+                 "; ParameterAveraging averages contiguous float32, float64, float16 and bfloat16 parameters");
     COHORT_CHECK(p.scalar_type() == torch::kFloat32 || s.codec.kind == compress::CodecKind::None, InvalidArgument, kWho,
                  ": parameter ", name, " is ", p.dtype(), "; the codec ", s.options.codec,
                  " compresses float32 changes: use codec none (the parameters are then averaged in their dtype) "
@@ -303,7 +303,9 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
     torch::NoGradGuard noGrad;
     std::vector<torch::Tensor> flat;
     for (auto& p : s.params) flat.push_back(p.detach().reshape({-1}));
+    // In float32 at least: a 16-bit model's outer steps and momentum would round away small changes.
     s.anchor = torch::cat(flat);
+    s.anchor = s.anchor.to(c10::promoteTypes(s.anchor.scalar_type(), torch::kFloat32));
     s.delta = torch::empty_like(s.anchor);
     if (s.hasOuterOptimizer()) s.outerVelocity = torch::zeros_like(s.anchor);
   }

@@ -104,7 +104,10 @@ struct COHORT_LOCAL DataParallel::Impl {
   int noSyncDepth = 0;
   int64_t syncStepsAtJoin = 0;  // stats.syncSteps when join() began
   double scale = 1.0;
-  torch::Tensor scaleTensor;               // `scale` as a 0-dim float32 tensor on the CPU (scaledInto)
+  // `scale` as 0-dim CPU tensors (scaledInto): float32, for float32 gradients, and double, for the
+  // others. A scalar tensor of another dtype than the gradient's is cast at every call (an
+  // allocation and a copy: seen as aten::to in a profile), so float32's gets its own.
+  torch::Tensor scaleFloat, scaleDouble;
   std::vector<torch::Tensor> sparseGrads;  // per parameter: this step's row-sparse gradient (or undefined)
   std::string broken;  // set when a communication failed: the group is unusable
   int64_t sentAtStart = 0;  // the step's exchange's byte counts when the step began
@@ -220,7 +223,12 @@ struct COHORT_LOCAL DataParallel::Impl {
       const int64_t active = guard([&] { return activeRanks(1); });
       scale = 1.0 / double(std::max<int64_t>(1, active));
     }
-    scaleTensor = torch::scalar_tensor(scale, torch::kFloat64);
+    scaleFloat = torch::scalar_tensor(scale, torch::kFloat32);
+    scaleDouble = torch::scalar_tensor(scale, torch::kFloat64);
+  }
+
+  const torch::Tensor& scaleFor(const torch::Tensor& slot) const {
+    return slot.scalar_type() == torch::kFloat32 ? scaleFloat : scaleDouble;
   }
 
   // slot = gradient * scale, in one kernel. mul_out with a Scalar would not be: in LibTorch 2.11
@@ -228,13 +236,14 @@ struct COHORT_LOCAL DataParallel::Impl {
   // trace: 5 operators, an allocation and 2 kernels per parameter); mul_out with a 0-dim CPU
   // tensor is the structured kernel itself, and a CUDA kernel takes a CPU scalar. The product is the
   // same: either way a float32 gradient is multiplied by float(scale) (a 0-dim tensor does not
-  // promote the gradient's dtype; it is double so that a float64 gradient gets the exact scale).
+  // promote the gradient's dtype; other dtypes get the double, so that a float64 gradient gets the
+  // exact scale and a 16-bit one is scaled in float, at the cost of the scalar's cast).
   // At one rank, a copy.
   void scaledInto(torch::Tensor& slot, const torch::Tensor& gradient) const {
     if (scale == 1.0) {
       slot.copy_(gradient);
     } else {
-      torch::mul_out(slot, gradient, scaleTensor);
+      torch::mul_out(slot, gradient, scaleFor(slot));
     }
   }
 
@@ -263,8 +272,11 @@ struct COHORT_LOCAL DataParallel::Impl {
                  " got a second gradient in one synchronized backward (reentrant checkpointing or a nested "
                  "backward?); DataParallel takes one per parameter and step: run the others under noSync()");
     torch::Tensor& slot = bucket.slots[i];
+    COHORT_CHECK(incoming.scalar_type() == slot.scalar_type(), InvalidArgument, kWho, ": parameter ", names[k],
+                 " has a ", incoming.dtype(), " gradient but was ", slot.dtype(),
+                 " when the handle was made: convert the model (module->to(dtype)) before making the handle");
     if (grad.defined() && grad.data_ptr() == slot.data_ptr()) {
-      if (scale != 1.0) slot.mul_(scaleTensor);  // autograd added into the bucket itself (x * 1 is x: no kernel)
+      if (scale != 1.0) slot.mul_(scaleFor(slot));  // autograd added into the bucket itself (x * 1 is x: no kernel)
     } else if (grad.defined()) {
       scaledInto(slot, grad);  // a .grad of its own (zero_grad() set it to none): copied, dropped
     } else {
@@ -468,12 +480,18 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
   COHORT_CHECK(options.codecWarmupSteps >= 0, InvalidArgument, kWho, ": codecWarmupSteps must be at least 0, got ",
                options.codecWarmupSteps);
   const auto codec = compress::CodecSpec::parse(options.codec);  // throws InvalidArgument naming the accepted forms
+  // A parameter no rank used gets no .grad, but an error-feedback codec has already sent part of
+  // its residual for it (and counted that part as applied): it would be lost.
+  COHORT_CHECK(!options.findUnusedParameters || !codec.errorFeedback(), InvalidArgument, kWho,
+               ": findUnusedParameters with codec ", codec.text(),
+               ", which keeps a residual: the residual a skipped parameter sends would be dropped; use codec none, "
+               "fp16 or bf16, or leave findUnusedParameters off");
   s.options = std::move(options);
   s.module = &module;
   for (auto& [name, p] : uniqueParameters(module)) {
     if (!p.requires_grad()) continue;
-    COHORT_CHECK(p.is_floating_point(), InvalidArgument, kWho, ": parameter ", name, " is ", p.dtype(),
-                 "; DataParallel averages floating-point parameters (float32, float64, float16, bfloat16)");
+    COHORT_CHECK(isAveragedDtype(p.scalar_type()), InvalidArgument, kWho, ": parameter ", name, " is ", p.dtype(),
+                 "; DataParallel averages float32, float64, float16 and bfloat16 parameters");
     COHORT_CHECK(p.scalar_type() == torch::kFloat32 || codec.kind == compress::CodecKind::None, InvalidArgument, kWho,
                  ": parameter ", name, " is ", p.dtype(), ", but codec ", codec.text(),
                  " compresses float32 gradients: use codec none (any floating dtype) or a float32 model");

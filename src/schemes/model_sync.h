@@ -59,6 +59,12 @@ std::pair<torch::Tensor, torch::Tensor> gradientRows(const torch::Tensor& grad);
 // of adding to zeros.
 void clearGradients(torch::nn::Module& model);
 
+// The parameter dtypes the data-parallel handles sum and average (float32, float64, float16,
+// bfloat16): what Gloo and NCCL reduce. The float8 types are floating point too, but refused.
+inline bool isAveragedDtype(c10::ScalarType type) {
+  return type == c10::kFloat || type == c10::kDouble || type == c10::kHalf || type == c10::kBFloat16;
+}
+
 // The one device the parameters of `model` are on (the CPU for a module without parameters).
 // Throws InvalidArgument, naming `who`, when they are on two devices, or on one that is neither
 // the CPU nor a CUDA device.

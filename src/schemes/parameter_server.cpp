@@ -65,9 +65,9 @@ void ParameterServerClient::Impl::attach(torch::nn::Module& model, torch::optim:
                "cohort::ParameterServerClient: push = updates runs the worker's own optimizer: pass it");
   std::vector<ps::ParamInfo> infos;
   for (const auto& [name, p] : uniqueParameters(model)) {
-    COHORT_CHECK(p.is_floating_point() && p.is_contiguous(), InvalidArgument, "parameter ", name, " is ", p.dtype(),
-                 p.is_contiguous() ? "" : " and not contiguous",
-                 ": the parameter server takes contiguous floating-point parameters");
+    COHORT_CHECK(isAveragedDtype(p.scalar_type()) && p.is_contiguous(), InvalidArgument, "parameter ", name, " is ",
+                 p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
+                 ": the parameter server takes contiguous float32, float64, float16 and bfloat16 parameters");
     const bool rowSparse = p.dim() == 2 && hasRowSparseGradient(model, p);
     const bool float32 = p.scalar_type() == torch::kFloat32;
     COHORT_CHECK(float32 || !rowSparse, InvalidArgument, "embedding table ", name, " is ", p.dtype(),

@@ -54,9 +54,9 @@ ReplicaGroup::ReplicaGroup(Kind kind, const Job* job, std::shared_ptr<torch::nn:
   const auto named = s.trainableParameters(*model);
   if (job != nullptr) s.comm = job->communicator();
   if (s.comm != nullptr) {
-    checkSameModel(
-        *s.comm, *model, s.who,
-        detail::concat("replicas=", options.replicas, " findUnusedParameters=", options.findUnusedParameters));
+    checkSameModel(*s.comm, *model, s.who,
+                   detail::concat("replicas=", options.replicas, " bucketMb=", options.bucketMb,
+                                  " findUnusedParameters=", options.findUnusedParameters));
     broadcastModel(*s.comm, *model);
   }
   // Which optimizer parameter is which model parameter, to give each copy the same groups.
@@ -92,8 +92,8 @@ std::vector<std::pair<std::string, torch::Tensor>> ReplicaGroup::Impl::trainable
   std::vector<std::pair<std::string, torch::Tensor>> named;
   for (auto& [name, p] : uniqueParameters(model)) {
     if (!p.requires_grad()) continue;
-    COHORT_CHECK(p.is_floating_point(), InvalidArgument, who, ": parameter ", name, " is ", p.dtype(),
-                 "; replicas train floating-point parameters (float32, float64, float16, bfloat16)");
+    COHORT_CHECK(isAveragedDtype(p.scalar_type()), InvalidArgument, who, ": parameter ", name, " is ", p.dtype(),
+                 "; replicas train float32, float64, float16 and bfloat16 parameters");
     COHORT_CHECK(kind != Kind::kHogwild || p.device().is_cpu(), InvalidArgument, who, ": parameter ", name,
                  " is on ", p.device(), "; Hogwild's threads update one copy in host memory without locks, a CPU "
                  "scheme: call module->to(torch::kCPU) (--device cpu), or use Mirrored on the GPU");
@@ -208,8 +208,10 @@ ReplicaGroup::~ReplicaGroup() {
 
 double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targets, const ShardLoss& loss) {
   Impl& s = *impl_;
-  COHORT_CHECK(!s.broken, Error, s.who, ": an earlier step failed while the replicas were updating their parameters, "
-               "so they may differ; make a new handle");
+  COHORT_CHECK(!s.broken, Error, s.who,
+               ": an earlier step failed while the replicas were updating their parameters "
+               "or while this process exchanged with the others, so replicas or processes may be out of step; "
+               "make a new handle");
   const int R = int(s.replicas.size());
   const int64_t n = inputs.size(0);
   COHORT_CHECK(n >= R, InvalidArgument, s.who, ": a batch of ", n, " examples cannot be split over ", R,
@@ -248,7 +250,8 @@ void ReplicaGroup::Impl::splitBatch(const torch::Tensor& inputs, const torch::Te
     shardInputs.push_back(inputs.narrow(0, offset, size).to(device));
     shardTargets.push_back(targets.narrow(0, offset, size).to(device));
     replicas[r].weight = double(size) / double(n);
-    replicas[r].weightTensor = torch::scalar_tensor(replicas[r].weight, torch::kFloat64);
+    replicas[r].weightFloat = torch::scalar_tensor(replicas[r].weight, torch::kFloat32);
+    replicas[r].weightDouble = torch::scalar_tensor(replicas[r].weight, torch::kFloat64);
     replicas[r].loss = 0;
     offset += size;
   }
@@ -304,11 +307,10 @@ void ReplicaGroup::Impl::rethrowFailure() {
   // steps may leave the copies different. (Hogwild's threads share one parameter set: nothing can
   // differ.)
   if (updating.load() && kind == Kind::kMirrored) broken = true;
-  // Collectives launched in a failed step leave this process out of step with the others.
-  {
-    MutexLock launchLock(launchMutex);
-    if (launched > 0) broken = true;
-  }
+  // Across processes, a failed step leaves this process out of step with the others: its own
+  // collectives launched, or theirs left waiting for ones this process never launched (a replica
+  // that failed in forward, before any bucket was summed).
+  if (comm != nullptr) broken = true;
   try {
     std::rethrow_exception(error);
   } catch (const Error& e) {
