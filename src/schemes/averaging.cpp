@@ -40,6 +40,20 @@ void unpack(const torch::Tensor& flat, const std::vector<torch::Tensor>& params)
   }
 }
 
+// Parameter `name` is one averaging can take: float32, float64, float16 or bfloat16 and
+// contiguous; float32 under a codec other than none, and as a row-sparse table.
+void checkAveraged(const std::string& name, const torch::Tensor& p, const compress::CodecSpec& codec, bool rowSparse) {
+  COHORT_CHECK(isAveragedDtype(p.scalar_type()) && p.is_contiguous(), InvalidArgument, kWho, ": parameter ", name,
+               " is ", p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
+               "; ParameterAveraging averages contiguous float32, float64, float16 and bfloat16 parameters");
+  COHORT_CHECK(p.scalar_type() == torch::kFloat32 || codec.kind == compress::CodecKind::None, InvalidArgument, kWho,
+               ": parameter ", name, " is ", p.dtype(), "; the codec ", codec.text(),
+               " compresses float32 changes: use codec none (the parameters are then averaged in their dtype) "
+               "or a float32 model");
+  COHORT_CHECK(!rowSparse || p.scalar_type() == torch::kFloat32, InvalidArgument, kWho, ": embedding table ", name,
+               " is ", p.dtype(), "; row-sparse tables are averaged by rows in float32: make the table float32");
+}
+
 }  // namespace
 
 std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer) {
@@ -257,16 +271,8 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
   s.module = &module;
   s.optimizer = optimizer;
   for (auto& [name, p] : uniqueParameters(module)) {
-    COHORT_CHECK(isAveragedDtype(p.scalar_type()) && p.is_contiguous(), InvalidArgument, kWho, ": parameter ", name,
-                 " is ", p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
-                 "; ParameterAveraging averages contiguous float32, float64, float16 and bfloat16 parameters");
-    COHORT_CHECK(p.scalar_type() == torch::kFloat32 || s.codec.kind == compress::CodecKind::None, InvalidArgument, kWho,
-                 ": parameter ", name, " is ", p.dtype(), "; the codec ", s.options.codec,
-                 " compresses float32 changes: use codec none (the parameters are then averaged in their dtype) "
-                 "or a float32 model");
     const bool rowSparse = p.dim() == 2 && hasRowSparseGradient(module, p);
-    COHORT_CHECK(!rowSparse || p.scalar_type() == torch::kFloat32, InvalidArgument, kWho, ": embedding table ", name,
-                 " is ", p.dtype(), "; row-sparse tables are averaged by rows in float32: make the table float32");
+    checkAveraged(name, p, s.codec, rowSparse);
     if (rowSparse) {
       s.tables.push_back(p);
       s.tableParams.push_back(p);

@@ -60,21 +60,28 @@ ParameterServerClient::Impl::Impl(PsContext c) : c_(std::move(c)) {
   if (c_.options.keepFreedMemory) ps::keepFreedMemory();  // process-wide: only when asked
 }
 
+// Parameter `name` is one the shards can hold: float32, float64, float16 or bfloat16 (the shards
+// keep float32) and contiguous; float32 as a row-sparse table and with push = updates.
+void ParameterServerClient::Impl::checkParameter(const std::string& name, const torch::Tensor& p,
+                                                 bool rowSparse) const {
+  COHORT_CHECK(isAveragedDtype(p.scalar_type()) && p.is_contiguous(), InvalidArgument, "parameter ", name, " is ",
+               p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
+               ": the parameter server takes contiguous float32, float64, float16 and bfloat16 parameters");
+  const bool float32 = p.scalar_type() == torch::kFloat32;
+  COHORT_CHECK(float32 || !rowSparse, InvalidArgument, "embedding table ", name, " is ", p.dtype(),
+               ": its rows travel as float32; make the table float32");
+  COHORT_CHECK(float32 || c_.options.push == PsPush::kGradients, InvalidArgument, "parameter ", name, " is ", p.dtype(),
+               ": --push updates sends the change a float32 model made; with a ", p.dtype(),
+               " model push gradients (the shards keep float32 parameters)");
+}
+
 void ParameterServerClient::Impl::attach(torch::nn::Module& model, torch::optim::Optimizer* optimizer) {
   COHORT_CHECK(c_.options.push != PsPush::kUpdates || optimizer != nullptr, InvalidArgument,
                "cohort::ParameterServerClient: push = updates runs the worker's own optimizer: pass it");
   std::vector<ps::ParamInfo> infos;
   for (const auto& [name, p] : uniqueParameters(model)) {
-    COHORT_CHECK(isAveragedDtype(p.scalar_type()) && p.is_contiguous(), InvalidArgument, "parameter ", name, " is ",
-                 p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
-                 ": the parameter server takes contiguous float32, float64, float16 and bfloat16 parameters");
     const bool rowSparse = p.dim() == 2 && hasRowSparseGradient(model, p);
-    const bool float32 = p.scalar_type() == torch::kFloat32;
-    COHORT_CHECK(float32 || !rowSparse, InvalidArgument, "embedding table ", name, " is ", p.dtype(),
-                 ": its rows travel as float32; make the table float32");
-    COHORT_CHECK(float32 || c_.options.push == PsPush::kGradients, InvalidArgument, "parameter ", name, " is ",
-                 p.dtype(), ": --push updates sends the change a float32 model made; with a ", p.dtype(),
-                 " model push gradients (the shards keep float32 parameters)");
+    checkParameter(name, p, rowSparse);
     infos.push_back({name, uint64_t(p.numel()), rowSparse ? uint64_t(p.size(1)) : 0});
     params_.push_back(p);
     rowSparse_.push_back(rowSparse);

@@ -168,6 +168,8 @@ struct COHORT_LOCAL ParameterServerClient::Impl {
   // The chief's early stop: every shard lets its held pushes go and tells every worker to stop.
   void requestStop();
 
+  void checkParameter(const std::string& name, const torch::Tensor& p, bool rowSparse) const;
+
   // Copies shard s's values into the parameters.
   void load(size_t s, uint64_t version, const google::protobuf::RepeatedPtrField<ps::wire::Tensor>& values);
 
