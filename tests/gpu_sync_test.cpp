@@ -275,6 +275,17 @@ TEST(GpuSync, AveragingABfloat16ModelOnCudaEqualsOneProcessThere) {
   EXPECT_EQ(test::maxDifference(got[0], got[1]), 0.0) << "the ranks differ after the last average";
   EXPECT_LT(test::maxDifference(got[0], expected), 1.2e-2) << worstElement(got[0], expected);
   EXPECT_GT(test::maxDifference(got[0], start), 1e-2) << "training did not move the parameters";
+  // A model of two dtypes on the GPU: its host mirror holds one, so it is refused by name.
+  test::onRanks(1, [&](std::shared_ptr<Communicator> comm) {
+    auto mixed = make();
+    mixed->ptr(2)->to(torch::kFloat32);
+    try {
+      ParameterAveraging averaging(Job::fromCommunicator(comm), *mixed, nullptr, {});
+      FAIL() << "a bfloat16 and float32 model on cuda:0 was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("convert it to one"), std::string::npos) << e.what();
+    }
+  });
 }
 
 // The ps client with a bfloat16 model on cuda:0 and two in-process CPU shards: the gradients leave

@@ -291,6 +291,13 @@ ParameterAveraging::ParameterAveraging(const Job& job, torch::nn::Module& module
     // From here on the exchange works on host views of the parameters (see `params`).
     std::vector<torch::Tensor> onDevice = s.params;
     onDevice.insert(onDevice.end(), s.tables.begin(), s.tables.end());
+    for (const auto& t : onDevice) {
+      COHORT_CHECK(t.scalar_type() == onDevice.front().scalar_type(), InvalidArgument, kWho, ": on ", device,
+                   " the parameters are mirrored in host memory in one dtype, and this model has ",
+                   onDevice.front().dtype(), " and ", t.dtype(),
+                   s.tables.empty() ? "; convert it to one (module->to(dtype))"
+                                    : "; its sparse embedding tables must be float32, so make the whole model float32");
+    }
     s.mirror = std::make_unique<HostMirror>(onDevice, job.env());
     s.mirror->toHost();
     const auto& views = s.mirror->views();
