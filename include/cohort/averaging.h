@@ -13,9 +13,9 @@
 // (with its residual); buffers and optimizer state travel uncompressed.
 //
 // Parameters may be float32, float64, float16 or bfloat16, or several in one model (on a GPU, of
-// one dtype): they are averaged in their dtype, and the outer optimizer's state is kept in it (a
-// model of several dtypes: in the one they promote to). The codecs other than none compress float32
-// changes and refuse other models, as sparse embedding tables other than float32 are refused.
+// one dtype): they are averaged in their dtype; the outer optimizer's state (the anchor and the
+// momentum) is kept in float32, or float64 for a model with float64 parameters. The codecs other than none compress
+// float32 changes and refuse other models, as sparse embedding tables other than float32 are refused.
 //
 // Sparse embedding tables (nn::Embedding / nn::EmbeddingBag with sparse(true)) are averaged by
 // rows: each rank sends the rows its gradients touched since the last average, which step() reads

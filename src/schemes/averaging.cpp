@@ -20,26 +20,6 @@ namespace {
 
 constexpr const char* kWho = "cohort::ParameterAveraging";
 
-// `params` side by side into the flat `out` (of their dtype, or of the one a model of several
-// promotes to), and back: copy_ converts, and moves each parameter's version counter.
-void pack(const std::vector<torch::Tensor>& params, const torch::Tensor& out) {
-  torch::NoGradGuard noGrad;
-  int64_t at = 0;
-  for (const auto& p : params) {
-    out.narrow(0, at, p.numel()).copy_(p.detach().reshape({-1}));
-    at += p.numel();
-  }
-}
-
-void unpack(const torch::Tensor& flat, const std::vector<torch::Tensor>& params) {
-  torch::NoGradGuard noGrad;
-  int64_t at = 0;
-  for (const auto& p : params) {
-    p.detach().copy_(flat.narrow(0, at, p.numel()).view_as(p));
-    at += p.numel();
-  }
-}
-
 // Parameter `name` is one averaging can take: float32, float64, float16 or bfloat16 and
 // contiguous; float32 under a codec other than none, and as a row-sparse table.
 void checkAveraged(const std::string& name, const torch::Tensor& p, const compress::CodecSpec& codec, bool rowSparse) {
@@ -182,12 +162,12 @@ struct COHORT_LOCAL ParameterAveraging::Impl {
         anchor.add_(change, lr).add_(outerVelocity, lr * mu);
         break;
     }
-    unpack(anchor, params);
+    unpackParameters(anchor, params);
   }
 
   void averageChanges() {
     torch::NoGradGuard noGrad;
-    pack(params, delta);
+    packParameters(params, delta);
     delta.sub_(anchor).mul_(1.0 / comm->worldSize());
     const int64_t sent = compressed->bytesSent(), received = compressed->bytesReceived();
     compressed->start(0, delta);
@@ -199,7 +179,7 @@ struct COHORT_LOCAL ParameterAveraging::Impl {
       applyOuter(delta);
     } else {
       anchor.add_(delta);
-      unpack(anchor, params);
+      unpackParameters(anchor, params);
     }
   }
 
@@ -215,13 +195,13 @@ struct COHORT_LOCAL ParameterAveraging::Impl {
         torch::NoGradGuard noGrad;
         averageCounted(tensors);
         tensors.clear();
-        pack(params, delta);
+        packParameters(params, delta);
         delta.sub_(anchor);
         applyOuter(delta);
       } else if (compressed) {  // the warm-up: average uncompressed, and start the changes from here
         averageCounted(tensors);
         tensors.clear();
-        pack(params, anchor);
+        packParameters(params, anchor);
       }
     }
     for (size_t t = 0; t < tables.size(); ++t) {

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 
-#include <cstring>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -190,26 +189,34 @@ size_t totalNumel(const std::vector<torch::Tensor>& params) {
 
 }  // namespace
 
-void flattenParameters(const std::vector<torch::Tensor>& params, std::span<float> flat) {
-  COHORT_CHECK_EQ(flat.size(), totalNumel(params), Error, "flattenParameters: the flat buffer's size");
-  size_t at = 0;
+void packParameters(const std::vector<torch::Tensor>& params, const torch::Tensor& flat) {
+  COHORT_CHECK_EQ(size_t(flat.numel()), totalNumel(params), Error, "packParameters: the flat buffer's size");
+  torch::NoGradGuard noGrad;
+  int64_t at = 0;
   for (const auto& p : params) {
-    std::memcpy(flat.data() + at, p.data_ptr<float>(), size_t(p.numel()) * sizeof(float));
-    at += size_t(p.numel());
+    flat.narrow(0, at, p.numel()).copy_(p.detach().reshape({-1}));
+    at += p.numel();
   }
 }
 
-void unflattenParameters(const std::vector<torch::Tensor>& params, std::span<const float> flat) {
-  COHORT_CHECK_EQ(flat.size(), totalNumel(params), Error, "unflattenParameters: the flat buffer's size");
+void unpackParameters(const torch::Tensor& flat, const std::vector<torch::Tensor>& params) {
+  COHORT_CHECK_EQ(size_t(flat.numel()), totalNumel(params), Error, "unpackParameters: the flat buffer's size");
   torch::NoGradGuard noGrad;
-  size_t at = 0;
+  int64_t at = 0;
   for (const auto& p : params) {
     // Through copy_, not memcpy: the parameter's version counter moves, so autograd notices a
     // graph that saved the old values.
-    auto source = torch::from_blob(const_cast<float*>(flat.data() + at), p.sizes(), torch::kFloat32);
-    p.detach().copy_(source);
-    at += size_t(p.numel());
+    p.detach().copy_(flat.narrow(0, at, p.numel()).view_as(p));
+    at += p.numel();
   }
+}
+
+void flattenParameters(const std::vector<torch::Tensor>& params, std::span<float> flat) {
+  packParameters(params, torch::from_blob(flat.data(), {int64_t(flat.size())}, torch::kFloat32));
+}
+
+void unflattenParameters(const std::vector<torch::Tensor>& params, std::span<const float> flat) {
+  unpackParameters(torch::from_blob(const_cast<float*>(flat.data()), {int64_t(flat.size())}, torch::kFloat32), params);
 }
 
 void requireCpuModel(torch::nn::Module& model, const std::string& who) {

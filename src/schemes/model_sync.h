@@ -42,8 +42,13 @@ std::vector<std::pair<std::string, torch::Tensor>> uniqueParameters(torch::nn::M
 void checkSameModel(Communicator& comm, torch::nn::Module& model, const std::string& who,
                     const std::string& extra = "");
 
-// The parameters (contiguous float32) side by side in one flat buffer, in the given order, and
-// back; `flat` holds exactly their total count (checked). Not collectives.
+// The parameters side by side in the flat tensor `flat`, in the given order, and back (copy_
+// converts between dtypes, and moves each parameter's version counter); `flat` holds exactly
+// their total count (checked). Not collectives.
+void packParameters(const std::vector<torch::Tensor>& params, const torch::Tensor& flat);
+void unpackParameters(const torch::Tensor& flat, const std::vector<torch::Tensor>& params);
+
+// The same over a float32 buffer of the caller's.
 void flattenParameters(const std::vector<torch::Tensor>& params, std::span<float> flat);
 void unflattenParameters(const std::vector<torch::Tensor>& params, std::span<const float> flat);
 
