@@ -104,10 +104,7 @@ struct COHORT_LOCAL DataParallel::Impl {
   int noSyncDepth = 0;
   int64_t syncStepsAtJoin = 0;  // stats.syncSteps when join() began
   double scale = 1.0;
-  // `scale` as 0-dim CPU tensors (scaledInto): float32, for float32 gradients, and double, for the
-  // others. A scalar tensor of another dtype than the gradient's is cast at every call (an
-  // allocation and a copy: seen as aten::to in a profile), so float32's gets its own.
-  torch::Tensor scaleFloat, scaleDouble;
+  ScaleTensors scaleTensors;               // `scale`, for scaledInto
   std::vector<torch::Tensor> sparseGrads;  // per parameter: this step's row-sparse gradient (or undefined)
   std::string broken;  // set when a communication failed: the group is unusable
   int64_t sentAtStart = 0;  // the step's exchange's byte counts when the step began
@@ -223,12 +220,7 @@ struct COHORT_LOCAL DataParallel::Impl {
       const int64_t active = guard([&] { return activeRanks(1); });
       scale = 1.0 / double(std::max<int64_t>(1, active));
     }
-    scaleFloat = torch::scalar_tensor(scale, torch::kFloat32);
-    scaleDouble = torch::scalar_tensor(scale, torch::kFloat64);
-  }
-
-  const torch::Tensor& scaleFor(const torch::Tensor& slot) const {
-    return slot.scalar_type() == torch::kFloat32 ? scaleFloat : scaleDouble;
+    scaleTensors.set(scale);
   }
 
   // slot = gradient * scale, in one kernel. mul_out with a Scalar would not be: in LibTorch 2.11
@@ -243,7 +235,7 @@ struct COHORT_LOCAL DataParallel::Impl {
     if (scale == 1.0) {
       slot.copy_(gradient);
     } else {
-      torch::mul_out(slot, gradient, scaleFor(slot));
+      torch::mul_out(slot, gradient, scaleTensors.forTensor(slot));
     }
   }
 
@@ -276,7 +268,8 @@ struct COHORT_LOCAL DataParallel::Impl {
                  " has a ", incoming.dtype(), " gradient but was ", slot.dtype(),
                  " when the handle was made: convert the model (module->to(dtype)) before making the handle");
     if (grad.defined() && grad.data_ptr() == slot.data_ptr()) {
-      if (scale != 1.0) slot.mul_(scaleFor(slot));  // autograd added into the bucket itself (x * 1 is x: no kernel)
+      if (scale != 1.0)
+        slot.mul_(scaleTensors.forTensor(slot));  // autograd added into the bucket itself (x * 1 is x: no kernel)
     } else if (grad.defined()) {
       scaledInto(slot, grad);  // a .grad of its own (zero_grad() set it to none): copied, dropped
     } else {

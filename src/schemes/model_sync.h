@@ -70,6 +70,26 @@ inline bool isAveragedDtype(c10::ScalarType type) {
   return type == c10::kFloat || type == c10::kDouble || type == c10::kHalf || type == c10::kBFloat16;
 }
 
+// A scale factor (1/N, a shard's weight) as the 0-dim CPU tensors that mul_out and mul_ take
+// without a cast: float32 for float32 tensors, double for the others. A 0-dim tensor does not
+// promote the other operand's dtype, but one of another dtype than it is cast at every call (an
+// allocation and a copy: aten::to in a profile); the double gives a float64 tensor the exact
+// factor and a 16-bit one a float factor, at the cost of that cast.
+class ScaleTensors {
+ public:
+  void set(double value) {
+    float_ = torch::scalar_tensor(value, torch::kFloat32);
+    double_ = torch::scalar_tensor(value, torch::kFloat64);
+  }
+  // The factor to multiply `t` by.
+  const torch::Tensor& forTensor(const torch::Tensor& t) const {
+    return t.scalar_type() == torch::kFloat32 ? float_ : double_;
+  }
+
+ private:
+  torch::Tensor float_, double_;
+};
+
 // The one device the parameters of `model` are on (the CPU for a module without parameters).
 // Throws InvalidArgument, naming `who`, when they are on two devices, or on one that is neither
 // the CPU nor a CUDA device.

@@ -68,10 +68,10 @@ void ReplicaGroup::Impl::onGradient(size_t r, size_t k, const torch::Tensor& gra
   torch::NoGradGuard noGrad;
   auto [b, i] = slotOf[k];
   // With a tensor, not a Scalar: mul_out's Scalar form multiplies into a temporary and copies it
-  // (data_parallel.cpp's scaledInto); this is one kernel. A 0-dim tensor does not promote the
-  // gradient's dtype: a float32 gradient gets float(weight); the others the double's.
+  // (data_parallel.cpp's scaledInto); this is one kernel, its factor a 0-dim tensor chosen by the
+  // slot's dtype (ScaleTensors).
   torch::Tensor& slot = buckets[b]->localSlots[r][i];
-  torch::mul_out(slot, grad, slot.scalar_type() == torch::kFloat32 ? self.weightFloat : self.weightDouble);
+  torch::mul_out(slot, grad, self.weightTensors.forTensor(slot));
   self.times.copy += secondsSince(start);
   if (!self.filled[b][i]) {
     self.filled[b][i] = true;

@@ -250,8 +250,7 @@ void ReplicaGroup::Impl::splitBatch(const torch::Tensor& inputs, const torch::Te
     shardInputs.push_back(inputs.narrow(0, offset, size).to(device));
     shardTargets.push_back(targets.narrow(0, offset, size).to(device));
     replicas[r].weight = double(size) / double(n);
-    replicas[r].weightFloat = torch::scalar_tensor(replicas[r].weight, torch::kFloat32);
-    replicas[r].weightDouble = torch::scalar_tensor(replicas[r].weight, torch::kFloat64);
+    replicas[r].weightTensors.set(replicas[r].weight);
     replicas[r].loss = 0;
     offset += size;
   }

@@ -23,6 +23,7 @@
 
 #include "base/clock.h"
 #include "base/thread_annotations.h"
+#include "schemes/model_sync.h"
 
 #include <torch/torch.h>
 
@@ -68,9 +69,7 @@ struct COHORT_LOCAL ReplicaGroup::Impl {
     std::vector<size_t> pending;            // [bucket]: gradients still to come
     size_t nextToSum = 0;                   // the first bucket whose chunk this replica has not summed
     double weight = 0;                      // its shard's share of the batch
-    // The same as 0-dim CPU tensors for onGradient's mul_out: float32, for float32 gradients (a
-    // scalar of another dtype would be cast at every call), and double, for the other dtypes.
-    torch::Tensor weightFloat, weightDouble;
+    ScaleTensors weightTensors;             // the same, for onGradient's mul_out
     double loss = 0;
     bool inBackward = false;
     std::vector<unsigned> hooks;
