@@ -80,9 +80,8 @@ Data batches(int steps, int64_t n) {
   return d;
 }
 
-// One process, plain SGD on each whole batch: the reference.
-std::vector<torch::Tensor> trainAlone(const Data& d, double lr) {
-  auto net = smallNet(1);
+// One process, plain SGD on each whole batch: the reference (by default on smallNet(1)).
+std::vector<torch::Tensor> trainAlone(const Data& d, double lr, nn::Sequential net = smallNet(1)) {
   torch::optim::SGD opt(net->parameters(), lr);
   for (size_t i = 0; i < d.x.size(); ++i) {
     opt.zero_grad();
@@ -369,12 +368,7 @@ TEST_P(ReplicaDtypes, EqualOneProcessInTheModelsDtype) {
   for (auto& x : d.x) x = x.to(dtype);
   auto alone = smallNet(1);
   alone->to(dtype);
-  torch::optim::SGD aloneOpt(alone->parameters(), 0.1);
-  for (size_t i = 0; i < d.x.size(); ++i) {
-    aloneOpt.zero_grad();
-    crossEntropy(*alone, d.x[i], d.y[i]).backward();
-    aloneOpt.step();
-  }
+  const auto expected = trainAlone(d, 0.1, alone);
   auto net = smallNet(1);
   net->to(dtype);
   torch::optim::SGD opt(net->parameters(), 0.1);
@@ -383,7 +377,7 @@ TEST_P(ReplicaDtypes, EqualOneProcessInTheModelsDtype) {
   const auto got = parametersOf(*net);
   for (const auto& p : got) EXPECT_EQ(p.scalar_type(), dtype);
   const double tolerance = dtype == torch::kFloat64 ? 1e-12 : 4e-3;  // seen: 1.4e-17, 4.9e-4 (bfloat16)
-  EXPECT_LT(maxDifference(got, parametersOf(*alone)), tolerance);
+  EXPECT_LT(maxDifference(got, expected), tolerance);
   for (int r = 1; r < 3; ++r) EXPECT_TRUE(identical(parametersOf(group->replica(r)), got)) << r;
   int64_t bytes = 0;  // of the model's gradients, in its dtype
   for (const auto& p : got) bytes += p.numel() * int64_t(p.element_size());
@@ -419,20 +413,14 @@ TEST(Mirrored, MixedDtypeModelGetsABucketPerDtype) {
     return net;
   };
   const Data d = batches(3, 12);
-  auto alone = mixedNet();
-  torch::optim::SGD aloneOpt(alone->parameters(), 0.1);
-  for (size_t i = 0; i < d.x.size(); ++i) {
-    aloneOpt.zero_grad();
-    crossEntropy(*alone, d.x[i], d.y[i]).backward();
-    aloneOpt.step();
-  }
+  const auto expected = trainAlone(d, 0.1, mixedNet());
   auto net = mixedNet();
   torch::optim::SGD opt(net->parameters(), 0.1);
   Mirrored mirrored(net.ptr(), opt, {.replicas = 2});
   for (size_t i = 0; i < d.x.size(); ++i) mirrored.step(d.x[i], d.y[i], kLoss);
   EXPECT_EQ(mirrored.stats().buckets, 2);
   EXPECT_EQ(net->parameters().back().scalar_type(), torch::kFloat64);
-  EXPECT_LT(maxDifference(parametersOf(*net), parametersOf(*alone)), 1e-5);
+  EXPECT_LT(maxDifference(parametersOf(*net), expected), 1e-5);
   EXPECT_TRUE(identical(parametersOf(mirrored.replica(1)), parametersOf(*net)));
 }
 
