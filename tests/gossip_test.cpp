@@ -5,8 +5,10 @@
 
 #include "comm/store.h"
 #include "gossip/peer.h"
+#include "gossip_handle.h"
 #include "test_util.h"
 
+#include <cohort/error.h>
 #include <cohort/gossip.h>
 #include <cohort/job.h>
 
@@ -17,7 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <exception>
+#include <future>
 #include <thread>
 
 namespace cohort::gossip_test {
@@ -32,25 +34,12 @@ std::string train() { return test::cohortBinary() + " train --threads 1 --progre
 // the store and plays rank 0 with the transport alone; rank 1 is the Gossip handle.
 TEST(GossipHandle, APeerPublishesItsAddressOnlyOnceItHoldsTheChiefsParameters) {
   using namespace std::chrono_literals;
-  const std::string secret = "g0ss1p";
   torch::nn::Linear net(3, 2);  // 8 parameters; made before the thread that attaches it
-  auto server = store::Server::start({.host = "127.0.0.1", .port = 0, .secret = secret});
-  auto chief = store::Client::connect("127.0.0.1", server->port(), secret, 5s);
-  ClusterSpec spec;
-  spec.rank = 1;
-  spec.worldSize = 2;
-  spec.master = {"127.0.0.1", server->port()};
-  spec.secret = secret;
-  const Job job = Job::fromSpec(spec, {.timeout = 30s});
-  std::unique_ptr<Gossip> gossip;
-  std::exception_ptr failed;
-  std::thread joining([&] {
-    try {
-      gossip = std::make_unique<Gossip>(job, *net);
-    } catch (...) {
-      failed = std::current_exception();
-    }
-  });
+  test::ChiefPlayedByTest t;
+  const std::string secret = t.kSecret;
+  const Job& job = t.rank1;
+  auto& chief = t.chief;
+  auto attaching = std::async(std::launch::async, [&] { return std::make_unique<Gossip>(job, *net); });
   // The chief has not published its parameters: rank 1 has bound its socket but says nowhere
   // where it is.
   EXPECT_FALSE(chief->get("cohort/gossip/addr/1", 1s).has_value()) << "published before it had the parameters";
@@ -63,8 +52,7 @@ TEST(GossipHandle, APeerPublishesItsAddressOnlyOnceItHoldsTheChiefsParameters) {
   std::memcpy(bytes.data(), init.data(), bytes.size());
   chief->set("cohort/gossip/init", bytes);
   const auto published = chief->get("cohort/gossip/addr/1", 30s);
-  joining.join();
-  if (failed) std::rethrow_exception(failed);
+  const std::unique_ptr<Gossip> gossip = attaching.get();
   ASSERT_TRUE(published.has_value());
   // Attached: the replica is the chief's parameters.
   std::vector<float> held;
@@ -80,6 +68,30 @@ TEST(GossipHandle, APeerPublishesItsAddressOnlyOnceItHoldsTheChiefsParameters) {
   const auto counters = rank0.counters();
   EXPECT_TRUE(counters[1].finished);
   EXPECT_FALSE(counters[1].lost);
+}
+
+// A bfloat16 replica sends its own change exactly and none of the rounding of what it received
+// (tests/gossip_handle.h; tests/gpu_sync_test.cpp runs the same on cuda:0).
+TEST(GossipHandle, ABfloat16ReplicaSendsItsOwnChangeAndNoRounding) {
+  test::expectBfloat16ReplicaSendsOnlyItsOwnChange(torch::Device(torch::kCPU));
+}
+
+// A model of two dtypes is refused before anything connects, naming both.
+TEST(GossipHandle, AModelOfTwoDtypesIsRefusedByName) {
+  torch::nn::Sequential net(torch::nn::Linear(3, 2), torch::nn::Linear(2, 1));
+  net[1]->to(torch::kBFloat16);
+  ClusterSpec spec;
+  spec.rank = 1;
+  spec.worldSize = 2;
+  spec.master = {"127.0.0.1", 1};
+  const Job job = Job::fromSpec(spec, {.timeout = std::chrono::seconds(1)});
+  try {
+    Gossip gossip(job, *net);
+    FAIL() << "a float32 and bfloat16 model was taken";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("BFloat16"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("module->to(dtype)"), std::string::npos) << e.what();
+  }
 }
 
 // Three peers on Fashion-MNIST; peer 2 is SIGKILLed after the chief's 60th step. The other two

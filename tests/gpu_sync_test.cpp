@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "gossip_handle.h"
 #include "gpu_util.h"
 #include "model_util.h"
 #include "ps/service.h"
@@ -221,6 +222,14 @@ TEST(GpuSync, GossipPeersOnCudaTrainAsOnTheCpu) {
     EXPECT_LT(test::maxDifference(rank0, rank1), 1e-4)
         << "the " << run << " peers ended apart: " << worstElement(rank0, rank1);
   }
+}
+
+// Gossip with a bfloat16 model on cuda:0 (its pinned float32 host mirror): the replica sends its
+// own change exactly and none of the rounding of what it received (tests/gossip_handle.h, which
+// tests/gossip_test.cpp runs on the CPU).
+TEST(GpuSync, GossipOfABfloat16ModelOnCudaSendsOnlyItsOwnChange) {
+  REQUIRE_GPU();
+  test::expectBfloat16ReplicaSendsOnlyItsOwnChange(torch::Device(torch::kCUDA, 0));
 }
 
 // ParameterAveraging of a bfloat16 model on cuda:0 (its pinned host mirror in bfloat16), 2 ranks

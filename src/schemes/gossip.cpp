@@ -80,15 +80,30 @@ struct COHORT_LOCAL Gossip::Impl {
     copyOut(before_);
   }
 
+  // Parameter `name` is one gossip can send: contiguous, of the model's one floating dtype, and
+  // float32 when it is a row-sparse table (its rows travel as float32 or 16 bits).
+  void checkParameter(const std::string& name, const torch::Tensor& p, bool rowSparse) const {
+    COHORT_CHECK(isAveragedDtype(p.scalar_type()) && p.is_contiguous(), InvalidArgument, "parameter ", name, " is ",
+                 p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
+                 ": gossip takes contiguous float32, float64, float16 and bfloat16 parameters");
+    COHORT_CHECK(p.scalar_type() == modelType_, InvalidArgument, "parameter ", name, " is ", p.dtype(),
+                 ", the first one ", c10::toString(modelType_),
+                 ": gossip takes a model of one dtype; convert it to one (module->to(dtype))");
+    COHORT_CHECK(!rowSparse || modelType_ == torch::kFloat32, InvalidArgument, "embedding table ", name, " is ",
+                 p.dtype(), ": gossip sends a table's rows from float32; make the model float32");
+  }
+
   // Lays the model's parameters out as one flat update (row tables for the sparse embeddings)
-  // and sizes the buffers; on a device, the exchange works on a pinned host mirror.
+  // and sizes the buffers. On a device, or of another dtype than float32, the exchange works on a
+  // float32 host mirror (pinned for a device): the wire carries float32 changes.
   void layOutParameters(torch::nn::Module& model) {
     numel_ = 0;
     for (const auto& [name, p] : uniqueParameters(model)) {
-      COHORT_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous(), InvalidArgument,
-                   "parameter ", name, " is not a contiguous float32 tensor: gossip sends float32 updates");
+      if (params_.empty()) modelType_ = p.scalar_type();
+      const bool rowSparse = p.dim() == 2 && hasRowSparseGradient(model, p);
+      checkParameter(name, p, rowSparse);
       tableOf_.push_back(-1);
-      if (p.dim() == 2 && hasRowSparseGradient(model, p)) {
+      if (rowSparse) {
         COHORT_CHECK(p.size(0) <= int64_t(UINT32_MAX), InvalidArgument, "parameter ", name, " has ", p.size(0),
                      " rows: gossip numbers rows with 32 bits");
         tableOf_.back() = int(tables_.size());
@@ -100,9 +115,9 @@ struct COHORT_LOCAL Gossip::Impl {
     }
     COHORT_CHECK(numel_ > 0, InvalidArgument, "cohort::Gossip: the module has no parameters; there is nothing to send");
     modelParams_ = params_;
-    mirror_ = mirrorIfOnDevice(modelParams_, *c_.env);
+    mirror_ = float32Mirror(modelParams_, *c_.env);
     if (mirror_) {
-      params_ = mirror_->views();  // the exchange works on pinned host views (see params_)
+      params_ = mirror_->views();  // the exchange works on float32 host views (see params_)
       mirror_->toHost();
     }
     before_.assign(numel_, 0.0f);
@@ -193,7 +208,10 @@ struct COHORT_LOCAL Gossip::Impl {
     peer_->publish(update_, gossip::UpdateMeta{.version = version_, .step = steps_, .steps = 1, .samples = samples},
                    live, rows);
     const Applied applied = applyArrived();
-    if (mirror_ && applied.messages > 0) mirror_->toDevice();  // back only when others' changes were added
+    if (mirror_ && applied.messages > 0) {  // back only when others' changes were added
+      roundToModel();
+      mirror_->toDevice();
+    }
     if (tables_.empty()) copyOut(before_);
 
     stats.samples = samples + applied.samples;
@@ -222,7 +240,25 @@ struct COHORT_LOCAL Gossip::Impl {
   void synchronize() {
     if (mirror_) mirror_->toHost();
     const Applied applied = applyArrived();
-    if (mirror_ && applied.messages > 0) mirror_->toDevice();
+    if (mirror_ && applied.messages > 0) {
+      roundToModel();
+      mirror_->toDevice();
+    }
+  }
+
+  // A model of another dtype than float32 gets the float32 views rounded to its dtype: round them
+  // here first, and move before_ with them, so that the next change read from the model holds
+  // this replica's own change and not the rounding (which the peers would get as if it were one).
+  // What a peer sent below half a unit of the model's dtype is lost, as in that dtype's own SGD.
+  void roundToModel() {
+    if (modelType_ == torch::kFloat32) return;
+    torch::NoGradGuard noGrad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      torch::Tensor view = params_[i];
+      const torch::Tensor rounded = view.to(modelType_).to(torch::kFloat32);
+      torch::from_blob(before_.data() + offsets_[i], view.sizes(), torch::kFloat32).add_(rounded - view);
+      view.copy_(rounded);
+    }
   }
 
   void finish() {
@@ -425,12 +461,13 @@ struct COHORT_LOCAL Gossip::Impl {
   GossipContext c_;
   std::mt19937_64 rng_;
   int fanout_ = 1;
-  // What the exchange reads and writes: the module's parameters on the CPU; on a CUDA device,
-  // views of mirror_'s pinned host buffer, copied from the device at each step and back when
-  // updates from the others were added.
+  // What the exchange reads and writes: the module's parameters for a float32 model on the CPU;
+  // else float32 views of mirror_'s host buffer (pinned for a CUDA device), copied from the model
+  // at each step and back when updates from the others were added.
   std::vector<torch::Tensor> params_;
   std::vector<torch::Tensor> modelParams_;  // the module's parameters, where the model is
-  std::unique_ptr<HostMirror> mirror_;      // null on the CPU
+  std::unique_ptr<HostMirror> mirror_;      // null for a float32 model on the CPU
+  c10::ScalarType modelType_ = torch::kFloat32;  // the dtype of every parameter
   std::vector<size_t> offsets_;  // of each parameter in the flat buffers
   std::vector<int> tableOf_;     // per parameter: its row table's index, -1 when dense
   std::vector<gossip::RowTable> tables_;  // the sparse embedding tables: their changed rows travel

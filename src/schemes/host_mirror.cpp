@@ -89,11 +89,6 @@ void HostMirror::awaitDevice() {
   inFlight_ = false;
 }
 
-std::unique_ptr<HostMirror> mirrorIfOnDevice(const std::vector<torch::Tensor>& tensors, Env& env) {
-  if (tensors.empty() || tensors.front().device().is_cpu()) return nullptr;
-  return std::make_unique<HostMirror>(tensors, env);
-}
-
 std::unique_ptr<HostMirror> float32Mirror(const std::vector<torch::Tensor>& tensors, Env& env) {
   if (tensors.empty()) return nullptr;
   const bool float32 = tensors.front().scalar_type() == torch::kFloat32;

@@ -65,13 +65,9 @@ class HostMirror {
   bool inFlight_ = false;               // copied_ has not been waited for yet
 };
 
-// A mirror of `tensors` when they are on a CUDA device, null when they are on the CPU (the
-// exchange then works on the tensors themselves, exactly as it always has).
-std::unique_ptr<HostMirror> mirrorIfOnDevice(const std::vector<torch::Tensor>& tensors, Env& env);
-
-// For the schemes whose exchange works on float32 host memory (the parameter-server client): a
-// float32 mirror of `tensors` when they are on a CUDA device or of another dtype, null when they
-// are float32 on the CPU (the exchange then works on the tensors themselves).
+// For the schemes whose exchange works on float32 host memory (the parameter-server client,
+// gossip): a float32 mirror of `tensors` when they are on a CUDA device or of another dtype, null
+// when they are float32 on the CPU (the exchange then works on the tensors themselves).
 std::unique_ptr<HostMirror> float32Mirror(const std::vector<torch::Tensor>& tensors, Env& env);
 
 }  // namespace cohort
