@@ -8,6 +8,7 @@
 // docs/LIBRARY.md is the guide.
 #pragma once
 
+#include <cohort/autocast.h>
 #include <cohort/averaging.h>
 #include <cohort/checkpoint.h>
 #include <cohort/cluster.h>

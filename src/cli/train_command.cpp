@@ -1,9 +1,10 @@
+#include "train/evaluator.h"
+#include "train/trainer.h"
+#include <cohort/autocast.h>
 #include <cohort/cluster.h>
 #include <cohort/error.h>
 #include <cohort/job.h>
 #include <cohort/parameter_server.h>
-#include "train/evaluator.h"
-#include "train/trainer.h"
 
 #include "ps/service.h"
 #include "base/launcher_channel.h"
@@ -167,6 +168,7 @@ struct TrainFlags {
   std::string stalenessLr = "none";  // --staleness-lr: parsePsStalenessLr
   std::string push = "gradients";    // --push: parsePsPush
   std::string backend;    // --backend: parseCommBackend
+  std::string autocast = "off";  // --autocast: parseAutocast
   std::string strategy;   // --strategy: parseScheme
   std::string progress = "auto";
   std::string microBatches = "4";  // a count or auto: parseMicroBatches
@@ -223,6 +225,12 @@ void addTrainingOptions(CLI::App* train, TrainFlags& f) {
                    "every rank has a GPU of its own, else Gloo), nccl (an error where it cannot be) or gloo (staged "
                    "through host memory). CPU tensors always go through Gloo")
       ->check(CLI::IsMember({"auto", "nccl", "gloo"}))
+      ->capture_default_str();
+  train
+      ->add_option("--autocast", f.autocast,
+                   "Mixed precision: off, or bf16 (the forward pass's convolutions, linear layers and matmuls in "
+                   "bfloat16, as torch.autocast; parameters, gradients, optimizer, what the workers exchange and "
+                   "the evaluation stay float32). Not under pipeline and tensor")
       ->capture_default_str();
   train->add_option("--seed", o.seed, "Seed for initialization and data order")
       ->check(kSeedValidator)
@@ -500,11 +508,13 @@ void applyFlags(TrainFlags& f) {
   COHORT_CHECK(optimizer.has_value(), InvalidArgument, "unknown optimizer '", f.optimizer,
                "': expected sgd, momentum, adam or adagrad");
   o.optimizer = *optimizer;
+  o.strategy.autocast = parseAutocast(f.autocast);
   COHORT_CHECK(f.saveModel->count() == 0 || !o.saveModelPath.empty(), InvalidArgument,
                "--save-model needs a file "
                "to write the model to, got an empty path: give --save-model FILE or drop it");
   parseProfileSteps(f.profileSteps, o.profile);
   checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
+  checkAutocastOptions(o.strategy);
   applyBucketOptions(o.strategy, f.bucketMb->count() > 0, f.firstBucketMb->count() > 0);
   o.strategy.pipeline.microBatches =
       parseMicroBatches(f.microBatches, o.strategy.scheme == Scheme::kPipeline ? o.batch : INT64_MAX);

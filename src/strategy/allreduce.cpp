@@ -44,7 +44,7 @@ StepStats AllreduceStrategy::step(const Batch& batch, const LossFn& loss) {
   const DataParallelStats before = dp_->stats();
   // Dropping the gradients (rather than zero-filling them) saves the hooks an addition.
   clearGradients(*model_);
-  auto value = loss(model_->forward(batch.inputs), batch.targets);
+  auto value = forwardLoss(*model_, batch.inputs, batch.targets, loss, autocast());
   const auto forwardEnd = std::chrono::steady_clock::now();
   value.backward();
   const auto backwardEnd = std::chrono::steady_clock::now();

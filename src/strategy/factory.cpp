@@ -1,4 +1,5 @@
 // The one place that maps --strategy to a scheme.
+#include <cohort/autocast.h>
 #include <cohort/communicator.h>
 #include <cohort/error.h>
 
@@ -41,8 +42,16 @@ void checkCodecOptions(const StrategyOptions& options) {
                options.codecWarmupSteps);
 }
 
-std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job& job) {
-  checkCodecOptions(options);
+void checkAutocastOptions(const StrategyOptions& options) {
+  COHORT_CHECK(!options.autocast || (options.scheme != Scheme::kPipeline && options.scheme != Scheme::kTensor),
+               InvalidArgument, "--autocast ", autocastName(options.autocast), " does not apply to --strategy ",
+               schemeName(options.scheme),
+               " yet: its stages exchange activations whose dtype autocast would change; drop --autocast");
+}
+
+namespace {
+
+std::unique_ptr<Strategy> makeSchemeStrategy(const StrategyOptions& options, const Job& job) {
   switch (options.scheme) {
     case Scheme::kLocal:
       COHORT_CHECK(job.worldSize() == 1, InvalidArgument, "--strategy local trains in one process, but this is ",
@@ -111,6 +120,16 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
     }
   }
   throw InvalidArgument("unknown strategy: expected one of " + schemeNames());
+}
+
+}  // namespace
+
+std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job& job) {
+  checkCodecOptions(options);
+  checkAutocastOptions(options);
+  std::unique_ptr<Strategy> strategy = makeSchemeStrategy(options, job);
+  strategy->setAutocast(options.autocast);
+  return strategy;
 }
 
 }  // namespace cohort

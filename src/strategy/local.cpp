@@ -1,5 +1,6 @@
 #include "strategy/local.h"
 
+#include <cohort/autocast.h>
 #include <cohort/error.h>
 
 #include <torch/torch.h>
@@ -8,10 +9,17 @@
 
 namespace cohort {
 
-torch::Tensor forwardBackwardStep(torch::nn::Sequential& model, torch::optim::Optimizer& optimizer,
-                                  const Batch& batch, const LossFn& loss) {
+torch::Tensor forwardLoss(torch::nn::SequentialImpl& model, const torch::Tensor& inputs, const torch::Tensor& targets,
+                          const LossFn& loss, std::optional<c10::ScalarType> autocast) {
+  if (!autocast) return loss(model.forward(inputs), targets);
+  Autocast scope(inputs.device().type(), *autocast);
+  return loss(model.forward(inputs), targets);
+}
+
+torch::Tensor forwardBackwardStep(torch::nn::Sequential& model, torch::optim::Optimizer& optimizer, const Batch& batch,
+                                  const LossFn& loss, std::optional<c10::ScalarType> autocast) {
   clearGradients(*model);
-  auto value = loss(model->forward(batch.inputs), batch.targets);
+  auto value = forwardLoss(*model, batch.inputs, batch.targets, loss, autocast);
   value.backward();
   optimizer.step();
   return value;
@@ -25,7 +33,7 @@ void LocalStrategy::attach(torch::nn::Sequential model, torch::optim::Optimizer&
 StepStats LocalStrategy::step(const Batch& batch, const LossFn& loss) {
   COHORT_CHECK(optimizer_ != nullptr, Error, "LocalStrategy::step before attach");
   const auto start = std::chrono::steady_clock::now();
-  auto value = forwardBackwardStep(model_, *optimizer_, batch, loss);
+  auto value = forwardBackwardStep(model_, *optimizer_, batch, loss, autocast());
   StepStats stats;
   stats.loss = value.item<double>();
   stats.samples = batch.size();

@@ -20,9 +20,9 @@ class LocalStrategy final : public Strategy {
   torch::optim::Optimizer* optimizer_ = nullptr;
 };
 
-// One step with no exchange: clear gradients, forward, loss, backward, optimizer step.
-// Returns the loss.
-torch::Tensor forwardBackwardStep(torch::nn::Sequential& model, torch::optim::Optimizer& optimizer,
-                                  const Batch& batch, const LossFn& loss);
+// One step with no exchange: clear gradients, forward and loss (under `autocast` when set, see
+// forwardLoss), backward, optimizer step. Returns the loss.
+torch::Tensor forwardBackwardStep(torch::nn::Sequential& model, torch::optim::Optimizer& optimizer, const Batch& batch,
+                                  const LossFn& loss, std::optional<c10::ScalarType> autocast);
 
 }  // namespace cohort

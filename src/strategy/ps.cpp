@@ -34,10 +34,10 @@ class PsStrategy final : public Strategy {
     const auto start = Clock::now();
     torch::Tensor out;
     if (options_.push == PsPush::kUpdates) {
-      out = forwardBackwardStep(model_, *optimizer_, batch, loss);
+      out = forwardBackwardStep(model_, *optimizer_, batch, loss, autocast());
     } else {
       clearGradients(*model_);
-      out = loss(model_->forward(batch.inputs), batch.targets);
+      out = forwardLoss(*model_, batch.inputs, batch.targets, loss, autocast());
       out.backward();
     }
     StepStats stats;

@@ -36,10 +36,12 @@ StepStats ReplicaStrategy::step(const Batch& batch, const LossFn& loss) {
   COHORT_CHECK(group_ != nullptr, Error, "ReplicaStrategy::step before attach");
   const auto start = std::chrono::steady_clock::now();
   const ReplicaStats before = group_->stats();
-  const double value = group_->step(batch.inputs, batch.targets,
-                                    [&loss](int, torch::nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
-                                      return loss(m.as<torch::nn::SequentialImpl>()->forward(x), y);
-                                    });
+  const double value = group_->step(
+      batch.inputs, batch.targets,
+      [&loss, autocast = autocast()](int, torch::nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
+        // On the replica's thread: autocast's state is per thread.
+        return forwardLoss(*m.as<torch::nn::SequentialImpl>(), x, y, loss, autocast);
+      });
   const ReplicaStats after = group_->stats();
   StepStats stats;
   stats.loss = value;

@@ -164,7 +164,21 @@ class Strategy {
   // (CheckpointPlan::keptByScheme; ps: the shards): why the final one could not be written, one
   // line naming where and why. The trainer fails the run with it after its done event.
   virtual std::optional<std::string> finalCheckpointError() const { return std::nullopt; }
+
+  // --autocast: the dtype step()'s forward passes and losses run in under autocast (forwardLoss);
+  // none: float32. Set by makeStrategy.
+  void setAutocast(std::optional<c10::ScalarType> dtype) { autocast_ = dtype; }
+  std::optional<c10::ScalarType> autocast() const { return autocast_; }
+
+ private:
+  std::optional<c10::ScalarType> autocast_;
 };
+
+// The loss of `model` on (inputs, targets), the forward pass and the loss under autocast in
+// `autocast` on the inputs' device kind when it is set (cohort::Autocast); backward is the caller's,
+// outside it, as torch advises.
+torch::Tensor forwardLoss(torch::nn::SequentialImpl& model, const torch::Tensor& inputs, const torch::Tensor& targets,
+                          const LossFn& loss, std::optional<c10::ScalarType> autocast);
 
 // What `cohort train` asks for: the scheme, and each scheme's options.
 struct StrategyOptions {
@@ -201,6 +215,9 @@ struct StrategyOptions {
   int ways = 2;
   // gossip (include/cohort/gossip.h); codec, secret and seed are filled by the Trainer.
   GossipOptions gossip;
+  // --autocast: forward passes in this 16-bit dtype (local, allreduce, average, ps, gossip and the
+  // in-process schemes); none: float32.
+  std::optional<c10::ScalarType> autocast;
   // Test hook for every scheme: worker slowRank sleeps slowSeconds in every step.
   int slowRank = -1;
   double slowSeconds = 0;
@@ -215,6 +232,10 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
 // Throws InvalidArgument when --codec or --codec-warmup-steps is malformed or does not fit the
 // scheme; the message names the accepted codecs.
 void checkCodecOptions(const StrategyOptions& options);
+
+// Throws InvalidArgument when --autocast is set for a scheme it does not apply to (pipeline,
+// tensor), naming it.
+void checkAutocastOptions(const StrategyOptions& options);
 
 // The replica threads an in-process scheme runs: --replicas, else this host's cores.
 int replicaThreads(const StrategyOptions& options);

@@ -9,6 +9,7 @@
 #include "train/progress.h"
 #include "train/step_profiler.h"
 #include "train/trainer_internal.h"
+#include <cohort/autocast.h>
 #include <cohort/error.h>
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -410,6 +411,7 @@ class Trainer::State::Loop {
                       {"comm_wait_s", r.commWaitSeconds},
                       {"strategy", std::string(schemeName(o_.strategy.scheme))},
                       {"model", o_.model},
+                      {"autocast", autocastName(o_.strategy.autocast)},
                       {"workers", int64_t(s_.replica.worldSize)},
                       {"max_rss_mb", maxRssMb()},
                       {"restarts", int64_t(o_.restartCount)}};
