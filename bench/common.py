@@ -127,11 +127,12 @@ def single_thread_env():
 WARMUP = 5
 
 
-def train_loop(model, images, labels, indices, batch, steps, world=1, device="cpu"):
+def train_loop(model, images, labels, indices, batch, steps, world=1, device="cpu", autocast="off"):
     """cohort's loop in Python: gather by index, scale to [0, 1], forward, cross-entropy, backward,
     momentum SGD step, loss.item(). Returns (samples over all workers, seconds) for the steps after
     the first WARMUP, cohort's steady-state rule. On a GPU, as cohort does: the batch is assembled
-    in host memory, pinned, and copied without blocking."""
+    in host memory, pinned, and copied without blocking. autocast "bf16": the forward pass and the
+    loss under torch.autocast in bfloat16, as cohort's --autocast bf16."""
     import torch.nn.functional as F
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -147,7 +148,8 @@ def train_loop(model, images, labels, indices, batch, steps, world=1, device="cp
             x = x.pin_memory().to(device, non_blocking=True)
             y = y.pin_memory().to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast == "bf16"):
+            loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         loss.item()

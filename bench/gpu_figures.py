@@ -14,6 +14,8 @@ streams: where a step's time goes, per CUDA stream and CPU thread: one run each 
         steady state (the PyTorch profiler: each stream's busy time per step, its top kernel).
 ddp2:   2 ranks sharing cuda:0: cohort --strategy allreduce against PyTorch DDP (gloo over CUDA
         tensors, bench/pytorch_ddp.py), cnn and mlp: samples/s over both ranks.
+autocast: (not in the default set) single's pair with both loops under autocast in bfloat16
+        (cohort train --autocast bf16, torch.autocast), cnn and mlp.
 
 Runs alternate cohort / the comparison so that noise hits both; prints each run, the medians, the
 ratio of medians and the per-pair ratios. Stops starting runs once --budget seconds have passed,
@@ -97,9 +99,9 @@ def profiled(binary, tmp, label, flags):
               f"{lane['events'] // steps} events/step{top}", flush=True)
 
 
-def pytorch_single(model, steps):
+def pytorch_single(model, steps, autocast="off"):
     out = run([sys.executable, os.path.join(ROOT, "bench", "pytorch_single.py"), "--model", model, "--steps",
-               str(steps), "--threads", "1", "--device", DEVICE[0]])
+               str(steps), "--threads", "1", "--device", DEVICE[0], "--autocast", autocast])
     return json.loads(out.strip().splitlines()[-1])["samples_per_s"]
 
 
@@ -179,6 +181,11 @@ def main():
                     compare(f"single {m} (samples/s)", args.runs,
                             lambda: cohort_train(binary, tmp, m, STEPS[m], [])["samples_per_s"],
                             lambda: pytorch_single(m, STEPS[m]), "cohort", "PyTorch")
+            elif section == "autocast":
+                for m in models:
+                    compare(f"autocast bf16, {m} (samples/s)", args.runs,
+                            lambda: cohort_train(binary, tmp, m, STEPS[m], ["--autocast", "bf16"])["samples_per_s"],
+                            lambda: pytorch_single(m, STEPS[m], "bf16"), "cohort", "PyTorch")
             elif section == "resnet":
                 if not args.resnet:
                     print("resnet: skipped, no --resnet binary given", flush=True)
@@ -215,7 +222,7 @@ def main():
                                                  workers=2)["samples_per_s"],
                             lambda: pytorch_ddp(binary, m, STEPS[m] // 2), "cohort", "DDP")
             else:
-                raise SystemExit(f"unknown section {section}: expected single, resnet, ws1 or ddp2")
+                raise SystemExit(f"unknown section {section}: expected single, resnet, ws1, streams, ddp2 or autocast")
 
 
 if __name__ == "__main__":

@@ -20,15 +20,17 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--autocast", default="off", choices=["off", "bf16"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     images, labels = load_fashion("train")
     model = make_model(args.model).to(args.device)
     perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(args.seed))
-    samples, timed = train_loop(model, images, labels, perm, args.batch, args.steps, device=args.device)
+    samples, timed = train_loop(model, images, labels, perm, args.batch, args.steps, device=args.device,
+                                autocast=args.autocast)
     print(json.dumps({"samples_per_s": samples / timed, "steps": args.steps, "model": args.model,
-                      "device": args.device}))
+                      "device": args.device, "autocast": args.autocast}))
 
 
 if __name__ == "__main__":
