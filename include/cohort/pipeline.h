@@ -31,12 +31,14 @@
 
 #include <cohort/job.h>
 
+#include <c10/core/ScalarType.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -83,6 +85,11 @@ struct COHORT_API PipelineOptions {
   // and the cut); with `resume`, the cut is read from it and another is refused.
   std::string checkpointDir;
   bool resume = false;
+  // Mixed precision (cohort::Autocast): each stage's layers and the loss run under autocast in
+  // this dtype (bfloat16); what crosses between stages keeps the dtype the dry run found (float32
+  // for a float32 model), an activation autocast made 16-bit cast back after the stage's last
+  // layer. std::nullopt: none.
+  std::optional<c10::ScalarType> autocast;
 };
 
 // The loss of a micro-batch's outputs against its targets, averaged over its examples.

@@ -1,6 +1,7 @@
 // One training step of a pipeline stage (Pipeline::Impl::step, schemes/pipeline_internal.h): the
 // batch cut into micro-batches, each one's forward and backward in the schedule's order with the
 // neighbouring stages' messages, the gradients averaged over the stage's copies, the optimizer.
+#include <cohort/autocast.h>
 #include <cohort/error.h>
 
 #include "base/clock.h"
@@ -161,10 +162,18 @@ class StepRun {
       if (h.input.is_floating_point()) h.input.requires_grad_(true);
     }
     const auto computeStart = Clock::now();
-    h.output = throughLayers(h.input, &h.bytes);
+    {
+      std::optional<Autocast> autocast;  // PipelineOptions::autocast: the layers and the loss
+      if (p_.options.autocast) autocast.emplace(h.input.device().type(), *p_.options.autocast);
+      h.output = throughLayers(h.input, &h.bytes);
+      if (p_.last()) {
+        auto targets = targets_.narrow(0, micro_.offset[size_t(i)], m);
+        h.output = loss_(h.output, targets) * (double(m) / double(inputs_.size(0)));
+      } else if (h.output.is_floating_point() && h.output.scalar_type() != p_.wire.outType) {
+        h.output = h.output.to(p_.wire.outType);  // autocast's 16 bits back to the wire's dtype
+      }
+    }
     if (p_.last()) {
-      auto targets = targets_.narrow(0, micro_.offset[size_t(i)], m);
-      h.output = loss_(h.output, targets) * (double(m) / double(inputs_.size(0)));
       lossSum += h.output.item<double>();
       times.forward += secondsSince(computeStart);
     } else {

@@ -43,10 +43,10 @@ void checkCodecOptions(const StrategyOptions& options) {
 }
 
 void checkAutocastOptions(const StrategyOptions& options) {
-  COHORT_CHECK(!options.autocast || (options.scheme != Scheme::kPipeline && options.scheme != Scheme::kTensor),
-               InvalidArgument, "--autocast ", autocastName(options.autocast), " does not apply to --strategy ",
-               schemeName(options.scheme),
-               " yet: its stages exchange activations whose dtype autocast would change; drop --autocast");
+  COHORT_CHECK(!options.autocast || options.scheme != Scheme::kTensor, InvalidArgument, "--autocast ",
+               autocastName(options.autocast),
+               " does not apply to --strategy tensor yet: its ways exchange activations inside each layer, in the "
+               "dtype autocast would change; drop --autocast");
 }
 
 namespace {

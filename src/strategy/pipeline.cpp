@@ -42,7 +42,8 @@ torch::nn::Sequential PipelineStrategy::localModel(torch::nn::Sequential model, 
                                                          .schedule = options_.schedule,
                                                          .partition = options_.partition,
                                                          .checkpointDir = checkpointDir_,
-                                                         .resume = resume_});
+                                                         .resume = resume_,
+                                                         .autocast = autocast()});
   options_.microBatches = pipeline_->microBatches();
   return pipeline_->module();
 }

@@ -215,8 +215,7 @@ struct StrategyOptions {
   int ways = 2;
   // gossip (include/cohort/gossip.h); codec, secret and seed are filled by the Trainer.
   GossipOptions gossip;
-  // --autocast: forward passes in this 16-bit dtype (local, allreduce, average, ps, gossip and the
-  // in-process schemes); none: float32.
+  // --autocast: forward passes in this 16-bit dtype (every scheme but tensor); none: float32.
   std::optional<c10::ScalarType> autocast;
   // Test hook for every scheme: worker slowRank sleeps slowSeconds in every step.
   int slowRank = -1;
@@ -233,8 +232,8 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
 // scheme; the message names the accepted codecs.
 void checkCodecOptions(const StrategyOptions& options);
 
-// Throws InvalidArgument when --autocast is set for a scheme it does not apply to (pipeline,
-// tensor), naming it.
+// Throws InvalidArgument when --autocast is set for a scheme it does not apply to (tensor),
+// naming it.
 void checkAutocastOptions(const StrategyOptions& options);
 
 // The replica threads an in-process scheme runs: --replicas, else this host's cores.
