@@ -85,7 +85,7 @@ TEST(MixedPrecision, TheFlagTakesOffAndBf16AndRefusesFp16NamingLossScaling) {
   EXPECT_THROW(Autocast(torch::kCPU, torch::kFloat32), InvalidArgument);
 }
 
-TEST(MixedPrecision, TensorRefusesItByName) {
+TEST(MixedPrecision, TensorAndFloat16AreRefusedByName) {
   StrategyOptions options{.scheme = Scheme::kTensor};
   options.autocast = c10::kBFloat16;
   try {
@@ -96,6 +96,8 @@ TEST(MixedPrecision, TensorRefusesItByName) {
   }
   options.scheme = Scheme::kPipeline;
   EXPECT_NO_THROW(checkAutocastOptions(options));
+  options.autocast = c10::kHalf;  // through the library's options: the command line refuses "fp16" itself
+  EXPECT_THROW(checkAutocastOptions(options), InvalidArgument);
 }
 
 // Records the dtype of what reaches it, on whichever thread runs the forward pass; its clones

@@ -76,22 +76,29 @@ TEST(GossipHandle, ABfloat16ReplicaSendsItsOwnChangeAndNoRounding) {
   test::expectBfloat16ReplicaSendsOnlyItsOwnChange(torch::Device(torch::kCPU));
 }
 
-// A model of two dtypes is refused before anything connects, naming both.
-TEST(GossipHandle, AModelOfTwoDtypesIsRefusedByName) {
-  torch::nn::Sequential net(torch::nn::Linear(3, 2), torch::nn::Linear(2, 1));
-  net[1]->to(torch::kBFloat16);
+// A model of two dtypes, and a float64 one (the float32 exchange would round it at every step),
+// are refused before anything connects, by name.
+TEST(GossipHandle, AModelOfTwoDtypesOrOfFloat64IsRefusedByName) {
   ClusterSpec spec;
   spec.rank = 1;
   spec.worldSize = 2;
   spec.master = {"127.0.0.1", 1};
   const Job job = Job::fromSpec(spec, {.timeout = std::chrono::seconds(1)});
-  try {
-    Gossip gossip(job, *net);
-    FAIL() << "a float32 and bfloat16 model was taken";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("BFloat16"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("module->to(dtype)"), std::string::npos) << e.what();
-  }
+  const auto expectRefused = [&](torch::nn::Module& net, const std::string& named, const std::string& fix) {
+    try {
+      Gossip gossip(job, net);
+      FAIL() << "taken; expected a refusal naming " << named;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(fix), std::string::npos) << e.what();
+    }
+  };
+  torch::nn::Sequential mixed(torch::nn::Linear(3, 2), torch::nn::Linear(2, 1));
+  mixed[1]->to(torch::kBFloat16);
+  expectRefused(*mixed, "BFloat16", "module->to(dtype)");
+  torch::nn::Linear float64(3, 2);
+  float64->to(torch::kFloat64);
+  expectRefused(*float64, "double", "module->to(torch::kFloat32)");
 }
 
 // Three peers on Fashion-MNIST; peer 2 is SIGKILLed after the chief's 60th step. The other two

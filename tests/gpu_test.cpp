@@ -62,6 +62,7 @@ TEST(Gpu, AutocastBf16OnCudaLearnsAsFloat32) {
   ASSERT_EQ(two.exitCode, 0) << two.output;
   const double onCpu = finalAccuracy(dir.file("cpu.jsonl"));
   EXPECT_EQ(test::lastEvent(dir.file("gpu.jsonl"), "done").value("autocast", ""), "bf16");
+  EXPECT_EQ(test::lastEvent(dir.file("two.jsonl"), "done").value("autocast", ""), "bf16");
   EXPECT_NEAR(finalAccuracy(dir.file("gpu.jsonl")), onCpu, 0.03);
   EXPECT_NEAR(finalAccuracy(dir.file("two.jsonl")), onCpu, 0.03);
 }

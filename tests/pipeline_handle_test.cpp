@@ -142,6 +142,17 @@ TEST(PipelineHandle, UnderAutocastTheStagesComputeInBfloat16AndSendFloat32) {
   EXPECT_GT(float32.bytesSent, 0);
 }
 
+// float16 would need loss scaling inside step(): refused by every stage at construction, before
+// any stage waits for another.
+TEST(PipelineHandle, AutocastInFloat16IsRefusedAtConstruction) {
+  const auto net = makeNet();
+  test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    PipelineOptions options{.stages = 2};
+    options.autocast = c10::kHalf;
+    EXPECT_THROW(Pipeline(Job::fromCommunicator(comm), copyOf(net), torch::zeros({2, 4}), options), InvalidArgument);
+  });
+}
+
 TEST(PipelineHandle, AJobThatIsNotStagesTimesReplicasIsRefused) {
   const auto net = makeNet();
   test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {

@@ -12,7 +12,8 @@
 //                                                         // the forward chose (torch's advice)
 //
 // bfloat16 has float32's exponent range, so its gradients need no loss scaling; float16's do (a
-// scaler the caller brings: this class only casts). The state is the calling thread's: a replica
+// scaler the caller brings: this class only casts). On CUDA, bfloat16's tensor-core kernels need
+// an Ampere GPU or later (compute capability 8.0); this class does not check for one. The state is the calling thread's: a replica
 // thread (cohort::Mirrored's step function) opens its own. Scopes nest; the outermost one's end
 // drops the cache of cast weights, which an optimizer step would make stale.
 #pragma once

@@ -20,11 +20,11 @@
 // and the parameters go back to the device (without blocking the host, ordered before the next
 // kernels) only when updates from other peers were added. Peers may mix CPU and CUDA models.
 //
-// The changes travel as float32 (or as the codec makes them of float32). A model of one other
-// floating dtype (float64, float16, bfloat16) gets a float32 host copy the same way; the arrived
-// changes reach it rounded to its dtype, and that rounding is kept out of the next change it sends
-// (tested: a bfloat16 replica sends its own changes exactly and no rounding). Sparse embedding
-// tables must be float32.
+// The changes travel as float32 (or as the codec makes them of float32). A float16 or bfloat16
+// model (one dtype) gets a float32 host copy the same way; the arrived changes reach it rounded to
+// its dtype, and that rounding is kept out of the next change it sends (tested: a bfloat16 replica
+// sends its own changes exactly and no rounding). float64 is refused: the float32 copy would round
+// it at every exchange. Sparse embedding tables must be float32.
 //
 // Peers meet through the rendezvous store at the chief's address; each listens on a socket of its own. A
 // dead peer is logged once and left behind; no step ever waits for another peer. Contract: the

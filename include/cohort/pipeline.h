@@ -86,9 +86,9 @@ struct COHORT_API PipelineOptions {
   std::string checkpointDir;
   bool resume = false;
   // Mixed precision (cohort::Autocast): each stage's layers and the loss run under autocast in
-  // this dtype (bfloat16); what crosses between stages keeps the dtype the dry run found (float32
-  // for a float32 model), an activation autocast made 16-bit cast back after the stage's last
-  // layer. std::nullopt: none.
+  // this dtype (bfloat16 only: float16 would need loss scaling inside step()); what crosses between stages keeps the
+  // dtype the dry run found (float32 for a float32 model), an activation autocast made 16-bit cast back after the
+  // stage's last layer. std::nullopt: none.
   std::optional<c10::ScalarType> autocast;
 };
 

@@ -80,12 +80,18 @@ struct COHORT_LOCAL Gossip::Impl {
     copyOut(before_);
   }
 
-  // Parameter `name` is one gossip can send: contiguous, of the model's one floating dtype, and
-  // float32 when it is a row-sparse table (its rows travel as float32 or 16 bits).
+  // Parameter `name` is one gossip can send: contiguous, of the model's one dtype, which float32
+  // holds exactly (float32, float16, bfloat16: the exchange runs on float32 copies, and a float64
+  // model would be rounded to float32 at every exchange), and float32 when it is a row-sparse table.
   void checkParameter(const std::string& name, const torch::Tensor& p, bool rowSparse) const {
-    COHORT_CHECK(isAveragedDtype(p.scalar_type()) && p.is_contiguous(), InvalidArgument, "parameter ", name, " is ",
-                 p.dtype(), p.is_contiguous() ? "" : " and not contiguous",
-                 ": gossip takes contiguous float32, float64, float16 and bfloat16 parameters");
+    const c10::ScalarType type = p.scalar_type();
+    COHORT_CHECK(type == torch::kFloat32 || type == torch::kFloat16 || type == torch::kBFloat16, InvalidArgument,
+                 "parameter ", name, " is ", p.dtype(),
+                 ": gossip takes float32, float16 and bfloat16 parameters (its changes travel as float32, which "
+                 "would round a float64 model at every exchange); convert the model (module->to(torch::kFloat32))");
+    COHORT_CHECK(p.is_contiguous(), InvalidArgument, "parameter ", name,
+                 " is not contiguous: gossip takes contiguous "
+                 "parameters");
     COHORT_CHECK(p.scalar_type() == modelType_, InvalidArgument, "parameter ", name, " is ", p.dtype(),
                  ", the first one ", c10::toString(modelType_),
                  ": gossip takes a model of one dtype; convert it to one (module->to(dtype))");

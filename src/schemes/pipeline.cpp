@@ -35,6 +35,11 @@ std::shared_ptr<Communicator> checkJob(const Job& job, PipelineOptions& options)
   const int R = options.replicas;
   COHORT_CHECK(S * R == W, InvalidArgument, kWho, ": ", S, " stages x ", R, " replicas need ", S * R,
                " processes, but the job has ", W);
+  // The pipeline runs backward and the optimizer itself: no place for float16's loss scaling.
+  COHORT_CHECK(!options.autocast || *options.autocast == c10::kBFloat16, InvalidArgument, kWho, ": autocast in ",
+               *options.autocast,
+               " is not taken: float16 needs loss scaling, which the pipeline's step has no place "
+               "for; use bfloat16");
   COHORT_CHECK(options.microBatches >= 1 || options.microBatches == kAutoMicroBatches, InvalidArgument, kWho,
                ": microBatches must be positive or kAutoMicroBatches, got ", options.microBatches);
   COHORT_CHECK(!(options.partition.splitsALayer() && options.microBatches == kAutoMicroBatches), InvalidArgument,
