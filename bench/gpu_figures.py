@@ -15,7 +15,7 @@ streams: where a step's time goes, per CUDA stream and CPU thread: one run each 
 ddp2:   2 ranks sharing cuda:0: cohort --strategy allreduce against PyTorch DDP (gloo over CUDA
         tensors, bench/pytorch_ddp.py), cnn and mlp: samples/s over both ranks.
 autocast: (not in the default set) single's pair with both loops under autocast in bfloat16
-        (cohort train --autocast bf16, torch.autocast), cnn and mlp.
+        (cohort train --autocast bf16, torch.autocast), cnn and mlp; and resnet's, with --resnet.
 
 Runs alternate cohort / the comparison so that noise hits both; prints each run, the medians, the
 ratio of medians and the per-pair ratios. Stops starting runs once --budget seconds have passed,
@@ -114,17 +114,17 @@ def pytorch_ddp(binary, model, steps):
     raise RuntimeError(out)
 
 
-def resnet_cohort(binary, steps):
-    out = run([binary, "--steps", str(steps), "--batch", "32"])
+def resnet_cohort(binary, steps, autocast="off"):
+    out = run([binary, "--steps", str(steps), "--batch", "32", "--autocast", autocast])
     m = re.search(r"([0-9.]+) samples/s", out)
     if not m:
         raise RuntimeError(out[-1500:])
     return float(m.group(1))
 
 
-def resnet_pytorch(steps):
+def resnet_pytorch(steps, autocast="off"):
     out = run([sys.executable, os.path.join(ROOT, "bench", "resnet_ddp.py"), "--steps", str(steps), "--batch", "32",
-               "--device", DEVICE[0]])
+               "--device", DEVICE[0], "--autocast", autocast])
     return json.loads(out.strip().splitlines()[-1])["samples_per_s"]
 
 
@@ -186,6 +186,11 @@ def main():
                     compare(f"autocast bf16, {m} (samples/s)", args.runs,
                             lambda: cohort_train(binary, tmp, m, STEPS[m], ["--autocast", "bf16"])["samples_per_s"],
                             lambda: pytorch_single(m, STEPS[m], "bf16"), "cohort", "PyTorch")
+                if args.resnet:
+                    steps = max(20, int(400 * args.scale))
+                    compare("autocast bf16, resnet example alone (samples/s)", args.runs,
+                            lambda: resnet_cohort(args.resnet, steps, "bf16"), lambda: resnet_pytorch(steps, "bf16"),
+                            "cohort", "PyTorch")
             elif section == "resnet":
                 if not args.resnet:
                     print("resnet: skipped, no --resnet binary given", flush=True)

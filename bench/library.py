@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """cohort as a library, measured against the command line and against PyTorch.
 
-    .venv/bin/python bench/library.py [--build build] [--runs 5] [--sections train,resnet,unused]
+    .venv/bin/python bench/library.py [--build build] [--runs 5] [--sections train,resnet,unused,resnet-bf16]
 
 train:  the cnn, 2 workers x 1 thread, batch 64: `cohort train --strategy allreduce` against the
         same loop written by a user with the library (bench/library_loop.cpp), with the gradients
@@ -9,6 +9,9 @@ train:  the cnn, 2 workers x 1 thread, batch 64: `cohort train --strategy allred
 resnet: examples/library/resnet_ddp.cpp (a ResNet with BatchNorm and skip connections, the user's
         own loop, cohort::DataParallel) against its Python twin under PyTorch DDP
         (bench/resnet_ddp.py), 2 workers x 1 thread, batch 32. Target: cohort / PyTorch >= 1.10.
+resnet-bf16: (not in the default set) resnet's pair with both loops under autocast in bfloat16
+        (the example's --autocast bf16: cohort::Autocast; torch.autocast), and the example's float32
+        runs beside them: cohort / PyTorch, and the example's bf16 / float32.
 unused: the library loop (zero_grad) with and without DataParallelOptions::findUnusedParameters,
         whose cost is an allreduce of an int32 per parameter per step; the ratio, and the bytes
         and the time waited on communication per step.
@@ -52,19 +55,19 @@ def library_loop(build, steps, zero_grad, find_unused=False, everything=False):
     return line if everything else line["samples_per_s"]
 
 
-def resnet_cohort(build, steps):
+def resnet_cohort(build, steps, autocast="off"):
     proc, _ = run([os.path.join(build, "cohort"), "launch", "-n", "2", "--", os.path.join(build, "bench", "resnet_ddp"),
-                   "--steps", str(steps), "--batch", "32"], env=single_thread_env())
+                   "--steps", str(steps), "--batch", "32", "--autocast", autocast], env=single_thread_env())
     m = re.search(r"([0-9.]+) samples/s", proc.stdout)
     if not m:
         raise RuntimeError(proc.stdout)
     return float(m.group(1))
 
 
-def resnet_pytorch(build, steps):
+def resnet_pytorch(build, steps, autocast="off"):
     proc, _ = run([os.path.join(build, "cohort"), "launch", "-n", "2", "--", sys.executable,
-                   os.path.join(ROOT, "bench", "resnet_ddp.py"), "--steps", str(steps), "--batch", "32"],
-                  env=single_thread_env())
+                   os.path.join(ROOT, "bench", "resnet_ddp.py"), "--steps", str(steps), "--batch", "32",
+                   "--autocast", autocast], env=single_thread_env())
     return json_line(proc.stdout)["samples_per_s"]
 
 
@@ -119,6 +122,21 @@ def main():
                 print(summary(name, values))
             print(f"ratio cohort / PyTorch DDP: "
                   f"{median(rates['cohort DataParallel (C++)']) / median(rates['PyTorch DDP (Python)']):.3f}")
+        if "resnet-bf16" in sections:
+            names = ("cohort bf16", "PyTorch DDP bf16", "cohort float32")
+            rates = {name: [] for name in names}
+            for _ in range(args.runs):
+                rates["cohort bf16"].append(resnet_cohort(args.build, 80, "bf16"))
+                rates["PyTorch DDP bf16"].append(resnet_pytorch(args.build, 80, "bf16"))
+                rates["cohort float32"].append(resnet_cohort(args.build, 80))
+            print("\n[resnet-bf16] examples/library ResNet under autocast bf16, 2 workers x 1 thread, batch 32, 80 steps")
+            for name, values in rates.items():
+                print(summary(name, values))
+            ours = rates["cohort bf16"]
+            print(f"ratio cohort bf16 / PyTorch DDP bf16: {median(ours) / median(rates['PyTorch DDP bf16']):.3f} "
+                  f"(per pair {', '.join(f'{a / b:.3f}' for a, b in zip(ours, rates['PyTorch DDP bf16']))})")
+            print(f"ratio cohort bf16 / cohort float32: {median(ours) / median(rates['cohort float32']):.3f} "
+                  f"(per pair {', '.join(f'{a / b:.3f}' for a, b in zip(ours, rates['cohort float32']))})")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,8 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (every rank on cuda:0)")
+    p.add_argument("--autocast", default="off", choices=["off", "bf16"],
+                   help="bf16: the forward pass and the loss under torch.autocast (the example's --autocast)")
     args = p.parse_args()
     torch.set_num_threads(1)
     # Under a launcher: DDP (gloo); alone: the plain loop, as the C++ example's single process.
@@ -88,7 +90,8 @@ def main():
             x = x.pin_memory().to(args.device, non_blocking=True)
             y = y.pin_memory().to(args.device, non_blocking=True)
         opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         loss.item()
@@ -97,7 +100,7 @@ def main():
             samples += len(idx) * world
     if rank == 0:
         print(json.dumps({"samples_per_s": samples / timed, "steps": args.steps, "workers": world,
-                          "device": args.device}), flush=True)
+                          "device": args.device, "autocast": args.autocast}), flush=True)
     if launched:
         dist.destroy_process_group()
 

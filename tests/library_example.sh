@@ -36,6 +36,8 @@ run "$cohort" launch -n 2 -- "$work/example/resnet_ddp" --steps 40 --batch 32
 # 40 steps of 2 x 32 examples take the ResNet well past chance (0.1).
 accuracy=$(grep -o "test accuracy [0-9.]*" "$work/out.log" | awk '{print $3}')
 awk -v a="$accuracy" 'BEGIN { exit !(a > 0.3) }' || { echo "FAIL: test accuracy $accuracy after 40 steps" >&2; exit 1; }
+# cohort::Autocast from the installed headers, in the user's loop under DataParallel.
+run "$cohort" launch -n 2 -- "$work/example/resnet_ddp" --steps 20 --batch 32 --autocast bf16
 run "$cohort" launch -n 2 -- "$work/example/resnet_schemes" --scheme average --period 4 --steps 20 --batch 32
 run "$cohort" launch -n 2 --ps 1 -- "$work/example/resnet_schemes" --scheme ps --steps 20 --batch 32
 echo "library example: all passed"

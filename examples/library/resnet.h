@@ -69,6 +69,7 @@ struct Args {
   int64_t epochs = 1, steps = 0, batch = 64;
   double lr = 0.05;
   std::string codec = "none", scheme = "average";
+  bool autocast = false;  // --autocast bf16: the forward pass under cohort::Autocast
   int64_t period = 4;
   Args(int argc, char** argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -80,6 +81,8 @@ struct Args {
       else if (k == "--codec") codec = v;
       else if (k == "--scheme") scheme = v;
       else if (k == "--period") period = std::stoll(v);
+      else if (k == "--autocast" && (v == "bf16" || v == "off"))
+        autocast = v == "bf16";
       else throw std::invalid_argument("unknown flag " + k);
     }
   }

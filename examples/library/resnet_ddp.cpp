@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <optional>
 
 #include "resnet.h"
 
@@ -36,7 +37,13 @@ int main(int argc, char** argv) try {
       const auto inputs = gpu ? batch.inputs.pin_memory().to(device, /*non_blocking=*/true) : batch.inputs;
       const auto targets = gpu ? batch.targets.pin_memory().to(device, /*non_blocking=*/true) : batch.targets;
       optimizer.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(net->forward(inputs), targets);
+      torch::Tensor loss;
+      {
+        // --autocast bf16: convolutions and linear layers in bfloat16, backward after the scope.
+        std::optional<cohort::Autocast> mixed;
+        if (args.autocast) mixed.emplace(device.type());
+        loss = torch::nn::functional::cross_entropy(net->forward(inputs), targets);
+      }
       loss.backward();
       optimizer.step();
       // Reading the loss waits for the step's kernels: on a GPU, the time below is the step's, not
