@@ -1,11 +1,12 @@
 // Replicas as threads of one process (include/cohort/replicas.h), and averaging's outer optimizer.
+#include <cohort/autocast.h>
 #include <cohort/averaging.h>
+#include <cohort/data_parallel.h>
 #include <cohort/error.h>
 #include <cohort/job.h>
 #include <cohort/models.h>
 #include <cohort/replicas.h>
 #include <cohort/tensor_parallel.h>
-#include <cohort/data_parallel.h>
 
 #include <gtest/gtest.h>
 
@@ -16,6 +17,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <optional>
 #include <thread>
 
 #include "rank_threads.h"
@@ -686,14 +688,23 @@ nn::Sequential mlpNet(uint64_t seed) {
   return nn::Sequential(nn::Flatten(), nn::Linear(36, 7), nn::ReLU(), nn::Linear(7, 6), nn::ReLU(), nn::Linear(6, 5));
 }
 
-// W ways (x R copies) of tensor parallelism against one process on the whole batch, plain SGD.
-void expectTensorEqualsOneProcess(nn::Sequential (*make)(uint64_t), int ways, int replicas) {
+// The loss of `net` on (x, y), under cohort::Autocast (bfloat16) when `autocast`.
+torch::Tensor lossUnder(bool autocast, nn::Module& net, const torch::Tensor& x, const torch::Tensor& y) {
+  std::optional<Autocast> scope;
+  if (autocast) scope.emplace(torch::kCPU);
+  return crossEntropy(net, x, y);
+}
+
+// W ways (x R copies) of tensor parallelism against one process on the whole batch, plain SGD;
+// with `autocast`, both under autocast in bfloat16, and the trained networks within `tolerance`.
+void expectTensorEqualsOneProcess(nn::Sequential (*make)(uint64_t), int ways, int replicas, bool autocast = false,
+                                  double tolerance = 1e-5) {
   const Data d = batches(5, 12);
   auto alone = make(1);
   torch::optim::SGD aloneOpt(alone->parameters(), 0.1);
   for (size_t i = 0; i < d.x.size(); ++i) {
     aloneOpt.zero_grad();
-    crossEntropy(*alone, d.x[i], d.y[i]).backward();
+    lossUnder(autocast, *alone, d.x[i], d.y[i]).backward();
     aloneOpt.step();
   }
   const auto expected = alone->forward(d.x[0]).detach();
@@ -712,13 +723,13 @@ void expectTensorEqualsOneProcess(nn::Sequential (*make)(uint64_t), int ways, in
       opt.zero_grad();
       auto x = d.x[i].narrow(0, per * tp.replica(), per);
       auto y = d.y[i].narrow(0, per * tp.replica(), per);
-      crossEntropy(*local, x, y).backward();
+      lossUnder(autocast, *local, x, y).backward();
       opt.step();
     }
     // The trained split network computes what the trained whole network does.
     worst[size_t(comm->rank())] = (local->forward(d.x[0]).detach() - expected).abs().max().item<double>();
   });
-  for (size_t r = 0; r < worst.size(); ++r) EXPECT_LT(worst[r], 1e-5) << "rank " << r;
+  for (size_t r = 0; r < worst.size(); ++r) EXPECT_LT(worst[r], tolerance) << "rank " << r;
 }
 
 TEST(TensorParallel, ConvolutionsAndLinearsSplitEqualOneProcess) {
@@ -732,6 +743,14 @@ TEST(TensorParallel, MlpSplitUnevenlyEqualsOneProcess) {
 }
 
 TEST(TensorParallel, WithDataParallelCopiesEqualsOneProcess) { expectTensorEqualsOneProcess(mlpNet, 2, 2); }
+
+// Under autocast the ways' partial products are bfloat16 and their sums float32 (one rounding per
+// way, where one process rounds the whole product once): the trained split networks stay within
+// bfloat16's rounding of one process under autocast. The convolutions and linear layers both.
+TEST(TensorParallel, UnderAutocastEqualsOneProcessWithinBfloat16sRounding) {
+  expectTensorEqualsOneProcess(smallNet, 2, 1, /*autocast=*/true, 5e-3);
+  expectTensorEqualsOneProcess(mlpNet, 3, 1, /*autocast=*/true, 5e-3);
+}
 
 TEST(TensorParallel, PlanNamesWhatWasSplit) {
   test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {

@@ -230,7 +230,7 @@ void addTrainingOptions(CLI::App* train, TrainFlags& f) {
       ->add_option("--autocast", f.autocast,
                    "Mixed precision: off, or bf16 (the forward pass's convolutions, linear layers and matmuls in "
                    "bfloat16, as torch.autocast; parameters, gradients, optimizer, what the workers exchange and "
-                   "the evaluation stay float32; pipeline stages exchange float32). Not under tensor")
+                   "the evaluation stay float32; pipeline stages and tensor's ways exchange float32)")
       ->capture_default_str();
   train->add_option("--seed", o.seed, "Seed for initialization and data order")
       ->check(kSeedValidator)

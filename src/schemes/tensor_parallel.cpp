@@ -24,25 +24,38 @@ using torch::autograd::variable_list;
 
 Communicator* commOf(AutogradContext* ctx) { return reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt()); }
 
+// What a collective sums in: float32 at least, so that a 16-bit activation or gradient (a forward
+// pass under autocast) is summed over the ways without a rounding per addition. A copy, always:
+// the collective writes it in place.
+torch::Tensor summable(const torch::Tensor& t) {
+  const c10::ScalarType type = c10::promoteTypes(t.scalar_type(), torch::kFloat32);
+  return type == t.scalar_type() ? t.contiguous().clone() : t.to(type).contiguous();
+}
+
 struct GradientSum : torch::autograd::Function<GradientSum> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t comm) {
     ctx->saved_data["comm"] = comm;
     return x.clone();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto g = grads[0].contiguous().clone();
+    auto g = summable(grads[0]);
     commOf(ctx)->allreduce(g);
-    return {g, torch::Tensor()};
+    return {g.to(grads[0].scalar_type()), torch::Tensor()};
   }
 };
 
 struct PartialSum : torch::autograd::Function<PartialSum> {
+  // A 16-bit x (under autocast) is summed, and comes out, in float32; its gradient goes back in
+  // x's dtype.
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t comm) {
-    auto y = x.contiguous().clone();
+    ctx->saved_data["type"] = int64_t(x.scalar_type());
+    auto y = summable(x);
     reinterpret_cast<Communicator*>(comm)->allreduce(y);
     return y;
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {grads[0], torch::Tensor()}; }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0].to(c10::ScalarType(ctx->saved_data["type"].toInt())), torch::Tensor()};
+  }
 };
 
 // The layers the split inserts. They keep the communicator alive.

@@ -45,10 +45,6 @@ void checkCodecOptions(const StrategyOptions& options) {
 void checkAutocastOptions(const StrategyOptions& options) {
   COHORT_CHECK(!options.autocast || *options.autocast == c10::kBFloat16, InvalidArgument, "--autocast in ",
                *options.autocast, ": cohort train has no loss scaler, which float16 needs; use bf16");
-  COHORT_CHECK(!options.autocast || options.scheme != Scheme::kTensor, InvalidArgument, "--autocast ",
-               autocastName(options.autocast),
-               " does not apply to --strategy tensor yet: its ways exchange activations inside each layer, in the "
-               "dtype autocast would change; drop --autocast");
 }
 
 namespace {

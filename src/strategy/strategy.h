@@ -215,7 +215,7 @@ struct StrategyOptions {
   int ways = 2;
   // gossip (include/cohort/gossip.h); codec, secret and seed are filled by the Trainer.
   GossipOptions gossip;
-  // --autocast: forward passes in this 16-bit dtype (every scheme but tensor); none: float32.
+  // --autocast: forward passes in this 16-bit dtype (bfloat16, every scheme); none: float32.
   std::optional<c10::ScalarType> autocast;
   // Test hook for every scheme: worker slowRank sleeps slowSeconds in every step.
   int slowRank = -1;
@@ -232,8 +232,8 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
 // scheme; the message names the accepted codecs.
 void checkCodecOptions(const StrategyOptions& options);
 
-// Throws InvalidArgument when --autocast is set for a scheme it does not apply to (tensor),
-// naming it.
+// Throws InvalidArgument when --autocast names another dtype than bfloat16 (float16 would need a
+// loss scaler, which the training loop does not have).
 void checkAutocastOptions(const StrategyOptions& options);
 
 // The replica threads an in-process scheme runs: --replicas, else this host's cores.

@@ -57,7 +57,7 @@ StepStats TensorStrategy::step(const Batch& batch, const LossFn& loss) {
   // The split groups share the job communicator's counters: these are all of this process's bytes.
   const CommCounters before = comm_->counters();
   clearGradients(*model_);
-  auto value = loss(model_->forward(batch.inputs), batch.targets);
+  auto value = forwardLoss(*model_, batch.inputs, batch.targets, loss, autocast());
   value.backward();
   optimizer_->step();
   const CommCounters after = comm_->counters();
