@@ -348,6 +348,23 @@ TEST(Compare, ADeviceThatCannotTrainIsAnErrorBeforeAnyRun) {
   EXPECT_FALSE(fs::exists(out)) << "a run started";
 }
 
+// --autocast reaches every run: their done events say bf16.
+TEST(Compare, AutocastReachesEveryRun) {
+  test::TempDir dir;
+  const std::string out = dir.file("out");
+  auto r = test::runCommand(test::cohortBinary() +
+                                " compare --model mlp --data synthetic:600 --steps 3 --only local,allreduce "
+                                "--autocast bf16 --no-png --out " +
+                                out,
+                            300);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  for (const char* run : {"local.r1", "allreduce.r1"}) {
+    const auto done = test::lastEvent(out + "/runs/" + run + "/metrics.jsonl", "done");
+    ASSERT_FALSE(done.is_null()) << run << "\n" << r.output;
+    EXPECT_EQ(done.value("autocast", ""), "bf16") << run;
+  }
+}
+
 TEST(Sweep, AKilledSweepResumesWithoutRerunningFinishedTrials) {
   test::TempDir dir;
   // Each trial sleeps 0.2 s a step (--test-slow-worker), so the kill lands while trial 2 runs.

@@ -32,6 +32,7 @@ struct CompareFlags {
   int64_t batch = 64;
   std::string lr;
   std::string device;
+  std::string autocast;  // --autocast for every run; empty: train's (off)
   int64_t epochs = 1;
   int64_t steps = 0;
   int64_t examples = 0;
@@ -148,6 +149,9 @@ void addTrainOptions(CLI::App* cmd, CompareFlags& f) {
   cmd->add_option("--device", f.device,
                   "cpu, cuda or cuda:N for every run without a device of its own in FILE (default: train's, each "
                   "rank's GPU when there is one)");
+  cmd->add_option("--autocast", f.autocast,
+                  "off or bf16 for every run without one of its own in FILE (cohort train --autocast; default: off)")
+      ->check(CLI::IsMember({"off", "bf16"}));
 }
 
 // How long every run trains: one of epochs, steps, examples or seconds.
@@ -272,6 +276,7 @@ experiment::TrainArgs sharedTrainArgs(const CompareFlags& f, const CLI::App& cmd
   cliOption("--batch", std::to_string(f.batch));
   if (!f.lr.empty()) experiment::setArg(shared, "--lr", f.lr);
   if (!f.device.empty()) experiment::setArg(shared, "--device", f.device);
+  if (!f.autocast.empty()) experiment::setArg(shared, "--autocast", f.autocast);
   for (const auto& [flag, value] : fileShared) {
     if (experiment::findArg(shared, flag) == nullptr) experiment::setArg(shared, flag, value);
   }
