@@ -13,6 +13,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -70,31 +72,95 @@ TEST(MixedPrecision, TheOutermostScopesEndDropsTheCastWeights) {
   EXPECT_LT((after.to(torch::kFloat32) - expected).abs().max().item<double>(), 0.1);
 }
 
-TEST(MixedPrecision, TheFlagTakesOffAndBf16AndRefusesFp16NamingLossScaling) {
+TEST(MixedPrecision, TheFlagTakesOffBf16AndFp16) {
   EXPECT_FALSE(parseAutocast("off").has_value());
   EXPECT_EQ(parseAutocast("bf16"), c10::kBFloat16);
+  EXPECT_EQ(parseAutocast("fp16"), c10::kHalf);
   EXPECT_EQ(autocastName(parseAutocast("bf16")), "bf16");
+  EXPECT_EQ(autocastName(parseAutocast("fp16")), "fp16");
   EXPECT_EQ(autocastName(std::nullopt), "off");
-  try {
-    parseAutocast("fp16");
-    FAIL() << "fp16 was taken";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("loss scaling"), std::string::npos) << e.what();
-  }
   EXPECT_THROW(parseAutocast("bf8"), InvalidArgument);
   EXPECT_THROW(Autocast(torch::kCPU, torch::kFloat32), InvalidArgument);
 }
 
-TEST(MixedPrecision, Float16IsRefusedThroughTheOptionsToo) {
-  StrategyOptions options{.scheme = Scheme::kTensor};
-  options.autocast = c10::kBFloat16;
-  EXPECT_NO_THROW(checkAutocastOptions(options));
-  options.autocast = c10::kHalf;  // through the library's options: the command line refuses "fp16" itself
-  try {
-    checkAutocastOptions(options);
-    FAIL() << "float16 was taken";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("loss scaler"), std::string::npos) << e.what();
+// float16 needs the loss scaler, which sits where a scheme steps its own optimizer.
+TEST(MixedPrecision, Float16IsRefusedWhereTheOptimizerIsNotTheSchemesOwn) {
+  StrategyOptions options;
+  options.autocast = c10::kHalf;
+  for (Scheme ok : {Scheme::kLocal, Scheme::kAllreduce, Scheme::kAverage, Scheme::kGossip}) {
+    options.scheme = ok;
+    EXPECT_NO_THROW(checkAutocastOptions(options)) << schemeName(ok);
+  }
+  for (Scheme refused :
+       {Scheme::kPs, Scheme::kMirrored, Scheme::kCentral, Scheme::kHogwild, Scheme::kPipeline, Scheme::kTensor}) {
+    options.scheme = refused;
+    try {
+      checkAutocastOptions(options);
+      ADD_FAILURE() << schemeName(refused) << " took --autocast fp16";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("--strategy ") + schemeName(refused)), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("--autocast bf16"), std::string::npos) << e.what();
+    }
+    options.autocast = c10::kBFloat16;
+    EXPECT_NO_THROW(checkAutocastOptions(options)) << schemeName(refused);
+    options.autocast = c10::kHalf;
+  }
+}
+
+// The scale: gradients divided by it exactly (a power of two), doubled after growthInterval good
+// steps, halved and the step refused when a gradient holds an inf.
+TEST(MixedPrecision, TheGradScalerUnscalesGrowsAndBacksOff) {
+  GradScaler scaler({.initScale = 1024, .growthInterval = 2});
+  torch::Tensor p = torch::zeros({2}, torch::requires_grad());
+  const auto withGradient = [&](torch::Tensor g) {
+    p.mutable_grad() = std::move(g);
+    return scaler.unscale({p});
+  };
+  EXPECT_TRUE(torch::equal(scaler.scale(torch::tensor(3.0f)), torch::tensor(3072.0f)));
+  EXPECT_TRUE(withGradient(torch::tensor({2048.0f, -512.0f})));
+  EXPECT_TRUE(torch::equal(p.grad(), torch::tensor({2.0f, -0.5f})));
+  EXPECT_EQ(scaler.currentScale(), 1024);
+  EXPECT_TRUE(withGradient(torch::tensor({1.0f, 1.0f})));
+  EXPECT_EQ(scaler.currentScale(), 2048) << "two good steps in a row: growth";
+  EXPECT_FALSE(withGradient(torch::tensor({std::numeric_limits<float>::infinity(), 1.0f})));
+  EXPECT_EQ(scaler.currentScale(), 1024);
+  EXPECT_FALSE(withGradient(torch::tensor({std::nanf(""), 1.0f})));
+  EXPECT_EQ(scaler.currentScale(), 512);
+  EXPECT_EQ(scaler.skippedSteps(), 2);
+  EXPECT_THROW(GradScaler({.backoffFactor = 1.5}), InvalidArgument);
+}
+
+// --autocast fp16 under local and allreduce: a step whose scaled loss overflows float32 (its
+// gradients are inf) leaves the parameters as they were and halves the scale; the next, normal,
+// step trains. The forward pass ran in float16.
+TEST(MixedPrecision, Float16SkipsTheStepWhoseScaledGradientsOverflow) {
+  for (Scheme scheme : {Scheme::kLocal, Scheme::kAllreduce}) {
+    torch::manual_seed(5);
+    torch::nn::Sequential net(torch::nn::Linear(4, 3));
+    torch::optim::SGD optimizer(net->parameters(), 0.1);
+    StrategyOptions options{.scheme = scheme};
+    options.autocast = c10::kHalf;
+    const std::unique_ptr<Strategy> strategy = makeStrategy(options, Job::single());
+    strategy->attach(net, optimizer);
+    ASSERT_NE(strategy->scaler(), nullptr);
+    Batch batch{torch::randn({8, 4}), torch::randint(0, 3, {8})};
+    const torch::Tensor before = net[0]->as<torch::nn::LinearImpl>()->weight.detach().clone();
+    c10::ScalarType seen = torch::kFloat32;
+    const auto huge = [&](const torch::Tensor& out, const torch::Tensor& y) {
+      seen = out.scalar_type();
+      return crossEntropy(out, y) * 1e35;  // x 65536 is beyond float32's 3.4e38
+    };
+    strategy->step(batch, huge);
+    const torch::Tensor& weight = net[0]->as<torch::nn::LinearImpl>()->weight;
+    EXPECT_EQ(seen, torch::kHalf) << schemeName(scheme);
+    EXPECT_TRUE(torch::equal(weight, before)) << schemeName(scheme) << ": the overflowing step moved the model";
+    EXPECT_EQ(strategy->scaler()->skippedSteps(), 1) << schemeName(scheme);
+    EXPECT_EQ(strategy->scaler()->currentScale(), 32768) << schemeName(scheme);
+    strategy->step(batch, crossEntropy);
+    EXPECT_FALSE(torch::equal(weight, before)) << schemeName(scheme) << ": the normal step did not train";
+    EXPECT_EQ(strategy->scaler()->skippedSteps(), 1) << schemeName(scheme);
+    strategy->finish();
   }
 }
 

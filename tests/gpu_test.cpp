@@ -46,8 +46,9 @@ TEST(Gpu, TheCnnTrainsOnCudaToTheAccuracyItReachesOnTheCpu) {
 
 // --autocast bf16 on cuda:0 (the cnn's convolutions and linear layers in bfloat16 on the GPU's
 // tensor cores): one process reaches the float32 CPU run's accuracy within 3 points, and so does
-// allreduce with 2 ranks sharing the GPU (its buckets stay float32).
-TEST(Gpu, AutocastBf16OnCudaLearnsAsFloat32) {
+// allreduce with 2 ranks sharing the GPU (its buckets stay float32); and --autocast fp16 with its
+// loss scaler, in one process.
+TEST(Gpu, AutocastOnCudaLearnsAsFloat32) {
   REQUIRE_GPU();
   test::TempDir dir;
   const std::string common = "--model cnn --data fashion-mnist --steps 300 --batch 64 --seed 3 ";
@@ -65,6 +66,13 @@ TEST(Gpu, AutocastBf16OnCudaLearnsAsFloat32) {
   EXPECT_EQ(test::lastEvent(dir.file("two.jsonl"), "done").value("autocast", ""), "bf16");
   EXPECT_NEAR(finalAccuracy(dir.file("gpu.jsonl")), onCpu, 0.03);
   EXPECT_NEAR(finalAccuracy(dir.file("two.jsonl")), onCpu, 0.03);
+  auto fp16 = test::runCommand(train(common + "--device cuda:0 --autocast fp16 --metrics " + dir.file("fp16.jsonl")));
+  ASSERT_EQ(fp16.exitCode, 0) << fp16.output;
+  const auto done = test::lastEvent(dir.file("fp16.jsonl"), "done");
+  EXPECT_EQ(done.value("autocast", ""), "fp16");
+  EXPECT_LT(done.value("skipped_steps", int64_t(-1)), 10) << "the scale kept overflowing";
+  EXPECT_GE(done.value("skipped_steps", int64_t(-1)), 0) << "no loss scaler reported";
+  EXPECT_NEAR(finalAccuracy(dir.file("fp16.jsonl")), onCpu, 0.03);
 }
 
 // A checkpoint written on the GPU resumes on the CPU, and one written there resumes on the GPU.

@@ -11,20 +11,23 @@
 //   loss.backward();                                      // outside: backward runs in the dtypes
 //                                                         // the forward chose (torch's advice)
 //
-// bfloat16 has float32's exponent range, so its gradients need no loss scaling; float16's do (a
-// scaler the caller brings: this class only casts). On CUDA, bfloat16's tensor-core kernels need
-// an Ampere GPU or later (compute capability 8.0); this class does not check for one. The state is the calling thread's: a replica
-// thread (cohort::Mirrored's step function) opens its own. Scopes nest; the outermost one's end
-// drops the cache of cast weights, which an optimizer step would make stale.
+// bfloat16 has float32's exponent range, so its gradients need no loss scaling; float16's do
+// (GradScaler, below). On CUDA, bfloat16's tensor-core kernels need an Ampere GPU or later
+// (compute capability 8.0); this class does not check for one. The state is the calling thread's:
+// a replica thread (cohort::Mirrored's step function) opens its own. Scopes nest; the outermost
+// one's end drops the cache of cast weights, which an optimizer step would make stale.
 #pragma once
 
 #include <cohort/export.h>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace cohort {
 
@@ -42,12 +45,48 @@ class COHORT_API Autocast {
   c10::ScalarType previousDtype_;
 };
 
-// --autocast's text: "off" (std::nullopt) or "bf16" (bfloat16). "fp16" is refused, naming why:
-// float16 gradients underflow without the loss scaling that cohort's training loop does not do.
-// Throws InvalidArgument for anything else.
+// Dynamic loss scaling for float16, as torch.amp.GradScaler: float16 gradients underflow (its
+// smallest normal number is 6e-5), so the loss is multiplied by a large scale before backward and
+// the gradients divided by it after; a step whose gradients then hold an inf or NaN (the scale
+// was too large) is skipped and the scale halved, and after `growthInterval` good steps in a row
+// it doubles. The scale and the check live on the gradients' device (ATen's
+// _amp_foreach_non_finite_check_and_unscale_ and _amp_update_scale_); unscale() reads one flag.
+//
+//   auto loss = ...;                              // under cohort::Autocast(device, torch::kHalf)
+//   scaler.scale(loss).backward();                // DataParallel averages the scaled gradients
+//   if (scaler.unscale(net->parameters())) optimizer.step();
+struct COHORT_API GradScalerOptions {
+  double initScale = 65536.0;
+  double growthFactor = 2.0;
+  double backoffFactor = 0.5;
+  int64_t growthInterval = 2000;
+};
+
+class COHORT_API GradScaler {
+ public:
+  explicit GradScaler(GradScalerOptions options = {});
+  // loss times the current scale.
+  at::Tensor scale(const at::Tensor& loss);
+  // Divides the gradient of every parameter that has one by the scale, in place, and says whether
+  // all of them are finite (false: skip the optimizer step); then updates the scale. Every rank
+  // of a DataParallel job sees the same averaged gradients, so all take the same decision.
+  bool unscale(const std::vector<at::Tensor>& parameters);
+  double currentScale() const;
+  int64_t skippedSteps() const { return skipped_; }
+
+ private:
+  GradScalerOptions options_;
+  at::Tensor scale_;          // 0-dim float32 on the gradients' device
+  at::Tensor growthTracker_;  // int32 [1]: good steps in a row
+  int64_t skipped_ = 0;
+};
+
+// --autocast's text: "off" (std::nullopt), "bf16" (bfloat16) or "fp16" (float16, with a
+// GradScaler in the schemes that step their own optimizer). Throws InvalidArgument for anything
+// else.
 COHORT_API std::optional<c10::ScalarType> parseAutocast(const std::string& text);
 
-// The text parseAutocast reads back: "off" or "bf16".
+// The text parseAutocast reads back: "off", "bf16" or "fp16".
 COHORT_API std::string autocastName(std::optional<c10::ScalarType> dtype);
 
 }  // namespace cohort

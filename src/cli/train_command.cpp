@@ -228,9 +228,11 @@ void addTrainingOptions(CLI::App* train, TrainFlags& f) {
       ->capture_default_str();
   train
       ->add_option("--autocast", f.autocast,
-                   "Mixed precision: off, or bf16 (the forward pass's convolutions, linear layers and matmuls in "
+                   "Mixed precision: off; bf16 (the forward pass's convolutions, linear layers and matmuls in "
                    "bfloat16, as torch.autocast; parameters, gradients, optimizer, what the workers exchange and "
-                   "the evaluation stay float32; pipeline stages and tensor's ways exchange float32)")
+                   "the evaluation stay float32; pipeline stages and tensor's ways exchange float32); or fp16 "
+                   "(float16, for GPUs before Ampere, with dynamic loss scaling as torch.amp.GradScaler: local, "
+                   "allreduce, average and gossip; slow on a CPU)")
       ->capture_default_str();
   train->add_option("--seed", o.seed, "Seed for initialization and data order")
       ->check(kSeedValidator)

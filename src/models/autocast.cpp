@@ -1,6 +1,7 @@
 #include <cohort/autocast.h>
 #include <cohort/error.h>
 
+#include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 
 namespace cohort {
@@ -24,19 +25,67 @@ Autocast::~Autocast() {
   at::autocast::set_autocast_dtype(device_, previousDtype_);
 }
 
+GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
+  COHORT_CHECK(options_.initScale > 0 && options_.growthFactor > 1 && options_.backoffFactor > 0 &&
+                   options_.backoffFactor < 1 && options_.growthInterval >= 1,
+               InvalidArgument,
+               "cohort::GradScaler: needs initScale > 0, growthFactor > 1, 0 < backoffFactor < 1 and "
+               "growthInterval >= 1");
+  scale_ = at::full({}, options_.initScale, at::kFloat);
+  growthTracker_ = at::zeros({1}, at::kInt);
+}
+
+at::Tensor GradScaler::scale(const at::Tensor& loss) {
+  if (scale_.device() != loss.device()) {
+    scale_ = scale_.to(loss.device());
+    growthTracker_ = growthTracker_.to(loss.device());
+  }
+  return loss * scale_.to(loss.scalar_type());
+}
+
+bool GradScaler::unscale(const std::vector<at::Tensor>& parameters) {
+  at::NoGradGuard noGrad;
+  // ATen's check takes dense tensors of one dtype at a time; a sparse gradient's values are its part.
+  std::vector<std::vector<at::Tensor>> byDtype;
+  std::vector<c10::ScalarType> dtypes;
+  for (const auto& p : parameters) {
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) continue;
+    COHORT_CHECK(g.device() == scale_.device(), InvalidArgument, "cohort::GradScaler: a gradient on ", g.device(),
+                 ", the scaled loss on ", scale_.device(), ": scale() the loss of this model");
+    const at::Tensor dense = g.is_sparse() ? g._values() : g;
+    size_t i = 0;
+    while (i < dtypes.size() && dtypes[i] != dense.scalar_type()) ++i;
+    if (i == dtypes.size()) {
+      dtypes.push_back(dense.scalar_type());
+      byDtype.emplace_back();
+    }
+    byDtype[i].push_back(dense);
+  }
+  const at::Tensor inverse = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  at::Tensor foundInf = at::zeros({1}, scale_.options());
+  for (auto& grads : byDtype) at::_amp_foreach_non_finite_check_and_unscale_(grads, foundInf, inverse);
+  at::_amp_update_scale_(scale_, growthTracker_, foundInf, options_.growthFactor, options_.backoffFactor,
+                         options_.growthInterval);
+  const bool finite = foundInf.item<float>() == 0.0f;
+  if (!finite) ++skipped_;
+  return finite;
+}
+
+double GradScaler::currentScale() const { return scale_.item<double>(); }
+
 std::optional<c10::ScalarType> parseAutocast(const std::string& text) {
   if (text == "off") return std::nullopt;
   if (text == "bf16" || text == "bfloat16") return c10::kBFloat16;
-  COHORT_CHECK(text != "fp16" && text != "float16", InvalidArgument, "--autocast ", text,
-               ": float16 gradients underflow without loss scaling, which cohort's training loop does not do; "
-               "use --autocast bf16 (float32's range, no scaling needed)");
-  throw InvalidArgument("--autocast " + text + ": expected off or bf16");
+  if (text == "fp16" || text == "float16") return c10::kHalf;
+  throw InvalidArgument("--autocast " + text + ": expected off, bf16 or fp16");
 }
 
 std::string autocastName(std::optional<c10::ScalarType> dtype) {
   if (!dtype) return "off";
-  COHORT_CHECK(*dtype == c10::kBFloat16, InvalidArgument, "autocastName: ", *dtype, " is not one --autocast takes");
-  return "bf16";
+  if (*dtype == c10::kBFloat16) return "bf16";
+  COHORT_CHECK(*dtype == c10::kHalf, InvalidArgument, "autocastName: ", *dtype, " is not one --autocast takes");
+  return "fp16";
 }
 
 }  // namespace cohort

@@ -46,9 +46,15 @@ StepStats AllreduceStrategy::step(const Batch& batch, const LossFn& loss) {
   clearGradients(*model_);
   auto value = forwardLoss(*model_, batch.inputs, batch.targets, loss, autocast());
   const auto forwardEnd = std::chrono::steady_clock::now();
-  value.backward();
+  // Under --autocast fp16 the scaled loss: the buckets average scaled gradients, and every rank
+  // unscales the same averages, so all skip the same steps.
+  if (scaler() != nullptr) {
+    scaler()->scale(value).backward();
+  } else {
+    value.backward();
+  }
   const auto backwardEnd = std::chrono::steady_clock::now();
-  optimizer_->step();
+  if (scaler() == nullptr || scaler()->unscale(model_->parameters())) optimizer_->step();
   const DataParallelStats after = dp_->stats();
 
   StepStats stats;

@@ -32,7 +32,7 @@ StepStats AverageStrategy::step(const Batch& batch, const LossFn& loss) {
   COHORT_CHECK(averaging_ != nullptr, Error, "AverageStrategy::step before attach");
   const auto start = std::chrono::steady_clock::now();
   const AveragingStats before = averaging_->stats();
-  auto value = forwardBackwardStep(model_, *optimizer_, batch, loss, autocast());
+  auto value = forwardBackwardStep(model_, *optimizer_, batch, loss, autocast(), scaler());
   averaging_->step();
   const AveragingStats after = averaging_->stats();
   StepStats stats;

@@ -43,8 +43,15 @@ void checkCodecOptions(const StrategyOptions& options) {
 }
 
 void checkAutocastOptions(const StrategyOptions& options) {
-  COHORT_CHECK(!options.autocast || *options.autocast == c10::kBFloat16, InvalidArgument, "--autocast in ",
-               *options.autocast, ": cohort train has no loss scaler, which float16 needs; use bf16");
+  if (!options.autocast || *options.autocast == c10::kBFloat16) return;
+  COHORT_CHECK(*options.autocast == c10::kHalf, InvalidArgument, "--autocast in ", *options.autocast,
+               ": expected bfloat16 or float16");
+  const Scheme s = options.scheme;
+  COHORT_CHECK(s == Scheme::kLocal || s == Scheme::kAllreduce || s == Scheme::kAverage || s == Scheme::kGossip,
+               InvalidArgument,
+               "--autocast fp16 needs a loss scaler where the optimizer steps, which local, "
+               "allreduce, average and gossip have and --strategy ",
+               schemeName(s), " does not: use --autocast bf16 (no scaling needed)");
 }
 
 namespace {

@@ -44,7 +44,7 @@ class GossipStrategy final : public Strategy {
   StepStats step(const Batch& batch, const LossFn& loss) override {
     const auto start = Clock::now();
     StepStats stats;
-    stats.loss = forwardBackwardStep(model_, *optimizer_, batch, loss, autocast()).item<double>();
+    stats.loss = forwardBackwardStep(model_, *optimizer_, batch, loss, autocast(), scaler()).item<double>();
     stats.computeSeconds = secondsSince(start);
     const GossipStep g = gossip_->step(batch.inputs.size(0));
     stats.samples = g.samples;

@@ -3,8 +3,9 @@
 // everything else (data, epochs, evaluation, checkpoints, metrics).
 #pragma once
 
-#include <cohort/data.h>
+#include <cohort/autocast.h>
 #include <cohort/averaging.h>
+#include <cohort/data.h>
 #include <cohort/data_parallel.h>
 #include <cohort/gossip.h>
 #include <cohort/job.h>
@@ -166,13 +167,25 @@ class Strategy {
   virtual std::optional<std::string> finalCheckpointError() const { return std::nullopt; }
 
   // --autocast: the dtype step()'s forward passes and losses run in under autocast (forwardLoss);
-  // none: float32. Set by makeStrategy.
-  void setAutocast(std::optional<c10::ScalarType> dtype) { autocast_ = dtype; }
+  // none: float32. float16 comes with a GradScaler (backwardAndStep). Set by makeStrategy.
+  void setAutocast(std::optional<c10::ScalarType> dtype) {
+    autocast_ = dtype;
+    scaler_ = dtype == c10::kHalf ? std::make_unique<GradScaler>() : nullptr;
+  }
   std::optional<c10::ScalarType> autocast() const { return autocast_; }
+  // The loss scaler under --autocast fp16; null otherwise.
+  GradScaler* scaler() const { return scaler_.get(); }
 
  private:
   std::optional<c10::ScalarType> autocast_;
+  std::unique_ptr<GradScaler> scaler_;
 };
+
+// backward() of `loss`, then the optimizer's step. With a scaler (--autocast fp16): backward of the
+// scaled loss, and the step only when the unscaled gradients are all finite. Returns whether the
+// optimizer stepped.
+bool backwardAndStep(const torch::Tensor& loss, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                     GradScaler* scaler);
 
 // The loss of `model` on (inputs, targets), the forward pass and the loss under autocast in
 // `autocast` on the inputs' device kind when it is set (cohort::Autocast); backward is the caller's,
@@ -215,7 +228,8 @@ struct StrategyOptions {
   int ways = 2;
   // gossip (include/cohort/gossip.h); codec, secret and seed are filled by the Trainer.
   GossipOptions gossip;
-  // --autocast: forward passes in this 16-bit dtype (bfloat16, every scheme); none: float32.
+  // --autocast: forward passes in this 16-bit dtype (bfloat16: every scheme; float16, with a loss
+  // scaler: local, allreduce, average, gossip); none: float32.
   std::optional<c10::ScalarType> autocast;
   // Test hook for every scheme: worker slowRank sleeps slowSeconds in every step.
   int slowRank = -1;
@@ -232,8 +246,9 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
 // scheme; the message names the accepted codecs.
 void checkCodecOptions(const StrategyOptions& options);
 
-// Throws InvalidArgument when --autocast names another dtype than bfloat16 (float16 would need a
-// loss scaler, which the training loop does not have).
+// Throws InvalidArgument when --autocast names a dtype the scheme cannot take: float16 needs the
+// loss scaler, which sits where a scheme steps its own optimizer (local, allreduce, average,
+// gossip); anything but bfloat16 and float16.
 void checkAutocastOptions(const StrategyOptions& options);
 
 // The replica threads an in-process scheme runs: --replicas, else this host's cores.

@@ -294,6 +294,8 @@ class Trainer::State::Loop {
                         {"bytes_received", stats.bytesReceived},
                         {"wall_s", secondsSince(start_)}};
     fields.insert(fields.end(), stats.extra.begin(), stats.extra.end());
+    // --autocast fp16: the scale after this step (halved: the step was skipped).
+    if (const GradScaler* scaler = s_.strategy->scaler()) fields.emplace_back("loss_scale", scaler->currentScale());
     s_.metrics->write("step", fields);
     if (s_.board) s_.board->scalars(s_.step, boardScalars(stats, rate, o_.lr));
   }
@@ -416,6 +418,10 @@ class Trainer::State::Loop {
                       {"max_rss_mb", maxRssMb()},
                       {"restarts", int64_t(o_.restartCount)}};
     if (r.secondsToTarget) done.emplace_back("seconds_to_target", *r.secondsToTarget);
+    if (const GradScaler* scaler = s_.strategy->scaler()) {
+      done.emplace_back("skipped_steps", scaler->skippedSteps());  // an inf or NaN in the unscaled gradients
+      done.emplace_back("loss_scale", scaler->currentScale());
+    }
     if (s_.device.is_cuda()) {
       // The most GPU memory this run's tensors held at once (the caching allocator's peak).
       const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(s_.device.index());
