@@ -91,6 +91,12 @@ TEST(MixedPrecision, Float16IsRefusedWhereTheOptimizerIsNotTheSchemesOwn) {
     options.scheme = ok;
     EXPECT_NO_THROW(checkAutocastOptions(options)) << schemeName(ok);
   }
+  options.scheme = Scheme::kAllreduce;
+  options.codec = "topk:0.1";  // its residual would hold scaled gradients
+  EXPECT_THROW(checkAutocastOptions(options), InvalidArgument);
+  options.codec = "fp16";
+  EXPECT_NO_THROW(checkAutocastOptions(options));
+  options.codec = "none";
   for (Scheme refused :
        {Scheme::kPs, Scheme::kMirrored, Scheme::kCentral, Scheme::kHogwild, Scheme::kPipeline, Scheme::kTensor}) {
     options.scheme = refused;
@@ -131,9 +137,10 @@ TEST(MixedPrecision, TheGradScalerUnscalesGrowsAndBacksOff) {
   EXPECT_THROW(GradScaler({.backoffFactor = 1.5}), InvalidArgument);
 }
 
-// --autocast fp16 under local and allreduce: a step whose scaled loss overflows float32 (its
-// gradients are inf) leaves the parameters as they were and halves the scale; the next, normal,
-// step trains. The forward pass ran in float16.
+// --autocast fp16 under local and allreduce: a step whose scaled gradient overflows float16 in
+// backward (the loss x 1000 x 65536 is finite in float32, its gradient at the float16 logits is
+// not) leaves the parameters as they were and halves the scale; the next, normal, step trains.
+// Without autocast the same gradients are finite float32 and the step would be taken.
 TEST(MixedPrecision, Float16SkipsTheStepWhoseScaledGradientsOverflow) {
   for (Scheme scheme : {Scheme::kLocal, Scheme::kAllreduce}) {
     torch::manual_seed(5);
@@ -149,7 +156,7 @@ TEST(MixedPrecision, Float16SkipsTheStepWhoseScaledGradientsOverflow) {
     c10::ScalarType seen = torch::kFloat32;
     const auto huge = [&](const torch::Tensor& out, const torch::Tensor& y) {
       seen = out.scalar_type();
-      return crossEntropy(out, y) * 1e35;  // x 65536 is beyond float32's 3.4e38
+      return crossEntropy(out, y) * 1000.0;
     };
     strategy->step(batch, huge);
     const torch::Tensor& weight = net[0]->as<torch::nn::LinearImpl>()->weight;

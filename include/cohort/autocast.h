@@ -2,7 +2,8 @@
 // the ops that autocast lists for the device's kind (convolutions, linear layers, matmuls) run in
 // a 16-bit dtype and those that need float32's range (softmax, the losses, norms) in float32. The
 // parameters, their gradients and the optimizer's state stay float32, so every cohort handle
-// exchanges exactly what it would without it.
+// exchanges what it would without it (with float16's GradScaler, DataParallel averages the scaled
+// gradients, which unscale() then divides).
 //
 //   {
 //     cohort::Autocast autocast(torch::kCUDA);            // bfloat16
@@ -55,6 +56,10 @@ class COHORT_API Autocast {
 //   auto loss = ...;                              // under cohort::Autocast(device, torch::kHalf)
 //   scaler.scale(loss).backward();                // DataParallel averages the scaled gradients
 //   if (scaler.unscale(net->parameters())) optimizer.step();
+//
+// One scale() and one unscale() per step, in that order: unlike Python's, this class does not
+// track the step (a second unscale() divides again and updates the scale again). The state is not
+// saved with a checkpoint: a resumed run starts from initScale and backs off as a fresh one does.
 struct COHORT_API GradScalerOptions {
   double initScale = 65536.0;
   double growthFactor = 2.0;

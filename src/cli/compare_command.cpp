@@ -149,10 +149,9 @@ void addTrainOptions(CLI::App* cmd, CompareFlags& f) {
   cmd->add_option("--device", f.device,
                   "cpu, cuda or cuda:N for every run without a device of its own in FILE (default: train's, each "
                   "rank's GPU when there is one)");
-  cmd->add_option(
-         "--autocast", f.autocast,
-         "off, bf16 or fp16 for every run without one of its own in FILE (cohort train --autocast; default: off)")
-      ->check(CLI::IsMember({"off", "bf16", "fp16"}));
+  cmd->add_option("--autocast", f.autocast,
+                  "off or bf16 for every run without one of its own in FILE (cohort train --autocast; default: off)")
+      ->check(CLI::IsMember({"off", "bf16"}));
 }
 
 // How long every run trains: one of epochs, steps, examples or seconds.

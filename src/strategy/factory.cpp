@@ -52,6 +52,13 @@ void checkAutocastOptions(const StrategyOptions& options) {
                "--autocast fp16 needs a loss scaler where the optimizer steps, which local, "
                "allreduce, average and gossip have and --strategy ",
                schemeName(s), " does not: use --autocast bf16 (no scaling needed)");
+  // allreduce's topk, threshold and onebit carry a residual of scaled gradients from step to step,
+  // which a change of scale (or a skipped step) would mis-weigh or drop.
+  COHORT_CHECK(s != Scheme::kAllreduce || !compress::CodecSpec::parse(options.codec).errorFeedback(), InvalidArgument,
+               "--autocast fp16 with --codec ", options.codec,
+               " under allreduce: the codec's residual holds loss-"
+               "scaled gradients, which the changing scale would mis-weigh; use --autocast bf16, or fp16 or bf16 "
+               "as the codec");
 }
 
 namespace {
