@@ -7,7 +7,9 @@
 # Runs the gpu tests, then the figures, and writes a report to $OUT (or ./gpu-out): the machine,
 # each test's result, and each figure with the command that produced it. At most 8 minutes (its
 # timeouts: 200 s of tests, 230 + 30 s of figures; GPU_CHECK_* below change them): call it with the
-# device tool's timeout_s near 480.
+# device tool's timeout_s near 480. GPU_CHECK_SECTIONS picks the figures (bench/gpu_figures.py:
+# single, resnet, ws1, streams, ddp2 by default; autocast, cohort and PyTorch under autocast bf16,
+# on request).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 bundle="$root/build-gpu"

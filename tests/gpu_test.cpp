@@ -47,8 +47,9 @@ TEST(Gpu, TheCnnTrainsOnCudaToTheAccuracyItReachesOnTheCpu) {
 // --autocast bf16 on cuda:0 (the cnn's convolutions and linear layers in bfloat16 on the GPU's
 // tensor cores): one process reaches the float32 CPU run's accuracy within 3 points, and so does
 // allreduce with 2 ranks sharing the GPU (its buckets stay float32); and --autocast fp16 with its
-// loss scaler, in one process.
-TEST(Gpu, AutocastOnCudaLearnsAsFloat32) {
+// loss scaler, in one process. A suite of its own: scripts/gpu-check.sh runs every suite in a
+// process of its own, within its own timeout, and these five runs would crowd Gpu's.
+TEST(GpuAutocast, TheCnnOnCudaLearnsAsInFloat32) {
   REQUIRE_GPU();
   test::TempDir dir;
   const std::string common = "--model cnn --data fashion-mnist --steps 300 --batch 64 --seed 3 ";
