@@ -4,6 +4,9 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 
+#include <map>
+#include <vector>
+
 namespace cohort {
 
 Autocast::Autocast(c10::DeviceType device, c10::ScalarType dtype) : device_(device) {
@@ -46,25 +49,18 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) {
 bool GradScaler::unscale(const std::vector<at::Tensor>& parameters) {
   at::NoGradGuard noGrad;
   // ATen's check takes dense tensors of one dtype at a time; a sparse gradient's values are its part.
-  std::vector<std::vector<at::Tensor>> byDtype;
-  std::vector<c10::ScalarType> dtypes;
+  std::map<c10::ScalarType, std::vector<at::Tensor>> byDtype;
   for (const auto& p : parameters) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
     COHORT_CHECK(g.device() == scale_.device(), InvalidArgument, "cohort::GradScaler: a gradient on ", g.device(),
                  ", the scaled loss on ", scale_.device(), ": scale() the loss of this model");
     const at::Tensor dense = g.is_sparse() ? g._values() : g;
-    size_t i = 0;
-    while (i < dtypes.size() && dtypes[i] != dense.scalar_type()) ++i;
-    if (i == dtypes.size()) {
-      dtypes.push_back(dense.scalar_type());
-      byDtype.emplace_back();
-    }
-    byDtype[i].push_back(dense);
+    byDtype[dense.scalar_type()].push_back(dense);
   }
   const at::Tensor inverse = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
   at::Tensor foundInf = at::zeros({1}, scale_.options());
-  for (auto& grads : byDtype) at::_amp_foreach_non_finite_check_and_unscale_(grads, foundInf, inverse);
+  for (auto& [dtype, grads] : byDtype) at::_amp_foreach_non_finite_check_and_unscale_(grads, foundInf, inverse);
   at::_amp_update_scale_(scale_, growthTracker_, foundInf, options_.growthFactor, options_.backoffFactor,
                          options_.growthInterval);
   const bool finite = foundInf.item<float>() == 0.0f;

@@ -214,10 +214,7 @@ struct COHORT_LOCAL Gossip::Impl {
     peer_->publish(update_, gossip::UpdateMeta{.version = version_, .step = steps_, .steps = 1, .samples = samples},
                    live, rows);
     const Applied applied = applyArrived();
-    if (mirror_ && applied.messages > 0) {  // back only when others' changes were added
-      roundToModel();
-      mirror_->toDevice();
-    }
+    backToModel(applied.messages);
     if (tables_.empty()) copyOut(before_);
 
     stats.samples = samples + applied.samples;
@@ -245,11 +242,15 @@ struct COHORT_LOCAL Gossip::Impl {
   // next one (applyArrived moves before_ along with the parameters).
   void synchronize() {
     if (mirror_) mirror_->toHost();
-    const Applied applied = applyArrived();
-    if (mirror_ && applied.messages > 0) {
-      roundToModel();
-      mirror_->toDevice();
-    }
+    backToModel(applyArrived().messages);
+  }
+
+  // With a mirror, the views go back into the model, rounded to its dtype, only when others'
+  // changes were added (`messages` of them; nothing else writes the views after toHost()).
+  void backToModel(int64_t messages) {
+    if (!mirror_ || messages == 0) return;
+    roundToModel();
+    mirror_->toDevice();
   }
 
   // A model of another dtype than float32 gets the float32 views rounded to its dtype: round them

@@ -48,13 +48,9 @@ StepStats AllreduceStrategy::step(const Batch& batch, const LossFn& loss) {
   const auto forwardEnd = std::chrono::steady_clock::now();
   // Under --autocast fp16 the scaled loss: the buckets average scaled gradients, and every rank
   // unscales the same averages, so all skip the same steps.
-  if (scaler() != nullptr) {
-    scaler()->scale(value).backward();
-  } else {
-    value.backward();
-  }
+  scaledBackward(value, scaler());
   const auto backwardEnd = std::chrono::steady_clock::now();
-  if (scaler() == nullptr || scaler()->unscale(model_->parameters())) optimizer_->step();
+  stepUnlessOverflow(*model_, *optimizer_, scaler());
   const DataParallelStats after = dp_->stats();
 
   StepStats stats;

@@ -16,24 +16,24 @@ torch::Tensor forwardLoss(torch::nn::SequentialImpl& model, const torch::Tensor&
   return loss(model.forward(inputs), targets);
 }
 
-bool backwardAndStep(const torch::Tensor& loss, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     GradScaler* scaler) {
+void scaledBackward(const torch::Tensor& loss, GradScaler* scaler) {
   if (scaler == nullptr) {
     loss.backward();
-    optimizer.step();
-    return true;
+  } else {
+    scaler->scale(loss).backward();
   }
-  scaler->scale(loss).backward();
-  if (!scaler->unscale(model.parameters())) return false;
-  optimizer.step();
-  return true;
+}
+
+void stepUnlessOverflow(torch::nn::Module& model, torch::optim::Optimizer& optimizer, GradScaler* scaler) {
+  if (scaler == nullptr || scaler->unscale(model.parameters())) optimizer.step();
 }
 
 torch::Tensor forwardBackwardStep(torch::nn::Sequential& model, torch::optim::Optimizer& optimizer, const Batch& batch,
                                   const LossFn& loss, std::optional<c10::ScalarType> autocast, GradScaler* scaler) {
   clearGradients(*model);
   auto value = forwardLoss(*model, batch.inputs, batch.targets, loss, autocast);
-  backwardAndStep(value, *model, optimizer, scaler);
+  scaledBackward(value, scaler);
+  stepUnlessOverflow(*model, optimizer, scaler);
   return value;
 }
 

@@ -21,7 +21,7 @@ class LocalStrategy final : public Strategy {
 };
 
 // One step with no exchange: clear gradients, forward and loss (under `autocast` when set, see
-// forwardLoss), backward, optimizer step (through `scaler` when there is one: backwardAndStep).
+// forwardLoss), backward, optimizer step (through `scaler` when there is one: scaledBackward, stepUnlessOverflow).
 // Returns the loss.
 torch::Tensor forwardBackwardStep(torch::nn::Sequential& model, torch::optim::Optimizer& optimizer, const Batch& batch,
                                   const LossFn& loss, std::optional<c10::ScalarType> autocast,

@@ -167,7 +167,7 @@ class Strategy {
   virtual std::optional<std::string> finalCheckpointError() const { return std::nullopt; }
 
   // --autocast: the dtype step()'s forward passes and losses run in under autocast (forwardLoss);
-  // none: float32. float16 comes with a GradScaler (backwardAndStep). Set by makeStrategy.
+  // none: float32. float16 comes with a GradScaler (scaledBackward, stepUnlessOverflow). Set by makeStrategy.
   void setAutocast(std::optional<c10::ScalarType> dtype) {
     autocast_ = dtype;
     scaler_ = dtype == c10::kHalf ? std::make_unique<GradScaler>() : nullptr;
@@ -181,11 +181,11 @@ class Strategy {
   std::unique_ptr<GradScaler> scaler_;
 };
 
-// backward() of `loss`, then the optimizer's step. With a scaler (--autocast fp16): backward of the
-// scaled loss, and the step only when the unscaled gradients are all finite. Returns whether the
-// optimizer stepped.
-bool backwardAndStep(const torch::Tensor& loss, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     GradScaler* scaler);
+// backward() of `loss`; with a scaler (--autocast fp16), of the scaled loss.
+void scaledBackward(const torch::Tensor& loss, GradScaler* scaler);
+// The optimizer's step; with a scaler, only when the unscaled gradients are all finite (else the
+// step is skipped and the scale backs off).
+void stepUnlessOverflow(torch::nn::Module& model, torch::optim::Optimizer& optimizer, GradScaler* scaler);
 
 // The loss of `model` on (inputs, targets), the forward pass and the loss under autocast in
 // `autocast` on the inputs' device kind when it is set (cohort::Autocast); backward is the caller's,
