@@ -120,6 +120,7 @@ TEST(MixedPrecision, TheGradScalerUnscalesGrowsAndBacksOff) {
   GradScaler scaler({.initScale = 1024, .growthInterval = 2});
   torch::Tensor p = torch::zeros({2}, torch::requires_grad());
   const auto withGradient = [&](torch::Tensor g) {
+    scaler.scale(torch::tensor(1.0f));
     p.mutable_grad() = std::move(g);
     return scaler.unscale({p});
   };
@@ -135,6 +136,67 @@ TEST(MixedPrecision, TheGradScalerUnscalesGrowsAndBacksOff) {
   EXPECT_EQ(scaler.currentScale(), 512);
   EXPECT_EQ(scaler.skippedSteps(), 2);
   EXPECT_THROW(GradScaler({.backoffFactor = 1.5}), InvalidArgument);
+}
+
+// A step is scale() then unscale(): a second unscale() would divide the same gradients again, so
+// it throws and leaves them; so does a float16 gradient (Python's refuses it too).
+TEST(MixedPrecision, TheGradScalerRefusesASecondUnscaleAndFloat16Gradients) {
+  GradScaler scaler({.initScale = 4});
+  torch::Tensor p = torch::zeros({2}, torch::requires_grad());
+  EXPECT_THROW(scaler.unscale({p}), Error) << "no scale() yet";
+  scaler.scale(torch::tensor(1.0f));
+  scaler.scale(torch::tensor(2.0f));  // two losses of one step
+  p.mutable_grad() = torch::tensor({8.0f, 4.0f});
+  EXPECT_TRUE(scaler.unscale({p}));
+  try {
+    scaler.unscale({p});
+    ADD_FAILURE() << "a second unscale() was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("scale(loss).backward()"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(torch::equal(p.grad(), torch::tensor({2.0f, 1.0f}))) << "divided twice";
+  torch::Tensor half = torch::zeros({2}, torch::TensorOptions().dtype(torch::kHalf).requires_grad(true));
+  half.mutable_grad() = torch::ones({2}, torch::kHalf);
+  scaler.scale(torch::tensor(1.0f));
+  try {
+    scaler.unscale({half});
+    ADD_FAILURE() << "a float16 gradient was unscaled";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("float16 gradient"), std::string::npos) << e.what();
+  }
+}
+
+// state() and loadState(): a scaler given another's state continues as it would have (its next
+// growth comes at the same step), and a state no scaler could have is refused.
+TEST(MixedPrecision, TheGradScalersStateCarriesItsScaleAndGrowth) {
+  GradScaler first({.initScale = 8, .growthInterval = 3});
+  torch::Tensor p = torch::zeros({1}, torch::requires_grad());
+  const auto goodStep = [&](GradScaler& scaler) {
+    scaler.scale(torch::tensor(1.0f));
+    p.mutable_grad() = torch::ones({1});
+    return scaler.unscale({p});
+  };
+  first.scale(torch::tensor(1.0f));
+  p.mutable_grad() = torch::full({1}, std::numeric_limits<float>::infinity());
+  EXPECT_FALSE(first.unscale({p}));
+  goodStep(first);
+  goodStep(first);
+  const GradScalerState saved = first.state();
+  EXPECT_EQ(saved.scale, 4);
+  EXPECT_EQ(saved.growthTracker, 2);
+  EXPECT_EQ(saved.skippedSteps, 1);
+  GradScaler second({.initScale = 1024, .growthInterval = 3});
+  second.loadState(saved);
+  goodStep(first);
+  goodStep(second);
+  EXPECT_EQ(first.currentScale(), 8) << "the third good step in a row grows";
+  EXPECT_EQ(second.currentScale(), 8) << "the loaded scaler did not count the loaded good steps";
+  EXPECT_EQ(second.skippedSteps(), 1);
+  for (const GradScalerState& bad :
+       {GradScalerState{0, 0, 0}, GradScalerState{std::nan(""), 0, 0}, GradScalerState{1e39, 0, 0},
+        GradScalerState{4, 3, 0}, GradScalerState{4, 0, -1}}) {
+    EXPECT_THROW(second.loadState(bad), InvalidArgument) << bad.scale << " " << bad.growthTracker;
+  }
 }
 
 // --autocast fp16 under local and allreduce: a step whose scaled gradient overflows float16 in

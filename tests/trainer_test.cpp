@@ -75,6 +75,44 @@ TEST(Trainer, ResumeReachesTheSameParametersAsAnUninterruptedRun) {
   }
 }
 
+// Under --autocast fp16 the loss scale is training state: with a scaler that grows every 3 good
+// steps, the scale climbs until a step overflows float16 and backs off, again and again, so a run
+// resumed with a fresh scale would skip other steps than the uninterrupted one.
+TEST(Trainer, ResumeUnderFloat16CarriesTheLossScale) {
+  test::TempDir dir;
+  // The done event's loss scale and skipped steps (counted from the run's first step).
+  const auto scaleAtTheEnd = [](const std::string& metrics) {
+    const nlohmann::json done = nlohmann::json::parse(test::lines(test::readFile(metrics)).back());
+    return std::pair{done.at("loss_scale").get<double>(), done.at("skipped_steps").get<int64_t>()};
+  };
+  TrainOptions full = smallRun();
+  full.strategy.autocast = c10::kHalf;
+  full.strategy.scaler.growthInterval = 3;
+  full.steps = 30;
+  full.metricsPath = dir.file("full.jsonl");
+  Trainer uninterrupted(full);
+  uninterrupted.run();
+  const auto [expectedScale, skipped] = scaleAtTheEnd(full.metricsPath);
+  ASSERT_GT(skipped, 1) << "too few steps overflowed: the test shows nothing";
+
+  TrainOptions first = full;
+  first.steps = 22;
+  first.checkpointDir = dir.file("ckpt");
+  first.metricsPath = dir.file("first.jsonl");
+  Trainer(first).run();
+  const int64_t skippedBefore = scaleAtTheEnd(first.metricsPath).second;
+  TrainOptions second = first;
+  second.steps = full.steps;
+  second.resume = true;
+  second.metricsPath = dir.file("second.jsonl");
+  Trainer resumed(second);
+  resumed.run();
+  const auto [scale, skippedAfter] = scaleAtTheEnd(second.metricsPath);
+  EXPECT_EQ(scale, expectedScale);
+  EXPECT_EQ(skippedAfter, skipped) << skippedBefore << " skipped before the checkpoint";
+  expectIdentical(parametersOf(uninterrupted), parametersOf(resumed));
+}
+
 TEST(Trainer, ResumeSkipsACorruptCheckpoint) {
   test::TempDir dir;
   TrainOptions o = smallRun();

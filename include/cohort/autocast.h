@@ -57,14 +57,23 @@ class COHORT_API Autocast {
 //   scaler.scale(loss).backward();                // DataParallel averages the scaled gradients
 //   if (scaler.unscale(net->parameters())) optimizer.step();
 //
-// One scale() and one unscale() per step, in that order: unlike Python's, this class does not
-// track the step (a second unscale() divides again and updates the scale again). The state is not
-// saved with a checkpoint: a resumed run starts from initScale and backs off as a fresh one does.
+// A step is one or more scale() (several losses, or gradients accumulated over micro-batches)
+// and then one unscale(), which divides and updates the scale once: an unscale() with no scale()
+// since the last one throws, where it would divide the same gradients again. The parameters stay
+// float32 (autocast computes in float16 for you): a float16 gradient is refused, as Python's is.
+// state() and loadState() carry the scale across a checkpoint (the Trainer saves it with the
+// optimizer), so a resumed run skips and grows at the steps an uninterrupted one would.
 struct COHORT_API GradScalerOptions {
   double initScale = 65536.0;
   double growthFactor = 2.0;
   double backoffFactor = 0.5;
   int64_t growthInterval = 2000;
+};
+
+struct COHORT_API GradScalerState {
+  double scale = 65536.0;
+  int64_t growthTracker = 0;  // good steps in a row since the scale last changed
+  int64_t skippedSteps = 0;
 };
 
 class COHORT_API GradScaler {
@@ -75,15 +84,22 @@ class COHORT_API GradScaler {
   // Divides the gradient of every parameter that has one by the scale, in place, and says whether
   // all of them are finite (false: skip the optimizer step); then updates the scale. Every rank
   // of a DataParallel job sees the same averaged gradients, so all take the same decision.
+  // Throws Error with no scale() since the last unscale(), InvalidArgument for a float16
+  // gradient or one on another device than the scaled loss.
   bool unscale(const std::vector<at::Tensor>& parameters);
   double currentScale() const;
   int64_t skippedSteps() const { return skipped_; }
+
+  GradScalerState state() const;
+  // Throws InvalidArgument for a scale that is not positive and finite or a negative count.
+  void loadState(const GradScalerState& state);
 
  private:
   GradScalerOptions options_;
   at::Tensor scale_;          // 0-dim float32 on the gradients' device
   at::Tensor growthTracker_;  // int32 [1]: good steps in a row
   int64_t skipped_ = 0;
+  bool scaled_ = false;  // scale() since the last unscale()
 };
 
 // --autocast's text: "off" (std::nullopt), "bf16" (bfloat16) or "fp16" (float16, with a

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -43,10 +44,13 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) {
     scale_ = scale_.to(loss.device());
     growthTracker_ = growthTracker_.to(loss.device());
   }
+  scaled_ = true;
   return loss * scale_.to(loss.scalar_type());
 }
 
 bool GradScaler::unscale(const std::vector<at::Tensor>& parameters) {
+  COHORT_CHECK(scaled_, Error, "cohort::GradScaler::unscale: no scale() since the last unscale(), so these ",
+               "gradients are not scaled or are unscaled already: call scale(loss).backward() before each unscale()");
   at::NoGradGuard noGrad;
   // ATen's check takes dense tensors of one dtype at a time; a sparse gradient's values are its part.
   std::map<c10::ScalarType, std::vector<at::Tensor>> byDtype;
@@ -56,6 +60,9 @@ bool GradScaler::unscale(const std::vector<at::Tensor>& parameters) {
     COHORT_CHECK(g.device() == scale_.device(), InvalidArgument, "cohort::GradScaler: a gradient on ", g.device(),
                  ", the scaled loss on ", scale_.device(), ": scale() the loss of this model");
     const at::Tensor dense = g.is_sparse() ? g._values() : g;
+    COHORT_CHECK(dense.scalar_type() != at::kHalf, InvalidArgument, "cohort::GradScaler: a float16 gradient ",
+                 "(of a float16 parameter): unscaled in float16 it would underflow; keep the parameters float32 ",
+                 "(module->to(torch::kFloat32)) and let autocast compute in float16");
     byDtype[dense.scalar_type()].push_back(dense);
   }
   const at::Tensor inverse = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
@@ -63,12 +70,28 @@ bool GradScaler::unscale(const std::vector<at::Tensor>& parameters) {
   for (auto& [dtype, grads] : byDtype) at::_amp_foreach_non_finite_check_and_unscale_(grads, foundInf, inverse);
   at::_amp_update_scale_(scale_, growthTracker_, foundInf, options_.growthFactor, options_.backoffFactor,
                          options_.growthInterval);
+  scaled_ = false;
   const bool finite = foundInf.item<float>() == 0.0f;
   if (!finite) ++skipped_;
   return finite;
 }
 
 double GradScaler::currentScale() const { return scale_.item<double>(); }
+
+GradScalerState GradScaler::state() const {
+  return {scale_.item<double>(), int64_t(growthTracker_.item<int32_t>()), skipped_};
+}
+
+void GradScaler::loadState(const GradScalerState& state) {
+  COHORT_CHECK(state.scale > 0 && state.scale <= std::numeric_limits<float>::max() && state.growthTracker >= 0 &&
+                   state.growthTracker < options_.growthInterval && state.skippedSteps >= 0,
+               InvalidArgument, "cohort::GradScaler::loadState: scale ", state.scale, ", growth tracker ",
+               state.growthTracker, " (interval ", options_.growthInterval, "), skipped steps ", state.skippedSteps,
+               ": not a scaler's state");
+  scale_.fill_(state.scale);
+  growthTracker_.fill_(state.growthTracker);
+  skipped_ = state.skippedSteps;
+}
 
 std::optional<c10::ScalarType> parseAutocast(const std::string& text) {
   if (text == "off") return std::nullopt;

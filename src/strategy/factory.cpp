@@ -140,7 +140,7 @@ std::unique_ptr<Strategy> makeStrategy(const StrategyOptions& options, const Job
   checkCodecOptions(options);
   checkAutocastOptions(options);
   std::unique_ptr<Strategy> strategy = makeSchemeStrategy(options, job);
-  strategy->setAutocast(options.autocast);
+  strategy->setAutocast(options.autocast, options.scaler);
   return strategy;
 }
 

@@ -168,9 +168,9 @@ class Strategy {
 
   // --autocast: the dtype step()'s forward passes and losses run in under autocast (forwardLoss);
   // none: float32. float16 comes with a GradScaler (scaledBackward, stepUnlessOverflow). Set by makeStrategy.
-  void setAutocast(std::optional<c10::ScalarType> dtype) {
+  void setAutocast(std::optional<c10::ScalarType> dtype, const GradScalerOptions& scaler = {}) {
     autocast_ = dtype;
-    scaler_ = dtype == c10::kHalf ? std::make_unique<GradScaler>() : nullptr;
+    scaler_ = dtype == c10::kHalf ? std::make_unique<GradScaler>(scaler) : nullptr;
   }
   std::optional<c10::ScalarType> autocast() const { return autocast_; }
   // The loss scaler under --autocast fp16; null otherwise.
@@ -231,6 +231,8 @@ struct StrategyOptions {
   // --autocast: forward passes in this 16-bit dtype (bfloat16: every scheme; float16, with a loss
   // scaler: local, allreduce, average, gossip); none: float32.
   std::optional<c10::ScalarType> autocast;
+  // float16's loss scaler (no flag: torch.amp.GradScaler's defaults; tests make it grow sooner).
+  GradScalerOptions scaler;
   // Test hook for every scheme: worker slowRank sleeps slowSeconds in every step.
   int slowRank = -1;
   double slowSeconds = 0;
