@@ -32,6 +32,8 @@ TEST(Profile, AWindowOfStepsWritesATraceAndSaysWhereItsTimeWent) {
                             120);
   ASSERT_EQ(r.exitCode, 0) << r.output;
   EXPECT_NE(r.output.find("profile of 3 step(s)"), std::string::npos) << r.output;
+  // LibTorch's CUDA build without a GPU: Kineto's "ERROR: ... gpuGetDeviceCount failed" is kept quiet.
+  EXPECT_EQ(r.output.find("gpuGetDeviceCount"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(trace), std::string::npos) << r.output;
   const auto ops = operatorsIn(trace);
   EXPECT_TRUE(ops.count("aten::addmm") > 0) << "the mlp's linear layers are not in the trace";

@@ -13,6 +13,7 @@
 #include "cli/commands.h"
 #include "schemes/pipeline_plan.h"
 #include "schemes/ps_shard_task.h"
+#include "train/step_profiler.h"
 
 #include <cstdint>
 #include <cstdio>
@@ -515,6 +516,7 @@ void applyFlags(TrainFlags& f) {
                "--save-model needs a file "
                "to write the model to, got an empty path: give --save-model FILE or drop it");
   parseProfileSteps(f.profileSteps, o.profile);
+  if (!o.profile.path.empty()) quietKinetoWithoutGpu();  // here, while this process has one thread
   checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
   checkAutocastOptions(o.strategy);
   applyBucketOptions(o.strategy, f.bucketMb->count() > 0, f.firstBucketMb->count() > 0);

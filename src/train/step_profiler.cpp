@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -95,6 +96,11 @@ void parseProfileSteps(const std::string& text, ProfileOptions& opts) {
                "after the warm-up)");
   opts.first = first;
   opts.last = last;
+}
+
+void quietKinetoWithoutGpu() {
+  if (std::getenv("KINETO_LOG_LEVEL") != nullptr || torch::cuda::is_available()) return;
+  setenv("KINETO_LOG_LEVEL", "5", /*overwrite=*/0);  // above Kineto's ERROR (4)
 }
 
 StepProfiler::StepProfiler(ProfileOptions options, c10::Device device, int rank, int worldSize)

@@ -28,6 +28,13 @@ struct ProfileOptions {
 // "A:B" (1 <= A <= B) into opts.first and opts.last; InvalidArgument naming the form otherwise.
 void parseProfileSteps(const std::string& text, ProfileOptions& opts);
 
+// For `cohort train --profile`, before any thread starts (it sets an environment variable): where
+// this LibTorch sees no CUDA device, Kineto's own log is kept to what it prints unconditionally
+// (KINETO_LOG_LEVEL=5), since LibTorch's CUDA build otherwise logs "ERROR: ... gpuGetDeviceCount
+// failed with code 35" (no driver) when the profiler starts on such a machine, an error of nothing
+// the run does. A KINETO_LOG_LEVEL of the user's is left as it is.
+void quietKinetoWithoutGpu();
+
 // Where the window's time went, per lane.
 struct ProfileSummary {
   struct Lane {
