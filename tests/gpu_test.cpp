@@ -52,13 +52,15 @@ TEST(Gpu, TheCnnTrainsOnCudaToTheAccuracyItReachesOnTheCpu) {
 TEST(GpuAutocast, TheCnnOnCudaLearnsAsInFloat32) {
   REQUIRE_GPU();
   test::TempDir dir;
-  const std::string common = "--model cnn --data fashion-mnist --steps 300 --batch 64 --seed 3 ";
-  auto cpu = test::runCommand(train(common + "--device cpu --metrics " + dir.file("cpu.jsonl")));
+  // --batch is per worker: the two ranks take 32 each, so that every run steps on 64 examples.
+  const std::string common = "--model cnn --data fashion-mnist --steps 300 --seed 3 ";
+  auto cpu = test::runCommand(train(common + "--batch 64 --device cpu --metrics " + dir.file("cpu.jsonl")));
   ASSERT_EQ(cpu.exitCode, 0) << cpu.output;
-  auto gpu = test::runCommand(train(common + "--device cuda:0 --autocast bf16 --metrics " + dir.file("gpu.jsonl")));
+  auto gpu =
+      test::runCommand(train(common + "--batch 64 --device cuda:0 --autocast bf16 --metrics " + dir.file("gpu.jsonl")));
   ASSERT_EQ(gpu.exitCode, 0) << gpu.output;
   auto two = test::runCommand(test::launchPrefix(2) + train(common +
-                                                            "--device cuda --autocast bf16 --strategy "
+                                                            "--batch 32 --device cuda --autocast bf16 --strategy "
                                                             "allreduce --metrics " +
                                                             dir.file("two.jsonl")));
   ASSERT_EQ(two.exitCode, 0) << two.output;
@@ -67,7 +69,8 @@ TEST(GpuAutocast, TheCnnOnCudaLearnsAsInFloat32) {
   EXPECT_EQ(test::lastEvent(dir.file("two.jsonl"), "done").value("autocast", ""), "bf16");
   EXPECT_NEAR(finalAccuracy(dir.file("gpu.jsonl")), onCpu, 0.03);
   EXPECT_NEAR(finalAccuracy(dir.file("two.jsonl")), onCpu, 0.03);
-  auto fp16 = test::runCommand(train(common + "--device cuda:0 --autocast fp16 --metrics " + dir.file("fp16.jsonl")));
+  auto fp16 = test::runCommand(
+      train(common + "--batch 64 --device cuda:0 --autocast fp16 --metrics " + dir.file("fp16.jsonl")));
   ASSERT_EQ(fp16.exitCode, 0) << fp16.output;
   const auto done = test::lastEvent(dir.file("fp16.jsonl"), "done");
   EXPECT_EQ(done.value("autocast", ""), "fp16");
@@ -217,7 +220,9 @@ TEST(GpuAfterTraining, EnsembleAndTheEvaluatorScoreOnTheGpu) {
     accuracy[k] = event["test_accuracy"].get<double>();
   }
   EXPECT_GT(accuracy[1], 0.3);
-  EXPECT_NEAR(accuracy[0], accuracy[1], 0.005);
+  // 333 test examples: 0.01 is 3 predictions. cuDNN's convolutions run in TF32 by default (LibTorch
+  // 2.11), so the GPU's logits are not the CPU's to float32 rounding and a near-tie may flip.
+  EXPECT_NEAR(accuracy[0], accuracy[1], 0.01);
 }
 
 // A codec's warm-up on a GPU: the first steps go uncompressed (codec none over the device's
