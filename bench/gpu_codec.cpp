@@ -14,11 +14,12 @@
 // the float32 bucket's bytes per second for both (the encode reads them and writes half as many;
 // the copy reads and writes them all): how fast a bucket gets through each.
 //
-// Then topk:0.01 and threshold:0.002 on the same bucket (threshold sends 5 % of it at first, more
-// as the residual grows: the same bucket is added every sample), as CompressedSum runs them on a
-// device either way (compressed.h): on the host (the bucket copied to pinned memory, then the CPU
-// encoder) against on the device (DeviceSelect's pass, then the message from the selected
-// entries), alternating, each timed on the wall clock from the call to the message (both wait for
+// Then topk:0.01, threshold:0.002 and onebit on the same bucket (threshold sends 5 % of it at
+// first, more as the residual grows: the same bucket is added every sample), as CompressedSum runs
+// them on a device either way (compressed.h): on the host (the bucket copied to pinned memory,
+// then the CPU encoder) against on the device (DeviceSelect's pass, then the message from what
+// crossed: the selected entries, or onebit's scales, sign bitmap and non-finite entries),
+// alternating, each timed on the wall clock from the call to the message (both wait for
 // the device); medians of --reps after the warm-up. The two write the same messages (checked on
 // every sample: "identical").
 //
@@ -116,7 +117,7 @@ void compareSparse(const Options& o, const c10::Device& device, const torch::Ten
   const auto spec = compress::CodecSpec::parse(codec);
   const int64_t n = bucket.numel();
   compress::Encoder onHost(spec, size_t(n));
-  compress::Encoder fromSelection(spec, size_t(n));
+  compress::Encoder fromDevice(spec, size_t(n));
   DeviceSelect onDevice(spec, n, device);
   torch::Tensor pinned =
       torch::empty({n}, torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(device.is_cuda()));
@@ -130,9 +131,7 @@ void compareSparse(const Options& o, const c10::Device& device, const torch::Ten
     onHost.encode({pinned.data_ptr<float>(), size_t(n)}, hostMessage);
     const double host = secondsSince(t);
     t = std::chrono::steady_clock::now();
-    const DeviceSelect::Selected chosen = onDevice.select(bucket);
-    fromSelection.encodeSelected({chosen.indices.data_ptr<int64_t>(), size_t(chosen.indices.numel())},
-                                 {chosen.values.data_ptr<float>(), size_t(chosen.values.numel())}, deviceMessage);
+    onDevice.encode(bucket, fromDevice, deviceMessage);
     const double onGpu = secondsSince(t);
     identical = identical && hostMessage == deviceMessage;
     if (r >= kWarmup) {
@@ -155,7 +154,8 @@ int main(int argc, char** argv) {
   const Options o = parseArgs(argc, argv);
   if (o.device == "cpu") {  // the sparse comparison alone, as a check of this program where there is no GPU
     const torch::Tensor bucket = torch::randn({int64_t(o.mb * 1024 * 1024) / int64_t(sizeof(float))}) * 1e-3;
-    for (const char* codec : {"topk:0.01", "threshold:0.002"}) compareSparse(o, c10::Device(c10::kCPU), bucket, codec);
+    for (const char* codec : {"topk:0.01", "threshold:0.002", "onebit"})
+      compareSparse(o, c10::Device(c10::kCPU), bucket, codec);
     return 0;
   }
   if (!torch::cuda::is_available()) {
@@ -186,7 +186,7 @@ int main(int argc, char** argv) {
     std::printf("{\"bench\": \"gpu_codec\", \"what\": \"ratio\", \"device\": \"%s\", \"mb\": %g, "
                 "\"encode_over_copy\": %.3f, \"reps\": %d}\n",
                 name, o.mb, d2d / encode, o.reps);
-    for (const char* codec : {"topk:0.01", "threshold:0.002"}) compareSparse(o, device, bucket, codec);
+    for (const char* codec : {"topk:0.01", "threshold:0.002", "onebit"}) compareSparse(o, device, bucket, codec);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpu_codec: %s\n", e.what());
     return 1;

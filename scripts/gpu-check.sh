@@ -95,7 +95,7 @@ echo "## figures" >> "$report"
     --runs "${GPU_CHECK_RUNS:-2}" --budget "${GPU_CHECK_BUDGET_S:-150}" --sections "${GPU_CHECK_SECTIONS:-single,resnet,ws1,streams,ddp2}" 2>&1 |
     tee "$out/figures.log"
   # fp16's encode of a 25 MB bucket on the GPU against the device's own copy, and topk's and
-  # threshold's encode on the host against on the device (bench/gpu_codec.cpp).
+  # threshold's and onebit's encode on the host against on the device (bench/gpu_codec.cpp).
   [ -n "${GPU_CHECK_NO_CODEC:-}" ] || LD_LIBRARY_PATH="$libs" timeout 30 "$bundle/bin/gpu_codec" 2>&1 | tee "$out/gpu_codec.log"
   echo '```'
 } >> "$report"

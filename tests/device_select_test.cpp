@@ -1,6 +1,6 @@
-// topk's and threshold's device pass (schemes/device_select.h), run on CPU tensors, against the CPU
-// encoder: the same messages byte for byte and the same residuals bit for bit, round after round
-// (tests/gpu_codec_test.cpp runs it on a GPU inside CompressedSum).
+// topk's, threshold's and onebit's device pass (schemes/device_select.h), run on CPU tensors,
+// against the CPU encoder: the same messages byte for byte and the same residuals bit for bit,
+// round after round (tests/gpu_codec_test.cpp runs it on a GPU inside CompressedSum).
 #include "schemes/device_select.h"
 #include "compress/codec.h"
 #include "schemes/compressed.h"
@@ -62,9 +62,7 @@ TEST_P(DeviceSelectCase, WritesTheCpuEncodersMessagesAndResiduals) {
     for (int round = 0; round < 4; ++round) {
       const torch::Tensor input = plantedInput(n, round, tau);
       cpu.encode({input.data_ptr<float>(), size_t(n)}, expected);
-      const DeviceSelect::Selected s = device.select(input);
-      host.encodeSelected({s.indices.data_ptr<int64_t>(), size_t(s.indices.numel())},
-                          {s.values.data_ptr<float>(), size_t(s.values.numel())}, got);
+      device.encode(input, host, got);
       const std::string where = spec.text() + ", " + std::to_string(n) + " floats, round " + std::to_string(round);
       EXPECT_EQ(host.lastSent(), cpu.lastSent()) << where;
       EXPECT_TRUE(got == expected) << where << ": messages of " << got.size() << " and " << expected.size() << " bytes";
@@ -75,8 +73,9 @@ TEST_P(DeviceSelectCase, WritesTheCpuEncodersMessagesAndResiduals) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(TopKAndThreshold, DeviceSelectCase,
-                         ::testing::Values("topk:0.01", "topk:0.3", "topk:1", "threshold:0.01", "threshold:0.5"),
+INSTANTIATE_TEST_SUITE_P(SparseCodecs, DeviceSelectCase,
+                         ::testing::Values("topk:0.01", "topk:0.3", "topk:1", "threshold:0.01", "threshold:0.5",
+                                           "onebit"),
                          [](const auto& info) {
                            std::string name = info.param;
                            for (char& c : name) {
@@ -86,7 +85,7 @@ INSTANTIATE_TEST_SUITE_P(TopKAndThreshold, DeviceSelectCase,
                          });
 
 TEST(DeviceSelect, RefusesTheCodecsWithoutASelection) {
-  for (const char* codec : {"none", "fp16", "bf16", "onebit"}) {
+  for (const char* codec : {"none", "fp16", "bf16"}) {
     EXPECT_THROW(DeviceSelect(compress::CodecSpec::parse(codec), 10, c10::Device(c10::kCPU)), InvalidArgument) << codec;
   }
   compress::Encoder onebit(compress::CodecSpec::parse("onebit"), 4);
@@ -100,9 +99,43 @@ TEST(DeviceSelect, RefusesTheCodecsWithoutASelection) {
   EXPECT_THROW(topk.encodeSelected(backwards, two, message), InvalidArgument);
   const std::vector<int64_t> outside{4};
   EXPECT_THROW(topk.encodeSelected(outside, values, message), InvalidArgument);
+  // onebit's parts: for onebit alone, a bitmap of bitmapBytes(length) bytes, escapes in order.
+  const std::vector<uint8_t> oneByte{0};
+  const std::vector<int64_t> none;
+  const std::vector<float> noValues;
+  EXPECT_THROW(topk.encodeOneBit({}, oneByte, none, noValues, message), InvalidArgument);
+  EXPECT_NO_THROW(onebit.encodeOneBit({}, oneByte, none, noValues, message));
+  EXPECT_THROW(onebit.encodeOneBit({}, std::vector<uint8_t>{0, 0}, none, noValues, message), InvalidArgument);
+  EXPECT_THROW(onebit.encodeOneBit({}, oneByte, backwards, two, message), InvalidArgument);
+  EXPECT_THROW(onebit.encodeOneBit({}, oneByte, outside, values, message), InvalidArgument);
+  DeviceSelect onebitPass(compress::CodecSpec::parse("onebit"), 4, c10::Device(c10::kCPU));
+  EXPECT_THROW(onebitPass.select(torch::zeros({4})), InvalidArgument) << "onebit selects nothing";
 }
 
-// COHORT_SPARSE_SELECT chooses where DataParallel's topk and threshold passes run on a GPU.
+// onebit's means from sums made in another order: decided unless the mean lies so near a rounding
+// boundary that the order of summing could move it across; then the CPU's order decides, which
+// the pass does over acc (here: two positive entries whose mean is the midpoint of 1 and the next
+// float, rounded to even).
+TEST(DeviceSelect, OneBitsMeansUndecidedBySumsComeFromTheCpusOrder) {
+  const float next = std::nextafter(1.0f, 2.0f);
+  const double midpoint = (1.0 + double(next)) / 2;
+  EXPECT_FALSE(compress::oneBitScalesFromSums(2 * midpoint, 2, 0.0, 0).has_value());
+  const auto decided = compress::oneBitScalesFromSums(3.0, 3, 1.5, 3);
+  ASSERT_TRUE(decided.has_value());
+  EXPECT_EQ(decided->positive, 1.0f);
+  EXPECT_EQ(decided->negative, 0.5f);
+  const torch::Tensor input = torch::tensor({1.0f, next, -0.5f, -0.25f, -1.0f});
+  const auto spec = compress::CodecSpec::parse("onebit");
+  compress::Encoder cpu(spec, 5), host(spec, 5);
+  DeviceSelect device(spec, 5, c10::Device(c10::kCPU));
+  std::vector<uint8_t> expected, got;
+  cpu.encode({input.data_ptr<float>(), 5}, expected);
+  device.encode(input, host, got);
+  EXPECT_TRUE(got == expected);
+  EXPECT_EQ(firstBitDifference(device.residual(), cpu.residual()), "");
+}
+
+// COHORT_SPARSE_SELECT chooses where DataParallel's topk, threshold and onebit passes run on a GPU.
 TEST(DeviceSelect, TheEnvironmentChoosesHostOrDevice) {
   const char* before = std::getenv("COHORT_SPARSE_SELECT");
   const std::string saved = before != nullptr ? before : "";

@@ -72,7 +72,7 @@ std::vector<torch::Tensor> makeRounds(int rank, int rounds, int64_t length) {
 
 struct SumCase {
   std::string codec;
-  SelectOn select = SelectOn::Host;  // Device: topk's and threshold's pass on the GPU (DeviceSelect)
+  SelectOn select = SelectOn::Host;  // Device: topk's, threshold's or onebit's pass on the GPU (DeviceSelect)
 };
 void PrintTo(const SumCase& c, std::ostream* out) {
   *out << c.codec << (c.select == SelectOn::Device ? " selected on the device" : "");
@@ -166,7 +166,8 @@ INSTANTIATE_TEST_SUITE_P(EveryCodec, GpuCodecSum,
                          ::testing::Values(SumCase{"none"}, SumCase{"fp16"}, SumCase{"bf16"}, SumCase{"topk:0.1"},
                                            SumCase{"threshold:0.01"}, SumCase{"onebit"},
                                            SumCase{"topk:0.1", SelectOn::Device},
-                                           SumCase{"threshold:0.01", SelectOn::Device}),
+                                           SumCase{"threshold:0.01", SelectOn::Device},
+                                           SumCase{"onebit", SelectOn::Device}),
                          [](const auto& info) {
                            std::string name =
                                info.param.codec + (info.param.select == SelectOn::Device ? "_on_device" : "");
@@ -311,11 +312,12 @@ INSTANTIATE_TEST_SUITE_P(EveryCodec, GpuCodecTraining,
                                            TrainCase{"topk:0.1", 1e-2}, TrainCase{"threshold:0.001", 1e-2},
                                            TrainCase{"onebit", 1e-2}),
                          trainCaseName);
-// topk and threshold selected on the GPU: an instantiation of their own, so that
+// topk, threshold and onebit with their pass on the GPU: an instantiation of their own, so that
 // scripts/gpu-check.sh gives them a process and a timeout of their own beside the six above.
 INSTANTIATE_TEST_SUITE_P(SelectedOnDevice, GpuCodecTraining,
                          ::testing::Values(TrainCase{"topk:0.1", 1e-2, "env COHORT_SPARSE_SELECT=device "},
-                                           TrainCase{"threshold:0.001", 1e-2, "env COHORT_SPARSE_SELECT=device "}),
+                                           TrainCase{"threshold:0.001", 1e-2, "env COHORT_SPARSE_SELECT=device "},
+                                           TrainCase{"onebit", 1e-2, "env COHORT_SPARSE_SELECT=device "}),
                          trainCaseName);
 
 }  // namespace

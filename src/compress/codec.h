@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -85,6 +86,20 @@ inline constexpr uint64_t kMaxBodyBytes = UINT32_MAX;
 // message are decoded as they are (an encoder sends them when its input had them).
 void decodeAdd(std::span<const uint8_t> message, std::span<float> out, float scale = 1.0f);
 
+// onebit's two scales: the mean |acc| of the finite entries of each sign (zero counts as positive).
+struct OneBitScales {
+  float positive = 0.0f;
+  float negative = 0.0f;
+};
+// The scales the CPU pass computes (sums in double, entry by entry in index order) for `acc`.
+OneBitScales oneBitScalesOf(std::span<const float> acc);
+// The same from sums of the |acc| of each sign made in another order (a device's reduction, in
+// double): the CPU pass's scales whenever the sums decide them, which is almost always (any order's
+// sum of same-signed terms is within a factor 1 +- 1.01 count 2^-53 of the exact one); std::nullopt
+// when only the index order can, and oneBitScalesOf must run over the entries.
+std::optional<OneBitScales> oneBitScalesFromSums(double positive, uint64_t nPositive, double negative,
+                                                 uint64_t nNegative);
+
 class Encoder {
  public:
   // length: the buffer's size, at most kMaxLength (and kMaxBodyBytes / 4 for none, / 2 for fp16
@@ -107,6 +122,13 @@ class Encoder {
   // strictly increasing and below length(), `acc` their values. The residual here is not touched:
   // the device keeps it. InvalidArgument for another codec or indices out of order.
   void encodeSelected(std::span<const int64_t> indices, std::span<const float> acc, std::vector<uint8_t>& message);
+  // onebit, when a device made the pass: the message encode() sends for a buffer whose acc has
+  // these scales, the sign bitmap `negative` (bit i % 8 of byte i / 8 set for a finite acc[i] < 0;
+  // bitmapBytes(length()) bytes) and the non-finite entries at `escapes` (strictly increasing) with
+  // their values. The residual here is not touched. InvalidArgument for another codec or a
+  // malformed part.
+  void encodeOneBit(OneBitScales scales, std::span<const uint8_t> negative, std::span<const int64_t> escapes,
+                    std::span<const float> escapeValues, std::vector<uint8_t>& message);
 
   std::span<const float> residual() const { return residual_; }
   // Forgets the residual (after a warm-up, or when the parameters were replaced).

@@ -156,6 +156,13 @@ void finishMessage(CodecKind kind, size_t n, float param, uint8_t form, const st
   message.resize(kHeaderBytes + got);
 }
 
+// An index of a list a device pass handed in: above the previous one and inside the buffer.
+void checkNextIndex(int64_t i, int64_t& previous, size_t length, const char* what) {
+  COHORT_CHECK(i > previous && uint64_t(i) < length, InvalidArgument, what, " ", i, " after ", previous,
+               " in a buffer of ", length, ": indices must increase and stay inside the buffer");
+  previous = i;
+}
+
 }  // namespace
 
 void Encoder::encode(std::span<const float> input, std::vector<uint8_t>& message) {
@@ -201,9 +208,7 @@ void Encoder::encodeSelected(std::span<const int64_t> indices, std::span<const f
   int64_t previous = -1;
   for (size_t j = 0; j < indices.size(); ++j) {
     const int64_t i = indices[j];
-    COHORT_CHECK(i > previous && uint64_t(i) < length_, InvalidArgument, "selected index ", i, " after ", previous,
-                 " in a buffer of ", length_, ": indices must increase and stay inside the buffer");
-    previous = i;
+    checkNextIndex(i, previous, length_, "selected index");
     const ThresholdEntry e = topk ? ThresholdEntry{true, acc[j], 0.0f} : thresholdEntry(acc[j], spec_.tau);
     if (e.isValue) {
       s.list.addValue(c, size_t(i), e.value);
@@ -216,6 +221,32 @@ void Encoder::encodeSelected(std::span<const int64_t> indices, std::span<const f
   lastSent_ = pass.count;
   const uint8_t form = chooseForm(length_, pass, s.body, s.otherForm, s.list, s.bitmap);
   finishMessage(spec_.kind, length_, topk ? float(spec_.ratio) : spec_.tau, form, s.body, s.cctx.get(), message);
+}
+
+void Encoder::encodeOneBit(OneBitScales scales, std::span<const uint8_t> negative, std::span<const int64_t> escapes,
+                           std::span<const float> escapeValues, std::vector<uint8_t>& message) {
+  COHORT_CHECK(spec_.kind == CodecKind::OneBit, InvalidArgument, "--codec ", kindName(spec_.kind),
+               ": only onebit encodes a sign bitmap");
+  COHORT_CHECK_EQ(negative.size(), bitmapBytes(length_), InvalidArgument, "onebit's sign bitmap of ", length_,
+                  " floats");
+  COHORT_CHECK_EQ(escapes.size(), escapeValues.size(), InvalidArgument,
+                  "onebit's non-finite entries: indices and values differ in number");
+  message.clear();
+  lastSent_ = length_;
+  Scratch& s = *scratch_;
+  s.body.clear();
+  putFloat32(s.body, scales.positive);
+  putFloat32(s.body, scales.negative);
+  s.body.insert(s.body.end(), negative.begin(), negative.end());
+  Cursor c = s.list.reserve(s.list.begin(s.body), escapes.size());
+  int64_t previous = -1;
+  for (size_t j = 0; j < escapes.size(); ++j) {
+    const int64_t i = escapes[j];
+    checkNextIndex(i, previous, length_, "non-finite entry");
+    s.list.addValue(c, size_t(i), escapeValues[j]);
+  }
+  s.list.finish(c);
+  finishMessage(spec_.kind, length_, 0.0f, kFormList, s.body, s.cctx.get(), message);
 }
 
 }  // namespace cohort::compress

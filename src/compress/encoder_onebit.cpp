@@ -10,12 +10,7 @@ namespace cohort::compress {
 
 namespace {
 
-// One scale per sign, the mean |acc| of the finite entries of that sign; zero counts as positive.
-// The means of finite floats are finite floats.
-struct OneBitScales {
-  float positive = 0.0f;
-  float negative = 0.0f;
-};
+// The means of finite floats are finite floats (OneBitScales, codec.h).
 
 // The sums run in double, entry by entry in index order, on both paths: the same roundings.
 struct OneBitSums {
@@ -65,7 +60,6 @@ OneBitScales oneBitScalesFused(std::span<const float> input, float* residual) {
   return sums.scales();
 }
 
-#if defined(COHORT_HAVE_AVX2_KERNELS)
 // The mean of `count` non-negative terms whose sequential sum in double (the reference's) lies
 // within a factor 1 +- 4 count u (u = 2^-53) of `sum`, when that interval decides it: the sum of
 // count terms in any order is within gamma(count) < 1.01 count u of the exact sum, relatively (all
@@ -81,6 +75,8 @@ std::optional<float> decidedMean(double sum, size_t count) {
   if (low != high) return std::nullopt;
   return low;
 }
+
+#if defined(COHORT_HAVE_AVX2_KERNELS)
 
 // oneBitScalesFused with the sums in eight double lanes, which breaks the dependency chain of the
 // sequential sums (each a 3-4 cycle addition per entry) but rounds differently. The means almost
@@ -183,6 +179,16 @@ COHORT_AVX2 void oneBitSignsAvx2(float* acc, size_t n, OneBitScales scales, std:
 #endif
 
 }  // namespace
+
+OneBitScales oneBitScalesOf(std::span<const float> acc) { return oneBitScales(acc.data(), acc.size()); }
+
+std::optional<OneBitScales> oneBitScalesFromSums(double positive, uint64_t nPositive, double negative,
+                                                 uint64_t nNegative) {
+  const std::optional<float> p = decidedMean(positive, size_t(nPositive));
+  const std::optional<float> q = decidedMean(negative, size_t(nNegative));
+  if (!p || !q) return std::nullopt;
+  return OneBitScales{*p, *q};
+}
 
 void encodeOneBitPass(std::span<const float> input, float* acc, bool fused, ListWriter& list,
                       std::vector<uint8_t>& body) {

@@ -68,7 +68,7 @@ SelectOn selectOnFromEnvironment() {
   const char* value = std::getenv("COHORT_SPARSE_SELECT");
   if (value == nullptr || std::string(value).empty() || std::string(value) == "host") return SelectOn::Host;
   COHORT_CHECK(std::string(value) == "device", InvalidArgument, "COHORT_SPARSE_SELECT=", value,
-               ": expected host (topk and threshold encode on the host) or device (on the GPU)");
+               ": expected host (topk, threshold and onebit encode on the host) or device (on the GPU)");
   return SelectOn::Device;
 }
 
@@ -77,7 +77,8 @@ CompressedSum::CompressedSum(std::shared_ptr<Communicator> comm, compress::Codec
     : comm_(std::move(comm)), spec_(spec), device_(device) {
   const bool staged = !device_.is_cpu() && spec_.kind != CodecKind::None;
   const bool selectsOnDevice =
-      staged && select == SelectOn::Device && (spec_.kind == CodecKind::TopK || spec_.kind == CodecKind::Threshold);
+      staged && select == SelectOn::Device &&
+      (spec_.kind == CodecKind::TopK || spec_.kind == CodecKind::Threshold || spec_.kind == CodecKind::OneBit);
   if (staged) {
     stream_ = c10::impl::VirtualGuardImpl(device_.type()).getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
   }
@@ -384,9 +385,7 @@ void CompressedSum::sparseOnDevice(size_t id, const torch::Tensor& flat, torch::
   const auto t = Clock::now();
   {
     c10::StreamGuard onCopies(*stream_);  // after the kernels that wrote the buffer (start())
-    const DeviceSelect::Selected chosen = selects_[id].select(flat);
-    encoders_[id].encodeSelected({chosen.indices.data_ptr<int64_t>(), size_t(chosen.indices.numel())},
-                                 {chosen.values.data_ptr<float>(), size_t(chosen.values.numel())}, message_);
+    selects_[id].encode(flat, encoders_[id], message_);
   }
   gatherAndSum(host, secondsSince(t));
 }

@@ -41,11 +41,12 @@
 //              becomes infinite, where the CPU's conversion saturates.
 //   sparse     the float32 buffer crosses; the encoder, its residual and the decoding stay on the
 //              host, exactly as on the CPU (the same messages, residuals and sums for the same
-//              buffer). Or, for topk and threshold with SelectOn::Device: the communication thread
-//              runs the codec's pass on the device, on this object's stream (DeviceSelect: acc,
-//              the selection and the residual stay on the device), and only the selected entries
-//              cross to the host, where the message is written; the same messages and residuals
-//              as the CPU's. The decoded sum is made on the host and crosses back as above.
+//              buffer). Or, for topk, threshold and onebit with SelectOn::Device: the
+//              communication thread runs the codec's pass on the device, on this object's stream
+//              (DeviceSelect: acc and the residual stay on the device), and only what the message
+//              needs (the selected entries; onebit's scales, sign bitmap and non-finite entries)
+//              crosses to the host, where the message is written; the same messages and
+//              residuals as the CPU's. The decoded sum is made on the host and crosses back as above.
 //              Whichever is faster is for a GPU to measure (bench/gpu_codec.cpp); Host is the
 //              default, and COHORT_SPARSE_SELECT=device chooses Device for DataParallel.
 //
@@ -165,7 +166,7 @@ class CompressedSum {
   std::optional<c10::Stream> stream_;  // on a device, with a codec: the copies' stream
   // Owned by the communication thread while a buffer is under way.
   std::vector<compress::Encoder> encoders_;
-  std::vector<DeviceSelect> selects_;  // SelectOn::Device, topk and threshold: each buffer's pass
+  std::vector<DeviceSelect> selects_;  // SelectOn::Device, topk, threshold, onebit: each buffer's pass
   std::vector<torch::Tensor> wire16_;  // fp16 / bf16 on the CPU: the 16-bit form of each buffer
   // On a device: written by start() before it queues the buffer, then used by the communication
   // thread, then (returned) by finish() after the thread marked the buffer done.

@@ -4,17 +4,33 @@
 
 #include <torch/torch.h>
 
+#include <optional>
+
 namespace cohort {
 
 using compress::CodecKind;
 
 DeviceSelect::DeviceSelect(compress::CodecSpec spec, int64_t length, c10::Device device) : spec_(spec) {
-  COHORT_CHECK(spec_.kind == CodecKind::TopK || spec_.kind == CodecKind::Threshold, InvalidArgument, "--codec ",
-               spec_.text(), ": only topk and threshold select their entries on the device");
+  COHORT_CHECK(spec_.kind == CodecKind::TopK || spec_.kind == CodecKind::Threshold || spec_.kind == CodecKind::OneBit,
+               InvalidArgument, "--codec ", spec_.text(),
+               ": only topk, threshold and onebit have a pass on the device");
   residual_ = torch::zeros({length}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
 }
 
+void DeviceSelect::encode(const torch::Tensor& flat, compress::Encoder& encoder, std::vector<uint8_t>& message) {
+  if (spec_.kind == CodecKind::OneBit) {
+    encodeOneBit(flat, encoder, message);
+    return;
+  }
+  const Selected chosen = select(flat);
+  encoder.encodeSelected({chosen.indices.data_ptr<int64_t>(), size_t(chosen.indices.numel())},
+                         {chosen.values.data_ptr<float>(), size_t(chosen.values.numel())}, message);
+}
+
 DeviceSelect::Selected DeviceSelect::select(const torch::Tensor& flat) {
+  COHORT_CHECK(spec_.kind != CodecKind::OneBit, InvalidArgument,
+               "DeviceSelect::select: onebit selects nothing; "
+               "encode() makes its pass");
   torch::NoGradGuard noGrad;
   residual_.add_(flat);  // acc, as the CPU's residual[i] + input[i]
   const torch::Tensor& acc = residual_;
@@ -23,6 +39,53 @@ DeviceSelect::Selected DeviceSelect::select(const torch::Tensor& flat) {
   const torch::Tensor values = acc.index_select(0, indices);
   residual_.index_copy_(0, indices, topk ? torch::zeros_like(values) : thresholdResidual(values));
   return {indices.to(torch::kCPU), values.to(torch::kCPU)};
+}
+
+// The CPU pass's order (encoder_onebit.cpp): the scales from acc, then the bitmap and the escapes
+// from acc, then the residual. Every part is computed from acc before the residual (acc itself)
+// is replaced.
+void DeviceSelect::encodeOneBit(const torch::Tensor& flat, compress::Encoder& encoder, std::vector<uint8_t>& message) {
+  torch::NoGradGuard noGrad;
+  residual_.add_(flat);
+  const torch::Tensor& acc = residual_;
+  const int64_t n = acc.numel();
+  const torch::Tensor zero = torch::zeros({}, acc.options());
+  const torch::Tensor finite = torch::isfinite(acc);
+  const torch::Tensor negative = acc.lt(0.0f).logical_and(finite);
+  const torch::Tensor positive = finite.logical_and(negative.logical_not());
+  // |acc| per sign summed in double (abs: a -0.0 adds +0.0, as on the CPU), the counts, and the
+  // non-finite entries' count: one copy to the host.
+  const torch::Tensor magnitude = acc.abs();
+  const torch::Tensor totals =
+      torch::stack({torch::where(positive, magnitude, zero).sum(torch::kFloat64),
+                    torch::where(negative, magnitude, zero).sum(torch::kFloat64), positive.sum().to(torch::kFloat64),
+                    negative.sum().to(torch::kFloat64), finite.logical_not().sum().to(torch::kFloat64)})
+          .to(torch::kCPU);
+  const double* t = totals.data_ptr<double>();
+  std::optional<compress::OneBitScales> scales =
+      compress::oneBitScalesFromSums(t[0], uint64_t(t[2]), t[1], uint64_t(t[3]));
+  if (!scales) {  // the device's order of summing might round a mean otherwise: the CPU's order
+    const torch::Tensor onHost = acc.to(torch::kCPU);
+    scales = compress::oneBitScalesOf({onHost.data_ptr<float>(), size_t(n)});
+  }
+  // The sign bitmap: bit i % 8 of byte i / 8, the last byte's spare bits 0.
+  const int64_t bytes = (n + 7) / 8;
+  torch::Tensor bits = negative.to(torch::kUInt8);
+  if (bytes * 8 > n) bits = torch::constant_pad_nd(bits, {0, bytes * 8 - n}, 0);
+  const torch::Tensor weights = torch::tensor({1, 2, 4, 8, 16, 32, 64, 128}, torch::kUInt8).to(acc.device());
+  const torch::Tensor bitmap = bits.view({bytes, 8}).mul(weights).sum(1, false, torch::kUInt8).to(torch::kCPU);
+  torch::Tensor escapes = torch::empty({0}, torch::kInt64);
+  torch::Tensor escapeValues = torch::empty({0}, torch::kFloat32);
+  if (t[4] > 0) {
+    const torch::Tensor at = finite.logical_not().nonzero().squeeze(1);
+    escapes = at.to(torch::kCPU);
+    escapeValues = acc.index_select(0, at).to(torch::kCPU);
+  }
+  // The residual: acc -+ its sign's scale in float32, 0 where not finite.
+  residual_.copy_(torch::where(finite, torch::where(negative, acc + scales->negative, acc - scales->positive), zero));
+  encoder.encodeOneBit(*scales, {bitmap.data_ptr<uint8_t>(), size_t(bytes)},
+                       {escapes.data_ptr<int64_t>(), size_t(escapes.numel())},
+                       {escapeValues.data_ptr<float>(), size_t(escapeValues.numel())}, message);
 }
 
 // !(|acc| < tau): NaN too.
