@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "rank_threads.h"
 #include "test_util.h"
 
 namespace cohort::autocast_test {
@@ -194,8 +195,61 @@ TEST(MixedPrecision, TheGradScalersStateCarriesItsScaleAndGrowth) {
   EXPECT_EQ(second.skippedSteps(), 1);
   for (const GradScalerState& bad :
        {GradScalerState{0, 0, 0}, GradScalerState{std::nan(""), 0, 0}, GradScalerState{1e39, 0, 0},
-        GradScalerState{4, 3, 0}, GradScalerState{4, 0, -1}}) {
+        GradScalerState{1e-300, 0, 0}, GradScalerState{4, 3, 0}, GradScalerState{4, 0, -1}}) {
     EXPECT_THROW(second.loadState(bad), InvalidArgument) << bad.scale << " " << bad.growthTracker;
+  }
+}
+
+// average's ranks unscale their own gradients, so their scales part (here: rank 1 overflowed
+// three times, rank 0 never): a checkpoint keeps every rank's scaler, and each rank resumes with
+// its own, not the writer's. (2 ranks as threads; the checkpoint's archive through bytes.)
+TEST(MixedPrecision, AverageKeepsEveryRanksLossScalerInTheCheckpoint) {
+  const GradScalerState states[2] = {{65536, 5, 0}, {8192, 1, 3}};
+  std::vector<char> bytes;
+  std::mutex mutex;
+  std::vector<GradScalerState> resumed(2);
+  StrategyOptions options{.scheme = Scheme::kAverage};
+  options.autocast = c10::kHalf;
+  test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const int rank = comm->rank();
+    const Job job = Job::fromCommunicator(comm);
+    {
+      torch::manual_seed(1);
+      torch::nn::Sequential net(torch::nn::Linear(4, 3));
+      torch::optim::SGD optimizer(net->parameters(), 0.1);
+      const std::unique_ptr<Strategy> strategy = makeStrategy(options, job);
+      strategy->attach(net, optimizer);
+      strategy->scaler()->loadState(states[rank]);
+      strategy->prepareCheckpoint();  // a collective: every rank
+      if (rank == 0) {
+        torch::serialize::OutputArchive archive;
+        strategy->saveState(archive);
+        std::lock_guard<std::mutex> lock(mutex);
+        archive.save_to([&](const void* data, size_t size) {
+          bytes.insert(bytes.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
+          return size;
+        });
+      }
+      comm->barrier();
+    }
+    torch::manual_seed(1);
+    torch::nn::Sequential net(torch::nn::Linear(4, 3));
+    torch::optim::SGD optimizer(net->parameters(), 0.1);
+    const std::unique_ptr<Strategy> strategy = makeStrategy(options, job);
+    strategy->attach(net, optimizer);
+    torch::serialize::InputArchive archive;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      archive.load_from(bytes.data(), bytes.size());
+    }
+    strategy->loadState(archive);
+    std::lock_guard<std::mutex> lock(mutex);
+    resumed[size_t(rank)] = strategy->scaler()->state();
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(resumed[size_t(rank)].scale, states[rank].scale) << "rank " << rank;
+    EXPECT_EQ(resumed[size_t(rank)].growthTracker, states[rank].growthTracker) << "rank " << rank;
+    EXPECT_EQ(resumed[size_t(rank)].skippedSteps, states[rank].skippedSteps) << "rank " << rank;
   }
 }
 

@@ -62,7 +62,8 @@ class COHORT_API Autocast {
 // since the last one throws, where it would divide the same gradients again. The parameters stay
 // float32 (autocast computes in float16 for you): a float16 gradient is refused, as Python's is.
 // state() and loadState() carry the scale across a checkpoint (the Trainer saves it with the
-// optimizer), so a resumed run skips and grows at the steps an uninterrupted one would.
+// optimizer; under average, every rank's), so a resumed run skips and grows at the steps an
+// uninterrupted one would.
 struct COHORT_API GradScalerOptions {
   double initScale = 65536.0;
   double growthFactor = 2.0;

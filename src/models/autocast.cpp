@@ -83,8 +83,9 @@ GradScalerState GradScaler::state() const {
 }
 
 void GradScaler::loadState(const GradScalerState& state) {
-  COHORT_CHECK(state.scale > 0 && state.scale <= std::numeric_limits<float>::max() && state.growthTracker >= 0 &&
-                   state.growthTracker < options_.growthInterval && state.skippedSteps >= 0,
+  // In float32, where it lives: a normal number whose reciprocal is finite.
+  COHORT_CHECK(state.scale >= std::numeric_limits<float>::min() && state.scale <= std::numeric_limits<float>::max() &&
+                   state.growthTracker >= 0 && state.growthTracker < options_.growthInterval && state.skippedSteps >= 0,
                InvalidArgument, "cohort::GradScaler::loadState: scale ", state.scale, ", growth tracker ",
                state.growthTracker, " (interval ", options_.growthInterval, "), skipped steps ", state.skippedSteps,
                ": not a scaler's state");

@@ -15,6 +15,9 @@ DeviceSelect::DeviceSelect(compress::CodecSpec spec, int64_t length, c10::Device
                InvalidArgument, "--codec ", spec_.text(),
                ": only topk, threshold and onebit have a pass on the device");
   residual_ = torch::zeros({length}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
+  if (spec_.kind == CodecKind::OneBit) {
+    bitWeights_ = torch::tensor({1, 2, 4, 8, 16, 32, 64, 128}, torch::kUInt8).to(device);
+  }
 }
 
 void DeviceSelect::encode(const torch::Tensor& flat, compress::Encoder& encoder, std::vector<uint8_t>& message) {
@@ -72,8 +75,7 @@ void DeviceSelect::encodeOneBit(const torch::Tensor& flat, compress::Encoder& en
   const int64_t bytes = (n + 7) / 8;
   torch::Tensor bits = negative.to(torch::kUInt8);
   if (bytes * 8 > n) bits = torch::constant_pad_nd(bits, {0, bytes * 8 - n}, 0);
-  const torch::Tensor weights = torch::tensor({1, 2, 4, 8, 16, 32, 64, 128}, torch::kUInt8).to(acc.device());
-  const torch::Tensor bitmap = bits.view({bytes, 8}).mul(weights).sum(1, false, torch::kUInt8).to(torch::kCPU);
+  const torch::Tensor bitmap = bits.view({bytes, 8}).mul(bitWeights_).sum(1, false, torch::kUInt8).to(torch::kCPU);
   torch::Tensor escapes = torch::empty({0}, torch::kInt64);
   torch::Tensor escapeValues = torch::empty({0}, torch::kFloat32);
   if (t[4] > 0) {
@@ -81,8 +83,11 @@ void DeviceSelect::encodeOneBit(const torch::Tensor& flat, compress::Encoder& en
     escapes = at.to(torch::kCPU);
     escapeValues = acc.index_select(0, at).to(torch::kCPU);
   }
-  // The residual: acc -+ its sign's scale in float32, 0 where not finite.
-  residual_.copy_(torch::where(finite, torch::where(negative, acc + scales->negative, acc - scales->positive), zero));
+  // The residual, in place: acc - scale or acc - (-scale) (which IEEE defines as acc + scale) in
+  // float32, 0 where not finite.
+  residual_.sub_(torch::where(negative, torch::full({}, -scales->negative, acc.options()),
+                              torch::full({}, scales->positive, acc.options())));
+  residual_.masked_fill_(finite.logical_not(), 0.0f);
   encoder.encodeOneBit(*scales, {bitmap.data_ptr<uint8_t>(), size_t(bytes)},
                        {escapes.data_ptr<int64_t>(), size_t(escapes.numel())},
                        {escapeValues.data_ptr<float>(), size_t(escapeValues.numel())}, message);

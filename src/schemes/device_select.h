@@ -12,6 +12,10 @@
 //              the rare call where the device's order of summing could round a mean otherwise,
 //              acc crosses and the CPU's order decides), the residual acc -+ scale (0 where not
 //              finite); the sign bitmap (one bit an entry) and the non-finite entries cross
+// On CUDA, arithmetic on a NaN gives the canonical NaN (0x7fffffff) where the CPU keeps the
+// operand's payload, so a message whose entry is a NaN of another payload (a planted one: a
+// kernel's NaN is canonical already) carries CUDA's where the CPU's carries its own; only the NaN's
+// bits differ. The double sums make a float64 copy of the bucket for the moment of summing.
 // Torch operations only, so the same code runs on CPU tensors (tests/device_select_test.cpp checks
 // it against the CPU encoder there). Synchronizes the current stream (the counts, nonzero, the
 // copies to the host): run it on a thread that may wait, not the training thread.
@@ -56,6 +60,7 @@ class DeviceSelect {
 
   compress::CodecSpec spec_;
   torch::Tensor residual_;
+  torch::Tensor bitWeights_;  // onebit: 1, 2, 4 ... 128 on the device, the bitmap's packing
 };
 
 }  // namespace cohort

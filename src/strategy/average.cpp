@@ -55,7 +55,9 @@ void AverageStrategy::saveState(torch::serialize::OutputArchive& archive) {
   if (torch::Tensor momentum = averaging_->outerMomentum(); momentum.defined()) archive.write("outer_momentum", momentum);
   archive.write("average_steps", torch::tensor(averaging_->codecState().steps, torch::kInt64));
   if (!residuals_.empty()) archive.write("codec_residuals", torch::stack(residuals_));
+  if (!scalers_.empty()) archive.write("grad_scalers", torch::stack(scalers_));
   residuals_.clear();
+  scalers_.clear();
 }
 
 void AverageStrategy::prepareCheckpoint() {
@@ -64,10 +66,22 @@ void AverageStrategy::prepareCheckpoint() {
   if (torch::Tensor residual = averaging_->codecState().residual; residual.defined()) {
     residuals_ = comm_->allgather(residual);
   }
+  if (const GradScaler* scaler = this->scaler()) scalers_ = comm_->allgather(scalerStateTensor(*scaler));
 }
 
 void AverageStrategy::loadState(torch::serialize::InputArchive& archive) {
   COHORT_CHECK(averaging_ != nullptr, Error, "AverageStrategy::loadState before attach");
+  // This rank's own loss scaler, over the writer's that the Trainer restored.
+  if (torch::Tensor scalers; scaler() != nullptr && archive.try_read("grad_scalers", scalers)) {
+    if (scalers.dim() == 2 && scalers.size(0) == comm_->worldSize()) {
+      scaler()->loadState(scalerStateFromTensor(scalers[comm_->rank()], "the checkpoint's grad_scalers"));
+    } else {
+      std::fprintf(stderr,
+                   "cohort: warning: the checkpoint's loss scalers are of %lld ranks, this job has %d; every "
+                   "rank resumes with the writer's\n",
+                   scalers.dim() == 2 ? (long long)scalers.size(0) : -1LL, comm_->worldSize());
+    }
+  }
   torch::Tensor momentum;
   if (archive.try_read("outer_momentum", momentum)) {
     averaging_->setOuterMomentum(momentum);

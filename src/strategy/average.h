@@ -27,7 +27,8 @@ class AverageStrategy final : public Strategy {
   // The outer optimizer's momentum ("outer_momentum"), when there is one; the steps taken
   // ("average_steps", which decide when --codec-warmup-steps ends) and the codec's residual
   // ("codec_residuals", every rank's error feedback, gathered by prepareCheckpoint()), when the
-  // codec keeps one.
+  // codec keeps one; under --autocast fp16, every rank's loss scaler ("grad_scalers": each rank
+  // unscales its own gradients, so their scales part), gathered alike.
   void prepareCheckpoint() override;
   void saveState(torch::serialize::OutputArchive& archive) override;
   void loadState(torch::serialize::InputArchive& archive) override;
@@ -39,6 +40,7 @@ class AverageStrategy final : public Strategy {
   torch::optim::Optimizer* optimizer_ = nullptr;
   std::unique_ptr<ParameterAveraging> averaging_;
   std::vector<torch::Tensor> residuals_;  // every rank's codec residual, from prepareCheckpoint()
+  std::vector<torch::Tensor> scalers_;    // every rank's scalerStateTensor, from prepareCheckpoint()
 };
 
 }  // namespace cohort

@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
+#include <string>
 
 namespace cohort {
 
@@ -14,6 +16,23 @@ torch::Tensor forwardLoss(torch::nn::SequentialImpl& model, const torch::Tensor&
   if (!autocast) return loss(model.forward(inputs), targets);
   Autocast scope(inputs.device().type(), *autocast);
   return loss(model.forward(inputs), targets);
+}
+
+torch::Tensor scalerStateTensor(const GradScaler& scaler) {
+  const GradScalerState state = scaler.state();
+  return torch::tensor({state.scale, double(state.growthTracker), double(state.skippedSteps)}, torch::kFloat64);
+}
+
+GradScalerState scalerStateFromTensor(const torch::Tensor& saved, const std::string& where) {
+  COHORT_CHECK(saved.dim() == 1 && saved.numel() == 3, IoError, where, ": the loss scaler's state is ", saved.sizes(),
+               ", not [3]");
+  const torch::Tensor v = saved.to(torch::kCPU, torch::kFloat64).contiguous();
+  const double* at = v.data_ptr<double>();
+  for (int i = 1; i < 3; ++i) {
+    COHORT_CHECK(at[i] >= 0 && at[i] <= 0x1p53 && at[i] == std::floor(at[i]), IoError, where,
+                 ": the loss scaler's count ", at[i], " is not a count");
+  }
+  return {at[0], int64_t(at[1]), int64_t(at[2])};
 }
 
 void scaledBackward(const torch::Tensor& loss, GradScaler* scaler) {

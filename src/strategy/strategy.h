@@ -181,6 +181,12 @@ class Strategy {
   std::unique_ptr<GradScaler> scaler_;
 };
 
+// --autocast fp16's loss scaler in a checkpoint: [scale, good steps in a row, skipped steps] as
+// float64 on the CPU; and back, throwing IoError that names `where` for a tensor that is no
+// scaler's state.
+torch::Tensor scalerStateTensor(const GradScaler& scaler);
+GradScalerState scalerStateFromTensor(const torch::Tensor& saved, const std::string& where);
+
 // backward() of `loss`; with a scaler (--autocast fp16), of the scaled loss.
 void scaledBackward(const torch::Tensor& loss, GradScaler* scaler);
 // The optimizer's step; with a scaler, only when the unscaled gradients are all finite (else the

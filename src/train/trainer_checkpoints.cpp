@@ -35,12 +35,10 @@ std::vector<uint8_t> Trainer::State::serialize() {
   optimizer->save(optimizerArchive);
   archive.write("optimizer", optimizerArchive);
   if (const GradScaler* scaler = strategy->scaler()) {
-    // float16's loss scale goes with the optimizer: every rank's is the writer's (allreduce's
-    // ranks unscale the same gradients; average's and gossip's resume from its state, as from its
-    // optimizer's).
-    const GradScalerState state = scaler->state();
-    archive.write("grad_scaler", torch::tensor({state.scale, double(state.growthTracker), double(state.skippedSteps)},
-                                               torch::kFloat64));
+    // float16's loss scale goes with the optimizer, the writer's for every rank: allreduce's ranks
+    // unscale the same gradients, gossip's resume from the writer's model. (average, whose ranks
+    // unscale their own, saves every rank's in its own state.)
+    archive.write("grad_scaler", scalerStateTensor(*scaler));
   }
   torch::serialize::OutputArchive strategyArchive;
   strategy->saveState(strategyArchive);
@@ -91,15 +89,7 @@ void Trainer::State::restore(const LoadedCheckpoint& ckpt) {
     optimizer->load(optimizerArchive);
     // Absent from a checkpoint written without --autocast fp16: the scaler starts as a new run's.
     if (torch::Tensor saved; strategy->scaler() != nullptr && archive.try_read("grad_scaler", saved)) {
-      COHORT_CHECK(saved.dim() == 1 && saved.numel() == 3, IoError, path, ": the loss scaler's state is ",
-                   saved.sizes(), ", not [3]");
-      const auto v = saved.to(torch::kCPU, torch::kFloat64).contiguous();
-      const double* at = v.data_ptr<double>();
-      for (int i = 1; i < 3; ++i) {
-        COHORT_CHECK(at[i] >= 0 && at[i] <= 0x1p53, IoError, path, ": the loss scaler's count ", at[i],
-                     " is not a count");
-      }
-      strategy->scaler()->loadState({at[0], int64_t(at[1]), int64_t(at[2])});
+      strategy->scaler()->loadState(scalerStateFromTensor(saved, path));
     }
     // Given to the strategy after attach() (which makes its state); absent in older checkpoints.
     strategyState.emplace();
