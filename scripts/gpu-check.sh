@@ -50,6 +50,7 @@ export COHORT_FASHION_MNIST_DIR="$bundle/data/fashion-mnist"
   "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())'
   nproc
   echo "libraries not found: $(LD_LIBRARY_PATH="$libs" ldd "$bundle/bin/cohort" "$bundle/bin/gpu_tests" | grep -c 'not found')"
+  "$wrapper" --version 2>&1
   echo '```'
 } > "$report"
 

@@ -19,6 +19,24 @@ void expectOneLineError(const std::string& args, const std::string& needle, int 
 
 // --backend nccl carries CUDA tensors only: a model on the CPU is refused, naming the fix (the same
 // line on a machine with a GPU, since --device cpu says where the model is).
+// --version says what this build and machine give cohort: the LibTorch (2.11 or later), whether
+// it has CUDA and sees a GPU, NCCL, the codecs' kernels. This machine's answers where they are
+// known here: no GPU is visible (tests labelled gpu run elsewhere).
+TEST(Cli, VersionNamesTheLibTorchTheDevicesAndNccl) {
+  auto r = test::runCommand(test::cohortBinary() + " --version", 60);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(r.output.rfind("cohort 0.", 0), 0u) << r.output;
+  EXPECT_NE(r.output.find("LibTorch 2."), std::string::npos) << r.output;
+  EXPECT_TRUE(r.output.find("built for CUDA ") != std::string::npos ||
+              r.output.find("for the CPU only") != std::string::npos)
+      << r.output;
+  if (r.output.find("built for CUDA ") != std::string::npos) {
+    EXPECT_NE(r.output.find("no CUDA device visible"), std::string::npos) << "a GPU on a CI machine?\n" << r.output;
+  }
+  EXPECT_NE(r.output.find("\nNCCL: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("\ncodec kernels: "), std::string::npos) << r.output;
+}
+
 TEST(Cli, BackendNcclWithAModelOnTheCpuIsRefused) {
   expectOneLineError("train --strategy allreduce --backend nccl --device cpu --model mlp --data synthetic:200 "
                      "--steps 2 --progress off",

@@ -26,6 +26,10 @@ Run addQuantizeCommand(CLI::App& app);
 Run addCompareCommand(CLI::App& app);
 Run addSweepCommand(CLI::App& app);
 
+// `cohort --version`: cohort's version, then what this build and this machine give it: the
+// LibTorch and its CUDA and cuDNN, the CUDA devices the process sees, NCCL, the codecs' kernels.
+std::string versionText();
+
 // The parameter servers' shared secret: the token, else the file's contents, else
 // $COHORT_AUTH_TOKEN (which `cohort launch --ps` sets), else none.
 std::string resolveAuthToken(const std::string& token, const std::string& file);

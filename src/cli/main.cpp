@@ -60,7 +60,9 @@ std::vector<std::string> expandConfig(const CLI::App& app, std::vector<std::stri
 int main(int argc, char** argv) {
   CLI::App app{"cohort: distributed training of neural networks on libtorch"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", "cohort 0.1.0");
+  app.set_version_flag(
+      "--version", [] { return cohort::cli::versionText(); },
+      "Print cohort's version, its LibTorch (CUDA, cuDNN), the CUDA devices it sees, NCCL, and exit");
   cohort::cli::Run train = cohort::cli::addTrainCommand(app);
   cohort::cli::Run launch = cohort::cli::addLaunchCommand(app);
   cohort::cli::Run ps = cohort::cli::addPsCommand(app);
