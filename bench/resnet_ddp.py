@@ -62,8 +62,9 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (every rank on cuda:0)")
-    p.add_argument("--autocast", default="off", choices=["off", "bf16"],
-                   help="bf16: the forward pass and the loss under torch.autocast (the example's --autocast)")
+    p.add_argument("--autocast", default="off", choices=["off", "bf16", "fp16"],
+                   help="bf16 or fp16 (with torch.amp.GradScaler): the forward pass and the loss under "
+                        "torch.autocast (the example's --autocast)")
     args = p.parse_args()
     torch.set_num_threads(1)
     # Under a launcher: DDP (gloo); alone: the plain loop, as the C++ example's single process.
@@ -77,6 +78,8 @@ def main():
     if launched:
         model = DDP(model, device_ids=None if args.device == "cpu" else [next(model.parameters()).device])
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast)
+    scaler = torch.amp.GradScaler(torch.device(args.device).type) if args.autocast == "fp16" else None
     perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1))
     mine = perm[rank::world][: len(labels) // world]
     timed, samples = 0.0, 0
@@ -90,10 +93,15 @@ def main():
             x = x.pin_memory().to(args.device, non_blocking=True)
             y = y.pin_memory().to(args.device, non_blocking=True)
         opt.zero_grad()
-        with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+        with torch.autocast(torch.device(args.device).type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         loss.item()
         if step >= 5:
             timed += time.perf_counter() - start

@@ -38,6 +38,8 @@ accuracy=$(grep -o "test accuracy [0-9.]*" "$work/out.log" | awk '{print $3}')
 awk -v a="$accuracy" 'BEGIN { exit !(a > 0.3) }' || { echo "FAIL: test accuracy $accuracy after 40 steps" >&2; exit 1; }
 # cohort::Autocast from the installed headers, in the user's loop under DataParallel.
 run "$cohort" launch -n 2 -- "$work/example/resnet_ddp" --steps 20 --batch 32 --autocast bf16
+# float16 with cohort::GradScaler in the user's loop (emulated on a CPU, so a few steps).
+run "$cohort" launch -n 2 -- "$work/example/resnet_ddp" --steps 4 --batch 16 --autocast fp16
 run "$cohort" launch -n 2 -- "$work/example/resnet_schemes" --scheme average --period 4 --steps 20 --batch 32
 run "$cohort" launch -n 2 --ps 1 -- "$work/example/resnet_schemes" --scheme ps --steps 20 --batch 32
 echo "library example: all passed"

@@ -3,7 +3,10 @@
 // Sequential: nothing in it knows about cohort.
 #pragma once
 
+#include <cohort/autocast.h>
 #include <torch/torch.h>
+
+#include <optional>
 
 struct ResidualBlockImpl : torch::nn::Module {
   ResidualBlockImpl(int64_t in, int64_t out, int64_t stride)
@@ -69,7 +72,9 @@ struct Args {
   int64_t epochs = 1, steps = 0, batch = 64;
   double lr = 0.05;
   std::string codec = "none", scheme = "average";
-  bool autocast = false;  // --autocast bf16: the forward pass under cohort::Autocast
+  // --autocast bf16|fp16: the forward pass under cohort::Autocast in that dtype (fp16 with a
+  // cohort::GradScaler); off: float32.
+  std::optional<c10::ScalarType> autocast;
   int64_t period = 4;
   Args(int argc, char** argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -81,8 +86,8 @@ struct Args {
       else if (k == "--codec") codec = v;
       else if (k == "--scheme") scheme = v;
       else if (k == "--period") period = std::stoll(v);
-      else if (k == "--autocast" && (v == "bf16" || v == "off"))
-        autocast = v == "bf16";
+      else if (k == "--autocast")
+        autocast = cohort::parseAutocast(v);
       else throw std::invalid_argument("unknown flag " + k);
     }
   }

@@ -24,6 +24,10 @@ int main(int argc, char** argv) try {
   cohort::DataParallel dp(job, *net, {.codec = args.codec});                  // [cohort]
   cohort::DistributedSampler sampler(data.train.size(), job, /*seed=*/1);     // [cohort]
 
+  // --autocast fp16: float16's small gradients underflow without loss scaling.
+  std::optional<cohort::GradScaler> scaler;
+  if (args.autocast == torch::kHalf) scaler.emplace();
+
   int64_t step = 0;
   double trainSeconds = 0;
   for (int64_t epoch = 0; epoch < args.epochs; ++epoch) {
@@ -39,13 +43,20 @@ int main(int argc, char** argv) try {
       optimizer.zero_grad();
       torch::Tensor loss;
       {
-        // --autocast bf16: convolutions and linear layers in bfloat16, backward after the scope.
+        // --autocast: convolutions and linear layers in 16 bits, backward after the scope.
         std::optional<cohort::Autocast> mixed;
-        if (args.autocast) mixed.emplace(device.type());
+        if (args.autocast) mixed.emplace(device.type(), *args.autocast);
         loss = torch::nn::functional::cross_entropy(net->forward(inputs), targets);
       }
-      loss.backward();
-      optimizer.step();
+      if (scaler) {
+        // DataParallel averages the scaled gradients; every rank unscales the same averages and so
+        // skips the same steps.
+        scaler->scale(loss).backward();
+        if (scaler->unscale(net->parameters())) optimizer.step();
+      } else {
+        loss.backward();
+        optimizer.step();
+      }
       // Reading the loss waits for the step's kernels: on a GPU, the time below is the step's, not
       // the host's time to queue it.
       const double value = loss.item<double>();
