@@ -95,8 +95,19 @@ TEST(MixedPrecision, Float16IsRefusedWhereTheOptimizerIsNotTheSchemesOwn) {
   options.scheme = Scheme::kAllreduce;
   options.codec = "topk:0.1";  // its residual would hold scaled gradients
   EXPECT_THROW(checkAutocastOptions(options), InvalidArgument);
+  options.codec = "fp16";  // the scaled gradients would saturate float16 on the wire, unseen by the scaler
+  try {
+    checkAutocastOptions(options);
+    ADD_FAILURE() << "--autocast fp16 took --codec fp16 under allreduce";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("--codec bf16"), std::string::npos) << e.what();
+  }
+  options.codec = "bf16";
+  EXPECT_NO_THROW(checkAutocastOptions(options));
+  options.scheme = Scheme::kAverage;  // average's codec carries parameter changes, not scaled gradients
   options.codec = "fp16";
   EXPECT_NO_THROW(checkAutocastOptions(options));
+  options.scheme = Scheme::kAllreduce;
   options.codec = "none";
   for (Scheme refused :
        {Scheme::kPs, Scheme::kMirrored, Scheme::kCentral, Scheme::kHogwild, Scheme::kPipeline, Scheme::kTensor}) {

@@ -54,11 +54,18 @@ void checkAutocastOptions(const StrategyOptions& options) {
                schemeName(s), " does not: use --autocast bf16 (no scaling needed)");
   // allreduce's topk, threshold and onebit carry a residual of scaled gradients from step to step,
   // which a change of scale (or a skipped step) would mis-weigh or drop.
-  COHORT_CHECK(s != Scheme::kAllreduce || !compress::CodecSpec::parse(options.codec).errorFeedback(), InvalidArgument,
-               "--autocast fp16 with --codec ", options.codec,
-               " under allreduce: the codec's residual holds loss-"
-               "scaled gradients, which the changing scale would mis-weigh; use --autocast bf16, or fp16 or bf16 "
-               "as the codec");
+  const compress::CodecSpec codec = compress::CodecSpec::parse(options.codec);
+  COHORT_CHECK(s != Scheme::kAllreduce || !codec.errorFeedback(), InvalidArgument, "--autocast fp16 with --codec ",
+               options.codec,
+               " under allreduce: the codec's residual holds loss-scaled gradients, which the changing scale would "
+               "mis-weigh; use --autocast bf16, or bf16 as the codec");
+  // The fp16 codec carries the loss-scaled gradients in float16, whose range the scale is chosen to
+  // fill: a float32 gradient (a norm's, the loss's) beyond it saturates on the CPU, so the scaler
+  // never sees the overflow it must back off from. bf16 has float32's range.
+  COHORT_CHECK(s != Scheme::kAllreduce || codec.kind != compress::CodecKind::Fp16, InvalidArgument,
+               "--autocast fp16 with --codec fp16 under allreduce: the loss-scaled gradients would overflow float16 "
+               "on the wire unseen by the loss scaler; use --codec bf16 (float32's range, the same bytes), or "
+               "--autocast bf16");
 }
 
 namespace {
