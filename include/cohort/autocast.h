@@ -92,7 +92,9 @@ class COHORT_API GradScaler {
   int64_t skippedSteps() const { return skipped_; }
 
   GradScalerState state() const;
-  // Throws InvalidArgument for a scale that is not positive and finite or a negative count.
+  // Throws InvalidArgument for a scale that is not a normal float32 (positive, finite, not so
+  // small that its reciprocal overflows), a growth tracker outside [0, growthInterval), or a
+  // negative count.
   void loadState(const GradScalerState& state);
 
  private:

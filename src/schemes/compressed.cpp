@@ -76,9 +76,8 @@ CompressedSum::CompressedSum(std::shared_ptr<Communicator> comm, compress::Codec
                              c10::Device device, SelectOn select)
     : comm_(std::move(comm)), spec_(spec), device_(device) {
   const bool staged = !device_.is_cpu() && spec_.kind != CodecKind::None;
-  const bool selectsOnDevice =
-      staged && select == SelectOn::Device &&
-      (spec_.kind == CodecKind::TopK || spec_.kind == CodecKind::Threshold || spec_.kind == CodecKind::OneBit);
+  // Every sparse codec (topk, threshold, onebit) has a pass on the device (DeviceSelect).
+  const bool selectsOnDevice = staged && select == SelectOn::Device && !spec_.dense();
   if (staged) {
     stream_ = c10::impl::VirtualGuardImpl(device_.type()).getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
   }

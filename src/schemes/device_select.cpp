@@ -11,9 +11,8 @@ namespace cohort {
 using compress::CodecKind;
 
 DeviceSelect::DeviceSelect(compress::CodecSpec spec, int64_t length, c10::Device device) : spec_(spec) {
-  COHORT_CHECK(spec_.kind == CodecKind::TopK || spec_.kind == CodecKind::Threshold || spec_.kind == CodecKind::OneBit,
-               InvalidArgument, "--codec ", spec_.text(),
-               ": only topk, threshold and onebit have a pass on the device");
+  COHORT_CHECK(!spec_.dense(), InvalidArgument, "--codec ", spec_.text(),
+               ": only the sparse codecs (topk, threshold, onebit) have a pass on the device");
   residual_ = torch::zeros({length}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
   if (spec_.kind == CodecKind::OneBit) {
     bitWeights_ = torch::tensor({1, 2, 4, 8, 16, 32, 64, 128}, torch::kUInt8).to(device);
