@@ -111,6 +111,9 @@ double secondsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
+// The sparse codecs compared, on a GPU and in the CPU check alike.
+constexpr const char* kSparseCodecs[] = {"topk:0.01", "threshold:0.002", "onebit"};
+
 // A sparse codec's encode of `bucket` on the host and on the device (above); one JSON line.
 void compareSparse(const Options& o, const c10::Device& device, const torch::Tensor& bucket, const std::string& codec) {
   using namespace cohort;
@@ -154,8 +157,7 @@ int main(int argc, char** argv) {
   const Options o = parseArgs(argc, argv);
   if (o.device == "cpu") {  // the sparse comparison alone, as a check of this program where there is no GPU
     const torch::Tensor bucket = torch::randn({int64_t(o.mb * 1024 * 1024) / int64_t(sizeof(float))}) * 1e-3;
-    for (const char* codec : {"topk:0.01", "threshold:0.002", "onebit"})
-      compareSparse(o, c10::Device(c10::kCPU), bucket, codec);
+    for (const char* codec : kSparseCodecs) compareSparse(o, c10::Device(c10::kCPU), bucket, codec);
     return 0;
   }
   if (!torch::cuda::is_available()) {
@@ -186,7 +188,7 @@ int main(int argc, char** argv) {
     std::printf("{\"bench\": \"gpu_codec\", \"what\": \"ratio\", \"device\": \"%s\", \"mb\": %g, "
                 "\"encode_over_copy\": %.3f, \"reps\": %d}\n",
                 name, o.mb, d2d / encode, o.reps);
-    for (const char* codec : {"topk:0.01", "threshold:0.002", "onebit"}) compareSparse(o, device, bucket, codec);
+    for (const char* codec : kSparseCodecs) compareSparse(o, device, bucket, codec);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpu_codec: %s\n", e.what());
     return 1;
