@@ -135,6 +135,29 @@ TEST(DeviceSelect, OneBitsMeansUndecidedBySumsComeFromTheCpusOrder) {
   EXPECT_EQ(firstBitDifference(device.residual(), cpu.residual()), "");
 }
 
+// onebit's magnitudes are summed kSumChunk entries at a time: a bucket of more than two chunks
+// (the last one short) still gives the CPU's message and residual. In round 0 the sums decide the
+// means (exact sums of 0.5, -0.25 and -3, the last chunk's -3s moving the negative mean), so the
+// chunks' sums make the message; round 1's planted input may leave them to the CPU's order.
+TEST(DeviceSelect, OneBitsSumsOverSeveralChunksGiveTheCpusMessage) {
+  const int64_t n = 2 * DeviceSelect::kSumChunk + 5;
+  const auto spec = compress::CodecSpec::parse("onebit");
+  compress::Encoder cpu(spec, size_t(n)), host(spec, size_t(n));
+  DeviceSelect device(spec, n, c10::Device(c10::kCPU));
+  std::vector<uint8_t> expected, got;
+  for (int round = 0; round < 2; ++round) {
+    torch::Tensor input = plantedInput(n, round, 0.01f);
+    if (round == 0) {
+      input = torch::where(torch::arange(n).remainder(3).eq(0), -0.25f, 0.5f).to(torch::kFloat32);
+      input.narrow(0, n - 5, 5).fill_(-3.0f);
+    }
+    cpu.encode({input.data_ptr<float>(), size_t(n)}, expected);
+    device.encode(input, host, got);
+    EXPECT_TRUE(got == expected) << "round " << round;
+    EXPECT_EQ(firstBitDifference(device.residual(), cpu.residual()), "") << "round " << round;
+  }
+}
+
 // COHORT_SPARSE_SELECT chooses where DataParallel's topk, threshold and onebit passes run on a GPU.
 TEST(DeviceSelect, TheEnvironmentChoosesHostOrDevice) {
   const char* before = std::getenv("COHORT_SPARSE_SELECT");

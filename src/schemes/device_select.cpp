@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <optional>
 
 namespace cohort {
@@ -56,12 +57,21 @@ void DeviceSelect::encodeOneBit(const torch::Tensor& flat, compress::Encoder& en
   const torch::Tensor negative = acc.lt(0.0f).logical_and(finite);
   const torch::Tensor positive = finite.logical_and(negative.logical_not());
   // |acc| per sign summed in double (abs: a -0.0 adds +0.0, as on the CPU), the counts, and the
-  // non-finite entries' count: one copy to the host.
-  const torch::Tensor magnitude = acc.abs();
+  // non-finite entries' count: one copy to the host. A float64 sum of a float32 tensor reads a
+  // float64 copy of it, so the magnitudes are summed kSumChunk at a time (32 MB of float64, where a
+  // 25M-float bucket at once would take 200 MB); a sum of chunk sums in double is one more order
+  // of summing, which oneBitScalesFromSums allows for.
+  torch::Tensor magnitudeSums = torch::zeros({2}, acc.options().dtype(torch::kFloat64));
+  for (int64_t from = 0; from < n; from += kSumChunk) {
+    const int64_t length = std::min(kSumChunk, n - from);
+    const torch::Tensor magnitude = acc.narrow(0, from, length).abs();
+    magnitudeSums.add_(
+        torch::stack({torch::where(positive.narrow(0, from, length), magnitude, zero).sum(torch::kFloat64),
+                      torch::where(negative.narrow(0, from, length), magnitude, zero).sum(torch::kFloat64)}));
+  }
   const torch::Tensor totals =
-      torch::stack({torch::where(positive, magnitude, zero).sum(torch::kFloat64),
-                    torch::where(negative, magnitude, zero).sum(torch::kFloat64), positive.sum().to(torch::kFloat64),
-                    negative.sum().to(torch::kFloat64), finite.logical_not().sum().to(torch::kFloat64)})
+      torch::cat({magnitudeSums,
+                  torch::stack({positive.sum(), negative.sum(), finite.logical_not().sum()}).to(torch::kFloat64)})
           .to(torch::kCPU);
   const double* t = totals.data_ptr<double>();
   std::optional<compress::OneBitScales> scales =

@@ -15,7 +15,7 @@
 // On CUDA, arithmetic on a NaN gives the canonical NaN (0x7fffffff) where the CPU keeps the
 // operand's payload, so a message whose entry is a NaN of another payload (a planted one: a
 // kernel's NaN is canonical already) carries CUDA's where the CPU's carries its own; only the NaN's
-// bits differ. The double sums make a float64 copy of the bucket for the moment of summing.
+// bits differ. The double sums read float64 copies of kSumChunk entries at a time.
 // Torch operations only, so the same code runs on CPU tensors (tests/device_select_test.cpp checks
 // it against the CPU encoder there). Synchronizes the current stream (the counts, nonzero, the
 // copies to the host): run it on a thread that may wait, not the training thread.
@@ -33,6 +33,9 @@ namespace cohort {
 
 class DeviceSelect {
  public:
+  // onebit sums the magnitudes in double this many entries at a time (the float64 copy a sum reads).
+  static constexpr int64_t kSumChunk = int64_t(1) << 22;
+
   // Throws InvalidArgument for a codec other than topk, threshold and onebit.
   DeviceSelect(compress::CodecSpec spec, int64_t length, c10::Device device);
 
