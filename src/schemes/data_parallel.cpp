@@ -278,7 +278,7 @@ struct COHORT_LOCAL DataParallel::Impl {
     grad = slot;
     bucket.filled[i] = true;
     --bucket.pending;
-    if (options.overlap) guard([&] { launchReady(/*inBackward=*/true); });
+    if (options.overlap) guard([&] { launchReady(/*duringBackward=*/true); });
   }
 
   // Every codec's exchange is asynchronous (none: Gloo's allreduce; the others on CompressedSum's
