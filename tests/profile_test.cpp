@@ -101,6 +101,14 @@ TEST(Profile, BadWindowsAndPathsAreNamed) {
   EXPECT_NE(noDir.exitCode, 0) << noDir.output;
   EXPECT_NE(noDir.output.find("does not exist; create it first"), std::string::npos) << noDir.output;
 
+  // A directory: Kineto would write DIR.tmp beside it and fail to rename it, logging only.
+  auto aDirectory = test::runCommand(test::cohortBinary() + kRun + " --steps 4 --profile " + dir.path());
+  EXPECT_EQ(aDirectory.exitCode, 2) << aDirectory.output;
+  EXPECT_NE(aDirectory.output.find("--profile " + dir.path() + ": is a directory; name the trace file to write in it"),
+            std::string::npos)
+      << aDirectory.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + ".tmp"));
+
   auto tooShort = test::runCommand(test::cohortBinary() + kRun + " --steps 4 --progress off --profile " +
                                    dir.file("t.json") + " --profile-steps 6:10");
   EXPECT_EQ(tooShort.exitCode, 0) << tooShort.output;

@@ -113,6 +113,10 @@ StepProfiler::StepProfiler(ProfileOptions options, c10::Device device, int rank,
   std::error_code error;
   COHORT_CHECK(dir.empty() || std::filesystem::is_directory(dir, error), IoError, "--profile ", path_,
                ": the directory ", dir.string(), " does not exist; create it first");
+  // Kineto writes FILE.tmp and renames it to FILE, and only logs a rename that fails.
+  COHORT_CHECK(!path_.ends_with('/') && !std::filesystem::is_directory(path_, error), InvalidArgument, "--profile ",
+               path_, ": is a directory; name the trace file to write in it (for example ",
+               (std::filesystem::path(path_) / "trace.json").lexically_normal().string(), ")");
 }
 
 StepProfiler::~StepProfiler() {
@@ -158,12 +162,21 @@ std::optional<ProfileSummary> StepProfiler::stop() {
   running_ = false;
   std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
   COHORT_CHECK(result != nullptr, Error, "--profile: the profiler returned no result");
+  // Kineto logs a trace it could not write (FILE.tmp not renamed: a directory not writable, a full
+  // disk) and returns: an earlier run's trace is removed first, so that what is there after the
+  // save is this window's.
+  std::error_code error;
+  std::filesystem::remove(path_, error);
   try {
     result->save(path_);
   } catch (const std::exception& e) {
     throw IoError("--profile: writing the trace " + path_ + " failed: " + e.what());
   }
-  COHORT_CHECK(std::filesystem::exists(path_), IoError, "--profile: the trace ", path_, " was not written");
+  if (!std::filesystem::is_regular_file(path_, error)) {
+    std::filesystem::remove(path_ + ".tmp", error);
+    throw IoError("--profile: the profiler could not write the trace " + path_ +
+                  " (its reason is logged above): check that its directory is writable and has room");
+  }
 
   std::map<std::pair<int, std::string>, LaneEvents> lanes;  // (0 GPU / 1 CPU, name)
   for (const profiler::KinetoEvent& e : result->events()) {
