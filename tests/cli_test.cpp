@@ -174,6 +174,26 @@ TEST(Cli, ConfigValueOfTenMegabytesNamesTheFileAndEchoesAPrefix) {
       << r.output.substr(0, 300);
 }
 
+// A directory would open as an empty config; a second --config, or an empty one, would be read
+// by nobody: each is refused in one line.
+TEST(Cli, ConfigThatIsADirectoryTwiceOrEmptyIsRefused) {
+  test::TempDir dir;
+  test::writeFile(dir.file("a.toml"), "steps = 1\n");
+  test::writeFile(dir.file("b.toml"), "steps = 2\n");
+  expectOneLineError("train --config " + dir.path(), dir.path() + ": is a directory, not a config file", 2);
+  expectOneLineError("train --config " + dir.file("a.toml") + " --config=" + dir.file("b.toml"),
+                     "--config is given twice (" + dir.file("a.toml") + " and " + dir.file("b.toml") + ")", 2);
+  expectOneLineError("train --config=", "--config needs a file", 2);
+}
+
+// A directory where a file is expected is said before training, in one line.
+TEST(Cli, ADirectoryWhereAFileGoesIsNamed) {
+  test::TempDir dir;
+  expectOneLineError(kQuickRun + "--save-model " + dir.path(), "--save-model " + dir.path() + ": is a directory", 2);
+  expectOneLineError(kQuickRun + "--model " + dir.path(), dir.path() + ": is a directory, not a TorchScript file");
+  expectOneLineError("train --steps 1 --data libsvm:" + dir.path(), dir.path() + ": is a directory, not a data file");
+}
+
 TEST(Cli, HelpListsTheTrainOptions) {
   auto r = test::runCommand(test::cohortBinary() + " train --help");
   EXPECT_EQ(r.exitCode, 0);

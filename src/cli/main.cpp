@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 namespace {
@@ -35,22 +36,28 @@ std::vector<std::string> expandConfig(const CLI::App& app, std::vector<std::stri
     if (sub->get_name() == args[0]) command = sub;
   }
   if (command == nullptr) return args;
-  std::string path;
+  // One --config per command, before any "--": a second would be read by nobody.
+  std::optional<std::string> path;
   for (size_t i = 1; i < args.size(); ++i) {
     if (args[i] == "--") break;
+    std::optional<std::string> given;
     if (args[i] == "--config" && i + 1 < args.size()) {
-      path = args[i + 1];
+      given = args[i + 1];
       args.erase(args.begin() + long(i), args.begin() + long(i) + 2);
-      break;
-    }
-    if (args[i].rfind("--config=", 0) == 0) {
-      path = args[i].substr(9);
+    } else if (args[i].rfind("--config=", 0) == 0) {
+      given = args[i].substr(9);
       args.erase(args.begin() + long(i));
-      break;
+    } else {
+      continue;
     }
+    --i;
+    COHORT_CHECK(!path, InvalidArgument, "--config is given twice (", *path, " and ", *given,
+                 "): a command reads one config file; put the keys in one, or override them on the command line");
+    COHORT_CHECK(!given->empty(), InvalidArgument, "--config needs a file: --config FILE.toml");
+    path = std::move(given);
   }
-  if (path.empty()) return args;
-  std::vector<std::string> fromFile = configToArgs(*command, path);
+  if (!path) return args;
+  std::vector<std::string> fromFile = configToArgs(*command, *path);
   args.insert(args.begin() + 1, fromFile.begin(), fromFile.end());
   return args;
 }

@@ -15,11 +15,12 @@
 #include "schemes/ps_shard_task.h"
 #include "train/step_profiler.h"
 
+#include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
-#include <charconv>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <optional>
@@ -53,6 +54,10 @@ const CLI::Validator kSeedValidator(
 }  // namespace
 
 std::vector<std::string> configToArgs(const CLI::App& command, const std::string& path) {
+  // A directory opens as a stream that reads nothing: it would be an empty config, silently.
+  std::error_code error;
+  COHORT_CHECK(!std::filesystem::is_directory(path, error), InvalidArgument, path,
+               ": is a directory, not a config file: --config takes a TOML file of KEY = VALUE lines");
   std::vector<CLI::ConfigItem> items;
   try {
     items = CLI::ConfigTOML().from_file(path);
@@ -515,6 +520,9 @@ void applyFlags(TrainFlags& f) {
   COHORT_CHECK(f.saveModel->count() == 0 || !o.saveModelPath.empty(), InvalidArgument,
                "--save-model needs a file "
                "to write the model to, got an empty path: give --save-model FILE or drop it");
+  std::error_code error;  // said now, not when the run is over
+  COHORT_CHECK(o.saveModelPath.empty() || !std::filesystem::is_directory(o.saveModelPath, error), InvalidArgument,
+               "--save-model ", o.saveModelPath, ": is a directory; name the file to write the model to in it");
   parseProfileSteps(f.profileSteps, o.profile);
   if (!o.profile.path.empty()) quietKinetoWithoutGpu();  // here, while this process has one thread
   checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts

@@ -7,6 +7,7 @@
 
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <random>
 
@@ -52,6 +53,8 @@ bool isSpace(char c) { return c == ' ' || c == '\t' || c == '\r'; }
 
 // Reads FILE into `out`, refusing the first malformed line with FILE:LINE.
 void readBagFile(const std::string& path, Bags& out) {
+  std::error_code error;  // a directory opens, and reads as a read error
+  COHORT_CHECK(!std::filesystem::is_directory(path, error), IoError, path, ": is a directory, not a data file");
   std::ifstream in(path);
   COHORT_CHECK(in.good(), IoError, path, ": cannot open the data file");
   std::string line;

@@ -68,6 +68,8 @@ bool isSequential(const torch::jit::Module& m) {
 
 torch::nn::Sequential loadScriptedModel(const std::string& path) {
   COHORT_CHECK(std::filesystem::exists(path), IoError, path, ": no such file");
+  COHORT_CHECK(!std::filesystem::is_directory(path), IoError, path,
+               ": is a directory, not a TorchScript file (make one with torch.jit.script(model).save(path))");
   torch::jit::Module module;
   try {
     module = torch::jit::load(path);
