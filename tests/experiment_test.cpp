@@ -322,7 +322,10 @@ TEST(CompareCli, HostOptionsAreCheckedBeforeAnythingStarts) {
   expectOneLineError("compare --hosts a,b --network 100mbit" + out, "does not go with --hosts");
   expectOneLineError("compare --remote-shell 'ssh {host}'" + out, "--remote-shell goes with --hosts");
   expectOneLineError("compare --hosts a --hostfile " + dir.file("h") + out, "give --hosts or --hostfile, not both");
-  expectOneLineError("compare --hostfile " + dir.file("missing") + out, "cannot read");
+  expectOneLineError("compare --hostfile " + dir.file("missing") + out,
+                     "--hostfile " + dir.file("missing") + ": no such file");
+  expectOneLineError("compare --hostfile " + dir.path() + out,
+                     "--hostfile " + dir.path() + ": is a directory, not a file");
   expectOneLineError("compare --hosts 'a b'" + out, "'a b' is not a host");
   expectOneLineError("compare --hosts a --remote-shell 'ssh -p 2222'" + out, "write {host}");
   expectOneLineError("compare --hosts a --base-port 70000" + out, "--base-port 70000");

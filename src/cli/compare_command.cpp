@@ -2,6 +2,7 @@
 #include "cli/commands.h"
 #include "cli/experiment_common.h"
 
+#include "base/files.h"
 #include "experiment/netns.h"
 #include "experiment/remote.h"
 #include "experiment/report.h"
@@ -14,11 +15,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <optional>
 #include <set>
-#include <sstream>
 
 namespace cohort::cli {
 
@@ -72,11 +71,7 @@ std::optional<experiment::RemoteHosts> remoteHostsFrom(const CompareFlags& f, co
   if (!f.hosts.empty()) {
     h.hosts = experiment::parseHostList(f.hosts, ',', "--hosts");
   } else {
-    std::ifstream in(f.hostfile);
-    COHORT_CHECK(in.good(), InvalidArgument, "--hostfile ", f.hostfile, ": cannot read");
-    std::stringstream text;
-    text << in.rdbuf();
-    h.hosts = experiment::parseHostList(text.str(), '\n', "--hostfile " + f.hostfile);
+    h.hosts = experiment::parseHostList(readNamedFile("--hostfile", f.hostfile), '\n', "--hostfile " + f.hostfile);
   }
   experiment::splitShellWords(f.remoteShell);  // its errors now, before anything runs
   h.shell = f.remoteShell;

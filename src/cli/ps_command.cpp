@@ -1,13 +1,12 @@
 #include <cohort/cluster.h>
 #include <cohort/error.h>
 
+#include "base/files.h"
 #include "cli/commands.h"
 #include "ps/service.h"
 
 #include <cstdlib>
-#include <fstream>
 #include <memory>
-#include <sstream>
 
 namespace cohort::cli {
 
@@ -15,11 +14,7 @@ std::string resolveAuthToken(const std::string& token, const std::string& file) 
   COHORT_CHECK(token.empty() || file.empty(), InvalidArgument, "give --auth-token or --auth-token-file, not both");
   if (!token.empty()) return token;
   if (!file.empty()) {
-    std::ifstream in(file);
-    COHORT_CHECK(in.good(), InvalidArgument, "--auth-token-file ", file, ": cannot read it");
-    std::stringstream text;
-    text << in.rdbuf();
-    std::string secret = text.str();
+    std::string secret = readNamedFile("--auth-token-file", file);
     while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r' || secret.back() == ' ')) secret.pop_back();
     COHORT_CHECK(!secret.empty(), InvalidArgument, "--auth-token-file ", file, " is empty");
     return secret;

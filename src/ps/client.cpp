@@ -6,6 +6,7 @@
 
 #include <cohort/error.h>
 
+#include "base/files.h"
 #include "ps.grpc.pb.h"
 
 #include <grpcpp/grpcpp.h>
@@ -16,12 +17,10 @@
 #include <malloc.h>
 
 #include <algorithm>
-#include <climits>
 #include <chrono>
+#include <climits>
 #include <cstdio>
-#include <fstream>
 #include <optional>
-#include <sstream>
 #include <thread>
 
 namespace cohort::ps {
@@ -233,13 +232,10 @@ class FakeClient : public ShardClient {
 };
 
 std::string readPem(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  COHORT_CHECK(in.good(), InvalidArgument, "cannot read the TLS CA file ", path, " (--tls-ca): check the path");
-  std::stringstream text;
-  text << in.rdbuf();
+  std::string text = readNamedFile("--tls-ca", path);
   // Empty roots would make gRPC fall back to the system's, trusting what the user did not ask for.
-  COHORT_CHECK(!text.str().empty(), InvalidArgument, "the TLS CA file ", path, " is empty");
-  return text.str();
+  COHORT_CHECK(!text.empty(), InvalidArgument, "--tls-ca ", path, " is empty");
+  return text;
 }
 
 std::shared_ptr<grpc::Channel> makeChannel(const std::string& address, const ClientOptions& options) {

@@ -11,6 +11,7 @@
 
 #include <cohort/error.h>
 
+#include "base/files.h"
 #include "ps.grpc.pb.h"
 
 #include <grpcpp/grpcpp.h>
@@ -35,7 +36,6 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <string_view>
 #include <thread>
 
@@ -61,12 +61,9 @@ constexpr std::string_view kInitMethod = "/cohort.ps.wire.ParameterServer/Init";
 constexpr int kMaxStreamsPerConnection = 16;
 
 std::string readPem(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  COHORT_CHECK(in.good(), InvalidArgument, "cannot read ", flag, " ", path, ": check the path and its permissions");
-  std::stringstream text;
-  text << in.rdbuf();
-  COHORT_CHECK(!text.str().empty(), InvalidArgument, flag, " ", path, " is empty");
-  return text.str();
+  std::string text = readNamedFile(flag, path);
+  COHORT_CHECK(!text.empty(), InvalidArgument, flag, " ", path, " is empty");
+  return text;
 }
 
 // The listening address ("host:port", "[v6]:port") is on loopback.

@@ -1,4 +1,5 @@
 #include "sim/calibration.h"
+#include "base/files.h"
 
 #include <cohort/error.h>
 
@@ -7,7 +8,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
-#include <sstream>
 
 namespace cohort::sim {
 
@@ -199,11 +199,7 @@ Calibration fromJson(const std::string& text, const std::string& where) {
 }
 
 Calibration loadCalibration(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw InvalidArgument("--calibration " + path + ": cannot read it (run cohort simulate --calibrate first)");
-  std::stringstream text;
-  text << in.rdbuf();
-  return fromJson(text.str(), path);
+  return fromJson(readNamedFile("--calibration", path, "run cohort simulate --calibrate first"), path);
 }
 
 void saveCalibration(const Calibration& calibration, const std::string& path) {
