@@ -235,5 +235,21 @@ TEST(Quantize, RefusesAFileThatIsNotAModel) {
                      "not a model file");
 }
 
+// --out is checked before any work: the model itself (which the 8-bit file would replace), a
+// directory, a directory that does not exist. The model file is left as it was.
+TEST(Quantize, RefusesAnOutThatIsTheModelOrNoFile) {
+  test::TempDir dir;
+  auto r = test::runCommand(train() + kSmallRun + " --steps 2 --threads 1 --save-model " + dir.file("f.pt"), 120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const std::string before = test::readFile(dir.file("f.pt"));
+  const std::string quantize = test::cohortBinary() + " quantize " + dir.file("f.pt") + " --data synthetic:600 --out ";
+  expectOneLineError(test::runCommand(quantize + dir.path() + "/./f.pt", 60),
+                     "--out " + dir.path() + "/./f.pt is " + dir.file("f.pt") + ", the model to quantize");
+  expectOneLineError(test::runCommand(quantize + dir.path(), 60), "--out " + dir.path() + ": is a directory");
+  expectOneLineError(test::runCommand(quantize + dir.file("none/q.pt"), 60),
+                     "--out " + dir.file("none/q.pt") + ": the directory " + dir.file("none") + " does not exist");
+  EXPECT_TRUE(test::readFile(dir.file("f.pt")) == before) << "the model file changed";
+}
+
 }  // namespace
 }  // namespace cohort::evaluator_test

@@ -40,5 +40,53 @@ TEST(ReadNamedFile, ReadsTheWholeFileAndNamesWhatIsWrongOtherwise) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(CheckOutputPath, RefusesEmptyPathsDirectoriesAndMissingDirectories) {
+  char pattern[] = "/tmp/cohort-files-XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  const std::string dir = pattern;
+  auto refusal = [](const std::string& path) {
+    try {
+      checkOutputPath("--out", path);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(taken)");
+  };
+  EXPECT_EQ(refusal(dir + "/new.pt"), "(taken)");
+  EXPECT_EQ(refusal("relative.pt"), "(taken)");
+  EXPECT_EQ(refusal(""), "--out needs a file to write to, got an empty path");
+  EXPECT_EQ(refusal(dir), "--out " + dir + ": is a directory; name the file to write in it");
+  EXPECT_EQ(refusal(dir + "/sub/"), "--out " + dir + "/sub/: is a directory; name the file to write in it");
+  EXPECT_EQ(refusal(dir + "/sub/x.pt"),
+            "--out " + dir + "/sub/x.pt: the directory " + dir + "/sub does not exist; create it first");
+  std::filesystem::remove_all(dir);
+}
+
+// The new contents replace the old whole; a writer that fails leaves the old file and no
+// temporary behind.
+TEST(ReplaceFile, ReplacesWholeOrNotAtAll) {
+  char pattern[] = "/tmp/cohort-files-XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  const std::string dir = pattern;
+  const std::string path = dir + "/results.jsonl";
+  replaceFileWithText(path, "first\n");
+  EXPECT_EQ(readNamedFile("--flag", path), "first\n");
+  replaceFileWithText(path, "second, longer\n");
+  EXPECT_EQ(readNamedFile("--flag", path), "second, longer\n");
+  EXPECT_THROW(replaceFile(path,
+                           [](const std::string& tmp) {
+                             std::ofstream(tmp) << "half";
+                             throw IoError("the writer failed");
+                           }),
+               IoError);
+  EXPECT_EQ(readNamedFile("--flag", path), "second, longer\n");
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  // A writer that writes nothing: nothing to sync, the old file stays.
+  EXPECT_THROW(replaceFile(path, [](const std::string&) {}), IoError);
+  EXPECT_EQ(readNamedFile("--flag", path), "second, longer\n");
+  EXPECT_THROW(replaceFileWithText(dir + "/none/x", "x"), IoError);
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace cohort

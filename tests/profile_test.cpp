@@ -104,7 +104,7 @@ TEST(Profile, BadWindowsAndPathsAreNamed) {
   // A directory: Kineto would write DIR.tmp beside it and fail to rename it, logging only.
   auto aDirectory = test::runCommand(test::cohortBinary() + kRun + " --steps 4 --profile " + dir.path());
   EXPECT_EQ(aDirectory.exitCode, 2) << aDirectory.output;
-  EXPECT_NE(aDirectory.output.find("--profile " + dir.path() + ": is a directory; name the trace file to write in it"),
+  EXPECT_NE(aDirectory.output.find("--profile " + dir.path() + ": is a directory; name the file to write in it"),
             std::string::npos)
       << aDirectory.output;
   EXPECT_FALSE(std::filesystem::exists(dir.path() + ".tmp"));

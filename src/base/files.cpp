@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 
 namespace cohort {
 
@@ -42,6 +43,71 @@ std::string readNamedFile(std::string_view flag, const std::string& path, std::s
   if (error == EISDIR) refuse("is a directory, not a file");
   if (error != 0) refuse("cannot read it: " + std::string(std::strerror(error)));
   return text;
+}
+
+void checkOutputPath(std::string_view flag, const std::string& path) {
+  const std::string named = std::string(flag) + " " + path;
+  COHORT_CHECK(!path.empty(), InvalidArgument, flag, " needs a file to write to, got an empty path");
+  std::error_code error;
+  COHORT_CHECK(!path.ends_with('/') && !std::filesystem::is_directory(path, error), InvalidArgument, named,
+               ": is a directory; name the file to write in it");
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  COHORT_CHECK(dir.empty() || std::filesystem::is_directory(dir, error), InvalidArgument, named, ": the directory ",
+               dir.string(), " does not exist; create it first");
+}
+
+namespace {
+
+// fsync of a file or (O_DIRECTORY) a directory; false with errno set when it fails.
+bool syncPath(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool synced = ::fsync(fd) == 0;
+  const int saved = errno;
+  ::close(fd);
+  errno = saved;
+  return synced;
+}
+
+}  // namespace
+
+void replaceFile(const std::string& path, const std::function<void(const std::string& tmp)>& write) {
+  const std::string tmp = path + ".tmp";
+  const auto fail = [&](const std::string& what) {
+    const std::string reason = std::strerror(errno);
+    ::unlink(tmp.c_str());
+    throw IoError(path + ": " + what + ": " + reason);
+  };
+  try {
+    write(tmp);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (!syncPath(tmp, O_RDONLY)) fail("cannot sync the new file to disk");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("cannot put the new file in place");
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  // The rename is done; a directory that cannot be synced (some file systems refuse) loses no data.
+  syncPath(dir.empty() ? "." : dir.string(), O_RDONLY | O_DIRECTORY);
+}
+
+void replaceFileWithText(const std::string& path, std::string_view text) {
+  replaceFile(path, [&](const std::string& tmp) {
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    COHORT_CHECK(fd >= 0, IoError, path, ": cannot create ", tmp, ": ", std::strerror(errno));
+    size_t done = 0;
+    while (done < text.size()) {
+      const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const std::string reason = std::strerror(errno);
+        ::close(fd);
+        throw IoError(path + ": cannot write " + tmp + ": " + reason);
+      }
+      done += size_t(n);
+    }
+    COHORT_CHECK(::close(fd) == 0, IoError, path, ": cannot write ", tmp, ": ", std::strerror(errno));
+  });
 }
 
 }  // namespace cohort

@@ -1,7 +1,8 @@
-// Reading a file the user named on the command line (a flag's value): the whole of it, or one
-// line that names the flag, the path and what is wrong with it.
+// Files the user names on the command line (a flag's value): reading one whole, checking where
+// one will be written, and replacing one so that a crash leaves the old file or the new one.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -11,5 +12,17 @@ namespace cohort {
 // for a path that does not exist, is a directory (which opens as a stream that reads nothing), or
 // cannot be read (with the system's reason); `fix`, when not empty, ends the message.
 std::string readNamedFile(std::string_view flag, const std::string& path, std::string_view fix = {});
+
+// Before the work whose result goes to `path` (given as `flag`): throws InvalidArgument "FLAG
+// PATH: ..." when `path` is empty or a directory, or when its directory does not exist.
+void checkOutputPath(std::string_view flag, const std::string& path);
+
+// Replaces `path` with the file `write` makes at the temporary path it is given (`path`.tmp, in
+// the same directory), synced to disk, and then its directory: a crash leaves the old file or the
+// new one, never part of one. The temporary is removed when `write` throws (rethrown) or the file
+// cannot be synced or renamed (IoError naming `path`).
+void replaceFile(const std::string& path, const std::function<void(const std::string& tmp)>& write);
+// replaceFile with `text` as the contents.
+void replaceFileWithText(const std::string& path, std::string_view text);
 
 }  // namespace cohort

@@ -9,6 +9,7 @@
 #include <cohort/error.h>
 #include <cohort/metrics.h>
 
+#include "base/files.h"
 #include "cli/commands.h"
 
 #include <torch/torch.h>
@@ -188,6 +189,10 @@ int runQuantize(const std::string& path, const std::string& outPath, int repeats
   COHORT_CHECK(!outPath.empty(), InvalidArgument, "cohort quantize needs --out FILE for the 8-bit model");
   COHORT_CHECK(repeats >= 1, InvalidArgument, "--repeat must be at least 1, got ", repeats);
   COHORT_CHECK(batch >= 1, InvalidArgument, "--batch must be at least 1, got ", batch);
+  checkOutputPath("--out", outPath);
+  std::error_code error;
+  COHORT_CHECK(!std::filesystem::equivalent(path, outPath, error), InvalidArgument, "--out ", outPath, " is ", path,
+               ", the model to quantize: write the 8-bit model to another file");
   ModelFile floatModel = loadModelFile(path);
   COHORT_CHECK(!floatModel.quantized, InvalidArgument, path, " is already quantized: give the float model");
   const DataSplits data = loadSplits(f);

@@ -9,6 +9,7 @@
 #include "ps/service.h"
 #include "base/launcher_channel.h"
 
+#include "base/files.h"
 #include "base/scheme.h"
 #include "cli/commands.h"
 #include "schemes/pipeline_plan.h"
@@ -520,9 +521,7 @@ void applyFlags(TrainFlags& f) {
   COHORT_CHECK(f.saveModel->count() == 0 || !o.saveModelPath.empty(), InvalidArgument,
                "--save-model needs a file "
                "to write the model to, got an empty path: give --save-model FILE or drop it");
-  std::error_code error;  // said now, not when the run is over
-  COHORT_CHECK(o.saveModelPath.empty() || !std::filesystem::is_directory(o.saveModelPath, error), InvalidArgument,
-               "--save-model ", o.saveModelPath, ": is a directory; name the file to write the model to in it");
+  if (!o.saveModelPath.empty()) checkOutputPath("--save-model", o.saveModelPath);  // now, not when the run is over
   parseProfileSteps(f.profileSteps, o.profile);
   if (!o.profile.path.empty()) quietKinetoWithoutGpu();  // here, while this process has one thread
   checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts

@@ -1,4 +1,5 @@
 #include "train/step_profiler.h"
+#include "base/files.h"
 
 #include <cohort/error.h>
 
@@ -109,14 +110,8 @@ StepProfiler::StepProfiler(ProfileOptions options, c10::Device device, int rank,
   // Refused now, not after the window's steps ran.
   COHORT_CHECK(!profiler::isProfilerEnabledInMainThread(), InvalidArgument,
                "--profile: the PyTorch profiler is already running in this process; profile one way at a time");
-  const std::filesystem::path dir = std::filesystem::path(path_).parent_path();
-  std::error_code error;
-  COHORT_CHECK(dir.empty() || std::filesystem::is_directory(dir, error), IoError, "--profile ", path_,
-               ": the directory ", dir.string(), " does not exist; create it first");
   // Kineto writes FILE.tmp and renames it to FILE, and only logs a rename that fails.
-  COHORT_CHECK(!path_.ends_with('/') && !std::filesystem::is_directory(path_, error), InvalidArgument, "--profile ",
-               path_, ": is a directory; name the trace file to write in it (for example ",
-               (std::filesystem::path(path_) / "trace.json").lexically_normal().string(), ")");
+  checkOutputPath("--profile", path_);
 }
 
 StepProfiler::~StepProfiler() {
