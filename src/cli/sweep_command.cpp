@@ -2,6 +2,7 @@
 #include "cli/commands.h"
 #include "cli/experiment_common.h"
 
+#include "base/files.h"
 #include "experiment/report.h"
 #include "experiment/run_data.h"
 #include "experiment/runner.h"
@@ -14,7 +15,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 
 namespace cohort::cli {
@@ -159,10 +159,7 @@ std::string printLeaderboard(const std::vector<Row>& rows, const std::vector<exp
 // OUT/results.jsonl, replaced whole.
 void writeResults(const std::string& out, const std::string& jsonl) {
   const std::string path = out + "/results.jsonl";
-  std::ofstream file(path + ".tmp", std::ios::trunc);
-  file << jsonl;
-  file.close();
-  COHORT_CHECK(file.good() && std::rename((path + ".tmp").c_str(), path.c_str()) == 0, IoError, path, ": cannot write");
+  replaceFileWithText(path, jsonl);
   std::printf("results: %s\n", path.c_str());
 }
 

@@ -1,6 +1,7 @@
 #include "experiment/runner.h"
 
 #include "base/clock.h"
+#include "base/files.h"
 #include "base/subprocess.h"
 
 #include <nlohmann/json.hpp>
@@ -32,22 +33,6 @@ std::string readText(const std::string& path) {
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
-}
-
-void writeFileAtomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    COHORT_CHECK(out.good(), IoError, tmp, ": cannot write: ", std::strerror(errno));
-  }
-  const int fd = ::open(tmp.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-  COHORT_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, IoError, path, ": cannot write: ", std::strerror(errno));
 }
 
 bool validId(const std::string& id) {
@@ -94,7 +79,7 @@ void writeStatus(const std::string& dir, const JobRecord& r) {
   j["wall_s"] = r.wallSeconds;
   j["command"] = r.command;
   if (r.identity != r.command) j["identity"] = r.identity;
-  writeFileAtomically(jobDirOf(dir, r.id) + "/status.json", j.dump(2) + "\n");
+  replaceFileWithText(jobDirOf(dir, r.id) + "/status.json", j.dump(2) + "\n");
 }
 
 struct Process {

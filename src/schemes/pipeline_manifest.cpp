@@ -3,6 +3,7 @@
 
 #include <cohort/error.h>
 
+#include "base/files.h"
 #include "schemes/pipeline_plan.h"
 
 #include <cstdlib>
@@ -64,16 +65,12 @@ std::optional<PipelineManifest> readPipelineManifest(const std::string& path) {
 void writePipelineManifest(const std::string& dir, const PipelineManifest& m, const std::vector<std::string>& layers) {
   std::filesystem::create_directories(dir);
   const std::string path = dir + "/" + kPipelineManifest;
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << "stages " << m.stages << "\nreplicas " << m.replicas << "\ncut " << joinCut(m.counts, m.splits) << "\n";
-    out << "# layers per stage (L+C: and the first C output channels of the next layer); stage K's checkpoints "
-           "are in stage-K/\n";
-    for (size_t j = 0; j < layers.size(); ++j) out << "# layer " << j << " " << layers[j] << "\n";
-    COHORT_CHECK(out.good(), IoError, tmp, ": cannot write the pipeline manifest");
-  }
-  std::filesystem::rename(tmp, path);
+  std::ostringstream out;
+  out << "stages " << m.stages << "\nreplicas " << m.replicas << "\ncut " << joinCut(m.counts, m.splits) << "\n";
+  out << "# layers per stage (L+C: and the first C output channels of the next layer); stage K's checkpoints "
+         "are in stage-K/\n";
+  for (size_t j = 0; j < layers.size(); ++j) out << "# layer " << j << " " << layers[j] << "\n";
+  replaceFileWithText(path, out.str());
 }
 
 }  // namespace cohort

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <fstream>
 
 namespace cohort::sim {
 
@@ -204,13 +203,7 @@ Calibration loadCalibration(const std::string& path) {
 
 void saveCalibration(const Calibration& calibration, const std::string& path) {
   validate(calibration, "the measured calibration");
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << toJson(calibration);
-    if (!out) throw IoError("cannot write " + tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw IoError("cannot rename " + tmp + " to " + path);
+  replaceFileWithText(path, toJson(calibration));
 }
 
 }  // namespace cohort::sim

@@ -1,5 +1,6 @@
 #include "train/model_file.h"
 
+#include "base/files.h"
 #include "base/text.h"
 
 #include <cohort/error.h>
@@ -65,7 +66,7 @@ void saveModelFile(torch::nn::Sequential& model, const std::string& spec, const 
     torch::serialize::OutputArchive archive;
     model->save(archive);
     writeDescription(archive, spec, shape);
-    archive.save_to(path);
+    replaceFile(path, [&](const std::string& tmp) { archive.save_to(tmp); });
   } catch (const c10::Error& e) {
     throw IoError(path + ": cannot save the model: " + firstLine(e.what_without_backtrace()));
   }
@@ -173,7 +174,7 @@ int quantizeModelFile(const ModelFile& floatModel, const std::string& outPath) {
       archive.write("s" + std::to_string(i), scale, /*is_buffer=*/true);
       ++quantized;
     }
-    archive.save_to(outPath);
+    replaceFile(outPath, [&](const std::string& tmp) { archive.save_to(tmp); });
   } catch (const c10::Error& e) {
     throw IoError(outPath + ": cannot write the quantized model: " + firstLine(e.what_without_backtrace()));
   }
