@@ -480,6 +480,13 @@ TEST(SimCommand, BadInputIsOneLineNamingTheField) {
   expectError("--bandwidth=-5mbit", "--bandwidth");
   expectError("--strategy ps --shards 5000000", "--shards");
   expectError("--strategy pipeline --stages 40 --workers 40", "--stages");
+  expectError("--plot " + dir.path(), "--plot " + dir.path() + ": is a directory");
+  // Said before the minutes of measuring, and --workers before the calibration is read.
+  expectError("--calibrate --calibration " + dir.file("none/c.json"), "the directory " + dir.file("none"));
+  EXPECT_NE(
+      test::runCommand(test::cohortBinary() + " simulate --calibration " + dir.file("none.json") + " --workers 0", 60)
+          .output.find("--workers: every count must be >= 1"),
+      std::string::npos);
   std::string text = test::readFile(cal);
   text.replace(text.find("\"version\": 3"), 12, "\"version\": 2");
   test::writeFile(dir.file("old.json"), text);

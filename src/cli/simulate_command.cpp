@@ -5,10 +5,11 @@
 #include <cohort/error.h>
 #include <cohort/models.h>
 
+#include "base/clock.h"
+#include "base/files.h"
+#include "base/stats.h"
 #include "cli/commands.h"
 #include "cli/simulate_probes.h"
-#include "base/clock.h"
-#include "base/stats.h"
 #include "compress/codec.h"
 #include "sim/calibration.h"
 #include "sim/probe.h"
@@ -267,6 +268,7 @@ std::vector<int> jobRanks(const std::string& text, int cores) {
 }
 
 int runCalibrate(const Flags& f) {
+  checkOutputPath("--calibration", f.calibration);  // before the minutes of measuring
   sim::Calibration c;
   c.machine = machineName();
   c.date = today();
@@ -465,9 +467,11 @@ void printTable(const Flags& f, const sim::Scenario& base, const std::vector<sim
 }
 
 int runSimulate(const Flags& f) {
-  for (const std::string& strategy : splitList(f.strategy)) schemeOf(strategy);  // before any file is read
-  const sim::Scenario base = scenarioOf(f);
+  // The flags before any file is read, the --plot path before the simulation.
+  for (const std::string& strategy : splitList(f.strategy)) schemeOf(strategy);
   const std::vector<int> workers = parseWorkers(f.workers);
+  if (!f.plot.empty()) checkOutputPath("--plot", f.plot);
+  const sim::Scenario base = scenarioOf(f);
   const std::vector<sim::Curve> curves = simulateCurves(f, base, workers);
   if (f.json) {
     printJson(curves);
@@ -475,9 +479,8 @@ int runSimulate(const Flags& f) {
     printTable(f, base, curves);
   }
   if (!f.plot.empty()) {
-    std::ofstream out(f.plot, std::ios::trunc);
-    out << sim::svgPlot(curves, "cohort simulate: " + base.calibration.model + ", " + f.bandwidth);
-    COHORT_CHECK(out.good(), IoError, "--plot ", f.plot, ": cannot write it");
+    replaceFileWithText(f.plot,
+                        sim::svgPlot(curves, "cohort simulate: " + base.calibration.model + ", " + f.bandwidth));
   }
   return 0;
 }
