@@ -142,9 +142,9 @@ TEST(Cli, ResumeWithOnlyCorruptCheckpointsNamesThem) {
 const std::string kQuickRun = "train --model mlp --data synthetic:60 --batch 8 --steps 1 --progress off --threads 1 ";
 
 TEST(Cli, StepsBeyondTheLimitNamesTheRange) {
-  expectOneLineError(kQuickRun + "--steps 1e23", "--steps: Value 1e23 not in range 0 to 1000000000000", 2);
+  expectOneLineError(kQuickRun + "--steps 1e23", "--steps: Value 1e23 not in range 1 to 1000000000000", 2);
   expectOneLineError(kQuickRun + "--steps 100000000000000000000000",
-                     "--steps: Value 100000000000000000000000 not in range 0 to 1000000000000", 2);
+                     "--steps: Value 100000000000000000000000 not in range 1 to 1000000000000", 2);
 }
 
 TEST(Cli, NegativeSeedIsRefused) {
@@ -193,6 +193,9 @@ TEST(Cli, ADirectoryWhereAFileGoesIsNamed) {
   expectOneLineError(kQuickRun + "--model " + dir.path(), dir.path() + ": is a directory, not a TorchScript file");
   expectOneLineError("train --steps 1 --data libsvm:" + dir.path(), dir.path() + ": is a directory, not a data file");
 }
+
+// --steps 0 would be "not given" and train the default epoch.
+TEST(Cli, ZeroStepsIsRefused) { expectOneLineError("train --steps 0", "--steps: Value 0 not in range 1 to", 2); }
 
 TEST(Cli, HelpListsTheTrainOptions) {
   auto r = test::runCommand(test::cohortBinary() + " train --help");

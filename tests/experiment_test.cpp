@@ -327,6 +327,12 @@ TEST(CompareCli, HostOptionsAreCheckedBeforeAnythingStarts) {
   expectOneLineError("compare --hostfile " + dir.path() + out,
                      "--hostfile " + dir.path() + ": is a directory, not a file");
   expectOneLineError("compare --hosts 'a b'" + out, "'a b' is not a host");
+  // A budget of 0 is refused, not taken for "not given" (which would run the default epoch).
+  const std::string dataOut = " --model mlp --data synthetic:60 --out " + dir.file("out");
+  expectOneLineError("compare --steps 0" + dataOut, "--steps must be positive");
+  expectOneLineError("compare --examples 0" + dataOut, "--examples must be positive");
+  expectOneLineError("compare --seconds 0" + dataOut, "--seconds must be positive");
+  expectOneLineError("compare --steps 2 --seconds 1" + dataOut, "give one budget");
   expectOneLineError("compare --hosts a --remote-shell 'ssh -p 2222'" + out, "write {host}");
   expectOneLineError("compare --hosts a --base-port 70000" + out, "--base-port 70000");
   // A host that refuses the connection (nothing listens at a reserved port): named, nothing run.

@@ -33,9 +33,10 @@ struct CompareFlags {
   std::string device;
   std::string autocast;  // --autocast for every run; empty: train's (off)
   int64_t epochs = 1;
-  int64_t steps = 0;
-  int64_t examples = 0;
-  double seconds = 0;
+  // Given or not (0 is a budget, and refused, not "not given").
+  std::optional<int64_t> steps;
+  std::optional<int64_t> examples;
+  std::optional<double> seconds;
   int workers = 2;
   std::string codec = "none";
   std::string only;
@@ -201,17 +202,17 @@ void addHostOptions(CLI::App* cmd, CompareFlags& f) {
 // The budget the flags give, checked: one of them, positive.
 experiment::Budget budgetOf(const CompareFlags& f) {
   experiment::Budget budget;
-  const int budgets = (f.steps != 0) + (f.examples != 0) + (f.seconds != 0);
+  const int budgets = int(f.steps.has_value()) + int(f.examples.has_value()) + int(f.seconds.has_value());
   COHORT_CHECK(budgets <= 1, InvalidArgument, "give one budget: --epochs, --steps, --examples or --seconds");
-  if (f.seconds != 0) {
-    COHORT_CHECK(f.seconds > 0, InvalidArgument, "--seconds must be positive (the budget of every run)");
-    budget.seconds = f.seconds;
-  } else if (f.steps != 0) {
-    COHORT_CHECK(f.steps > 0, InvalidArgument, "--steps must be positive (the budget of every run)");
-    budget.steps = f.steps;
-  } else if (f.examples != 0) {
-    COHORT_CHECK(f.examples > 0, InvalidArgument, "--examples must be positive (the budget of every run)");
-    budget.examples = f.examples;
+  if (f.seconds) {
+    COHORT_CHECK(*f.seconds > 0, InvalidArgument, "--seconds must be positive (the budget of every run)");
+    budget.seconds = *f.seconds;
+  } else if (f.steps) {
+    COHORT_CHECK(*f.steps > 0, InvalidArgument, "--steps must be positive (the budget of every run)");
+    budget.steps = *f.steps;
+  } else if (f.examples) {
+    COHORT_CHECK(*f.examples > 0, InvalidArgument, "--examples must be positive (the budget of every run)");
+    budget.examples = *f.examples;
   } else {
     COHORT_CHECK(f.epochs > 0, InvalidArgument, "--epochs must be positive (the budget of every run)");
     budget.epochs = f.epochs;

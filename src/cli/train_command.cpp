@@ -209,7 +209,7 @@ void addTrainingOptions(CLI::App* train, TrainFlags& f) {
       ->capture_default_str();
   train->add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str();
   train->add_option("--steps", o.steps, "Steps to train in all (overrides --epochs)")
-      ->check(CLI::Range(int64_t{0}, kMaxSteps));
+      ->check(CLI::Range(int64_t{1}, kMaxSteps));  // 0 would be "not given": --epochs
   train->add_option("--batch", o.batch, "Batch size per worker (pipeline: per replica)")->capture_default_str();
   train->add_option("--lr", o.lr, "Learning rate")->capture_default_str();
   f.optimizer = optimizerName(o.optimizer);  // parsed into o.optimizer by applyFlags()
