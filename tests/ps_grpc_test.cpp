@@ -318,6 +318,44 @@ TEST(PsGrpcTest, TlsWithTheRightCaWorksAndPlaintextDoesNot) {
                InvalidArgument);
 }
 
+// A file that is not what its flag needs is said when the shard starts or the client is made (gRPC
+// would take it and fail every handshake): not PEM, a certificate as the key, another pair's key.
+TEST(PsGrpcTest, TlsFilesThatAreNotACertificateOrItsKeyAreNamed) {
+  TempDir dir;
+  for (const char* pair : {"a", "b"}) {
+    const auto made = test::runCommand("openssl req -x509 -newkey rsa:2048 -nodes -keyout " +
+                                           dir.file(std::string(pair) + "-key.pem") + " -out " +
+                                           dir.file(std::string(pair) + "-cert.pem") + " -days 1 -subj /CN=localhost",
+                                       60);
+    ASSERT_EQ(made.exitCode, 0) << made.output;
+  }
+  test::writeFile(dir.file("junk.pem"), "not a certificate\n");
+  auto refusal = [&](const std::string& cert, const std::string& key) {
+    try {
+      ShardServer shard(
+          ServerOptions{.address = "127.0.0.1:0", .tlsCertFile = dir.file(cert), .tlsKeyFile = dir.file(key)});
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(started)");
+  };
+  EXPECT_EQ(refusal("junk.pem", "a-key.pem"),
+            "--tls-cert " + dir.file("junk.pem") + " holds no PEM certificate (-----BEGIN CERTIFICATE-----)");
+  EXPECT_EQ(
+      refusal("a-cert.pem", "a-cert.pem").rfind("--tls-key " + dir.file("a-cert.pem") + " holds no PEM private key", 0),
+      0u);
+  EXPECT_EQ(refusal("a-cert.pem", "b-key.pem"),
+            "--tls-key " + dir.file("b-key.pem") + " is not the key of --tls-cert's certificate");
+  EXPECT_EQ(refusal("a-cert.pem", "a-key.pem"), "(started)");
+  try {
+    makeGrpcClient("127.0.0.1:1", {.tlsCaFile = dir.file("junk.pem")});
+    ADD_FAILURE() << "a client trusted a CA file with no certificate";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "--tls-ca " + dir.file("junk.pem") + " holds no PEM certificate (-----BEGIN CERTIFICATE-----)");
+  }
+}
+
 TEST(PsGrpcTest, BadPushesAreRefusedAndChangeNothing) {
   TestServer server;
   auto client = server.client();

@@ -4,8 +4,11 @@
 
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>
+#include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/params.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 #include <sys/random.h>
 
 #include <algorithm>
@@ -120,6 +123,54 @@ std::string randomToken(size_t bytes) {
 
 bool equalConstantTime(std::span<const uint8_t> a, std::span<const uint8_t> b) {
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+namespace {
+
+struct BioFree {
+  void operator()(BIO* b) const { BIO_free(b); }
+};
+struct X509Free {
+  void operator()(X509* x) const { X509_free(x); }
+};
+struct KeyFree {
+  void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
+};
+using Bio = std::unique_ptr<BIO, BioFree>;
+using Certificate = std::unique_ptr<X509, X509Free>;
+using Key = std::unique_ptr<EVP_PKEY, KeyFree>;
+
+// A passphrase callback that has none: OpenSSL's default would prompt on the terminal.
+int noPassphrase(char*, int, int, void*) { return 0; }
+
+Bio memoryBio(std::string_view bytes) { return Bio(BIO_new_mem_buf(bytes.data(), int(bytes.size()))); }
+
+// The first certificate of a PEM text, null when it has none.
+Certificate firstCertificate(std::string_view pem) {
+  Bio bio = memoryBio(pem);
+  return Certificate(bio ? PEM_read_bio_X509(bio.get(), nullptr, noPassphrase, nullptr) : nullptr);
+}
+
+}  // namespace
+
+std::string pemCertificateProblem(std::string_view pem) {
+  const bool found = firstCertificate(pem) != nullptr;
+  ERR_clear_error();
+  return found ? "" : "holds no PEM certificate (-----BEGIN CERTIFICATE-----)";
+}
+
+std::string pemKeyProblem(std::string_view key, std::string_view certificate) {
+  Bio bio = memoryBio(key);
+  Key parsed(bio ? PEM_read_bio_PrivateKey(bio.get(), nullptr, noPassphrase, nullptr) : nullptr);
+  std::string problem;
+  if (parsed == nullptr) {
+    problem = "holds no PEM private key (an encrypted one is not read: give it unencrypted)";
+  } else if (Certificate c = firstCertificate(certificate);
+             c != nullptr && X509_check_private_key(c.get(), parsed.get()) != 1) {
+    problem = "is not the key of --tls-cert's certificate";
+  }
+  ERR_clear_error();
+  return problem;
 }
 
 }  // namespace cohort::crypto

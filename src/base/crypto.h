@@ -65,4 +65,11 @@ std::string randomToken(size_t bytes = 16);
 // contents.
 bool equalConstantTime(std::span<const uint8_t> a, std::span<const uint8_t> b);
 
+// What is wrong with TLS files for a server (a certificate chain and its private key) or a client
+// (the roots it trusts), all PEM: "" when nothing is, else a phrase such as "holds no PEM
+// certificate" or "is not the key of --tls-cert's certificate". gRPC takes any bytes at start-up
+// and fails each handshake later, with nothing that names the file.
+std::string pemCertificateProblem(std::string_view pem);
+std::string pemKeyProblem(std::string_view key, std::string_view certificate);
+
 }  // namespace cohort::crypto

@@ -6,6 +6,7 @@
 
 #include <cohort/error.h>
 
+#include "base/crypto.h"
 #include "base/files.h"
 #include "ps.grpc.pb.h"
 
@@ -235,6 +236,8 @@ std::string readPem(const std::string& path) {
   std::string text = readNamedFile("--tls-ca", path);
   // Empty roots would make gRPC fall back to the system's, trusting what the user did not ask for.
   COHORT_CHECK(!text.empty(), InvalidArgument, "--tls-ca ", path, " is empty");
+  const std::string problem = crypto::pemCertificateProblem(text);
+  COHORT_CHECK(problem.empty(), InvalidArgument, "--tls-ca ", path, " ", problem);
   return text;
 }
 

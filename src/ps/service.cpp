@@ -11,6 +11,7 @@
 
 #include <cohort/error.h>
 
+#include "base/crypto.h"
 #include "base/files.h"
 #include "ps.grpc.pb.h"
 
@@ -414,8 +415,12 @@ ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()
                "TLS needs both --tls-cert and --tls-key, got only ",
                options.tlsCertFile.empty() ? "--tls-key" : "--tls-cert");
   if (!options.tlsCertFile.empty()) {
-    readPem(options.tlsKeyFile, "--tls-key");
-    readPem(options.tlsCertFile, "--tls-cert");
+    const std::string certificate = readPem(options.tlsCertFile, "--tls-cert");
+    const std::string certificateProblem = crypto::pemCertificateProblem(certificate);
+    COHORT_CHECK(certificateProblem.empty(), InvalidArgument, "--tls-cert ", options.tlsCertFile, " ",
+                 certificateProblem);
+    const std::string keyProblem = crypto::pemKeyProblem(readPem(options.tlsKeyFile, "--tls-key"), certificate);
+    COHORT_CHECK(keyProblem.empty(), InvalidArgument, "--tls-key ", options.tlsKeyFile, " ", keyProblem);
   }
   impl_->shard = std::make_shared<Shard>(options.shard);
   impl_->refusals = std::make_shared<Refusals>(impl_->shard, options.shard.name, options.shard.log, options.shard.env);
