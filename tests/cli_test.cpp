@@ -197,6 +197,11 @@ TEST(Cli, ADirectoryWhereAFileGoesIsNamed) {
 // --steps 0 would be "not given" and train the default epoch.
 TEST(Cli, ZeroStepsIsRefused) { expectOneLineError("train --steps 0", "--steps: Value 0 not in range 1 to", 2); }
 
+// --replicas 0 would be "not given": the scheme's default (mirrored: the cores).
+TEST(Cli, ZeroReplicasIsRefused) {
+  expectOneLineError(kQuickRun + "--strategy mirrored --replicas 0", "--replicas: Value 0 not in range 1 to", 2);
+}
+
 TEST(Cli, HelpListsTheTrainOptions) {
   auto r = test::runCommand(test::cohortBinary() + " train --help");
   EXPECT_EQ(r.exitCode, 0);

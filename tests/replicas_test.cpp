@@ -784,7 +784,7 @@ TEST(ReplicasCli, BadInputIsOneLineErrors) {
   const std::vector<Case> cases = {
       {"--strategy mirrored --replicas 65 --batch 64", "--replicas 65 is larger than --batch 64"},
       {"--strategy hogwild --replicas 2 --codec fp16", "--codec fp16 does not apply to --strategy hogwild"},
-      {"--strategy central --replicas -2", "--replicas must be at least 1"},
+      {"--strategy central --replicas -2", "--replicas: Value -2 not in range 1 to"},
       {"--strategy tensor --ways 3", "--strategy tensor --ways 3 needs a multiple of 3 processes"},
       {"--strategy hogwild --replicas 2 --bucket-mb 1", "--bucket-mb does not apply to --strategy hogwild"},
       {"--strategy mirrored --replicas 2 --first-bucket-mb 1", "--first-bucket-mb does not apply to --strategy mirrored"},

@@ -378,6 +378,7 @@ void addModelParallelOptions(CLI::App* train, TrainFlags& f) {
       ->add_option("--replicas", s.replicas,
                    "pipeline: R copies of the pipeline, data-parallel (default 1); mirrored, central, hogwild: R "
                    "replica threads in this process sharing its --batch (default: its cores)")
+      ->check(CLI::Range(1, std::numeric_limits<int>::max()))  // 0 would be "not given": the default
       ->group(mp);
   train
       ->add_option("--ways", s.ways,
