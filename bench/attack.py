@@ -48,6 +48,9 @@ of docs/BENCHMARKS.md). For each case it writes the file in a temporary director
   TOML config        `batch =`; a value of 10 MB (--config)
   command lines      --steps 1e23, --outer-lr inf, simulate --workers 2147483647, simulate --strategy
                      pipeline --codec fp16, --batch larger than the data set, --seed -1, --save-model ""
+  paths and zeros    a directory as --config, --profile and simulate --plot; --config twice; quantize
+                     --out the model itself; --steps 0, compare --steps 0; ps --tls-cert with no
+                     certificate (the twentieth session's, "before" on b142c08)
 
 and a good 1-step run as the control (what loading libtorch costs). It records the exit status, the
 wall seconds, the command's peak RSS (GNU time's %M) and the first line of stderr, and prints a
@@ -493,6 +496,32 @@ def file_cases(tmp, good):
     add("`--batch 100` on 60 examples", quick(batch="100"), 2, ["--batch 100", "60 training examples"], ACCEPTED)
     add("`--seed -1`", quick(extra=["--seed", "-1"]), 2, ["--seed", "-1"], ACCEPTED)
     add('`--save-model ""`', quick(extra=["--save-model", ""]), 2, ["--save-model"], ACCEPTED)
+
+    # Paths where a file goes, and budgets of 0 (found in the twentieth session, on b142c08).
+    d = fresh("a-directory")
+    cfg = os.path.join(tmp, "steps.toml")
+    with open(cfg, "w") as f:
+        f.write("steps = 1\n")
+    add("`--config` a directory", ["train", "--config", d], 2, [d, "is a directory, not a config file"],
+        "b142c08: trained a whole epoch on the defaults")
+    add("`--config` twice", quick(extra=["--config", cfg, "--config", cfg]), 2, ["--config is given twice"],
+        "b142c08: the second silently ignored")
+    add("`--profile` a directory", quick(extra=["--profile", d]), 2, ["--profile", d, "is a directory"],
+        "b142c08: \"written to\" it, exit 0, a .tmp file left beside it")
+    model = os.path.join(tmp, "model.pt")
+    add("`quantize --out` the model itself", ["quantize", model, "--out", model, "--data", "synthetic:60"], 2,
+        ["--out", "the model to quantize"], "b142c08: the float model replaced by the 8-bit one")
+    add("`--steps 0`", quick(steps="0"), 2, ["--steps", "Value 0"], "b142c08: trained the default epoch")
+    add("`compare --steps 0`", ["compare", "--steps", "0", "--model", "mlp", "--data", "synthetic:60", "--out",
+                                os.path.join(tmp, "compare-out")], 2, ["--steps must be positive"],
+        "b142c08: every configuration ran the default epoch")
+    add("`simulate --plot` a directory", ["simulate", "--calibration", good_cal, "--plot", d], 2, ["--plot", d],
+        "b142c08: simulated, then failed to write")
+    junk = os.path.join(tmp, "junk.pem")
+    with open(junk, "w") as f:
+        f.write("not a certificate\n")
+    add("`ps --tls-cert` with no certificate", ["ps", "--host", "127.0.0.1", "--tls-cert", junk, "--tls-key", junk], 2,
+        ["--tls-cert", junk, "holds no PEM certificate"], "b142c08: started; every handshake failed later")
     return cases
 
 
@@ -570,8 +599,9 @@ def files(a):
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cohort-files-") as tmp:
         good = os.path.join(tmp, "good")
-        code, _, _, stderr = run_capped([cohort] + quick(steps="5", extra=["--checkpoint-dir", good]), cap,
-                                        a.timeout, env)
+        code, _, _, stderr = run_capped(
+            [cohort] + quick(steps="5", extra=["--checkpoint-dir", good, "--save-model", os.path.join(tmp, "model.pt")]),
+            cap, a.timeout, env)
         if code != 0:
             sys.exit(f"the run that writes the good checkpoint failed ({code}): {stderr}")
         cases = file_cases(tmp, good)
@@ -595,7 +625,8 @@ def files(a):
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     print()
-    print("| case | command | before (issue 30, e707c9a) | exit | wall s | peak RSS MB | first line of stderr "
+    print("| case | command | before (issue 30: e707c9a; later ones as named) | exit | wall s | peak RSS MB | "
+          "first line of stderr "
           "| verdict |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
