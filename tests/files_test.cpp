@@ -88,5 +88,23 @@ TEST(ReplaceFile, ReplacesWholeOrNotAtAll) {
   std::filesystem::remove_all(dir);
 }
 
+// Through a symlink the target is replaced and the link stays; the old file's permissions stay.
+TEST(ReplaceFile, FollowsASymlinkAndKeepsThePermissions) {
+  char pattern[] = "/tmp/cohort-files-XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  const std::string dir = pattern;
+  const std::string target = dir + "/target.txt";
+  const std::string link = dir + "/link.txt";
+  replaceFileWithText(target, "old\n");
+  std::filesystem::permissions(target, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  std::filesystem::create_symlink(target, link);
+  replaceFileWithText(link, "new\n");
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  EXPECT_EQ(readNamedFile("--flag", target), "new\n");
+  EXPECT_EQ(std::filesystem::status(target).permissions() & std::filesystem::perms::all,
+            std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace cohort

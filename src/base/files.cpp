@@ -71,7 +71,19 @@ bool syncPath(const std::string& path, int flags) {
 
 }  // namespace
 
-void replaceFile(const std::string& path, const std::function<void(const std::string& tmp)>& write) {
+void replaceFile(const std::string& given, const std::function<void(const std::string& tmp)>& write) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  // A symlink is followed (its target is replaced, the link stays); what is not a regular file
+  // (/dev/stdout, /dev/null, a FIFO) is written in place, as a plain open would.
+  const fs::file_status status = fs::status(given, error);  // of what a symlink leads to
+  const bool link = fs::is_symlink(fs::symlink_status(given, error));
+  std::string path = given;
+  if (link && fs::is_regular_file(status)) path = fs::canonical(given, error).string();
+  if ((fs::exists(status) && !fs::is_regular_file(status)) || (link && (!fs::exists(status) || error))) {
+    write(given);  // through the link, or into the device, pipe or FIFO
+    return;
+  }
   const std::string tmp = path + ".tmp";
   const auto fail = [&](const std::string& what) {
     const std::string reason = std::strerror(errno);
@@ -84,6 +96,8 @@ void replaceFile(const std::string& path, const std::function<void(const std::st
     ::unlink(tmp.c_str());
     throw;
   }
+  // The new file keeps the old one's permissions.
+  if (fs::exists(status)) fs::permissions(tmp, status.permissions(), fs::perm_options::replace, error);
   if (!syncPath(tmp, O_RDONLY)) fail("cannot sync the new file to disk");
   if (::rename(tmp.c_str(), path.c_str()) != 0) fail("cannot put the new file in place");
   const std::filesystem::path dir = std::filesystem::path(path).parent_path();
@@ -100,7 +114,7 @@ void replaceFileWithText(const std::string& path, std::string_view text) {
       const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
-        const std::string reason = std::strerror(errno);
+        const std::string reason = n < 0 ? std::strerror(errno) : "the device took no bytes";
         ::close(fd);
         throw IoError(path + ": cannot write " + tmp + ": " + reason);
       }

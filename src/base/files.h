@@ -19,8 +19,10 @@ void checkOutputPath(std::string_view flag, const std::string& path);
 
 // Replaces `path` with the file `write` makes at the temporary path it is given (`path`.tmp, in
 // the same directory), synced to disk, and then its directory: a crash leaves the old file or the
-// new one, never part of one. The temporary is removed when `write` throws (rethrown) or the file
-// cannot be synced or renamed (IoError naming `path`).
+// new one, never part of one; the new file keeps the old one's permissions. The temporary is removed
+// when `write` throws (rethrown) or the file cannot be synced or renamed (IoError naming `path`).
+// A symlink's target is replaced (the link stays); a path that is there and not a regular file
+// (/dev/stdout, a FIFO) is given to `write` itself, written in place.
 void replaceFile(const std::string& path, const std::function<void(const std::string& tmp)>& write);
 // replaceFile with `text` as the contents.
 void replaceFileWithText(const std::string& path, std::string_view text);

@@ -510,6 +510,18 @@ void addTestingOptions(CLI::App* train, TrainFlags& f) {
 
 // The flags read as text, turned into options and checked: a bad value is a usage error before
 // anything starts.
+// --save-model's path, now rather than when the run is over. Its directory may be --checkpoint-dir,
+// which the run makes; with {rank} in it, each rank's path is its own (training_loop.cpp).
+void checkSaveModelPath(const TrainOptions& o) {
+  namespace fs = std::filesystem;
+  if (o.saveModelPath.find("{rank}") != std::string::npos) return;
+  const auto asDirectory = [](const fs::path& p) { return (p / "").lexically_normal(); };
+  std::error_code error;
+  const bool intoCheckpointDir = !o.checkpointDir.empty() && !fs::exists(o.checkpointDir, error) &&
+                                 asDirectory(fs::path(o.saveModelPath).parent_path()) == asDirectory(o.checkpointDir);
+  if (!intoCheckpointDir) checkOutputPath("--save-model", o.saveModelPath);
+}
+
 void applyFlags(TrainFlags& f) {
   TrainOptions& o = f.options;
   o.strategy.scheme = *parseScheme(f.strategy);  // --strategy's check let only scheme names through
@@ -522,7 +534,7 @@ void applyFlags(TrainFlags& f) {
   COHORT_CHECK(f.saveModel->count() == 0 || !o.saveModelPath.empty(), InvalidArgument,
                "--save-model needs a file "
                "to write the model to, got an empty path: give --save-model FILE or drop it");
-  if (!o.saveModelPath.empty()) checkOutputPath("--save-model", o.saveModelPath);  // now, not when the run is over
+  if (!o.saveModelPath.empty()) checkSaveModelPath(o);
   parseProfileSteps(f.profileSteps, o.profile);
   if (!o.profile.path.empty()) quietKinetoWithoutGpu();  // here, while this process has one thread
   checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts

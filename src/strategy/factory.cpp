@@ -34,8 +34,8 @@ void checkCodecOptions(const StrategyOptions& options) {
   COHORT_CHECK(codec.kind == compress::CodecKind::None || options.scheme != Scheme::kTensor, InvalidArgument, "--codec ",
                options.codec, " does not apply to --strategy tensor: its activations and gradients travel "
                "uncompressed; drop --codec");
-  COHORT_CHECK(options.replicas >= 0, InvalidArgument, "--replicas must be at least 1 (0: the scheme's default), got ",
-               options.replicas);
+  COHORT_CHECK(options.replicas >= 0, InvalidArgument,
+               "--replicas must not be negative (0: the scheme's default), got ", options.replicas);
   COHORT_CHECK(codec.kind == compress::CodecKind::None || options.scheme != Scheme::kPipeline, InvalidArgument, "--codec ",
                options.codec, " applies to allreduce, average, ps and gossip; --strategy pipeline sends activations "
                "and their gradients uncompressed: drop --codec");
