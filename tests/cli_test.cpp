@@ -3,6 +3,8 @@
 
 #include "test_util.h"
 
+#include <filesystem>
+
 namespace cohort::cli_test {
 namespace {
 
@@ -192,6 +194,12 @@ TEST(Cli, ADirectoryWhereAFileGoesIsNamed) {
   expectOneLineError(kQuickRun + "--save-model " + dir.path(), "--save-model " + dir.path() + ": is a directory", 2);
   expectOneLineError(kQuickRun + "--model " + dir.path(), dir.path() + ": is a directory, not a TorchScript file");
   expectOneLineError("train --steps 1 --data libsvm:" + dir.path(), dir.path() + ": is a directory, not a data file");
+  expectOneLineError(kQuickRun + "--save-model " + dir.file("none/m.pt"), "the directory " + dir.file("none"), 2);
+  // ... but --checkpoint-dir, which the run makes, may hold the model.
+  auto r = test::runCommand(test::cohortBinary() + " " + kQuickRun + "--checkpoint-dir " + dir.file("ck") +
+                            " --save-model " + dir.file("ck/m.pt"));
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir.file("ck/m.pt"))) << r.output;
 }
 
 // --steps 0 would be "not given" and train the default epoch.
