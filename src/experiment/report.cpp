@@ -1,5 +1,6 @@
 #include "experiment/report.h"
 
+#include "base/files.h"
 #include "experiment/svg_chart.h"
 
 #include <cohort/error.h>
@@ -74,12 +75,8 @@ std::string measureText(const Measure& m, int digits, double scale = 1.0) {
   return out;
 }
 
-void writeText(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-  out.flush();
-  COHORT_CHECK(out.good(), IoError, path, ": cannot write");
-}
+// Replaced whole (base/files.h), as results.jsonl is: a kill leaves the last report or the new one.
+void writeText(const std::string& path, const std::string& text) { replaceFileWithText(path, text); }
 
 std::string readText(const std::string& path) {
   std::ifstream in(path);
