@@ -502,7 +502,7 @@ def file_cases(tmp, good):
     cfg = os.path.join(tmp, "steps.toml")
     with open(cfg, "w") as f:
         f.write("steps = 1\n")
-    add("`--config` a directory", ["train", "--config", d], 2, [d, "is a directory, not a config file"],
+    add("`--config` a directory", ["train", "--config", d], 2, ["--config", d, "is a directory, not a file"],
         "b142c08: trained a whole epoch on the defaults")
     add("`--config` twice", quick(extra=["--config", cfg, "--config", cfg]), 2, ["--config is given twice"],
         "b142c08: the second silently ignored")

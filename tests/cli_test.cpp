@@ -182,7 +182,8 @@ TEST(Cli, ConfigThatIsADirectoryTwiceOrEmptyIsRefused) {
   test::TempDir dir;
   test::writeFile(dir.file("a.toml"), "steps = 1\n");
   test::writeFile(dir.file("b.toml"), "steps = 2\n");
-  expectOneLineError("train --config " + dir.path(), dir.path() + ": is a directory, not a config file", 2);
+  expectOneLineError("train --config " + dir.path(),
+                     "--config " + dir.path() + ": is a directory, not a file; --config takes a TOML file", 2);
   expectOneLineError("train --config " + dir.file("a.toml") + " --config=" + dir.file("b.toml"),
                      "--config is given twice (" + dir.file("a.toml") + " and " + dir.file("b.toml") + ")", 2);
   expectOneLineError("train --config=", "--config needs a file", 2);

@@ -8,10 +8,22 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 
 namespace cohort {
 namespace {
+
+// A fresh directory under /tmp, removed with its contents at the end of the test.
+struct TempDir {
+  TempDir() {
+    char pattern[] = "/tmp/cohort-files-XXXXXX";
+    if (::mkdtemp(pattern) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path = pattern;
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+  std::string path;
+};
 
 std::string refusal(const std::string& path, std::string_view fix = {}) {
   try {
@@ -23,9 +35,8 @@ std::string refusal(const std::string& path, std::string_view fix = {}) {
 }
 
 TEST(ReadNamedFile, ReadsTheWholeFileAndNamesWhatIsWrongOtherwise) {
-  char pattern[] = "/tmp/cohort-files-XXXXXX";
-  ASSERT_NE(::mkdtemp(pattern), nullptr);
-  const std::string dir = pattern;
+  const TempDir temp;
+  const std::string& dir = temp.path;
   const std::string file = dir + "/f";
   const std::string bytes = std::string("a\0b\n", 4) + std::string(200'000, 'x');  // more than one read
   std::ofstream(file, std::ios::binary) << bytes;
@@ -36,14 +47,13 @@ TEST(ReadNamedFile, ReadsTheWholeFileAndNamesWhatIsWrongOtherwise) {
   EXPECT_EQ(refusal(dir + "/missing"), "--flag " + dir + "/missing: no such file");
   EXPECT_EQ(refusal(dir, "the fix"), "--flag " + dir + ": is a directory, not a file; the fix");
   // A read that fails (the kernel refuses to read this process's memory at address 0).
-  EXPECT_EQ(refusal("/proc/self/mem").rfind("--flag /proc/self/mem: cannot read it: ", 0), 0u) << refusal("/proc/self/mem");
-  std::filesystem::remove_all(dir);
+  EXPECT_EQ(refusal("/proc/self/mem").rfind("--flag /proc/self/mem: cannot read it: ", 0), 0u)
+      << refusal("/proc/self/mem");
 }
 
 TEST(CheckOutputPath, RefusesEmptyPathsDirectoriesAndMissingDirectories) {
-  char pattern[] = "/tmp/cohort-files-XXXXXX";
-  ASSERT_NE(::mkdtemp(pattern), nullptr);
-  const std::string dir = pattern;
+  const TempDir temp;
+  const std::string& dir = temp.path;
   auto refusal = [](const std::string& path) {
     try {
       checkOutputPath("--out", path);
@@ -59,15 +69,13 @@ TEST(CheckOutputPath, RefusesEmptyPathsDirectoriesAndMissingDirectories) {
   EXPECT_EQ(refusal(dir + "/sub/"), "--out " + dir + "/sub/: is a directory; name the file to write in it");
   EXPECT_EQ(refusal(dir + "/sub/x.pt"),
             "--out " + dir + "/sub/x.pt: the directory " + dir + "/sub does not exist; create it first");
-  std::filesystem::remove_all(dir);
 }
 
 // The new contents replace the old whole; a writer that fails leaves the old file and no
 // temporary behind.
 TEST(ReplaceFile, ReplacesWholeOrNotAtAll) {
-  char pattern[] = "/tmp/cohort-files-XXXXXX";
-  ASSERT_NE(::mkdtemp(pattern), nullptr);
-  const std::string dir = pattern;
+  const TempDir temp;
+  const std::string& dir = temp.path;
   const std::string path = dir + "/results.jsonl";
   replaceFileWithText(path, "first\n");
   EXPECT_EQ(readNamedFile("--flag", path), "first\n");
@@ -85,14 +93,12 @@ TEST(ReplaceFile, ReplacesWholeOrNotAtAll) {
   EXPECT_THROW(replaceFile(path, [](const std::string&) {}), IoError);
   EXPECT_EQ(readNamedFile("--flag", path), "second, longer\n");
   EXPECT_THROW(replaceFileWithText(dir + "/none/x", "x"), IoError);
-  std::filesystem::remove_all(dir);
 }
 
 // Through a symlink the target is replaced and the link stays; the old file's permissions stay.
 TEST(ReplaceFile, FollowsASymlinkAndKeepsThePermissions) {
-  char pattern[] = "/tmp/cohort-files-XXXXXX";
-  ASSERT_NE(::mkdtemp(pattern), nullptr);
-  const std::string dir = pattern;
+  const TempDir temp;
+  const std::string& dir = temp.path;
   const std::string target = dir + "/target.txt";
   const std::string link = dir + "/link.txt";
   replaceFileWithText(target, "old\n");
@@ -103,7 +109,6 @@ TEST(ReplaceFile, FollowsASymlinkAndKeepsThePermissions) {
   EXPECT_EQ(readNamedFile("--flag", target), "new\n");
   EXPECT_EQ(std::filesystem::status(target).permissions() & std::filesystem::perms::all,
             std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <sstream>
 
 namespace cohort::cli {
 
@@ -55,13 +56,11 @@ const CLI::Validator kSeedValidator(
 }  // namespace
 
 std::vector<std::string> configToArgs(const CLI::App& command, const std::string& path) {
-  // A directory opens as a stream that reads nothing: it would be an empty config, silently.
-  std::error_code error;
-  COHORT_CHECK(!std::filesystem::is_directory(path, error), InvalidArgument, path,
-               ": is a directory, not a config file: --config takes a TOML file of KEY = VALUE lines");
+  // Read by readNamedFile: a directory would open as a stream that reads nothing, an empty config.
+  std::istringstream text(readNamedFile("--config", path, "--config takes a TOML file of KEY = VALUE lines"));
   std::vector<CLI::ConfigItem> items;
   try {
-    items = CLI::ConfigTOML().from_file(path);
+    items = CLI::ConfigTOML().from_config(text);
   } catch (const CLI::Error& e) {
     throw InvalidArgument(path + ": cannot read the config file: " + e.what());
   }
@@ -508,8 +507,6 @@ void addTestingOptions(CLI::App* train, TrainFlags& f) {
       ->group("Testing");
 }
 
-// The flags read as text, turned into options and checked: a bad value is a usage error before
-// anything starts.
 // --save-model's path, now rather than when the run is over. Its directory may be --checkpoint-dir,
 // which the run makes; with {rank} in it, each rank's path is its own (training_loop.cpp).
 void checkSaveModelPath(const TrainOptions& o) {
@@ -522,6 +519,8 @@ void checkSaveModelPath(const TrainOptions& o) {
   if (!intoCheckpointDir) checkOutputPath("--save-model", o.saveModelPath);
 }
 
+// The flags read as text, turned into options and checked: a bad value is a usage error before
+// anything starts.
 void applyFlags(TrainFlags& f) {
   TrainOptions& o = f.options;
   o.strategy.scheme = *parseScheme(f.strategy);  // --strategy's check let only scheme names through
