@@ -522,6 +522,20 @@ def file_cases(tmp, good):
         f.write("not a certificate\n")
     add("`ps --tls-cert` with no certificate", ["ps", "--host", "127.0.0.1", "--tls-cert", junk, "--tls-key", junk], 2,
         ["--tls-cert", junk, "holds no PEM certificate"], "b142c08: started; every handshake failed later")
+
+    # Files that never end, and sweep and compare files that are not files (twenty-first session, on aeef050).
+    add("`--config /dev/zero`", ["train", "--config", "/dev/zero"], 2, ["--config /dev/zero", "larger than 64 MiB"],
+        "aeef050: read until memory ran out, then \"terminate called\" (a crash)")
+    add("`compare --hostfile /dev/zero`", ["compare", "--hostfile", "/dev/zero"], 2,
+        ["--hostfile /dev/zero", "larger than 64 MiB"], "aeef050: read until memory ran out (std::bad_alloc)")
+    add("`sweep` a directory", ["sweep", d, "--out", os.path.join(tmp, "sweep-out")], 2,
+        ["the sweep file", d, "is a directory"], "aeef050: ran a trial of the defaults")
+    empty = os.path.join(tmp, "empty.toml")
+    open(empty, "w").close()
+    add("`sweep` an empty file", ["sweep", empty, "--out", os.path.join(tmp, "sweep-out")], 2,
+        ["the sweep file", empty, "is empty"], "aeef050: ran a trial of the defaults")
+    add("`compare` a directory", ["compare", d, "--out", os.path.join(tmp, "compare-out")], 2,
+        ["the compare file", d, "is a directory"], "aeef050: \"no [[configuration]] tables\"")
     return cases
 
 

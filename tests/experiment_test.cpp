@@ -255,6 +255,18 @@ TEST(Sweep, BadFilesNameTheOption) {
   EXPECT_NE(error("lr = { min = 0.01, max = 0.1 }\n").find("needs steps = N"), std::string::npos);
   EXPECT_NE(error("metrics = \"x\"\n").find("set by cohort itself"), std::string::npos);
   EXPECT_NE(error("[sweep]\nmode = \"random\"\n").find("trials = N"), std::string::npos);
+  // A file with no keys would sweep nothing: one trial of the defaults.
+  EXPECT_EQ(error("# lr = [0.1]\n"),
+            "the sweep file " + dir.file("s.toml") +
+                ": is empty; a sweep file names the options to try, one per line: lr = [0.01, 0.1]");
+  EXPECT_NE(error("lr = [0.1\n").find(dir.file("s.toml") + ":1: "), std::string::npos);
+  try {
+    experiment::readSweepFile(dir.path(), catalog());
+    ADD_FAILURE() << "a directory was read as a sweep file";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("the sweep file " + dir.path() + ": is a directory"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Svg, ChartsCountTheirSeries) {

@@ -49,6 +49,8 @@ TEST(ReadNamedFile, ReadsTheWholeFileAndNamesWhatIsWrongOtherwise) {
   // A read that fails (the kernel refuses to read this process's memory at address 0).
   EXPECT_EQ(refusal("/proc/self/mem").rfind("--flag /proc/self/mem: cannot read it: ", 0), 0u)
       << refusal("/proc/self/mem");
+  // A file that never ends is read up to the cap, not until memory runs out.
+  EXPECT_EQ(refusal("/dev/zero"), "--flag /dev/zero: is larger than 64 MiB, more than such a file holds");
 }
 
 TEST(CheckOutputPath, RefusesEmptyPathsDirectoriesAndMissingDirectories) {

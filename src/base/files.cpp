@@ -12,6 +12,15 @@
 
 namespace cohort {
 
+namespace {
+
+// The most readNamedFile reads: more than any config, host list, token, certificate or calibration
+// holds, and a bound on a path that never ends (/dev/zero, /dev/urandom), which would otherwise be
+// read until memory runs out.
+constexpr size_t kMaxNamedFileBytes = size_t(64) << 20;
+
+}  // namespace
+
 std::string readNamedFile(std::string_view flag, const std::string& path, std::string_view fix) {
   const auto refuse = [&](std::string_view problem) {
     std::string message = std::string(flag) + " " + path + ": " + std::string(problem);
@@ -30,6 +39,10 @@ std::string readNamedFile(std::string_view flag, const std::string& path, std::s
     for (;;) {
       const ssize_t n = ::read(fd, buffer, sizeof buffer);
       if (n > 0) {
+        if (text.size() + size_t(n) > kMaxNamedFileBytes) {
+          error = EFBIG;
+          break;
+        }
         text.append(buffer, size_t(n));
       } else if (n == 0) {
         break;
@@ -41,6 +54,8 @@ std::string readNamedFile(std::string_view flag, const std::string& path, std::s
   }
   ::close(fd);
   if (error == EISDIR) refuse("is a directory, not a file");
+  if (error == EFBIG)
+    refuse("is larger than " + std::to_string(kMaxNamedFileBytes >> 20) + " MiB, more than such a file holds");
   if (error != 0) refuse("cannot read it: " + std::string(std::strerror(error)));
   return text;
 }

@@ -10,7 +10,8 @@ namespace cohort {
 
 // The contents of `path`, given as `flag` ("--hostfile"). Throws InvalidArgument "FLAG PATH: ..."
 // for a path that does not exist, is a directory (which opens as a stream that reads nothing), or
-// cannot be read (with the system's reason); `fix`, when not empty, ends the message.
+// cannot be read (with the system's reason), or holds more than 64 MiB (/dev/zero would never end);
+// `fix`, when not empty, ends the message.
 std::string readNamedFile(std::string_view flag, const std::string& path, std::string_view fix = {});
 
 // Before the work whose result goes to `path` (given as `flag`): throws InvalidArgument "FLAG

@@ -93,6 +93,8 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     return fail(2, std::string(e.what()) + " (see cohort --help)");
+  } catch (const std::exception& e) {  // a validator's or a config's, out of memory: not a crash
+    return fail(1, e.what());
   }
 
   try {

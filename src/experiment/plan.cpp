@@ -1,8 +1,9 @@
 #include "experiment/plan.h"
 
+#include "base/crypto.h"
 #include "experiment/netns.h"
 #include "experiment/remote.h"
-#include "base/crypto.h"
+#include "experiment/toml_file.h"
 
 #include <toml++/toml.h>
 #include <zlib.h>
@@ -203,12 +204,8 @@ std::vector<Configuration> defaultConfigurations(int workers, const std::string&
 }
 
 CompareFile readCompareFile(const std::string& path, const OptionCatalog& catalog) {
-  toml::table root;
-  try {
-    root = toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    throw InvalidArgument(path + ":" + std::to_string(e.source().begin.line) + ": " + std::string(e.description()));
-  }
+  const toml::table root =
+      readTomlFile("the compare file", path, "a compare file lists [[configuration]] tables, each naming a scheme");
   CompareFile file;
   for (const auto& [key, node] : root) {
     const std::string k(key.str());

@@ -1,5 +1,7 @@
 #include "experiment/sweep.h"
 
+#include "experiment/toml_file.h"
+
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -43,14 +45,6 @@ void checkFlagValue(const SweepParameter& p, const std::string& value, const std
   if (!p.isFlag) return;
   COHORT_CHECK(value == "true" || value == "false", InvalidArgument, where, ": option '", p.flag.substr(2),
                "' is a flag: its values are true and false");
-}
-
-toml::table parseFile(const std::string& path) {
-  try {
-    return toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    throw InvalidArgument(path + ":" + std::to_string(e.source().begin.line) + ": " + std::string(e.description()));
-  }
 }
 
 // The [sweep] table: mode, trials, seed, workers, ps.
@@ -177,7 +171,8 @@ void readOption(const std::string& k, const toml::node& node, const OptionCatalo
 }  // namespace
 
 SweepSpace readSweepFile(const std::string& path, const OptionCatalog& catalog) {
-  const toml::table root = parseFile(path);
+  const toml::table root =
+      readTomlFile("the sweep file", path, "a sweep file names the options to try, one per line: lr = [0.01, 0.1]");
   SweepSpace space;
   if (const toml::table* sweep = root["sweep"].as_table()) readSweepTable(*sweep, path, space);
   COHORT_CHECK(!space.random || space.trials > 0, InvalidArgument, path, ": a random sweep needs [sweep] trials = N");

@@ -67,6 +67,23 @@ std::string readPem(const std::string& path, const char* flag) {
   return text;
 }
 
+// The key and certificate of --tls-key and --tls-cert, read once and checked (a certificate, an
+// unencrypted key that matches it); none without those flags.
+std::optional<grpc::SslServerCredentialsOptions::PemKeyCertPair> readTlsFiles(const ServerOptions& o) {
+  COHORT_CHECK(o.tlsCertFile.empty() == o.tlsKeyFile.empty(), InvalidArgument,
+               "TLS needs both --tls-cert and --tls-key, got only ",
+               o.tlsCertFile.empty() ? "--tls-key" : "--tls-cert");
+  if (o.tlsCertFile.empty()) return std::nullopt;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  pair.cert_chain = readPem(o.tlsCertFile, "--tls-cert");
+  pair.private_key = readPem(o.tlsKeyFile, "--tls-key");
+  const std::string certificateProblem = crypto::pemCertificateProblem(pair.cert_chain);
+  COHORT_CHECK(certificateProblem.empty(), InvalidArgument, "--tls-cert ", o.tlsCertFile, " ", certificateProblem);
+  const std::string keyProblem = crypto::pemKeyProblem(pair.private_key, pair.cert_chain);
+  COHORT_CHECK(keyProblem.empty(), InvalidArgument, "--tls-key ", o.tlsKeyFile, " ", keyProblem);
+  return pair;
+}
+
 // The listening address ("host:port", "[v6]:port") is on loopback.
 bool isLoopbackAddress(const std::string& address) {
   const auto hostPort = parseHostPort(address, /*allowPortZero=*/true);
@@ -125,15 +142,13 @@ class TokenCheck final : public grpc::AuthMetadataProcessor {
 // the wire, but with the security handshake that lets TokenCheck run before a body is read);
 // else plaintext. Sets `early` when TokenCheck is installed (it checks the proof when there is a
 // verifier, and the declared size always).
-std::shared_ptr<grpc::ServerCredentials> serverCredentials(const ServerOptions& o,
-                                                           const std::shared_ptr<CallVerifier>& verifier,
-                                                           const std::shared_ptr<Refusals>& refusals, bool& early) {
-  COHORT_CHECK(o.tlsCertFile.empty() == o.tlsKeyFile.empty(), InvalidArgument,
-               "TLS needs both --tls-cert and --tls-key, got only ", o.tlsCertFile.empty() ? "--tls-key" : "--tls-cert");
+std::shared_ptr<grpc::ServerCredentials> serverCredentials(
+    const ServerOptions& o, const std::optional<grpc::SslServerCredentialsOptions::PemKeyCertPair>& tls,
+    const std::shared_ptr<CallVerifier>& verifier, const std::shared_ptr<Refusals>& refusals, bool& early) {
   std::shared_ptr<grpc::ServerCredentials> credentials;
-  if (!o.tlsCertFile.empty()) {
+  if (tls) {
     grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({readPem(o.tlsKeyFile, "--tls-key"), readPem(o.tlsCertFile, "--tls-cert")});
+    ssl.pem_key_cert_pairs.push_back(*tls);
     credentials = grpc::SslServerCredentials(ssl);
   } else if (isLoopbackAddress(o.address)) {
     credentials = grpc::experimental::LocalServerCredentials(LOCAL_TCP);
@@ -410,21 +425,10 @@ ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()
                "reaches it could pull and push: give --auth-token / --auth-token-file / $COHORT_AUTH_TOKEN (the same "
                "random value on every process), or listen on 127.0.0.1");
   const auto verifier = options.authToken.empty() ? nullptr : std::make_shared<CallVerifier>(options.authToken);
-  // TLS files first: a bad flag fails before any work.
-  COHORT_CHECK(options.tlsCertFile.empty() == options.tlsKeyFile.empty(), InvalidArgument,
-               "TLS needs both --tls-cert and --tls-key, got only ",
-               options.tlsCertFile.empty() ? "--tls-key" : "--tls-cert");
-  if (!options.tlsCertFile.empty()) {
-    const std::string certificate = readPem(options.tlsCertFile, "--tls-cert");
-    const std::string certificateProblem = crypto::pemCertificateProblem(certificate);
-    COHORT_CHECK(certificateProblem.empty(), InvalidArgument, "--tls-cert ", options.tlsCertFile, " ",
-                 certificateProblem);
-    const std::string keyProblem = crypto::pemKeyProblem(readPem(options.tlsKeyFile, "--tls-key"), certificate);
-    COHORT_CHECK(keyProblem.empty(), InvalidArgument, "--tls-key ", options.tlsKeyFile, " ", keyProblem);
-  }
+  const auto tls = readTlsFiles(options);  // first: a bad flag fails before any work
   impl_->shard = std::make_shared<Shard>(options.shard);
   impl_->refusals = std::make_shared<Refusals>(impl_->shard, options.shard.name, options.shard.log, options.shard.env);
-  const auto credentials = serverCredentials(options, verifier, impl_->refusals, impl_->checksBeforeBody);
+  const auto credentials = serverCredentials(options, tls, verifier, impl_->refusals, impl_->checksBeforeBody);
   impl_->tokenBeforeBody = impl_->checksBeforeBody && verifier != nullptr;
   impl_->connections = std::make_unique<Connections>(options.address, impl_->refusals);
   impl_->service = std::make_unique<Service>(impl_->shard, impl_->tokenBeforeBody ? nullptr : verifier, impl_->refusals,

@@ -1,6 +1,7 @@
 #include "train/evaluator.h"
 
 #include "base/clock.h"
+#include "base/files.h"
 #include "base/tensorboard.h"
 #include "train/evaluation.h"
 #include "train/threads.h"
@@ -273,15 +274,7 @@ int64_t evaluatedByAll(const std::string& checkpointDir, int evaluators) {
 }
 
 void writeTrainingDone(const std::string& checkpointDir, int64_t step) {
-  const std::string path = trainingDoneMarkerPath(checkpointDir);
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << nlohmann::json{{"step", step}}.dump() << "\n";
-    COHORT_CHECK(out.good(), IoError, tmp, ": cannot write the end-of-training marker: ", std::strerror(errno));
-  }
-  COHORT_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, IoError, path,
-               ": cannot rename the end-of-training marker into place: ", std::strerror(errno));
+  replaceFileWithText(trainingDoneMarkerPath(checkpointDir), nlohmann::json{{"step", step}}.dump() + "\n");
 }
 
 std::optional<int64_t> readTrainingDone(const std::string& checkpointDir) {
