@@ -26,8 +26,30 @@ inline int openDescriptors() {
   return n;
 }
 
-// Waits until the descriptor count is back to `level` (the server closed its ends of the test's
-// connections) and returns the last count; after `limit`, the count it is stuck at.
+// What each open descriptor is ("3 socket:[4711]", "5 anon_inode:[eventfd]", "7 /tmp/x"), for a
+// failure message to say what was left open.
+inline std::string describeDescriptors() {
+  std::string text;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    text += entry.path().filename().string() + " " + std::filesystem::read_symlink(entry.path(), error).string() + "\n";
+  }
+  return text;
+}
+
+// How many of the open descriptors are sockets: a connection a server failed to close is one,
+// where a library's own descriptors opened on first use (gRPC's eventfds and epoll sets) are not.
+inline int openSockets() {
+  int n = 0;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    n += std::filesystem::read_symlink(entry.path(), error).string().starts_with("socket:") ? 1 : 0;
+  }
+  return n;
+}
+
+// Waits until `count()` (openDescriptors, openSockets) is back to `level` (the server closed its
+// ends of the test's connections) and returns the last count; after `limit`, the count it is stuck at.
 //
 // Why a poll, and why it is correct. The descriptors are closed by the server's own threads some
 // time after the client's end closes, and nothing in Linux signals a change of a process's
@@ -37,19 +59,24 @@ inline int openDescriptors() {
 // into a failure the test reports with the count; a slow machine makes it wait longer, never pass
 // wrongly. The pause between reads starts at 1 ms and doubles up to 50 ms, so a quick close is
 // seen quickly and a slow one does not spin.
-inline int waitForDescriptors(int level, std::chrono::seconds limit) {
+template <typename Count>
+int waitForCount(Count count, int level, std::chrono::seconds limit) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
   auto pause = std::chrono::milliseconds(1);
-  int n = openDescriptors();
+  int n = count();
   while (n != level) {
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) break;
     std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause, deadline - now));
     pause = std::min(pause * 2, std::chrono::milliseconds(50));
-    n = openDescriptors();
+    n = count();
   }
   return n;
 }
+inline int waitForDescriptors(int level, std::chrono::seconds limit) {
+  return waitForCount(openDescriptors, level, limit);
+}
+inline int waitForSockets(int level, std::chrono::seconds limit) { return waitForCount(openSockets, level, limit); }
 
 // A field of /proc/self/status in bytes ("VmRSS", "VmHWM"); -1 when it is missing.
 inline int64_t statusBytes(const std::string& field) {
