@@ -70,6 +70,15 @@ TEST(Profile, EachRankWritesItsOwnTrace) {
     EXPECT_TRUE(operatorsIn(trace).count("aten::addmm") > 0) << trace;
   }
   EXPECT_FALSE(std::filesystem::exists(dir.file("t.json")));
+
+  // A directory is refused with several ranks too (its rank paths, DIR.rankN beside it, are files).
+  auto aDirectory = test::runCommand(test::cohortBinary() + " launch -n 2 -- " + test::cohortBinary() + kRun +
+                                         " --strategy allreduce --steps 5 --progress off --profile " + dir.path(),
+                                     120);
+  EXPECT_NE(aDirectory.exitCode, 0) << aDirectory.output;
+  EXPECT_NE(aDirectory.output.find("--profile " + dir.path() + ": is a directory"), std::string::npos)
+      << aDirectory.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + ".rank0")) << aDirectory.output;
 }
 
 // A run resumed inside the window profiles the window's steps it runs.

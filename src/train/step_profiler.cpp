@@ -110,7 +110,9 @@ StepProfiler::StepProfiler(ProfileOptions options, c10::Device device, int rank,
   // Refused now, not after the window's steps ran.
   COHORT_CHECK(!profiler::isProfilerEnabledInMainThread(), InvalidArgument,
                "--profile: the PyTorch profiler is already running in this process; profile one way at a time");
-  // Kineto writes FILE.tmp and renames it to FILE, and only logs a rename that fails.
+  // Kineto writes FILE.tmp and renames it to FILE, and only logs a rename that fails. The path as
+  // given too: with several ranks, DIR would become DIR.rankN beside it, and DIR/ a hidden DIR/.rankN.
+  checkOutputPath("--profile", options_.path);
   checkOutputPath("--profile", path_);
 }
 
