@@ -157,6 +157,10 @@ TEST(Compare, ReportOpensInChromiumAndTheCsvMatchesTheRuns) {
   EXPECT_EQ(html.find("src=\"http"), std::string::npos);
   EXPECT_NE(html.find("failed: "), std::string::npos);
   EXPECT_NE(html.find("partition"), std::string::npos);  // the pipeline's error, in the table
+  // The console's winners read the accuracy at the report's time, to the same tenth of a second.
+  std::smatch atTime;
+  ASSERT_TRUE(std::regex_search(r.output, atTime, std::regex("best accuracy after ([0-9]+\\.[0-9]) s: "))) << r.output;
+  EXPECT_NE(html.find("Accuracy after " + atTime[1].str() + " s"), std::string::npos) << atTime[0];
 
   // runs.csv and evals.csv say what the JSON lines say.
   const auto runs = readCsv(out + "/runs.csv");

@@ -367,8 +367,9 @@ void printWinners(const experiment::Summary& summary) {
   };
   best(&experiment::ConfigSummary::samplesPerSecond, "fastest training", "%.0f samples/s");
   best(&experiment::ConfigSummary::maxAccuracy, "highest accuracy", "%.4f");
-  const std::string atTime = "best accuracy after " + std::to_string(int(summary.timeBudget)) + " s";
-  best(&experiment::ConfigSummary::accuracyAtTime, atTime.c_str(), "%.4f");
+  char atTime[64];  // to a tenth of a second, as the report: short runs read "after 0 s" in whole ones
+  std::snprintf(atTime, sizeof(atTime), "best accuracy after %.1f s", summary.timeBudget);
+  best(&experiment::ConfigSummary::accuracyAtTime, atTime, "%.4f");
   char atEpochs[64];
   std::snprintf(atEpochs, sizeof(atEpochs), "best accuracy after %.2f epochs", summary.epochBudget);
   best(&experiment::ConfigSummary::accuracyAtEpochs, atEpochs, "%.4f");
