@@ -257,6 +257,9 @@ TEST(PsGrpcTest, ACallProofIsGoodOnceAndOnlyFresh) {
   EXPECT_EQ(verifier.check(callProof("other", now, std::string(32, 'c')), now), ProofCheck::kWrong);
   EXPECT_EQ(verifier.check("Bearer s3cret", now), ProofCheck::kMalformed);
   EXPECT_EQ(verifier.check("", now), ProofCheck::kMissing);
+  // A 19-digit stamp past int64_t (read before the proof is checked) is malformed, not an overflow.
+  const std::string past = "CohortHMAC 9999999999999999999." + std::string(32, 'f') + "." + std::string(64, '0');
+  EXPECT_EQ(verifier.check(past, now), ProofCheck::kMalformed);
   std::string tampered = callProof("s3cret", now, std::string(32, 'd'));
   tampered[tampered.size() - 1] ^= 1;
   EXPECT_EQ(verifier.check(tampered, now), ProofCheck::kWrong);

@@ -2,7 +2,9 @@
 
 #include "base/crypto.h"
 
+#include <algorithm>
 #include <array>
+#include <charconv>
 
 namespace cohort::ps {
 
@@ -70,10 +72,15 @@ ProofCheck CallVerifier::check(std::string_view header, int64_t now) {
       rest.size() - dot2 - 1 != 64) {
     return ProofCheck::kMalformed;
   }
+  // Digits only (from_chars would take a sign), and within int64_t: 19 digits can exceed it, and
+  // this runs before the proof is checked, on anyone's bytes.
+  const std::string_view digits = rest.substr(0, dot1);
+  if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return ProofCheck::kMalformed;
+  }
   int64_t stamp = 0;
-  for (char c : rest.substr(0, dot1)) {
-    if (c < '0' || c > '9') return ProofCheck::kMalformed;
-    stamp = stamp * 10 + (c - '0');
+  if (std::from_chars(digits.data(), digits.data() + digits.size(), stamp).ec != std::errc()) {
+    return ProofCheck::kMalformed;
   }
   const std::string nonce(rest.substr(dot1 + 1, kNonceHex));
   const std::string expected = callProof(secret_, stamp, nonce);
