@@ -70,16 +70,21 @@ struct Fixture {
     piece.set_key(7);
     piece.set_name("w");
     piece.set_numel(n);
+    wire::InitReply reply;
+    Status s = init(p, resume, start, &reply);
+    EXPECT_TRUE(s.ok()) << s.message;
+  }
+
+  // An Init of the same piece, as a chief sends it.
+  Status init(const wire::Policy& p, bool resume, float start, wire::InitReply* reply) {
     wire::InitRequest init;
     init.set_protocol(kProtocolVersion);
     *init.mutable_policy() = p;
     *init.add_pieces() = piece;
     init.set_resume(resume);
-    std::vector<float> values(n, start);
+    std::vector<float> values(piece.numel(), start);
     setTensor(init.add_values(), piece, values.data());
-    wire::InitReply reply;
-    Status s = shard->init(init, &reply);
-    EXPECT_TRUE(s.ok()) << s.message;
+    return shard->init(init, reply);
   }
 
   // Pushes each worker has made through pushOf: the clock a real worker sends.
@@ -245,6 +250,73 @@ TEST(PsShard, SyncAveragesAllWorkersAndHoldsEachUntilTheStepCloses) {
   EXPECT_EQ(a.version(), 1u);
   EXPECT_FLOAT_EQ(f.values()[0], -2.0f);  // the average of 1 and 3, applied once
   ASSERT_EQ(a.values_size(), 1);          // the push brought back the new parameters
+}
+
+// Re-reads `condition` until it holds, or `limit` passes: for a state of the shard that nothing
+// signals (a push held), as test::waitForCount does for descriptors.
+template <typename Condition>
+bool eventually(Condition condition, std::chrono::seconds limit = 30s) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!condition()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
+// A worker's connection drops while its push is held in a sync step, and the client sends the push
+// again: the retry waits for the step with the first and is answered as its duplicate. (Answered
+// "late" at once, it sent the worker on with the old values into more late pushes, and the first
+// push's reply then counted the worker's clock twice, dropping its next push as a duplicate.)
+TEST(PsShard, ARetryOfAHeldSyncPushWaitsForTheStepAsItsDuplicate) {
+  std::promise<void> retryWaits;
+  Fixture f(policy(wire::MODE_SYNC, 2), 4, 0.0f, "", false, {}, [&](uint32_t, int64_t, int64_t slowest) {
+    if (slowest == -1) retryWaits.set_value();
+  });
+  const wire::PushRequest request = f.pushOf(0, 0, 1.0f);
+  wire::PushReply replies[2];
+  auto send = [&](int i) { return f.shard->push(request, &replies[i]); };
+  auto first = std::async(std::launch::async, send, 0);
+  auto retry = std::async(std::launch::async, send, 1);
+  ASSERT_EQ(retryWaits.get_future().wait_for(30s), std::future_status::ready) << "the retry did not wait";
+  f.push(1, 0, 3.0f);  // closes the step
+  ASSERT_TRUE(first.get().ok());
+  ASSERT_TRUE(retry.get().ok());
+  EXPECT_NE(replies[0].applied(), replies[1].applied()) << "one applied, the other its duplicate";
+  for (const auto& reply : replies) {
+    EXPECT_EQ(reply.version(), 1u);
+    EXPECT_EQ(reply.dropped(), reply.applied() ? "" : "duplicate");
+    ASSERT_EQ(reply.values_size(), 1);  // the new parameters for both
+  }
+  EXPECT_FLOAT_EQ(f.values()[0], -2.0f);  // 1 and 3 averaged, once
+  EXPECT_EQ(f.stats().clocks(0), 1);
+  // The worker goes on at clock 1, and its next push counts.
+  auto next = std::async(std::launch::async, [&] { return f.push(0, 1, 1.0f); });
+  EXPECT_TRUE(f.push(1, 1, 1.0f).applied());
+  EXPECT_TRUE(next.get().applied());
+  EXPECT_EQ(f.stats().dropped_duplicate(), 1);
+  EXPECT_EQ(f.stats().dropped_late(), 0);
+}
+
+// A resume Init while a sync push is held aborts that push; its worker resumes at that push's
+// clock and sends the batch again, which the step counts, not the aborted copy.
+TEST(PsShard, AResumeInitDropsTheHeldSyncStepsGradients) {
+  const auto p = policy(wire::MODE_SYNC, 2);
+  Fixture f(p);
+  Status aborted;
+  auto held = std::async(std::launch::async, [&] { return f.push(0, 0, 100.0f, &aborted); });
+  ASSERT_TRUE(eventually([&] { return f.stats().applied() == 1; })) << "the push was not held";
+  wire::InitReply reply;
+  ASSERT_TRUE(f.init(p, /*resume=*/true, 0.0f, &reply).ok());
+  held.get();
+  EXPECT_EQ(aborted.code, Code::kAborted) << aborted.message;
+  ASSERT_EQ(reply.clocks_size(), 2);
+  EXPECT_EQ(reply.clocks(0), 0);
+  f.clocks[0] = 0;  // the worker resumes at its clock
+  auto again = std::async(std::launch::async, [&] { return f.push(0, 0, 1.0f); });
+  EXPECT_TRUE(f.push(1, 0, 3.0f).applied());
+  EXPECT_TRUE(again.get().applied());
+  EXPECT_FLOAT_EQ(f.values()[0], -2.0f);  // 1 and 3; the aborted 100 is not in it
 }
 
 // A sync step's checkpoint is taken by the pusher that closed it, right after its reply, while the
@@ -538,6 +610,56 @@ TEST(PsShard, AFailedCheckpointIsCountedAndAFailedFinalOneIsReported) {
   ASSERT_TRUE(f.shard->finalCheckpointError().has_value());
   EXPECT_EQ(*f.shard->finalCheckpointError(), reply.final_checkpoint_error());
   EXPECT_EQ(f.stats().checkpoints_failed(), 3);
+}
+
+// A write that throws (std::bad_alloc for the serialized copy of a large state) is a failed
+// checkpoint like any other: the push it follows is answered, and the next checkpoint is written.
+TEST(PsShard, ACheckpointWriteThatThrowsLeavesTheNextOneToBeWritten) {
+  test::TempDir dir;
+  auto p = policy(wire::MODE_ASYNC, 2);
+  p.set_checkpoint_every(1);
+  Fixture f(p, 4, 0.0f, dir.path(), false, [&](uint64_t version) {
+    if (version == 2) throw std::bad_alloc();
+  });
+  f.push(0, 0, 1.0f);  // version 1: written
+  f.push(1, 1, 1.0f);  // version 2: throws
+  f.push(0, 2, 1.0f);  // version 3: written
+  EXPECT_EQ(f.stats().checkpoints_failed(), 1);
+  EXPECT_NE(f.stats().checkpoint_error().find("bad_alloc"), std::string::npos) << f.stats().checkpoint_error();
+  const auto files = CheckpointStore(dir.path(), "shard").list();
+  ASSERT_FALSE(files.empty());
+  EXPECT_EQ(files.front().step, 3);
+}
+
+// A fresh Init removes the earlier run's checkpoints, including one being written as it comes and
+// one copied and not yet written: neither may come back as the newest checkpoint of the new run.
+TEST(PsShard, AFreshInitLeavesNoCheckpointOfTheEarlierRun) {
+  test::TempDir dir;
+  auto p = policy(wire::MODE_ASYNC, 2);
+  p.set_checkpoint_every(1);
+  std::promise<void> writing;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> hooks{0};
+  Fixture f(p, 4, 0.0f, dir.path(), false, [&](uint64_t) {
+    if (hooks++ > 0) return;  // the first write only
+    writing.set_value();
+    released.wait();
+  });
+  auto first = std::async(std::launch::async, [&] { return f.push(0, 0, 1.0f); });  // version 1, held in its write
+  ASSERT_EQ(writing.get_future().wait_for(30s), std::future_status::ready) << "no checkpoint was written";
+  f.push(1, 0, 1.0f);  // version 2: copied, left to the writer
+  auto fresh = std::async(std::launch::async, [&] {
+    wire::InitReply reply;
+    return f.init(p, /*resume=*/false, 5.0f, &reply);
+  });
+  // Without the fix the Init finishes at once, before the write; with it, it waits for the write.
+  fresh.wait_for(200ms);
+  release.set_value();
+  ASSERT_TRUE(fresh.get().ok());
+  first.get();
+  EXPECT_EQ(f.values()[0], 5.0f);
+  EXPECT_TRUE(CheckpointStore(dir.path(), "shard").list().empty()) << "a checkpoint of the earlier run is there";
 }
 
 TEST(PsShard, FinishesWhenEveryWorkerIsDone) {

@@ -18,6 +18,7 @@ Status SyncPolicy::push(Shard& shard, Shard::HeldPush& push) const {
     shard.accumulateLocked(push.grad, 1.0f);
   }
   shard.pendingFrom_[push.id] = true;
+  shard.workers_[push.id].heldClock = push.request.clock();
   push.reply->set_staleness(0);
   shard.noteStalenessLocked(0);
   shard.stats_.set_applied(shard.stats_.applied() + 1);

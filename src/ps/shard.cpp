@@ -129,6 +129,14 @@ Status Shard::resumeLocked(const wire::InitRequest& request, wire::InitReply* re
                                                         std::to_string(request.policy().momentum()) +
                                                         "): resume with the same optimizer, or start afresh");
   }
+  // The step or group being gathered. sync's pushers are held, and this Init aborts them: their
+  // workers push those batches again, so their gradients go. softsync's were answered: its group
+  // is applied now, not lost, and not carried into a mode the resumed job may change.
+  if (policy_.mode() == wire::MODE_SYNC) {
+    clearPendingLocked();
+  } else if (pendingCount_ > 0) {
+    applyPendingLocked();
+  }
   policy_ = request.policy();  // the resumed job may change mode or learning rate
   updatePolicy_ = UpdatePolicy::make(policy_);
   optimizer_->setLr(policy_.lr());
@@ -137,7 +145,9 @@ Status Shard::resumeLocked(const wire::InitRequest& request, wire::InitReply* re
   failure_.reset();
   finished_ = false;
   stopJob_ = false;
-  for (auto& w : workers_) w = Worker{.clock = w.clock, .lastSeen = now()};
+  // A worker whose step closed while its push waited for the lock has that push applied, though
+  // its reply (and clock) never came: it goes on after it, as a checkpoint counts it.
+  for (auto& w : workers_) w = Worker{.clock = w.clock + (w.inClosedStep ? 1 : 0), .lastSeen = now()};
   reply->set_version(version_);
   reply->set_resumed(true);
   for (const auto& w : workers_) reply->add_clocks(w.clock);
@@ -188,9 +198,19 @@ void Shard::startAfreshLocked(const wire::InitRequest& request, const std::vecto
   stopJob_ = false;
   stats_ = wire::StatsReply();
   stalenessSum_ = 0;
+  checkpointDue_ = false;
+  nextCheckpoint_.reset();
   if (store_) {
-    // A fresh run replaces an earlier run's checkpoints, so a restart never picks up those.
-    for (const auto& f : store_->list()) std::filesystem::remove(f.path);
+    // A fresh run replaces an earlier run's checkpoints, so a restart never picks up those. Under
+    // writeMu_: a write under way ends first (and is removed), and one of the old run's copies not
+    // yet written is skipped (run_).
+    MutexLock writing(writeMu_);
+    run_.fetch_add(1);
+    for (const auto& f : store_->list()) {
+      std::error_code error;
+      std::filesystem::remove(f.path, error);
+      if (error) log("could not remove the earlier run's checkpoint " + f.path + ": " + error.message());
+    }
   }
   initialized_ = true;
   initSinceStart_ = true;

@@ -31,6 +31,7 @@
 #include "ps/status.h"
 #include "ps/wire.h"
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -70,7 +71,8 @@ struct ShardOptions {
   // shard's lock released (pushes and pulls go on while a checkpoint is written).
   std::function<void(uint64_t version)> beforeCheckpointWrite;
   // Testing: called when an ssp push of `worker`, about to start step `clock`, is held because the
-  // slowest live worker is at `slowest` (under the shard's lock: it must not call the shard).
+  // slowest live worker is at `slowest`, or when a retry of a sync push of `clock` waits for the
+  // push it repeats (`slowest` -1). Under the shard's lock: it must not call the shard.
   std::function<void(uint32_t worker, int64_t clock, int64_t slowest)> onHeld;
 };
 
@@ -195,8 +197,10 @@ class Shard {
   void fillValuesLocked(google::protobuf::RepeatedPtrField<wire::Tensor>* out, std::vector<float>* framed = nullptr)
       REQUIRES(mu_);
   void markLostLocked(std::chrono::steady_clock::time_point now) REQUIRES(mu_);
-  // The checks every push passes first (protocol, initialized, worker); gives the layout.
-  Status admitPush(const wire::PushRequest& request, std::vector<wire::PieceSpec>* pieces) EXCLUDES(mu_);
+  // The checks every push passes first (protocol, initialized, worker); gives the layout, and the
+  // Init it belongs to (generation_) when `generation` is given.
+  Status admitPush(const wire::PushRequest& request, std::vector<wire::PieceSpec>* pieces,
+                   uint64_t* generation = nullptr) EXCLUDES(mu_);
   // framed: the push's floats are there (pushFramed); streamed: they were checked as they arrived
   // (finishStream). Either way the reply's floats go to *replyValues. Checks and decodes the push
   // outside the lock (a large push does not stall the others), admits it under the lock, then
@@ -208,10 +212,10 @@ class Shard {
   struct DecodedPush;
   void decodePush(const wire::PushRequest& request, const FramePayload* framed, const Stream* streamed,
                   const std::vector<wire::PieceSpec>& pieces, DecodedPush& out) const;
-  // Under the lock: a push the shard refuses now (a bad clock, a layout changed by an Init since it
-  // was decoded, a failed shard) is counted and its error returned; Ok admits it.
-  Status acceptLocked(const wire::PushRequest& request, const DecodedPush& decoded, const Stream* streamed)
-      REQUIRES(mu_);
+  // Under the lock: a push the shard refuses now (a bad clock, an Init since it was admitted under
+  // `admitted`, a failed shard) is counted and its error returned; Ok admits it.
+  Status acceptLocked(const wire::PushRequest& request, const DecodedPush& decoded, const Stream* streamed,
+                      uint64_t admitted) REQUIRES(mu_);
 
   // A push admitted under the lock, on its way through the update policy to its reply. Lives on
   // handlePush's stack; `id` indexes workers_, never a reference across a wait (an Init while the
@@ -231,6 +235,10 @@ class Shard {
   };
   // The worker heard from; a retry of a push already handled is answered as a duplicate (true).
   bool noteArrivalLocked(HeldPush& push) REQUIRES(mu_);
+  void replyDuplicateLocked(HeldPush& push) REQUIRES(mu_);
+  // A retry of the worker's push still held (Worker::heldClock): waits until that one is let go,
+  // then answers as a duplicate, with the values it let the first go with.
+  Status awaitHeldOriginalLocked(HeldPush& push) REQUIRES(mu_);
   void countPushLocked(const HeldPush& push, int64_t pushedBytes) REQUIRES(mu_);
 
   // The reply: the worker's clock, the version, the wait, the values when asked for. The update
@@ -239,11 +247,18 @@ class Shard {
   int64_t stalenessLocked(const HeldPush& push) const REQUIRES(mu_);
   void maybeCheckpointLocked() REQUIRES(mu_);
   void checkpointLocked() REQUIRES(mu_);
-  // The state as a checkpoint (nullopt without a store or before Init), and its writing, which
-  // takes writeMu_ only: never mu_, so that pushes go on meanwhile.
-  std::optional<wire::ShardCheckpoint> snapshotLocked() REQUIRES(mu_);
-  // Returns why the write failed (the store's message, naming the file and the errno text).
-  std::optional<std::string> writeCheckpoint(const wire::ShardCheckpoint& snapshot) EXCLUDES(writeMu_);
+  // The state as a checkpoint, and the run it is of (run_ when it was copied).
+  struct Snapshot {
+    wire::ShardCheckpoint state;
+    uint64_t run = 0;
+  };
+  // The state now (nullopt without a store or before Init), and its writing, which takes writeMu_
+  // only: never mu_, so that pushes go on meanwhile.
+  std::optional<Snapshot> snapshotLocked() REQUIRES(mu_);
+  // Returns why the write failed (the store's message, naming the file and the errno text). A
+  // snapshot of an earlier run (a fresh Init came since it was copied, and removed that run's
+  // checkpoints) is not written.
+  std::optional<std::string> writeCheckpoint(const Snapshot& snapshot) EXCLUDES(writeMu_);
   void noteCheckpointFailedLocked(const std::string& error) REQUIRES(mu_);
   // Writes the checkpoint maybeCheckpointLocked() asked for, if any; called without mu_.
   void writeDueCheckpoint() EXCLUDES(mu_);
@@ -293,12 +308,14 @@ class Shard {
   bool stopJob_ GUARDED_BY(mu_) = false;  // the chief asked every worker to stop (not checkpointed)
   uint64_t lastCheckpointVersion_ GUARDED_BY(mu_) = 0;  // the last one copied for writing
   bool checkpointDue_ GUARDED_BY(mu_) = false;           // checkpoint_every updates since it
-  std::optional<wire::ShardCheckpoint> nextCheckpoint_ GUARDED_BY(mu_);  // copied, to be written
+  std::optional<Snapshot> nextCheckpoint_ GUARDED_BY(mu_);  // copied, to be written
   bool writingCheckpoints_ GUARDED_BY(mu_) = false;      // a pusher is writing them (writeDueCheckpoint)
   std::optional<std::string> finalCheckpointError_ GUARDED_BY(mu_);
   // Serializes the writing of checkpoints (store_ is not thread-safe). Taken after mu_ or alone,
   // never the other way round.
   mutable Mutex writeMu_;
+  // Fresh Inits so far: changed only under mu_ and writeMu_ both, so either lock reads it still.
+  std::atomic<uint64_t> run_{0};
   wire::StatsReply stats_ GUARDED_BY(mu_);
   double stalenessSum_ GUARDED_BY(mu_) = 0;
 };

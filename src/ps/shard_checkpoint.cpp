@@ -23,7 +23,7 @@ namespace cohort::ps {
 using namespace shard_internal;
 
 void Shard::checkpoint() {
-  std::optional<wire::ShardCheckpoint> snapshot;
+  std::optional<Snapshot> snapshot;
   {
     MutexLock lock(mu_);
     snapshot = snapshotLocked();
@@ -53,14 +53,22 @@ void Shard::writeDueCheckpoint() {
     MutexLock lock(mu_);
     if (!checkpointDue_) return;
     checkpointDue_ = false;
-    std::optional<wire::ShardCheckpoint> snapshot = snapshotLocked();
+    std::optional<Snapshot> snapshot;
+    try {  // a copy of the whole state: it may not fit, and the push it follows is applied already
+      snapshot = snapshotLocked();
+    } catch (const std::exception& e) {
+      const std::string error = "the state could not be copied for a checkpoint: " + std::string(e.what());
+      log("checkpoint failed, training goes on: " + error);
+      noteCheckpointFailedLocked(error);
+      return;
+    }
     if (!snapshot) return;
     nextCheckpoint_ = std::move(snapshot);
     if (writingCheckpoints_) return;
     writingCheckpoints_ = true;
   }
   for (;;) {
-    std::optional<wire::ShardCheckpoint> next;
+    std::optional<Snapshot> next;
     {
       MutexLock lock(mu_);
       if (!nextCheckpoint_) {
@@ -86,7 +94,7 @@ void Shard::checkpointLocked() {
   const auto error = writeCheckpoint(*snapshot);
   if (!error) return;
   noteCheckpointFailedLocked(*error);
-  std::string message = options_.name + ": the final checkpoint (version " + std::to_string(snapshot->version()) +
+  std::string message = options_.name + ": the final checkpoint (version " + std::to_string(snapshot->state.version()) +
                         ") could not be written to " + store_->dir() + ": " + *error + "; ";
   std::vector<CheckpointFile> kept;
   {
@@ -101,9 +109,10 @@ void Shard::checkpointLocked() {
   finalCheckpointError_ = message;
 }
 
-std::optional<wire::ShardCheckpoint> Shard::snapshotLocked() {
+std::optional<Shard::Snapshot> Shard::snapshotLocked() {
   if (!store_ || !initialized_) return std::nullopt;
-  wire::ShardCheckpoint c;
+  Snapshot snapshot{.state = {}, .run = run_.load()};
+  wire::ShardCheckpoint& c = snapshot.state;
   *c.mutable_policy() = policy_;
   for (const auto& p : pieces_) *c.add_pieces() = p;
   c.set_version(version_);
@@ -121,19 +130,23 @@ std::optional<wire::ShardCheckpoint> Shard::snapshotLocked() {
   *c.mutable_stats() = stats_;
   c.mutable_stats()->set_staleness_mean(stats_.applied() > 0 ? stalenessSum_ / double(stats_.applied()) : 0.0);
   lastCheckpointVersion_ = version_;
-  return c;
+  return snapshot;
 }
 
-std::optional<std::string> Shard::writeCheckpoint(const wire::ShardCheckpoint& snapshot) {
+std::optional<std::string> Shard::writeCheckpoint(const Snapshot& snapshot) {
   MutexLock lock(writeMu_);
-  if (options_.beforeCheckpointWrite) options_.beforeCheckpointWrite(snapshot.version());
-  std::string bytes;
-  if (!snapshot.SerializeToString(&bytes)) {
-    return "the state of version " + std::to_string(snapshot.version()) + " could not be serialized (over 2 GiB?)";
-  }
+  // A fresh Init removed the checkpoints of the run this copy is of; it would come back as the newest.
+  if (snapshot.run != run_.load()) return std::nullopt;
+  const wire::ShardCheckpoint& state = snapshot.state;
+  // Never throws: a writer that did would leave writingCheckpoints_ set, and no checkpoint after.
   try {
-    store_->save(int64_t(snapshot.version()), std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
-  } catch (const Error& e) {
+    if (options_.beforeCheckpointWrite) options_.beforeCheckpointWrite(state.version());
+    std::string bytes;
+    if (!state.SerializeToString(&bytes)) {
+      return "the state of version " + std::to_string(state.version()) + " could not be serialized (over 2 GiB?)";
+    }
+    store_->save(int64_t(state.version()), std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+  } catch (const std::exception& e) {  // cohort's IoError, or std::bad_alloc for the serialized copy
     return std::string(e.what());
   }
   launcher::tellShardHasCheckpoint();  // a restart alone now has a state to come back to

@@ -55,6 +55,9 @@ struct Shard::Worker {
   // `clock`, has not run yet (it waits for the lock). A checkpoint taken meanwhile counts it: every
   // worker's clock in a checkpoint of version V is then V, and all resume at the same step.
   bool inClosedStep = false;
+  // sync: the clock of its push held in the step being gathered (-1: none). A retry of that push
+  // (its connection dropped while it was held) waits for it and is answered as its duplicate.
+  int64_t heldClock = -1;
   Clock::time_point lastSeen;  // on the shard's clock (Shard::now()), set when the worker is made
 };
 

@@ -83,7 +83,7 @@ void Shard::countRejected(const Status& why) {
   if (stats_.rejected() <= 10 || stats_.rejected() % 100 == 0) log("refused a push: " + why.message);
 }
 
-Status Shard::admitPush(const wire::PushRequest& request, std::vector<wire::PieceSpec>* pieces) {
+Status Shard::admitPush(const wire::PushRequest& request, std::vector<wire::PieceSpec>* pieces, uint64_t* generation) {
   MutexLock lock(mu_);
   // The protocol first: a worker of another version must hear so, not retry "not initialized".
   Status s = checkProtocol(request.protocol());
@@ -95,6 +95,7 @@ Status Shard::admitPush(const wire::PushRequest& request, std::vector<wire::Piec
     return s;
   }
   *pieces = pieces_;
+  if (generation != nullptr) *generation = generation_;
   return Status::Ok();
 }
 
@@ -162,14 +163,17 @@ void Shard::decodePush(const wire::PushRequest& request, const FramePayload* fra
   }
 }
 
-Status Shard::acceptLocked(const wire::PushRequest& request, const DecodedPush& decoded, const Stream* streamed) {
+Status Shard::acceptLocked(const wire::PushRequest& request, const DecodedPush& decoded, const Stream* streamed,
+                           uint64_t admitted) {
   Status valid = decoded.valid;
   if (valid.ok() && (request.clock() < 0 || request.clock() > kMaxClock)) {
     valid =
         Status::error(Code::kInvalidArgument, "push: clock " + std::to_string(request.clock()) + " is out of range");
   }
-  if (!valid.ok() || decoded.gradSize != values_.size() || request.worker() >= workers_.size()) {
-    // values_ and workers_ can change under a concurrent Init.
+  // An Init since the push was admitted: its layout, values and clocks are another run's, even where
+  // the sizes agree (a worker's clock from the old run would drop its pushes in the new one).
+  if (!valid.ok() || generation_ != admitted || decoded.gradSize != values_.size() ||
+      request.worker() >= workers_.size()) {
     const Status s = valid.ok() ? Status::error(Code::kAborted, "the shard was re-initialized during the push") : valid;
     stats_.set_rejected(stats_.rejected() + 1);
     if (stats_.rejected() <= 10 || stats_.rejected() % 100 == 0) {
@@ -196,13 +200,32 @@ bool Shard::noteArrivalLocked(HeldPush& push) {
   if (push.early || push.request.clock() >= me.clock) return false;
   // A retry of a push this shard has already handled (the reply was lost with the connection):
   // it must not count twice.
+  replyDuplicateLocked(push);
+  return true;
+}
+
+void Shard::replyDuplicateLocked(HeldPush& push) {
   stats_.set_dropped_duplicate(stats_.dropped_duplicate() + 1);
   push.reply->set_applied(false);
   push.reply->set_dropped("duplicate");
   push.reply->set_version(version_);
   push.reply->set_samples_total(stats_.samples_total());
   if (push.request.want_values()) fillReplyLocked(push.request, push.reply, push.replyValues);
-  return true;
+}
+
+Status Shard::awaitHeldOriginalLocked(HeldPush& push) {
+  // Answered "late" at once, as before, the retry would send the worker on with the step's old
+  // values, its next pushes late too until the step closed, and the first push's reply would then
+  // count its clock a second time.
+  if (options_.onHeld) options_.onHeld(push.id, push.request.clock(), -1);
+  while (workers_[push.id].heldClock == push.request.clock() && !failure_) {
+    changed_.waitFor(mu_, kTick);
+    if (generation_ != push.generation) return reinitializedWhileHeld();
+    workers_[push.id].lastSeen = now();
+  }
+  if (failure_) return Status::error(Code::kAborted, *failure_);
+  replyDuplicateLocked(push);
+  return Status::Ok();
 }
 
 int64_t Shard::stalenessLocked(const HeldPush& push) const {
@@ -213,6 +236,7 @@ Status Shard::finishPushLocked(HeldPush& push, bool applied) {
   Worker& me = workers_[push.id];
   me.clock += 1;
   me.inClosedStep = false;
+  me.heldClock = -1;
   me.lastSeen = now();
   wire::PushReply* reply = push.reply;
   reply->set_applied(applied);
@@ -241,12 +265,13 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
                          wire::PushReply* reply, std::vector<float>* replyValues) {
   const auto arrived = now();
   std::vector<wire::PieceSpec> pieces;
-  if (Status s = admitPush(request, &pieces); !s.ok()) return s;
+  uint64_t admitted = 0;
+  if (Status s = admitPush(request, &pieces, &admitted); !s.ok()) return s;
   DecodedPush decoded;
   decodePush(request, framed, streamed, pieces, decoded);
 
   MutexLock lock(mu_);
-  if (Status s = acceptLocked(request, decoded, streamed); !s.ok()) return s;
+  if (Status s = acceptLocked(request, decoded, streamed, admitted); !s.ok()) return s;
   HeldPush push{.request = request,
                 .reply = reply,
                 .replyValues = replyValues,
@@ -259,6 +284,7 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
                 .pulled = std::min<uint64_t>(request.pulled_version(), version_),  // a restarted shard is behind
                 .dropped = {}};
   if (noteArrivalLocked(push)) return Status::Ok();
+  if (!push.early && workers_[push.id].heldClock == request.clock()) return awaitHeldOriginalLocked(push);
   countPushLocked(push, decoded.pushedBytes);
   // This push's policy stays alive while it is held, whatever an Init does to updatePolicy_.
   const std::shared_ptr<const UpdatePolicy> policy = updatePolicy_;
