@@ -197,6 +197,23 @@ TEST(DataParallel, AverageWithCodecAndOuterNesterovResumesExactlyAfterTheWarmUp)
                        6, 10);
 }
 
+// The same for allreduce: DataParallel's warm-up count and every bucket's residual (before,
+// neither was in the checkpoint, and the resumed run ended elsewhere than the uninterrupted one).
+TEST(DataParallel, AllreduceWithCodecResumesExactlyInsideTheWarmUp) {
+  expectResumesExactly(launch(2) + test::cohortBinary() +
+                           " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                           " --optimizer sgd --lr 0.1 --strategy allreduce --codec topk:0.1 --codec-warmup-steps 5",
+                       4, 10);
+}
+
+TEST(DataParallel, AllreduceWithCodecResumesExactlyAfterTheWarmUp) {
+  expectResumesExactly(launch(2) + test::cohortBinary() +
+                           " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                           " --optimizer sgd --lr 0.1 --strategy allreduce --codec threshold:0.005"
+                           " --codec-warmup-steps 2 --first-bucket-mb 0.05 --bucket-mb 0.2",
+                       6, 10);
+}
+
 TEST(DataParallel, RunsUnderMpirun) {
   test::TempDir dir;
   const test::ReservedPort port;  // mpirun's ranks must all be told the port before rank 0 listens

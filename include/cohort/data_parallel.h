@@ -135,6 +135,19 @@ class COHORT_API DataParallel {
   int rank() const;
   int worldSize() const;
 
+  // The codec's state, training state as the optimizer's is, for a checkpoint taken between steps:
+  // the synchronized steps so far (with those of an earlier run put back), which decide when
+  // codecWarmupSteps ends, and the residual of error feedback, flat over the buckets in order
+  // (undefined for a codec without one). Every rank has a residual of its own. setCodecState()
+  // puts a saved state back; it throws InvalidArgument for a residual of another size, or one given
+  // to a handle whose codec keeps none.
+  struct CodecState {
+    int64_t steps = 0;
+    torch::Tensor residual;
+  };
+  CodecState codecState() const;
+  void setCodecState(const CodecState& state);
+
   struct Impl;  // opaque: defined in src/schemes/data_parallel.cpp
 
  private:

@@ -103,6 +103,7 @@ struct COHORT_LOCAL DataParallel::Impl {
   bool joining = false;     // inside join()
   int noSyncDepth = 0;
   int64_t syncStepsAtJoin = 0;  // stats.syncSteps when join() began
+  int64_t stepsBefore = 0;      // an earlier run's synchronized steps (setCodecState)
   double scale = 1.0;
   ScaleTensors scaleTensors;               // `scale`, for scaledInto
   std::vector<torch::Tensor> sparseGrads;  // per parameter: this step's row-sparse gradient (or undefined)
@@ -112,9 +113,8 @@ struct COHORT_LOCAL DataParallel::Impl {
   CompressedSum::Phases phasesAtStart;
   DataParallelStats stats;
 
-  CompressedSum& exchange() {
-    return stats.syncSteps + stats.shadowSteps < options.codecWarmupSteps ? *plain : *compressed;
-  }
+  int64_t codecSteps() const { return stepsBefore + stats.syncSteps + stats.shadowSteps; }
+  CompressedSum& exchange() { return codecSteps() < options.codecWarmupSteps ? *plain : *compressed; }
 
   void checkUsable() const {
     COHORT_CHECK(broken.empty(), CommError, kWho, " cannot synchronize after an earlier failure (", broken,
@@ -588,6 +588,40 @@ void DataParallel::synchronizeBuffers() {
                "after join() returns");
   s.checkUsable();
   s.guard([&] { averageInPlace(*s.comm, s.module->buffers()); });
+}
+
+DataParallel::CodecState DataParallel::codecState() const {
+  Impl& s = *impl_;
+  CodecState state{.steps = s.codecSteps(), .residual = {}};
+  std::vector<float> residual;
+  for (size_t id = 0; id < s.buckets.size(); ++id) {
+    const std::span<const float> r = s.compressed->residual(id);
+    residual.insert(residual.end(), r.begin(), r.end());
+  }
+  if (!residual.empty()) state.residual = torch::from_blob(residual.data(), {int64_t(residual.size())}).clone();
+  return state;
+}
+
+void DataParallel::setCodecState(const CodecState& state) {
+  Impl& s = *impl_;
+  COHORT_CHECK(state.steps >= 0, InvalidArgument, kWho, ": a saved step count must be at least 0, got ", state.steps);
+  if (state.residual.defined()) {
+    size_t keeps = 0;
+    for (size_t id = 0; id < s.buckets.size(); ++id) keeps += s.compressed->residual(id).size();
+    COHORT_CHECK(keeps > 0, InvalidArgument, kWho, ": the saved state holds a codec residual, but codec ",
+                 s.options.codec, " keeps none: resume with the codec the checkpoint was written with");
+    const torch::Tensor r = state.residual.to(torch::kCPU, torch::kFloat32).contiguous();
+    COHORT_CHECK(r.dim() == 1 && size_t(r.numel()) == keeps, InvalidArgument, kWho, ": the saved codec residual has ",
+                 r.numel(), " entries, this model's buckets ", keeps,
+                 ": resume with the same model, --bucket-mb and --first-bucket-mb");
+    size_t at = 0;
+    for (size_t id = 0; id < s.buckets.size(); ++id) {
+      const size_t n = s.compressed->residual(id).size();
+      s.compressed->setResidual(id, {r.data_ptr<float>() + at, n});
+      at += n;
+    }
+  }
+  s.stepsBefore = state.steps - s.stats.syncSteps - s.stats.shadowSteps;
 }
 
 DataParallelStats DataParallel::stats() const { return impl_->stats; }

@@ -3,12 +3,20 @@
 #include <cohort/error.h>
 
 #include "schemes/model_sync.h"
+#include "strategy/codec_state.h"
 
 #include <torch/torch.h>
 
 #include <chrono>
 
 namespace cohort {
+
+namespace {
+
+// Not average's keys: its residual is laid out over the parameters, this one over the buckets.
+constexpr CodecStateKeys kAllreduceCodecKeys{.steps = "allreduce_steps", .residuals = "allreduce_codec_residuals"};
+
+}  // namespace
 
 AllreduceStrategy::AllreduceStrategy(std::shared_ptr<Communicator> comm, DataParallelOptions options)
     : comm_(std::move(comm)), options_(std::move(options)) {
@@ -30,6 +38,26 @@ void AllreduceStrategy::attach(torch::nn::Sequential model, torch::optim::Optimi
 
 void AllreduceStrategy::synchronize() {
   if (dp_) dp_->synchronizeBuffers();
+}
+
+void AllreduceStrategy::prepareCheckpoint() {
+  if (!dp_) return;
+  // Every rank keeps a residual of its own; the chief writes the checkpoint alone.
+  if (torch::Tensor residual = dp_->codecState().residual; residual.defined()) residuals_ = comm_->allgather(residual);
+}
+
+void AllreduceStrategy::saveState(torch::serialize::OutputArchive& archive) {
+  if (!dp_) return;
+  writeCodecState(archive, kAllreduceCodecKeys, dp_->codecState().steps, residuals_);
+  residuals_.clear();
+}
+
+void AllreduceStrategy::loadState(torch::serialize::InputArchive& archive) {
+  COHORT_CHECK(dp_ != nullptr, Error, "AllreduceStrategy::loadState before attach");
+  const std::optional<SavedCodecState> saved =
+      readCodecState(archive, kAllreduceCodecKeys, comm_->rank(), comm_->worldSize(), options_.codec,
+                     dp_->codecState().residual.defined());
+  if (saved) dp_->setCodecState({.steps = saved->steps, .residual = saved->residual});
 }
 
 MetricFields AllreduceStrategy::report() {

@@ -9,6 +9,7 @@
 #include "strategy/strategy.h"
 
 #include <memory>
+#include <vector>
 
 namespace cohort {
 
@@ -28,6 +29,12 @@ class AllreduceStrategy final : public Strategy {
   void synchronize() override;
   // The done event's "backend": what carried the gradients, "nccl" or "gloo".
   MetricFields report() override;
+  // The codec's state ("allreduce_steps", the warm-up's count, and "allreduce_codec_residuals",
+  // every rank's error feedback, gathered by prepareCheckpoint()): a resumed run goes on where
+  // the checkpoint's left off, residuals included.
+  void prepareCheckpoint() override;
+  void saveState(torch::serialize::OutputArchive& archive) override;
+  void loadState(torch::serialize::InputArchive& archive) override;
 
   size_t bucketCount() const { return dp_ ? dp_->stats().buckets : 0; }
 
@@ -37,6 +44,7 @@ class AllreduceStrategy final : public Strategy {
   torch::nn::Sequential model_{nullptr};
   torch::optim::Optimizer* optimizer_ = nullptr;
   std::unique_ptr<DataParallel> dp_;
+  std::vector<torch::Tensor> residuals_;  // every rank's codec residual, from prepareCheckpoint()
 };
 
 }  // namespace cohort

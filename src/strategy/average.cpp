@@ -2,6 +2,7 @@
 
 #include <cohort/error.h>
 
+#include "strategy/codec_state.h"
 #include "strategy/local.h"
 
 #include <torch/torch.h>
@@ -10,6 +11,12 @@
 #include <cstdio>
 
 namespace cohort {
+
+namespace {
+
+constexpr CodecStateKeys kAverageCodecKeys{.steps = "average_steps", .residuals = "codec_residuals"};
+
+}  // namespace
 
 AverageStrategy::AverageStrategy(std::shared_ptr<Communicator> comm, AveragingOptions options)
     : comm_(std::move(comm)), options_(std::move(options)) {
@@ -53,8 +60,7 @@ void AverageStrategy::synchronize() {
 void AverageStrategy::saveState(torch::serialize::OutputArchive& archive) {
   if (!averaging_) return;
   if (torch::Tensor momentum = averaging_->outerMomentum(); momentum.defined()) archive.write("outer_momentum", momentum);
-  archive.write("average_steps", torch::tensor(averaging_->codecState().steps, torch::kInt64));
-  if (!residuals_.empty()) archive.write("codec_residuals", torch::stack(residuals_));
+  writeCodecState(archive, kAverageCodecKeys, averaging_->codecState().steps, residuals_);
   if (!scalers_.empty()) archive.write("grad_scalers", torch::stack(scalers_));
   residuals_.clear();
   scalers_.clear();
@@ -90,36 +96,10 @@ void AverageStrategy::loadState(torch::serialize::InputArchive& archive) {
                          "optimizer, or by an older cohort); the outer optimizer starts from zero momentum\n");
   }
   // The codec's state: the steps taken (the warm-up's count) and this rank's residual.
-  ParameterAveraging::CodecState codec;
-  torch::Tensor steps;
-  const bool hasSteps = archive.try_read("average_steps", steps);
-  torch::Tensor residuals;  // [ranks, parameters]: every rank's, in rank order
-  bool hasResidual = archive.try_read("codec_residuals", residuals);
-  if (hasResidual && (residuals.dim() != 2 || residuals.size(0) != comm_->worldSize())) {
-    std::fprintf(stderr, "cohort: warning: the checkpoint's codec residuals are of %lld ranks, this job has %d; "
-                         "the residual starts at zero\n", residuals.dim() == 2 ? (long long)residuals.size(0) : -1LL,
-                 comm_->worldSize());
-    hasResidual = false;
-  }
-  if (hasResidual) codec.residual = residuals[comm_->rank()];
-  if (!hasSteps) {
-    if (options_.codec != "none") {
-      std::fprintf(stderr, "cohort: warning: the checkpoint holds no codec state (written by an older cohort); "
-                           "--codec-warmup-steps counts again from 0 and the codec's residual starts at zero\n");
-    }
-    return;
-  }
-  codec.steps = steps.item<int64_t>();
-  const bool keepsResidual = averaging_->codecState().residual.defined();
-  if (hasResidual && !keepsResidual) {
-    std::fprintf(stderr, "cohort: warning: the checkpoint holds a codec residual that --codec %s does not keep; it "
-                         "is dropped\n", options_.codec.c_str());
-    codec.residual = torch::Tensor();
-  } else if (!hasResidual && keepsResidual) {
-    std::fprintf(stderr, "cohort: warning: the checkpoint holds no codec residual (written with another --codec); "
-                         "the residual starts at zero\n");
-  }
-  averaging_->setCodecState(codec);
+  const std::optional<SavedCodecState> saved =
+      readCodecState(archive, kAverageCodecKeys, comm_->rank(), comm_->worldSize(), options_.codec,
+                     averaging_->codecState().residual.defined());
+  if (saved) averaging_->setCodecState({.steps = saved->steps, .residual = saved->residual});
 }
 
 }  // namespace cohort
