@@ -20,10 +20,12 @@ configure: $(BUILD)/build.ninja
 build: setup configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-# The library and the binary the demo runs, nothing else (tests, fuzz targets and benchmarks are
-# built by `make test` and `make bench`).
+# The binary the demo runs and the shared library `make install` installs, nothing else (tests,
+# fuzz targets and benchmarks are built by `make test` and `make bench`). The library is named by
+# its file: under Ninja the name `cohort` is the binary's output (cohort_cli's OUTPUT_NAME), so
+# `--target cohort` would build the binary and not libcohort.so.
 build-demo: setup configure
-	cmake --build $(BUILD) -j $(JOBS) --target cohort_cli
+	cmake --build $(BUILD) -j $(JOBS) --target cohort_cli libcohort.so
 
 # Every test that runs without a GPU: the unit tests two at a time, then the multi-process and
 # slow ones two at a time too (one at a time they kept 0.95 of two cores busy, waiting on process
@@ -43,7 +45,8 @@ demo: build-demo
 bench: build
 	bash bench/run_all.sh $(BUILD)
 
-# Headers, libcohort, the cohort binary and the CMake package under PREFIX (default /usr/local).
+# Headers, libcohort, the cohort binary and the CMake package under PREFIX (default /usr/local);
+# build-demo builds the two targets it installs.
 PREFIX ?= /usr/local
 install: build-demo
 	cmake --install $(BUILD) --prefix $(PREFIX)

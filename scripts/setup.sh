@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what cohort needs to build, test, benchmark and run its demo, and only what is missing:
+# Installs what cohort needs to build, test, benchmark and run its demo, and only what is missing
+# (the CUDA 13.0 toolkit it checks for, below, and leaves to you):
 #  - Debian packages (apt-get; as root or through sudo);
 #  - LibTorch 2.11: PyPI's torch==2.11.0 wheel (built for CUDA 13.0) with its CUDA libraries, in a
 #    virtual environment the project owns (COHORT_VENV, default .venv beside this folder), never in
@@ -10,6 +11,25 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${COHORT_VENV:-$root/.venv}"
 torch_version="2.11.0"
+
+# The CUDA 13.0 toolkit, checked first and not installed here: the wheel's CMake package enables CUDA
+# (enable_language(CUDA), find_package(CUDAToolkit REQUIRED)), so configuring against it needs nvcc
+# and the toolkit's headers, though no GPU. CMake takes nvcc from CUDACXX, else from PATH.
+# A build against a CPU LibTorch (CMAKE_FLAGS=-DCMAKE_PREFIX_PATH=...) needs none: COHORT_NO_CUDA=1.
+if [ "${COHORT_NO_CUDA:-0}" != 1 ]; then
+  nvcc="$(command -v "${CUDACXX:-nvcc}" || true)"
+  if [ -z "$nvcc" ]; then
+    fix="install NVIDIA's cuda-toolkit-13-0 and put its bin/ on PATH, or set CUDACXX to its nvcc"
+    if [ -x /usr/local/cuda/bin/nvcc ]; then fix="put /usr/local/cuda/bin on PATH, or set CUDACXX=/usr/local/cuda/bin/nvcc"; fi
+    echo "setup: no CUDA toolkit (nvcc${CUDACXX:+ at CUDACXX=$CUDACXX}), which the CUDA 13.0 LibTorch's CMake needs: $fix (COHORT_NO_CUDA=1 for a CPU LibTorch)" >&2
+    exit 1
+  fi
+  cuda_release="$("$nvcc" --version | sed -n 's/.*release \([0-9][0-9.]*\),.*/\1/p')"
+  case "$cuda_release" in
+    13.*) echo "setup: CUDA toolkit $cuda_release ($nvcc)" ;;
+    *) echo "setup: warning: $nvcc is CUDA ${cuda_release:-of an unknown release}; torch $torch_version's wheel is built for 13.0" >&2 ;;
+  esac
+fi
 
 # gloo's headers (libgloo-dev) only: ProcessGroupGloo.hpp includes them and the wheel does not ship
 # them. cohort never links Debian's libgloo; the Gloo it runs is the one inside libtorch_cpu.
