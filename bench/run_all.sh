@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every benchmark, one after the other (they would disturb each other if run together).
+# `make bench`: ten benchmarks, one after the other (they would disturb each other if run together);
+# the rest of bench/ runs on its own, with the commands docs/BENCHMARKS.md gives.
 set -euo pipefail
 build=${1:-build}
 here=$(cd "$(dirname "$0")" && pwd)
