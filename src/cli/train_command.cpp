@@ -288,8 +288,9 @@ void addOutputOptions(CLI::App* train, TrainFlags& f) {
   train->add_option("--profile", o.profile.path,
                     "Profile the --profile-steps window with the PyTorch profiler (Kineto: CPU operators, and on a GPU "
                     "every CUDA stream's kernels and copies): write its trace here (Chrome's trace format; each "
-                    "rank its own, FILE.rankN.json, when there are several) and say where its time went, per CPU "
-                    "thread and per CUDA stream (the log, profile events in --metrics)");
+                    "rank its own when there are several, the rank before the extension: t.json -> t.rank0.json, "
+                    "trace -> trace.rank0) and say where its time went, per CPU thread and per CUDA stream (the "
+                    "log, profile events in --metrics)");
   train
       ->add_option("--profile-steps", f.profileSteps,
                    "FIRST:LAST, the steps --profile records, numbered from 1 (they are left out of samples/s)")
@@ -351,10 +352,13 @@ void addDataParallelOptions(CLI::App* train, TrainFlags& f) {
       ->add_option("--outer-optimizer", s.average.outerOptimizer,
                    "average: apply each averaged change with sgd, momentum or nesterov (BMUF, DiLoCo); sgd with "
                    "--outer-lr 1 is plain averaging")
+      ->type_name("TEXT")
       ->transform(CLI::CheckedTransformer(
-          std::map<std::string, AveragingOptions::Outer>{{"sgd", AveragingOptions::Outer::kSgd},
-                                                         {"momentum", AveragingOptions::Outer::kMomentum},
-                                                         {"nesterov", AveragingOptions::Outer::kNesterov}}))
+                      std::map<std::string, AveragingOptions::Outer>{{"sgd", AveragingOptions::Outer::kSgd},
+                                                                     {"momentum", AveragingOptions::Outer::kMomentum},
+                                                                     {"nesterov", AveragingOptions::Outer::kNesterov}})
+                      .description("{sgd,momentum,nesterov}"))
+      ->default_str("sgd")  // shown in --help only; the default itself is AveragingOptions'
       ->group(dp);
   train->add_option("--outer-lr", s.average.outerLr, "average: the outer optimizer's learning rate")
       ->group(dp)
