@@ -60,6 +60,9 @@ TEST(Cli, TheDoneEventNamesTheBackend) {
 
 TEST(Cli, UnknownBackendNamesTheChoices) {
   expectOneLineError("train --backend mpi --steps 1", "--backend: mpi not in {auto,nccl,gloo}", 2);
+  // Not CLI11's map of the names to the enum's numbers, which it showed before.
+  expectOneLineError("train --outer-optimizer adam --steps 1", "--outer-optimizer: adam not in {sgd,momentum,nesterov}",
+                     2);
 }
 
 // --optimizer is parsed once, where it comes in (a --config file's optimizer key too).

@@ -353,11 +353,20 @@ void addDataParallelOptions(CLI::App* train, TrainFlags& f) {
                    "average: apply each averaged change with sgd, momentum or nesterov (BMUF, DiLoCo); sgd with "
                    "--outer-lr 1 is plain averaging")
       ->type_name("TEXT")
-      ->transform(CLI::CheckedTransformer(
-                      std::map<std::string, AveragingOptions::Outer>{{"sgd", AveragingOptions::Outer::kSgd},
-                                                                     {"momentum", AveragingOptions::Outer::kMomentum},
-                                                                     {"nesterov", AveragingOptions::Outer::kNesterov}})
-                      .description("{sgd,momentum,nesterov}"))
+      // A name to its enum's number (which CLI11 then reads into the enum); a wrong one is told
+      // the names, where CLI::CheckedTransformer would show its map to numbers.
+      ->transform(CLI::Validator(
+          [](std::string& value) -> std::string {
+            static const std::map<std::string, AveragingOptions::Outer> names{
+                {"sgd", AveragingOptions::Outer::kSgd},
+                {"momentum", AveragingOptions::Outer::kMomentum},
+                {"nesterov", AveragingOptions::Outer::kNesterov}};
+            const auto found = names.find(value);
+            if (found == names.end()) return excerpt(value) + " not in {sgd,momentum,nesterov}";
+            value = std::to_string(int(found->second));
+            return "";
+          },
+          "{sgd,momentum,nesterov}"))
       ->default_str("sgd")  // shown in --help only; the default itself is AveragingOptions'
       ->group(dp);
   train->add_option("--outer-lr", s.average.outerLr, "average: the outer optimizer's learning rate")
