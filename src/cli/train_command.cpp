@@ -330,9 +330,10 @@ void addDataParallelOptions(CLI::App* train, TrainFlags& f) {
                         ->group(dp)
                         ->capture_default_str();
   train
-      ->add_flag("--no-overlap{false}", s.allreduce.overlap,
-                 "allreduce, mirrored, central: launch every allreduce (mirrored, central: every in-memory sum, "
-                 "and mirrored's allreduce across processes) after backward instead of during it")
+      ->add_flag_callback(
+          "--no-overlap", [&s] { s.allreduce.overlap = false; },
+          "allreduce, mirrored, central: launch every allreduce (mirrored, central: every in-memory sum, "
+          "and mirrored's allreduce across processes) after backward instead of during it")
       ->group(dp);
   train
       ->add_flag("--balance-shards", s.inProcess.balance,
