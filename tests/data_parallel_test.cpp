@@ -566,6 +566,97 @@ TEST(DataParallel, ABackwardThatFailsPartWayMakesTheHandleRefuseToGoOn) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
 }
 
+// A custom Function that gives one of its inputs, a parameter, no gradient (an undefined tensor):
+// a straight-through trick, say.
+struct NoGradientFor : torch::autograd::Function<NoGradientFor> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x, const torch::Tensor& w) {
+    return x * w;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 const torch::autograd::variable_list& g) {
+    return {g[0], torch::Tensor()};
+  }
+};
+
+struct GatedNet : torch::nn::Module {
+  GatedNet() {
+    lin = register_module("lin", torch::nn::Linear(4, 4));
+    gate = register_parameter("gate", torch::ones({4}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return NoGradientFor::apply(lin->forward(x), gate); }
+  torch::nn::Linear lin{nullptr};
+  torch::Tensor gate;
+};
+
+// The parameter is treated as one no rank used (before, its undefined gradient failed the dtype
+// check, "a nullptr (uninitialized) gradient", and the handle refused every later step).
+TEST(DataParallel, AParameterAFunctionGivesNoGradientIsAnUnusedOne) {
+  for (const bool find : {false, true}) {
+    SCOPED_TRACE(find ? "findUnusedParameters" : "without findUnusedParameters");
+    onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+      const auto held = std::make_shared<GatedNet>();  // a module's hooks need it in a shared_ptr
+      GatedNet& net = *held;
+      DataParallel dp(Job::fromCommunicator(comm), net, {.findUnusedParameters = find});
+      const auto x = torch::randn({8, 4});
+      for (int step = 0; step < 2; ++step) {
+        for (auto& p : net.parameters()) p.mutable_grad().reset();
+        net.forward(x).sum().backward();
+        EXPECT_EQ(net.gate.grad().defined(), !find) << "step " << step;
+        if (!find) EXPECT_EQ(net.gate.grad().abs().sum().item<float>(), 0.0f) << "step " << step;
+        EXPECT_TRUE(net.lin->weight.grad().defined()) << "step " << step;
+      }
+      EXPECT_EQ(dp.stats().syncSteps, 2);
+    });
+  }
+}
+
+// Reentrant checkpointing: the last layer recomputed, and its gradients made, by a backward nested
+// in the step's. Its gradients come first, so the nested backward began the synchronization and,
+// ending, ended it (the other buckets went as zeros) before the outer one began another.
+struct Recomputed : torch::autograd::Function<Recomputed> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               torch::nn::Linear* layer) {
+    ctx->saved_data["layer"] = reinterpret_cast<int64_t>(layer);
+    ctx->save_for_backward({x});
+    torch::NoGradGuard noGrad;
+    return (*layer)->forward(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 const torch::autograd::variable_list& g) {
+    auto* layer = reinterpret_cast<torch::nn::Linear*>(ctx->saved_data["layer"].toInt());
+    auto x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    torch::AutoGradMode on(true);
+    torch::autograd::backward({(*layer)->forward(x)}, {g[0]});
+    return {x.grad(), torch::Tensor()};
+  }
+};
+
+struct CheckpointedNet : torch::nn::Module {
+  CheckpointedNet() {
+    first = register_module("first", torch::nn::Linear(4, 4));
+    last = register_module("last", torch::nn::Linear(4, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return Recomputed::apply(first->forward(x), &last); }
+  torch::nn::Linear first{nullptr}, last{nullptr};
+};
+
+TEST(DataParallel, ABackwardNestedInTheStepsIsRefusedByName) {
+  std::vector<std::string> errors(2);
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const auto held = std::make_shared<CheckpointedNet>();
+    CheckpointedNet& net = *held;
+    DataParallel dp(Job::fromCommunicator(comm), net, {.firstBucketMb = 1e-6});
+    try {
+      net.forward(torch::ones({8, 4})).sum().backward();
+      errors[size_t(comm->rank())] = "(no error)";
+    } catch (const InvalidArgument& e) {
+      errors[size_t(comm->rank())] = e.what();
+    }
+    EXPECT_EQ(dp.stats().syncSteps, 1) << "the nested backward's synchronization only";
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("a backward nested in another"), std::string::npos) << e;
+}
+
 // Without join(), a rank that stops early makes the others' backward fail with the documented
 // error, naming the remedy, well within the timeout.
 TEST(DataParallel, UnevenInputsWithoutJoinFailWithAClearError) {

@@ -24,6 +24,11 @@ namespace cohort {
 namespace {
 
 constexpr const char* kWho = "cohort::DataParallel";
+constexpr const char* kNested =
+    ": a gradient from a backward nested in another (reentrant checkpointing: a Function whose backward calls "
+    "backward()); DataParallel synchronizes one backward per step, and the nested one would end it early, "
+    "sending the buckets it had not filled as zeros: recompute without a nested backward (take the parameters "
+    "as the Function's inputs, and return their gradients from torch::autograd::grad, which leaves .grad alone)";
 
 // A post hook of a parameter's gradient accumulator: it runs once autograd has added this
 // backward's gradient into .grad (as the DDP reducer's hooks do).
@@ -104,6 +109,11 @@ struct COHORT_LOCAL DataParallel::Impl {
   int noSyncDepth = 0;
   int64_t syncStepsAtJoin = 0;  // stats.syncSteps when join() began
   int64_t stepsBefore = 0;      // an earlier run's synchronized steps (setCodecState)
+  // The autograd graph task (its id) whose backward is being synchronized, and the last one that
+  // was: a gradient from another task inside it, or from an older one after it, is a backward nested
+  // in another (get_current_graph_task_id: -1 outside a backward; ids grow with every backward).
+  int syncTask = -1;
+  int lastSyncTask = -1;
   double scale = 1.0;
   ScaleTensors scaleTensors;               // `scale`, for scaledInto
   std::vector<torch::Tensor> sparseGrads;  // per parameter: this step's row-sparse gradient (or undefined)
@@ -199,6 +209,11 @@ struct COHORT_LOCAL DataParallel::Impl {
   }
 
   void beginSync() {
+    const int task = torch::autograd::get_current_graph_task_id();
+    // An older task than the last synchronized one: the backward around a nested one that began,
+    // and so ended, the synchronization (every bucket it had not filled went as zeros).
+    COHORT_CHECK(task < 0 || task >= lastSyncTask, InvalidArgument, kWho, kNested);
+    syncTask = task;
     inBackward = true;
     for (auto& bucket : buckets) {
       bucket.pending = bucket.params.size();
@@ -250,6 +265,12 @@ struct COHORT_LOCAL DataParallel::Impl {
                  " got a sparse gradient, but it is not the weight of an nn::Embedding or nn::EmbeddingBag made "
                  "with sparse(true), the row-sparse parameters DataParallel knows");
     if (!inBackward) beginSync();
+    COHORT_CHECK(torch::autograd::get_current_graph_task_id() == syncTask, InvalidArgument, kWho, ": parameter ",
+                 names[k], kNested);
+    // A custom autograd Function may return no gradient (an undefined tensor) for a parameter.
+    // With nothing in .grad either, the parameter got none on this rank: its slot is left to the
+    // end of backward, as an unused parameter's (zeros, or none under findUnusedParameters).
+    if (!incoming.defined() && !grad.defined()) return;
     torch::NoGradGuard noGrad;
     if (rowSparse[k]) {
       sparseGrads[k] = grad;
@@ -258,14 +279,14 @@ struct COHORT_LOCAL DataParallel::Impl {
     }
     auto [b, i] = slotOf[k];
     Bucket& bucket = buckets[b];
-    // A second gradient in one synchronized backward (reentrant checkpointing, a nested backward)
-    // would be added into a slot already scaled, perhaps already on the wire.
+    // A second gradient in one synchronized backward (a parameter used by two hooks' worth of
+    // graph, retain_graph twice) would be added into a slot already scaled, perhaps on the wire.
     COHORT_CHECK(!bucket.filled[i], InvalidArgument, kWho, ": parameter ", names[k],
-                 " got a second gradient in one synchronized backward (reentrant checkpointing or a nested "
-                 "backward?); DataParallel takes one per parameter and step: run the others under noSync()");
+                 " got a second gradient in one synchronized backward; DataParallel takes one per parameter and "
+                 "step: run the others under noSync()");
     torch::Tensor& slot = bucket.slots[i];
-    COHORT_CHECK(incoming.scalar_type() == slot.scalar_type(), InvalidArgument, kWho, ": parameter ", names[k],
-                 " has a ", incoming.dtype(), " gradient but was ", slot.dtype(),
+    COHORT_CHECK(!incoming.defined() || incoming.scalar_type() == slot.scalar_type(), InvalidArgument, kWho,
+                 ": parameter ", names[k], " has a ", incoming.dtype(), " gradient but was ", slot.dtype(),
                  " when the handle was made: convert the model (module->to(dtype)) before making the handle");
     if (grad.defined() && grad.data_ptr() == slot.data_ptr()) {
       if (scale != 1.0)
@@ -359,6 +380,7 @@ struct COHORT_LOCAL DataParallel::Impl {
   // The autograd final callback of a synchronized backward.
   void endSync() {
     inBackward = false;
+    lastSyncTask = syncTask;
     guard([&] {
       torch::NoGradGuard noGrad;
       std::vector<bool> mine(params.size());
