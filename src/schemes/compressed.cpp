@@ -117,7 +117,14 @@ CompressedSum::~CompressedSum() {
   if (thread_.joinable()) thread_.join();
   // Copies still queued on the stream use the staging buffers (and the caller's buffers), which
   // the device's caching allocator would otherwise hand out again while they run.
-  if (stream_) stream_->synchronize();
+  try {
+    if (stream_) stream_->synchronize();
+  } catch (const std::exception& e) {
+    // After a sticky CUDA error (often what is unwinding past this handle) the wait throws too;
+    // from a destructor that would end the process.
+    envOrStandard(comm_ ? comm_->options().env : nullptr)
+        .log(LogLevel::kWarning, std::string("CompressedSum: waiting for its stream's copies failed: ") + e.what());
+  }
 }
 
 void CompressedSum::resetResiduals() {

@@ -477,6 +477,11 @@ struct COHORT_LOCAL DataParallel::Impl {
     } catch (const CommError& e) {
       broken = e.what();
       throw CommError(std::string(kWho) + ": " + e.what() + hint());
+    } catch (const std::exception& e) {
+      // Anything else part-way (a c10::Error, std::bad_alloc for a staging buffer) leaves this
+      // rank's collectives out of step with the others' just the same.
+      broken = e.what();
+      throw;
     }
   }
 
