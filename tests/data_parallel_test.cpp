@@ -566,6 +566,40 @@ TEST(DataParallel, ABackwardThatFailsPartWayMakesTheHandleRefuseToGoOn) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
 }
 
+// ParameterAveraging with averageOptimizerState: a parameter only rank 0 trains (rank 1 keeps no
+// momentum for it) keeps rank 0's own momentum, where it was averaged with a zero placeholder and
+// halved on rank 0 alone; the parameters both train end with the same, averaged, momentum.
+TEST(ParameterAveraging, OptimizerStateOnlySomeRanksHaveIsLeftAlone) {
+  const Data d = makeData(8);
+  const auto init = initialParameters();
+  std::vector<torch::Tensor> sideMomentum(2), outMomentum(2), ownSide(2);
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    Net net;
+    load(*net, init);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    ParameterAveraging avg(Job::fromCommunicator(comm), *net, &sgd, {.period = 1, .averageOptimizerState = true});
+    sgd.zero_grad();
+    auto part = shard(d, 0, 4, r, 2);
+    lossOf(net->forward(part.x, /*useSide=*/r == 0), part.y).backward();
+    if (r == 0) ownSide[0] = net->side->weight.grad().clone();  // the first step's momentum is the gradient
+    sgd.step();
+    avg.step();
+    auto momentumOf = [&](const torch::Tensor& p) -> torch::Tensor {
+      auto it = sgd.state().find(p.unsafeGetTensorImpl());
+      if (it == sgd.state().end()) return {};
+      return static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().clone();
+    };
+    sideMomentum[size_t(r)] = momentumOf(net->side->weight);
+    outMomentum[size_t(r)] = momentumOf(net->out->weight);
+  });
+  ASSERT_TRUE(sideMomentum[0].defined());
+  EXPECT_FALSE(sideMomentum[1].defined());
+  EXPECT_TRUE(torch::equal(sideMomentum[0], ownSide[0])) << "rank 0's own momentum was changed";
+  ASSERT_TRUE(outMomentum[0].defined() && outMomentum[1].defined());
+  EXPECT_TRUE(torch::equal(outMomentum[0], outMomentum[1]));
+}
+
 // A custom Function that gives one of its inputs, a parameter, no gradient (an undefined tensor):
 // a straight-through trick, say.
 struct NoGradientFor : torch::autograd::Function<NoGradientFor> {

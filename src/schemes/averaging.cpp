@@ -36,34 +36,53 @@ void checkAveraged(const std::string& name, const torch::Tensor& p, const compre
 
 }  // namespace
 
-std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer) {
-  std::vector<torch::Tensor> out;
+namespace {
+
+// Each parameter's state tensors (momentum buffers; Adam's exp_avg and exp_avg_sq), in parameter
+// order; an empty list for a parameter the optimizer keeps no state for yet.
+std::vector<std::vector<torch::Tensor>> statePerParameter(torch::optim::Optimizer& optimizer) {
+  std::vector<std::vector<torch::Tensor>> out;
   auto& state = optimizer.state();
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
+      std::vector<torch::Tensor>& mine = out.emplace_back();
       auto it = state.find(p.unsafeGetTensorImpl());
-      if (it == state.end()) {
-        // No state yet (the parameter never had a gradient here): a zero placeholder of the
-        // kind the optimizer keeps for this parameter's group, so that every rank packs the same
-        // tensors.
-        if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
-          const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
-          if (o.momentum() != 0) out.push_back(torch::zeros_like(p));
-        } else if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr ||
-                   dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
-          out.push_back(torch::zeros_like(p));
-          out.push_back(torch::zeros_like(p));
-        }
+      if (it == state.end()) continue;
+      if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+        mine.push_back(sgd->momentum_buffer());
+      } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+        mine = {adam->exp_avg(), adam->exp_avg_sq()};
+      } else if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
+        mine = {adamw->exp_avg(), adamw->exp_avg_sq()};
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer) {
+  std::vector<torch::Tensor> out;
+  const std::vector<std::vector<torch::Tensor>> states = statePerParameter(optimizer);
+  size_t k = 0;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      const std::vector<torch::Tensor>& mine = states[k++];
+      if (!mine.empty() || optimizer.state().count(p.unsafeGetTensorImpl()) > 0) {
+        out.insert(out.end(), mine.begin(), mine.end());
         continue;
       }
-      if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
-        out.push_back(sgd->momentum_buffer());
-      } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
-        out.push_back(adam->exp_avg());
-        out.push_back(adam->exp_avg_sq());
-      } else if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
-        out.push_back(adamw->exp_avg());
-        out.push_back(adamw->exp_avg_sq());
+      // No state yet (the parameter never had a gradient here): a zero placeholder of the
+      // kind the optimizer keeps for this parameter's group, so that every rank packs the same
+      // tensors.
+      if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
+        const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+        if (o.momentum() != 0) out.push_back(torch::zeros_like(p));
+      } else if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr ||
+                 dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
+        out.push_back(torch::zeros_like(p));
+        out.push_back(torch::zeros_like(p));
       }
     }
   }
@@ -209,13 +228,34 @@ struct COHORT_LOCAL ParameterAveraging::Impl {
     }
     for (auto& b : module->buffers()) tensors.push_back(b);
     if (options.averageOptimizerState) {
-      for (auto& t : optimizerStateTensors(*optimizer)) tensors.push_back(t);
+      for (auto& t : stateEveryRankHas()) tensors.push_back(t);
     }
     averageCounted(tensors);  // the buffers and optimizer state on a device: staged through pinned memory
     if (mirror) mirror->toDevice();
     sinceAverage = 0;
     ++stats.averages;
     stats.commWaitSeconds += secondsSince(start);
+  }
+
+  // The optimizer state of the parameters every rank keeps state for. A rank without state for a
+  // parameter (it never had a gradient there) would average a zero placeholder and then drop the
+  // result, leaving the others with half their momentum and the ranks apart; such a parameter's
+  // state is left alone on every rank until all have one.
+  std::vector<torch::Tensor> stateEveryRankHas() {
+    const std::vector<std::vector<torch::Tensor>> states = statePerParameter(*optimizer);
+    torch::Tensor has = torch::empty({int64_t(states.size())}, torch::kInt32);
+    for (size_t k = 0; k < states.size(); ++k) has[int64_t(k)] = states[k].empty() ? 0 : 1;
+    const CommCounters before = comm->counters();
+    comm->allreduce(has);  // how many ranks have state, per parameter
+    const CommCounters after = comm->counters();
+    stats.bytesSent += after.bytesSent - before.bytesSent;
+    stats.bytesReceived += after.bytesReceived - before.bytesReceived;
+    std::vector<torch::Tensor> out;
+    for (size_t k = 0; k < states.size(); ++k) {
+      if (has[int64_t(k)].item<int32_t>() == comm->worldSize())
+        out.insert(out.end(), states[k].begin(), states[k].end());
+    }
+    return out;
   }
 
   void averageCounted(const std::vector<torch::Tensor>& tensors) {
