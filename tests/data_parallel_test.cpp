@@ -628,8 +628,7 @@ TEST(DataParallel, AParameterAFunctionGivesNoGradientIsAnUnusedOne) {
   for (const bool find : {false, true}) {
     SCOPED_TRACE(find ? "findUnusedParameters" : "without findUnusedParameters");
     onRanks(2, [&](std::shared_ptr<Communicator> comm) {
-      const auto held = std::make_shared<GatedNet>();  // a module's hooks need it in a shared_ptr
-      GatedNet& net = *held;
+      GatedNet net;  // on the stack: the handle needs no shared_ptr
       DataParallel dp(Job::fromCommunicator(comm), net, {.findUnusedParameters = find});
       const auto x = torch::randn({8, 4});
       for (int step = 0; step < 2; ++step) {
@@ -677,8 +676,7 @@ struct CheckpointedNet : torch::nn::Module {
 TEST(DataParallel, ABackwardNestedInTheStepsIsRefusedByName) {
   std::vector<std::string> errors(2);
   onRanks(2, [&](std::shared_ptr<Communicator> comm) {
-    const auto held = std::make_shared<CheckpointedNet>();
-    CheckpointedNet& net = *held;
+    CheckpointedNet net;
     DataParallel dp(Job::fromCommunicator(comm), net, {.firstBucketMb = 1e-6});
     try {
       net.forward(torch::ones({8, 4})).sum().backward();

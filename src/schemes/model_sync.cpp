@@ -249,13 +249,17 @@ void clearGradients(torch::nn::Module& model) {
 }
 
 bool hasRowSparseGradient(torch::nn::Module& model, const torch::Tensor& param) {
-  for (const auto& m : model.modules(/*include_self=*/true)) {
-    if (const auto* bag = m->as<torch::nn::EmbeddingBagImpl>()) {
-      if (bag->options.sparse() && bag->weight.is_same(param)) return true;
-    }
-    if (const auto* emb = m->as<torch::nn::EmbeddingImpl>()) {
-      if (emb->options.sparse() && emb->weight.is_same(param)) return true;
-    }
+  const auto isSparseTable = [&](torch::nn::Module& m) {
+    if (const auto* bag = m.as<torch::nn::EmbeddingBagImpl>())
+      return bag->options.sparse() && bag->weight.is_same(param);
+    if (const auto* emb = m.as<torch::nn::EmbeddingImpl>()) return emb->options.sparse() && emb->weight.is_same(param);
+    return false;
+  };
+  // The model itself, then its submodules: modules(include_self = true) needs the model held in a
+  // shared_ptr, and a handle should take one made on the stack.
+  if (isSparseTable(model)) return true;
+  for (const auto& m : model.modules(/*include_self=*/false)) {
+    if (isSparseTable(*m)) return true;
   }
   return false;
 }
