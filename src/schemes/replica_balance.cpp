@@ -7,7 +7,7 @@
 
 namespace cohort {
 
-// The examples of each replica in a batch of n (n >= R). Even (sizes differing by at most one),
+// The examples of each replica in a batch of n (fewer than R: some get none). Even (sizes differing by at most one),
 // or with options.balance, once every replica has been measured, in proportion to its speed
 // (1 / secondsPerExample) in units of g = max(1, n / 32) examples, each at least max(1, n / 4R)
 // examples. Every new shard size costs oneDNN a new primitive (its kernels generated at the
@@ -18,7 +18,7 @@ std::vector<int64_t> ReplicaGroup::Impl::shardSizes(int64_t n) {
   const size_t R = replicas.size();
   std::vector<int64_t> even(R);
   for (size_t r = 0; r < R; ++r) even[r] = n / int64_t(R) + (int64_t(r) < n % int64_t(R) ? 1 : 0);
-  if (!options.balance) return even;
+  if (!options.balance || n < int64_t(R)) return even;  // the floor below needs an example a replica
   double speedSum = 0;
   for (double s : secondsPerExample) {
     if (s <= 0) return even;
@@ -50,8 +50,11 @@ std::vector<int64_t> ReplicaGroup::Impl::shardSizes(int64_t n) {
     count[pick] += change;
     total += change;
   }
+  // The rest (n mod g, up to g - 1: more than R when g > R) spread evenly over the replicas.
   std::vector<int64_t> candidate(R);
-  for (size_t r = 0; r < R; ++r) candidate[r] = count[r] * g + (int64_t(r) < rest ? 1 : 0);
+  for (size_t r = 0; r < R; ++r) {
+    candidate[r] = count[r] * g + rest / int64_t(R) + (int64_t(r) < rest % int64_t(R) ? 1 : 0);
+  }
   auto predicted = [&](const std::vector<int64_t>& sizes) {
     double slowest = 0;
     for (size_t r = 0; r < R; ++r) slowest = std::max(slowest, double(sizes[r]) * secondsPerExample[r]);

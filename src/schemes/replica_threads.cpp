@@ -24,6 +24,7 @@ void ReplicaGroup::Impl::fail(int r, std::exception_ptr e) {
   }
   failed = true;
   changed.notifyAll();
+  done.notifyAll();  // runThreads gives the others options.timeout to unwind from here
 }
 
 void ReplicaGroup::Impl::runReplica(size_t r) {

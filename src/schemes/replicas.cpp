@@ -214,8 +214,8 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
                "make a new handle");
   const int R = int(s.replicas.size());
   const int64_t n = inputs.size(0);
-  COHORT_CHECK(n >= R, InvalidArgument, s.who, ": a batch of ", n, " examples cannot be split over ", R,
-               " replicas: use a batch of at least ", R, " or fewer replicas");
+  // Fewer examples than replicas (an epoch's last batch) leaves some replicas none: they add zeros.
+  COHORT_CHECK(n >= 1, InvalidArgument, s.who, ": a batch of no examples");
   COHORT_CHECK(targets.size(0) == n, InvalidArgument, s.who, ": ", n, " inputs but ", targets.size(0), " targets");
   const std::vector<int64_t> sizes = s.shardSizes(n);
   s.splitBatch(inputs, targets, sizes);
@@ -242,6 +242,10 @@ void ReplicaGroup::Impl::splitBatch(const torch::Tensor& inputs, const torch::Te
   shardInputs.clear();
   shardTargets.clear();
   const int64_t n = inputs.size(0);
+  int64_t total = 0;
+  for (const int64_t size : sizes) total += size;
+  COHORT_CHECK(total == n && sizes.size() == replicas.size(), Error, who, ": the shards' sizes add up to ", total,
+               ", not the batch's ", n, " examples");
   int64_t offset = 0;
   for (size_t r = 0; r < replicas.size(); ++r) {
     const int64_t size = sizes[r];
@@ -270,7 +274,6 @@ void ReplicaGroup::Impl::resetForStep(const ShardLoss& loss) {
   updating = false;
   failed = false;
   lossFn = &loss;
-  deadline = std::chrono::steady_clock::now() + options.timeout;
 }
 
 void ReplicaGroup::Impl::runThreads() {
@@ -281,13 +284,16 @@ void ReplicaGroup::Impl::runThreads() {
   ++generation;
   wokenAt = Clock::now();
   wake.notifyAll();
-  // The replicas' own waits end by the deadline; this one allows them a margin to unwind.
-  const auto until = deadline + options.timeout;
+  // No bound on the step itself: a large batch may compute for longer than the timeout, and each
+  // wait between replicas has its own (waitUntil). Once one failed, the others get options.timeout
+  // to unwind (one stuck in its own forward never would).
+  while (running > 0 && !failed.load()) done.waitFor(mutex, std::chrono::seconds(1));
+  const auto until = std::chrono::steady_clock::now() + options.timeout;
   while (running > 0 && done.waitUntil(mutex, until) == std::cv_status::no_timeout) continue;
   if (running > 0) {
     broken = true;
-    throw TimeoutError(detail::concat(who, ": the replica threads did not finish their step within ",
-                                      2 * options.timeout.count(), " ms"));
+    throw TimeoutError(detail::concat(who, ": ", running, " replica threads did not end their step within ",
+                                      options.timeout.count(), " ms of replica ", errorReplica, "'s failure"));
   }
   // A thread that ended first waited for the last; the last one's end waking this thread is the
   // hand-off.

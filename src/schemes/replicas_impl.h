@@ -119,8 +119,7 @@ struct COHORT_LOCAL ReplicaGroup::Impl {
   std::atomic<bool> updating{false};           // a replica has begun its optimizer step
   std::exception_ptr error GUARDED_BY(mutex);  // the first failure
   int errorReplica GUARDED_BY(mutex) = -1;
-  bool broken = false;  // a failure after parameters changed: replicas may differ
-  std::chrono::steady_clock::time_point deadline;
+  bool broken = false;                          // a failure after parameters changed: replicas may differ
   Clock::time_point wokenAt GUARDED_BY(mutex);  // when step() woke the threads
   ReplicaStats stats GUARDED_BY(mutex);
 
@@ -172,6 +171,8 @@ struct COHORT_LOCAL ReplicaGroup::Impl {
   void waitUntil(Replica& self, const Ready& ready, const char* what) EXCLUDES(mutex) {
     if (ready()) return;
     const auto start = Clock::now();
+    // Each wait its own options.timeout, from when it begins: a step may compute for longer.
+    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
     MutexLock lock(mutex);
     auto settled = [&] { return ready() || failed.load(); };
     while (!settled() && changed.waitUntil(mutex, deadline) == std::cv_status::no_timeout) continue;
