@@ -229,6 +229,13 @@ class Background {
     ::kill(pid_, SIGKILL);
     ::waitpid(pid_, nullptr, 0);
   }
+  // `signo` to the command alone; its exit status once it ends (-1 if a signal ended it).
+  int stop(int signo) {
+    ::kill(pid_, signo);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
 
  private:
   pid_t pid_ = -1;
@@ -385,6 +392,20 @@ TEST(Sweep, AKilledSweepResumesWithoutRerunningFinishedTrials) {
   }
   EXPECT_FALSE(fs::exists(out + "/runs/trial-003/status.json"));
   const std::string first = test::readFile(out + "/runs/trial-001/metrics.jsonl");
+  {
+    // Stopped, not killed: it stops its trial and exits with 128 + SIGTERM, as a shell reports a
+    // process the signal ended (it was 1, a failure's status).
+    Background sweep(command + " > " + dir.file("log2") + " 2>&1");
+    // Once its runner runs: it has said so of the trial the first sweep finished.
+    const auto until = Clock::now() + std::chrono::seconds(120);
+    while (test::readFile(dir.file("log2")).find("trial-001: ok (finished earlier)") == std::string::npos &&
+           Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_EQ(sweep.stop(SIGTERM), 128 + SIGTERM) << test::readFile(dir.file("log2"));
+    EXPECT_NE(test::readFile(dir.file("log2")).find("interrupted by SIGTERM"), std::string::npos)
+        << test::readFile(dir.file("log2"));
+  }
   auto r = test::runCommand(command, 300);
   ASSERT_EQ(r.exitCode, 0) << r.output;
   EXPECT_NE(r.output.find("trial-001: ok (finished earlier)"), std::string::npos) << r.output;

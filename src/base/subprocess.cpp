@@ -360,8 +360,18 @@ std::optional<ExitStatus> Subprocess::tryWait() {
   pid_t got = 0;
   while ((got = ::waitpid(pid_, &raw, WNOHANG)) < 0 && errno == EINTR) {
   }
+  if (got < 0) throwNotReapable();
   if (got == pid_) status_ = ExitStatus{raw};
   return status_;
+}
+
+void Subprocess::throwNotReapable() const {
+  // ECHILD: no such child, as when SIGCHLD is ignored and the kernel reaped it. Not "exit 0".
+  throw Error(detail::concat("cannot learn how process ", pid_, " ended: waitpid: ", std::strerror(errno),
+                             errno == ECHILD
+                                 ? " (SIGCHLD is ignored in this process, so the kernel reaps its children: "
+                                   "run it with SIGCHLD at its default)"
+                                 : ""));
 }
 
 std::optional<ExitStatus> Subprocess::waitUntil(IoClock::time_point deadline) {
@@ -384,8 +394,10 @@ std::optional<ExitStatus> Subprocess::waitUntil(IoClock::time_point deadline) {
 ExitStatus Subprocess::wait() {
   if (status_ || pid_ <= 0) return status_.value_or(ExitStatus{});
   int raw = 0;
-  while (::waitpid(pid_, &raw, 0) < 0 && errno == EINTR) {
+  pid_t got = 0;
+  while ((got = ::waitpid(pid_, &raw, 0)) < 0 && errno == EINTR) {
   }
+  if (got < 0) throwNotReapable();
   status_ = ExitStatus{raw};
   return *status_;
 }

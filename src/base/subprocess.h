@@ -134,7 +134,8 @@ class Subprocess {
   int releaseFd(int childFd);
   void closeFd(int childFd);
 
-  // Reaps it if it has exited; nullopt while it runs. Once reaped, returns the status again.
+  // Reaps it if it has exited; nullopt while it runs. Once reaped, returns the status again. Both
+  // waits throw Error when waitpid cannot reap it (SIGCHLD ignored: the kernel reaped it).
   std::optional<ExitStatus> tryWait();
   // Waits until it exits or `deadline` passes (nullopt then: it still runs).
   std::optional<ExitStatus> waitUntil(IoClock::time_point deadline);
@@ -156,6 +157,7 @@ class Subprocess {
 
  private:
   void reset();
+  [[noreturn]] void throwNotReapable() const;
 
   pid_t pid_ = -1;
   pid_t group_ = 0;  // the process group signalGroup reaches; 0: none of its own

@@ -3,6 +3,7 @@
 #include "base/launcher_channel.h"
 #include "base/text.h"
 #include "cli/commands.h"
+#include "experiment/runner.h"
 
 #include <c10/util/Exception.h>
 
@@ -65,6 +66,9 @@ std::vector<std::string> expandConfig(const CLI::App& app, std::vector<std::stri
 }  // namespace cohort::cli
 
 int main(int argc, char** argv) {
+  // Inherited as ignored (a parent's SIG_IGN survives exec), SIGCHLD would have the kernel reap
+  // every child itself: waitpid could never say how a job, a rank or an `ip` command ended.
+  std::signal(SIGCHLD, SIG_DFL);
   CLI::App app{"cohort: distributed training of neural networks on libtorch"};
   app.require_subcommand(1);
   app.set_version_flag(
@@ -109,6 +113,8 @@ int main(int argc, char** argv) {
     return fail(2, "no command given (see cohort --help)");
   } catch (const cohort::InvalidArgument& e) {
     return fail(2, e.what());
+  } catch (const cohort::experiment::Interrupted& e) {  // compare, sweep: told apart from a failure
+    return fail(128 + e.signal(), e.what());
   } catch (const cohort::Error& e) {
     return fail(1, e.what());
   } catch (const c10::Error& e) {

@@ -316,7 +316,9 @@ class Runner {
   }
 
   [[noreturn]] void interrupt(int signo) {
-    for (Running& r : running_) signalJob(r, signo);
+    // SIGTERM, whichever signal came: a job inherits an ignored SIGINT (a sweep started with & from
+    // a script), and would sit out the grace period until the SIGKILL.
+    for (Running& r : running_) signalJob(r, SIGTERM);
     const auto deadline = Clock::now() + std::chrono::duration<double>(options_.graceSeconds);
     while (Clock::now() < deadline) {
       reap();
@@ -335,7 +337,8 @@ class Runner {
       for (Process& p : r.processes) p.process.wait();
     }
     throw Interrupted(std::string("interrupted by ") + (signo == SIGINT ? "SIGINT" : "SIGTERM") +
-                      ": finished jobs are kept; run the same command again to go on");
+                          ": finished jobs are kept; run the same command again to go on",
+                      signo);
   }
 
   const std::vector<JobSpec>& jobs_;

@@ -88,10 +88,15 @@ struct JobRecord {
   std::string logPath;
 };
 
-// SIGINT or SIGTERM reached the runner; the running jobs were stopped.
+// SIGINT or SIGTERM reached the runner; the running jobs were stopped. The command exits with
+// 128 + signal(), as a shell reports a process that signal ended.
 class Interrupted : public Error {
  public:
-  using Error::Error;
+  Interrupted(const std::string& message, int signo) : Error(message), signo_(signo) {}
+  int signal() const { return signo_; }
+
+ private:
+  int signo_;
 };
 
 // Called as each job ends (or is found finished), in the order they end.
