@@ -260,6 +260,20 @@ void expectJobsEnd(const std::string& out) {
   EXPECT_TRUE(test::processesMentioning(out + "/runs/").empty()) << "a job outlived its killed runner";
 }
 
+// The figures' PNGs are made without a shell: an output folder with a quote in its name broke the
+// command line, and the error blamed a missing rsvg-convert.
+TEST(Compare, AnOutputFolderWithAQuoteGetsItsFigures) {
+  test::TempDir dir;
+  const std::string out = dir.file("it's");
+  auto r = test::runCommand(test::cohortBinary() +
+                                " compare --only local --model mlp --data synthetic:600 --steps 3"
+                                " --out \"" +
+                                out + "\"",
+                            120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(test::readFile(out + "/figures/accuracy-epochs.png").substr(1, 3), "PNG");
+}
+
 TEST(Compare, AKilledComparisonResumes) {
   test::TempDir dir;
   const std::string out = dir.file("out");

@@ -1,6 +1,8 @@
 #include "experiment/report.h"
 
 #include "base/files.h"
+#include "base/subprocess.h"
+#include "base/text.h"
 #include "experiment/svg_chart.h"
 
 #include <cohort/error.h>
@@ -10,11 +12,14 @@
 
 #include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -405,6 +410,37 @@ Summary summarize(const ReportInput& input) {
   return s;
 }
 
+namespace {
+
+// rsvg-convert, run without a shell (an --out with a quote in it broke the command line); its
+// own words when it fails, and a bound on how long it may take.
+void convertToPng(const std::string& svg, const std::string& png) {
+  constexpr auto kLimit = std::chrono::seconds(60);
+  std::string output;
+  std::optional<ExitStatus> status;
+  try {
+    Subprocess convert =
+        Subprocess::spawn({.argv = {"rsvg-convert", "--format=png", "--zoom=1.5", "--output", png, svg},
+                           .in = ChildStream::null(),
+                           .out = ChildStream::pipe(),
+                           .err = ChildStream::sameAsStdout()});
+    const auto deadline = IoClock::now() + kLimit;
+    convert.readOutput(output, deadline, 64 * 1024);
+    status = convert.waitUntil(deadline);
+    if (!status) {
+      convert.signal(SIGKILL);
+      convert.wait();
+    }
+  } catch (const SubprocessError& e) {
+    throw IoError(png + ": " + e.what() + " (apt-get install librsvg2-bin, or pass --no-png)");
+  }
+  COHORT_CHECK(status.has_value(), IoError, png, ": rsvg-convert took more than ", kLimit.count(), " s");
+  COHORT_CHECK(status->ok(), IoError, png, ": rsvg-convert failed (exit ", status->shellCode(),
+               "): ", firstLine(output), " (or pass --no-png)");
+}
+
+}  // namespace
+
 std::string writeReport(const ReportInput& input, const std::string& dir, const ReportOptions& options) {
   const Summary summary = summarize(input);
   std::error_code ec;
@@ -416,10 +452,7 @@ std::string writeReport(const ReportInput& input, const std::string& dir, const 
     writeText(svg, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n" + f.svg);
     if (options.png) {
       const std::string png = dir + "/figures/" + f.name + ".png";
-      const std::string command = "rsvg-convert --format=png --zoom=1.5 --output '" + png + "' '" + svg + "' 2>&1";
-      const int status = std::system(command.c_str());
-      COHORT_CHECK(status == 0, IoError, png,
-                   ": rsvg-convert failed (apt-get install librsvg2-bin, or pass --no-png)");
+      convertToPng(svg, png);
     }
   }
   writeCsvs(input, summary, dir);
