@@ -365,6 +365,34 @@ TEST(Launch, AFailingRankStopsTheOthersWithItsStatus) {
   EXPECT_EQ(count(r.output, "cohort launch:"), 1u) << r.output;  // only the first failure is reported
 }
 
+// Each rank runs in a process group of its own, which the launcher stops whole: what a wrapper
+// started (here the sleep of `sh -c`) ends with the job, also across a restart. (Only the shells
+// were signalled before: every sleep outlived the launcher.)
+TEST(Launch, WhatARankStartedEndsWithIt) {
+  test::TempDir dir;
+  auto r =
+      test::runCommand(launch("-n 2 --max-restarts 1" + kWithPort + " -- sh -c 'sleep 300 & echo $! > " + dir.path() +
+                              "/$RANK-$COHORT_RESTART_COUNT; if [ \"$RANK\" = 1 ]; then exit 3; fi; wait'"),
+                       60);
+  EXPECT_EQ(r.exitCode, 3) << r.output;
+  int seen = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+    const std::string pid = test::lines(test::readFile(entry.path().string())).at(0);
+    auto state = [&] {  // X once reaped; Z while dead and not reaped (by whoever adopted it)
+      const std::string stat = test::readFile("/proc/" + pid + "/stat");
+      const size_t paren = stat.rfind(')');
+      return paren == std::string::npos ? 'X' : stat.at(paren + 2);
+    };
+    // A SIGKILL sent is acted on when the process next runs: re-read it for a while (no event says so).
+    const auto until = Clock::now() + seconds(10);
+    while (state() != 'X' && state() != 'Z' && Clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    EXPECT_TRUE(state() == 'X' || state() == 'Z') << entry.path() << ": sleep " << pid << " is in state " << state();
+    ++seen;
+  }
+  EXPECT_EQ(seen, 4) << r.output;  // two ranks, twice
+}
+
 TEST(Launch, ARankKilledBySignalGives128PlusTheSignal) {
   auto r = test::runCommand(launch("-n 2 -- sh -c 'if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 60'"), 30);
   EXPECT_EQ(r.exitCode, 137) << r.output;

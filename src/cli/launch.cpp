@@ -242,7 +242,7 @@ class Launcher {
     if (Clock::now() < serversDeadline_ || serversStopped_) return;
     serversStopped_ = true;
     for (const LaunchedChild& child : children_) {
-      if (child.server) child.process.signal(SIGTERM);
+      if (child.server && child.running()) child.process.signalGroup(SIGTERM);
     }
   }
 
@@ -345,6 +345,9 @@ class Launcher {
       if (!child.running()) continue;
       const std::optional<ExitStatus> status = child.process.tryWait();
       if (!status) continue;
+      // What it started and left running ends with it (its group's id is not reused while they
+      // live, so this reaches them and no one else).
+      child.process.signalGroup(SIGKILL);
       --running_;
       drain(child, scheme_);  // what it wrote before exiting comes before the line about its exit
       const bool failed = !status->ok();
@@ -470,12 +473,16 @@ class Launcher {
     ending_ = true;
     deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                    std::chrono::duration<double>(options_.graceSeconds));
-    for (const LaunchedChild& child : children_) child.process.signal(signo);
+    for (const LaunchedChild& child : children_) {
+      if (child.running()) child.process.signalGroup(signo);
+    }
   }
 
   void killRemaining() {
     killed_ = true;
-    for (const LaunchedChild& child : children_) child.process.signal(SIGKILL);
+    for (const LaunchedChild& child : children_) {
+      if (child.running()) child.process.signalGroup(SIGKILL);
+    }
   }
 
   const LaunchOptions& options_;

@@ -38,6 +38,9 @@ void startChild(LaunchedChild& child, const std::vector<std::string>& command, c
   options.err = ChildStream::pipe();
   options.extra = {{kChannelFd, ChildStream::pipe()}};
   options.parentDeathSignal = SIGTERM;
+  // A group of its own, which the launcher signals whole: a wrapper (sh -c, a script) leaves no
+  // trainer behind, not even across a restart. The launcher forwards the terminal's Ctrl-C.
+  options.processGroup = kNewGroup;
   options.execFailurePrefix = "cohort launch: ";
   try {
     child.process = Subprocess::spawn(options);
