@@ -245,6 +245,25 @@ TEST(PsFaults, ShardKilledAndRestartedResumesFromItsCheckpoint) {
 }
 
 // A worker with the wrong secret is refused, and the shard counts and logs it.
+// sync's shards step together: resumed at different versions (one shard's newest checkpoint lost)
+// they hold parts of different models. That is refused, naming the versions, where the run used to
+// train on the mixture.
+TEST(PsFaults, SyncShardsResumedAtDifferentVersionsAreRefused) {
+  test::TempDir dir;
+  const std::string common = train() +
+                             " --model mlp --data synthetic:200 --batch 8 --strategy ps --ps-mode sync"
+                             " --checkpoint-every 5 --checkpoint-dir " +
+                             dir.path();
+  auto first = test::runCommand(launch(2, 2) + common + " --steps 13", 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  ASSERT_TRUE(std::filesystem::remove(dir.file("ps-1/shard-0000000013.ckpt"))) << first.output;
+  auto resumed = test::runCommand(launch(2, 2) + common + " --steps 30 --resume", 120);
+  EXPECT_EQ(resumed.exitCode, 2) << resumed.output;
+  EXPECT_NE(resumed.output.find("the shards resumed at different versions"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find(" at 13, "), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find(" at 10;"), std::string::npos) << resumed.output;
+}
+
 TEST(PsFaults, WrongTokenIsRefused) {
   test::Process ps(test::cohortBinary() + " ps --host 127.0.0.1 --port 0 --auth-token right");
   const int port = ps.port();

@@ -283,6 +283,7 @@ void ParameterServerClient::Impl::sayDone() {
 }
 
 void ParameterServerClient::Impl::initShards() {
+  std::vector<int64_t> resumedAt(clients_.size(), -1);  // each shard's version, when it resumed
   forEachShard(clients_.size(), [&](size_t s) {
     ps::wire::InitRequest request;
     request.set_protocol(ps::kProtocolVersion);
@@ -297,10 +298,25 @@ void ParameterServerClient::Impl::initShards() {
     ps::wire::InitReply reply;
     check(clients_[s]->init(request, &reply), c_.shards[s], "Init");
     if (reply.resumed()) {
+      resumedAt[s] = int64_t(reply.version());
       c_.env->log(LogLevel::kInfo,
                   "ps shard " + c_.shards[s] + " resumed at version " + std::to_string(reply.version()));
     }
   });
+  // sync steps every shard together: shards at different versions are parts of different models
+  // (one's newest checkpoint lost, say), which the workers would mix without a word.
+  if (c_.options.mode != PsMode::kSync) return;
+  std::string versions;
+  bool differ = false;
+  for (size_t s = 0; s < resumedAt.size(); ++s) {
+    versions += (s == 0 ? "" : ", ") + c_.shards[s] + " at " + std::to_string(resumedAt[s]);
+    differ = differ || resumedAt[s] != resumedAt[0];
+  }
+  COHORT_CHECK(!differ, InvalidArgument, "cohort::ParameterServerClient: the shards resumed at different versions (",
+               versions,
+               "; -1: not resumed), so their parts of the model are of different steps: a shard's newest "
+               "checkpoint is missing or unreadable. Move every shard's checkpoints of the newer versions aside "
+               "so that all resume from the same one, or start afresh without --resume");
 }
 
 void ParameterServerClient::Impl::pullAll(bool initial) {
