@@ -138,6 +138,7 @@ void ParameterServerClient::Impl::attach(torch::nn::Module& model, torch::optim:
     if (c_.rank < reply.clocks_size()) {
       resumeStep_ = reply.clocks(c_.rank);
       clock_ = *resumeStep_;
+      steps_ = clock_;  // the codec's warm-up counts the run's steps, not this process's
     }
   }
 }

@@ -196,7 +196,7 @@ struct COHORT_LOCAL ParameterServerClient::Impl {
   std::vector<compress::Encoder> encoders_;     // per shard, with a codec
   std::vector<std::vector<float>> flat_;        // per shard: the pushed values side by side
   std::vector<std::vector<uint8_t>> messages_;  // per shard: the last encoded push
-  int64_t steps_ = 0;                           // steps taken by this process (for the warm-up)
+  int64_t steps_ = 0;                           // steps taken (for the warm-up), from the resumed clock on
   int64_t samplesSeen_ = 0;
   // The bytes of this worker's whole-model pulls, outside its steps: the first, one per
   // synchronize() (the chief's evaluations), the last in finish(). Shards reply in parallel.
