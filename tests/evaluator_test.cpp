@@ -56,6 +56,24 @@ TEST(Evaluator, EvaluatesEveryCheckpointOnceAndEndsWithTheJob) {
   EXPECT_NE(run.output.find("[evaluator]"), std::string::npos);
 }
 
+// A resumed run is a new job: its evaluator does not take the first run's end-of-training marker
+// (step 20) for its own, which made it stop at once and left the resumed run's checkpoints
+// unevaluated. The chief is slowed so that the evaluator would surely read the old marker first.
+TEST(Evaluator, AResumedRunsEvaluatorEvaluatesItsCheckpoints) {
+  test::TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  const std::string command = test::cohortBinary() + " launch -n 1 --evaluator -- " + train() + kSmallRun +
+                              " --eval-every 10 --device cpu --checkpoint-dir " + ckpt;
+  auto first = test::runCommand(command + " --steps 20", 180);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  auto resumed = test::runCommand(command + " --steps 40 --resume --test-slow-worker 0:0.05", 180);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  const std::map<int64_t, int> counts = evaluatedCounts(ckpt + "/evaluator-0.jsonl");
+  EXPECT_EQ(counts, (std::map<int64_t, int>{{10, 1}, {20, 1}, {30, 1}, {40, 1}}))
+      << test::readFile(ckpt + "/evaluator-0.jsonl") << resumed.output;
+  EXPECT_NE(resumed.output.find("training ended at step 40"), std::string::npos) << resumed.output;
+}
+
 // Under cohort launch the evaluator SIGKILLs itself right after recording its second checkpoint
 // (--test-kill-evaluator-after 2, a kill at a known point instead of a timed one); the launcher
 // starts it again, training goes on, and the restarted evaluator picks up after step 20: every

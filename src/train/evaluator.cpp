@@ -1,6 +1,7 @@
 #include "train/evaluator.h"
 
 #include "base/clock.h"
+#include "base/crypto.h"
 #include "base/files.h"
 #include "base/tensorboard.h"
 #include "train/evaluation.h"
@@ -112,6 +113,7 @@ class EvaluatorTask {
   EvaluatorTask(const TrainOptions& o, const ClusterSpec& cluster, const EvaluatorOptions& eo)
       : o_(o),
         rank_(cluster.rank),
+        job_(trainingDoneJob(cluster)),
         eo_(eo),
         dir_(o.checkpointDir),
         device_(resolveDevice(o.device, cluster.localRank)),
@@ -128,7 +130,7 @@ class EvaluatorTask {
   int run() {
     for (;;) {
       // Read the marker before listing: a checkpoint listed after it was written is complete.
-      const std::optional<int64_t> finalStep = readTrainingDone(dir_);
+      const std::optional<int64_t> finalStep = readTrainingDone(dir_, job_);
       evaluateNewCheckpoints();
       if (finalStep) {
         if (!pendingUpTo(*finalStep)) return finish(*finalStep);
@@ -228,6 +230,7 @@ class EvaluatorTask {
 
   const TrainOptions& o_;
   const int rank_;
+  const std::string job_;  // trainingDoneJob: the marker it takes for its own
   const EvaluatorOptions& eo_;
   const std::string dir_;
   const c10::Device device_;
@@ -273,16 +276,30 @@ int64_t evaluatedByAll(const std::string& checkpointDir, int evaluators) {
   return upTo;
 }
 
-void writeTrainingDone(const std::string& checkpointDir, int64_t step) {
-  replaceFileWithText(trainingDoneMarkerPath(checkpointDir), nlohmann::json{{"step", step}}.dump() + "\n");
+std::string trainingDoneJob(const ClusterSpec& cluster) {
+  const std::string key = cluster.storeKey();
+  if (key.empty()) return "";
+  const crypto::Digest digest = crypto::HmacSha256("cohort end-of-training marker").update(key).final();
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string job;
+  for (size_t i = 0; i < 8; ++i) job += {kHex[digest[i] >> 4], kHex[digest[i] & 15]};  // not the secret
+  return job;
 }
 
-std::optional<int64_t> readTrainingDone(const std::string& checkpointDir) {
+void writeTrainingDone(const std::string& checkpointDir, int64_t step, const std::string& job) {
+  nlohmann::json marker{{"step", step}};
+  if (!job.empty()) marker["job"] = job;
+  replaceFileWithText(trainingDoneMarkerPath(checkpointDir), marker.dump() + "\n");
+}
+
+std::optional<int64_t> readTrainingDone(const std::string& checkpointDir, const std::string& job) {
   const std::string path = trainingDoneMarkerPath(checkpointDir);
   if (!fs::exists(path)) return std::nullopt;
   const nlohmann::json marker = nlohmann::json::parse(readAll(path), nullptr, false);
   COHORT_CHECK(marker.is_object() && marker.contains("step") && marker["step"].is_number_integer(), IoError, path,
                ": not an end-of-training marker ({\"step\": N}): remove it");
+  const std::string of = marker.contains("job") && marker["job"].is_string() ? marker["job"].get<std::string>() : "";
+  if (!job.empty() && !of.empty() && of != job) return std::nullopt;  // an earlier run's
   return marker["step"].get<int64_t>();
 }
 

@@ -11,8 +11,8 @@
 //                         evaluator reads it and skips the steps it holds (a line cut by a kill is
 //                         dropped), so each checkpoint is recorded exactly once
 //   training-done         written (atomic rename) by the chief after its last checkpoint:
-//                         {"step": N}. The evaluator exits once it has recorded every checkpoint
-//                         up to N that is still on disk.
+//                         {"step": N, "job": J} (J: trainingDoneJob, below). The evaluator exits
+//                         once it has recorded every checkpoint up to N that is still on disk.
 // A fresh run needs a checkpoint directory of its own (or --resume): the evaluator cannot tell an
 // earlier run's files from this run's.
 #pragma once
@@ -38,8 +38,14 @@ std::set<int64_t> evaluatedSteps(const std::string& checkpointDir, int index);
 // (-1 when one has recorded none): what the chief may prune.
 int64_t evaluatedByAll(const std::string& checkpointDir, int evaluators);
 
-void writeTrainingDone(const std::string& checkpointDir, int64_t step);
-std::optional<int64_t> readTrainingDone(const std::string& checkpointDir);
+// The end-of-training marker names the job it is of: a digest of the job's secret, else of its
+// identity (ClusterSpec::storeKey), "" for a job with neither. An evaluator takes a marker of another
+// job for none: a resumed run is a new job (cohort launch makes a new secret), and its evaluator must
+// not stop at the earlier run's marker, which its chief removes only once it has started.
+std::string trainingDoneJob(const ClusterSpec& cluster);
+void writeTrainingDone(const std::string& checkpointDir, int64_t step, const std::string& job);
+// nullopt: no marker, or one of another job (a marker without a job, or a job without one, matches).
+std::optional<int64_t> readTrainingDone(const std::string& checkpointDir, const std::string& job);
 void removeTrainingDone(const std::string& checkpointDir);
 
 struct EvaluatorOptions {

@@ -173,7 +173,7 @@ void Trainer::State::planCheckpoints() {
     const std::string dir = checkpoints->dir();
     const int count = evaluators;
     checkpoints->keepUnread([dir, count] { return evaluatedByAll(dir, count); });
-    if (!o.resume) removeTrainingDone(dir);  // an earlier run's
+    removeTrainingDone(dir);  // an earlier run's (the evaluators of a resumed run, a new job, ignore it anyway)
   }
 }
 

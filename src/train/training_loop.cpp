@@ -380,7 +380,7 @@ class Trainer::State::Loop {
     if (!s_.checkpoints) return;
     try {
       // No checkpoint of this step when it failed: the evaluators end with the ones there are.
-      writeTrainingDone(s_.checkpoints->dir(), s_.step);
+      writeTrainingDone(s_.checkpoints->dir(), s_.step, trainingDoneJob(s_.cluster));
     } catch (const IoError& e) {
       if (!finalCheckpointError) throw;
       s_.warn(e.what());  // the same full disk: the evaluators end at their --evaluator-timeout
