@@ -10,8 +10,12 @@ namespace {
 
 namespace nn = torch::nn;
 
+// The zoo's own modules are Cloneable, as torch's layers are: mirrored, central and hogwild copy
+// the model for each replica thread (nn::Module::clone), and reset() makes each one's layers anew.
+
 // [B, C, H, W] -> [B, H, C*W]: the image's rows as a sequence.
-struct RowsAsSequenceImpl : nn::Module {
+struct RowsAsSequenceImpl : nn::Cloneable<RowsAsSequenceImpl> {
+  void reset() override {}
   torch::Tensor forward(const torch::Tensor& x) {
     return x.permute({0, 2, 1, 3}).reshape({x.size(0), x.size(2), x.size(1) * x.size(3)});
   }
@@ -19,14 +23,15 @@ struct RowsAsSequenceImpl : nn::Module {
 TORCH_MODULE(RowsAsSequence);
 
 // An LSTM over the sequence whose output is its last time step.
-struct LastStepLstmImpl : nn::Module {
-  LastStepLstmImpl(int64_t input, int64_t hidden)
-      : lstm(register_module("lstm", nn::LSTM(nn::LSTMOptions(input, hidden).batch_first(true)))) {}
+struct LastStepLstmImpl : nn::Cloneable<LastStepLstmImpl> {
+  LastStepLstmImpl(int64_t input, int64_t hidden) : input(input), hidden(hidden) { reset(); }
+  void reset() override { lstm = register_module("lstm", nn::LSTM(nn::LSTMOptions(input, hidden).batch_first(true))); }
   torch::Tensor forward(const torch::Tensor& x) {
     auto out = std::get<0>(lstm->forward(x));
     return out.select(1, out.size(1) - 1);
   }
-  nn::LSTM lstm;
+  int64_t input, hidden;
+  nn::LSTM lstm{nullptr};
 };
 TORCH_MODULE(LastStepLstm);
 
@@ -58,11 +63,14 @@ nn::Sequential makeLstm(const InputShape& s) {
 
 // Bags of ids, [B, L] int64 padded with kBagPadding, pooled over an embedding table: the ids
 // and each bag's offset go to nn::EmbeddingBag, whose gradient (with sparse) is the touched rows.
-struct BagEmbeddingImpl : nn::Module {
+struct BagEmbeddingImpl : nn::Cloneable<BagEmbeddingImpl> {
   BagEmbeddingImpl(int64_t rows, int64_t dim, bool mean, bool sparse)
-      : bag(register_module("bag", nn::EmbeddingBag(nn::EmbeddingBagOptions(rows, dim)
-                                                        .mode(mean ? nn::EmbeddingBagMode(torch::kMean) : nn::EmbeddingBagMode(torch::kSum))
-                                                        .sparse(sparse)))) {}
+      : options(nn::EmbeddingBagOptions(rows, dim)
+                    .mode(mean ? nn::EmbeddingBagMode(torch::kMean) : nn::EmbeddingBagMode(torch::kSum))
+                    .sparse(sparse)) {
+    reset();
+  }
+  void reset() override { bag = register_module("bag", nn::EmbeddingBag(options)); }
   torch::Tensor forward(const torch::Tensor& x) {
     COHORT_CHECK(x.scalar_type() == torch::kInt64 && x.dim() == 2, InvalidArgument,
                  "the embed model reads bags of feature ids ([B, L] int64); use --data libsvm:FILE or synthetic-bags");
@@ -70,7 +78,8 @@ struct BagEmbeddingImpl : nn::Module {
     const auto counts = mask.sum(1);
     return bag->forward(x.masked_select(mask), counts.cumsum(0) - counts);
   }
-  nn::EmbeddingBag bag;
+  nn::EmbeddingBagOptions options;
+  nn::EmbeddingBag bag{nullptr};
 };
 TORCH_MODULE(BagEmbedding);
 

@@ -100,6 +100,12 @@ std::vector<std::pair<std::string, torch::Tensor>> ReplicaGroup::Impl::trainable
     COHORT_CHECK(named.empty() || p.device() == named[0].second.device(), InvalidArgument, who, ": parameter ",
                  name, " is on ", p.device(), " and ", named[0].first, " on ", named[0].second.device(),
                  "; move the whole model to one device (module->to(device))");
+    // The sums and copies are of dense gradients (a sparse one failed inside a replica with
+    // torch's internal assert, or the optimizer's copy).
+    COHORT_CHECK(!hasRowSparseGradient(model, p), InvalidArgument, who, ": parameter ", name,
+                 " is an embedding table with sparse gradients; the replicas sum and copy dense ones: make it "
+                 "dense (sparse(false); --model embed:sparse=0), or use allreduce, average or ps, which exchange "
+                 "the touched rows");
     named.emplace_back(name, p);
   }
   COHORT_CHECK(!named.empty(), InvalidArgument, who, ": the module has no parameters that require gradients");
