@@ -397,6 +397,17 @@ TEST(Pipeline, ResumeFromStageCheckpointsIsExactAndAnotherCutIsRefused) {
   auto refused = test::runCommand(train + " --partition 2,4 --steps 10 --resume" + ckpt, 120);
   EXPECT_EQ(refused.exitCode, 2) << refused.output;
   EXPECT_NE(refused.output.find("the checkpoints cut the model as 3,3"), std::string::npos) << refused.output;
+  // Another model: its layers are not the manifest's (an auto cut indexed past them: undefined
+  // behaviour, std::bad_array_new_length).
+  auto another = test::runCommand(launch(2) + test::cohortBinary() +
+                                      " train --model cnn --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                                      " --strategy pipeline --stages 2 --steps 10 --resume" +
+                                      ckpt,
+                                  120);
+  EXPECT_EQ(another.exitCode, 2) << another.output;
+  EXPECT_NE(another.output.find("the checkpoints are of a model of 6 layers (cut 3,3), and this run's model has 8"),
+            std::string::npos)
+      << another.output;
 }
 
 // Two parts of one model, each writing its own checkpoints under `subdir`-0/ and -1/ (pipeline

@@ -122,12 +122,21 @@ void measuredCut(Env& env, torch::nn::Sequential& model, const torch::Tensor& sa
 
 // On rank 0 with `resume`: the checkpoints' manifest, when there is one, decides. `automatic`:
 // the partition was auto or split (the manifest's cut is taken), else it must be the given one.
-void cutFromManifest(Env& env, const PipelineOptions& options, bool automatic, std::vector<int>* counts,
+void cutFromManifest(Env& env, const PipelineOptions& options, bool automatic, int layers, std::vector<int>* counts,
                      std::vector<int>* splits) {
   const std::string path = options.checkpointDir + "/" + kPipelineManifest;
   const std::optional<PipelineManifest> manifest = readPipelineManifest(path);
   if (!manifest) return;
   const std::string theirs = joinCut(manifest->counts, manifest->splits);
+  // A cut of another model would index past this one's layers (another --model on resume).
+  COHORT_CHECK(manifest->counts.size() == size_t(manifest->stages), InvalidArgument, path, ": its cut ", theirs,
+               " has ", manifest->counts.size(), " stages, its header ", manifest->stages,
+               ": not a manifest cohort wrote; start in a new --checkpoint-dir");
+  int total = 0;
+  for (const int c : manifest->counts) total += c;
+  COHORT_CHECK(total == layers, InvalidArgument, path, ": the checkpoints are of a model of ", total, " layers (cut ",
+               theirs, "), and this run's model has ", layers,
+               ": resume with the --model the checkpoints were written with, or start in a new --checkpoint-dir");
   COHORT_CHECK(manifest->stages == options.stages, InvalidArgument, path, ": the checkpoints are of a ",
                manifest->stages, "-stage pipeline (cut ", theirs, "), but this run has --stages ", options.stages,
                ": resume with --stages ", manifest->stages, " --partition ", theirs,
@@ -181,7 +190,8 @@ void Pipeline::Impl::chooseCut(torch::nn::Sequential& model, const torch::Tensor
   std::vector<int64_t> shared(2 * size_t(S) + 1, 0);
   shared[2 * size_t(S)] = options.microBatches;
   if (comm->rank() == 0) {
-    if (options.resume && !options.checkpointDir.empty()) cutFromManifest(env, options, automatic, &cut, &split);
+    if (options.resume && !options.checkpointDir.empty())
+      cutFromManifest(env, options, automatic, int(model->size()), &cut, &split);
     if (autoMicroBatches) {
       autoChoice = chooseMicroBatchCount(env, model, sample, S, profile, cut, messageSeconds, layerNames);
       cut = autoChoice->counts;
