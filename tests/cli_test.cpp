@@ -143,6 +143,30 @@ TEST(Cli, ResumeWithOnlyCorruptCheckpointsNamesThem) {
                      "no readable checkpoint in " + dir.path());
 }
 
+// A resumed run's --lr applies (LibTorch's Optimizer::load put the checkpoint's back, silently).
+TEST(Cli, ResumeTakesTheRunsLearningRate) {
+  test::TempDir dir;
+  const std::string train = test::cohortBinary() +
+                            " train --model mlp --data synthetic:200 --batch 8 --threads 1"
+                            " --progress off --optimizer momentum --checkpoint-dir ";
+  auto first = test::runCommand(train + dir.path() + " --steps 5 --lr 0.05", 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  std::filesystem::copy(dir.path(), dir.file("again"));
+  auto same = test::runCommand(train + dir.path() + " --steps 10 --lr 0.05 --resume", 120);
+  auto other = test::runCommand(train + dir.file("again") + " --steps 10 --lr 0.5 --resume", 120);
+  ASSERT_EQ(same.exitCode, 0) << same.output;
+  ASSERT_EQ(other.exitCode, 0) << other.output;
+  EXPECT_EQ(same.output.find("learning rate"), std::string::npos) << same.output;
+  EXPECT_NE(other.output.find("cohort: the checkpoint's learning rate was 0.05; this run's --lr 0.5 applies"),
+            std::string::npos)
+      << other.output;
+  const auto done = [](const std::string& out) {  // "done: ... test loss L" (not the speed)
+    const size_t from = out.find("done:");
+    return out.substr(from, out.find(',', out.find("test loss", from)) - from);
+  };
+  EXPECT_NE(done(same.output), done(other.output)) << "the resumed run trained at the checkpoint's learning rate";
+}
+
 // A quick run, so that a flag that is wrongly accepted ends in "done" rather than in a timeout.
 const std::string kQuickRun = "train --model mlp --data synthetic:60 --batch 8 --steps 1 --progress off --threads 1 ";
 
