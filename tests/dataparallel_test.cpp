@@ -197,6 +197,18 @@ TEST(DataParallel, AverageWithCodecAndOuterNesterovResumesExactlyAfterTheWarmUp)
                        6, 10);
 }
 
+// Each rank's optimizer state is its own between averages (without --average-optimizer-state):
+// every rank resumed with the writer's momentum and Adam moments before.
+TEST(DataParallel, AverageResumesEveryRanksOwnOptimizerState) {
+  for (const std::string optimizer : {"momentum --lr 0.1", "adam --lr 0.01"}) {
+    expectResumesExactly(launch(2) + test::cohortBinary() +
+                             " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                             " --strategy average --period 1 --optimizer " +
+                             optimizer,
+                         4, 10);
+  }
+}
+
 // The same for allreduce: DataParallel's warm-up count and every bucket's residual (before,
 // neither was in the checkpoint, and the resumed run ended elsewhere than the uninterrupted one).
 TEST(DataParallel, AllreduceWithCodecResumesExactlyInsideTheWarmUp) {

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <sstream>
 
 namespace cohort {
 
@@ -62,8 +63,10 @@ void AverageStrategy::saveState(torch::serialize::OutputArchive& archive) {
   if (torch::Tensor momentum = averaging_->outerMomentum(); momentum.defined()) archive.write("outer_momentum", momentum);
   writeCodecState(archive, kAverageCodecKeys, averaging_->codecState().steps, residuals_);
   if (!scalers_.empty()) archive.write("grad_scalers", torch::stack(scalers_));
+  for (size_t r = 0; r < optimizers_.size(); ++r) archive.write("optimizer_state_" + std::to_string(r), optimizers_[r]);
   residuals_.clear();
   scalers_.clear();
+  optimizers_.clear();
 }
 
 void AverageStrategy::prepareCheckpoint() {
@@ -73,10 +76,31 @@ void AverageStrategy::prepareCheckpoint() {
     residuals_ = comm_->allgather(residual);
   }
   if (const GradScaler* scaler = this->scaler()) scalers_ = comm_->allgather(scalerStateTensor(*scaler));
+  // Each rank's optimizer (momentum, Adam's moments and steps) is its own between averages.
+  std::ostringstream bytes;
+  torch::serialize::OutputArchive mine;
+  optimizer_->save(mine);
+  mine.save_to(bytes);
+  const std::string text = bytes.str();
+  const torch::Tensor packed = torch::from_blob(const_cast<char*>(text.data()), {int64_t(text.size())}, torch::kUInt8);
+  optimizers_ = comm_->allgatherVariable(packed.clone());
 }
 
 void AverageStrategy::loadState(torch::serialize::InputArchive& archive) {
   COHORT_CHECK(averaging_ != nullptr, Error, "AverageStrategy::loadState before attach");
+  // This rank's own optimizer state, over the writer's that the Trainer restored (absent from
+  // checkpoints of an earlier cohort: then every rank resumes with the writer's). The run's
+  // learning rate, which the Trainer set after its load, stays.
+  if (torch::Tensor packed; archive.try_read("optimizer_state_" + std::to_string(comm_->rank()), packed)) {
+    std::vector<double> lrs;
+    for (auto& group : optimizer_->param_groups()) lrs.push_back(group.options().get_lr());
+    const torch::Tensor bytes = packed.to(torch::kCPU).contiguous();
+    torch::serialize::InputArchive mine;
+    mine.load_from(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), size_t(bytes.numel()),
+                   model_->parameters().front().device());
+    optimizer_->load(mine);
+    for (size_t g = 0; g < lrs.size(); ++g) optimizer_->param_groups()[g].options().set_lr(lrs[g]);
+  }
   // This rank's own loss scaler, over the writer's that the Trainer restored.
   if (torch::Tensor scalers; scaler() != nullptr && archive.try_read("grad_scalers", scalers)) {
     if (scalers.dim() == 2 && scalers.size(0) == comm_->worldSize()) {

@@ -28,7 +28,9 @@ class AverageStrategy final : public Strategy {
   // ("average_steps", which decide when --codec-warmup-steps ends) and the codec's residual
   // ("codec_residuals", every rank's error feedback, gathered by prepareCheckpoint()), when the
   // codec keeps one; under --autocast fp16, every rank's loss scaler ("grad_scalers": each rank
-  // unscales its own gradients, so their scales part), gathered alike.
+  // unscales its own gradients, so their scales part), gathered alike; and every rank's optimizer
+  // state ("optimizer_state_R"), its own since the averages (the Trainer's checkpoint holds the
+  // writer's only), gathered alike.
   void prepareCheckpoint() override;
   void saveState(torch::serialize::OutputArchive& archive) override;
   void loadState(torch::serialize::InputArchive& archive) override;
@@ -41,6 +43,7 @@ class AverageStrategy final : public Strategy {
   std::unique_ptr<ParameterAveraging> averaging_;
   std::vector<torch::Tensor> residuals_;  // every rank's codec residual, from prepareCheckpoint()
   std::vector<torch::Tensor> scalers_;    // every rank's scalerStateTensor, from prepareCheckpoint()
+  std::vector<torch::Tensor> optimizers_;  // every rank's serialized optimizer, from prepareCheckpoint()
 };
 
 }  // namespace cohort
