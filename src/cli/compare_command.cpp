@@ -3,6 +3,7 @@
 #include "cli/experiment_common.h"
 
 #include "base/files.h"
+#include "base/subprocess.h"
 #include "experiment/netns.h"
 #include "experiment/remote.h"
 #include "experiment/report.h"
@@ -12,6 +13,8 @@
 #include <cohort/error.h>
 
 #include <algorithm>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -107,15 +110,31 @@ void checkModel(const std::string& binary, const std::string& model, const std::
   std::vector<std::string> argv{binary, "train",   "--model", model,       "--data", "synthetic:60", "--steps",
                                 "1",    "--batch", "4",       "--threads", "1",      "--progress",   "off"};
   if (device != nullptr) argv.insert(argv.end(), {"--device", *device});
-  const std::string command = experiment::shellQuote(argv) + " 2>&1";
-  FILE* pipe = ::popen(command.c_str(), "r");
-  COHORT_CHECK(pipe != nullptr, Error, "cannot run ", binary);
+  // Bounded, in a group of its own that goes with it (a wedged device, a model file on a hung
+  // mount): popen waited for it without end.
+  constexpr auto kLimit = std::chrono::seconds(300);
   std::string output;
-  char buf[4096];
-  size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0) output.append(buf, n);
-  const int status = ::pclose(pipe);
-  if (status != 0) {
+  Subprocess check;
+  try {
+    check = Subprocess::spawn({.argv = argv,
+                               .in = ChildStream::null(),
+                               .out = ChildStream::pipe(),
+                               .err = ChildStream::sameAsStdout(),
+                               .processGroup = kNewGroup,
+                               .parentDeathSignal = SIGKILL});
+  } catch (const SubprocessError& e) {
+    throw Error("cannot check --model " + model + ": " + e.what());
+  }
+  const auto deadline = IoClock::now() + kLimit;
+  check.readOutput(output, deadline, 1 << 20);
+  const std::optional<ExitStatus> status = check.waitUntil(deadline);
+  if (!status) {
+    check.signalGroup(SIGKILL);
+    check.wait();
+    throw TimeoutError("--model " + model + ": its one-step check (" + binary +
+                       " train ... --steps 1) did not end within " + std::to_string(kLimit.count()) + " s");
+  }
+  if (!status->ok()) {
     std::string why = experiment::errorFromLog(output);
     if (device != nullptr)
       throw InvalidArgument("--model " + model + " cannot be trained on --device " + *device + ": " + why);
