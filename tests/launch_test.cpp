@@ -371,8 +371,11 @@ TEST(Launch, AFailingRankStopsTheOthersWithItsStatus) {
 TEST(Launch, WhatARankStartedEndsWithIt) {
   test::TempDir dir;
   auto r =
+      // Rank 1 fails once rank 0's sleep is started and written down (a poll of the file: nothing
+      // else tells it), so that the launcher's stop never comes before rank 0 has started it.
       test::runCommand(launch("-n 2 --max-restarts 1" + kWithPort + " -- sh -c 'sleep 300 & echo $! > " + dir.path() +
-                              "/$RANK-$COHORT_RESTART_COUNT; if [ \"$RANK\" = 1 ]; then exit 3; fi; wait'"),
+                              "/$RANK-$COHORT_RESTART_COUNT; if [ \"$RANK\" = 1 ]; then while [ ! -s " + dir.path() +
+                              "/0-$COHORT_RESTART_COUNT ]; do sleep 0.01; done; exit 3; fi; wait'"),
                        60);
   EXPECT_EQ(r.exitCode, 3) << r.output;
   int seen = 0;
