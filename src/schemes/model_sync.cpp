@@ -244,6 +244,30 @@ c10::Device modelDevice(torch::nn::Module& model, const std::string& who) {
   return first ? first->second : c10::Device(c10::kCPU);
 }
 
+std::string optimizerBytes(const torch::optim::Optimizer& optimizer) {
+  std::string bytes;
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  archive.save_to([&](const void* data, size_t size) {
+    bytes.append(static_cast<const char*>(data), size);
+    return size;
+  });
+  return bytes;
+}
+
+std::vector<double> loadOptimizerKeepingLearningRates(torch::optim::Optimizer& optimizer,
+                                                      torch::serialize::InputArchive& archive) {
+  std::vector<double> kept;
+  for (auto& group : optimizer.param_groups()) kept.push_back(group.options().get_lr());
+  optimizer.load(archive);
+  std::vector<double> saved;
+  for (size_t g = 0; g < kept.size(); ++g) {
+    saved.push_back(optimizer.param_groups()[g].options().get_lr());
+    optimizer.param_groups()[g].options().set_lr(kept[g]);
+  }
+  return saved;
+}
+
 void clearGradients(torch::nn::Module& model) {
   for (auto& p : model.parameters()) p.mutable_grad().reset();
 }

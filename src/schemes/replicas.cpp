@@ -176,13 +176,7 @@ std::unique_ptr<torch::optim::Optimizer> ReplicaGroup::Impl::copyOptimizer(
                ": every replica needs a copy of the optimizer, and this one cannot be copied; use SGD, Adam, AdamW, "
                "RMSprop or Adagrad");
   // The state (momentum, moments) too: a resumed optimizer's copies go on alike.
-  std::vector<char> bytes;
-  torch::serialize::OutputArchive out;
-  optimizer.save(out);
-  out.save_to([&](const void* data, size_t size) {
-    bytes.insert(bytes.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
-    return size;
-  });
+  const std::string bytes = optimizerBytes(optimizer);
   torch::serialize::InputArchive in;
   in.load_from(bytes.data(), bytes.size(), replica.device);
   copy->load(in);

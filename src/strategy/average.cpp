@@ -2,6 +2,7 @@
 
 #include <cohort/error.h>
 
+#include "schemes/model_sync.h"
 #include "strategy/codec_state.h"
 #include "strategy/local.h"
 
@@ -9,7 +10,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <sstream>
 
 namespace cohort {
 
@@ -77,13 +77,9 @@ void AverageStrategy::prepareCheckpoint() {
   }
   if (const GradScaler* scaler = this->scaler()) scalers_ = comm_->allgather(scalerStateTensor(*scaler));
   // Each rank's optimizer (momentum, Adam's moments and steps) is its own between averages.
-  std::ostringstream bytes;
-  torch::serialize::OutputArchive mine;
-  optimizer_->save(mine);
-  mine.save_to(bytes);
-  const std::string text = bytes.str();
-  const torch::Tensor packed = torch::from_blob(const_cast<char*>(text.data()), {int64_t(text.size())}, torch::kUInt8);
-  optimizers_ = comm_->allgatherVariable(packed.clone());
+  std::string bytes = optimizerBytes(*optimizer_);
+  optimizers_ =
+      comm_->allgatherVariable(torch::from_blob(bytes.data(), {int64_t(bytes.size())}, torch::kUInt8).clone());
 }
 
 void AverageStrategy::loadState(torch::serialize::InputArchive& archive) {
@@ -92,14 +88,11 @@ void AverageStrategy::loadState(torch::serialize::InputArchive& archive) {
   // checkpoints of an earlier cohort: then every rank resumes with the writer's). The run's
   // learning rate, which the Trainer set after its load, stays.
   if (torch::Tensor packed; archive.try_read("optimizer_state_" + std::to_string(comm_->rank()), packed)) {
-    std::vector<double> lrs;
-    for (auto& group : optimizer_->param_groups()) lrs.push_back(group.options().get_lr());
     const torch::Tensor bytes = packed.to(torch::kCPU).contiguous();
     torch::serialize::InputArchive mine;
     mine.load_from(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), size_t(bytes.numel()),
                    model_->parameters().front().device());
-    optimizer_->load(mine);
-    for (size_t g = 0; g < lrs.size(); ++g) optimizer_->param_groups()[g].options().set_lr(lrs[g]);
+    loadOptimizerKeepingLearningRates(*optimizer_, mine);
   }
   // This rank's own loss scaler, over the writer's that the Trainer restored.
   if (torch::Tensor scalers; scaler() != nullptr && archive.try_read("grad_scalers", scalers)) {

@@ -2,7 +2,7 @@
 // scheme's own state, the position in the data, the generator and a fingerprint of the run), its
 // periodic and final saves, and resuming from the newest one that verifies.
 #include "models/cpu_generator.h"
-#include "train/lazy_optimizer.h"
+#include "schemes/model_sync.h"
 #include "train/trainer_internal.h"
 #include <cohort/error.h>
 
@@ -87,18 +87,12 @@ void Trainer::State::restore(const LoadedCheckpoint& ckpt) {
     model->load(modelArchive);
     torch::serialize::InputArchive optimizerArchive;
     archive.read("optimizer", optimizerArchive);
-    optimizer->load(optimizerArchive);
-    // LibTorch's load() puts the saved groups' options back, the learning rate among them, so a
-    // resumed run's --lr was ignored without a word. The command line wins, as over --config.
-    // (LazyOptimizer, the sparse models', keeps this run's learning rate through its load.)
-    if (dynamic_cast<LazyOptimizer*>(optimizer.get()) == nullptr) {
-      for (auto& group : optimizer->param_groups()) {
-        const double saved = group.options().get_lr();
-        if (saved != options.lr && replica.isChief()) {
-          std::fprintf(stderr, "cohort: the checkpoint's learning rate was %g; this run's --lr %g applies\n", saved,
-                       options.lr);
-        }
-        group.options().set_lr(options.lr);
+    // The run's --lr (the optimizer was made with it) wins over the checkpoint's, as the command
+    // line does over --config; a change is said.
+    for (const double saved : loadOptimizerKeepingLearningRates(*optimizer, optimizerArchive)) {
+      if (saved != options.lr && replica.isChief()) {
+        std::fprintf(stderr, "cohort: the checkpoint's learning rate was %g; this run's --lr %g applies\n", saved,
+                     options.lr);
       }
     }
     // Absent from a checkpoint written without --autocast fp16: the scaler starts as a new run's.
