@@ -243,24 +243,27 @@ struct COHORT_LOCAL ParameterAveraging::Impl {
   // state is left alone on every rank until all have one.
   std::vector<torch::Tensor> stateEveryRankHas() {
     const std::vector<std::vector<torch::Tensor>> states = statePerParameter(*optimizer);
-    torch::Tensor has = torch::empty({int64_t(states.size())}, torch::kInt32);
-    for (size_t k = 0; k < states.size(); ++k) has[int64_t(k)] = states[k].empty() ? 0 : 1;
-    const CommCounters before = comm->counters();
-    comm->allreduce(has);  // how many ranks have state, per parameter
-    const CommCounters after = comm->counters();
-    stats.bytesSent += after.bytesSent - before.bytesSent;
-    stats.bytesReceived += after.bytesReceived - before.bytesReceived;
+    std::vector<int32_t> flags;
+    for (const auto& mine : states) flags.push_back(mine.empty() ? 0 : 1);
+    const torch::Tensor has = torch::tensor(flags, torch::kInt32);
+    counted([&] { comm->allreduce(has); });  // how many ranks have state, per parameter
+    const int32_t* ranks = has.data_ptr<int32_t>();
     std::vector<torch::Tensor> out;
     for (size_t k = 0; k < states.size(); ++k) {
-      if (has[int64_t(k)].item<int32_t>() == comm->worldSize())
-        out.insert(out.end(), states[k].begin(), states[k].end());
+      if (ranks[k] == comm->worldSize()) out.insert(out.end(), states[k].begin(), states[k].end());
     }
     return out;
   }
 
   void averageCounted(const std::vector<torch::Tensor>& tensors) {
+    counted([&] { averageInPlace(*comm, tensors); });
+  }
+
+  // Runs `exchange`, counting the bytes it moved in stats.
+  template <typename Exchange>
+  void counted(const Exchange& exchange) {
     const CommCounters before = comm->counters();
-    averageInPlace(*comm, tensors);
+    exchange();
     const CommCounters after = comm->counters();
     stats.bytesSent += after.bytesSent - before.bytesSent;
     stats.bytesReceived += after.bytesReceived - before.bytesReceived;
