@@ -414,6 +414,25 @@ IoStatus Subprocess::readSome(std::string& out, IoClock::time_point deadline, in
   return readChunk(fd(childFd), out, deadline, kChunk);
 }
 
+CapturedRun runCapturingOutput(const std::vector<std::string>& argv, std::chrono::seconds timeout, size_t limit) {
+  Subprocess child = Subprocess::spawn({.argv = argv,
+                                        .in = ChildStream::null(),
+                                        .out = ChildStream::pipe(),
+                                        .err = ChildStream::sameAsStdout(),
+                                        .processGroup = kNewGroup,
+                                        .parentDeathSignal = SIGKILL});
+  const auto deadline = IoClock::now() + timeout;
+  CapturedRun run;
+  child.readOutput(run.output, deadline, limit);
+  child.closeFd(STDOUT_FILENO);  // past the limit, it gets SIGPIPE rather than blocking
+  run.status = child.waitUntil(deadline);
+  if (!run.status) {
+    child.signalGroup(SIGKILL);
+    child.wait();
+  }
+  return run;
+}
+
 IoStatus Subprocess::readOutput(std::string& out, IoClock::time_point deadline, size_t limit, int childFd) {
   for (size_t left = limit; left > 0;) {
     const size_t before = out.size();

@@ -22,6 +22,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <map>
@@ -164,6 +165,16 @@ class Subprocess {
   std::optional<ExitStatus> status_;
   std::map<int, int> fds_;  // the child's descriptor -> the parent's end of its pipe
 };
+
+// Runs argv to its end, standard input closed, its standard output and error read together (up to
+// `limit` bytes; the pipe is closed after), in a process group of its own that dies with the
+// caller's thread and is killed whole when `timeout` passes (`status` nullopt then). Throws
+// SubprocessError when it cannot start.
+struct CapturedRun {
+  std::optional<ExitStatus> status;
+  std::string output;
+};
+CapturedRun runCapturingOutput(const std::vector<std::string>& argv, std::chrono::seconds timeout, size_t limit);
 
 // "SIGTERM" for SIGTERM; "unknown signal" for a number without a name.
 std::string signalName(int signo);

@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -113,28 +112,16 @@ void checkModel(const std::string& binary, const std::string& model, const std::
   // Bounded, in a group of its own that goes with it (a wedged device, a model file on a hung
   // mount): popen waited for it without end.
   constexpr auto kLimit = std::chrono::seconds(300);
-  std::string output;
-  Subprocess check;
+  CapturedRun run;
   try {
-    check = Subprocess::spawn({.argv = argv,
-                               .in = ChildStream::null(),
-                               .out = ChildStream::pipe(),
-                               .err = ChildStream::sameAsStdout(),
-                               .processGroup = kNewGroup,
-                               .parentDeathSignal = SIGKILL});
+    run = runCapturingOutput(argv, kLimit, 1 << 20);
   } catch (const SubprocessError& e) {
     throw Error("cannot check --model " + model + ": " + e.what());
   }
-  const auto deadline = IoClock::now() + kLimit;
-  check.readOutput(output, deadline, 1 << 20);
-  const std::optional<ExitStatus> status = check.waitUntil(deadline);
-  if (!status) {
-    check.signalGroup(SIGKILL);
-    check.wait();
-    throw TimeoutError("--model " + model + ": its one-step check (" + binary +
-                       " train ... --steps 1) did not end within " + std::to_string(kLimit.count()) + " s");
-  }
-  if (!status->ok()) {
+  COHORT_CHECK(run.status.has_value(), TimeoutError, "--model ", model, ": its one-step check (", binary,
+               " train ... --steps 1) did not end within ", kLimit.count(), " s");
+  const std::string& output = run.output;
+  if (!run.status->ok()) {
     std::string why = experiment::errorFromLog(output);
     if (device != nullptr)
       throw InvalidArgument("--model " + model + " cannot be trained on --device " + *device + ": " + why);

@@ -14,12 +14,10 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -416,27 +414,15 @@ namespace {
 // own words when it fails, and a bound on how long it may take.
 void convertToPng(const std::string& svg, const std::string& png) {
   constexpr auto kLimit = std::chrono::seconds(60);
-  std::string output;
-  std::optional<ExitStatus> status;
+  CapturedRun run;
   try {
-    Subprocess convert =
-        Subprocess::spawn({.argv = {"rsvg-convert", "--format=png", "--zoom=1.5", "--output", png, svg},
-                           .in = ChildStream::null(),
-                           .out = ChildStream::pipe(),
-                           .err = ChildStream::sameAsStdout()});
-    const auto deadline = IoClock::now() + kLimit;
-    convert.readOutput(output, deadline, 64 * 1024);
-    status = convert.waitUntil(deadline);
-    if (!status) {
-      convert.signal(SIGKILL);
-      convert.wait();
-    }
+    run = runCapturingOutput({"rsvg-convert", "--format=png", "--zoom=1.5", "--output", png, svg}, kLimit, 64 * 1024);
   } catch (const SubprocessError& e) {
     throw IoError(png + ": " + e.what() + " (apt-get install librsvg2-bin, or pass --no-png)");
   }
-  COHORT_CHECK(status.has_value(), IoError, png, ": rsvg-convert took more than ", kLimit.count(), " s");
-  COHORT_CHECK(status->ok(), IoError, png, ": rsvg-convert failed (exit ", status->shellCode(),
-               "): ", firstLine(output), " (or pass --no-png)");
+  COHORT_CHECK(run.status.has_value(), IoError, png, ": rsvg-convert took more than ", kLimit.count(), " s");
+  COHORT_CHECK(run.status->ok(), IoError, png, ": rsvg-convert failed (exit ", run.status->shellCode(),
+               "): ", firstLine(run.output), " (or pass --no-png)");
 }
 
 }  // namespace
