@@ -109,16 +109,21 @@ void randomBytes(std::span<uint8_t> out) {
   }
 }
 
+std::string toHex(std::span<const uint8_t> bytes) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(2 * bytes.size());
+  for (uint8_t b : bytes) {
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 15]);
+  }
+  return out;
+}
+
 std::string randomToken(size_t bytes) {
   std::vector<uint8_t> raw(bytes);
   randomBytes(raw);
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string token;
-  for (uint8_t b : raw) {
-    token.push_back(kHex[b >> 4]);
-    token.push_back(kHex[b & 15]);
-  }
-  return token;
+  return toHex(raw);
 }
 
 bool equalConstantTime(std::span<const uint8_t> a, std::span<const uint8_t> b) {

@@ -58,6 +58,9 @@ class Gmac {
 // Fills `out` from the kernel's random source (getrandom); throws Error when it cannot.
 void randomBytes(std::span<uint8_t> out);
 
+// `bytes` as lowercase hex, two digits a byte.
+std::string toHex(std::span<const uint8_t> bytes);
+
 // A fresh secret: `bytes` random bytes (getrandom) as lowercase hex.
 std::string randomToken(size_t bytes = 16);
 

@@ -13,16 +13,6 @@ namespace {
 constexpr std::string_view kScheme = "CohortHMAC ";
 constexpr size_t kNonceHex = 32;
 
-std::string hex(std::span<const uint8_t> bytes) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (uint8_t b : bytes) {
-    out.push_back(digits[b >> 4]);
-    out.push_back(digits[b & 15]);
-  }
-  return out;
-}
-
 int64_t nowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -36,13 +26,13 @@ std::string callProof(const std::string& secret, int64_t unixMs, const std::stri
   mac.update(std::string_view("cohort-ps call"));
   mac.update(stamp);
   const crypto::Digest d = mac.final();
-  return std::string(kScheme) + stamp + "." + hex(d);
+  return std::string(kScheme) + stamp + "." + crypto::toHex(d);
 }
 
 std::string makeCallProof(const std::string& secret) {
   std::array<uint8_t, kNonceHex / 2> nonce{};
   crypto::randomBytes(nonce);
-  return callProof(secret, nowMs(), hex(nonce));
+  return callProof(secret, nowMs(), crypto::toHex(nonce));
 }
 
 const char* describe(ProofCheck result) {

@@ -280,10 +280,7 @@ std::string trainingDoneJob(const ClusterSpec& cluster) {
   const std::string key = cluster.storeKey();
   if (key.empty()) return "";
   const crypto::Digest digest = crypto::HmacSha256("cohort end-of-training marker").update(key).final();
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string job;
-  for (size_t i = 0; i < 8; ++i) job += {kHex[digest[i] >> 4], kHex[digest[i] & 15]};  // not the secret
-  return job;
+  return crypto::toHex(std::span(digest).first(8));  // a digest's prefix, not the secret
 }
 
 void writeTrainingDone(const std::string& checkpointDir, int64_t step, const std::string& job) {
