@@ -35,6 +35,8 @@ fi
 # them. cohort never links Debian's libgloo; the Gloo it runs is the one inside libtorch_cpu.
 # clang: every build checks the locks with clang's thread-safety analysis (cmake/CohortCheckLocks.cmake);
 # with libclang-rt-14-dev it also builds the fuzz targets.
+# tcsh: `cohort compare --hosts` runs its scripts through the hosts' login shells; a test runs them
+# under csh's rules.
 packages=(
   cmake ninja-build ccache g++ make pkg-config
   libopenblas0-pthread libgloo-dev
@@ -46,7 +48,7 @@ packages=(
   python3 python3-venv
   openmpi-bin iproute2
   libtomlplusplus-dev chromium librsvg2-bin slurm-wlm munge
-  openssh-server openssh-client
+  openssh-server openssh-client tcsh
 )
 
 missing=()

@@ -153,6 +153,24 @@ TEST(Remote, HostListsAndShellWords) {
   EXPECT_THROW(experiment::splitShellWords("  "), InvalidArgument);
 }
 
+// ssh hands the remote command to the host's login shell as one string; a csh user's tcsh refused
+// the scripts while they spanned lines ("Unmatched '''."). Here tcsh stands in for that shell.
+TEST(Remote, ScriptsRunUnderACshLoginShell) {
+  ASSERT_EQ(::access("/usr/bin/tcsh", X_OK), 0) << "no /usr/bin/tcsh: scripts/setup.sh installs it";
+  test::TempDir dir;
+  const std::string shell = "env COHORT_TEST_HOST={host} /usr/bin/tcsh -f -c";
+  experiment::RemoteHosts hosts{.hosts = {"localhost"}, .shell = shell, .binary = "/bin/sh", .workdir = dir.path()};
+  EXPECT_NO_THROW(experiment::checkHosts(hosts, dir.path(), {}, 30));
+  const std::vector<std::string> train{"cohort", "-c", "echo \"$COHORT_AUTH_TOKEN\" > ran"};
+  std::vector<experiment::ProcessSpec> processes = experiment::remoteProcesses(hosts, 1, 0, train);
+  ASSERT_EQ(processes.size(), 1u);
+  const std::string input = processes[0].input.value_or("");
+  const auto records = experiment::runJobs({{.id = "csh", .processes = std::move(processes)}},
+                                           {.dir = dir.path(), .timeoutSeconds = 60});
+  EXPECT_EQ(records[0].status, JobStatus::kOk) << records[0].error;
+  EXPECT_EQ(test::readFile(dir.file("ran")), input);  // the command ran, with the token from stdin
+}
+
 TEST(Runner, BadIdsAreRefused) {
   test::TempDir dir;
   EXPECT_THROW(experiment::runJobs({shellJob("../x", "true")}, {.dir = dir.path()}), InvalidArgument);

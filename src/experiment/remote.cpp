@@ -23,35 +23,36 @@ namespace {
 // Run by `sh -c SCRIPT cohort-remote WORKDIR HOST SHARE COMMAND...` on the host (see remote.h,
 // "Ending"). The token is read with the shell's `read`, which takes one line and no more, so the
 // watcher sees the rest: nothing until EOF. An asynchronous list's standard input is /dev/null
-// in a shell without job control, hence fd 3 for the watcher.
+// in a shell without job control, hence fd 3 for the watcher. Both scripts are one line: the
+// remote login shell parses the quoted command first, and csh's refuses a newline in quotes.
 constexpr const char* kRemoteScript =
-    "dir=$1 host=$2 share=$3; shift 3\n"
+    "dir=$1 host=$2 share=$3; shift 3; "
     "cd \"$dir\" || { echo \"cohort: error: $host: cannot enter $dir (--hosts needs the same folders on every host)\" "
-    ">&2; exit 1; }\n"
-    "IFS= read -r COHORT_AUTH_TOKEN || { echo \"cohort: error: $host: no token on standard input\" >&2; exit 1; }\n"
-    "export COHORT_AUTH_TOKEN\n"
-    "n=$(getconf _NPROCESSORS_ONLN 2>/dev/null) || n=1; t=$((n / share)); [ \"$t\" -ge 1 ] || t=1\n"
-    "exec 3<&0\n"
-    "OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=$t \"$@\" </dev/null 3<&- & child=$!\n"
-    "{ read -r _ <&3; kill -TERM $child 2>/dev/null; } & watcher=$!\n"
-    "exec 3<&-\n"
-    "wait $child; status=$?\n"
-    "kill $watcher 2>/dev/null; wait $watcher 2>/dev/null\n"
+    ">&2; exit 1; }; "
+    "IFS= read -r COHORT_AUTH_TOKEN || { echo \"cohort: error: $host: no token on standard input\" >&2; exit 1; }; "
+    "export COHORT_AUTH_TOKEN; "
+    "n=$(getconf _NPROCESSORS_ONLN 2>/dev/null) || n=1; t=$((n / share)); [ \"$t\" -ge 1 ] || t=1; "
+    "exec 3<&0; "
+    "OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=$t \"$@\" </dev/null 3<&- & child=$!; "
+    "{ read -r _ <&3; kill -TERM $child 2>/dev/null; } & watcher=$!; "
+    "exec 3<&-; "
+    "wait $child; status=$?; "
+    "kill $watcher 2>/dev/null; wait $watcher 2>/dev/null; "
     "exit $status";
 
 // Run by `sh -c SCRIPT cohort-check WORKDIR OUT MARKER BINARY DEVICE MODEL` with "cohort\n" on standard
 // input; an empty DEVICE: no training step.
 constexpr const char* kCheckScript =
     "cd \"$1\" 2>/dev/null || { echo \"cohort-check: has no folder $1 (--hosts runs in the same folder on every "
-    "host)\"; exit 0; }\n"
+    "host)\"; exit 0; }; "
     "[ -e \"$3\" ] || { echo \"cohort-check: does not see $2 as this machine does (OUT must be on a filesystem the "
-    "hosts share)\"; exit 0; }\n"
-    "[ -x \"$4\" ] || { echo \"cohort-check: has no executable $4 (--remote-binary)\"; exit 0; }\n"
+    "hosts share)\"; exit 0; }; "
+    "[ -x \"$4\" ] || { echo \"cohort-check: has no executable $4 (--remote-binary)\"; exit 0; }; "
     "IFS= read -r line; [ \"$line\" = cohort ] || { echo \"cohort-check: does not get standard input through the "
-    "remote shell (it must pass it on: no ssh -n)\"; exit 0; }\n"
+    "remote shell (it must pass it on: no ssh -n)\"; exit 0; }; "
     "[ -z \"$5\" ] || out=$(\"$4\" train --model \"$6\" --data synthetic:60 --steps 1 --batch 4 --threads 1 "
     "--progress off --device \"$5\" </dev/null 2>&1) || { echo \"cohort-check: cannot train --model $6 on --device $5: "
-    "$(printf '%s\\n' \"$out\" | tail -n 1)\"; exit 0; }\n"
+    "$(printf '%s\\n' \"$out\" | tail -n 1)\"; exit 0; }; "
     "echo \"cohort-check: ok\"";
 
 bool validHost(const std::string& host) {
