@@ -176,6 +176,23 @@ TEST(LaunchFaults, AShardThatCheckpointsIsRestartedAlone) {
   EXPECT_EQ(count(r.output, "-run-"), 2u) << "the workers ran once each\n" << r.output;
 }
 
+// A shard that fails once the workers are done (here when the launcher stops it) is not restarted:
+// the restarted one served no one and was never stopped, so the job did not end.
+TEST(LaunchFaults, AShardFailingAfterTheWorkersIsNotRestarted) {
+  auto r = test::runCommand(launch("-n 1 --ps 1 --grace 1 --max-restarts 1" + kAnyPort +
+                                   script("if [ -z \"$RANK\" ]; then " + kShardPort + "echo shard-checkpoints " + kSay +
+                                          "; echo shard-has-checkpoint " + kSay +
+                                          "; echo shard-run-$COHORT_RESTART_COUNT; "
+                                          "trap \"exit 5\" TERM; sleep 60 & wait; exit 0; fi; echo worker-done")),
+                            50);
+  EXPECT_EQ(r.exitCode, 5) << r.output;
+  EXPECT_NE(
+      r.output.find("cohort launch: ps 0 exited with status 5; every worker had finished, so it is not restarted"),
+      std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("shard-run-1"), std::string::npos) << r.output;
+}
+
 // A synchronous job restarted: every process again, told it is a restart, and rank 1 is given the
 // port rank 0 tells in the new run (a listener binds port 0 afresh: here 30000 + the run).
 TEST(LaunchFaults, AFailedGroupIsRestartedOnANewPort) {

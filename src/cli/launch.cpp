@@ -385,6 +385,14 @@ class Launcher {
     }
     const int code = status.shellCode();
     if (!child.error.empty()) what += ": " + child.error;
+    // Once every worker is done a shard serves no one: a restarted one would wait for workers that
+    // never come, and the launcher, having stopped the servers, would not stop it again. The job
+    // fails with its status (its last checkpoint may be what failed); the others stop as usual.
+    if (child.server && workersDone_) {
+      say(what + "; every worker had finished, so it is not restarted");
+      exitCode_ = code;
+      return;
+    }
     const ProcessKind kind = child.server ? ProcessKind::kShard : child.rank == 0 ? ProcessKind::kChief
                                                                                   : ProcessKind::kWorker;
     const int restartsLeft = options_.maxRestarts - restartsUsed_;
