@@ -141,6 +141,22 @@ TEST(Mirrored, ReplicasStayBitIdenticalWithMomentum) {
   EXPECT_NE(mirrored.replica(1).parameters()[0].data_ptr(), net->parameters()[0].data_ptr());
 }
 
+// A schedule that changes the caller's learning rate (here to 0 after the first steps) reaches
+// every replica's copy of the optimizer: they stay bit-identical (the copies kept the first lr).
+TEST(Mirrored, ALearningRateChangedBetweenStepsReachesEveryReplica) {
+  const Data d = batches(6, 12);
+  auto net = smallNet(3);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  Mirrored mirrored(net.ptr(), opt, {.replicas = 2, .bucketMb = 0.0005});
+  for (size_t i = 0; i < d.x.size(); ++i) {
+    if (i == 3) opt.param_groups()[0].options().set_lr(0.01);
+    mirrored.step(d.x[i], d.y[i], kLoss);
+  }
+  EXPECT_TRUE(identical(parametersOf(mirrored.replica(1)), parametersOf(*net)));
+  opt.add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({1}, torch::requires_grad())}));
+  EXPECT_THROW(mirrored.step(d.x[0], d.y[0], kLoss), InvalidArgument);
+}
+
 // A TorchScript layer (cohort's ScriptedLayer) is copied deeply, and trains like one process.
 TEST(Mirrored, CopiesTorchScriptLayers) {
   test::TempDir dir;

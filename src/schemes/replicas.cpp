@@ -274,6 +274,19 @@ void ReplicaGroup::Impl::resetForStep(const ShardLoss& loss) {
   updating = false;
   failed = false;
   lossFn = &loss;
+  followCallersOptions();
+}
+
+void ReplicaGroup::Impl::followCallersOptions() {
+  auto& callers = replicas[0].optimizer->param_groups();
+  for (size_t r = 1; r < replicas.size(); ++r) {
+    if (!replicas[r].ownOptimizer) continue;
+    auto& copies = replicas[r].ownOptimizer->param_groups();
+    COHORT_CHECK(copies.size() == callers.size(), InvalidArgument, who, ": the optimizer has ", callers.size(),
+                 " parameter groups and had ", copies.size(),
+                 " when the replicas were made: make the handle after adding them");
+    for (size_t g = 0; g < callers.size(); ++g) copies[g].set_options(callers[g].options().clone());
+  }
 }
 
 void ReplicaGroup::Impl::runThreads() {

@@ -160,6 +160,9 @@ struct COHORT_LOCAL ReplicaGroup::Impl {
   // Each replica's shard of the batch, on its device, and its weight.
   void splitBatch(const torch::Tensor& inputs, const torch::Tensor& targets, const std::vector<int64_t>& sizes);
   void resetForStep(const ShardLoss& loss);
+  // The copies of the optimizer (Mirrored, Hogwild) take the caller's options (learning rate,
+  // momentum...) as they are now: a schedule that changes them reaches every replica.
+  void followCallersOptions();
   // Wakes the replica threads and waits for them (up to twice the timeout); throws the first
   // replica's failure, marking the group broken when the replicas may now differ.
   void runThreads() EXCLUDES(launchMutex, mutex);
