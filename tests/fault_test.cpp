@@ -278,6 +278,31 @@ TEST(LaunchFaults, APsJobRunsOnIpv6Loopback) {
   EXPECT_NE(r.output.find("[rank 0] done: 5 steps"), std::string::npos) << r.output;
 }
 
+// A gossip job on a non-loopback IPv6 address (fd00::5 on the loopback device of a private network
+// namespace: unshare -n, as root) trains as one group: each peer listens on the family of the
+// address it publishes. It listened on 0.0.0.0 while publishing fd00::5: every stream was refused,
+// each peer lost the other after --timeout and trained alone, and the job exited 0.
+TEST(LaunchFaults, AGossipJobOnANonLoopbackIpv6HostTrainsAsOneGroup) {
+  test::TempDir dir;
+  const std::string up = "ip link set lo up && ip -6 addr add fd00::5/128 dev lo nodad";
+  auto probe = test::runCommand("unshare -n sh -c '" + up + " && echo ready'", 30);
+  ASSERT_NE(probe.output.find("ready"), std::string::npos)
+      << "this test adds an IPv6 address in a private network namespace (unshare -n), which needs root:\n"
+      << probe.output;
+  auto r = test::runCommand("unshare -n sh -c '" + up + " && " +
+                                launch("--host fd00::5 -n 2" + train("--strategy gossip --steps 60 --timeout 8 "
+                                                                     "--metrics " +
+                                                                     dir.file("m.jsonl"))) +
+                                "'",
+                            120);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(r.output.find("is lost"), std::string::npos) << r.output;
+  auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["workers_lost"].size(), 0u) << done.dump();
+  EXPECT_EQ(done["updates_folded"], 2 * 60) << "rank 1's steps did not all reach the chief: " << done.dump();
+}
+
 // ---- Real training jobs under the launcher ----
 
 // The asynchronous schemes go on without a worker that dies mid-run: the chief finishes and names it.

@@ -26,9 +26,11 @@
 // sends its own changes exactly and no rounding). float64 is refused: the float32 copy would round
 // it at every exchange. Sparse embedding tables must be float32.
 //
-// Peers meet through the rendezvous store at the chief's address; each listens on a socket of its own. A
-// dead peer is logged once and left behind; no step ever waits for another peer. Contract: the
-// same model on every worker; calls from the training thread; finish() once, on every worker.
+// Peers meet through the rendezvous store at the chief's address; each listens on a socket of its own
+// (without a workers list and off loopback: every interface of the family of the address it
+// publishes, the one it reaches the store from). A dead peer is logged once and left behind; no
+// step ever waits for another peer. Contract: the same model on every worker; calls from the
+// training thread; finish() once, on every worker.
 #pragma once
 
 #include <cohort/export.h>

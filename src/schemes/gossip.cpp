@@ -135,14 +135,16 @@ struct COHORT_LOCAL Gossip::Impl {
   std::string startPeer(const std::string& token) {
     const ClusterSpec& cl = c_.cluster;
     // Where to listen, and the address to publish: the cluster spec's, loopback on one machine,
-    // else every interface under the address the store's host is reached from (addressTowards).
-    std::string bind = "0.0.0.0", advertise;
+    // else every interface of the published address's family under the address the store's host
+    // is reached from (addressTowards; an IPv6 one is reached only on "::", never on "0.0.0.0").
+    std::string bind, advertise;
     if (!cl.workers.empty()) {
       bind = advertise = cl.workers[size_t(cl.rank)].host;
     } else if (isLoopbackHost(cl.master.host)) {
       bind = advertise = "127.0.0.1";
     } else {
       advertise = addressTowards(cl.master.host, cl.master.port);
+      bind = advertise.find(':') != std::string::npos ? "::" : "0.0.0.0";
     }
     peer_ = std::make_unique<gossip::Peer>(gossip::PeerOptions{.rank = cl.rank,
                                                                .worldSize = cl.worldSize,
