@@ -101,6 +101,32 @@ TEST(GossipHandle, AModelOfTwoDtypesOrOfFloat64IsRefusedByName) {
   expectRefused(*float64, "double", "module->to(torch::kFloat32)");
 }
 
+// A peer that loses every other one before any stream opened (here rank 0's published address
+// refuses every connection) fails at its next step instead of training alone; before, it went on
+// alone and its run ended as if the job had succeeded.
+TEST(GossipHandle, APeerThatNeverReachedAnotherFailsInsteadOfTrainingAlone) {
+  using namespace std::chrono_literals;
+  torch::nn::Linear net(3, 2);
+  test::ChiefPlayedByTest t;
+  const Job job = Job::fromSpec(t.rank1.cluster(), {.timeout = 1s});
+  const std::string nowhere = "127.0.0.1:1";  // nothing listens on port 1
+  t.chief->set("cohort/gossip/addr/0", std::vector<uint8_t>(nowhere.begin(), nowhere.end()));
+  t.chief->set("cohort/gossip/init", std::vector<uint8_t>(8 * sizeof(float), 0));
+  Gossip gossip(job, *net);
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  std::string error;
+  while (error.empty() && std::chrono::steady_clock::now() < deadline) {
+    try {
+      gossip.step(1);
+      std::this_thread::yield();
+    } catch (const CommError& e) {
+      error = e.what();
+    }
+  }
+  EXPECT_NE(error.find("lost every other peer before a stream to or from any of them opened"), std::string::npos)
+      << "it trained alone: " << error;
+}
+
 // Three peers on Fashion-MNIST; peer 2 is SIGKILLed after the chief's 60th step. The other two
 // finish their 300 steps, the chief names the lost peer and its model reaches the bound.
 TEST(GossipMultiproc, APeerKilledMidwayStopsNoOneAndTheModelLearns) {

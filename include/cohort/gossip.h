@@ -29,8 +29,10 @@
 // Peers meet through the rendezvous store at the chief's address; each listens on a socket of its own
 // (without a workers list and off loopback: every interface of the family of the address it
 // publishes, the one it reaches the store from). A dead peer is logged once and left behind; no
-// step ever waits for another peer. Contract: the same model on every worker; calls from the
-// training thread; finish() once, on every worker.
+// step ever waits for another peer. But a peer that has lost every other one before a stream to or
+// from any of them opened was never in the group (unreachable addresses): its step() or finish()
+// throws CommError instead of training alone. Contract: the same model on every worker; calls from
+// the training thread; finish() once, on every worker.
 #pragma once
 
 #include <cohort/export.h>

@@ -211,6 +211,7 @@ struct COHORT_LOCAL Gossip::Impl {
     ++steps_;
     ++version_;
     std::vector<int> live = peer_->livePeers();
+    failIfNeverJoined(live);
     std::shuffle(live.begin(), live.end(), rng_);
     live.resize(std::min(live.size(), size_t(fanout_)));
     peer_->publish(update_, gossip::UpdateMeta{.version = version_, .step = steps_, .steps = 1, .samples = samples},
@@ -283,6 +284,21 @@ struct COHORT_LOCAL Gossip::Impl {
     report.peersLost = int64_t(c_.cluster.worldSize - 1) - int64_t(peer_->livePeers().size());
     report.stopJob = stopRequested_ ? 1 : 0;
     peer_->finish(report);
+    failIfNeverJoined(peer_->livePeers());
+  }
+
+  // A peer that has lost every other one before a stream to or from any of them opened was never
+  // part of the group (the addresses published cannot be reached, say): it fails here rather than
+  // train alone and end as if the job had succeeded. `live`: the peers not lost.
+  void failIfNeverJoined(const std::vector<int>& live) const {
+    if (!live.empty()) return;
+    for (const auto& p : peer_->counters()) {
+      if (p.bytesSent > 0 || p.bytesReceived > 0) return;
+    }
+    throw CommError("gossip: rank " + std::to_string(c_.cluster.rank) + " lost every other peer before a stream to " +
+                    "or from any of them opened (the warnings above say why), so it would train alone: make the " +
+                    "addresses the peers publish reachable from each other (firewall, GLOO_SOCKET_IFNAME) and " +
+                    "start the job again");
   }
 
   MetricFields report() {
