@@ -38,7 +38,9 @@ TEST(Checkpoint, RoundTripsAndListsNewestFirst) {
 }
 
 // A writer killed mid-save leaves prefix-<step>.ckpt.tmp.<pid>; the next store on the directory
-// removes those of processes that are gone, and keeps a live writer's and other prefixes'.
+// removes those of processes that are gone once untouched for kOrphanAge, and keeps a live
+// writer's, other prefixes', and a fresh one of a pid unknown here (another machine's or
+// container's writer, which an evaluator's store in another pod removed mid-save).
 TEST(Checkpoint, OrphanedTemporaryFilesOfDeadWritersAreRemoved) {
   test::TempDir dir;
   const pid_t child = ::fork();
@@ -48,12 +50,33 @@ TEST(Checkpoint, OrphanedTemporaryFilesOfDeadWritersAreRemoved) {
   const std::string dead = dir.file("ckpt-0000000007.ckpt.tmp." + std::to_string(child));
   const std::string live = dir.file("ckpt-0000000008.ckpt.tmp." + std::to_string(::getppid()));
   const std::string other = dir.file("shard-0000000007.ckpt.tmp." + std::to_string(child));
-  for (const auto& path : {dead, live, other}) test::writeFile(path, "partial");
+  const std::string elsewhere = dir.file("ckpt-0000000009.ckpt.tmp." + std::to_string(child));
+  const auto old =
+      std::filesystem::file_time_type::clock::now() - CheckpointStore::kOrphanAge - std::chrono::minutes(1);
+  for (const auto& path : {dead, live, other, elsewhere}) test::writeFile(path, "partial");
+  for (const auto& path : {dead, live, other}) std::filesystem::last_write_time(path, old);
   CheckpointStore store(dir.path());
   EXPECT_FALSE(std::filesystem::exists(dead));
   EXPECT_TRUE(std::filesystem::exists(live));
   EXPECT_TRUE(std::filesystem::exists(other));
+  EXPECT_TRUE(std::filesystem::exists(elsewhere));
   EXPECT_TRUE(store.list().empty());
+  // Aged, it goes at the next save.
+  std::filesystem::last_write_time(elsewhere, old);
+  store.save(1, payloadFor(1, 10));
+  EXPECT_FALSE(std::filesystem::exists(elsewhere));
+}
+
+// Checkpoints of higher steps (unreadable ones a resume went past) never prune the one just written.
+TEST(Checkpoint, TheCheckpointJustWrittenIsKept) {
+  test::TempDir dir;
+  CheckpointStore store(dir.path(), "ckpt", 2);
+  for (int64_t step : {40, 50, 60}) test::writeFile(dir.file("ckpt-00000000" + std::to_string(step) + ".ckpt"), "bad");
+  const std::string written = store.save(10, payloadFor(10, 10));
+  EXPECT_TRUE(std::filesystem::exists(written));
+  const auto loaded = store.loadNewest(nullptr);
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->file.step, 10);
 }
 
 TEST(Checkpoint, KeepsOnlyTheNewest) {

@@ -143,6 +143,22 @@ TEST(Cli, ResumeWithOnlyCorruptCheckpointsNamesThem) {
                      "no readable checkpoint in " + dir.path());
 }
 
+// A new run among an earlier run's checkpoints is refused: its own were pruned as it wrote them
+// (the earlier run's steps were higher), and a later --resume took up the earlier run.
+TEST(Cli, ANewRunAmongAnEarlierRunsCheckpointsIsRefused) {
+  test::TempDir dir;
+  const std::string train =
+      "train --model mlp --data synthetic:200 --batch 8 --threads 1 --progress off "
+      "--checkpoint-every 5 --checkpoint-dir " +
+      dir.path();
+  auto first = test::runCommand(test::cohortBinary() + " " + train + " --steps 10", 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  expectOneLineError(train + " --steps 5", "--checkpoint-dir " + dir.path() +
+                                               " holds checkpoints of an earlier run (the newest " +
+                                               dir.file("ckpt-0000000010.ckpt") + ", step 10): --resume goes on");
+  EXPECT_TRUE(std::filesystem::exists(dir.file("ckpt-0000000010.ckpt")));
+}
+
 // A resumed run's --lr applies (LibTorch's Optimizer::load put the checkpoint's back, silently).
 TEST(Cli, ResumeTakesTheRunsLearningRate) {
   test::TempDir dir;

@@ -8,6 +8,7 @@
 
 #include <cohort/export.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -32,7 +33,7 @@ class COHORT_API CheckpointStore {
   // `prefix` names the files (prefix-<step>.ckpt), so several stores can share a directory.
   // The newest `keep` checkpoints are kept. The directory is created if it does not exist. Temporary
   // files of this prefix left by writers that died mid-save (prefix-<step>.ckpt.tmp.<pid> of a pid
-  // that no longer runs on this machine) are removed.
+  // that no longer runs on this machine, untouched for kOrphanAge) are removed, here and by save().
   explicit CheckpointStore(std::string dir, std::string prefix = "ckpt", int keep = 3);
 
   // Returns the path written. Throws IoError.
@@ -58,6 +59,10 @@ class COHORT_API CheckpointStore {
   // above what `evaluatedUpTo()` returns (the steps it has done), up to kMaxUnread of them beyond
   // `keep`, so that it evaluates every one even when it falls behind.
   static constexpr int kMaxUnread = 50;
+
+  // How long a temporary file of a pid gone from this machine must have been untouched before it
+  // is an orphan: the pid may be another machine's or another pid namespace's, writing still.
+  static constexpr std::chrono::minutes kOrphanAge{10};
   void keepUnread(std::function<int64_t()> evaluatedUpTo) { evaluatedUpTo_ = std::move(evaluatedUpTo); }
 
  private:

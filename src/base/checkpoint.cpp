@@ -74,10 +74,13 @@ CheckpointStore::CheckpointStore(std::string dir, std::string prefix, int keep)
 }
 
 // A directory has one writer at a time (the chief, a pipeline stage, a shard), so a temporary file
-// of another process is an orphan once that process is gone. A live pid (perhaps another machine's
-// on a shared file system) keeps its file.
+// of another process is an orphan once that process is gone. Gone here is not gone everywhere: a
+// pid of another machine (a shared file system) or another pid namespace (a container) means
+// nothing to kill(), so the file must also have been left untouched for kOrphanAge, which no
+// writer does in the middle of a save (each write() of at most 2 GiB updates its mtime).
 void CheckpointStore::removeOrphans() const {
   const std::regex pattern(prefix_ + "-[0-9]+\\.ckpt\\.tmp\\.([0-9]+)");
+  const auto oldest = fs::file_time_type::clock::now() - kOrphanAge;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir_, ec)) {
     std::smatch m;
@@ -85,6 +88,9 @@ void CheckpointStore::removeOrphans() const {
     if (!std::regex_match(name, m, pattern) || m[1].length() > 9) continue;
     const pid_t pid = pid_t(std::stol(m[1].str()));
     if (pid == ::getpid() || pid <= 0 || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    std::error_code aged;
+    const fs::file_time_type written = fs::last_write_time(entry.path(), aged);
+    if (aged || written > oldest) continue;
     std::error_code removed;
     fs::remove(entry.path(), removed);  // best effort, like the old checkpoints
   }
@@ -121,9 +127,11 @@ std::string CheckpointStore::save(int64_t step, std::span<const uint8_t> payload
   const int64_t unreadAbove = evaluatedUpTo_ ? evaluatedUpTo_() : INT64_MAX;
   for (size_t i = size_t(keep_); i < files.size(); ++i) {
     if (files[i].step > unreadAbove && i < size_t(keep_ + kMaxUnread)) continue;
+    if (files[i].path == finalPath) continue;  // under newer files (unreadable ones a resume skipped)
     std::error_code ec;
     fs::remove(files[i].path, ec);  // best effort: an old checkpoint left behind is harmless
   }
+  removeOrphans();  // a crashed writer's, once old enough
   return finalPath;
 }
 

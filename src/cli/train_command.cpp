@@ -254,7 +254,8 @@ void addEvaluationAndCheckpointOptions(CLI::App* train, TrainOptions& o) {
                     "Stop at the first evaluation reaching this test accuracy (0: never)");
   train->add_option("--max-seconds", o.maxSeconds,
                     "Stop at the first evaluation (--eval-every) this many seconds after the start (0: never)");
-  train->add_option("--checkpoint-dir", o.checkpointDir, "Write checkpoints to this directory");
+  train->add_option("--checkpoint-dir", o.checkpointDir,
+                    "Write checkpoints to this directory (a new run refuses one holding checkpoints: --resume)");
   train->add_option("--checkpoint-every", o.checkpointEvery, "Checkpoint every N steps (0: at the end only)");
   train->add_flag("--resume", o.resume, "Continue from the newest checkpoint in --checkpoint-dir");
   train

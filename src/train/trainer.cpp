@@ -157,6 +157,16 @@ void Trainer::State::planCheckpoints() {
     const std::string dir =
         checkpointPlan.subdir.empty() ? o.checkpointDir : o.checkpointDir + "/" + checkpointPlan.subdir;
     checkpoints = std::make_unique<CheckpointStore>(dir);
+    // A new run among an earlier run's checkpoints would have its own pruned as they are written
+    // (the newest steps are kept), and a later --resume would take up the earlier run.
+    if (!o.resume && o.restartCount == 0) {
+      if (const std::vector<CheckpointFile> earlier = checkpoints->list(); !earlier.empty()) {
+        throw InvalidArgument("--checkpoint-dir " + dir + " holds checkpoints of an earlier run (the newest " +
+                              earlier.front().path + ", step " + std::to_string(earlier.front().step) +
+                              "): --resume goes on from them; a new run needs another --checkpoint-dir, or remove "
+                              "them first");
+      }
+    }
   }
   evaluators = int(cluster.evaluators.size());
   if (evaluators == 0) return;
