@@ -373,6 +373,19 @@ TEST(SimSetup, BadInputNamesTheOption) {
   expectError(s, 2, "--codec onebit");
 }
 
+// --stages 0 is refused before the sweep sorts the counts by it (w % 0 ended the process with
+// SIGFPE).
+TEST(SimSetup, StagesBelowOneIsRefusedBeforeTheSweep) {
+  Scenario s = scenarioOf(Scheme::kPipeline);
+  s.stages = 0;
+  try {
+    sweep(s, {2, 4});
+    ADD_FAILURE() << "accepted --stages 0";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("--stages must be >= 1, got 0"), std::string::npos) << e.what();
+  }
+}
+
 // A calibration whose model is too large to simulate (1e308 bytes: the simulator would list its
 // buckets without end) is refused naming the file and the field.
 TEST(SimCalibration, ParameterBytesAboveTheLimitNamesTheFileAndField) {
@@ -480,6 +493,7 @@ TEST(SimCommand, BadInputIsOneLineNamingTheField) {
   expectError("--bandwidth=-5mbit", "--bandwidth");
   expectError("--strategy ps --shards 5000000", "--shards");
   expectError("--strategy pipeline --stages 40 --workers 40", "--stages");
+  expectError("--strategy pipeline --stages 0 --workers 2,4", "--stages must be >= 1");
   expectError("--plot " + dir.path(), "--plot " + dir.path() + ": is a directory");
   // Said before the minutes of measuring, and --workers before the calibration is read.
   expectError("--calibrate --calibration " + dir.file("none/c.json"), "the directory " + dir.file("none"));

@@ -102,7 +102,7 @@ Derived derive(const Scenario& s, int workers) {
   return d;
 }
 
-void checkSetup(const Scenario& s, int workers) {
+void checkOptions(const Scenario& s) {
   validate(s.calibration, "the calibration");
   if (s.network.bandwidth < 0 || std::isnan(s.network.bandwidth)) {
     throw InvalidArgument("--bandwidth must be positive (or `unlimited`), got " + std::to_string(s.network.bandwidth));
@@ -112,10 +112,6 @@ void checkSetup(const Scenario& s, int workers) {
   }
   if (!(s.network.latency >= 0)) throw InvalidArgument("--latency must be >= 0, got " + std::to_string(s.network.latency));
   if (s.network.ranksPerHost < 1) throw InvalidArgument("--ranks-per-host must be >= 1");
-  if (workers < 1 || workers > kMaxWorkers) {
-    throw InvalidArgument("--workers: every count must be in 1.." + std::to_string(kMaxWorkers) + ", got " +
-                          std::to_string(workers));
-  }
   if (s.batch < 1) throw InvalidArgument("--batch must be >= 1, got " + std::to_string(s.batch));
   if (!(s.speed > 0)) throw InvalidArgument("--speed must be > 0, got " + std::to_string(s.speed));
   if (s.cores < 0) throw InvalidArgument("--cores must be >= 0");
@@ -136,9 +132,8 @@ void checkSetup(const Scenario& s, int workers) {
         throw InvalidArgument("--shards " + std::to_string(s.shards) + ": more shards than the model has parameters (" +
                               std::to_string(int64_t(s.calibration.parameterCount)) + ")");
       }
-      if (s.backupWorkers < 0 || (s.psMode == PsMode::Sync && s.backupWorkers >= workers && workers > 1)) {
-        throw InvalidArgument("--backup-workers " + std::to_string(s.backupWorkers) + " must be >= 0 and below the " +
-                              std::to_string(workers) + " workers");
+      if (s.backupWorkers < 0) {
+        throw InvalidArgument("--backup-workers must be >= 0, got " + std::to_string(s.backupWorkers));
       }
       if (s.staleness < 0) throw InvalidArgument("--staleness must be >= 0");
       if (s.softsync < 1) throw InvalidArgument("--softsync must be >= 1");
@@ -153,11 +148,7 @@ void checkSetup(const Scenario& s, int workers) {
                               " applies to allreduce, average, ps and gossip; --strategy "
                               "pipeline sends activations and their gradients uncompressed: drop --codec");
       }
-      if (s.stages < 1) throw InvalidArgument("--stages must be >= 1");
-      if (workers % s.stages != 0) {
-        throw InvalidArgument("--workers " + std::to_string(workers) + ": a pipeline needs a multiple of --stages " +
-                              std::to_string(s.stages));
-      }
+      if (s.stages < 1) throw InvalidArgument("--stages must be >= 1, got " + std::to_string(s.stages));
       if (s.stages > s.calibration.layers) {
         throw InvalidArgument("--stages " + std::to_string(s.stages) + ": the model has " +
                               std::to_string(s.calibration.layers) + " layers; a pipeline cut needs one per stage");
@@ -170,6 +161,22 @@ void checkSetup(const Scenario& s, int workers) {
     default:
       throw InvalidArgument(std::string("--strategy ") + schemeName(s.scheme) +
                             ": the simulator models allreduce, average, ps, gossip and pipeline");
+  }
+}
+
+void checkSetup(const Scenario& s, int workers) {
+  checkOptions(s);
+  if (workers < 1 || workers > kMaxWorkers) {
+    throw InvalidArgument("--workers: every count must be in 1.." + std::to_string(kMaxWorkers) + ", got " +
+                          std::to_string(workers));
+  }
+  if (s.scheme == Scheme::kPs && s.psMode == PsMode::Sync && s.backupWorkers >= workers && workers > 1) {
+    throw InvalidArgument("--backup-workers " + std::to_string(s.backupWorkers) + " must be below the " +
+                          std::to_string(workers) + " workers");
+  }
+  if (s.scheme == Scheme::kPipeline && workers % s.stages != 0) {
+    throw InvalidArgument("--workers " + std::to_string(workers) + ": a pipeline needs a multiple of --stages " +
+                          std::to_string(s.stages));
   }
 }
 
@@ -239,6 +246,7 @@ Prediction simulateWorkers(const Scenario& s, int workers) {
 }
 
 std::vector<Prediction> sweep(const Scenario& setup, const std::vector<int>& workers) {
+  checkOptions(setup);  // before the counts are sorted by --stages and --backup-workers
   std::vector<Prediction> out;
   // One worker training alone: its compute only (with the same stragglers).
   Scenario base = setup;

@@ -64,7 +64,9 @@ struct Scenario {
 // 1000, 15 s at 4000, 250 s at 16000), so a larger count would run for minutes to hours.
 inline constexpr int kMaxWorkers = 4096;
 
-// Throws InvalidArgument naming the option (--bandwidth, --shards, --stages, ...).
+// Throws InvalidArgument naming the option (--bandwidth, --shards, --stages, ...): checkOptions the
+// options that hold at every worker count, checkSetup those and the count's own.
+void checkOptions(const Scenario& setup);
 void checkSetup(const Scenario& setup, int workers);
 
 struct Prediction {
