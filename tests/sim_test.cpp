@@ -386,6 +386,32 @@ TEST(SimSetup, StagesBelowOneIsRefusedBeforeTheSweep) {
   }
 }
 
+// A list with no count the scheme takes is refused naming the counts and the rule (the empty
+// curve reached the table's points.back()); one with some is swept over those.
+TEST(SimSetup, SweepWithNoCountTheSchemeTakesIsRefused) {
+  auto expectError = [](const Scenario& s, const std::vector<int>& workers, const std::string& text) {
+    try {
+      const std::vector<Prediction> points = sweep(s, workers);
+      ADD_FAILURE() << "swept " << points.size() << " points; expected: " << text;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  Scenario pipeline = scenarioOf(Scheme::kPipeline);
+  expectError(pipeline, {1}, "--workers 1: no count is a multiple of --stages 2");
+  pipeline.stages = 4;
+  expectError(pipeline, {1, 2, 3}, "--workers 1,2,3: no count is a multiple of --stages 4, as --strategy pipeline");
+  Scenario ps = scenarioOf(Scheme::kPs);
+  ps.psMode = PsMode::Sync;
+  ps.backupWorkers = 1;
+  expectError(ps, {1}, "--workers 1: no count is above --backup-workers 1, as --ps-mode sync needs");
+  pipeline.stages = 2;
+  const std::vector<Prediction> points = sweep(pipeline, {1, 2, 3, 4});
+  ASSERT_EQ(points.size(), 2u);
+  EXPECT_EQ(points[0].workers, 2);
+  EXPECT_EQ(points[1].workers, 4);
+}
+
 // A calibration whose model is too large to simulate (1e308 bytes: the simulator would list its
 // buckets without end) is refused naming the file and the field.
 TEST(SimCalibration, ParameterBytesAboveTheLimitNamesTheFileAndField) {
@@ -494,6 +520,15 @@ TEST(SimCommand, BadInputIsOneLineNamingTheField) {
   expectError("--strategy ps --shards 5000000", "--shards");
   expectError("--strategy pipeline --stages 40 --workers 40", "--stages");
   expectError("--strategy pipeline --stages 0 --workers 2,4", "--stages must be >= 1");
+  expectError("--strategy pipeline --workers 1", "--workers 1: no count is a multiple of --stages 2");
+  expectError("--strategy allreduce,pipeline --stages 4 --workers 1,2,3", "no count is a multiple of --stages 4");
+  expectError("--strategy ps --ps-mode sync --backup-workers 1 --workers 1", "no count is above --backup-workers 1");
+  const test::CommandResult skipped = test::runCommand(
+      test::cohortBinary() + " simulate --calibration " + cal + " --strategy pipeline --workers 1,2,4", 60);
+  EXPECT_EQ(skipped.exitCode, 0) << skipped.output;
+  EXPECT_NE(skipped.output.find("pipeline 2 stages: skipped --workers 1 (not a multiple of --stages 2)"),
+            std::string::npos)
+      << skipped.output;
   expectError("--plot " + dir.path(), "--plot " + dir.path() + ": is a directory");
   // Said before the minutes of measuring, and --workers before the calibration is read.
   expectError("--calibrate --calibration " + dir.file("none/c.json"), "the directory " + dir.file("none"));

@@ -92,6 +92,7 @@ std::vector<int> parseWorkers(const std::string& text) {
       throw InvalidArgument("--workers " + text + ": expected counts such as 1,2,4 or a range 1..1000");
     }
   }
+  COHORT_CHECK(!out.empty(), InvalidArgument, "--workers ", text, ": expected counts such as 1,2,4 or a range 1..1000");
   for (int w : out) COHORT_CHECK(w >= 1, InvalidArgument, "--workers: every count must be >= 1, got ", w);
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
@@ -402,6 +403,14 @@ std::vector<sim::Curve> simulateCurves(const Flags& f, const sim::Scenario& base
       s.scheme = schemeOf(strategy);
       s.codec = compress::CodecSpec::parse(codec);
       curves.push_back({curveName(s.scheme, f, codec), sim::sweep(s, workers)});
+      std::vector<int> skipped;
+      for (int w : workers) {
+        if (!sim::takesWorkerCount(s, w)) skipped.push_back(w);
+      }
+      if (!skipped.empty()) {
+        std::fprintf(stderr, "cohort simulate: %s: skipped --workers %s (not %s)\n", curves.back().name.c_str(),
+                     sim::countsText(skipped).c_str(), sim::workerCountRule(s).c_str());
+      }
     }
   }
   return curves;

@@ -245,8 +245,35 @@ Prediction simulateWorkers(const Scenario& s, int workers) {
   return p;
 }
 
+bool takesWorkerCount(const Scenario& setup, int workers) {
+  if (setup.scheme == Scheme::kPipeline) return setup.stages >= 1 && workers % setup.stages == 0;
+  if (setup.scheme == Scheme::kPs && setup.psMode == PsMode::Sync) return workers > setup.backupWorkers;
+  return true;
+}
+
+std::string workerCountRule(const Scenario& setup) {
+  if (setup.scheme == Scheme::kPipeline) return "a multiple of --stages " + std::to_string(setup.stages);
+  if (setup.scheme == Scheme::kPs && setup.psMode == PsMode::Sync) {
+    return "above --backup-workers " + std::to_string(setup.backupWorkers);
+  }
+  return "any count";
+}
+
+std::string countsText(const std::vector<int>& counts) {
+  std::string text;
+  for (int w : counts) text += (text.empty() ? "" : ",") + std::to_string(w);
+  return text;
+}
+
 std::vector<Prediction> sweep(const Scenario& setup, const std::vector<int>& workers) {
   checkOptions(setup);  // before the counts are sorted by --stages and --backup-workers
+  if (workers.empty()) throw InvalidArgument("--workers: no worker count given: expected counts such as 1,2,4");
+  if (std::none_of(workers.begin(), workers.end(), [&](int w) { return takesWorkerCount(setup, w); })) {
+    const bool pipeline = setup.scheme == Scheme::kPipeline;
+    throw InvalidArgument("--workers " + countsText(workers) + ": no count is " + workerCountRule(setup) + ", as " +
+                          (pipeline ? "--strategy pipeline" : "--ps-mode sync") + " needs: give such counts or change " +
+                          (pipeline ? "--stages" : "--backup-workers"));
+  }
   std::vector<Prediction> out;
   // One worker training alone: its compute only (with the same stragglers).
   Scenario base = setup;
@@ -254,8 +281,7 @@ std::vector<Prediction> sweep(const Scenario& setup, const std::vector<int>& wor
   base.codec = {};
   const Prediction one = simulateWorkers(base, 1);
   for (int w : workers) {
-    if (setup.scheme == Scheme::kPipeline && w % setup.stages != 0) continue;
-    if (setup.scheme == Scheme::kPs && setup.psMode == PsMode::Sync && setup.backupWorkers >= w) continue;
+    if (!takesWorkerCount(setup, w)) continue;
     Prediction p = simulateWorkers(setup, w);
     p.speedup = one.samplesPerSecond > 0 ? p.samplesPerSecond / one.samplesPerSecond : 0;
     out.push_back(p);

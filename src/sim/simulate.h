@@ -84,7 +84,15 @@ struct Prediction {
 };
 
 Prediction simulateWorkers(const Scenario& setup, int workers);
-// One prediction per count, with speedup against the first count of a 1-worker run.
+// Whether the scheme runs on `workers` workers: a pipeline on a multiple of --stages, a sync
+// parameter server on more than --backup-workers; every other scheme on any count.
+bool takesWorkerCount(const Scenario& setup, int workers);
+// What those counts are, for messages: "a multiple of --stages 4", "above --backup-workers 1".
+std::string workerCountRule(const Scenario& setup);
+// "1,2,4".
+std::string countsText(const std::vector<int>& counts);
+// One prediction per count the scheme takes (takesWorkerCount; the others are skipped), with
+// speedup against a 1-worker run. Throws InvalidArgument naming the counts when it takes none.
 std::vector<Prediction> sweep(const Scenario& setup, const std::vector<int>& workers);
 
 // Where adding workers stops paying: from `stopsPaying` on, each added worker adds less than
