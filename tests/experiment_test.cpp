@@ -256,6 +256,27 @@ TEST(Sweep, RandomDrawsAreSeededAndInRange) {
   EXPECT_GE(batches.size(), 3u);  // integers drawn, not one value
 }
 
+// An integer range with log = true is drawn log-uniformly: batch in [16, 1024] is at most 64 in
+// log(65 / 16) / log(1025 / 16) = 34% of the trials (a uniform draw over the integers gives 5%).
+TEST(Sweep, RandomIntegerLogRangeIsLogUniform) {
+  test::TempDir dir;
+  test::writeFile(dir.file("s.toml"),
+                  "batch = { min = 16, max = 1024, log = true }\n[sweep]\nmode = \"random\"\ntrials = 2000\nseed = 3\n");
+  const auto trials = experiment::expandTrials(experiment::readSweepFile(dir.file("s.toml"), catalog()));
+  ASSERT_EQ(trials.size(), 2000u);
+  int small = 0, lowest = 0;
+  for (const auto& t : trials) {
+    const int batch = std::stoi(*experiment::findArg(t.chosen, "--batch"));
+    ASSERT_GE(batch, 16);
+    ASSERT_LE(batch, 1024);
+    small += batch <= 64;
+    lowest += batch == 16;
+  }
+  // Binomial(2000, 0.337): a standard deviation of 21 trials.
+  EXPECT_NEAR(small / 2000.0, std::log(65.0 / 16) / std::log(1025.0 / 16), 0.05) << small;
+  EXPECT_GT(lowest, 0);
+}
+
 TEST(Sweep, BadFilesNameTheOption) {
   test::TempDir dir;
   auto error = [&](const std::string& text) {

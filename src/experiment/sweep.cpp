@@ -214,8 +214,11 @@ std::vector<Trial> expandTrials(const SweepSpace& space) {
           continue;
         }
         const double u = unit(gen);
-        double v = p.log ? std::exp(std::log(p.min) + u * (std::log(p.max) - std::log(p.min))) : p.min + u * (p.max - p.min);
-        if (p.integer) v = std::min(p.max, std::floor(p.min + u * (p.max - p.min + 1)));
+        // An integer range is drawn over [min, max + 1) and floored, so that max is drawn as often
+        // as any other value (on a log scale, as often as its share of that log range).
+        const double top = p.integer ? p.max + 1 : p.max;
+        double v = p.log ? std::exp(std::log(p.min) + u * (std::log(top) - std::log(p.min))) : p.min + u * (top - p.min);
+        if (p.integer) v = std::clamp(std::floor(v), p.min, p.max);
         set(t, p, valueText(p, v));
       }
       trials.push_back(std::move(t));
