@@ -3,6 +3,7 @@
 // shell one-liners, and the command-line errors come before anything runs.
 #include "experiment/plan.h"
 #include "experiment/remote.h"
+#include "experiment/report.h"
 #include "experiment/runner.h"
 #include "experiment/svg_chart.h"
 #include "experiment/sweep.h"
@@ -334,6 +335,62 @@ TEST(Plan, DefaultSetHasTheSeedsSchemes) {
   EXPECT_EQ(experiment::stepsPerEpoch(60000, 2, 64), 469);
   EXPECT_EQ(experiment::trainingExamples("synthetic:600"), 600);
   EXPECT_THROW(experiment::trainingExamples("imagenet"), InvalidArgument);
+}
+
+// The examples --validation holds out are not part of an epoch: the evaluation points and the
+// report's time per epoch count the training set less them (the shared option, or the
+// configuration's own).
+TEST(Plan, EpochsCountTheTrainingSetLessTheValidationExamples) {
+  experiment::PlanOptions plan;
+  plan.binary = "cohort";
+  plan.budget.epochs = 1;
+  plan.evaluations = 10;
+  plan.trainExamples = 60000;
+  plan.shared = {{"--batch", "64"}, {"--validation", "10000"}};
+  const experiment::Configuration allreduce{"allreduce", Scheme::kAllreduce, 2, 0, {}};
+  auto evalEvery = [&](const experiment::Configuration& c) {
+    const std::vector<std::string> argv = experiment::trainCommand(c, plan, "m.jsonl");
+    auto it = std::find(argv.begin(), argv.end(), "--eval-every");
+    return it == argv.end() || it + 1 == argv.end() ? std::string("none") : *(it + 1);
+  };
+  // 50000 examples over 2 replicas of 64: 391 steps an epoch, an evaluation every 39 (not 469, 46).
+  EXPECT_EQ(evalEvery(allreduce), "39");
+  experiment::Configuration own = allreduce;
+  own.options = {{"--validation", "30000"}};
+  EXPECT_EQ(evalEvery(own), "23");  // 30000 / 2 / 64: 235 steps
+  own.options = {{"--validation", "60000"}};
+  try {
+    evalEvery(own);
+    ADD_FAILURE() << "planned an epoch of no examples";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("allreduce: validation = 60000 must be a whole number from 0 to below the "
+                                         "60000 training examples"),
+              std::string::npos)
+        << e.what();
+  }
+
+  // 50000 examples at 1000 samples/s: 50 s per epoch in the runs table.
+  experiment::ConfigResult result;
+  result.config = allreduce;
+  result.epochExamples = experiment::epochExamples(allreduce, plan);
+  EXPECT_EQ(result.epochExamples, 50000);
+  experiment::JobRecord record;
+  record.id = "allreduce.r1";
+  record.status = JobStatus::kOk;
+  experiment::RunData data;
+  data.hasDone = true;
+  data.steps = 391;
+  data.samplesPerSecond = 1000;
+  data.evals = {{.step = 391, .epochs = 1, .accuracy = 0.5, .loss = 1, .wallSeconds = 50}};
+  result.runs = {record};
+  result.data = {data};
+  experiment::ReportInput input;
+  input.title = "t";
+  input.trainExamples = plan.trainExamples;
+  input.configs = {result};
+  test::TempDir dir;
+  const std::string html = test::readFile(experiment::writeReport(input, dir.path(), {.png = false}));
+  EXPECT_NE(html.find("<td class=\"num\">50.0</td>"), std::string::npos) << html;
 }
 
 // Command-line errors: one line, before any run starts.

@@ -342,11 +342,13 @@ std::string networkText(const CompareFlags& f, const std::optional<experiment::R
 // Each configuration with its runs' records and data (run r of configuration i is record
 // r * configurations + i).
 std::vector<experiment::ConfigResult> configResults(const std::vector<experiment::Configuration>& configs, int runs,
-                                                    const std::vector<experiment::JobRecord>& records) {
+                                                    const std::vector<experiment::JobRecord>& records,
+                                                    const experiment::PlanOptions& plan) {
   std::vector<experiment::ConfigResult> results;
   for (size_t i = 0; i < configs.size(); ++i) {
     experiment::ConfigResult c;
     c.config = configs[i];
+    c.epochExamples = experiment::epochExamples(configs[i], plan);
     for (int r = 0; r < runs; ++r) {
       const experiment::JobRecord& rec = records[size_t(r) * configs.size() + i];
       c.runs.push_back(rec);
@@ -432,7 +434,7 @@ int runCompare(const CompareFlags& f, const CLI::App& app) {
                  (f.runs == 1 ? " run" : " runs") + " per configuration";
   input.network = networkText(f, hosts);
   input.trainExamples = plan.trainExamples;
-  input.configs = configResults(configs, f.runs, records);
+  input.configs = configResults(configs, f.runs, records, plan);
   experiment::ReportOptions reportOptions;
   reportOptions.png = !f.noPng;
   const std::string report = experiment::writeReport(input, f.out, reportOptions);

@@ -299,13 +299,26 @@ std::string jobId(const Configuration& c, int run) {
   return id + ".r" + std::to_string(run);
 }
 
+int64_t epochExamples(const Configuration& c, const PlanOptions& options) {
+  const std::string* own = findArg(c.options, "--validation");
+  const std::string* text = own != nullptr ? own : findArg(options.shared, "--validation");
+  if (text == nullptr) return options.trainExamples;
+  int64_t held = 0;
+  const char* end = text->data() + text->size();
+  const auto [ptr, ec] = std::from_chars(text->data(), end, held);
+  COHORT_CHECK(ec == std::errc() && ptr == end && held >= 0 && held < options.trainExamples, InvalidArgument, c.name,
+               ": validation = ", *text, " must be a whole number from 0 to below the ", options.trainExamples,
+               " training examples");
+  return options.trainExamples - held;
+}
+
 std::vector<std::string> trainCommand(const Configuration& c, const PlanOptions& options, const std::string& metricsPath) {
   TrainArgs args = options.shared;
   for (const auto& [flag, value] : c.options) setArg(args, flag, value);
   setArg(args, "--strategy", schemeName(c.scheme));
   const std::string* batchText = findArg(args, "--batch");
   const int64_t batch = batchText != nullptr ? std::max<int64_t>(1, std::atoll(batchText->c_str())) : 64;
-  const int64_t perEpoch = stepsPerEpoch(options.trainExamples, c.replicas(), batch);
+  const int64_t perEpoch = stepsPerEpoch(epochExamples(c, options), c.replicas(), batch);
   int64_t total = 0;
   constexpr int64_t kEpochsUnderTimeBudget = 1000000;  // the clock stops the run first
   if (options.budget.seconds > 0) {

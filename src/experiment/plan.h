@@ -73,7 +73,7 @@ struct PlanOptions {
   std::string dir;     // the runner's folder
   TrainArgs shared;    // model, data, seed, batch, ... (a configuration's own options win)
   Budget budget;
-  int64_t trainExamples = 60000;  // the training set's size, for the evaluation points
+  int64_t trainExamples = 60000;  // the training set's size (with any --validation examples in it)
   int evaluations = 10;           // evaluations per run (at least the final one); per epoch under
                                   // a seconds budget, whose runs' lengths are not known before
   int runs = 1;
@@ -97,6 +97,11 @@ std::vector<std::string> trainCommand(const Configuration& c, const PlanOptions&
 
 // argv of `cohort launch -n WORKERS [--ps SHARDS] -- TRAIN...`, or TRAIN itself for one process.
 std::vector<std::string> launchArgv(const std::string& binary, int workers, int shards, std::vector<std::string> train);
+
+// The examples one epoch of a configuration trains on: options.trainExamples less the ones its
+// --validation (its own, else the shared one) holds out. Throws InvalidArgument naming the
+// configuration when --validation is not a count below options.trainExamples.
+int64_t epochExamples(const Configuration& c, const PlanOptions& options);
 
 // Steps of one process per epoch: ceil(floor(examples / replicas) / batch).
 int64_t stepsPerEpoch(int64_t examples, int replicas, int64_t batch);

@@ -249,9 +249,10 @@ std::string runsTable(const ReportInput& input, const Summary& summary) {
     const ConfigSummary& cs = summary.configs[i];
     Measure epochTime;
     if (cs.samplesPerSecond.median && *cs.samplesPerSecond.median > 0) {
-      epochTime.median = double(input.trainExamples) / *cs.samplesPerSecond.median;
-      epochTime.low = double(input.trainExamples) / cs.samplesPerSecond.high;
-      epochTime.high = double(input.trainExamples) / cs.samplesPerSecond.low;
+      const double examples = double(c.epochExamples > 0 ? c.epochExamples : input.trainExamples);
+      epochTime.median = examples / *cs.samplesPerSecond.median;
+      epochTime.low = examples / cs.samplesPerSecond.high;
+      epochTime.high = examples / cs.samplesPerSecond.low;
     }
     const std::string processes = std::to_string(c.config.workers) +
                                   (c.config.shards > 0 ? " + " + std::to_string(c.config.shards) + " ps" : "");

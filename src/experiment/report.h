@@ -21,6 +21,7 @@ struct ConfigResult {
   std::vector<JobRecord> runs;  // run 1, 2, ...
   std::vector<RunData> data;    // the same order
   std::string command;          // run 1's command, shell-quoted (one line per process)
+  int64_t epochExamples = 0;    // what one of its epochs trains on (less --validation); 0: the input's
 };
 
 struct ReportInput {
@@ -28,7 +29,7 @@ struct ReportInput {
   std::string invocation;  // the cohort compare command line
   std::string budget;      // "1 epoch", "300 steps", ...
   std::string network;     // "loopback" or the emulated rate
-  int64_t trainExamples = 60000;
+  int64_t trainExamples = 60000;  // one epoch's examples where a configuration gives none
   std::vector<ConfigResult> configs;
 };
 
