@@ -1,6 +1,8 @@
 // The standard Env: stderr, the steady clock, no faults.
 #include <cohort/env.h>
 
+#include "base/files.h"
+
 #include <unistd.h>
 
 namespace cohort {
@@ -16,15 +18,9 @@ class StandardEnv final : public Env {
     text += line;
     text += '\n';
     // One write per line, so that lines from threads and processes sharing the terminal do not
-    // interleave within a line. A short write to a terminal or pipe is retried.
-    const char* p = text.data();
-    size_t left = text.size();
-    while (left > 0) {
-      const ssize_t n = ::write(STDERR_FILENO, p, left);
-      if (n <= 0) return;  // stderr closed: a log line is not worth failing over
-      p += n;
-      left -= size_t(n);
-    }
+    // interleave within a line. A short write, EINTR and a full non-blocking pipe are retried;
+    // stderr closed: a log line is not worth failing over.
+    writeToStream(STDERR_FILENO, text);
   }
 };
 

@@ -3,6 +3,7 @@
 #include <cohort/error.h>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -137,6 +138,24 @@ void replaceFileWithText(const std::string& path, std::string_view text) {
     }
     COHORT_CHECK(::close(fd) == 0, IoError, path, ": cannot write ", tmp, ": ", std::strerror(errno));
   });
+}
+
+bool writeToStream(int fd, std::string_view data) {
+  while (!data.empty()) {
+    const ssize_t n = ::write(fd, data.data(), data.size());
+    if (n > 0) {
+      data.remove_prefix(size_t(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd ready{.fd = fd, .events = POLLOUT, .revents = 0};
+      if (::poll(&ready, 1, -1) < 0 && errno != EINTR) return false;
+      continue;
+    }
+    return false;
+  }
+  return true;
 }
 
 }  // namespace cohort

@@ -28,4 +28,10 @@ void replaceFile(const std::string& path, const std::function<void(const std::st
 // replaceFile with `text` as the contents.
 void replaceFileWithText(const std::string& path, std::string_view text);
 
+// Writes all of `data` to `fd` (a terminal, pipe or file: standard output or error), retrying
+// short writes and EINTR and, when the descriptor is non-blocking (as a CI runner may leave a
+// pipe), waiting until it takes more instead of dropping the rest. Returns false when it cannot
+// (closed, EPIPE, an error): output is not worth failing over.
+bool writeToStream(int fd, std::string_view data);
+
 }  // namespace cohort

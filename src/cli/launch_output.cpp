@@ -1,5 +1,7 @@
 #include "cli/launch_output.h"
 
+#include "base/files.h"
+
 #include <unistd.h>
 
 #include <array>
@@ -14,14 +16,7 @@ constexpr int kReadsPerWakeup = 16;  // so that one busy writer cannot starve th
 
 }  // namespace
 
-void writeAll(int fd, std::string_view data) {
-  while (!data.empty()) {
-    const ssize_t n = ::write(fd, data.data(), data.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    data.remove_prefix(size_t(n));
-  }
-}
+void writeAll(int fd, std::string_view data) { writeToStream(fd, data); }
 
 void say(const std::string& line) { writeAll(STDERR_FILENO, "cohort launch: " + line + "\n"); }
 

@@ -13,7 +13,8 @@ namespace cohort::cli {
 
 constexpr size_t kMaxLine = 64 * 1024;  // a longer line is forwarded in pieces
 
-// Writes all of data, retrying after signals. Errors are dropped: there is nowhere to report them.
+// Writes all of data (base/files.h writeToStream: signals, short writes, a full non-blocking pipe).
+// Errors are dropped: there is nowhere to report them.
 void writeAll(int fd, std::string_view data);
 
 // One line of the launcher's own on stderr: "cohort launch: LINE".
