@@ -303,6 +303,23 @@ TEST(LaunchFaults, AGossipJobOnANonLoopbackIpv6HostTrainsAsOneGroup) {
   EXPECT_EQ(done["updates_folded"], 2 * 60) << "rank 1's steps did not all reach the chief: " << done.dump();
 }
 
+// A gossip peer restarted alone (Kubernetes' restartPolicy OnFailure restarts a failed pod by
+// itself; here rank 1's script runs it again after it killed itself at step 20) is refused at
+// attach: the others hold a stream from its rank and would refuse it, so it trained alone from the
+// step-0 parameters and exited 0. The job must restart whole, with --resume.
+TEST(LaunchFaults, AGossipPeerRestartedAloneIsRefusedAtAttach) {
+  const std::string run = test::cohortBinary() +
+                          " train --threads 1 --progress off --model mlp --data synthetic:4000 --batch 16 --strategy "
+                          "gossip --steps 300 --timeout 10 --test-slow-worker 0:0.03";
+  auto r = test::runCommand(
+      launch("-n 2" + script(run + " --test-kill-at 1:20; if [ $RANK = 1 ]; then exec " + run + "; fi")), 120);
+  EXPECT_NE(r.output.find("[rank 1] cohort: error: gossip: rank 1 joins a group that is already training: a gossip "
+                          "peer cannot rejoin a running group; restart the whole job with --resume"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[rank 0] done: 300 steps"), std::string::npos) << r.output;
+}
+
 // ---- Real training jobs under the launcher ----
 
 // The asynchronous schemes go on without a worker that dies mid-run: the chief finishes and names it.

@@ -72,8 +72,9 @@ struct COHORT_API GossipStep {
 class COHORT_API Gossip {
  public:
   // Joins the other workers (a collective through the chief's store), copies the chief's
-  // parameters. Throws InvalidArgument for fewer than 2 workers, bad options or a model that
-  // differs from the chief's.
+  // parameters. Throws InvalidArgument for fewer than 2 workers, bad options, a model that differs
+  // from the chief's, or a peer that joins a group already training (one restarted alone: a gossip
+  // peer cannot rejoin; restart the whole job, with --resume).
   Gossip(const Job& job, torch::nn::Module& module, GossipOptions options = {});
   // The same through a rendezvous already connected to the job's store (Rendezvous::connect with
   // the job's cluster), for a caller that used the store before: e.g. the chief sending its

@@ -35,6 +35,10 @@ struct GossipContext {
 
 constexpr size_t kHistogramBins = 64;  // staleness >= 63 counts in the last bin
 
+// The store's keys (the chief's store, see attach()).
+constexpr const char* kInitKey = "cohort/gossip/init";  // the chief's parameters; empty once every peer joined
+std::string addressKey(int rank) { return "cohort/gossip/addr/" + std::to_string(rank); }
+
 // Per sender: what this replica applied from it.
 struct Received {
   int64_t messages = 0;
@@ -160,14 +164,19 @@ struct COHORT_LOCAL Gossip::Impl {
   }
 
   // Every replica starts from the chief's parameters (TorchScript models are not seeded alike).
+  // Throws InvalidArgument for a peer that joins a group already training (restarted alone, as Kubernetes restarts a
+  // failed pod): its peers hold a stream from its rank and would refuse it, and it would train alone.
   void startFromChiefParameters() {
     if (c_.cluster.isChief()) {
       copyOut(before_);
-      rendezvous_->set("cohort/gossip/init", std::string(reinterpret_cast<const char*>(before_.data()),
-                                                        before_.size() * sizeof(float)));
+      rendezvous_->set(kInitKey,
+                       std::string(reinterpret_cast<const char*>(before_.data()), before_.size() * sizeof(float)));
       return;
     }
-    const std::string init = rendezvous_->get("cohort/gossip/init");
+    const std::string init = rendezvous_->get(kInitKey);
+    COHORT_CHECK(!init.empty(), InvalidArgument, "gossip: rank ", c_.cluster.rank,
+                 " joins a group that is already training: a gossip peer cannot rejoin a running group; restart the "
+                 "whole job with --resume from the chief's checkpoint (as cohort launch --max-restarts does)");
     COHORT_CHECK(init.size() == numel_ * sizeof(float), CommError, "gossip: the chief's model has ",
                  init.size() / sizeof(float), " parameters, this one ", numel_, ": run the same model everywhere");
     std::memcpy(before_.data(), init.data(), init.size());
@@ -184,13 +193,18 @@ struct COHORT_LOCAL Gossip::Impl {
   // the chief received most of their updates only after its last step.)
   void connectPeers(const std::string& advertise) {
     const ClusterSpec& cl = c_.cluster;
-    rendezvous_->set("cohort/gossip/addr/" + std::to_string(cl.rank),
-                     HostPort{advertise, peer_->address().port}.str());
+    rendezvous_->set(addressKey(cl.rank), HostPort{advertise, peer_->address().port}.str());
     std::vector<HostPort> addresses;
     for (int r = 0; r < cl.worldSize; ++r) {
-      addresses.push_back(r == cl.rank ? peer_->address()
-                                       : gossip::parsePeerAddress(rendezvous_->get("cohort/gossip/addr/" + std::to_string(r))));
+      if (r == cl.rank) {
+        addresses.push_back(peer_->address());
+        continue;
+      }
+      addresses.push_back(gossip::parsePeerAddress(rendezvous_->get(addressKey(r))));
     }
+    // Every peer has copied the chief's parameters (each published its address after): the store
+    // drops them, and a peer restarted alone finds the group running (startFromChiefParameters).
+    if (cl.isChief()) rendezvous_->set(kInitKey, "");
     peer_->connect(addresses);
   }
 
