@@ -320,6 +320,22 @@ TEST(LaunchFaults, AGossipPeerRestartedAloneIsRefusedAtAttach) {
   EXPECT_NE(r.output.find("[rank 0] done: 300 steps"), std::string::npos) << r.output;
 }
 
+// A gossip peer with another model fails at attach, and the chief at once, naming it and why
+// (before: the chief waited out --timeout for its address, "is every worker started?").
+TEST(LaunchFaults, AGossipPeerWithAnotherModelStopsTheChiefAtOnce) {
+  const std::string run = test::cohortBinary() +
+                          " train --threads 1 --progress off --data synthetic:4000 --batch 16 --strategy gossip "
+                          "--steps 50 --timeout 30 --model";
+  auto r = test::runCommand(
+      launch("-n 2" + script("if [ $RANK = 0 ]; then exec " + run + " mlp; else exec " + run + " mlp:64; fi")), 120);
+  EXPECT_NE(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] cohort: error: gossip: parameter 0 ("), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] cohort: error: gossip: rank 1 could not join: gossip: parameter 0 ("),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("did not appear within"), std::string::npos) << r.output;
+}
+
 // ---- Real training jobs under the launcher ----
 
 // The asynchronous schemes go on without a worker that dies mid-run: the chief finishes and names it.

@@ -30,6 +30,16 @@ struct ChiefPlayedByTest {
   Job rank1 =
       Job::fromSpec(ClusterSpec{.rank = 1, .worldSize = 2, .master = {"127.0.0.1", server->port()}, .secret = kSecret},
                     {.timeout = std::chrono::seconds(30)});
+
+  // As the chief's Gossip publishes its parameters for a torch::nn::Linear(3, 2): their shapes
+  // (which a peer checks against its own model's), then the 8 values.
+  void publishLinearParameters(const std::vector<float>& values) const {
+    const std::string shapes = "[2, 3]\n[2]\n";
+    chief->set("cohort/gossip/layout", std::vector<uint8_t>(shapes.begin(), shapes.end()));
+    std::vector<uint8_t> bytes(values.size() * sizeof(float));
+    std::memcpy(bytes.data(), values.data(), bytes.size());
+    chief->set("cohort/gossip/init", bytes);
+  }
 };
 
 // A bfloat16 replica on `device` (rank 1, the handle) against rank 0 played with the transport
@@ -50,9 +60,7 @@ inline void expectBfloat16ReplicaSendsOnlyItsOwnChange(const torch::Device& devi
   chief->set("cohort/gossip/addr/0", std::vector<uint8_t>(address.begin(), address.end()));
   std::vector<float> init(8);
   for (size_t i = 0; i < init.size(); ++i) init[i] = 0.25f * float(i) - 1.0f;  // exact in bfloat16
-  std::vector<uint8_t> bytes(init.size() * sizeof(float));
-  std::memcpy(bytes.data(), init.data(), bytes.size());
-  chief->set("cohort/gossip/init", bytes);
+  t.publishLinearParameters(init);
   auto attaching = std::async(std::launch::async, [&] { return std::make_unique<Gossip>(job, *net); });
   const auto published = chief->get("cohort/gossip/addr/1", 30s);
   const std::unique_ptr<Gossip> gossip = attaching.get();

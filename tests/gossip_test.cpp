@@ -48,9 +48,7 @@ TEST(GossipHandle, APeerPublishesItsAddressOnlyOnceItHoldsTheChiefsParameters) {
   chief->set("cohort/gossip/addr/0", std::vector<uint8_t>(address.begin(), address.end()));
   std::vector<float> init(8);
   for (size_t i = 0; i < init.size(); ++i) init[i] = 0.25f * float(i) - 1.0f;
-  std::vector<uint8_t> bytes(init.size() * sizeof(float));
-  std::memcpy(bytes.data(), init.data(), bytes.size());
-  chief->set("cohort/gossip/init", bytes);
+  t.publishLinearParameters(init);
   const auto published = chief->get("cohort/gossip/addr/1", 30s);
   const std::unique_ptr<Gossip> gossip = attaching.get();
   ASSERT_TRUE(published.has_value());
@@ -111,7 +109,7 @@ TEST(GossipHandle, APeerThatNeverReachedAnotherFailsInsteadOfTrainingAlone) {
   const Job job = Job::fromSpec(t.rank1.cluster(), {.timeout = 1s});
   const std::string nowhere = "127.0.0.1:1";  // nothing listens on port 1
   t.chief->set("cohort/gossip/addr/0", std::vector<uint8_t>(nowhere.begin(), nowhere.end()));
-  t.chief->set("cohort/gossip/init", std::vector<uint8_t>(8 * sizeof(float), 0));
+  t.publishLinearParameters(std::vector<float>(8, 0.0f));
   Gossip gossip(job, *net);
   const auto deadline = std::chrono::steady_clock::now() + 30s;
   std::string error;
@@ -125,6 +123,29 @@ TEST(GossipHandle, APeerThatNeverReachedAnotherFailsInsteadOfTrainingAlone) {
   }
   EXPECT_NE(error.find("lost every other peer before a stream to or from any of them opened"), std::string::npos)
       << "it trained alone: " << error;
+}
+
+// A model whose parameters' shapes differ from the chief's is refused with InvalidArgument, as
+// the header says, even with as many parameters (Linear(2, 4) against the chief's Linear(3, 2):
+// 8 each); and the reason takes the place of this peer's address, so that the others fail at once
+// naming it instead of waiting out the timeout for an address that never comes.
+TEST(GossipHandle, AModelOfOtherShapesIsRefusedAndTheOthersAreTold) {
+  using namespace std::chrono_literals;
+  torch::nn::Linear other(2, 4);
+  test::ChiefPlayedByTest t;
+  t.publishLinearParameters(std::vector<float>(8, 0.0f));
+  try {
+    Gossip gossip(t.rank1, *other);
+    FAIL() << "a model of other shapes was taken";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter 0 (weight) is [4, 2] here but [2, 3] on the chief"),
+              std::string::npos)
+        << e.what();
+  }
+  const auto published = t.chief->get("cohort/gossip/addr/1", 1s);
+  ASSERT_TRUE(published.has_value()) << "the others are not told";
+  EXPECT_NE(std::string(published->begin(), published->end()).find("failed: gossip: parameter 0 (weight)"),
+            std::string::npos);
 }
 
 // Three peers on Fashion-MNIST; peer 2 is SIGKILLed after the chief's 60th step. The other two

@@ -72,9 +72,11 @@ struct COHORT_API GossipStep {
 class COHORT_API Gossip {
  public:
   // Joins the other workers (a collective through the chief's store), copies the chief's
-  // parameters. Throws InvalidArgument for fewer than 2 workers, bad options, a model that differs
-  // from the chief's, or a peer that joins a group already training (one restarted alone: a gossip
-  // peer cannot rejoin; restart the whole job, with --resume).
+  // parameters. Throws InvalidArgument for fewer than 2 workers, bad options, a model whose
+  // parameters' shapes differ from the chief's, or a peer that joins a group already training (one
+  // restarted alone: a gossip peer cannot rejoin; restart the whole job, with --resume). A peer
+  // that fails after it reached the store says why there, and the others' constructors then throw
+  // CommError naming its rank and reason at once.
   Gossip(const Job& job, torch::nn::Module& module, GossipOptions options = {});
   // The same through a rendezvous already connected to the job's store (Rendezvous::connect with
   // the job's cluster), for a caller that used the store before: e.g. the chief sending its

@@ -1,6 +1,7 @@
 #include "base/clock.h"
 #include "base/crypto.h"
 #include "base/host_port.h"
+#include "base/text.h"
 
 #include "gossip/peer.h"
 #include "schemes/host_mirror.h"
@@ -36,8 +37,11 @@ struct GossipContext {
 constexpr size_t kHistogramBins = 64;  // staleness >= 63 counts in the last bin
 
 // The store's keys (the chief's store, see attach()).
-constexpr const char* kInitKey = "cohort/gossip/init";  // the chief's parameters; empty once every peer joined
+constexpr const char* kInitKey = "cohort/gossip/init";      // the chief's parameters; empty once every peer joined
+constexpr const char* kLayoutKey = "cohort/gossip/layout";  // the chief's parameters' names and shapes
 std::string addressKey(int rank) { return "cohort/gossip/addr/" + std::to_string(rank); }
+// A peer that failed to attach publishes this and its reason where its address would be.
+constexpr std::string_view kFailedPrefix = "failed: ";
 
 // Per sender: what this replica applied from it.
 struct Received {
@@ -79,7 +83,14 @@ struct COHORT_LOCAL Gossip::Impl {
       token = rendezvous_->get("cohort/gossip/job");
     }
     const std::string advertise = startPeer(token);
-    startFromChiefParameters();
+    try {
+      startFromChiefParameters();
+    } catch (const Error& e) {
+      // Said where this peer's address would be, so that the others fail now, naming it and
+      // why, instead of waiting out the timeout for an address that never comes.
+      rendezvous_->set(addressKey(cl.rank), std::string(kFailedPrefix) + firstLine(e.what()));
+      throw;
+    }
     connectPeers(advertise);
     copyOut(before_);
   }
@@ -120,6 +131,8 @@ struct COHORT_LOCAL Gossip::Impl {
         tables_.push_back({.offset = numel_, .rows = uint32_t(p.size(0)), .dim = uint32_t(p.size(1))});
       }
       offsets_.push_back(numel_);
+      layout_ += c10::str(p.sizes()) + "\n";
+      names_.push_back(name);
       numel_ += size_t(p.numel());
       params_.push_back(p);
     }
@@ -164,11 +177,13 @@ struct COHORT_LOCAL Gossip::Impl {
   }
 
   // Every replica starts from the chief's parameters (TorchScript models are not seeded alike).
-  // Throws InvalidArgument for a peer that joins a group already training (restarted alone, as Kubernetes restarts a
-  // failed pod): its peers hold a stream from its rank and would refuse it, and it would train alone.
+  // Throws InvalidArgument for a model whose parameters' shapes differ from the chief's, and for a
+  // peer that joins a group already training (restarted alone, as Kubernetes restarts a failed pod):
+  // its peers hold a stream from its rank and would refuse it, and it would train alone.
   void startFromChiefParameters() {
     if (c_.cluster.isChief()) {
       copyOut(before_);
+      rendezvous_->set(kLayoutKey, layout_);
       rendezvous_->set(kInitKey,
                        std::string(reinterpret_cast<const char*>(before_.data()), before_.size() * sizeof(float)));
       return;
@@ -177,13 +192,38 @@ struct COHORT_LOCAL Gossip::Impl {
     COHORT_CHECK(!init.empty(), InvalidArgument, "gossip: rank ", c_.cluster.rank,
                  " joins a group that is already training: a gossip peer cannot rejoin a running group; restart the "
                  "whole job with --resume from the chief's checkpoint (as cohort launch --max-restarts does)");
-    COHORT_CHECK(init.size() == numel_ * sizeof(float), CommError, "gossip: the chief's model has ",
+    checkSameLayout(rendezvous_->get(kLayoutKey));
+    COHORT_CHECK(init.size() == numel_ * sizeof(float), InvalidArgument, "gossip: the chief's model has ",
                  init.size() / sizeof(float), " parameters, this one ", numel_, ": run the same model everywhere");
     std::memcpy(before_.data(), init.data(), init.size());
     COHORT_CHECK(std::all_of(before_.begin(), before_.end(), [](float v) { return std::isfinite(v); }), CommError,
                  "gossip: the chief's initial parameters hold a NaN or Inf: refusing to start from them");
     copyIn(before_);
     if (mirror_) mirror_->toDevice();
+  }
+
+  // Throws InvalidArgument naming the first parameter whose shape differs from the chief's
+  // (`chief`: its layout_), or the first one the other model lacks.
+  void checkSameLayout(const std::string& chief) const {
+    if (chief == layout_) return;
+    const std::vector<std::string> theirs = lines(chief), mine = lines(layout_);
+    for (size_t i = 0; i < std::max(theirs.size(), mine.size()); ++i) {
+      const std::string a = i < theirs.size() ? theirs[i] : "missing", b = i < mine.size() ? mine[i] : "missing";
+      COHORT_CHECK(a == b, InvalidArgument, "gossip: parameter ", i,
+                   i < names_.size() ? " (" + names_[i] + ")" : std::string(), " is ", b, " here but ", a,
+                   " on the chief (of ", theirs.size(), " parameters, here ", mine.size(),
+                   "): run the same model on every worker");
+    }
+  }
+
+  static std::vector<std::string> lines(const std::string& text) {
+    std::vector<std::string> out;
+    for (size_t at = 0; at < text.size();) {
+      const size_t end = text.find('\n', at);
+      out.push_back(text.substr(at, end - at));
+      at = end == std::string::npos ? text.size() : end + 1;
+    }
+    return out;
   }
 
   // A peer publishes its address only once it holds the chief's parameters, and every peer
@@ -200,7 +240,10 @@ struct COHORT_LOCAL Gossip::Impl {
         addresses.push_back(peer_->address());
         continue;
       }
-      addresses.push_back(gossip::parsePeerAddress(rendezvous_->get(addressKey(r))));
+      const std::string address = rendezvous_->get(addressKey(r));
+      COHORT_CHECK(!address.starts_with(kFailedPrefix), CommError, "gossip: rank ", r,
+                   " could not join: ", address.substr(kFailedPrefix.size()));
+      addresses.push_back(gossip::parsePeerAddress(address));
     }
     // Every peer has copied the chief's parameters (each published its address after): the store
     // drops them, and a peer restarted alone finds the group running (startFromChiefParameters).
@@ -511,6 +554,8 @@ struct COHORT_LOCAL Gossip::Impl {
   std::vector<int> tableOf_;     // per parameter: its row table's index, -1 when dense
   std::vector<gossip::RowTable> tables_;  // the sparse embedding tables: their changed rows travel
   size_t numel_ = 0;
+  std::string layout_;              // a line per parameter: its shape
+  std::vector<std::string> names_;  // of the parameters
   bool finished_ = false;
   bool stopRequested_ = false;  // the chief: requestStop() was called
   bool chiefStopped_ = false;   // another peer: the chief's DONE said it stopped the job
