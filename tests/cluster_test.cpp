@@ -220,8 +220,13 @@ TEST(ClusterTfConfig, RejectsBadTasks) {
   EXPECT_TRUE(failsWith({{"TF_CONFIG", tfConfig(cluster, "master", 0)}},
                         {"TF_CONFIG", "task.type", "\"master\"", "chief, worker, ps, evaluator"}));
   EXPECT_TRUE(failsWith({{"TF_CONFIG", tfConfig(cluster, "ps", 0)}}, {"TF_CONFIG", "task.type", "cluster.ps"}));
-  EXPECT_TRUE(failsWith({{"TF_CONFIG", tfConfig(cluster, "evaluator", 0)}},
-                        {"TF_CONFIG", "task.type", "cluster.evaluator"}));
+  // An evaluator need not be listed (TensorFlow keeps it out of the cluster; so does TFJob).
+  const ClusterSpec unlisted = resolve({{"TF_CONFIG", tfConfig(cluster, "evaluator", 0)}});
+  EXPECT_EQ(unlisted.role, Role::kEvaluator);
+  EXPECT_EQ(unlisted.rank, 0);
+  EXPECT_EQ(unlisted.worldSize, 3);
+  EXPECT_TRUE(failsWith({{"TF_CONFIG", tfConfig(R"({"chief": ["c:1"], "evaluator": ["e:1"]})", "evaluator", 1)}},
+                        {"TF_CONFIG", "task.index=1", "cluster.evaluator has 1 entry"}));
   EXPECT_TRUE(failsWith({{"TF_CONFIG", tfConfig(R"({"worker": ["w:2"]})", "chief", 0)}},
                         {"TF_CONFIG", "task.type", "cluster.chief"}));
   EXPECT_TRUE(failsWith({{"TF_CONFIG", tfConfig(cluster, "worker", 2)}},
@@ -342,6 +347,22 @@ TEST(ClusterKubeflow, PyTorchJobPodsAreOneProcessEach) {
     EXPECT_EQ(spec.localWorldSize, 1) << "one process in this pod: it gets all the pod's cores";
     EXPECT_EQ(spec.master, (HostPort{"train-master-0", 23456}));
   }
+}
+
+// nprocPerNode's default, "auto" (and "cpu", "gpu"), makes the operator count one process a pod:
+// it was refused as "not a whole number", so every PyTorchJob that left it out failed.
+TEST(ClusterKubeflow, NamedNprocPerNodeIsOneProcessAPod) {
+  for (const char* named : {"auto", "cpu", "gpu"}) {
+    Vars vars = pyTorchJobPod(1, 3, 1);
+    vars["PET_NPROC_PER_NODE"] = named;
+    const ClusterSpec spec = resolve(vars);
+    EXPECT_EQ(spec.rank, 1) << named;
+    EXPECT_EQ(spec.worldSize, 3) << named;
+    EXPECT_EQ(spec.localWorldSize, 1) << named;
+  }
+  Vars bad = pyTorchJobPod(1, 3, 1);
+  bad["PET_NPROC_PER_NODE"] = "four";
+  EXPECT_TRUE(failsWith(bad, {"PET_NPROC_PER_NODE=four"}));
 }
 
 TEST(ClusterKubeflow, NprocPerNodeWithoutTorchrunInThePodIsAnError) {
@@ -702,6 +723,28 @@ TEST(Cluster, TheJobIdentityIsTheLaunchersJobIdWhenThereIsNoSecret) {
   Vars slurm = torchrun;
   slurm["SLURM_JOB_ID"] = "42";
   EXPECT_EQ(resolve(slurm).jobIdentitySource, "SLURM_JOB_ID");
+  slurm["SLURM_STEP_ID"] = "3";  // roles from torchrun's variables: the job id alone, as before
+  EXPECT_EQ(resolve(slurm).jobIdentity, "42");
+}
+
+// Two srun steps side by side in one allocation: each finds its task 0 on its own first node and
+// has an identity of its own, so that neither joins the other's store (both used the allocation's
+// first node and the job id, and were admitted to each other's store).
+TEST(ClusterSlurm, StepsOfOneAllocationAreTwoJobs) {
+  Vars a = {{"SLURM_PROCID", "1"},  {"SLURM_NTASKS", "2"},
+            {"SLURM_JOB_ID", "42"}, {"SLURM_JOB_NODELIST", "node[1-2]"},
+            {"SLURM_STEP_ID", "0"}, {"SLURM_STEP_NODELIST", "node1"}};
+  Vars b = a;
+  b["SLURM_STEP_ID"] = "1";
+  b["SLURM_STEP_NODELIST"] = "node2";
+  EXPECT_EQ(resolve(a).master.host, "node1");
+  EXPECT_EQ(resolve(b).master.host, "node2");
+  EXPECT_EQ(resolve(a).jobIdentity, "42.0");
+  EXPECT_EQ(resolve(b).jobIdentity, "42.1");
+  EXPECT_EQ(resolve(b).jobIdentitySource, "SLURM_JOB_ID.SLURM_STEP_ID");
+  EXPECT_NE(resolve(a).storeKey(), resolve(b).storeKey());
+  b.erase("SLURM_STEP_NODELIST");  // an older Slurm: the allocation's first node
+  EXPECT_EQ(resolve(b).master.host, "node1");
 }
 
 }  // namespace

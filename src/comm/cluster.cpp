@@ -206,9 +206,13 @@ ClusterSpec fromTfConfig(const std::string& text) {
                          : type == "worker" ? plainWorkers.size()
                          : type == "ps"     ? servers.size()
                                             : evaluators.size();
-  COHORT_CHECK(jobSize > 0, InvalidArgument, "TF_CONFIG task.type is \"", type, "\" but cluster.", type,
-               " is absent or empty");
-  COHORT_CHECK(size_t(index) < jobSize, InvalidArgument, "TF_CONFIG task.index=", index,
+  // TensorFlow keeps the evaluator out of the cluster (its own check exempts it, and Kubeflow's
+  // TFJob leaves it out): one not listed is taken as it is. The chief, not knowing of it, does not
+  // keep checkpoints for it (list it in cluster.evaluator for that).
+  const bool unlistedEvaluator = type == "evaluator" && evaluators.empty();
+  COHORT_CHECK(jobSize > 0 || unlistedEvaluator, InvalidArgument, "TF_CONFIG task.type is \"", type, "\" but cluster.",
+               type, " is absent or empty");
+  COHORT_CHECK(unlistedEvaluator || size_t(index) < jobSize, InvalidArgument, "TF_CONFIG task.index=", index,
                " is out of range: cluster.", type, " has ", jobSize, jobSize == 1 ? " entry" : " entries");
 
   if (type == "chief" || type == "worker") {
@@ -267,7 +271,11 @@ ClusterSpec fromTorchrun(const NonEmptyEnv& env) {
   // Kubeflow's PyTorchJob: one pod per node, its processes per node in PET_NPROC_PER_NODE, which
   // WORLD_SIZE counts (replicas x nprocPerNode) while RANK is the pod's. torchrun in the pod turns
   // that into per-process variables (LOCAL_RANK among them); without it a pod is one process.
-  const std::optional<int> perNode = wholeVar(env, "PET_NPROC_PER_NODE");
+  // Its default is "auto" (also "cpu", "gpu": torchrun's choice in the pod), with which the
+  // operator counts one process a pod: no count to check.
+  const std::optional<std::string> perNodeText = env.get("PET_NPROC_PER_NODE");
+  const bool perNodeNamed = perNodeText && (*perNodeText == "auto" || *perNodeText == "cpu" || *perNodeText == "gpu");
+  const std::optional<int> perNode = perNodeNamed ? std::nullopt : wholeVar(env, "PET_NPROC_PER_NODE");
   COHORT_CHECK(!perNode || *perNode <= 1 || env.has("LOCAL_RANK"), InvalidArgument, "PET_NPROC_PER_NODE=", *perNode,
                " (Kubeflow's nprocPerNode) makes WORLD_SIZE=", spec.worldSize,
                " count processes while RANK numbers pods, but this pod runs one process (no LOCAL_RANK): "
@@ -275,8 +283,10 @@ ClusterSpec fromTorchrun(const NonEmptyEnv& env) {
                "torchrun in the pod");
   spec.localRank = nonNegativeVar(env, "LOCAL_RANK", 0);
   const bool localWorldSet = env.has("LOCAL_WORLD_SIZE");
-  spec.localWorldSize = positiveVar(env, "LOCAL_WORLD_SIZE", perNode && *perNode >= 1 ? std::min(*perNode, spec.worldSize)
-                                                                                    : spec.worldSize);
+  const int localDefault = perNodeNamed               ? 1
+                           : perNode && *perNode >= 1 ? std::min(*perNode, spec.worldSize)
+                                                      : spec.worldSize;
+  spec.localWorldSize = positiveVar(env, "LOCAL_WORLD_SIZE", localDefault);
   COHORT_CHECK(spec.localWorldSize <= spec.worldSize, InvalidArgument, "LOCAL_WORLD_SIZE=", spec.localWorldSize,
                " is more than WORLD_SIZE=", spec.worldSize);
   COHORT_CHECK(spec.localRank < spec.localWorldSize, InvalidArgument, "LOCAL_RANK=", spec.localRank,
@@ -463,10 +473,12 @@ ClusterSpec fromSlurm(const NonEmptyEnv& env) {
 
   std::optional<std::string> addr = env.get("MASTER_ADDR");
   if (!addr) {
-    for (const char* name : {"SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
+    // The step's nodes first: a step on part of the allocation (two steps side by side) has its
+    // task 0 on its own first node, not the allocation's.
+    for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
       std::optional<std::string> list = env.get(name);
       if (!list) continue;
-      // The first node of the allocation runs task 0 under srun's default block distribution.
+      // The first node of the step runs task 0 under srun's default block distribution.
       addr = expandNodelist(*list, std::string(name) + "=" + *list + " is not a Slurm host list").front();
       break;
     }
@@ -515,6 +527,13 @@ ClusterSpec resolveCluster(const EnvLookup& lookup) {
     if (id && *id != "none") {
       spec.jobIdentity = *id;
       spec.jobIdentitySource = name;
+      // Steps of one allocation share its job id: two trainings side by side are told apart by
+      // their step, so that one never joins the other's store.
+      const std::optional<std::string> step = env.get("SLURM_STEP_ID");
+      if (spec.source == "Slurm" && spec.jobIdentitySource == std::string("SLURM_JOB_ID") && step) {
+        spec.jobIdentity += "." + *step;
+        spec.jobIdentitySource = "SLURM_JOB_ID.SLURM_STEP_ID";
+      }
       break;
     }
   }
