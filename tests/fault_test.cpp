@@ -439,8 +439,11 @@ TEST(LaunchRestarts, AGossipGroupResumesFromTheChiefsCheckpoint) {
   EXPECT_EQ(done["steps"], 60);
   EXPECT_EQ(done["restarts"], 1);
   EXPECT_EQ(done["workers_lost"].size(), 0u) << done.dump();
-  // Rank 1 resumed at the chief's step too: it took the 40 steps left in the restarted run, not 60.
-  EXPECT_EQ(done["peer_steps"], nlohmann::json::array({40, 40})) << done.dump();
+  // Rank 1 resumed at the chief's step too: it took the 40 steps left in the restarted run, not 60
+  // (the chief folded 40 of its own and 40 of rank 1's), and each peer's steps count from the
+  // checkpoint's step 20, as the chief's do.
+  EXPECT_EQ(done["updates_folded"], 2 * 40) << done.dump();
+  EXPECT_EQ(done["peer_steps"], nlohmann::json::array({60, 60})) << done.dump();
 }
 
 // In the asynchronous ps modes a dead worker is restarted alone and takes up its clock.

@@ -262,6 +262,37 @@ TEST(GossipMultiproc, CompressedUpdatesAfterTheWarmUp) {
   }
 }
 
+// --resume keeps the codec's warm-up where the checkpoint left it: 40 steps under topk:0.01 with
+// 30 warm-up steps, then resumed to 60: the 20 resumed steps go compressed (topk:0.01 of the mlp:
+// ~54 kB a message, against 2.7 MB of float32). Before, each peer's step count, and with it the
+// warm-up, started over at the resume: the resumed steps went raw, ~95x the bytes.
+TEST(GossipMultiproc, AResumedRunKeepsTheCodecWarmUpItPassed) {
+  test::TempDir dir;
+  const std::string metrics = dir.file("m.jsonl");
+  const std::string run = test::launchPrefix(2) + train() +
+                          " --model mlp --data synthetic:3000 --batch 16 --codec topk:0.01 --codec-warmup-steps 30 "
+                          "--checkpoint-every 20 --checkpoint-dir " +
+                          dir.file("ckpt") + " --metrics " + metrics;
+  auto first = test::runCommand(run + " --steps 40", 200);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  auto resumed = test::runCommand(run + " --steps 60 --resume", 200);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  int64_t resumedSteps = 0, resumedBytes = 0;
+  for (const auto& line : test::lines(test::readFile(metrics))) {
+    const auto event = nlohmann::json::parse(line);
+    if (event["event"] != "step" || event["step"].get<int64_t>() <= 40) continue;
+    ++resumedSteps;
+    resumedBytes += event["bytes_sent"].get<int64_t>();
+  }
+  EXPECT_EQ(resumedSteps, 20) << resumed.output;
+  const int64_t raw = 669706 * 4;  // the mlp's parameters, float32
+  EXPECT_LT(resumedBytes, 2 * raw) << "the resumed steps went uncompressed: the warm-up started over";
+  auto done = test::lastEvent(metrics, "done");
+  ASSERT_FALSE(done.is_null()) << resumed.output;
+  // Each peer's steps count from the checkpoint's step, as the chief's do.
+  EXPECT_EQ(done["peer_steps"], nlohmann::json::array({60, 60})) << done.dump();
+}
+
 // A sparse embedding table (640 kB): every step sends the rows its gradient touched and the
 // small dense layers, never the table; the peers still agree enough to learn.
 TEST(GossipMultiproc, SparseTablesSendOnlyTheirChangedRows) {

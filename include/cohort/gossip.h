@@ -55,6 +55,10 @@ struct COHORT_API GossipOptions {
   int64_t codecWarmupSteps = 0;  // the first steps travel uncompressed
   std::string authToken;         // the job's secret; empty: a random one the chief publishes
   uint64_t seed = 0;             // the choice of peers
+  // The step this peer resumes at (every peer restored the chief's checkpoint of step S: S). Its
+  // step count goes on from there: when the codec's warm-up ends, and its steps in report(). The
+  // codec's residuals start empty: the chief's parameters hold the chief's unsent changes already.
+  int64_t firstStep = 0;
 };
 
 struct COHORT_API GossipStep {

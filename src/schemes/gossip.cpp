@@ -60,6 +60,9 @@ struct COHORT_LOCAL Gossip::Impl {
     COHORT_CHECK(c_.options.peers >= 0 && c_.options.peers <= others, InvalidArgument,
                  "--gossip-peers must be in 0..", others, " (0: all ", others, " other peers), got ", c_.options.peers);
     COHORT_CHECK(c_.options.codecWarmupSteps >= 0, InvalidArgument, "--codec-warmup-steps must not be negative");
+    COHORT_CHECK(c_.options.firstStep >= 0, InvalidArgument, "GossipOptions::firstStep must not be negative, got ",
+                 c_.options.firstStep);
+    steps_ = c_.options.firstStep;
     fanout_ = c_.options.peers == 0 ? others : c_.options.peers;
     received_.resize(size_t(c_.cluster.worldSize));
     histogram_.assign(kHistogramBins, 0);
@@ -562,7 +565,7 @@ struct COHORT_LOCAL Gossip::Impl {
   std::vector<float> before_, update_, arrived_;  // flat, in parameter order
   std::unique_ptr<Rendezvous> rendezvous_;        // kept: the chief hosts the store for the others
   std::unique_ptr<gossip::Peer> peer_;
-  int64_t steps_ = 0;    // this peer's own steps
+  int64_t steps_ = 0;                              // this peer's own steps, from GossipOptions::firstStep
   int64_t chargedSent_ = 0, chargedReceived_ = 0;  // the peer's byte counters at the last step's charge
   int64_t version_ = 0;  // steps folded into this replica, own and received
   int64_t messagesApplied_ = 0;

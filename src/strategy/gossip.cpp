@@ -35,6 +35,8 @@ class GossipStrategy final : public Strategy {
     return std::vector<uint8_t>(bytes.begin(), bytes.end());
   }
 
+  void resumeAt(int64_t step) override { options_.firstStep = step; }
+
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override {
     model_ = model;
     optimizer_ = &optimizer;

@@ -110,6 +110,9 @@ class Strategy {
   // the scheme needs one): state that differs between processes reaches the writer here (average:
   // every rank's codec residual), since saveState() runs on the writer alone.
   virtual void prepareCheckpoint() {}
+  // On --resume, before attach(), on every process that restored a checkpoint: the step it holds
+  // (gossip: each peer's step count, and its codec's warm-up, go on from there).
+  virtual void resumeAt(int64_t step) {}
 
   // On --resume, for a scheme without a communicator whose processes all restore the writer's
   // checkpoint (gossip): sends `payload` (the writer's checkpoint; empty when it has none, and

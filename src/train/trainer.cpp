@@ -192,6 +192,7 @@ void Trainer::State::planCheckpoints() {
 // chief tells cohort launch the port first (Rendezvous::connect). A chief whose scheme hosts no
 // store (one process; ps said so above) says so once attached, and the launcher starts the others.
 void Trainer::State::attachStrategy() {
+  if (step > 0) strategy->resumeAt(step);
   strategy->attach(model, *optimizer);
   if (strategyState) {
     try {
