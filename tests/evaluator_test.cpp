@@ -56,6 +56,27 @@ TEST(Evaluator, EvaluatesEveryCheckpointOnceAndEndsWithTheJob) {
   EXPECT_NE(run.output.find("[evaluator]"), std::string::npos);
 }
 
+// TensorFlow keeps the evaluator out of TF_CONFIG's cluster (so does Kubeflow's TFJob): such an
+// evaluator was refused; now it runs, and stops on the end-of-training marker, which a chief that
+// knows of no evaluator writes too.
+TEST(Evaluator, OneTheClusterDoesNotListEvaluatesAndEnds) {
+  test::TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  const std::string cluster = R"({"cluster": {"chief": ["127.0.0.1:0"]}, )";
+  const std::string flags = kSmallRun + " --steps 20 --checkpoint-every 10 --checkpoint-dir " + ckpt;
+  auto chief = test::runCommand("env COHORT_JOB_ID=unlisted TF_CONFIG='" + cluster +
+                                    R"("task": {"type": "chief", "index": 0}}' )" + train() + flags,
+                                180);
+  ASSERT_EQ(chief.exitCode, 0) << chief.output;
+  auto evaluator = test::runCommand("env COHORT_JOB_ID=unlisted TF_CONFIG='" + cluster +
+                                        R"("task": {"type": "evaluator", "index": 0}}' )" + train() + flags +
+                                        " --evaluator-timeout 60",
+                                    180);
+  ASSERT_EQ(evaluator.exitCode, 0) << evaluator.output;
+  const std::map<int64_t, int> counts = evaluatedCounts(ckpt + "/evaluator-0.jsonl");
+  EXPECT_EQ(counts, (std::map<int64_t, int>{{10, 1}, {20, 1}})) << evaluator.output;
+}
+
 // A resumed run is a new job: its evaluator does not take the first run's end-of-training marker
 // (step 20) for its own, which made it stop at once and left the resumed run's checkpoints
 // unevaluated. The chief is slowed so that the evaluator would surely read the old marker first.

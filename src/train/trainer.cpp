@@ -168,6 +168,9 @@ void Trainer::State::planCheckpoints() {
       }
     }
   }
+  // The end-of-training marker is written by every chief that writes checkpoints: an evaluator the
+  // cluster does not list (TF_CONFIG may leave it out) stops on it too.
+  if (checkpoints) removeTrainingDone(checkpoints->dir());  // an earlier run's (its job's evaluators ignore it anyway)
   evaluators = int(cluster.evaluators.size());
   if (evaluators == 0) return;
   COHORT_CHECK(!o.checkpointDir.empty(), InvalidArgument,
@@ -183,7 +186,6 @@ void Trainer::State::planCheckpoints() {
     const std::string dir = checkpoints->dir();
     const int count = evaluators;
     checkpoints->keepUnread([dir, count] { return evaluatedByAll(dir, count); });
-    removeTrainingDone(dir);  // an earlier run's (the evaluators of a resumed run, a new job, ignore it anyway)
   }
 }
 

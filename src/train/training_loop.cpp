@@ -366,7 +366,10 @@ class Trainer::State::Loop {
       joinEvaluation();
     } else {
       if (!stop_) evaluateAtPoint();
-      if (!o_.checkpointDir.empty() && !serverCheckpoints_) finalCheckpointError = s_.saveCheckpoint(/*final=*/true);
+      if (!o_.checkpointDir.empty() && !serverCheckpoints_) {
+        finalCheckpointError = s_.saveCheckpoint(/*final=*/true);
+        markTrainingDone(finalCheckpointError);  // for an evaluator the cluster does not list
+      }
     }
     // Under ps the shards wrote the final checkpoint when the chief said Done (in finish()).
     if (chief_ && serverCheckpoints_ && !finalCheckpointError) {
