@@ -115,13 +115,22 @@ TEST(SimCost, BucketsAndOverlap) {
   EXPECT_NEAR(exposedAfterBackward(four, 4.0, [](double) { return 0.5; }), 0.5, 1e-12);
 }
 
+// The allreduce of every bucket of --bucket-mb (the first of --first-bucket-mb), one after another.
+template <typename Cost>
+double bucketsInTurn(double bytes, const Scenario& s, Cost cost) {
+  double seconds = 0;
+  for (double x : bucketSizes(bytes, s.firstBucketMb * kMiB, s.bucketMb * kMiB)) seconds += cost(x);
+  return seconds;
+}
+
 TEST(SimEvents, AllreduceWithoutStragglersIsTheClosedForm) {
   Scenario s = scenarioOf(Scheme::kAllreduce);
   s.overlap = false;
   const double c = 64 * 1e-3;
   for (int p : {2, 3, 8, 100}) {
     const double a = 50e-6, b = kB, g = 1e-10;
-    const double step = c + ringAllreduceSeconds(p, 4e6, a, b, g);
+    // Without overlap DataParallel still allreduces bucket by bucket, all after backward.
+    const double step = c + bucketsInTurn(4e6, s, [&](double x) { return ringAllreduceSeconds(p, x, a, b, g); });
     const Prediction got = simulateWorkers(s, p);
     EXPECT_NEAR(got.stepSeconds, step, 1e-12 * step) << p;
     EXPECT_NEAR(got.samplesPerSecond, p * 64 / step, 1e-9 * p * 64 / step) << p;
@@ -140,7 +149,28 @@ TEST(SimEvents, AllreduceWithoutStragglersIsTheClosedForm) {
   // Halving-doubling.
   s.overlap = false;
   s.algorithm = Algorithm::HalvingDoubling;
-  EXPECT_NEAR(simulateWorkers(s, 6).stepSeconds, c + halvingDoublingSeconds(6, 4e6, 50e-6, kB, 1e-10), 1e-12);
+  EXPECT_NEAR(simulateWorkers(s, 6).stepSeconds,
+              c + bucketsInTurn(4e6, s, [](double x) { return halvingDoublingSeconds(6, x, 50e-6, kB, 1e-10); }),
+              1e-12);
+}
+
+// Turning overlap off only takes away what the buckets hid behind backward: with 16 buckets of
+// 0.25 MiB on 64 workers each bucket's ring pays 2 x 63 latencies, and --no-overlap predicted one
+// ring over the whole model, faster than overlapping (153 ms a step against 218 ms).
+TEST(SimEvents, NoOverlapIsNeverFasterThanOverlap) {
+  Scenario s = scenarioOf(Scheme::kAllreduce);
+  s.bucketMb = 0.25;
+  s.firstBucketMb = 0.25;
+  for (int p : {2, 8, 64}) {
+    s.overlap = true;
+    const double overlapped = simulateWorkers(s, p).stepSeconds;
+    s.overlap = false;
+    const double after = simulateWorkers(s, p).stepSeconds;
+    EXPECT_GE(after, overlapped) << p;
+    const double step =
+        64e-3 + bucketsInTurn(4e6, s, [&](double x) { return ringAllreduceSeconds(p, x, 50e-6, kB, 1e-10); });
+    EXPECT_NEAR(after, step, 1e-12) << p;
+  }
 }
 
 TEST(SimEvents, SparseCodecIsEncodeAllgatherDecode) {
@@ -275,7 +305,9 @@ TEST(SimEvents, SharedCoresComputeAtTheJobsMeasuredSpeed) {
   // Jobs of 2 and 4 ranks on the calibrating machine's 2 cores computed 1.25 and 2.6 ms per
   // example; one rank alone computes at the quiet 1 ms.
   s.calibration.jobCompute = {{.ranks = 4, .secondsPerExample = 2.6e-3}, {.ranks = 2, .secondsPerExample = 1.25e-3}};
-  auto ring = [](int p) { return ringAllreduceSeconds(p, 4e6, 50e-6, 0, 1e-10); };
+  auto ring = [&](int p) {
+    return bucketsInTurn(4e6, s, [p](double x) { return ringAllreduceSeconds(p, x, 50e-6, 0, 1e-10); });
+  };
   EXPECT_NEAR(simulateWorkers(s, 1).stepSeconds, 64e-3, 1e-12);
   // A measured rank count: its job's compute.
   EXPECT_NEAR(simulateWorkers(s, 2).stepSeconds, 64 * 1.25e-3 + ring(2), 1e-12);
@@ -457,7 +489,7 @@ TEST(SimSetup, PipelineRefusesACodec) {
 
 // The arithmetic of a prediction from the calibration recorded on the 2-core VM (committed under
 // tests/data/): 2 workers on 2 cores at 100 Mbit/s, allreduce without overlap, is the recorded
-// 2-rank job's compute plus the ring formula with the recorded a, b, g.
+// 2-rank job's compute plus the ring formula of each bucket with the recorded a, b, g.
 TEST(SimCalibration, RecordedCalibrationFile) {
   const Calibration c = loadCalibration(std::string(COHORT_SOURCE_DIR) + "/tests/data/calibration_cnn.json");
   EXPECT_EQ(c.model, "cnn");
@@ -472,8 +504,9 @@ TEST(SimCalibration, RecordedCalibrationFile) {
   s.batch = 64;
   s.steps = 20;
   const double b = 8 * kFrame / 100e6 + c.secondsPerByte;
-  const double step = 64 * c.jobCompute[0].secondsPerExample +
-                      ringAllreduceSeconds(2, c.parameterBytes, c.latencySeconds, b, c.reduceSecondsPerByte);
+  const double step = 64 * c.jobCompute[0].secondsPerExample + bucketsInTurn(c.parameterBytes, s, [&](double x) {
+                        return ringAllreduceSeconds(2, x, c.latencySeconds, b, c.reduceSecondsPerByte);
+                      });
   const Prediction got = simulateWorkers(s, 2);
   EXPECT_NEAR(got.stepSeconds, step, 1e-12);
   EXPECT_NEAR(got.samplesPerSecond, 128 / step, 1e-9);

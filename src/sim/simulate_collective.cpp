@@ -57,13 +57,13 @@ Totals simulateCollective(const Scenario& s, const Derived& d, double computeSca
   double sent = 0;
   double exchange = 0;
   std::vector<double> buckets;
-  const bool overlapped = s.scheme == Scheme::kAllreduce && s.overlap && !d.gathered &&
-                          !(d.density < 1 && (d.p - 1) * d.density < 2.0 * (d.p - 1) / d.p);
-  const bool perBucket = s.scheme == Scheme::kAllreduce && d.gathered;
+  const bool rows = d.density < 1 && (d.p - 1) * d.density < 2.0 * (d.p - 1) / d.p;
+  const bool overlapped = s.scheme == Scheme::kAllreduce && s.overlap && !d.gathered && !rows;
+  // DataParallel exchanges bf16 and the sparse codecs after backward, and without overlap every
+  // codec's buckets: one bucket after another, each its own allreduce (or allgathers).
+  const bool perBucket = s.scheme == Scheme::kAllreduce && (d.gathered || (!s.overlap && !rows));
   if (overlapped || perBucket) buckets = bucketSizes(d.n, s.firstBucketMb * 1048576.0, s.bucketMb * 1048576.0);
   if (perBucket) {
-    // DataParallel exchanges bf16 and the sparse codecs after backward, one bucket after another,
-    // each with its own allgathers.
     for (double x : buckets) {
       double bucketSent = 0;
       exchange += exchangeSeconds(s, d, x, &bucketSent);
