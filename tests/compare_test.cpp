@@ -260,6 +260,29 @@ void expectJobsEnd(const std::string& out) {
   EXPECT_TRUE(test::processesMentioning(out + "/runs/").empty()) << "a job outlived its killed runner";
 }
 
+// Bag-of-ids data compare as train takes them (compare refused them as an unknown data set): an
+// epoch of synthetic-bags:N is N examples, of a libsvm file its examples less the test sixth.
+TEST(Compare, BagDataSetsAreCompared) {
+  test::TempDir dir;
+  std::string file = "# label ids\n\n";
+  for (int i = 0; i < 60; ++i) {
+    file += std::to_string(i % 2) + " " + std::to_string(i % 7) + " 10 " + std::to_string(20 + i % 5) + "\n";
+  }
+  test::writeFile(dir.file("bags.txt"), file);
+  // 120 examples are 12 steps of 10; the file's 60 less its 10 test examples are 5.
+  const std::vector<std::pair<std::string, std::string>> cases{{"synthetic-bags:120,1000", "local,1,12,"},
+                                                               {"libsvm:" + dir.file("bags.txt"), "local,1,5,"}};
+  for (const auto& [data, lastEval] : cases) {
+    const std::string out = dir.file(data.substr(0, 6));
+    auto r = test::runCommand(test::cohortBinary() + " compare --only local --model embed:rows=1000 --data " + data +
+                                  " --batch 10 --epochs 1 --evaluations 2 --no-png --out " + out,
+                              300);
+    ASSERT_EQ(r.exitCode, 0) << data << ": " << r.output;
+    EXPECT_NE(r.output.find("(1 of 1 runs ok)"), std::string::npos) << r.output;
+    EXPECT_NE(test::readFile(out + "/evals.csv").find(lastEval), std::string::npos) << test::readFile(out + "/evals.csv");
+  }
+}
+
 // The figures' PNGs are made without a shell: an output folder with a quote in its name broke the
 // command line, and the error blamed a missing rsvg-convert.
 TEST(Compare, AnOutputFolderWithAQuoteGetsItsFigures) {

@@ -337,6 +337,28 @@ TEST(Plan, DefaultSetHasTheSeedsSchemes) {
   EXPECT_THROW(experiment::trainingExamples("imagenet"), InvalidArgument);
 }
 
+// Bag-of-ids data sets count as train reads them: synthetic-bags makes N (60000), a libsvm file has
+// one example a line but blank ones and comments, and without a TEST file its last sixth is the
+// test set.
+TEST(Plan, BagDataSetsAreCounted) {
+  EXPECT_EQ(experiment::trainingExamples("synthetic-bags"), 60000);
+  EXPECT_EQ(experiment::trainingExamples("synthetic-bags:600,5000"), 600);
+  EXPECT_EQ(experiment::trainingExamples("synthetic-bags:600"), 600);
+  test::TempDir dir;
+  std::string file = "# label ids\n\n";
+  for (int i = 0; i < 12; ++i) file += "1 3 4\n   \n";
+  test::writeFile(dir.file("b.txt"), file);
+  EXPECT_EQ(experiment::trainingExamples("libsvm:" + dir.file("b.txt")), 10);
+  EXPECT_EQ(experiment::trainingExamples("libsvm:" + dir.file("b.txt") + "," + dir.file("t.txt")), 12);
+  try {
+    experiment::trainingExamples("libsvm:" + dir.file("none.txt"));
+    ADD_FAILURE() << "counted a missing file";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot open " + dir.file("none.txt")), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(experiment::trainingExamples("synthetic-bags:x"), InvalidArgument);
+}
+
 // The examples --validation holds out are not part of an epoch: the evaluation points and the
 // report's time per epoch count the training set less them (the shared option, or the
 // configuration's own).
@@ -421,6 +443,9 @@ TEST(CompareCli, BadInputBeforeAnythingStarts) {
   test::writeFile(dir.file("d.toml"), "[[configuration]]\nstrategy = \"allreduce\"\nbukcet_mb = 4\n");
   expectOneLineError("compare " + dir.file("d.toml") + out, "unknown option 'bukcet_mb'");
   expectOneLineError("compare --model resnet --data synthetic:60" + out, "--model resnet cannot be trained by any scheme");
+  // Bag data reach the model's check, which trains on bags: an image model is refused by name.
+  expectOneLineError("compare --model mlp --data synthetic-bags:60" + out,
+                     "--model mlp cannot be trained by any scheme: --model mlp reads images, but the data are bags");
   EXPECT_FALSE(std::filesystem::exists(dir.file("out")));
 }
 

@@ -103,11 +103,23 @@ std::vector<std::string> splitComma(const std::string& text) {
   return out;
 }
 
-// A train run of one step on a few synthetic examples: the model must at least build and train,
-// on the runs' device when one is given, before a comparison of many runs starts on it.
-void checkModel(const std::string& binary, const std::string& model, const std::string* device) {
-  std::vector<std::string> argv{binary, "train",   "--model", model,       "--data", "synthetic:60", "--steps",
-                                "1",    "--batch", "4",       "--threads", "1",      "--progress",   "off"};
+// What the model's check trains on: a few synthetic examples of the runs' kind (images, or bags of
+// ids below the same ROWS), or a libsvm run's own file (whose ids the model's table must hold).
+std::string checkData(const std::string& data) {
+  if (data.rfind("libsvm:", 0) == 0) return data;
+  if (data == "synthetic-bags" || data.rfind("synthetic-bags:", 0) == 0) {
+    const size_t comma = data.find(',');
+    return "synthetic-bags:60" + (comma == std::string::npos ? std::string() : data.substr(comma));
+  }
+  return "synthetic:60";
+}
+
+// A train run of one step on a few examples: the model must at least build and train, on the
+// runs' device when one is given, before a comparison of many runs starts on it.
+void checkModel(const std::string& binary, const std::string& model, const std::string& data,
+                const std::string* device) {
+  std::vector<std::string> argv{binary, "train",   "--model", model,       "--data", checkData(data), "--steps",
+                                "1",    "--batch", "4",       "--threads", "1",      "--progress",    "off"};
   if (device != nullptr) argv.insert(argv.end(), {"--device", *device});
   // Bounded, in a group of its own that goes with it (a wedged device, a model file on a hung
   // mount): popen waited for it without end.
@@ -144,7 +156,10 @@ std::string budgetText(const experiment::Budget& b) {
 void addTrainOptions(CLI::App* cmd, CompareFlags& f) {
   cmd->add_option("file", f.file, "A TOML file listing the configurations (default: the seeds' set)");
   cmd->add_option("--model", f.model, "mlp, cnn, lstm or FILE.pt")->capture_default_str();
-  cmd->add_option("--data", f.data, "fashion-mnist, mnist:DIR or synthetic[:N]")->capture_default_str();
+  cmd->add_option("--data", f.data,
+                  "fashion-mnist, mnist:DIR, synthetic[:N], libsvm:TRAIN[,TEST] or synthetic-bags[:N[,ROWS]] "
+                  "(bags with --model embed)")
+      ->capture_default_str();
   cmd->add_option("--seed", f.seed, "The same seed for every run")->capture_default_str();
   cmd->add_option("--batch", f.batch, "Batch size per worker")->capture_default_str();
   cmd->add_option("--lr", f.lr, "Learning rate (default: train's)");
@@ -417,7 +432,7 @@ int runCompare(const CompareFlags& f, const CLI::App& app) {
   // With --hosts the runs' device is on the hosts, not here: the check trains on this one's default,
   // and each host trains one step on --device.
   const std::string* device = experiment::findArg(plan.shared, "--device");
-  checkModel(plan.binary, model, hosts ? nullptr : device);
+  checkModel(plan.binary, model, data, hosts ? nullptr : device);
   if (hosts) checkHostsSeeOut(*hosts, f.out, {.model = model, .device = device != nullptr ? *device : ""});
 
   const std::vector<experiment::JobSpec> jobs = experiment::planJobs(configs, plan);

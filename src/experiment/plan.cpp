@@ -12,6 +12,7 @@
 #include <cctype>
 #include <charconv>
 #include <filesystem>
+#include <fstream>
 #include <set>
 
 namespace cohort::experiment {
@@ -261,9 +262,53 @@ int64_t stepsPerEpoch(int64_t examples, int replicas, int64_t batch) {
   return (perReplica + batch - 1) / std::max<int64_t>(1, batch);
 }
 
+namespace {
+
+// The examples of a bag file as train's reader counts them: every line but blank ones and
+// comments (its other errors are train's to name).
+int64_t bagFileExamples(const std::string& path, const std::string& data) {
+  std::error_code error;
+  COHORT_CHECK(!std::filesystem::is_directory(path, error), InvalidArgument, "--data ", data, ": ", path,
+               " is a directory, not a data file");
+  std::ifstream in(path);
+  COHORT_CHECK(in.good(), InvalidArgument, "--data ", data, ": cannot open ", path);
+  int64_t n = 0;
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t first = line.find_first_not_of(" \t\r");
+    if (first != std::string::npos && line[first] != '#') ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
 int64_t trainingExamples(const std::string& data) {
   if (data == "fashion-mnist") return 60000;
   if (data == "synthetic") return 60000;
+  if (data == "synthetic-bags") return 60000;  // data/bags.h: SyntheticBagsOptions::examples
+  if (data.rfind("synthetic-bags:", 0) == 0) {
+    const std::string count = data.substr(15, data.find(',') == std::string::npos ? std::string::npos
+                                                                                   : data.find(',') - 15);
+    const char* begin = count.data();
+    const char* end = begin + count.size();
+    int64_t n = 0;
+    auto [ptr, ec] = std::from_chars(begin, end, n);
+    COHORT_CHECK(ec == std::errc() && ptr == end && n >= 6, InvalidArgument, "--data ", data,
+                 ": expected synthetic-bags:N[,ROWS] with N a whole number >= 6");
+    return n;
+  }
+  if (data.rfind("libsvm:", 0) == 0) {
+    // libsvm:TRAIN[,TEST]; without TEST, train holds the last sixth of TRAIN out as the test set.
+    const std::string files = data.substr(7);
+    const size_t comma = files.find(',');
+    COHORT_CHECK(!files.empty() && comma != 0, InvalidArgument, "--data ", data, ": expected libsvm:TRAIN[,TEST]");
+    const int64_t n = bagFileExamples(files.substr(0, comma), data);
+    if (comma != std::string::npos) return n;
+    COHORT_CHECK(n >= 2, InvalidArgument, "--data ", data, ": ", files,
+                 " needs at least 2 examples to hold out a test set (or give libsvm:TRAIN,TEST)");
+    return n - std::max<int64_t>(1, n / 6);
+  }
   if (data.rfind("synthetic:", 0) == 0) {
     int64_t n = 0;
     const char* begin = data.c_str() + 10;
@@ -288,7 +333,9 @@ int64_t trainingExamples(const std::string& data) {
     }
     throw InvalidArgument("--data " + data + ": no train-labels-idx1-ubyte[.gz] in " + dir);
   }
-  throw InvalidArgument("unknown data set '" + data + "': expected fashion-mnist, mnist:DIR or synthetic[:N]");
+  throw InvalidArgument("unknown data set '" + data +
+                        "': expected fashion-mnist, mnist:DIR, synthetic[:N], libsvm:TRAIN[,TEST] or "
+                        "synthetic-bags[:N[,ROWS]]");
 }
 
 std::string jobId(const Configuration& c, int run) {
