@@ -158,6 +158,24 @@ TEST(BagReader, ReadsLibsvmAndVowpalLinesAndRefusesMalformedOnesWithTheLine) {
   expectEachFileRefused(dir, bad);
   EXPECT_THROW(loadData("libsvm:" + dir.file("missing.txt"), 1), IoError);
   EXPECT_THROW(loadData("synthetic-bags:0", 1), InvalidArgument);
+  expectEachFileRefused(dir, {{"+1 2\n++1 3\n", ":2: the label '++1' is not a class"}});
+
+  // LIBSVM's binary sets label +1 and -1 (a9a: "+1 5:1 7:1"): classes 1 and 0.
+  const std::string binary = dir.file("a9a.txt");
+  std::ofstream(binary) << "+1 5:1 7:1\n-1 3:1\n+1 2:1\n-1 4:1\n+1 1:1\n-1 6:1\n";
+  DataSplits a9a = loadData("libsvm:" + binary, 1);
+  EXPECT_EQ(a9a.classes, 2);
+  EXPECT_EQ(a9a.train.labels[0].item<int64_t>(), 1);
+  EXPECT_EQ(a9a.train.labels[1].item<int64_t>(), 0);
+}
+
+// makeBatch checks its indices before reading the bags' offsets (it read and copied past them).
+TEST(BagReader, MakeBatchRefusesAnIndexOutsideTheDataSet) {
+  DataSplits d = loadData("synthetic-bags:600,1000", 4);
+  for (const int64_t bad : {int64_t(100000), int64_t(600), int64_t(-5)}) {
+    EXPECT_THROW(makeBatch(d.train, std::vector<int64_t>{0, bad}), InvalidArgument) << bad;
+  }
+  EXPECT_EQ(makeBatch(d.train, std::vector<int64_t>{0, 599}).targets.size(0), 2);
 }
 
 // Labels and ids that would size the model's last layer or its table at gigabytes are refused

@@ -59,7 +59,7 @@ inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mni
 //   synthetic[:N]          N (default 60000) random 1x28x28 images with 10 classes, plus N/6 test
 //                          images; labels depend on the images, so a model can learn them.
 //   libsvm:TRAIN[,TEST]    bags of feature ids, one example a line (libsvm / Vowpal style):
-//                          LABEL [|] ID[:1] ID[:1] ...; LABEL a class >= 0 (or -1, read as 0);
+//                          LABEL [|] ID[:1] ID[:1] ...; LABEL a class >= 0 (+1 is 1; -1 is read as 0);
 //                          without TEST the last sixth of TRAIN is the test set. A malformed
 //                          line, a negative id, a value other than 1, an empty bag: IoError
 //                          naming FILE:LINE.

@@ -73,7 +73,9 @@ void readBagFile(const std::string& path, Bags& out) {
     int64_t label = 0;
     {
       const auto t = tokens[0];
-      const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), label);
+      // LIBSVM's binary sets (a9a, rcv1.binary...) write +1 and -1; from_chars takes no '+'.
+      const size_t sign = t.size() > 1 && t[0] == '+' ? 1 : 0;
+      const auto [end, ec] = std::from_chars(t.data() + sign, t.data() + t.size(), label);
       COHORT_CHECK(ec == std::errc() && end == t.data() + t.size() && label >= -1, IoError, where, ": the label '",
                    std::string(t), "' is not a class (a whole number >= 0, or -1 for class 0)");
       COHORT_CHECK(label < kMaxClasses, IoError, where, ": the label ", label, " is above ", kMaxClasses - 1,
@@ -230,8 +232,14 @@ DataSplits loadBagSpec(const std::string& spec, uint64_t seed) {
 Batch makeBagBatch(const Dataset& data, std::span<const int64_t> indices) {
   const int64_t* offsets = data.bagOffsets.data_ptr<int64_t>();
   const int64_t* ids = data.bagIds.data_ptr<int64_t>();
+  const int64_t size = data.size();
   int64_t longest = 0;
-  for (int64_t i : indices) longest = std::max(longest, offsets[i + 1] - offsets[i]);
+  for (int64_t i : indices) {
+    // Checked before the offsets are read: an index past the bags would read and copy beyond them.
+    COHORT_CHECK(i >= 0 && i < size, InvalidArgument, "makeBatch: index ", i, " is not an example of this data set (",
+                 size, " examples)");
+    longest = std::max(longest, offsets[i + 1] - offsets[i]);
+  }
   Batch batch;
   batch.inputs = torch::full({int64_t(indices.size()), longest}, kBagPadding, torch::kInt64);
   int64_t* out = batch.inputs.data_ptr<int64_t>();
