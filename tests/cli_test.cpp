@@ -159,6 +159,18 @@ TEST(Cli, ANewRunAmongAnEarlierRunsCheckpointsIsRefused) {
   EXPECT_TRUE(std::filesystem::exists(dir.file("ckpt-0000000010.ckpt")));
 }
 
+// --save-model of a model of bags of ids trained every step and then failed on a torch error
+// ("Dimension out of range"), losing the done event: it is refused before training.
+TEST(Cli, SaveModelOfBagsIsRefusedBeforeTraining) {
+  test::TempDir dir;
+  expectOneLineError(
+      "train --model embed:rows=1000 --data synthetic-bags:600,1000 --steps 2 --batch 8 --progress off "
+      "--save-model " +
+          dir.file("m.pt"),
+      "--save-model: a model of bags of ids (--data synthetic-bags:600,1000) cannot be written");
+  EXPECT_FALSE(std::filesystem::exists(dir.file("m.pt")));
+}
+
 // A resumed run's --lr applies (LibTorch's Optimizer::load put the checkpoint's back, silently).
 TEST(Cli, ResumeTakesTheRunsLearningRate) {
   test::TempDir dir;

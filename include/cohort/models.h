@@ -23,6 +23,12 @@ struct COHORT_API InputShape {
   std::string featureRowsSource;  // where the largest id is, for the error when the table is smaller
 };
 
+struct DataSplits;
+
+// The shape of `data`'s examples as a model takes them: images' channels, height and width, or
+// for bags of ids (data.bags()) their rows.
+COHORT_API InputShape inputShapeOf(const DataSplits& data);
+
 // spec: "mlp" (784-512-512-10), "mlp:H" (784-H-H-10), "cnn" (the seeds' Keras network), "lstm" (image rows as a
 // sequence, hidden 128), or a path ending in .pt: a TorchScript module made with
 // torch.jit.script(...).save(path). A scripted nn.Sequential becomes one layer per child.

@@ -57,6 +57,8 @@ DataSplits loadSplits(const DataFlags& f) {
 }
 
 void checkFitsData(const ModelFile& m, const DataSplits& data) {
+  COHORT_CHECK(!data.bags(), InvalidArgument, m.path, " takes images, and --data ", data.name,
+               " is bags of ids (model files hold image models only): give the data it was trained on");
   COHORT_CHECK(m.shape.channels == data.channels() && m.shape.height == data.height() &&
                    m.shape.width == data.width() && m.shape.classes == data.classes,
                InvalidArgument, m.path, " takes ", m.shape.channels, "x", m.shape.height, "x", m.shape.width,

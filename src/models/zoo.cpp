@@ -6,6 +6,18 @@
 
 namespace cohort {
 
+InputShape inputShapeOf(const DataSplits& data) {
+  if (data.bags()) {
+    return {.channels = 1,
+            .height = 1,
+            .width = 1,
+            .classes = data.classes,
+            .featureRows = data.featureRows,
+            .featureRowsSource = data.featureRowsSource};
+  }
+  return {data.channels(), data.height(), data.width(), data.classes};
+}
+
 namespace {
 
 namespace nn = torch::nn;

@@ -99,7 +99,7 @@ DataSplits heldOutData(const TrainOptions& o) {
 
 // The workers' model on `device`, in evaluation mode: each checkpoint's parameters are loaded into it.
 torch::nn::Sequential evaluationModel(const TrainOptions& o, const DataSplits& data, const c10::Device& device) {
-  torch::nn::Sequential model = makeModel(o.model, {data.channels(), data.height(), data.width(), data.classes});
+  torch::nn::Sequential model = makeModel(o.model, inputShapeOf(data));
   model->to(device);
   model->eval();
   return model;

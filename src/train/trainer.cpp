@@ -108,20 +108,16 @@ void Trainer::State::loadTrainingData() {
 // --model for the data's shape, and the part of it this process trains (Strategy::localModel).
 void Trainer::State::buildModel() {
   const TrainOptions& o = options;
+  model = makeModel(o.model, inputShapeOf(data));
   if (data.bags()) {
-    model = makeModel(o.model, {.channels = 1,
-                                .height = 1,
-                                .width = 1,
-                                .classes = data.classes,
-                                .featureRows = data.featureRows,
-                                .featureRowsSource = data.featureRowsSource});
+    COHORT_CHECK(o.saveModelPath.empty(), InvalidArgument, "--save-model: a model of bags of ids (--data ", o.data,
+                 ") cannot be written as a model file yet (it has no place for the table's rows); "
+                 "--checkpoint-dir keeps its parameters");
     if (replica.isChief() && data.attainableAccuracy >= 0) {
       std::fprintf(stderr,
                    "cohort: %s: %lld examples; the hidden model's test accuracy (the attainable optimum) is %.4f\n",
                    data.name.c_str(), (long long)data.train.size(), data.attainableAccuracy);
     }
-  } else {
-    model = makeModel(o.model, {data.channels(), data.height(), data.width(), data.classes});
   }
   model->train();
   COHORT_CHECK(data.train.size() > 0, InvalidArgument, "the training set is empty");
