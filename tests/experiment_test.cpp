@@ -208,6 +208,18 @@ TEST(Compare, EverySchemeTrainKnowsPlansWithItsProcessesAndReplicas) {
   EXPECT_EQ(file.configurations[2].workers, 1);
   EXPECT_EQ(file.configurations[2].name, "hogwild-3");
   EXPECT_EQ(file.configurations[3].replicas(), 2);
+  // Names whose job ids are the same: refused while reading, naming both (the runner refused
+  // "two runs are named 'a_b.r1'" later).
+  test::writeFile(dir.file("ids.toml"), "[[configuration]]\nname = \"a b\"\nstrategy = \"local\"\n"
+                                        "[[configuration]]\nname = \"a_b\"\nstrategy = \"local\"\n");
+  try {
+    experiment::readCompareFile(dir.file("ids.toml"), catalog());
+    ADD_FAILURE() << "'a b' and 'a_b' were accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("configuration 2: the names 'a b' and 'a_b' both make the run id 'a_b.r1'"),
+              std::string::npos)
+        << e.what();
+  }
   test::writeFile(dir.file("bad.toml"), "[[configuration]]\nstrategy = \"central\"\nworkers = 2\n");
   try {
     experiment::readCompareFile(dir.file("bad.toml"), catalog());

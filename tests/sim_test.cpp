@@ -403,6 +403,43 @@ TEST(SimSetup, BadInputNamesTheOption) {
   s = scenarioOf(Scheme::kAllreduce);
   s.codec = compress::CodecSpec::parse("onebit");
   expectError(s, 2, "--codec onebit");
+  // The flags as the command names them, and no infinity taken for a number.
+  s = scenarioOf(Scheme::kGossip);
+  s.gossipPeers = 0;
+  expectError(s, 2, "--gossip-peers must be >= 1, got 0");
+  s = scenarioOf(Scheme::kPs);
+  s.psMode = PsMode::Ssp;
+  s.staleness = -1;
+  expectError(s, 2, "--staleness-bound must be >= 0, got -1");
+  s = scenarioOf(Scheme::kAllreduce);
+  s.density = 0;  // dense
+  EXPECT_GT(simulateWorkers(s, 2).samplesPerSecond, 0);
+  s.density = 1.5;
+  expectError(s, 2, "--density must be in [0, 1] (0: dense, every row)");
+  s = scenarioOf(Scheme::kAllreduce);
+  s.speed = std::numeric_limits<double>::infinity();
+  expectError(s, 2, "--speed must be a finite number > 0");
+  s = scenarioOf(Scheme::kAllreduce);
+  s.network.latency = std::numeric_limits<double>::infinity();
+  expectError(s, 2, "--latency-us must be a finite number >= 0");
+  s = scenarioOf(Scheme::kPipeline);
+  s.activationBytes = std::numeric_limits<double>::infinity();
+  expectError(s, 4, "--activation-bytes must be a finite number >= 0");
+  // 4 MB in buckets of 1e-9 MiB: 2.8e9 of them (std::bad_alloc); 40 bytes make 100000, the most.
+  s = scenarioOf(Scheme::kAllreduce);
+  s.bucketMb = 1e-9;
+  expectError(s, 2, "--bucket-mb 1e-09: cuts the model's 4 MB into 2.81e+09 buckets; the simulator takes at most 100000");
+  s.firstBucketMb = 0;
+  s.bucketMb = 40 / kMiB;
+  EXPECT_GT(simulateWorkers(s, 2).samplesPerSecond, 0);
+  for (const char* tail : {"lognormal:inf", "pareto:inf", "lognormal:nan"}) {
+    try {
+      Tail::parse(tail);
+      ADD_FAILURE() << "accepted --stragglers " << tail;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("must be a finite number"), std::string::npos) << e.what();
+    }
+  }
 }
 
 // --stages 0 is refused before the sweep sorts the counts by it (w % 0 ended the process with
@@ -556,6 +593,17 @@ TEST(SimCommand, BadInputIsOneLineNamingTheField) {
   expectError("--strategy pipeline --workers 1", "--workers 1: no count is a multiple of --stages 2");
   expectError("--strategy allreduce,pipeline --stages 4 --workers 1,2,3", "no count is a multiple of --stages 4");
   expectError("--strategy ps --ps-mode sync --backup-workers 1 --workers 1", "no count is above --backup-workers 1");
+  expectError("--strategy gossip --gossip-peers 0", "--gossip-peers must be >= 1");
+  expectError("--strategy ps --ps-mode ssp --staleness-bound -1", "--staleness-bound must be >= 0");
+  expectError("--density 2", "--density must be in [0, 1] (0: dense");
+  expectError("--stragglers lognormal:inf", "--stragglers lognormal:inf: SIGMA must be a finite number >= 0");
+  expectError("--speed inf", "--speed must be a finite number > 0");
+  expectError("--example-ms inf", "--example-ms must be a finite number > 0");
+  expectError("--latency-us inf", "--latency-us must be a finite number >= 0");
+  expectError("--bucket-mb 1e-9", "--bucket-mb 1e-09: cuts the model's 4.448 MB into");
+  expectError("--workers 2.9,4x", "--workers 2.9,4x: expected counts such as 1,2,4");
+  expectError("--workers 1..8x", "--workers 1..8x: expected counts");
+  expectError("--calibrate --calibration " + dir.file("c.json") + " --job-ranks 3x", "--job-ranks 3x: expected rank");
   const test::CommandResult skipped = test::runCommand(
       test::cohortBinary() + " simulate --calibration " + cal + " --strategy pipeline --workers 1,2,4", 60);
   EXPECT_EQ(skipped.exitCode, 0) << skipped.output;

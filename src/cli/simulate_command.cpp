@@ -71,6 +71,14 @@ double parseRate(const std::string& text, const std::string& flag) {
   return value * scale;
 }
 
+// A whole number, all of `text` ("4x" and "2.9" are not: std::stoi read them as 4 and 2).
+int wholeCount(const std::string& text) {
+  size_t used = 0;
+  const int n = std::stoi(text, &used);
+  if (used != text.size()) throw std::invalid_argument(text);
+  return n;
+}
+
 std::vector<int> parseWorkers(const std::string& text) {
   if (text.empty()) return sim::defaultWorkerCounts();
   std::vector<int> out;
@@ -78,10 +86,10 @@ std::vector<int> parseWorkers(const std::string& text) {
     try {
       const auto dots = item.find("..");
       if (dots == std::string::npos) {
-        out.push_back(std::stoi(item));
+        out.push_back(wholeCount(item));
         continue;
       }
-      const int lo = std::stoi(item.substr(0, dots)), hi = std::stoi(item.substr(dots + 2));
+      const int lo = wholeCount(item.substr(0, dots)), hi = wholeCount(item.substr(dots + 2));
       COHORT_CHECK(lo >= 1 && hi >= lo, InvalidArgument, "--workers ", item, ": expected LO..HI with 1 <= LO <= HI");
       for (int w : sim::defaultWorkerCounts()) {
         if (w >= lo && w <= hi) out.push_back(w);
@@ -254,7 +262,7 @@ std::vector<int> jobRanks(const std::string& text, int cores) {
     for (const std::string& item : splitList(text)) {
       int r = 0;
       try {
-        r = std::stoi(item);
+        r = wholeCount(item);
       } catch (const std::logic_error&) {
         throw InvalidArgument("--job-ranks " + text + ": expected rank counts such as 2,3,4");
       }
@@ -352,7 +360,8 @@ sim::Calibration calibrationOf(const Flags& f) {
     calibration.parameterBytes = 4 * f.params;
   }
   if (f.exampleMs != 0) {
-    COHORT_CHECK(f.exampleMs > 0, InvalidArgument, "--example-ms must be > 0, got ", f.exampleMs);
+    COHORT_CHECK(f.exampleMs > 0 && std::isfinite(f.exampleMs), InvalidArgument,
+                 "--example-ms must be a finite number > 0, got ", f.exampleMs);
     // The jobs' compute with the cores shared scales with the model's.
     const double scale = f.exampleMs / 1000 / calibration.computeSecondsPerExample;
     for (sim::JobCompute& j : calibration.jobCompute) j.secondsPerExample *= scale;
@@ -367,7 +376,8 @@ sim::Scenario scenarioOf(const Flags& f) {
   base.calibration = calibrationOf(f);
   base.network.bandwidth = parseRate(f.bandwidth, "--bandwidth");
   base.network.serverBandwidth = f.serverBandwidth.empty() ? 0 : parseRate(f.serverBandwidth, "--server-bandwidth");
-  COHORT_CHECK(f.latencyUs >= 0, InvalidArgument, "--latency-us must be >= 0, got ", f.latencyUs);
+  COHORT_CHECK(f.latencyUs >= 0 && std::isfinite(f.latencyUs), InvalidArgument,
+               "--latency-us must be a finite number >= 0, got ", f.latencyUs);
   base.network.latency = f.latencyUs * 1e-6;
   base.network.ranksPerHost = f.ranksPerHost;
   base.algorithm = f.algorithm == "ring" ? sim::Algorithm::Ring : sim::Algorithm::HalvingDoubling;

@@ -13,6 +13,7 @@
 #include <charconv>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 
 namespace cohort::experiment {
@@ -217,6 +218,7 @@ CompareFile readCompareFile(const std::string& path, const OptionCatalog& catalo
   COHORT_CHECK(list != nullptr && !list->empty(), InvalidArgument, path,
                ": no [[configuration]] tables (each names a scheme: strategy = \"allreduce\", workers = 2)");
   std::set<std::string> names;
+  std::map<std::string, std::string> nameOfId;  // run 1's job id -> the configuration's name
   for (size_t i = 0; i < list->size(); ++i) {
     const toml::table* t = (*list)[i].as_table();
     const std::string where = path + ": configuration " + std::to_string(i + 1);
@@ -252,6 +254,11 @@ CompareFile readCompareFile(const std::string& path, const OptionCatalog& catalo
                  " runs 1 process");
     if (c.name.empty()) c.name = std::string(schemeName(c.scheme)) + "-" + std::to_string(i + 1);
     COHORT_CHECK(names.insert(c.name).second, InvalidArgument, where, ": the name '", c.name, "' is used twice");
+    // A job id keeps letters, digits, '-', '_' and '.' of the name: two names may make one id.
+    const auto [clash, added] = nameOfId.emplace(jobId(c, 1), c.name);
+    COHORT_CHECK(added, InvalidArgument, where, ": the names '", clash->second, "' and '", c.name,
+                 "' both make the run id '", clash->first,
+                 "' (other characters become '_'): rename one");
     file.configurations.push_back(std::move(c));
   }
   return file;

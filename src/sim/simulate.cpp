@@ -34,10 +34,14 @@ Tail Tail::parse(const std::string& text) {
   t.param = v;
   if (kind == "lognormal") {
     t.kind = Kind::Lognormal;
-    if (!(v >= 0) || end != text.size()) throw InvalidArgument("--stragglers " + text + ": SIGMA must be >= 0");
+    if (!(v >= 0 && std::isfinite(v)) || end != text.size()) {
+      throw InvalidArgument("--stragglers " + text + ": SIGMA must be a finite number >= 0");
+    }
   } else if (kind == "pareto") {
     t.kind = Kind::Pareto;
-    if (!(v > 1)) throw InvalidArgument("--stragglers " + text + ": ALPHA must be > 1 (a finite mean)");
+    if (!(v > 1 && std::isfinite(v))) {
+      throw InvalidArgument("--stragglers " + text + ": ALPHA must be a finite number > 1 (a finite mean)");
+    }
     if (end != text.size()) {
       if (text[end] != ':') throw InvalidArgument("--stragglers " + text + ": expected pareto:ALPHA[:P]");
       auto [p, end2] = number(end + 1);
@@ -63,6 +67,25 @@ namespace {
 // TCP over Ethernet with a 1500-byte MTU carries 1448 payload bytes (TCP timestamps on) in a
 // 1514-byte frame: the link's rate counts the frame.
 constexpr double kWireOverhead = 1514.0 / 1448.0;
+
+// The most buckets one allreduce step is cut into: the simulation lists them and prices each one
+// every step (a 1e-9 MB bucket made billions, and std::bad_alloc).
+constexpr double kMaxBuckets = 100000;
+
+// Refuses a --bucket-mb that cuts the model into more than kMaxBuckets buckets, naming the
+// smallest that does not.
+void checkBucketCount(const Scenario& s) {
+  const double n = s.calibration.parameterBytes;
+  const double first = std::min(n, s.firstBucketMb * 1048576.0);
+  const double buckets = (first > 0 ? 1 : 0) + std::ceil((n - first) / (s.bucketMb * 1048576.0));
+  if (buckets <= kMaxBuckets) return;
+  char text[256];
+  std::snprintf(text, sizeof text,
+                "--bucket-mb %g: cuts the model's %.4g MB into %.3g buckets; the simulator takes at most %.0f: "
+                "give --bucket-mb %.3g or more",
+                s.bucketMb, n / 1e6, buckets, kMaxBuckets, n / kMaxBuckets / 1048576.0 * 1.001);
+  throw InvalidArgument(text);
+}
 
 }  // namespace
 
@@ -110,18 +133,25 @@ void checkOptions(const Scenario& s) {
   if (s.network.serverBandwidth < 0 || std::isnan(s.network.serverBandwidth)) {
     throw InvalidArgument("--server-bandwidth must be positive, got " + std::to_string(s.network.serverBandwidth));
   }
-  if (!(s.network.latency >= 0)) throw InvalidArgument("--latency must be >= 0, got " + std::to_string(s.network.latency));
+  if (!(s.network.latency >= 0 && std::isfinite(s.network.latency))) {
+    throw InvalidArgument("--latency-us must be a finite number >= 0, got " + std::to_string(s.network.latency * 1e6));
+  }
   if (s.network.ranksPerHost < 1) throw InvalidArgument("--ranks-per-host must be >= 1");
   if (s.batch < 1) throw InvalidArgument("--batch must be >= 1, got " + std::to_string(s.batch));
-  if (!(s.speed > 0)) throw InvalidArgument("--speed must be > 0, got " + std::to_string(s.speed));
+  if (!(s.speed > 0 && std::isfinite(s.speed))) {
+    throw InvalidArgument("--speed must be a finite number > 0, got " + std::to_string(s.speed));
+  }
   if (s.cores < 0) throw InvalidArgument("--cores must be >= 0");
   if (s.steps < 4) throw InvalidArgument("--steps must be >= 4, got " + std::to_string(s.steps));
-  if (!(s.density >= 0 && s.density <= 1)) throw InvalidArgument("--density must be in (0, 1]");
+  if (!(s.density >= 0 && s.density <= 1)) {
+    throw InvalidArgument("--density must be in [0, 1] (0: dense, every row), got " + std::to_string(s.density));
+  }
   if (s.codec.kind != compress::CodecKind::None) s.calibration.codec(s.codec);
   switch (s.scheme) {
     case Scheme::kAllreduce:
       if (!(s.bucketMb > 0)) throw InvalidArgument("--bucket-mb must be > 0");
       if (!(s.firstBucketMb >= 0)) throw InvalidArgument("--first-bucket-mb must be >= 0");
+      checkBucketCount(s);
       break;
     case Scheme::kAverage:
       if (s.period < 1) throw InvalidArgument("--period must be >= 1, got " + std::to_string(s.period));
@@ -135,11 +165,11 @@ void checkOptions(const Scenario& s) {
       if (s.backupWorkers < 0) {
         throw InvalidArgument("--backup-workers must be >= 0, got " + std::to_string(s.backupWorkers));
       }
-      if (s.staleness < 0) throw InvalidArgument("--staleness must be >= 0");
+      if (s.staleness < 0) throw InvalidArgument("--staleness-bound must be >= 0, got " + std::to_string(s.staleness));
       if (s.softsync < 1) throw InvalidArgument("--softsync must be >= 1");
       break;
     case Scheme::kGossip:
-      if (s.gossipPeers < 1) throw InvalidArgument("--peers must be >= 1");
+      if (s.gossipPeers < 1) throw InvalidArgument("--gossip-peers must be >= 1, got " + std::to_string(s.gossipPeers));
       break;
     case Scheme::kPipeline:
       // As cohort train: the codecs compress what data-parallel schemes exchange.
@@ -156,7 +186,9 @@ void checkOptions(const Scenario& s) {
       if (s.microBatches < 1 || s.microBatches > s.batch) {
         throw InvalidArgument("--micro-batches must be in [1, --batch], got " + std::to_string(s.microBatches));
       }
-      if (!(s.activationBytes >= 0)) throw InvalidArgument("--activation-bytes must be >= 0");
+      if (!(s.activationBytes >= 0 && std::isfinite(s.activationBytes))) {
+        throw InvalidArgument("--activation-bytes must be a finite number >= 0");
+      }
       break;
     default:
       throw InvalidArgument(std::string("--strategy ") + schemeName(s.scheme) +
