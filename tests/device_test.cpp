@@ -37,7 +37,8 @@ TEST(Device, CpuIsTheCpuAndAutoIsTheGpuOnlyWhereThereIsOne) {
 }
 
 TEST(Device, NamesThatAreNoDeviceAreRefusedWithTheForms) {
-  for (const std::string name : {"gpu", "cuda:", "cuda:x", "cuda:-1", "cuda0", "CPU", "cuda:123456"}) {
+  for (const std::string name :
+       {"gpu", "cuda:", "cuda:x", "cuda:-1", "cuda0", "cudaX1", "cuda_12", "CPU", "cuda:123456"}) {
     EXPECT_NE(errorOf(name).find("expected cpu, cuda, cuda:N (N a GPU index) or auto"), std::string::npos)
         << name << ": " << errorOf(name);
   }

@@ -33,7 +33,7 @@ std::string visibleDevicesNote() {
 // The GPU index in "cuda:N", or -1 for "cuda"; throws for anything else after "cuda:".
 int parseIndex(const std::string& name) {
   if (name == "cuda") return -1;
-  const std::string digits = name.substr(5);
+  const std::string digits = name.size() > 5 && name[4] == ':' ? name.substr(5) : "";
   const bool ok = !digits.empty() && digits.size() <= 4 && digits.find_first_not_of("0123456789") == std::string::npos;
   COHORT_CHECK(ok, InvalidArgument, "device \"", name, "\": expected cpu, cuda, cuda:N (N a GPU index) or auto");
   return std::stoi(digits);
