@@ -58,9 +58,20 @@ TEST(CodecSpec, ParsesEveryForm) {
   for (const char* text : kAll) EXPECT_EQ(CodecSpec::parse(CodecSpec::parse(text).text()), CodecSpec::parse(text));
 }
 
+// A ratio whose float is 0 (1e-46) or denormal parsed and encoded, and no rank decoded it.
+TEST(CodecSpec, TheSmallestTopkRatioEncodesWhatDecodes) {
+  Encoder enc(CodecSpec::parse("topk:1e-30"), 1000);
+  std::vector<float> grad(1000, 1.0f);
+  grad[7] = 5.0f;
+  const auto sent = decode(enc.encode(grad), 1000);
+  EXPECT_EQ(sent[7], 5.0f);  // one entry: the largest
+  EXPECT_EQ(enc.lastSent(), 1u);
+}
+
 TEST(CodecSpec, RejectsBadTextNamingTheForms) {
-  for (const char* text : {"", "zip", "fp16:2", "topk", "topk:0", "topk:1.5", "topk:-0.1", "topk:abc", "topk:0.1x",
-                           "threshold", "threshold:0", "threshold:-1", "threshold:nan", "threshold:inf", "onebit:3"}) {
+  for (const char* text :
+       {"", "zip", "fp16:2", "topk", "topk:0", "topk:1e-46", "topk:1e-300", "topk:1.5", "topk:-0.1", "topk:abc",
+        "topk:0.1x", "threshold", "threshold:0", "threshold:-1", "threshold:nan", "threshold:inf", "onebit:3"}) {
     try {
       CodecSpec::parse(text);
       ADD_FAILURE() << "'" << text << "' was accepted";

@@ -20,6 +20,13 @@ namespace cohort::compress {
 
 namespace {
 
+// A header's parameter as %g writes it: 1e-45 is not "0.000000".
+std::string shortNumber(float value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", double(value));
+  return text;
+}
+
 [[noreturn]] void malformed(const std::string& why) {
   throw MalformedMessage("malformed codec message: " + why);
 }
@@ -317,10 +324,11 @@ Parsed parseHeader(std::span<const uint8_t> message) {
   const float param = p.info.param;
   switch (p.info.kind) {
     case CodecKind::TopK:
-      if (!(param > 0.0f && param <= 1.0f)) malformed("topk ratio " + std::to_string(param) + " is not in (0, 1]");
+      if (!(param > 0.0f && param <= 1.0f)) malformed("topk ratio " + shortNumber(param) + " is not in (0, 1]");
       break;
     case CodecKind::Threshold:
-      if (!(param > 0.0f && std::isfinite(param))) malformed("threshold tau " + std::to_string(param) + " is not positive");
+      if (!(param > 0.0f && std::isfinite(param)))
+        malformed("threshold tau " + shortNumber(param) + " is not positive");
       break;
     default:
       if (std::bit_cast<uint32_t>(param) != 0) malformed("a parameter for a codec that has none");
@@ -424,7 +432,8 @@ CodecSpec CodecSpec::parse(std::string_view text) {
     if (!hasArg) throw bad("topk needs a ratio, e.g. topk:0.01");
     spec.kind = CodecKind::TopK;
     spec.ratio = number(text.substr(colon + 1));
-    if (!(spec.ratio > 0 && spec.ratio <= 1)) throw bad("the ratio must be in (0, 1]");
+    // The message carries the ratio as a float: one below 1e-30 (denormal, or 0) no rank decodes.
+    if (!(spec.ratio >= 1e-30 && spec.ratio <= 1)) throw bad("the ratio must be in (0, 1] (at least 1e-30)");
   } else if (name == "threshold") {
     if (!hasArg) throw bad("threshold needs a tau, e.g. threshold:0.01");
     spec.kind = CodecKind::Threshold;
