@@ -252,6 +252,20 @@ TEST(LaunchFaults, TooManyProcessesAreRefusedBeforeAnyIsForked) {
   EXPECT_NE(r.output.find("--max-restarts must not be negative"), std::string::npos) << r.output;
 }
 
+// Under `ulimit -n 64` (soft and hard) -n 30 passed the check, started 19 ranks and failed at the
+// 20th ("cannot create a pipe: Too many open files"): the open-file limit caps the job up front.
+TEST(LaunchFaults, TheOpenFileLimitCapsTheJobBeforeAnyIsForked) {
+  auto r = test::runCommand("sh -c 'ulimit -n 64 && exec " + launch("-n 30 -- echo forked") + "'", 30);
+  EXPECT_EQ(r.exitCode, 2) << r.output.substr(0, 2000);
+  EXPECT_EQ(r.output.find("forked"), std::string::npos) << r.output.substr(0, 2000);
+  EXPECT_NE(r.output.find("-n 30 with --ps 0 is 30 processes, more than 13 (3 pipes a process under this user's "
+                          "open-file limit, RLIMIT_NOFILE = 64 (ulimit -n))"),
+            std::string::npos)
+      << r.output;
+  r = test::runCommand("sh -c 'ulimit -n 64 && exec " + launch("-n 13 -- true") + "'", 60);
+  EXPECT_EQ(r.exitCode, 0) << r.output.substr(0, 2000);
+}
+
 // TF_CONFIG's addresses are host:port, an IPv6 host in brackets; the launcher's own reader takes
 // them back (cohort train resolves the cluster and prints nothing else).
 TEST(LaunchFaults, AnIpv6HostIsBracketedInTfConfig) {

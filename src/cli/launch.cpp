@@ -38,6 +38,9 @@ using Clock = std::chrono::steady_clock;
 
 // More processes than any one machine trains with; RLIMIT_NPROC may lower it.
 constexpr long kMaxProcesses = 1024;
+// Descriptors the launcher keeps besides its children's pipes (standard streams, the signal pipe,
+// the listening check, a child's pipes while it starts).
+constexpr long kFilesKept = 24;
 constexpr std::array<int, 3> kHandledSignals{SIGINT, SIGTERM, SIGCHLD};
 // Restarts of an evaluator killed by a signal, per job (they do not use up --max-restarts).
 constexpr int kEvaluatorRestarts = 3;
@@ -554,6 +557,22 @@ void checkProcessCount(const LaunchOptions& options) {
   if (::getrlimit(RLIMIT_NPROC, &nproc) == 0 && nproc.rlim_cur != RLIM_INFINITY && long(nproc.rlim_cur) / 2 < limit) {
     limit = std::max(1L, long(nproc.rlim_cur) / 2);
     why = "half of this user's process limit, RLIMIT_NPROC = " + std::to_string(nproc.rlim_cur);
+  }
+  // Three pipes a child stay open here (stdout, stderr, the channel), and a few more while one
+  // starts: the soft limit on open files is raised to the hard one, and what it allows caps the job.
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    if (files.rlim_cur < files.rlim_max) {
+      rlimit raised = files;
+      raised.rlim_cur = files.rlim_max;
+      if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) files = raised;
+    }
+    const long children = total + (options.evaluator ? 1 : 0);
+    if (files.rlim_cur != RLIM_INFINITY && (long(files.rlim_cur) - kFilesKept) / 3 < std::min(limit, children)) {
+      limit = std::max(0L, (long(files.rlim_cur) - kFilesKept) / 3 - (options.evaluator ? 1 : 0));
+      why = "3 pipes a process under this user's open-file limit, RLIMIT_NOFILE = " + std::to_string(files.rlim_cur) +
+            " (ulimit -n)";
+    }
   }
   COHORT_CHECK(total <= limit, InvalidArgument, "-n ", options.processes, " with --ps ", options.parameterServers,
                " is ", total, " processes, more than ", limit, " (", why,
