@@ -275,6 +275,22 @@ TEST(GossipPeer, ADeadPeerIsDroppedAndTheOthersFinish) {
   EXPECT_EQ(into, (std::vector<float>{1, 2, 3}));
 }
 
+// A peer whose DONE arrived is live (finish() still flushes its accumulator to it) but no longer a
+// target: a step's change goes now only to peers still training.
+TEST(GossipPeer, AFinishedPeerIsNoLongerATarget) {
+  auto peers = makePeers(3, 2, 30);
+  std::thread finishing2([&] { peers[2]->finish(PeerReport{}); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!peers[0]->counters()[2].finished && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  ASSERT_TRUE(peers[0]->counters()[2].finished) << "peer 2's DONE did not arrive";
+  EXPECT_EQ(peers[0]->livePeers(), (std::vector<int>{1, 2}));
+  EXPECT_EQ(peers[0]->trainingPeers(), (std::vector<int>{1}));
+  std::thread finishing0([&] { peers[0]->finish(PeerReport{}); });
+  peers[1]->finish(PeerReport{});
+  finishing0.join();
+  finishing2.join();
+}
+
 void finishAll(std::vector<std::unique_ptr<Peer>>& peers) {
   std::vector<std::thread> finishing;
   for (auto& p : peers) finishing.emplace_back([&p] { p->finish(PeerReport{}); });

@@ -50,7 +50,7 @@
 namespace cohort {
 
 struct COHORT_API GossipOptions {
-  int peers = 0;                 // send each step's change to this many random live peers; 0: all
+  int peers = 0;                 // send each step's change now to this many random peers still training; 0: all
   std::string codec = "none";    // what the changes travel as (any --codec)
   int64_t codecWarmupSteps = 0;  // the first steps travel uncompressed
   std::string authToken;         // the job's secret; empty: a random one the chief publishes

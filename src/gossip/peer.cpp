@@ -186,6 +186,16 @@ std::vector<int> Peer::livePeers() const {
   return out;
 }
 
+std::vector<int> Peer::trainingPeers() const {
+  MutexLock lock(impl_->stateMutex);
+  std::vector<int> out;
+  for (int r = 0; r < impl_->options.worldSize; ++r) {
+    const PeerCounters& p = impl_->peers[size_t(r)];
+    if (r != impl_->options.rank && !p.lost && !p.finished) out.push_back(r);
+  }
+  return out;
+}
+
 std::vector<PeerCounters> Peer::counters() const {
   MutexLock lock(impl_->stateMutex);
   return impl_->peers;

@@ -118,6 +118,9 @@ class Peer {
 
   // Ranks of the peers still live (not lost), this one excluded.
   std::vector<int> livePeers() const;
+  // Of those, the ones still training (their DONE has not arrived): where a step's change is worth
+  // sending now. A finished one still gets what is left in its accumulator at finish().
+  std::vector<int> trainingPeers() const;
   std::vector<PeerCounters> counters() const;
   int64_t bytesSent() const;
   int64_t bytesReceived() const;

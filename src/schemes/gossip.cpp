@@ -270,8 +270,8 @@ struct COHORT_LOCAL Gossip::Impl {
     }
     ++steps_;
     ++version_;
-    std::vector<int> live = peer_->livePeers();
-    failIfNeverJoined(live);
+    failIfNeverJoined(peer_->livePeers());
+    std::vector<int> live = peer_->trainingPeers();  // a finished peer gets the rest at our finish()
     std::shuffle(live.begin(), live.end(), rng_);
     live.resize(std::min(live.size(), size_t(fanout_)));
     peer_->publish(update_, gossip::UpdateMeta{.version = version_, .step = steps_, .steps = 1, .samples = samples},
