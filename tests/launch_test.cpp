@@ -2,6 +2,7 @@
 // stopping the others with its status, signals forwarded, bad input rejected.
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -362,6 +363,35 @@ TEST(Launch, ANonBlockingStdoutLosesNoLine) {
     ++next;
   }
   EXPECT_EQ(next, kLines + 1);
+}
+
+// This machine's first non-loopback IPv4 address, or "" when it has none.
+std::string nonLoopbackAddress() {
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) return "";
+  std::string found;
+  for (ifaddrs* a = all; a != nullptr && found.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text, sizeof(text));
+    if (std::string(text).rfind("127.", 0) != 0) found = text;
+  }
+  ::freeifaddrs(all);
+  return found;
+}
+
+// GLOO_SOCKET_IFNAME as a list (PyTorch's reading): a job on a non-loopback master address trains
+// with one Gloo device per name; it failed with Gloo's "Unable to find address for: lo,lo".
+TEST(Launch, GlooSocketIfnameMayListSeveralInterfaces) {
+  const std::string host = nonLoopbackAddress();
+  ASSERT_FALSE(host.empty()) << "this machine has no non-loopback IPv4 address to put the master on";
+  auto r = test::runCommand(
+      "env GLOO_SOCKET_IFNAME=lo,lo " + launch("--host " + host + " -n 2 -- " + test::cohortBinary() +
+                                               " train --strategy allreduce --model mlp --data synthetic:200 --batch 8 "
+                                               "--steps 3 --threads 1 --progress off --timeout 30"),
+      120);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("done: 3 steps"), std::string::npos) << r.output;
 }
 
 TEST(Launch, CommandArgumentsMayStartWithADash) {

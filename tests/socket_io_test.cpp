@@ -1,5 +1,8 @@
 // base/socket_io.h on socket pairs and on 127.0.0.1: whole transfers, and every way a wait ends.
 #include "base/socket_io.h"
+#include "base/host_port.h"
+
+#include <cohort/error.h>
 
 #include <gtest/gtest.h>
 
@@ -166,6 +169,25 @@ TEST(SocketIo, ConnectingWhereNothingListensSaysWhy) {
   EXPECT_NE(error.find("refused"), std::string::npos) << error;
   EXPECT_EQ(connectTo(HostPort{"no-such-host.invalid", 1}, in(5s), error), -1);
   EXPECT_FALSE(error.empty());
+}
+
+// GLOO_SOCKET_IFNAME is a comma-separated list, as PyTorch reads it ("eth0,eth1": one Gloo device
+// each); it was passed whole to Gloo, which failed with "Unable to find address for: eth0,eth1".
+TEST(SocketInterfaces, GlooSocketIfnameIsAList) {
+  ::unsetenv("GLOO_SOCKET_IFNAME");
+  EXPECT_TRUE(cohort::socketInterfaces().empty());
+  ::setenv("GLOO_SOCKET_IFNAME", "lo,lo", 1);
+  EXPECT_EQ(cohort::socketInterfaces(), (std::vector<std::string>{"lo", "lo"}));
+  EXPECT_EQ(cohort::addressTowards("192.0.2.1", 29500), "127.0.0.1");
+  ::setenv("GLOO_SOCKET_IFNAME", "lo,nosuch9", 1);
+  try {
+    cohort::socketInterfaces();
+    ADD_FAILURE() << "nosuch9 was accepted";
+  } catch (const cohort::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("GLOO_SOCKET_IFNAME=lo,nosuch9: nosuch9 is no interface"), std::string::npos)
+        << e.what();
+  }
+  ::unsetenv("GLOO_SOCKET_IFNAME");
 }
 
 }  // namespace

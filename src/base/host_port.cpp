@@ -99,12 +99,27 @@ std::string routeSource(const std::string& host, int port) {
 
 }  // namespace
 
+std::vector<std::string> socketInterfaces() {
+  const char* value = std::getenv("GLOO_SOCKET_IFNAME");
+  std::vector<std::string> names;
+  if (value == nullptr) return names;
+  const std::string text = value;
+  for (size_t at = 0; at <= text.size();) {
+    size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    if (end > at) names.push_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+  for (const std::string& name : names) {
+    COHORT_CHECK(!interfaceAddress(name).empty(), InvalidArgument, "GLOO_SOCKET_IFNAME=", text, ": ", name,
+                 " is no interface with an address on this machine: name ones `ip -brief addr` lists, or unset it");
+  }
+  return names;
+}
+
 std::string addressTowards(const std::string& rendezvousHost, int rendezvousPort) {
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
-    const std::string address = interfaceAddress(ifname);
-    COHORT_CHECK(!address.empty(), InvalidArgument, "GLOO_SOCKET_IFNAME=", ifname,
-                 " names no interface with an address on this machine: set it to one `ip -brief addr` lists, or unset it");
-    return address;
+  if (const std::vector<std::string> interfaces = socketInterfaces(); !interfaces.empty()) {
+    return interfaceAddress(interfaces.front());
   }
   if (const std::string source = routeSource(rendezvousHost, rendezvousPort);
       !source.empty() && !isLoopbackHost(source)) {

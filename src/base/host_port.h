@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 struct sockaddr;
 
@@ -29,5 +30,10 @@ bool isLoopbackHost(const std::string& host);
 // this host's name. Not the host's name first: Debian maps it to 127.0.1.1, and inside a network
 // namespace it names the machine outside.
 std::string addressTowards(const std::string& rendezvousHost, int rendezvousPort);
+
+// GLOO_SOCKET_IFNAME's interfaces, as PyTorch reads it: a comma-separated list (Gloo spreads its
+// pairs over them); empty when it is not set. Throws InvalidArgument naming one that has no
+// address on this machine.
+std::vector<std::string> socketInterfaces();
 
 }  // namespace cohort

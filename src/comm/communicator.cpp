@@ -36,12 +36,15 @@ constexpr std::chrono::milliseconds kGlooMargin{2000};
 
 std::string heartbeatKey(int rank) { return "cohort/heartbeat/" + std::to_string(rank); }
 
-std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& masterHost) {
-  if (isLoopbackHost(masterHost)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
-    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+// One device per interface of GLOO_SOCKET_IFNAME (a comma-separated list, as PyTorch reads it).
+std::vector<std::shared_ptr<::gloo::transport::Device>> makeDevices(const std::string& masterHost) {
+  if (isLoopbackHost(masterHost)) return {c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")};
+  std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
+  for (const std::string& name : socketInterfaces()) {
+    devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
   }
-  return c10d::ProcessGroupGloo::createDefaultDevice();
+  if (devices.empty()) devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  return devices;
 }
 
 // The Gloo group of `size` ranks over the store's keys under `prefix`, formed within the timeout.
@@ -55,7 +58,7 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> formGlooGroup(const c10::intrusive_pt
                                                          const std::string& prefix, int rank, int size,
                                                          const HostPort& master, const CommOptions& options) {
   auto groupOptions = c10d::ProcessGroupGloo::Options::create(options.timeout);
-  groupOptions->devices.push_back(makeDevice(master.host));
+  groupOptions->devices = makeDevices(master.host);
   groupOptions->threads = options.glooThreads;
   auto own = c10::make_intrusive<c10d::PrefixStore>(prefix, store->clone());
   std::packaged_task<c10::intrusive_ptr<c10d::ProcessGroupGloo>()> form([own, rank, size, groupOptions] {
