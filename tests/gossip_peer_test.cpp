@@ -11,6 +11,12 @@
 
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <limits>
@@ -289,6 +295,66 @@ TEST(GossipPeer, AFinishedPeerIsNoLongerATarget) {
   peers[1]->finish(PeerReport{});
   finishing0.join();
   finishing2.join();
+}
+
+// The test's end of a stream from `peer` (rank 0 of 2, token "tok"): accepts its connection on
+// `listener` and completes the acceptor's handshake; returns the socket, or -1.
+int acceptAsRank1(int listener) {
+  pollfd ready{listener, POLLIN, 0};
+  if (::poll(&ready, 1, 20000) != 1) return -1;
+  const int fd = ::accept(listener, nullptr, nullptr);
+  if (fd < 0) return -1;
+  const Nonce nonce = freshNonce();
+  const auto challenge = challengeFrame({kProtocol, 1, 2, nonce});
+  (void)::send(fd, challenge.data(), challenge.size(), MSG_NOSIGNAL);
+  std::vector<uint8_t> bytes(kHeaderBytes);
+  auto readAll = [&](std::span<uint8_t> out) {
+    for (size_t got = 0; got < out.size();) {
+      pollfd in{fd, POLLIN, 0};
+      if (::poll(&in, 1, 20000) != 1) return false;
+      const ssize_t r = ::recv(fd, out.data() + got, out.size() - got, 0);
+      if (r <= 0) return false;
+      got += size_t(r);
+    }
+    return true;
+  };
+  if (!readAll(bytes)) return -1;
+  const FrameHeader h = parseHeader(std::span<const uint8_t, kHeaderBytes>(bytes.data(), kHeaderBytes), 1 << 10);
+  std::vector<uint8_t> body(h.length);
+  if (!readAll(body)) return -1;
+  const Hello hello = parseHello(body);
+  const auto accept = acceptFrame(acceptorProof("tok", {hello.rank, 1, 2, nonce, hello.nonce}));
+  (void)::send(fd, accept.data(), accept.size(), MSG_NOSIGNAL);
+  return fd;
+}
+
+// A peer destroyed while a send is stuck (the other end reads nothing, the 32 MB update fills the
+// sockets' buffers) ends within a tick, not after the timeout of 30 s between two bytes moving.
+TEST(GossipPeer, DestroyingAPeerDoesNotWaitOutAStuckSend) {
+  constexpr size_t kNumel = size_t(8) << 20;
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  auto peer = std::make_unique<Peer>(
+      PeerOptions{.rank = 0, .worldSize = 2, .token = "tok", .timeoutSeconds = 30, .numel = kNumel});
+  peer->connect({peer->address(), HostPort{"127.0.0.1", ntohs(addr.sin_port)}});
+  const int fd = acceptAsRank1(listener);
+  ASSERT_GE(fd, 0) << "no handshake from the peer";
+  const std::vector<int> toRank1{1};
+  peer->publish(std::vector<float>(kNumel, 1.0f), meta(1), toRank1);
+  pollfd sending{fd, POLLIN, 0};
+  ASSERT_EQ(::poll(&sending, 1, 20000), 1) << "the update did not start";
+  const auto start = std::chrono::steady_clock::now();
+  peer.reset();
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(waited, 5) << "the destructor waited out the stuck send";
+  ::close(fd);
+  ::close(listener);
 }
 
 void finishAll(std::vector<std::unique_ptr<Peer>>& peers) {

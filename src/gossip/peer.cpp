@@ -15,10 +15,12 @@
 
 namespace cohort::gossip {
 
-std::string writeFrame(int fd, const std::vector<uint8_t>& frame, Clock::duration timeout) {
-  const IoStatus status = writeFull(fd, frame.data(), frame.size(), {.idle = timeout});
+std::string writeFrame(int fd, const std::vector<uint8_t>& frame, Clock::duration timeout,
+                       const std::atomic<bool>& stop) {
+  const IoStatus status = writeFull(fd, frame.data(), frame.size(), {.idle = timeout, .stop = &stop});
   if (status == IoStatus::kOk) return "";
   if (status == IoStatus::kTimeout) return "a send timed out";
+  if (status == IoStatus::kStopped) return "this peer is stopping";
   return std::string("send failed: ") + std::strerror(errno);
 }
 
@@ -103,7 +105,7 @@ void Peer::Impl::markLost(int r, const std::string& why) {
   {
     MutexLock lock(stateMutex);
     PeerCounters& p = peers[size_t(r)];
-    if (p.lost || p.finished) return;
+    if (p.lost || p.finished || stopping.load()) return;
     p.lost = true;
   }
   env.log(LogLevel::kWarning, who(r) + " is lost (" + why + "); training goes on without it");

@@ -114,6 +114,7 @@ class Peer {
 
   // Sends what is left and DONE (with `report`) to every live peer, then waits until every other
   // peer finished or was lost, at most timeoutSeconds; peers still silent then count as lost.
+  // (The destructor waits for none: a send or connect under way ends within a tick or a second.)
   void finish(const PeerReport& report);
 
   // Ranks of the peers still live (not lost), this one excluded.

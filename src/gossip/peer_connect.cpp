@@ -46,7 +46,8 @@ Peer::Impl::Attempt Peer::Impl::handshake(int fd, int r, const HostPort& to, Pro
     const Transcript t{uint32_t(options.rank), uint32_t(r), uint32_t(options.worldSize), challenge.nonce, freshNonce()};
     const auto hello =
         helloFrame({kProtocol, t.connector, t.worldSize, t.connectorNonce, connectorProof(options.token, t)});
-    if (std::string failed = writeFrame(fd, hello, secondsToDuration(options.timeoutSeconds)); !failed.empty()) {
+    if (std::string failed = writeFrame(fd, hello, secondsToDuration(options.timeoutSeconds), stopping);
+        !failed.empty()) {
       error = failed;
       return Attempt::kRetry;
     }
@@ -84,7 +85,7 @@ int Peer::Impl::openStream(int r, const HostPort& to, Proof& key) {
   std::string error = "no attempt";
   auto pause = std::chrono::milliseconds(20);
   while (!stopping.load() && Clock::now() < deadline) {
-    const int fd = connectTo(to, Clock::now() + secondsToDuration(options.timeoutSeconds), error);
+    const int fd = connectTo(to, std::min(deadline, Clock::now() + secondsToDuration(kConnectAttemptSeconds)), error);
     if (fd >= 0) {
       const Attempt a = handshake(fd, r, to, key, error);
       if (a == Attempt::kOk) return fd;

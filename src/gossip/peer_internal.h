@@ -37,8 +37,14 @@ inline Clock::duration secondsToDuration(double seconds) {
 }
 
 // Writes a whole frame; `timeout` bounds each wait for the peer to take more of it (a slow link
-// that moves is not a dead peer). Returns an empty string or what failed.
-std::string writeFrame(int fd, const std::vector<uint8_t>& frame, Clock::duration timeout);
+// that moves is not a dead peer), and the write ends within a tick of `stop` turning true.
+// Returns an empty string or what failed.
+std::string writeFrame(int fd, const std::vector<uint8_t>& frame, Clock::duration timeout,
+                       const std::atomic<bool>& stop);
+
+// One connection attempt waits at most this long (or the timeout, if shorter), so that a peer
+// being destroyed does not wait out a connect to a silent address; openStream() retries.
+constexpr double kConnectAttemptSeconds = 1;
 
 // "HELLO", "UPDATE", ...: for messages.
 const char* frameName(FrameType t);
@@ -124,7 +130,8 @@ struct Peer::Impl {
   // peer.cpp
   explicit Impl(PeerOptions o);
   std::string who(int r) const { return "gossip peer " + std::to_string(r); }
-  // Logs once; the peer is dropped from sending and from what finish() waits for.
+  // Logs once; the peer is dropped from sending and from what finish() waits for. Not while this
+  // peer is stopping: a transfer it cut short is no loss of the other's.
   void markLost(int r, const std::string& why) EXCLUDES(stateMutex);
 
   // peer_accept.cpp

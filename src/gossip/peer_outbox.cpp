@@ -159,7 +159,7 @@ class Sender {
   // Seals and writes a frame; on a failure the peer is marked lost and this returns false.
   bool send(std::vector<uint8_t>& bytes, bool isUpdate) {
     sealer_.seal(bytes);
-    const std::string failed = writeFrame(fd_, bytes, secondsToDuration(m_.options.timeoutSeconds));
+    const std::string failed = writeFrame(fd_, bytes, secondsToDuration(m_.options.timeoutSeconds), m_.stopping);
     if (!failed.empty()) {
       m_.markLost(r_, failed);
       return false;
