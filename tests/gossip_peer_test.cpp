@@ -21,6 +21,7 @@
 #include <chrono>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -355,6 +356,32 @@ TEST(GossipPeer, DestroyingAPeerDoesNotWaitOutAStuckSend) {
   EXPECT_LT(waited, 5) << "the destructor waited out the stuck send";
   ::close(fd);
   ::close(listener);
+}
+
+// The warning for a peer that did not finish in time names --timeout, and a timeout under a
+// second as it is (it said "within 0 s").
+TEST(GossipPeer, APeerLateToFinishIsNamedWithTheTimeout) {
+  class Recording : public Env {
+   public:
+    void log(LogLevel, const std::string& line) override {
+      std::lock_guard<std::mutex> lock(mu);
+      lines.push_back(line);
+    }
+    std::mutex mu;
+    std::vector<std::string> lines;
+  } env;
+  Peer early({.rank = 0, .worldSize = 2, .token = "tok", .timeoutSeconds = 0.3, .numel = 2, .env = &env});
+  Peer late({.rank = 1, .worldSize = 2, .token = "tok", .timeoutSeconds = 30, .numel = 2});
+  early.connect({early.address(), late.address()});
+  late.connect({early.address(), late.address()});
+  early.finish(PeerReport{});  // late has not finished: lost after 0.3 s
+  late.finish(PeerReport{});
+  std::lock_guard<std::mutex> lock(env.mu);
+  ASSERT_FALSE(env.lines.empty());
+  EXPECT_NE(
+      env.lines.back().find("gossip peer 1 is lost (it did not finish within --timeout (0.3 s) of this peer's end)"),
+      std::string::npos)
+      << env.lines.back();
 }
 
 void finishAll(std::vector<std::unique_ptr<Peer>>& peers) {

@@ -50,7 +50,9 @@
 namespace cohort {
 
 struct COHORT_API GossipOptions {
-  int peers = 0;                 // send each step's change now to this many random peers still training; 0: all
+  // Each step's change goes now to this many random peers still training (0: all); the others'
+  // share waits in their accumulators for their turn, or finish().
+  int peers = 0;
   std::string codec = "none";    // what the changes travel as (any --codec)
   int64_t codecWarmupSteps = 0;  // the first steps travel uncompressed
   std::string authToken;         // the job's secret; empty: a random one the chief publishes

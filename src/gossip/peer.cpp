@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 namespace cohort::gossip {
@@ -174,8 +175,11 @@ void Peer::finish(const PeerReport& report) {
       m.stateCv.waitFor(m.stateMutex, std::chrono::milliseconds(kTickMs));
     }
   }
+  if (late.empty()) return;
+  char within[32];
+  std::snprintf(within, sizeof(within), "%g", m.options.timeoutSeconds);
   for (int r : late) {
-    m.markLost(r, "it did not finish within " + std::to_string(int(m.options.timeoutSeconds)) + " s of this peer");
+    m.markLost(r, std::string("it did not finish within --timeout (") + within + " s) of this peer's end");
   }
 }
 
