@@ -144,5 +144,23 @@ TEST(ModelFile, AShapeBeyondTheLimitIsRefusedBeforeTheModelIsMade) {
   }
 }
 
+// A model without a Linear layer is refused before the 8-bit file is written: the file at --out
+// was replaced first, and then the command said there was nothing to quantize.
+TEST(ModelFile, QuantizingAModelWithoutLinearLayersLeavesTheOutputAlone) {
+  test::TempDir dir;
+  test::writeFile(dir.file("out.pt"), "the user's file");
+  ModelFile convolutions;
+  convolutions.path = dir.file("conv.pt");
+  convolutions.spec = "conv";
+  convolutions.model = torch::nn::Sequential(torch::nn::Conv2d(1, 2, 3), torch::nn::Flatten());
+  try {
+    quantizeModelFile(convolutions, dir.file("out.pt"));
+    FAIL() << "quantized a model without a Linear layer";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("has no torch::nn::Linear layer to quantize"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(test::readFile(dir.file("out.pt")), "the user's file");
+}
+
 }  // namespace
 }  // namespace cohort::models_test

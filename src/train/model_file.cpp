@@ -9,6 +9,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 
 namespace cohort {
@@ -156,6 +157,9 @@ int quantizeModelFile(const ModelFile& floatModel, const std::string& outPath) {
   torch::nn::Sequential model = floatModel.model;
   const std::vector<torch::Tensor> tensors = modelTensors(model);
   const std::vector<int64_t> owner = linearWeightOwners(model, tensors);
+  // Refused before anything is written: an existing file at outPath stays as it was.
+  COHORT_CHECK(std::any_of(owner.begin(), owner.end(), [](int64_t o) { return o >= 0; }), InvalidArgument,
+               floatModel.path, " (", floatModel.spec, ") has no torch::nn::Linear layer to quantize");
   int quantized = 0;
   try {
     torch::serialize::OutputArchive archive;

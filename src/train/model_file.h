@@ -39,7 +39,8 @@ struct ModelFile {
 // model file whose tensors do not fit its description.
 ModelFile loadModelFile(const std::string& path);
 
-// Writes the 8-bit form of a float model file. Returns the number of Linear layers quantized.
+// Writes the 8-bit form of a float model file. Returns the number of Linear layers quantized;
+// throws InvalidArgument, before writing anything, for a model that has none.
 int quantizeModelFile(const ModelFile& floatModel, const std::string& outPath);
 
 // The quantized kernels this libtorch offers for dynamic quantization of Linear layers: "onednn",
