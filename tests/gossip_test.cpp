@@ -148,6 +148,23 @@ TEST(GossipHandle, AModelOfOtherShapesIsRefusedAndTheOthersAreTold) {
             std::string::npos);
 }
 
+// A peer that cannot listen where the cluster spec puts it (TF_CONFIG names an address of
+// another machine) tells the others why in the store, as for a model of other shapes; before, they
+// waited out the timeout for its address.
+TEST(GossipHandle, APeerThatCannotListenTellsTheOthers) {
+  using namespace std::chrono_literals;
+  torch::nn::Linear net(3, 2);
+  test::ChiefPlayedByTest t;
+  ClusterSpec spec = t.rank1.cluster();
+  spec.workers = {{"127.0.0.1", 1}, {"192.0.2.1", 1}};  // TEST-NET-1: on no interface here
+  t.publishLinearParameters(std::vector<float>(8, 0.0f));
+  EXPECT_THROW(Gossip(Job::fromSpec(spec, {.timeout = 30s}), *net), CommError);
+  const auto published = t.chief->get("cohort/gossip/addr/1", 1s);
+  ASSERT_TRUE(published.has_value()) << "the others are not told";
+  EXPECT_NE(std::string(published->begin(), published->end()).find("failed: gossip: cannot listen on 192.0.2.1"),
+            std::string::npos);
+}
+
 // Three peers on Fashion-MNIST; peer 2 is SIGKILLed after the chief's 60th step. The other two
 // finish their 300 steps, the chief names the lost peer and its model reaches the bound.
 TEST(GossipMultiproc, APeerKilledMidwayStopsNoOneAndTheModelLearns) {

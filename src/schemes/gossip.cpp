@@ -85,8 +85,9 @@ struct COHORT_LOCAL Gossip::Impl {
       if (cl.isChief()) rendezvous_->set("cohort/gossip/job", crypto::randomToken());
       token = rendezvous_->get("cohort/gossip/job");
     }
-    const std::string advertise = startPeer(token);
+    std::string advertise;
     try {
+      advertise = startPeer(token);
       startFromChiefParameters();
     } catch (const Error& e) {
       // Said where this peer's address would be, so that the others fail now, naming it and
