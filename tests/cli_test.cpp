@@ -171,6 +171,20 @@ TEST(Cli, SaveModelOfBagsIsRefusedBeforeTraining) {
   EXPECT_FALSE(std::filesystem::exists(dir.file("m.pt")));
 }
 
+// COHORT_LAUNCH_FD inherited without the launcher's pipe (here fd 3 is a file this process was
+// given): the launcher's lines ("port none", the fault policy) were written into it.
+TEST(Cli, ALaunchChannelThatIsNoPipeIsNotWrittenTo) {
+  test::TempDir dir;
+  test::writeFile(dir.file("file"), "");
+  auto r = test::runCommand("env COHORT_LAUNCH_FD=3 " + test::cohortBinary() +
+                                " train --model mlp --data synthetic:60 --steps 1 --batch 8 --threads 1 --progress off "
+                                "3>>" +
+                                dir.file("file"),
+                            120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(test::readFile(dir.file("file")), "");
+}
+
 // A resumed run's --lr applies (LibTorch's Optimizer::load put the checkpoint's back, silently).
 TEST(Cli, ResumeTakesTheRunsLearningRate) {
   test::TempDir dir;

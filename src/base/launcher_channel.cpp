@@ -1,5 +1,6 @@
 #include "base/launcher_channel.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -17,7 +18,12 @@ int channel() {
     if (text == nullptr) return -1;
     char* end = nullptr;
     const long value = std::strtol(text, &end, 10);
-    return end != text && *end == '\0' && value > STDERR_FILENO && value < 65536 ? int(value) : -1;
+    if (end == text || *end != '\0' || value <= STDERR_FILENO || value >= 65536) return -1;
+    // The launcher's is a pipe. A variable inherited without its descriptor (a wrapper that closed
+    // it) may name one this process opened since, a file or a socket: nothing is written there.
+    struct stat st {};
+    if (::fstat(int(value), &st) != 0 || !S_ISFIFO(st.st_mode)) return -1;
+    return int(value);
   }();
   return fd;
 }
