@@ -64,6 +64,9 @@ struct COHORT_LOCAL Pipeline::Impl {
   std::vector<std::string> layerNames;
   StageWire wire;
   torch::nn::Sequential module{nullptr};  // this stage's layers
+  // The stage's first layer writes its input in place (ReLU(inplace), a scripted relu_): the
+  // received activation, a leaf that requires its gradient, goes in as a copy (see inPlaceOnLeaf).
+  bool copyInput = false;
 
   CommWork lossSend;
   // Receive buffers kept from step to step, as many as micro-batches can be in flight plus one
@@ -90,6 +93,10 @@ struct COHORT_LOCAL Pipeline::Impl {
   PipelineStepStats step(const torch::Tensor& inputs, const torch::Tensor& targets, const PipelineLoss& loss,
                          torch::optim::Optimizer& optimizer);
 };
+
+// Whether `e` is autograd refusing an in-place operation on a leaf that requires its gradient (or
+// on a view of one): what a layer such as ReLU(inplace) does to a stage's received activation.
+bool inPlaceOnLeaf(const c10::Error& e);
 
 // Gloo's point-to-point messages read and write host memory (pipeline_step.cpp). Before a send:
 // a CUDA tensor copied to pinned host memory, blocking (Gloo's thread reads the host copy as soon

@@ -165,7 +165,21 @@ class StepRun {
     {
       std::optional<Autocast> autocast;  // PipelineOptions::autocast: the layers and the loss
       if (p_.options.autocast) autocast.emplace(h.input.device().type(), *p_.options.autocast);
-      h.output = throughLayers(h.input, &h.bytes);
+      if (p_.first()) {
+        h.output = throughLayers(h.input, &h.bytes);
+      } else if (p_.copyInput) {
+        h.output = throughLayers(h.input.clone(), &h.bytes);
+      } else {
+        try {
+          h.output = throughLayers(h.input, &h.bytes);
+        } catch (const c10::Error& e) {
+          // Only view operations can have run before the in-place one (anything else would have
+          // made a new tensor): nothing to undo. From here on every micro-batch goes in as a copy.
+          if (!inPlaceOnLeaf(e)) throw;
+          p_.copyInput = true;
+          h.output = throughLayers(h.input.clone(), &h.bytes);
+        }
+      }
       if (p_.last()) {
         auto targets = targets_.narrow(0, micro_.offset[size_t(i)], m);
         h.output = loss_(h.output, targets) * (double(m) / double(inputs_.size(0)));
@@ -230,6 +244,11 @@ class StepRun {
 };
 
 }  // namespace
+
+bool inPlaceOnLeaf(const c10::Error& e) {
+  return std::string(e.what()).find("leaf Variable that requires grad is being used in an in-place operation") !=
+         std::string::npos;
+}
 
 torch::Tensor toWire(const torch::Tensor& t) {
   if (t.device().is_cpu()) return t.contiguous();
