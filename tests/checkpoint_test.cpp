@@ -37,34 +37,38 @@ TEST(Checkpoint, RoundTripsAndListsNewestFirst) {
   EXPECT_EQ(loaded->payload, payloadFor(10, 2000));
 }
 
-// A writer killed mid-save leaves prefix-<step>.ckpt.tmp.<pid>; the next store on the directory
-// removes those of processes that are gone once untouched for kOrphanAge, and keeps a live
-// writer's, other prefixes', and a fresh one of a pid unknown here (another machine's or
-// container's writer, which an evaluator's store in another pod removed mid-save).
+// A writer killed mid-save leaves prefix-<step>.ckpt.tmp.<host>.<pid>; the next store on the
+// directory removes this machine's of processes that are gone, and keeps a live writer's, other
+// prefixes', and a fresh one of another machine (or container), whose pid means nothing here: an
+// evaluator's store in another pod removed the chief's mid-save. That one goes once untouched for
+// kOrphanAge, as does one without a host (an older cohort's .tmp.<pid>).
 TEST(Checkpoint, OrphanedTemporaryFilesOfDeadWritersAreRemoved) {
   test::TempDir dir;
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) ::_exit(0);
   ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // gone: its pid names no process now
-  const std::string dead = dir.file("ckpt-0000000007.ckpt.tmp." + std::to_string(child));
-  const std::string live = dir.file("ckpt-0000000008.ckpt.tmp." + std::to_string(::getppid()));
-  const std::string other = dir.file("shard-0000000007.ckpt.tmp." + std::to_string(child));
-  const std::string elsewhere = dir.file("ckpt-0000000009.ckpt.tmp." + std::to_string(child));
-  const auto old =
-      std::filesystem::file_time_type::clock::now() - CheckpointStore::kOrphanAge - std::chrono::minutes(1);
-  for (const auto& path : {dead, live, other, elsewhere}) test::writeFile(path, "partial");
-  for (const auto& path : {dead, live, other}) std::filesystem::last_write_time(path, old);
+  const std::string here = ".tmp." + test::checkpointHostTag() + ".";
+  const std::string dead = dir.file("ckpt-0000000007.ckpt" + here + std::to_string(child));
+  const std::string live = dir.file("ckpt-0000000008.ckpt" + here + std::to_string(::getppid()));
+  const std::string other = dir.file("shard-0000000007.ckpt" + here + std::to_string(child));
+  const std::string elsewhere = dir.file("ckpt-0000000009.ckpt.tmp.another-host." + std::to_string(child));
+  const std::string older = dir.file("ckpt-0000000010.ckpt.tmp." + std::to_string(child));
+  for (const auto& path : {dead, live, other, elsewhere, older}) test::writeFile(path, "partial");
   CheckpointStore store(dir.path());
   EXPECT_FALSE(std::filesystem::exists(dead));
   EXPECT_TRUE(std::filesystem::exists(live));
   EXPECT_TRUE(std::filesystem::exists(other));
   EXPECT_TRUE(std::filesystem::exists(elsewhere));
+  EXPECT_TRUE(std::filesystem::exists(older));
   EXPECT_TRUE(store.list().empty());
-  // Aged, it goes at the next save.
-  std::filesystem::last_write_time(elsewhere, old);
+  // Aged, they go at the next save.
+  const auto old =
+      std::filesystem::file_time_type::clock::now() - CheckpointStore::kOrphanAge - std::chrono::minutes(1);
+  for (const auto& path : {elsewhere, older}) std::filesystem::last_write_time(path, old);
   store.save(1, payloadFor(1, 10));
   EXPECT_FALSE(std::filesystem::exists(elsewhere));
+  EXPECT_FALSE(std::filesystem::exists(older));
 }
 
 // Checkpoints of higher steps (unreadable ones a resume went past) never prune the one just written.

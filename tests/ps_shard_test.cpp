@@ -582,9 +582,9 @@ TEST(PsShard, AFailedCheckpointIsCountedAndAFailedFinalOneIsReported) {
   Fixture f(p, 4, 0.0f, ckpt, false, [&](uint64_t version) {
     if (version < 2) return;
     char name[64];
-    std::snprintf(name, sizeof name, "shard-%010llu.ckpt.tmp.%d", static_cast<unsigned long long>(version),
-                  int(::getpid()));
-    std::filesystem::create_directories(ckpt + "/" + name);
+    std::snprintf(name, sizeof name, "shard-%010llu.ckpt", static_cast<unsigned long long>(version));
+    std::filesystem::create_directories(ckpt + "/" + name + ".tmp." + test::checkpointHostTag() + "." +
+                                        std::to_string(::getpid()));
   });
   f.push(0, 0, 1.0f);  // version 1: written
   f.push(1, 1, 1.0f);  // version 2: fails

@@ -32,8 +32,9 @@ class COHORT_API CheckpointStore {
  public:
   // `prefix` names the files (prefix-<step>.ckpt), so several stores can share a directory.
   // The newest `keep` checkpoints are kept. The directory is created if it does not exist. Temporary
-  // files of this prefix left by writers that died mid-save (prefix-<step>.ckpt.tmp.<pid> of a pid
-  // that no longer runs on this machine, untouched for kOrphanAge) are removed, here and by save().
+  // files of this prefix left by writers that died mid-save (prefix-<step>.ckpt.tmp.<host>.<pid>:
+  // this machine's once its pid runs no more; another machine's once also untouched for
+  // kOrphanAge) are removed, here and by save().
   explicit CheckpointStore(std::string dir, std::string prefix = "ckpt", int keep = 3);
 
   // Returns the path written. Throws IoError.
@@ -60,8 +61,8 @@ class COHORT_API CheckpointStore {
   // `keep`, so that it evaluates every one even when it falls behind.
   static constexpr int kMaxUnread = 50;
 
-  // How long a temporary file of a pid gone from this machine must have been untouched before it
-  // is an orphan: the pid may be another machine's or another pid namespace's, writing still.
+  // How long another machine's temporary file (or one without a host) must have been untouched
+  // before it is an orphan: its pid means nothing here, and its writer may be writing still.
   static constexpr std::chrono::minutes kOrphanAge{10};
   void keepUnread(std::function<int64_t()> evaluatedUpTo) { evaluatedUpTo_ = std::move(evaluatedUpTo); }
 

@@ -9,6 +9,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <cstdint>
@@ -73,24 +74,45 @@ CheckpointStore::CheckpointStore(std::string dir, std::string prefix, int keep)
   removeOrphans();
 }
 
+namespace {
+
+// This machine in a temporary file's name: letters, digits, '-' and '_' of its host name.
+std::string hostTag() {
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  std::string tag;
+  for (const char* c = name; *c != '\0' && tag.size() < 64; ++c) {
+    if (std::isalnum(static_cast<unsigned char>(*c)) || *c == '-' || *c == '_') tag += *c;
+  }
+  return tag.empty() ? "host" : tag;
+}
+
+}  // namespace
+
 // A directory has one writer at a time (the chief, a pipeline stage, a shard), so a temporary file
-// of another process is an orphan once that process is gone. Gone here is not gone everywhere: a
-// pid of another machine (a shared file system) or another pid namespace (a container) means
-// nothing to kill(), so the file must also have been left untouched for kOrphanAge, which no
-// writer does in the middle of a save (each write() of at most 2 GiB updates its mtime).
+// (prefix-<step>.ckpt.tmp.<host>.<pid>) of another process is an orphan once that process is
+// gone. This machine's: when its pid runs no more. Another machine's (a shared file system, a
+// container's), whose pid means nothing to kill() here, or one without a host (an older cohort's
+// .tmp.<pid>): only once also untouched for kOrphanAge, which no writer is in the middle of a save
+// (each write() of at most 2 GiB updates its mtime).
 void CheckpointStore::removeOrphans() const {
-  const std::regex pattern(prefix_ + "-[0-9]+\\.ckpt\\.tmp\\.([0-9]+)");
+  const std::regex pattern(prefix_ + "-[0-9]+\\.ckpt\\.tmp\\.(?:([A-Za-z0-9_-]+)\\.)?([0-9]+)");
+  const std::string here = hostTag();
   const auto oldest = fs::file_time_type::clock::now() - kOrphanAge;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir_, ec)) {
     std::smatch m;
     const std::string name = entry.path().filename().string();
-    if (!std::regex_match(name, m, pattern) || m[1].length() > 9) continue;
-    const pid_t pid = pid_t(std::stol(m[1].str()));
-    if (pid == ::getpid() || pid <= 0 || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
-    std::error_code aged;
-    const fs::file_time_type written = fs::last_write_time(entry.path(), aged);
-    if (aged || written > oldest) continue;
+    if (!std::regex_match(name, m, pattern) || m[2].length() > 9) continue;
+    const pid_t pid = pid_t(std::stol(m[2].str()));
+    const bool mine = m[1].matched && m[1].str() == here;
+    if (mine && pid == ::getpid()) continue;
+    if (pid <= 0 || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    if (!mine) {
+      std::error_code aged;
+      const fs::file_time_type written = fs::last_write_time(entry.path(), aged);
+      if (aged || written > oldest) continue;
+    }
     std::error_code removed;
     fs::remove(entry.path(), removed);  // best effort, like the old checkpoints
   }
@@ -100,7 +122,7 @@ std::string CheckpointStore::save(int64_t step, std::span<const uint8_t> payload
   char name[64];
   std::snprintf(name, sizeof(name), "-%010lld.ckpt", static_cast<long long>(step));
   const std::string finalPath = (fs::path(dir_) / (prefix_ + name)).string();
-  const std::string tmpPath = finalPath + ".tmp." + std::to_string(::getpid());
+  const std::string tmpPath = finalPath + ".tmp." + hostTag() + "." + std::to_string(::getpid());
 
   std::vector<uint8_t> header(kMagic, kMagic + 8);
   putFixed32(header, kFormatVersion);
