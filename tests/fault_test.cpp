@@ -193,6 +193,23 @@ TEST(LaunchFaults, AShardFailingAfterTheWorkersIsNotRestarted) {
   EXPECT_EQ(r.output.find("shard-run-1"), std::string::npos) << r.output;
 }
 
+// A process that refuses its input (status 2) is not restarted: the restart, which resumes, took
+// up an earlier run's checkpoints that the new run had been refused beside, and exited 0.
+TEST(LaunchFaults, ARefusedInputIsNotRestarted) {
+  test::TempDir dir;
+  const std::string train = test::cohortBinary() +
+                            " train --model mlp --data synthetic:200 --batch 8 --threads 1 --progress off "
+                            "--checkpoint-every 5 --checkpoint-dir " +
+                            dir.path();
+  auto earlier = test::runCommand(train + " --steps 20", 120);
+  ASSERT_EQ(earlier.exitCode, 0) << earlier.output;
+  auto r = test::runCommand(launch("-n 1 --max-restarts 1 -- " + train + " --steps 10"), 120);
+  EXPECT_EQ(r.exitCode, 2) << r.output;
+  EXPECT_NE(r.output.find("it refused its input, which a restart would not change: not restarted"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << r.output;
+}
+
 // A synchronous job restarted: every process again, told it is a restart, and rank 1 is given the
 // port rank 0 tells in the new run (a listener binds port 0 afresh: here 30000 + the run).
 TEST(LaunchFaults, AFailedGroupIsRestartedOnANewPort) {
@@ -264,6 +281,10 @@ TEST(LaunchFaults, TheOpenFileLimitCapsTheJobBeforeAnyIsForked) {
       << r.output;
   r = test::runCommand("sh -c 'ulimit -n 64 && exec " + launch("-n 13 -- true") + "'", 60);
   EXPECT_EQ(r.exitCode, 0) << r.output.substr(0, 2000);
+  // Raised only as far as the job needs (2 ranks: 24 + 6), so the children see about their own.
+  r = test::runCommand("sh -c 'ulimit -Sn 20 && exec " + launch("-n 2 -- sh -c \"ulimit -Sn\"") + "'", 60);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] 30\n"), std::string::npos) << r.output;
 }
 
 // TF_CONFIG's addresses are host:port, an IPv6 host in brackets; the launcher's own reader takes

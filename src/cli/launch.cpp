@@ -396,6 +396,15 @@ class Launcher {
       exitCode_ = code;
       return;
     }
+    // Status 2 is a refusal of the command's input (cohort's usage errors): a restart would be
+    // refused the same way, or worse, run otherwise (a restart resumes: a new run refused beside an
+    // earlier run's checkpoints would take that run up). The job ends with it.
+    if (status.exited() && status.code() == 2 && options_.maxRestarts > 0) {
+      say(what + "; it refused its input, which a restart would not change: not restarted");
+      exitCode_ = code;
+      endJob(SIGTERM);
+      return;
+    }
     const ProcessKind kind = child.server ? ProcessKind::kShard : child.rank == 0 ? ProcessKind::kChief
                                                                                   : ProcessKind::kWorker;
     const int restartsLeft = options_.maxRestarts - restartsUsed_;
@@ -559,15 +568,17 @@ void checkProcessCount(const LaunchOptions& options) {
     why = "half of this user's process limit, RLIMIT_NPROC = " + std::to_string(nproc.rlim_cur);
   }
   // Three pipes a child stay open here (stdout, stderr, the channel), and a few more while one
-  // starts: the soft limit on open files is raised to the hard one, and what it allows caps the job.
+  // starts: the soft limit on open files is raised as far as the job needs (the hard limit at
+  // most; the children inherit it), and what it allows caps the job.
   rlimit files{};
   if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
-    if (files.rlim_cur < files.rlim_max) {
+    const long children = total + (options.evaluator ? 1 : 0);
+    const rlim_t needed = rlim_t(kFilesKept + 3 * children);
+    if (files.rlim_cur != RLIM_INFINITY && files.rlim_cur < needed) {
       rlimit raised = files;
-      raised.rlim_cur = files.rlim_max;
+      raised.rlim_cur = files.rlim_max == RLIM_INFINITY || files.rlim_max > needed ? needed : files.rlim_max;
       if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) files = raised;
     }
-    const long children = total + (options.evaluator ? 1 : 0);
     if (files.rlim_cur != RLIM_INFINITY && (long(files.rlim_cur) - kFilesKept) / 3 < std::min(limit, children)) {
       limit = std::max(0L, (long(files.rlim_cur) - kFilesKept) / 3 - (options.evaluator ? 1 : 0));
       why = "3 pipes a process under this user's open-file limit, RLIMIT_NOFILE = " + std::to_string(files.rlim_cur) +
