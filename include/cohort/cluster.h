@@ -49,8 +49,8 @@ struct COHORT_API ClusterSpec {
   // store, the gossip peers and the shards admit only processes that prove it. Empty: none.
   std::string secret;
   // Without a secret: the launcher's name for this job, which every process of it shares
-  // ($COHORT_JOB_ID, torchrun's TORCHELASTIC_RUN_ID, Slurm's SLURM_JOB_ID, OpenMPI's
-  // PMIX_NAMESPACE, the first set), and which variable gave it. The rendezvous store then admits
+  // ($COHORT_JOB_ID, torchrun's TORCHELASTIC_RUN_ID, Slurm's SLURM_JOB_ID (JOB_ID.STEP_ID when
+  // Slurm's variables gave the roles), OpenMPI's PMIX_NAMESPACE, the first set), and which variable gave it. The rendezvous store then admits
   // only processes that know it, so that two jobs on one port refuse each other. Not a secret:
   // anyone who can read it can still join. Empty: none (then any process is admitted).
   std::string jobIdentity;
