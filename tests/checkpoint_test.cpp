@@ -48,7 +48,7 @@ TEST(Checkpoint, OrphanedTemporaryFilesOfDeadWritersAreRemoved) {
   ASSERT_GE(child, 0);
   if (child == 0) ::_exit(0);
   ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // gone: its pid names no process now
-  const std::string here = ".tmp." + test::checkpointHostTag() + ".";
+  const std::string here = ".tmp." + CheckpointStore::hostTag() + ".";
   const std::string dead = dir.file("ckpt-0000000007.ckpt" + here + std::to_string(child));
   const std::string live = dir.file("ckpt-0000000008.ckpt" + here + std::to_string(::getppid()));
   const std::string other = dir.file("shard-0000000007.ckpt" + here + std::to_string(child));

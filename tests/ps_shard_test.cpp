@@ -583,7 +583,7 @@ TEST(PsShard, AFailedCheckpointIsCountedAndAFailedFinalOneIsReported) {
     if (version < 2) return;
     char name[64];
     std::snprintf(name, sizeof name, "shard-%010llu.ckpt", static_cast<unsigned long long>(version));
-    std::filesystem::create_directories(ckpt + "/" + name + ".tmp." + test::checkpointHostTag() + "." +
+    std::filesystem::create_directories(ckpt + "/" + name + ".tmp." + CheckpointStore::hostTag() + "." +
                                         std::to_string(::getpid()));
   });
   f.push(0, 0, 1.0f);  // version 1: written

@@ -13,8 +13,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cctype>
-
 #include <array>
 #include <cerrno>
 #include <chrono>
@@ -116,17 +114,6 @@ inline std::string python() { return COHORT_PYTHON; }
 inline std::string launchPrefix(int workers, int shards = 0) {
   return cohortBinary() + " launch -n " + std::to_string(workers) +
          (shards > 0 ? " --ps " + std::to_string(shards) : "") + " -- ";
-}
-
-// This machine as a checkpoint's temporary file names it (prefix-<step>.ckpt.tmp.<host>.<pid>).
-inline std::string checkpointHostTag() {
-  char name[256] = {};
-  ::gethostname(name, sizeof(name) - 1);
-  std::string tag;
-  for (const char* c = name; *c != '\0' && tag.size() < 64; ++c) {
-    if (std::isalnum(static_cast<unsigned char>(*c)) || *c == '-' || *c == '_') tag += *c;
-  }
-  return tag.empty() ? "host" : tag;
 }
 
 inline std::string readFile(const std::string& path) {

@@ -60,11 +60,15 @@ class COHORT_API CheckpointStore {
   // above what `evaluatedUpTo()` returns (the steps it has done), up to kMaxUnread of them beyond
   // `keep`, so that it evaluates every one even when it falls behind.
   static constexpr int kMaxUnread = 50;
+  void keepUnread(std::function<int64_t()> evaluatedUpTo) { evaluatedUpTo_ = std::move(evaluatedUpTo); }
 
   // How long another machine's temporary file (or one without a host) must have been untouched
   // before it is an orphan: its pid means nothing here, and its writer may be writing still.
   static constexpr std::chrono::minutes kOrphanAge{10};
-  void keepUnread(std::function<int64_t()> evaluatedUpTo) { evaluatedUpTo_ = std::move(evaluatedUpTo); }
+
+  // This machine as a temporary file's name carries it: the letters, digits, '-' and '_' of its
+  // host name ("host" when none).
+  static std::string hostTag();
 
  private:
   void removeOrphans() const;

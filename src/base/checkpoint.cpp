@@ -74,10 +74,7 @@ CheckpointStore::CheckpointStore(std::string dir, std::string prefix, int keep)
   removeOrphans();
 }
 
-namespace {
-
-// This machine in a temporary file's name: letters, digits, '-' and '_' of its host name.
-std::string hostTag() {
+std::string CheckpointStore::hostTag() {
   char name[256] = {};
   ::gethostname(name, sizeof(name) - 1);
   std::string tag;
@@ -86,8 +83,6 @@ std::string hostTag() {
   }
   return tag.empty() ? "host" : tag;
 }
-
-}  // namespace
 
 // A directory has one writer at a time (the chief, a pipeline stage, a shard), so a temporary file
 // (prefix-<step>.ckpt.tmp.<host>.<pid>) of another process is an orphan once that process is
