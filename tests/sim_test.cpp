@@ -721,5 +721,25 @@ TEST(SimCommand, CalibrateWritesAFileThatLoads) {
   EXPECT_NEAR(c.codecs[0].sentFraction, 0.5, 0.01);
 }
 
+// A model of bags of ids is profiled on its own input (it was given an image's shape, and failed
+// in torch: "Dimension out of range"), its sparse embedding gradient counted as the rows it touched.
+TEST(SimCommand, CalibrateProfilesABagModel) {
+  test::TempDir dir;
+  const std::string path = dir.file("cal.json");
+  const test::CommandResult r = test::runCommand(
+      test::cohortBinary() +
+          " simulate --calibrate --model embed:rows=1000,dim=8,sparse=1 --data synthetic-bags:500,1000 " +
+          "--batch 16 --profile-steps 10 --codecs fp16 --job-ranks 2 --job-steps 10 --calibration " + path,
+      120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  SCOPED_TRACE("the calibration: " + test::readFile(path) + "\nthe command's output:\n" + r.output);
+  const Calibration c = loadCalibration(path);
+  EXPECT_EQ(c.model, "embed:rows=1000,dim=8,sparse=1");
+  EXPECT_GT(c.parameterCount, 1000 * 8);
+  // 16 bags of a few ids each touch a share of the 1000 rows, and the dense layers all of theirs.
+  EXPECT_GT(c.gradientDensity, 0.0);
+  EXPECT_LT(c.gradientDensity, 0.9);
+}
+
 }  // namespace
 }  // namespace cohort::sim

@@ -134,8 +134,7 @@ void profileModel(sim::Calibration& c, const std::string& modelSpec, const std::
   setComputeThreads(1);
   torch::manual_seed(1);
   DataSplits data = loadData(dataSpec, 1);
-  torch::nn::Sequential model =
-      makeModel(modelSpec, {data.channels(), data.height(), data.width(), data.classes, 0, {}});
+  torch::nn::Sequential model = makeModel(modelSpec, inputShapeOf(data));
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   c.model = modelSpec;
   c.layers = int(model->size());
@@ -169,7 +168,8 @@ void profileModel(sim::Calibration& c, const std::string& modelSpec, const std::
       std::vector<float> flat;
       for (const auto& p : model->parameters()) {
         if (!p.requires_grad() || !p.grad().defined()) continue;
-        auto g = p.grad().contiguous().view(-1);
+        // A sparse model's embedding gradient (embed:sparse=1) counts its untouched rows as zeros.
+        auto g = (p.grad().is_sparse() ? p.grad().to_dense() : p.grad()).contiguous().view(-1);
         const float* d = g.data_ptr<float>();
         for (int64_t i = 0; i < g.numel(); ++i) {
           flat.push_back(d[i]);
