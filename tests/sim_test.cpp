@@ -97,6 +97,19 @@ TEST(SimCost, AllgatherAndParameterServer) {
   EXPECT_NEAR(psTransferSeconds(100, 20, 4e6, 1e8, 1e9), 0.04, 1e-15);
 }
 
+// Gossip sends each update to every other peer unless --gossip-peers says fewer, as cohort train
+// does (the simulator's default was one peer, predicting a tenth of train's bytes at 11 workers).
+TEST(SimScenario, GossipGoesToAllOthersByDefault) {
+  Scenario s = scenarioOf(Scheme::kGossip);
+  const double all = simulateWorkers(s, 11).bytesPerStep;
+  s.gossipPeers = 1;
+  const double one = simulateWorkers(s, 11).bytesPerStep;
+  EXPECT_GT(one, 0);
+  EXPECT_NEAR(all, 10 * one, 1e-9 * all);
+  s.gossipPeers = 30;  // more than there are: all of them
+  EXPECT_NEAR(simulateWorkers(s, 11).bytesPerStep, all, 1e-9 * all);
+}
+
 TEST(SimCost, Pipeline) {
   EXPECT_NEAR(pipelineBubble(4, 12), 3.0 / 15, 1e-15);
   EXPECT_EQ(pipelineBubble(1, 8), 0.0);
@@ -405,8 +418,8 @@ TEST(SimSetup, BadInputNamesTheOption) {
   expectError(s, 2, "--codec onebit");
   // The flags as the command names them, and no infinity taken for a number.
   s = scenarioOf(Scheme::kGossip);
-  s.gossipPeers = 0;
-  expectError(s, 2, "--gossip-peers must be >= 1, got 0");
+  s.gossipPeers = -1;
+  expectError(s, 2, "--gossip-peers must be >= 0 (0: all the others), got -1");
   s = scenarioOf(Scheme::kPs);
   s.psMode = PsMode::Ssp;
   s.staleness = -1;
@@ -593,7 +606,7 @@ TEST(SimCommand, BadInputIsOneLineNamingTheField) {
   expectError("--strategy pipeline --workers 1", "--workers 1: no count is a multiple of --stages 2");
   expectError("--strategy allreduce,pipeline --stages 4 --workers 1,2,3", "no count is a multiple of --stages 4");
   expectError("--strategy ps --ps-mode sync --backup-workers 1 --workers 1", "no count is above --backup-workers 1");
-  expectError("--strategy gossip --gossip-peers 0", "--gossip-peers must be >= 1");
+  expectError("--strategy gossip --gossip-peers -1", "--gossip-peers must be >= 0");
   expectError("--strategy ps --ps-mode ssp --staleness-bound -1", "--staleness-bound must be >= 0");
   expectError("--density 2", "--density must be in [0, 1] (0: dense");
   expectError("--stragglers lognormal:inf", "--stragglers lognormal:inf: SIGMA must be a finite number >= 0");

@@ -236,7 +236,7 @@ struct Flags {
   bool noOverlap = false;
   int period = 1;
   std::string psMode = "async";
-  int shards = 1, backupWorkers = 0, stalenessBound = 0, softsync = 1, gossipPeers = 1;
+  int shards = 1, backupWorkers = 0, stalenessBound = 0, softsync = 1, gossipPeers = 0;
   int stages = 2, microBatches = 4;
   double activationBytes = 0;
   double density = 0, speed = 1;
@@ -556,7 +556,9 @@ Run addSimulateCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--staleness-bound", f.stalenessBound, "ssp: the bound")->group(scheme)->capture_default_str();
   cmd->add_option("--softsync", f.softsync, "softsync: gradients per update")->group(scheme)->capture_default_str();
-  cmd->add_option("--gossip-peers", f.gossipPeers, "gossip: peers per step")->group(scheme)->capture_default_str();
+  cmd->add_option("--gossip-peers", f.gossipPeers, "gossip: peers each update goes to; 0: all the others (as train)")
+      ->group(scheme)
+      ->capture_default_str();
   cmd->add_option("--stages", f.stages, "pipeline: stages")->group(scheme)->capture_default_str();
   cmd->add_option("--micro-batches", f.microBatches, "pipeline: micro-batches")->group(scheme)->capture_default_str();
   cmd->add_option("--activation-bytes", f.activationBytes, "pipeline: bytes per example crossing a cut")

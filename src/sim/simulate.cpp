@@ -169,7 +169,9 @@ void checkOptions(const Scenario& s) {
       if (s.softsync < 1) throw InvalidArgument("--softsync must be >= 1");
       break;
     case Scheme::kGossip:
-      if (s.gossipPeers < 1) throw InvalidArgument("--gossip-peers must be >= 1, got " + std::to_string(s.gossipPeers));
+      if (s.gossipPeers < 0) {
+        throw InvalidArgument("--gossip-peers must be >= 0 (0: all the others), got " + std::to_string(s.gossipPeers));
+      }
       break;
     case Scheme::kPipeline:
       // As cohort train: the codecs compress what data-parallel schemes exchange.

@@ -47,7 +47,7 @@ struct Scenario {
   int period = 1;  // average: steps between averages
   PsMode psMode = PsMode::Async;
   int shards = 1, backupWorkers = 0, staleness = 0, softsync = 1;
-  int gossipPeers = 1;
+  int gossipPeers = 0;  // peers each update goes to; 0: all the others (as cohort train)
   int stages = 2, microBatches = 4;
   double activationBytes = 0;  // pipeline: bytes crossing a cut per example
   double density = 0;          // share of gradient rows touched per step (sparse models); 0: dense

@@ -141,7 +141,7 @@ Totals simulatePipeline(const Scenario& s, const Derived& d, double computeScale
 Totals simulateGossip(const Scenario& s, const Derived& d, double computeScale) {
   Sampler sampler(s.tail, s.seed);
   Totals t;
-  const int peers = std::min(s.gossipPeers, d.p - 1);
+  const int peers = s.gossipPeers == 0 ? d.p - 1 : std::min(s.gossipPeers, d.p - 1);
   const double m = d.n * d.density * d.codec.sentFraction;
   const double ranks = std::max(1, s.network.ranksPerHost);
   const double encode = d.n * d.codec.encodeSecondsPerByte;
