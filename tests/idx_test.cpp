@@ -167,6 +167,53 @@ TEST(Idx, MnistDirChecksImageAndLabelCounts) {
             std::string::npos);
 }
 
+// An IDX data set of four files: images of `dims` ([N, H, W]) and `labels`, the same for train and
+// test.
+void writeIdxDir(const std::string& dir, std::vector<uint32_t> dims, const std::vector<uint8_t>& labels) {
+  size_t pixels = 1;
+  for (uint32_t d : dims) pixels *= d;
+  std::vector<uint8_t> labelBytes = idxBytes(0x08, {uint32_t(labels.size())}, 0);
+  labelBytes.insert(labelBytes.end(), labels.begin(), labels.end());
+  for (const char* split : {"train", "t10k"}) {
+    writeGzip(dir + "/" + split + "-images-idx3-ubyte.gz", idxBytes(0x08, dims, pixels));
+    writeGzip(dir + "/" + split + "-labels-idx1-ubyte.gz", labelBytes);
+  }
+}
+
+// Images of width 0 loaded, and the mlp failed in torch ("from is out of bounds for float").
+TEST(Idx, MnistDirRefusesImagesOfSizeZero) {
+  test::TempDir dir;
+  writeIdxDir(dir.path(), {3, 28, 0}, {0, 1, 2});
+  EXPECT_NE(errorOf([&] {
+              loadData("mnist:" + dir.path(), 1);
+            }).find("train-images-idx3-ubyte.gz: its images have a dimension of size 0 (dimension 2"),
+            std::string::npos)
+      << errorOf([&] { loadData("mnist:" + dir.path(), 1); });
+}
+
+// The classes are 0..the largest label: one stray 200 among labels 0..9 made a model of 201
+// outputs without a word; a single class trained "to accuracy 1.0".
+TEST(Idx, MnistDirRefusesLabelsThatAreMostlyMissingClasses) {
+  test::TempDir dir;
+  std::vector<uint8_t> labels;
+  for (int i = 0; i < 30; ++i) labels.push_back(uint8_t(i % 10));
+  labels[7] = 200;
+  writeIdxDir(dir.path(), {30, 4, 4}, labels);
+  EXPECT_NE(errorOf([&] {
+              loadData("mnist:" + dir.path(), 1);
+            }).find("its labels run to 200, but only 11 of the 201 classes 0..200 have an example"),
+            std::string::npos)
+      << errorOf([&] { loadData("mnist:" + dir.path(), 1); });
+  test::TempDir one;
+  writeIdxDir(one.path(), {4, 4, 4}, {3, 3, 3, 3});
+  EXPECT_NE(errorOf([&] { loadData("mnist:" + one.path(), 1); }).find("every label is 3"), std::string::npos);
+  // Classes 0..9 with one of them absent load, as ten classes.
+  test::TempDir gap;
+  for (auto& l : labels) l = l == 200 ? 1 : l == 5 ? 4 : l;
+  writeIdxDir(gap.path(), {30, 4, 4}, labels);
+  EXPECT_EQ(loadData("mnist:" + gap.path(), 1).classes, 10);
+}
+
 TEST(Data, SyntheticIsDeterministicAndShaped) {
   DataSplits a = loadData("synthetic:600", 5);
   DataSplits b = loadData("synthetic:600", 5);

@@ -40,6 +40,10 @@ Dataset loadIdxPair(const std::string& dir, const std::string& prefix) {
   COHORT_CHECK(images.dims[0] == labels.dims[0], IoError, imagesPath, " holds ", images.dims[0],
                " images but ", labelsPath, " holds ", labels.dims[0], " labels");
   COHORT_CHECK(images.dims[0] > 0, IoError, imagesPath, ": holds no images");
+  for (size_t d = 1; d < images.dims.size(); ++d) {
+    COHORT_CHECK(images.dims[d] > 0, IoError, imagesPath, ": its images have a dimension of size 0 (dimension ", d,
+                 " of its header's ", images.dims.size(), ")");
+  }
   std::vector<int64_t> shape = images.dims;
   if (shape.size() == 3) shape.insert(shape.begin() + 1, 1);
   Dataset data;
@@ -60,6 +64,15 @@ DataSplits loadIdxDir(const std::string& name, const std::string& dir) {
   const int64_t maxLabel =
       std::max(splits.train.labels.max().item<int64_t>(), splits.test.labels.max().item<int64_t>());
   splits.classes = maxLabel + 1;
+  // The classes are 0..the largest label: a stray large label (a damaged file) would make a model
+  // of that many outputs without a word, most of them for classes no example has.
+  const torch::Tensor seen = torch::cat({splits.train.labels, splits.test.labels}).bincount({}, splits.classes) > 0;
+  const int64_t present = seen.sum().item<int64_t>();
+  COHORT_CHECK(present >= 2, IoError, dir, ": every label is ", maxLabel,
+               ": a classifier needs examples of at least 2 classes");
+  COHORT_CHECK(2 * present > splits.classes, IoError, dir, ": its labels run to ", maxLabel, ", but only ", present,
+               " of the ", splits.classes, " classes 0..", maxLabel,
+               " have an example: a damaged labels file? (the classes are 0 to the largest label)");
   return splits;
 }
 
