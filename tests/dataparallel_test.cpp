@@ -89,6 +89,21 @@ TEST(DataParallel, AllreduceReplicasStayBitIdentical) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i;
 }
 
+// A batch beyond a rank's share of the data was the whole share every step (each step an epoch,
+// 100 samples a step where 160 were asked for), without a word.
+TEST(DataParallel, ABatchBeyondARanksShareIsRefused) {
+  auto r = test::runCommand(launch(2) + test::cohortBinary() +
+                                " train --model mlp --data synthetic:100 --batch 80 --steps 4 --strategy allreduce "
+                                "--progress off --timeout 30",
+                            120);
+  EXPECT_NE(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("--batch 80 is larger than this process's share of the training set (50 of 100 examples "
+                          "over 2 data-parallel processes): use --batch of at most 50"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("done:"), std::string::npos) << r.output;
+}
+
 TEST(DataParallel, AverageWithPeriodKeepsReplicasAveragedAtTheEnd) {
   test::TempDir dir;
   auto r = test::runCommand(launch(2) + test::cohortBinary() +

@@ -160,6 +160,47 @@ TEST(Evaluator, ToleratesAKillAndARestart) {
   EXPECT_EQ(done[0]["evaluated_by_this_process"].get<int64_t>(), 4);
 }
 
+// Tensor parallelism checkpoints each way in its own directory (way-0/, way-1/): its chief was
+// let through with an evaluator task, which waited out its --evaluator-timeout for a checkpoint
+// in --checkpoint-dir itself and failed. Refused before training, by the workers and the evaluator.
+TEST(Evaluator, UnderTensorParallelismIsRefused) {
+  test::TempDir dir;
+  auto r = test::runCommand(test::cohortBinary() + " launch -n 2 --evaluator -- " + train() +
+                                " --strategy tensor --ways 2" + kSmallRun + " --steps 20 --checkpoint-every 10 " +
+                                "--timeout 30 --evaluator-timeout 100 --checkpoint-dir " + dir.file("ckpt"),
+                            120);
+  EXPECT_NE(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("--strategy tensor does not write whole-model checkpoints, which an evaluator task reads"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[evaluator] cohort: error: an evaluator task reads whole-model checkpoints, which "
+                          "--strategy tensor does not write (it checkpoints per way)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("no new checkpoint"), std::string::npos) << r.output;
+}
+
+// --max-seconds stops a run whose evaluations are the evaluator's: it never acted there (the
+// chief's evaluation points only wrote checkpoints).
+TEST(Evaluator, MaxSecondsStopsTheRunItEvaluates) {
+  test::TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  auto r = test::runCommand(test::cohortBinary() + " launch -n 1 --evaluator -- " + train() + kSmallRun +
+                                " --steps 100000 --eval-every 20 --max-seconds 1 --test-slow-worker 0:0.01 "
+                                "--device cpu --checkpoint-dir " +
+                                ckpt + " --metrics " + dir.file("m.jsonl"),
+                            180);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto done = events(dir.file("m.jsonl"), "done");
+  ASSERT_EQ(done.size(), 1u) << r.output;
+  const int64_t steps = done[0]["steps"].get<int64_t>();
+  EXPECT_LT(steps, 100000);
+  EXPECT_EQ(steps % 20, 0) << "it stops at an evaluation point";
+  const auto record = events(ckpt + "/evaluator-0.jsonl", "done");
+  ASSERT_EQ(record.size(), 1u) << r.output;
+  EXPECT_EQ(record[0]["final_step"].get<int64_t>(), steps);
+}
+
 TEST(Evaluator, WithoutACheckpointDirectoryIsAOneLineError) {
   const std::string tf = "env TF_CONFIG='{\"cluster\":{\"chief\":[\"127.0.0.1:0\"],"
                          "\"evaluator\":[\"127.0.0.1:0\"]},\"task\":{\"type\":\"evaluator\",\"index\":0}}' ";

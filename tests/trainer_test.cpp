@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <limits>
 
 #include "test_util.h"
@@ -236,6 +237,81 @@ TEST(Trainer, MetricsHaveStepEvalAndDoneEvents) {
   EXPECT_EQ(nlohmann::json::parse(lines.back())["event"], "done");
 }
 
+// A run resumed from step 5 after it reached step 7: the metrics held steps 6 and 7 twice and two
+// done events. Every step is there once, and the one done event is the resumed run's.
+TEST(Trainer, ResumeKeepsEveryStepOnceInTheMetrics) {
+  test::TempDir dir;
+  TrainOptions o = smallRun();
+  o.steps = 7;
+  o.checkpointEvery = 5;
+  o.evalEvery = 3;
+  o.checkpointDir = dir.file("ckpt");
+  o.metricsPath = dir.file("m.jsonl");
+  Trainer(o).run();
+  std::filesystem::remove(dir.file("ckpt/ckpt-0000000007.ckpt"));  // as if it crashed after step 7
+  test::writeFile(o.metricsPath, test::readFile(o.metricsPath) + "{\"event\":\"step\",\"st");  // cut off by a kill
+  o.steps = 10;
+  o.resume = true;
+  testing::internal::CaptureStderr();
+  Trainer(o).run();
+  const std::string err = testing::internal::GetCapturedStderr();
+  // Steps 6 and 7, the evals at 6 and at the end (7), the done event and the cut-off line.
+  EXPECT_NE(err.find("--metrics " + o.metricsPath + ": 6 lines past step 5 dropped"), std::string::npos) << err;
+  std::vector<int64_t> steps, evals;
+  int done = 0;
+  for (const auto& line : test::lines(test::readFile(o.metricsPath))) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["event"] == "step") steps.push_back(j["step"]);
+    if (j["event"] == "eval") evals.push_back(j["step"]);
+    if (j["event"] == "done") ++done;
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}));
+  EXPECT_EQ(evals, (std::vector<int64_t>{3, 6, 9, 10}));
+  EXPECT_EQ(done, 1);
+}
+
+// The epoch of an eval event is its last step's: the run's end after epoch 1's last step was
+// labelled epoch 2, which does not exist.
+TEST(Trainer, AnEvalAtAnEpochsEndCarriesThatEpoch) {
+  test::TempDir dir;
+  TrainOptions o = smallRun();
+  o.batch = 64;  // 10 steps per epoch of 640
+  o.epochs = 2;
+  o.evalEvery = 10;
+  o.metricsPath = dir.file("m.jsonl");
+  Trainer(o).run();
+  std::vector<std::pair<int64_t, int64_t>> evals;  // (step, epoch)
+  for (const auto& line : test::lines(test::readFile(o.metricsPath))) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["event"] == "eval") evals.emplace_back(j["step"], j["epoch"]);
+  }
+  EXPECT_EQ(evals, (std::vector<std::pair<int64_t, int64_t>>{{10, 0}, {20, 1}}));
+}
+
+// --momentum on --resume applies, as --lr does: LibTorch's load put the checkpoint's back silently.
+TEST(Trainer, ResumeAppliesTheRunsMomentum) {
+  // Steps 6..10 resumed with `momentum` from 5 steps at momentum 0.9; the parameters after them.
+  const auto resumedWith = [](double momentum, std::string& err) {
+    test::TempDir dir;
+    TrainOptions o = checkpointedRunOf5Steps(dir);
+    o.steps = 10;
+    o.resume = true;
+    o.momentum = momentum;
+    testing::internal::CaptureStderr();
+    Trainer t(o);
+    err = testing::internal::GetCapturedStderr();
+    t.run();
+    return parametersOf(t);
+  };
+  std::string said, saidNothing;
+  const auto without = resumedWith(0.0, said);
+  const auto with = resumedWith(0.9, saidNothing);
+  EXPECT_NE(said.find("the checkpoint's momentum was 0.9; this run's --momentum 0 applies"), std::string::npos) << said;
+  EXPECT_EQ(saidNothing.find("momentum"), std::string::npos) << saidNothing;
+  ASSERT_EQ(without.size(), with.size());
+  EXPECT_FALSE(torch::equal(without[0], with[0])) << "--momentum 0 on --resume trained with the checkpoint's 0.9";
+}
+
 TEST(Trainer, TargetAccuracyStopsEarly) {
   TrainOptions o = smallRun();
   o.data = "synthetic:1200";
@@ -279,6 +355,33 @@ TEST(Trainer, RefusesABatchLargerThanTheTrainingSet) {
                               "--batch of at most 60"),
             std::string::npos)
       << refusalOf(o);
+}
+
+// Options that would silently do nothing.
+TEST(Trainer, RefusesOptionsThatCannotAct) {
+  TrainOptions o = smallRun();
+  o.checkpointEvery = 10;
+  EXPECT_NE(refusalOf(o).find("--checkpoint-every 10 without --checkpoint-dir writes no checkpoint"), std::string::npos)
+      << refusalOf(o);
+  o = smallRun();
+  o.maxSeconds = 5;
+  EXPECT_NE(refusalOf(o).find("--max-seconds stops the run at an evaluation, and with --eval-every 0"),
+            std::string::npos)
+      << refusalOf(o);
+  o = smallRun();
+  o.targetAccuracy = 0.5;
+  EXPECT_NE(refusalOf(o).find("--target-accuracy stops the run at an evaluation"), std::string::npos) << refusalOf(o);
+  // The chief's model under pipeline and tensor is a part: its file named the whole model and
+  // could not be loaded.
+  for (Scheme scheme : {Scheme::kPipeline, Scheme::kTensor}) {
+    o = smallRun();
+    o.strategy.scheme = scheme;
+    o.saveModelPath = "/tmp/never-written.pt";
+    EXPECT_NE(refusalOf(o).find("--save-model writes the whole model, and --strategy " +
+                                std::string(schemeName(scheme)) + " keeps a part of it on each process"),
+              std::string::npos)
+        << refusalOf(o);
+  }
 }
 
 TEST(Trainer, RejectsBadOptions) {

@@ -255,15 +255,16 @@ std::string optimizerBytes(const torch::optim::Optimizer& optimizer) {
   return bytes;
 }
 
-std::vector<double> loadOptimizerKeepingLearningRates(torch::optim::Optimizer& optimizer,
-                                                      torch::serialize::InputArchive& archive) {
-  std::vector<double> kept;
-  for (auto& group : optimizer.param_groups()) kept.push_back(group.options().get_lr());
+std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> loadOptimizerKeepingOptions(
+    torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> kept;
+  for (auto& group : optimizer.param_groups()) kept.push_back(group.options().clone());
   optimizer.load(archive);
-  std::vector<double> saved;
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> saved;
   for (size_t g = 0; g < kept.size(); ++g) {
-    saved.push_back(optimizer.param_groups()[g].options().get_lr());
-    optimizer.param_groups()[g].options().set_lr(kept[g]);
+    auto& group = optimizer.param_groups()[g];
+    saved.push_back(group.options().clone());
+    group.set_options(std::move(kept[g]));
   }
   return saved;
 }

@@ -69,11 +69,11 @@ void clearGradients(torch::nn::Module& model);
 // An optimizer's state (what its save() writes) as bytes, for a copy or a gather. Not a collective.
 std::string optimizerBytes(const torch::optim::Optimizer& optimizer);
 
-// Loads `archive` into `optimizer` and puts each group's learning rate back as it was: LibTorch's
-// load() restores the saved groups' options, the learning rate among them, which would override the
-// run's --lr without a word. Returns the saved rates, group by group.
-std::vector<double> loadOptimizerKeepingLearningRates(torch::optim::Optimizer& optimizer,
-                                                      torch::serialize::InputArchive& archive);
+// Loads `archive` into `optimizer` and puts each group's options back as they were: LibTorch's
+// load() restores the saved groups' options (the learning rate, the momentum), which would
+// override the run's --lr and --momentum without a word. Returns the saved options, group by group.
+std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> loadOptimizerKeepingOptions(
+    torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive);
 
 // The parameter dtypes the data-parallel handles sum and average (float32, float64, float16,
 // bfloat16): what Gloo and NCCL reduce. The float8 types are floating point too, but refused.

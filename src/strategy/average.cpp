@@ -86,13 +86,13 @@ void AverageStrategy::loadState(torch::serialize::InputArchive& archive) {
   COHORT_CHECK(averaging_ != nullptr, Error, "AverageStrategy::loadState before attach");
   // This rank's own optimizer state, over the writer's that the Trainer restored (absent from
   // checkpoints of an earlier cohort: then every rank resumes with the writer's). The run's
-  // learning rate, which the Trainer set after its load, stays.
+  // learning rate and momentum, which the Trainer put back after its load, stay.
   if (torch::Tensor packed; archive.try_read("optimizer_state_" + std::to_string(comm_->rank()), packed)) {
     const torch::Tensor bytes = packed.to(torch::kCPU).contiguous();
     torch::serialize::InputArchive mine;
     mine.load_from(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), size_t(bytes.numel()),
                    model_->parameters().front().device());
-    loadOptimizerKeepingLearningRates(*optimizer_, mine);
+    loadOptimizerKeepingOptions(*optimizer_, mine);
   }
   // This rank's own loss scaler, over the writer's that the Trainer restored.
   if (torch::Tensor scalers; scaler() != nullptr && archive.try_read("grad_scalers", scalers)) {

@@ -309,9 +309,13 @@ int runEvaluator(const TrainOptions& o, const ClusterSpec& cluster, const Evalua
   COHORT_CHECK(!o.checkpointDir.empty(), InvalidArgument, "this process is evaluator ", cluster.rank,
                ", which evaluates the checkpoints the chief writes, but no --checkpoint-dir was given: "
                "give the workers' --checkpoint-dir");
-  COHORT_CHECK(o.strategy.scheme != Scheme::kPipeline && o.strategy.scheme != Scheme::kPs, InvalidArgument,
-               "an evaluator task reads whole-model checkpoints, which --strategy ", schemeName(o.strategy.scheme),
-               " does not write (it checkpoints per ", o.strategy.scheme == Scheme::kPs ? "shard" : "stage",
+  const Scheme scheme = o.strategy.scheme;
+  COHORT_CHECK(scheme != Scheme::kPipeline && scheme != Scheme::kPs && scheme != Scheme::kTensor, InvalidArgument,
+               "an evaluator task reads whole-model checkpoints, which --strategy ", schemeName(scheme),
+               " does not write (it checkpoints per ",
+               scheme == Scheme::kPs         ? "shard"
+               : scheme == Scheme::kPipeline ? "stage"
+                                             : "way",
                "): drop the evaluator task");
   const char* ompThreads = std::getenv("OMP_NUM_THREADS");
   setComputeThreads(o.threads > 0                                        ? o.threads

@@ -22,9 +22,13 @@ std::string clock(double seconds) {
 
 }  // namespace
 
-Progress::Progress(Style style, int64_t totalSteps, double lineIntervalSeconds)
-    : style_(style), total_(totalSteps), interval_(lineIntervalSeconds),
-      start_(std::chrono::steady_clock::now()), lastDraw_(start_) {}
+Progress::Progress(Style style, int64_t totalSteps, double lineIntervalSeconds, int64_t firstStep)
+    : style_(style),
+      total_(totalSteps),
+      first_(firstStep),
+      interval_(lineIntervalSeconds),
+      start_(std::chrono::steady_clock::now()),
+      lastDraw_(start_) {}
 
 Progress::Style Progress::autoStyle() { return ::isatty(STDERR_FILENO) ? Style::kBar : Style::kLines; }
 
@@ -44,7 +48,7 @@ void Progress::draw(bool force) {
   if (!force && sinceDraw < minInterval) return;
   lastDraw_ = now;
   const double elapsed = std::chrono::duration<double>(now - start_).count();
-  const double eta = (total_ > 0 && step_ > 0) ? elapsed / double(step_) * double(total_ - step_) : -1;
+  const double eta = (total_ > 0 && step_ > first_) ? elapsed / double(step_ - first_) * double(total_ - step_) : -1;
   char line[256];
   if (style_ == Style::kBar) {
     constexpr int kWidth = 30;

@@ -11,8 +11,9 @@ class Progress {
  public:
   enum class Style { kBar, kLines, kOff };
 
-  // totalSteps may be 0 when unknown.
-  Progress(Style style, int64_t totalSteps, double lineIntervalSeconds);
+  // totalSteps may be 0 when unknown. firstStep: the step a resumed run starts after (the ETA is
+  // timed on the steps this process made).
+  Progress(Style style, int64_t totalSteps, double lineIntervalSeconds, int64_t firstStep = 0);
 
   // Chooses kBar when stderr is a terminal, else kLines.
   static Style autoStyle();
@@ -27,6 +28,7 @@ class Progress {
 
   Style style_;
   int64_t total_;
+  int64_t first_;
   double interval_;
   std::chrono::steady_clock::time_point start_;
   std::chrono::steady_clock::time_point lastDraw_;

@@ -1,22 +1,29 @@
 // The Trainer's set-up: the job and its scheme, the data, the model on its device, the optimizer,
 // the sampler, the checkpoints (resumed when asked), and the chief's metrics.
+#include "base/compute_threads.h"
+#include "base/files.h"
 #include "base/launcher_channel.h"
 #include "train/evaluator.h"
-#include "base/compute_threads.h"
 #include "train/threads.h"
 #include "train/trainer_internal.h"
 #include <cohort/error.h>
 #include <cohort/job.h>
 #include <cohort/models.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <thread>
 
 namespace cohort {
 
 namespace {
+
+namespace fs = std::filesystem;
 
 // Threads for this process when --threads is not given: OMP_NUM_THREADS (cohort launch sets it),
 // else its share of this host's cores, no more than are idle (its siblings may be running).
@@ -44,6 +51,32 @@ StrategyOptions strategyOptions(const TrainOptions& o) {
   so.gossip.authToken = o.strategy.ps.authToken;
   so.gossip.seed = o.seed;
   return so;
+}
+
+// A resumed run goes on from its checkpoint's step: the metrics file's lines past that step (the
+// ones the crash undid, which the run writes again), an earlier run's done event and a line a
+// kill cut off go, so that every step is there once. Only a regular file is rewritten.
+void keepMetricsUpTo(const std::string& path, int64_t step) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return;
+  std::ifstream in(path);
+  std::string kept, line;
+  int64_t dropped = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const bool keep = j.is_object() && j.value("event", "") != "done" &&
+                      (!j.contains("step") || (j["step"].is_number_integer() && j["step"].get<int64_t>() <= step));
+    if (keep) {
+      kept += line + "\n";
+    } else {
+      ++dropped;
+    }
+  }
+  COHORT_CHECK(!in.bad(), IoError, path, ": cannot read the metrics file to resume it");
+  if (dropped == 0) return;
+  replaceFileWithText(path, kept);
+  std::fprintf(stderr, "cohort: --metrics %s: %lld lines past step %lld dropped (the run writes them again)\n",
+               path.c_str(), (long long)dropped, (long long)step);
 }
 
 }  // namespace
@@ -141,6 +174,12 @@ void Trainer::State::makeSampler() {
   sampler = std::make_unique<ShardSampler>(SamplerOptions{
       .datasetSize = data.train.size(), .rank = shard.index, .worldSize = shard.count, .seed = options.seed});
   COHORT_CHECK(sampler->samplesPerRank() > 0, InvalidArgument, "the training set is empty");
+  // As for one process (loadTrainingData): a batch beyond this process's share would silently be
+  // the whole share, every step.
+  COHORT_CHECK(options.batch <= sampler->samplesPerRank(), InvalidArgument, "--batch ", options.batch,
+               " is larger than this process's share of the training set (", sampler->samplesPerRank(), " of ",
+               data.train.size(), " examples over ", shard.count, " data-parallel processes): use --batch of at most ",
+               sampler->samplesPerRank(), ", or more data");
 }
 
 // Who writes checkpoints where, and what the evaluator tasks of the cluster need of them.
@@ -172,9 +211,12 @@ void Trainer::State::planCheckpoints() {
   COHORT_CHECK(!o.checkpointDir.empty(), InvalidArgument,
                "the cluster has an evaluator task, which evaluates "
                "the checkpoints the chief writes, but no --checkpoint-dir was given: give one to every task");
-  COHORT_CHECK(checkpoints != nullptr || !replica.isChief(), InvalidArgument, "--strategy ",
-               schemeName(o.strategy.scheme),
-               " does not write whole-model checkpoints, which an evaluator task reads: drop the evaluator task");
+  // Every process of a part's group checks (pipeline: stage-N/, tensor: way-N/): the evaluator
+  // looks in --checkpoint-dir itself, and would wait out its --evaluator-timeout for nothing.
+  COHORT_CHECK(
+      (checkpoints != nullptr || !replica.isChief()) && checkpointPlan.subdir.empty() && !checkpointPlan.keptByScheme,
+      InvalidArgument, "--strategy ", schemeName(o.strategy.scheme),
+      " does not write whole-model checkpoints, which an evaluator task reads: drop the evaluator task");
   COHORT_CHECK(o.targetAccuracy == 0, InvalidArgument,
                "--target-accuracy needs the chief's own evaluation, and "
                "the cluster has an evaluator task: drop one of them");
@@ -217,11 +259,14 @@ void Trainer::State::attachStrategy() {
   }
 }
 
-// The chief's metrics file and TensorBoard events (a resumed or restarted run appends).
+// The chief's metrics file and TensorBoard events (a resumed or restarted run appends, after the
+// lines of its checkpoint's steps).
 void Trainer::State::openChiefOutputs() {
   if (!replica.isChief()) return;
   const TrainOptions& o = options;
-  metrics = std::make_unique<MetricsWriter>(o.metricsPath, o.resume || o.restartCount > 0);
+  const bool append = o.resume || o.restartCount > 0;
+  if (append && !o.metricsPath.empty()) keepMetricsUpTo(o.metricsPath, step);
+  metrics = std::make_unique<MetricsWriter>(o.metricsPath, append);
   if (!o.tensorboardDir.empty()) board = std::make_unique<TensorBoardWriter>(o.tensorboardDir);
 }
 

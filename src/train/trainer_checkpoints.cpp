@@ -87,12 +87,18 @@ void Trainer::State::restore(const LoadedCheckpoint& ckpt) {
     model->load(modelArchive);
     torch::serialize::InputArchive optimizerArchive;
     archive.read("optimizer", optimizerArchive);
-    // The run's --lr (the optimizer was made with it) wins over the checkpoint's, as the command
-    // line does over --config; a change is said.
-    for (const double saved : loadOptimizerKeepingLearningRates(*optimizer, optimizerArchive)) {
-      if (saved != options.lr && replica.isChief()) {
-        std::fprintf(stderr, "cohort: the checkpoint's learning rate was %g; this run's --lr %g applies\n", saved,
-                     options.lr);
+    // The run's --lr and --momentum (the optimizer was made with them) win over the checkpoint's,
+    // as the command line does over --config; a change is said.
+    for (const auto& saved : loadOptimizerKeepingOptions(*optimizer, optimizerArchive)) {
+      if (!replica.isChief()) break;
+      if (saved->get_lr() != options.lr) {
+        std::fprintf(stderr, "cohort: the checkpoint's learning rate was %g; this run's --lr %g applies\n",
+                     saved->get_lr(), options.lr);
+      }
+      const auto* sgd = dynamic_cast<const torch::optim::SGDOptions*>(saved.get());
+      if (sgd != nullptr && options.optimizer == OptimizerKind::kMomentum && sgd->momentum() != options.momentum) {
+        std::fprintf(stderr, "cohort: the checkpoint's momentum was %g; this run's --momentum %g applies\n",
+                     sgd->momentum(), options.momentum);
       }
     }
     // Absent from a checkpoint written without --autocast fp16: the scaler starts as a new run's.

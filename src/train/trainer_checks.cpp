@@ -60,6 +60,21 @@ void validate(const TrainOptions& o) {
                o.checkpointEvery);
   COHORT_CHECK(!o.resume || !o.checkpointDir.empty(), InvalidArgument,
                "--resume needs --checkpoint-dir to find the checkpoint");
+  // Under ps the workers' --checkpoint-every tells the shards, which have a directory of their own.
+  COHORT_CHECK(o.checkpointEvery == 0 || !o.checkpointDir.empty() || o.strategy.scheme == Scheme::kPs, InvalidArgument,
+               "--checkpoint-every ", o.checkpointEvery,
+               " without --checkpoint-dir writes no checkpoint: give --checkpoint-dir DIR");
+  // They are looked at when the run evaluates; with --eval-every 0 that is only at its end.
+  COHORT_CHECK(o.evalEvery > 0 || (o.maxSeconds == 0 && o.targetAccuracy == 0), InvalidArgument,
+               o.maxSeconds > 0 ? "--max-seconds" : "--target-accuracy",
+               " stops the run at an evaluation, and with --eval-every 0 the run evaluates only at its end: give "
+               "--eval-every N (steps between evaluations)");
+  // The chief's model there is its stage or its way, not the whole model the file would name.
+  COHORT_CHECK(
+      o.saveModelPath.empty() || (o.strategy.scheme != Scheme::kPipeline && o.strategy.scheme != Scheme::kTensor),
+      InvalidArgument, "--save-model writes the whole model, and --strategy ", schemeName(o.strategy.scheme),
+      " keeps a part of it on each process (", o.strategy.scheme == Scheme::kPipeline ? "a stage" : "a way",
+      "): drop --save-model; --checkpoint-dir keeps every part's parameters");
   COHORT_CHECK(o.momentum >= 0 && o.momentum < 1, InvalidArgument, "--momentum must be in [0, 1), got ", o.momentum);
   COHORT_CHECK(o.strategy.average.outerLr > 0 && std::isfinite(o.strategy.average.outerLr), InvalidArgument,
                "--outer-lr must be a positive number, got ", o.strategy.average.outerLr);

@@ -59,7 +59,9 @@ Scores Trainer::State::evaluateOn(const Dataset& set) {
 }
 
 MetricFields Trainer::State::evalFields(const Eval& ev) const {
-  MetricFields fields{{"step", step}, {"epoch", epoch}};
+  // The epoch of the last step: at an epoch's end the loop has counted the next one already.
+  const int64_t stepEpoch = stepInEpoch == 0 && step > 0 ? epoch - 1 : epoch;
+  MetricFields fields{{"step", step}, {"epoch", stepEpoch}};
   MetricFields scores = scoreFields("", ev.test, false);
   fields.insert(fields.end(), scores.begin(), scores.end());
   if (ev.validation) {

@@ -120,7 +120,7 @@ class Trainer::State::Loop {
         totalSteps_(o_.steps > 0 ? o_.steps : o_.epochs * perEpoch_),
         loss_(o_.loss ? o_.loss : LossFn(crossEntropy)),
         serverCheckpoints_(s_.checkpointPlan.keptByScheme),
-        progress_(progressStyle(o_.progress, chief_), totalSteps_, o_.progressIntervalSeconds),
+        progress_(progressStyle(o_.progress, chief_), totalSteps_, o_.progressIntervalSeconds, s_.step),
         profiler_(o_.profile, s_.device, s_.cluster.rank, s_.cluster.worldSize),
         start_(Clock::now()),
         firstStep_(s_.step) {}
@@ -305,10 +305,11 @@ class Trainer::State::Loop {
   void evaluateAtPoint() {
     if (s_.evaluators > 0) {  // the evaluator task evaluates the checkpoint; no rank pauses for it
       s_.saveCheckpoint(/*final=*/false);
-      return;
+      if (chief_ && o_.maxSeconds > 0 && secondsSince(start_) >= o_.maxSeconds) stop_ = true;
+    } else {
+      s_.strategy->synchronize();
+      joinEvaluation();
     }
-    s_.strategy->synchronize();
-    joinEvaluation();
     if (s_.comm && (o_.targetAccuracy > 0 || o_.maxSeconds > 0)) {
       auto flag = torch::tensor({stop_ ? 1 : 0}, torch::kInt32);
       s_.comm->broadcast(flag, 0);
