@@ -381,6 +381,8 @@ TEST(Trainer, RefusesOptionsThatCannotAct) {
                                 std::string(schemeName(scheme)) + " keeps a part of it on each process"),
               std::string::npos)
         << refusalOf(o);
+    o.saveModelPath = "/tmp/never-written-{rank}.pt";  // each process writes its own part
+    EXPECT_EQ(refusalOf(o).find("--save-model"), std::string::npos) << refusalOf(o);
   }
 }
 

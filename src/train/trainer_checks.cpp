@@ -69,12 +69,13 @@ void validate(const TrainOptions& o) {
                o.maxSeconds > 0 ? "--max-seconds" : "--target-accuracy",
                " stops the run at an evaluation, and with --eval-every 0 the run evaluates only at its end: give "
                "--eval-every N (steps between evaluations)");
-  // The chief's model there is its stage or its way, not the whole model the file would name.
-  COHORT_CHECK(
-      o.saveModelPath.empty() || (o.strategy.scheme != Scheme::kPipeline && o.strategy.scheme != Scheme::kTensor),
-      InvalidArgument, "--save-model writes the whole model, and --strategy ", schemeName(o.strategy.scheme),
-      " keeps a part of it on each process (", o.strategy.scheme == Scheme::kPipeline ? "a stage" : "a way",
-      "): drop --save-model; --checkpoint-dir keeps every part's parameters");
+  // The chief's model there is its stage or its way, not the whole model the file would name
+  // (with {rank} in the path each process writes its own part, as it is).
+  COHORT_CHECK(o.saveModelPath.empty() || o.saveModelPath.find("{rank}") != std::string::npos ||
+                   (o.strategy.scheme != Scheme::kPipeline && o.strategy.scheme != Scheme::kTensor),
+               InvalidArgument, "--save-model writes the whole model, and --strategy ", schemeName(o.strategy.scheme),
+               " keeps a part of it on each process (", o.strategy.scheme == Scheme::kPipeline ? "a stage" : "a way",
+               "): drop --save-model, or put {rank} in its path to write each process's part");
   COHORT_CHECK(o.momentum >= 0 && o.momentum < 1, InvalidArgument, "--momentum must be in [0, 1), got ", o.momentum);
   COHORT_CHECK(o.strategy.average.outerLr > 0 && std::isfinite(o.strategy.average.outerLr), InvalidArgument,
                "--outer-lr must be a positive number, got ", o.strategy.average.outerLr);
