@@ -1,9 +1,11 @@
 // The Communicator with ranks as threads of one process, over a real TCPStore on 127.0.0.1.
 #include <cohort/communicator.h>
 #include <cohort/error.h>
+#include <cohort/job.h>
 
 #include <torch/torch.h>
 
+#include <optional>
 #include <thread>
 
 #include "rank_threads.h"
@@ -180,6 +182,40 @@ TEST(Communicator, RendezvousTimesOutNamingTheChief) {
               std::string::npos)
         << e.what();
   }
+}
+
+// A second Job of the same process and rank: it started a second store on the chief's port
+// ("another job uses the port") or waited out the timeout for a group that cannot form. Refused at
+// once; a copy of the first shares its communicator, and once the first is gone a new one joins.
+TEST(Communicator, ASecondJobOfTheSameRankIsRefused) {
+  const test::ReservedPort port;
+  const auto specOf = [&](int rank) {
+    return ClusterSpec{.rank = rank, .worldSize = 2, .master = {"127.0.0.1", port.port()}};
+  };
+  const JobOptions options{.timeout = std::chrono::seconds(30)};
+  std::optional<Job> first;
+  std::thread other([&] {
+    const Job job = Job::fromSpec(specOf(1), options);
+    job.communicator()->barrier();
+    job.communicator()->barrier();  // until rank 0 has tried its second Job
+  });
+  first.emplace(Job::fromSpec(specOf(0), options));
+  first->communicator()->barrier();
+  const Job copy = *first;
+  EXPECT_EQ(copy.communicator(), first->communicator());
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    Job::fromSpec(specOf(0), options).communicator();
+    ADD_FAILURE() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("this process has joined the job already (127.0.0.1:" +
+                                         std::to_string(port.port()) + " rank 0) through another Job"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  first->communicator()->barrier();
+  other.join();
 }
 
 }  // namespace

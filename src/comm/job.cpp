@@ -5,6 +5,9 @@
 #include <cohort/error.h>
 #include <cohort/job.h>
 
+#include <string>
+#include <vector>
+
 namespace cohort {
 
 struct COHORT_LOCAL Job::State {
@@ -15,6 +18,53 @@ struct COHORT_LOCAL Job::State {
   std::shared_ptr<Communicator> comm GUARDED_BY(mutex);  // connected on first use
   bool given = false;  // comm came from fromCommunicator()
 };
+
+namespace {
+
+// The communicators this process has joined through a Job, by (master, rank): a second Job of the
+// same process and rank would start a second store on the chief's port ("address already in use:
+// another job uses the port") or wait out the timeout for a Gloo group that cannot form.
+// Tests that run ranks as threads of one process join as different ranks.
+struct Joined {
+  std::string key;
+  std::weak_ptr<Communicator> comm;
+  bool connecting = true;  // the connect is under way (the lock is not held across it)
+};
+Mutex joinedMutex;
+std::vector<Joined> joined GUARDED_BY(joinedMutex);
+
+// Reserves `key` for a connect; throws InvalidArgument when this process holds it already.
+void reserveJoin(const std::string& key) {
+  MutexLock lock(joinedMutex);
+  std::erase_if(joined, [](const Joined& j) { return !j.connecting && j.comm.expired(); });
+  for (const Joined& j : joined) {
+    COHORT_CHECK(j.key != key, InvalidArgument, "this process has joined the job already (", key,
+                 ") through another Job: copy that Job (copies share its communicator) instead of making a second "
+                 "one, or destroy everything made from the first before");
+  }
+  joined.push_back({key, {}, true});
+}
+
+// The reservation's outcome: the communicator, or null when the connect failed.
+void settleJoin(const std::string& key, const std::shared_ptr<Communicator>& comm) {
+  MutexLock lock(joinedMutex);
+  for (auto j = joined.begin(); j != joined.end(); ++j) {
+    if (j->key != key || !j->connecting) continue;
+    if (comm == nullptr) {
+      joined.erase(j);
+    } else {
+      j->comm = comm;
+      j->connecting = false;
+    }
+    return;
+  }
+}
+
+std::string joinKey(const ClusterSpec& spec) {
+  return spec.master.host + ":" + std::to_string(spec.master.port) + " rank " + std::to_string(spec.rank);
+}
+
+}  // namespace
 
 Job Job::fromEnvironment(const JobOptions& options) { return fromSpec(resolveClusterFromEnvironment(), options); }
 
@@ -61,8 +111,17 @@ std::shared_ptr<Communicator> Job::communicator() const {
   if (state_->comm || state_->spec.worldSize <= 1) return state_->comm;
   COHORT_CHECK(state_->spec.role == Role::kWorker, InvalidArgument, "this process is not a worker (",
                describe(state_->spec), "): only workers join the workers' communicator");
-  state_->comm = Communicator::connect(
-      state_->spec, CommOptions{.timeout = state_->options.timeout, .backend = state_->options.backend, .env = state_->options.env});
+  const std::string key = joinKey(state_->spec);
+  reserveJoin(key);
+  try {
+    state_->comm = Communicator::connect(state_->spec, CommOptions{.timeout = state_->options.timeout,
+                                                                   .backend = state_->options.backend,
+                                                                   .env = state_->options.env});
+  } catch (...) {
+    settleJoin(key, nullptr);
+    throw;
+  }
+  settleJoin(key, state_->comm);
   return state_->comm;
 }
 
