@@ -919,5 +919,19 @@ TEST(ReplicasCli, BalanceShardsReportsTheSplit) {
   EXPECT_LE(step["replica_largest_shard"].get<int64_t>(), 7);
 }
 
+// Without --replicas, mirrored runs as many replicas as this process has cores: under cohort
+// launch -n 2 on 2 cores that is OMP_NUM_THREADS=1 each, not the host's 2 (4 busy threads on 2
+// cores). 3 here is neither this machine's core count (at most 2 in CI) nor 1.
+TEST(ReplicasCli, TheDefaultReplicasAreTheProcesssCores) {
+  test::TempDir dir;
+  auto r = test::runCommand("env OMP_NUM_THREADS=3 " + test::cohortBinary() +
+                                " train --model mlp --data synthetic:64 --steps 1 --progress off --batch 12"
+                                " --strategy mirrored --metrics " +
+                                dir.file("m.jsonl"),
+                            120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(test::lastEvent(dir.file("m.jsonl"), "done")["replicas"], 3) << r.output;
+}
+
 }  // namespace
 }  // namespace cohort::replicas_test

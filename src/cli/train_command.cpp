@@ -391,7 +391,8 @@ void addModelParallelOptions(CLI::App* train, TrainFlags& f) {
   train
       ->add_option("--replicas", s.replicas,
                    "pipeline: R copies of the pipeline, data-parallel (default 1); mirrored, central, hogwild: R "
-                   "replica threads in this process sharing its --batch (default: its cores)")
+                   "replica threads in this process sharing its --batch (default: its cores, OMP_NUM_THREADS where set, "
+                   "as cohort launch sets it)")
       ->check(CLI::Range(1, std::numeric_limits<int>::max()))  // 0 would be "not given": the default
       ->group(mp);
   train

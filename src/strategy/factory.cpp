@@ -14,12 +14,20 @@
 #include "strategy/strategy.h"
 #include "strategy/tensor.h"
 
+#include <cstdlib>
 #include <thread>
 
 namespace cohort {
 
+// Without --replicas: this process's cores, which cohort launch (and mpirun or Slurm, where set)
+// gives as OMP_NUM_THREADS when processes share the host; else the host's.
 int replicaThreads(const StrategyOptions& options) {
   if (options.replicas > 0) return options.replicas;
+  if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr) {
+    char* end = nullptr;
+    const long share = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && share > 0 && share <= 4096) return int(share);
+  }
   return int(std::max(1u, std::thread::hardware_concurrency()));
 }
 
