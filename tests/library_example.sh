@@ -10,9 +10,10 @@ trap 'rm -rf "$work"' EXIT
 
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
 # The package's public interface (what a consumer compiles and links with) is torch and the
-# standard library: no source tree, no gRPC, protobuf or Gloo.
+# standard library: no source tree, no gRPC, protobuf or Gloo, and not this build's LibTorch by
+# its paths (the consumer's find_dependency(Torch) supplies it).
 targets=$(grep -h "INTERFACE_" "$work"/prefix/lib*/cmake/cohort/cohortTargets*.cmake)
-for leak in "$source/src" grpc protobuf gloo; do
+for leak in "$source/src" grpc protobuf gloo libc10 site-packages/torch; do
   if grep -qi -- "$leak" <<<"$targets"; then
     echo "FAIL: the installed cohort::cohort target mentions '$leak'" >&2
     exit 1
