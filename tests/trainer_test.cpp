@@ -386,6 +386,27 @@ TEST(Trainer, RefusesOptionsThatCannotAct) {
   }
 }
 
+// A TorchScript model of 5 outputs on 10 classes failed at its first step with torch's "Target 5
+// is out of bounds"; it is refused before training, naming both.
+TEST(Trainer, RefusesAScriptedModelOfOtherOutputsThanClasses) {
+  test::TempDir dir;
+  const std::string model = dir.file("five.pt");
+  auto script =
+      test::runCommand(test::python() +
+                       " -c 'import sys, torch; from torch import nn; "
+                       "torch.jit.script(nn.Sequential(nn.Flatten(), nn.Linear(784, 5))).save(sys.argv[1])' " +
+                       model);
+  ASSERT_EQ(script.exitCode, 0) << script.output;
+  TrainOptions o = smallRun();
+  o.model = model;
+  o.steps = 1;
+  EXPECT_NE(refusalOf(o).find("--model " + model +
+                              " gives outputs of shape [2, 5] for 2 examples, and --data "
+                              "synthetic:640 has 10 classes"),
+            std::string::npos)
+      << refusalOf(o);
+}
+
 TEST(Trainer, RejectsBadOptions) {
   TrainOptions o = smallRun();
   o.batch = -1;

@@ -53,6 +53,11 @@ StrategyOptions strategyOptions(const TrainOptions& o) {
   return so;
 }
 
+// --model names a TorchScript file (makeModel's rule) rather than a model of the zoo.
+bool isModelFile(const std::string& spec) {
+  return spec.find('/') != std::string::npos || (spec.size() >= 3 && spec.compare(spec.size() - 3, 3, ".pt") == 0);
+}
+
 // A resumed run goes on from its checkpoint's step: the metrics file's lines past that step (the
 // ones the crash undid, which the run writes again), an earlier run's done event and a line a
 // kill cut off go, so that every step is there once. Only a regular file is rewritten.
@@ -138,6 +143,20 @@ void Trainer::State::loadTrainingData() {
                data.train.size());
 }
 
+// A TorchScript model (--model FILE.pt) gives a score per class for each example: one of other
+// outputs failed at its first step with torch's "Target 5 is out of bounds". Checked on two
+// examples in eval mode (no BatchNorm statistics move).
+void Trainer::State::checkModelOutputs(const TrainOptions& o, const Batch& sample, int64_t classes) {
+  torch::NoGradGuard noGrad;
+  model->eval();
+  const int64_t n = std::min<int64_t>(2, sample.size());
+  const torch::Tensor out = model->forward(sample.inputs.narrow(0, 0, n));
+  model->train();
+  COHORT_CHECK(out.dim() == 2 && out.size(0) == n && out.size(1) == classes, InvalidArgument, "--model ", o.model,
+               " gives outputs of shape ", out.sizes(), " for ", n, " examples, and --data ", o.data, " has ", classes,
+               " classes: its last layer must give one score per class ([batch, ", classes, "])");
+}
+
 // --model for the data's shape, and the part of it this process trains (Strategy::localModel).
 void Trainer::State::buildModel() {
   const TrainOptions& o = options;
@@ -156,7 +175,9 @@ void Trainer::State::buildModel() {
   COHORT_CHECK(data.train.size() > 0, InvalidArgument, "the training set is empty");
   std::vector<int64_t> first(size_t(std::min(o.batch, data.train.size())));
   std::iota(first.begin(), first.end(), 0);
-  model = strategy->localModel(model, makeBatch(data.train, first));
+  const Batch sample = makeBatch(data.train, first);
+  if (isModelFile(o.model) && !o.loss) checkModelOutputs(o, sample, data.classes);
+  model = strategy->localModel(model, sample);
 }
 
 // The model on its device, then its optimizer (whose state follows the parameters).

@@ -55,6 +55,7 @@ struct Trainer::State {
   void joinJob();
   void loadTrainingData();
   void buildModel();
+  void checkModelOutputs(const TrainOptions& o, const Batch& sample, int64_t classes);
   void placeModel();
   void makeSampler();
   void planCheckpoints();
