@@ -207,6 +207,18 @@ TEST(Evaluator, WithoutACheckpointDirectoryIsAOneLineError) {
   expectOneLineError(test::runCommand(tf + train() + kSmallRun + " --steps 5", 60), "--checkpoint-dir");
 }
 
+TEST(Evaluator, AnEvaluatorTimeoutThatIsNoWaitIsAOneLineError) {
+  const std::string tf =
+      "env TF_CONFIG='{\"cluster\":{\"chief\":[\"127.0.0.1:0\"],"
+      "\"evaluator\":[\"127.0.0.1:0\"]},\"task\":{\"type\":\"evaluator\",\"index\":0}}' ";
+  for (const std::string value : {"0", "-5", "nan"}) {
+    expectOneLineError(
+        test::runCommand(
+            tf + train() + kSmallRun + " --steps 5 --checkpoint-dir /tmp/none " + "--evaluator-timeout " + value, 60),
+        "--evaluator-timeout must be a number of seconds in (0, 604800]");
+  }
+}
+
 // An IDX data set of `classes` classes, n examples of 28x28, labels 0..classes-1 in turn.
 void writeIdx(const std::string& dir, int classes, int n) {
   auto header = [](uint8_t type, std::vector<uint32_t> dims) {

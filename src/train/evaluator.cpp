@@ -309,6 +309,9 @@ int runEvaluator(const TrainOptions& o, const ClusterSpec& cluster, const Evalua
   COHORT_CHECK(!o.checkpointDir.empty(), InvalidArgument, "this process is evaluator ", cluster.rank,
                ", which evaluates the checkpoints the chief writes, but no --checkpoint-dir was given: "
                "give the workers' --checkpoint-dir");
+  // 0, a negative or NaN failed at the first look; inf never did.
+  COHORT_CHECK(eo.idleTimeoutSeconds > 0 && eo.idleTimeoutSeconds <= 7 * 24 * 3600, InvalidArgument,
+               "--evaluator-timeout must be a number of seconds in (0, 604800] (a week), got ", eo.idleTimeoutSeconds);
   const Scheme scheme = o.strategy.scheme;
   COHORT_CHECK(scheme != Scheme::kPipeline && scheme != Scheme::kPs && scheme != Scheme::kTensor, InvalidArgument,
                "an evaluator task reads whole-model checkpoints, which --strategy ", schemeName(scheme),
