@@ -1,8 +1,9 @@
 // Under AddressSanitizer (g++'s; see tests/CMakeLists.txt for why not clang): a DataParallel handle destroyed mid-run
 // leaves a model that trains on alone without touching freed memory. Two ranks as threads over a
 // TCPStore on 127.0.0.1; each trains 3 steps under the handle, destroys it, and trains 3 more
-// (zero_grad on the .grad tensors the handle made, backward, step). ASan aborts the process on a
-// use after free; the checks below fail it on wrong results. Exit status 0: passed.
+// (zero_grad on the .grad tensors the handle made, backward, step); then a noSync() guard outlives
+// a handle. ASan aborts the process on a use after free; the checks below fail it on wrong
+// results. Exit status 0: passed.
 #include <cohort/communicator.h>
 #include <cohort/data_parallel.h>
 #include <cohort/error.h>
@@ -10,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <optional>
 #include <vector>
 
 #include "rank_threads.h"
@@ -53,6 +55,13 @@ void rank(std::shared_ptr<cohort::Communicator> comm, std::vector<torch::Tensor>
     opt.step();
   }
   for (auto& p : net->parameters()) grads.push_back(p.grad().clone());
+  // A noSync() guard that outlives its handle: ending it must not touch the handle's memory.
+  std::optional<cohort::DataParallel::NoSync> guard;
+  {
+    cohort::DataParallel dp(cohort::Job::fromCommunicator(comm), *net);
+    guard.emplace(dp.noSync());
+  }
+  guard.reset();
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <optional>
 
 #include "rank_threads.h"
 
@@ -1012,6 +1013,154 @@ TEST(DataParallel, DifferentModelsAcrossRanksAreNamed) {
     EXPECT_NE(e.find("rank 1 has parameter 1.weight"), std::string::npos) << e;
     EXPECT_NE(e.find("[5, 8]"), std::string::npos) << e;
   }
+}
+
+// A second handle on a model would hook every parameter again, and each would scale the gradient
+// by 1/N: the average halved, silently. It is refused, naming the parameter and the fix; once the
+// first handle is gone, a new one averages as it should.
+TEST(DataParallel, ASecondHandleOnOneModelIsRefused) {
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    torch::manual_seed(1);
+    Net net;
+    auto x = torch::full({4, 4}, 0.5f + float(r));
+    auto y = torch::zeros({4}, torch::kInt64);
+    {
+      DataParallel first(Job::fromCommunicator(comm), *net);
+      try {
+        DataParallel second(Job::fromCommunicator(comm), *net);
+        ADD_FAILURE() << "no error for a second handle on one model";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("parameter in.weight is already hooked"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("destroy the first handle before making another"), std::string::npos)
+            << e.what();
+      }
+      // A module that holds the first one's parameters (a submodule) is the same model.
+      try {
+        DataParallel second(Job::fromCommunicator(comm), *net->out);
+        ADD_FAILURE() << "no error for a handle on a submodule of a hooked model";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("parameter weight is already hooked"), std::string::npos) << e.what();
+      }
+      lossOf(net->forward(x), y).backward();  // the first handle alone: the average
+    }
+    std::vector<torch::Tensor> averaged;
+    for (const auto& p : net->parameters()) averaged.push_back(p.grad().clone());
+    net->zero_grad();
+    DataParallel again(Job::fromCommunicator(comm), *net);  // the first is gone
+    lossOf(net->forward(x), y).backward();
+    const auto params = net->parameters();
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::allclose(params[i].grad(), averaged[i])) << i;
+    EXPECT_EQ(again.stats().syncSteps, 1);
+  });
+}
+
+// A module whose parameter w can be replaced by another tensor under the same name (b stays, and
+// its hook notices).
+struct Swappable : torch::nn::Module {
+  Swappable() {
+    w = register_parameter("w", torch::ones({3, 4}));
+    b = register_parameter("b", torch::zeros({3}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::matmul(x, w.t()) + b; }
+  void replace() {
+    w = torch::full({3, 4}, 2.0f).requires_grad_();
+    parameters_["w"] = w;
+  }
+  torch::Tensor w, b;
+};
+
+// The model changed after the handle was made is refused at the next synchronized backward, naming
+// the parameter, before any exchange (so the handle takes the step once the model is back): a
+// layer frozen since would get a .grad of zeros, which weight decay and momentum act on; one
+// unfrozen or registered since has no hook, and the replicas would drift apart.
+TEST(DataParallel, AModelChangedAfterTheHandleIsRefusedAtItsNextBackward) {
+  const auto refusal = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  const auto expectHas = [](const std::string& error, const std::string& phrase) {
+    EXPECT_NE(error.find(phrase), std::string::npos) << error;
+  };
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    auto x = torch::full({4, 4}, 0.5f + float(r));
+    auto y = torch::zeros({4}, torch::kInt64);
+    {  // frozen after: no .grad, no step moves it
+      torch::manual_seed(1);
+      Net net;
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.5));
+      DataParallel dp(Job::fromCommunicator(comm), *net);
+      for (auto& p : net->side->parameters()) p.set_requires_grad(false);
+      const torch::Tensor before = net->side->weight.detach().clone();
+      opt.zero_grad();
+      const std::string error = refusal([&] { lossOf(net->forward(x), y).backward(); });
+      expectHas(error, "parameter side.weight was frozen after the DataParallel handle was made");
+      expectHas(error, "make the handle after changing the model");
+      EXPECT_FALSE(net->side->weight.grad().defined());
+      opt.step();
+      EXPECT_TRUE(torch::equal(net->side->weight, before));
+      // The refusal came before any exchange: with the layer trainable again the handle goes on.
+      for (auto& p : net->side->parameters()) p.set_requires_grad(true);
+      opt.zero_grad();
+      lossOf(net->forward(x), y).backward();
+      EXPECT_EQ(dp.stats().syncSteps, 1);
+    }
+    {  // unfrozen after
+      torch::manual_seed(1);
+      Net net;
+      for (auto& p : net->side->parameters()) p.set_requires_grad(false);
+      DataParallel dp(Job::fromCommunicator(comm), *net);
+      for (auto& p : net->side->parameters()) p.set_requires_grad(true);
+      const std::string error = refusal([&] { lossOf(net->forward(x), y).backward(); });
+      expectHas(error, "parameter side.");
+      expectHas(error, "was added or unfrozen after the DataParallel handle was made");
+    }
+    {  // a module registered after
+      torch::manual_seed(1);
+      Net net;
+      DataParallel dp(Job::fromCommunicator(comm), *net);
+      auto extra = net->register_module("extra", torch::nn::Linear(4, 4));
+      const std::string error = refusal([&] { lossOf(net->forward(extra->forward(x)), y).backward(); });
+      expectHas(error, "parameter extra.");
+      expectHas(error, "was added or unfrozen after the DataParallel handle was made");
+    }
+    {  // a parameter replaced after
+      Swappable net;
+      DataParallel dp(Job::fromCommunicator(comm), net);
+      net.replace();
+      const std::string error = refusal([&] { net.forward(x).sum().backward(); });
+      expectHas(error, "parameter w was added or unfrozen after");
+    }
+  });
+}
+
+// A noSync() guard that outlives its handle ends without touching it (it held a pointer into the
+// handle; tests/data_parallel_asan.cpp sees the use after free that was), and a later handle on
+// the model synchronizes.
+TEST(DataParallel, ANoSyncGuardMayOutliveItsHandle) {
+  onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    torch::manual_seed(1);
+    Net net;
+    std::optional<DataParallel::NoSync> guard;
+    {
+      DataParallel dp(Job::fromCommunicator(comm), *net);
+      guard.emplace(dp.noSync());
+      DataParallel::NoSync moved(std::move(*guard));  // a moved-from guard undoes nothing
+    }
+    {
+      DataParallel dp(Job::fromCommunicator(comm), *net);
+      guard.emplace(dp.noSync());
+    }
+    guard.reset();
+    DataParallel dp(Job::fromCommunicator(comm), *net);
+    lossOf(net->forward(torch::full({4, 4}, 0.5f + float(comm->rank()))), torch::zeros({4}, torch::kInt64)).backward();
+    EXPECT_EQ(dp.stats().syncSteps, 1);
+  });
 }
 
 }  // namespace

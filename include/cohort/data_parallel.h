@@ -29,6 +29,11 @@
 //   - backward() and the handle's methods are called from one thread at a time (the training
 //     thread); the handle must outlive every backward pass that started while it existed.
 //   - Destroying the handle removes its hooks: the model then trains on alone.
+//   - One handle per model: a second over a parameter another handle of the process has hooked is
+//     refused (both would scale its gradient, halving the average).
+//   - The trainable parameters are those of the model when the handle is made: one frozen,
+//     unfrozen, added or replaced after is refused at the next synchronized backward, by name and
+//     before any exchange (make the handle after changing the model).
 // Every wait is bounded by the job's timeout; a lost rank ends backward() with a CommError or
 // TimeoutError naming it. Errors are cohort::Error subclasses.
 #pragma once
@@ -96,8 +101,8 @@ class COHORT_API DataParallel {
   // of the job's workers. Parameters may be of any floating dtype (float32, float64, float16,
   // bfloat16; a bucket holds one dtype, its sums taken in it); codecs other than none need float32.
   // Throws InvalidArgument for a module without trainable parameters, with parameters that are not
-  // floating-point (or not float32 under a codec), that differ across ranks, or for a codec that
-  // does not parse.
+  // floating-point (or not float32 under a codec), that differ across ranks, that another
+  // DataParallel of this process has hooked (destroy it first), or for a codec that does not parse.
   DataParallel(const Job& job, torch::nn::Module& module, DataParallelOptions options = {});
   ~DataParallel();
   DataParallel(const DataParallel&) = delete;
@@ -105,7 +110,8 @@ class COHORT_API DataParallel {
 
   // While the returned guard lives, backward() accumulates gradients locally without
   // communicating (gradient accumulation: k-1 micro-steps under noSync, the k-th outside it, then
-  // the optimizer step, equals one step on k times the batch).
+  // the optimizer step, equals one step on k times the batch). A guard may outlive the handle: its
+  // end then does nothing.
   class NoSync {
    public:
     ~NoSync();
@@ -116,8 +122,8 @@ class COHORT_API DataParallel {
 
    private:
     friend class DataParallel;
-    explicit NoSync(int* depth);
-    int* depth_;
+    explicit NoSync(const std::shared_ptr<int>& depth);
+    std::weak_ptr<int> depth_;  // the handle's count of live guards: a guard may outlive the handle
   };
   [[nodiscard]] NoSync noSync();
 

@@ -17,7 +17,10 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <sstream>
+#include <unordered_map>
+#include <unordered_set>
 
 namespace cohort {
 
@@ -44,6 +47,48 @@ class GradientAccumulated : public torch::autograd::FunctionPostHook {
 
  private:
   std::function<void(const torch::Tensor&)> f_;
+};
+
+// The parameters some DataParallel handle of this process has hooked. A second handle over one of
+// them would hook it again, and each would scale its gradient by 1/N: the average halved, silently.
+class HookedParameters {
+ public:
+  // Claims `params` (their names beside them) for one handle, or throws InvalidArgument naming the
+  // first that another handle holds; claims nothing then.
+  static void claim(const std::vector<torch::Tensor>& params, const std::vector<std::string>& names) {
+    std::lock_guard<std::mutex> lock(mutex());
+    auto& held = set();
+    for (size_t k = 0; k < params.size(); ++k) {
+      COHORT_CHECK(held.count(params[k].unsafeGetTensorImpl()) == 0, InvalidArgument, kWho, ": parameter ", names[k],
+                   " is already hooked by another DataParallel handle of this process; two handles on one model "
+                   "would each average its gradient, and the two scalings would halve it: destroy the first handle "
+                   "before making another");
+    }
+    for (const auto& p : params) held.insert(p.unsafeGetTensorImpl());
+  }
+  static void release(const std::vector<torch::Tensor>& params) {
+    std::lock_guard<std::mutex> lock(mutex());
+    for (const auto& p : params) set().erase(p.unsafeGetTensorImpl());
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::unordered_set<const c10::TensorImpl*>& set() {
+    static std::unordered_set<const c10::TensorImpl*> s;
+    return s;
+  }
+};
+
+// Module::parameters_ (protected) read without copying its names: named_parameters() and
+// parameters() build a dictionary of names, which a per-step check should not pay for. A pointer
+// to a protected member may be formed through a derived class and applied to any Module.
+struct ParametersOf : torch::nn::Module {
+  static const torch::OrderedDict<std::string, torch::Tensor>& of(const torch::nn::Module& m) {
+    return m.*(&ParametersOf::parameters_);
+  }
 };
 
 }  // namespace
@@ -86,6 +131,15 @@ struct COHORT_LOCAL DataParallel::Impl {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hookKeys;
   std::vector<unsigned> tensorHooks;  // per parameter: re-hooks a replaced accumulator
+  bool claimed = false;               // params are held in HookedParameters
+  // Each parameter's index in params, and the check (its number) that last found it in the module.
+  std::unordered_map<const c10::TensorImpl*, size_t> indexOf;
+  std::vector<uint64_t> seenBy;
+  uint64_t checks = 0;
+
+  ~Impl() {
+    if (claimed) HookedParameters::release(params);
+  }
 
   // Puts onGradient on parameter k's current gradient accumulator (off the one it had).
   void hookAccumulator(size_t k) {
@@ -106,7 +160,8 @@ struct COHORT_LOCAL DataParallel::Impl {
   size_t nextToLaunch = 0;
   bool inBackward = false;  // a synchronized backward is under way (its final callback is queued)
   bool joining = false;     // inside join()
-  int noSyncDepth = 0;
+  // noSync()'s guards hold it weakly: a guard that outlives the handle finds it gone.
+  std::shared_ptr<int> noSyncDepth = std::make_shared<int>(0);
   int64_t syncStepsAtJoin = 0;  // stats.syncSteps when join() began
   int64_t stepsBefore = 0;      // an earlier run's synchronized steps (setCodecState)
   // The autograd graph task (its id) whose backward is being synchronized, and the last one that
@@ -208,7 +263,62 @@ struct COHORT_LOCAL DataParallel::Impl {
     return flag.item<int64_t>();
   }
 
+  // Calls f on every parameter tensor registered in m and its submodules (a shared one once per
+  // place), without the names.
+  template <typename F>
+  static void forEachParameter(const torch::nn::Module& m, const F& f) {
+    for (const auto& item : ParametersOf::of(m)) f(item.value());
+    for (const auto& child : m.children()) forEachParameter(*child, f);
+  }
+
+  // The parameter `p` of the module, by name (an error's message only: this builds every name).
+  std::string nameOf(const torch::Tensor& p) const {
+    for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+      if (item.value().unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return item.key();
+    }
+    return "(unnamed)";
+  }
+
+  // The module's trainable parameters are still the ones hooked when the handle was made: one
+  // frozen since would get a .grad of zeros at every step (which weight decay and momentum act
+  // on), and one unfrozen or registered since has no hook, so each rank would keep its own
+  // gradient and the replicas drift apart. One pass over the parameters, no names, no
+  // communication (every rank that changed its model the same way refuses the same step).
+  void checkModelUnchanged() {
+    const uint64_t check = ++checks;
+    size_t found = 0;
+    const torch::Tensor* stranger = nullptr;
+    forEachParameter(*module, [&](const torch::Tensor& p) {
+      if (stranger != nullptr || !p.defined() || !p.requires_grad()) return;
+      const auto at = indexOf.find(p.unsafeGetTensorImpl());
+      if (at == indexOf.end()) {
+        stranger = &p;
+      } else if (seenBy[at->second] != check) {
+        seenBy[at->second] = check;
+        ++found;
+      }
+    });
+    const std::string fix = ": make the handle after changing the model";
+    COHORT_CHECK(stranger == nullptr, InvalidArgument, kWho, ": parameter ", nameOf(*stranger),
+                 " was added or unfrozen after the DataParallel handle was made, which did not hook it (each rank "
+                 "would keep its own gradient and the replicas drift apart)",
+                 fix);
+    if (found == params.size()) return;
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (seenBy[k] == check) continue;
+      COHORT_CHECK(params[k].requires_grad(), InvalidArgument, kWho, ": parameter ", names[k],
+                   " was frozen after the DataParallel handle was made (it would still get a .grad of zeros at every "
+                   "step, which weight decay and momentum act on)",
+                   fix);
+      throw InvalidArgument(std::string(kWho) + ": parameter " + names[k] +
+                            " is no longer in the model: it was removed or replaced after the DataParallel handle was "
+                            "made" +
+                            fix);
+    }
+  }
+
   void beginSync() {
+    checkModelUnchanged();
     const int task = torch::autograd::get_current_graph_task_id();
     // An older task than the last synchronized one: the backward around a nested one that began,
     // and so ended, the synchronization (every bucket it had not filled went as zeros).
@@ -258,7 +368,7 @@ struct COHORT_LOCAL DataParallel::Impl {
   // to none, is that gradient): this rank's contribution, what earlier backward passes (under
   // noSync, or without zero_grad) left there plus this one's.
   void onGradient(size_t k, const torch::Tensor& incoming) {
-    if (noSyncDepth > 0 || comm == nullptr) return;
+    if (*noSyncDepth > 0 || comm == nullptr) return;
     checkUsable();
     torch::Tensor& grad = params[k].mutable_grad();
     COHORT_CHECK(!incoming.is_sparse() || rowSparse[k], InvalidArgument, kWho, ": parameter ", names[k],
@@ -527,6 +637,11 @@ DataParallel::DataParallel(const Job& job, torch::nn::Module& module, DataParall
   s.sparseGrads.resize(s.params.size());
   COHORT_CHECK(!s.params.empty(), InvalidArgument, kWho,
                ": the module has no parameters that require gradients; there is nothing to average");
+  // Before any collective: every rank refuses here alike.
+  HookedParameters::claim(s.params, s.names);
+  s.claimed = true;
+  s.seenBy.assign(s.params.size(), 0);
+  for (size_t k = 0; k < s.params.size(); ++k) s.indexOf.emplace(s.params[k].unsafeGetTensorImpl(), k);
   const c10::Device device = s.params.front().device();
   if (!device.is_cpu()) {
     // On a device, the buckets live there. Codec none goes through the communicator's backend for
@@ -572,21 +687,22 @@ DataParallel::~DataParallel() {
   }
 }
 
-DataParallel::NoSync::NoSync(int* depth) : depth_(depth) { ++*depth_; }
-DataParallel::NoSync::NoSync(NoSync&& other) noexcept : depth_(other.depth_) { other.depth_ = nullptr; }
+DataParallel::NoSync::NoSync(const std::shared_ptr<int>& depth) : depth_(depth) { ++*depth; }
+DataParallel::NoSync::NoSync(NoSync&& other) noexcept : depth_(std::move(other.depth_)) { other.depth_.reset(); }
 DataParallel::NoSync::~NoSync() {
-  if (depth_ != nullptr) --*depth_;
+  // The handle may be gone already (a guard that outlived it): then there is nothing to undo.
+  if (const std::shared_ptr<int> depth = depth_.lock()) --*depth;
 }
 
 DataParallel::NoSync DataParallel::noSync() {
   COHORT_CHECK(!impl_->inBackward, InvalidArgument, kWho, "::noSync() called during a backward pass");
-  return NoSync(&impl_->noSyncDepth);
+  return NoSync(impl_->noSyncDepth);
 }
 
 void DataParallel::join(const std::function<void()>& loop) {
   Impl& s = *impl_;
   COHORT_CHECK(!s.joining, InvalidArgument, kWho, "::join() called inside join(): call it once around the loop");
-  COHORT_CHECK(s.noSyncDepth == 0, InvalidArgument, kWho,
+  COHORT_CHECK(*s.noSyncDepth == 0, InvalidArgument, kWho,
                "::join() called under noSync(): end the noSync scope first (a rank that joins must be synchronized)");
   s.joining = true;
   s.syncStepsAtJoin = s.stats.syncSteps;
