@@ -236,5 +236,21 @@ TEST(Data, MakeBatchScalesToUnitRange) {
   EXPECT_EQ(b.targets[1].item<int64_t>(), d.train.labels[1].item<int64_t>());
 }
 
+// An index outside the set is a cohort error naming the index and the set's size, as on the bag
+// path, not torch's "index out of range in self".
+TEST(Data, MakeBatchNamesAnIndexOutsideTheSet) {
+  DataSplits d = loadData("synthetic:60", 1);
+  for (const int64_t bad : {int64_t{60}, int64_t{1000}, int64_t{-1}}) {
+    std::vector<int64_t> idx{0, bad, 1};
+    try {
+      makeBatch(d.train, idx);
+      FAIL() << "no error for index " << bad;
+    } catch (const InvalidArgument& e) {
+      const std::string expected = "index " + std::to_string(bad) + " is not an example of this data set (60 examples)";
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace cohort::idx_test

@@ -1,4 +1,5 @@
 #include <cohort/error.h>
+#include <cohort/job.h>
 #include <cohort/sampler.h>
 
 #include <gtest/gtest.h>
@@ -84,6 +85,21 @@ TEST(Sampler, RejectsBadRanks) {
   EXPECT_THROW(ShardSampler({.datasetSize = 10, .rank = 2, .worldSize = 2}), InvalidArgument);
   EXPECT_THROW(ShardSampler({.datasetSize = 10, .rank = 0, .worldSize = 0}), InvalidArgument);
   EXPECT_THROW(ShardSampler({.datasetSize = 1, .rank = 0, .worldSize = 2}), InvalidArgument);
+}
+
+// A batch size below 1 is refused by name: it divided by zero (SIGFPE) before.
+TEST(Sampler, BatchesOfNoExamplesAreRefused) {
+  ShardSampler s({.datasetSize = 10, .rank = 0, .worldSize = 1});
+  EXPECT_THROW(s.batchesPerEpoch(0), InvalidArgument);
+  EXPECT_THROW(s.batchesPerEpoch(-3), InvalidArgument);
+  DistributedSampler sampler(100, Job::single(), 1);
+  try {
+    sampler.batches(0);
+    FAIL() << "no error for batches(0)";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("at least 1 example, got 0"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(sampler.batches(32), 4);
 }
 
 }  // namespace

@@ -76,7 +76,8 @@ COHORT_API DataSplits loadData(const std::string& spec, uint64_t seed);
 // Throws InvalidArgument when n is not below the training set's size.
 COHORT_API void holdOutValidation(DataSplits& data, int64_t n, uint64_t seed);
 
-// Gathers the examples at `indices` into a batch.
+// Gathers the examples at `indices` into a batch. Throws InvalidArgument naming an index outside
+// [0, data.size()).
 COHORT_API Batch makeBatch(const Dataset& data, std::span<const int64_t> indices);
 
 }  // namespace cohort

@@ -30,9 +30,8 @@ class COHORT_API ShardSampler {
   std::vector<int64_t> epochIndices(int64_t epoch) const;
 
   int64_t samplesPerRank() const { return options_.datasetSize / options_.worldSize; }
-  int64_t batchesPerEpoch(int64_t batchSize) const {
-    return (samplesPerRank() + batchSize - 1) / batchSize;
-  }
+  // Batches of batchSize (the last may be short). Throws InvalidArgument unless batchSize >= 1.
+  int64_t batchesPerEpoch(int64_t batchSize) const;
   const SamplerOptions& options() const { return options_; }
 
  private:
@@ -55,7 +54,9 @@ class COHORT_API DistributedSampler {
 
   std::vector<int64_t> indices(int64_t epoch) const { return sampler_.epochIndices(epoch); }
   int64_t size() const { return sampler_.samplesPerRank(); }  // the same on every rank
-  int64_t batches(int64_t batchSize) const { return sampler_.batchesPerEpoch(batchSize); }
+  // Batches of batchSize a rank has per epoch (the last may be short). Throws InvalidArgument
+  // unless batchSize >= 1.
+  int64_t batches(int64_t batchSize) const;
 
  private:
   ShardSampler sampler_;

@@ -163,6 +163,13 @@ void holdOutValidation(DataSplits& data, int64_t n, uint64_t seed) {
 
 Batch makeBatch(const Dataset& data, std::span<const int64_t> indices) {
   if (data.bags()) return makeBagBatch(data, indices);
+  // index_select would throw torch's "index out of range in self", naming neither the index nor
+  // the set: one pass over the indices names both, as the bag path does.
+  const int64_t size = data.size();
+  for (const int64_t i : indices) {
+    COHORT_CHECK(i >= 0 && i < size, InvalidArgument, "makeBatch: index ", i, " is not an example of this data set (",
+                 size, " examples)");
+  }
   auto index = torch::from_blob(const_cast<int64_t*>(indices.data()),
                                 {int64_t(indices.size())}, torch::kInt64);
   Batch batch;

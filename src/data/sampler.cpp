@@ -17,6 +17,12 @@ ShardSampler::ShardSampler(SamplerOptions options) : options_(options) {
                " replicas");
 }
 
+int64_t ShardSampler::batchesPerEpoch(int64_t batchSize) const {
+  COHORT_CHECK(batchSize >= 1, InvalidArgument, "a batch must hold at least 1 example, got a batch size of ",
+               batchSize);
+  return (samplesPerRank() + batchSize - 1) / batchSize;
+}
+
 std::vector<int64_t> ShardSampler::epochIndices(int64_t epoch) const {
   std::vector<int64_t> perm(size_t(options_.datasetSize));
   std::iota(perm.begin(), perm.end(), int64_t{0});
@@ -54,5 +60,11 @@ ShardSampler makeShard(int64_t datasetSize, const Job& job, uint64_t seed, bool 
 
 DistributedSampler::DistributedSampler(int64_t datasetSize, const Job& job, uint64_t seed, bool shuffle)
     : sampler_(makeShard(datasetSize, job, seed, shuffle)) {}
+
+int64_t DistributedSampler::batches(int64_t batchSize) const {
+  COHORT_CHECK(batchSize >= 1, InvalidArgument,
+               "DistributedSampler::batches: a batch must hold at least 1 example, got ", batchSize);
+  return sampler_.batchesPerEpoch(batchSize);
+}
 
 }  // namespace cohort
