@@ -87,6 +87,7 @@ struct ReadEvent {
   int64_t step = 0;
   std::string fileVersion;
   std::map<std::string, float> scalars;
+  int64_t sessionStatus = 0;  // SessionLog.status (START = 1); 0: no session log
 };
 
 // Reads every record of an event file, checking both CRCs of each.
@@ -107,6 +108,11 @@ std::vector<ReadEvent> readEventFile(const std::string& path) {
       if (f.number == 1 && f.wire == 1) std::memcpy(&e.wallTime, &f.integer, 8);
       if (f.number == 2 && f.wire == 0) e.step = int64_t(f.integer);
       if (f.number == 3 && f.wire == 2) e.fileVersion = f.bytes;
+      if (f.number == 6 && f.wire == 2) {
+        for (const Field& s : decodeFields(f.bytes)) {
+          if (s.number == 1 && s.wire == 0) e.sessionStatus = int64_t(s.integer);
+        }
+      }
       if (f.number == 5 && f.wire == 2) {
         for (const Field& value : decodeFields(f.bytes)) {
           if (value.number != 1 || value.wire != 2) continue;
@@ -175,6 +181,32 @@ TEST(TensorBoard, WriterFileReadsBackWithCrcsAndValues) {
   bytes[bytes.size() - 6] ^= 0x01;
   test::writeFile(path, bytes);
   EXPECT_THROW(readEventFile(path), std::runtime_error);
+}
+
+// A resumed run's file starts with a SessionLog START at its first step: TensorBoard drops the
+// earlier files' events from there on (the steps the crash undid), which it showed twice.
+TEST(TensorBoard, AResumedRunMarksWhereItStartsAgain) {
+  test::TempDir dir;
+  const std::string train = test::cohortBinary() +
+                            " train --data synthetic:600 --model mlp --progress off --threads 1 --checkpoint-every 5 "
+                            "--checkpoint-dir " +
+                            dir.file("ckpt") + " --tensorboard " + dir.file("tb");
+  auto first = test::runCommand(train + " --steps 7", 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  const std::string firstFile = onlyEventFile(dir.file("tb"));
+  for (const ReadEvent& e : readEventFile(firstFile)) EXPECT_EQ(e.sessionStatus, 0);
+  std::filesystem::remove(dir.file("ckpt/ckpt-0000000007.ckpt"));  // as if it crashed after step 7
+  auto resumed = test::runCommand(train + " --steps 10 --resume", 120);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  std::vector<ReadEvent> second;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.file("tb"))) {
+    if (entry.path().string() != firstFile) second = readEventFile(entry.path().string());
+  }
+  ASSERT_GE(second.size(), 3u) << "no second event file";
+  EXPECT_EQ(second[1].sessionStatus, 1);  // after the file version: START
+  EXPECT_EQ(second[1].step, 6);
+  EXPECT_EQ(second[2].step, 6);  // the first step it trains
+  EXPECT_EQ(second[2].scalars.count("train/loss"), 1u);
 }
 
 TEST(Scores, FromAConfusionMatrix) {

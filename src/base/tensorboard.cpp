@@ -68,6 +68,9 @@ constexpr uint32_t kEventWallTime = 1;
 constexpr uint32_t kEventStep = 2;
 constexpr uint32_t kEventFileVersion = 3;
 constexpr uint32_t kEventSummary = 5;
+constexpr uint32_t kEventSessionLog = 6;
+constexpr uint32_t kSessionLogStatus = 1;
+constexpr uint64_t kSessionLogStart = 1;
 constexpr uint32_t kSummaryValue = 1;
 constexpr uint32_t kValueTag = 1;
 constexpr uint32_t kValueSimpleValue = 2;
@@ -131,6 +134,18 @@ TensorBoardWriter::~TensorBoardWriter() {
 
 void TensorBoardWriter::scalars(int64_t step, const std::vector<std::pair<std::string, float>>& values) {
   writeRecord(encodeScalarEvent(unixSeconds(), step, values));
+}
+
+void TensorBoardWriter::sessionStart(int64_t step) {
+  std::vector<uint8_t> log;
+  putKey(log, kSessionLogStatus, kVarint);
+  putVarint(log, kSessionLogStart);
+  std::vector<uint8_t> event;
+  putDouble(event, kEventWallTime, unixSeconds());
+  putKey(event, kEventStep, kVarint);
+  putVarint(event, uint64_t(step));
+  putBytes(event, kEventSessionLog, log);
+  writeRecord(event);
 }
 
 void TensorBoardWriter::writeRecord(std::span<const uint8_t> data) {

@@ -42,6 +42,12 @@ class TensorBoardWriter {
   // written (TensorBoard stops at a truncated record).
   void scalars(int64_t step, const std::vector<std::pair<std::string, float>>& values);
 
+  // A SessionLog START at `step` (Event.session_log = 6, SessionLog.status = 1, START = 1): a run
+  // resumed from a checkpoint says where it starts again, and TensorBoard drops the events of the
+  // earlier files at that step and after (the steps the crash undid), as torch's
+  // SummaryWriter(purge_step) has it do.
+  void sessionStart(int64_t step);
+
   const std::string& path() const { return path_; }
 
  private:

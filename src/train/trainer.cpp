@@ -288,7 +288,10 @@ void Trainer::State::openChiefOutputs() {
   const bool append = o.resume || o.restartCount > 0;
   if (append && !o.metricsPath.empty()) keepMetricsUpTo(o.metricsPath, step);
   metrics = std::make_unique<MetricsWriter>(o.metricsPath, append);
-  if (!o.tensorboardDir.empty()) board = std::make_unique<TensorBoardWriter>(o.tensorboardDir);
+  if (!o.tensorboardDir.empty()) {
+    board = std::make_unique<TensorBoardWriter>(o.tensorboardDir);
+    if (append) board->sessionStart(step + 1);  // the earlier files' steps after the checkpoint's go
+  }
 }
 
 }  // namespace cohort
