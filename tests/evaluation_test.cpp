@@ -108,7 +108,7 @@ std::vector<ReadEvent> readEventFile(const std::string& path) {
       if (f.number == 1 && f.wire == 1) std::memcpy(&e.wallTime, &f.integer, 8);
       if (f.number == 2 && f.wire == 0) e.step = int64_t(f.integer);
       if (f.number == 3 && f.wire == 2) e.fileVersion = f.bytes;
-      if (f.number == 6 && f.wire == 2) {
+      if (f.number == 7 && f.wire == 2) {
         for (const Field& s : decodeFields(f.bytes)) {
           if (s.number == 1 && s.wire == 0) e.sessionStatus = int64_t(s.integer);
         }

@@ -5,9 +5,10 @@
 //   u64 length (little-endian) | u32 masked CRC-32C of those 8 bytes | data | u32 masked CRC-32C of data
 // where masked(c) = ((c >> 15) | (c << 17)) + 0xa282ead8. Each record's data is a serialized
 // tensorflow.Event (event.proto): wall_time = 1 (double), step = 2 (int64), and either
-// file_version = 3 (string, the first record: "brain.Event:2") or summary = 5 (a
+// file_version = 3 (string, the first record: "brain.Event:2"), summary = 5 (a
 // tensorflow.Summary, summary.proto: repeated Value value = 1, Value { tag = 1 (string),
-// simple_value = 2 (float) }). The protobuf wire format is written by hand: only these fields.
+// simple_value = 2 (float) }) or session_log = 7 (SessionLog { status = 1 }). The protobuf wire
+// format is written by hand: only these fields.
 #pragma once
 
 #include <cstdint>
@@ -42,7 +43,7 @@ class TensorBoardWriter {
   // written (TensorBoard stops at a truncated record).
   void scalars(int64_t step, const std::vector<std::pair<std::string, float>>& values);
 
-  // A SessionLog START at `step` (Event.session_log = 6, SessionLog.status = 1, START = 1): a run
+  // A SessionLog START at `step` (Event.session_log = 7, SessionLog.status = 1, START = 1): a run
   // resumed from a checkpoint says where it starts again, and TensorBoard drops the events of the
   // earlier files at that step and after (the steps the crash undid), as torch's
   // SummaryWriter(purge_step) has it do.
