@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 
+#include "../examples/library/resnet.h"  // the library example's flags (Args)
 #include "rank_threads.h"
 
 namespace cohort::data_parallel_test {
@@ -1161,6 +1162,35 @@ TEST(DataParallel, ANoSyncGuardMayOutliveItsHandle) {
     lossOf(net->forward(torch::full({4, 4}, 0.5f + float(comm->rank()))), torch::zeros({4}, torch::kInt64)).backward();
     EXPECT_EQ(dp.stats().syncSteps, 1);
   });
+}
+
+// examples/library's flags (resnet.h's Args): a flag without a value is an error naming it (a
+// trailing one was ignored, so `./resnet_ddp --help` trained a whole epoch), and --help prints the
+// flags and exits 0.
+TEST(LibraryExample, AFlagWithoutAValueIsAnErrorAndHelpExits) {
+  const auto parse = [](std::vector<std::string> words) {
+    std::vector<char*> argv;
+    for (auto& w : words) argv.push_back(w.data());
+    return ::Args(int(argv.size()), argv.data());
+  };
+  const auto error = [&](const std::vector<std::string>& words) -> std::string {
+    try {
+      parse(words);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  EXPECT_NE(error({"resnet_ddp", "--steps", "3", "--epochs"}).find("flag --epochs needs a value"), std::string::npos)
+      << error({"resnet_ddp", "--steps", "3", "--epochs"});
+  EXPECT_NE(error({"resnet_ddp", "--bogus", "1"}).find("unknown flag --bogus"), std::string::npos);
+  EXPECT_NE(error({"resnet_ddp", "--steps", "x"}).find("flag --steps: 'x' is not a number"), std::string::npos);
+  const ::Args args = parse({"resnet_ddp", "--steps", "3", "--codec", "fp16"});
+  EXPECT_EQ(args.steps, 3);
+  EXPECT_EQ(args.codec, "fp16");
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // the ranks' tests have started threads
+  EXPECT_EXIT(parse({"resnet_ddp", "--help"}), ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(parse({"resnet_ddp", "--steps", "3", "--help"}), ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

@@ -6,7 +6,12 @@
 #include <cohort/autocast.h>
 #include <torch/torch.h>
 
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <optional>
+#include <stdexcept>
+#include <string>
 
 struct ResidualBlockImpl : torch::nn::Module {
   ResidualBlockImpl(int64_t in, int64_t out, int64_t stride)
@@ -67,7 +72,8 @@ inline double testAccuracy(ResNet& net, const cohort::Dataset& test) {
   return double(correct) / double(test.size());
 }
 
-// --name value pairs; a flag that is not given keeps its default.
+// --name value pairs; a flag that is not given keeps its default. --help prints the flags and
+// exits; an unknown flag, or one without a value, is an error naming it.
 struct Args {
   int64_t epochs = 1, steps = 0, batch = 64;
   double lr = 0.05;
@@ -77,18 +83,48 @@ struct Args {
   std::optional<c10::ScalarType> autocast;
   int64_t period = 4;
   Args(int argc, char** argv) {
-    for (int i = 1; i + 1 < argc; i += 2) {
-      const std::string k = argv[i], v = argv[i + 1];
-      if (k == "--epochs") epochs = std::stoll(v);
-      else if (k == "--steps") steps = std::stoll(v);
-      else if (k == "--batch") batch = std::stoll(v);
-      else if (k == "--lr") lr = std::stod(v);
-      else if (k == "--codec") codec = v;
-      else if (k == "--scheme") scheme = v;
-      else if (k == "--period") period = std::stoll(v);
-      else if (k == "--autocast")
-        autocast = cohort::parseAutocast(v);
-      else throw std::invalid_argument("unknown flag " + k);
+    for (int i = 1; i < argc; i += 2) {
+      const std::string k = argv[i];
+      if (k == "--help" || k == "-h") {
+        std::printf(
+            "usage: %s [--flag value]...\n"
+            "  --epochs N      passes over the training set (default 1)\n"
+            "  --steps N       stop after N steps, 0: no limit (default 0)\n"
+            "  --batch N       examples per step and worker (default 64)\n"
+            "  --lr X          learning rate (default 0.05)\n"
+            "  --codec C       resnet_ddp: DataParallel's codec: none, fp16, bf16, topk:R, threshold:T, onebit\n"
+            "                  (default none)\n"
+            "  --autocast T    resnet_ddp: forward under cohort::Autocast, bf16 or fp16 (default off)\n"
+            "  --scheme S      resnet_schemes: average or ps (default average)\n"
+            "  --period K      resnet_schemes: average every K steps (default 4)\n",
+            argc > 0 ? argv[0] : "resnet");
+        std::exit(0);
+      }
+      const bool known = k == "--epochs" || k == "--steps" || k == "--batch" || k == "--lr" || k == "--codec" ||
+                         k == "--scheme" || k == "--period" || k == "--autocast";
+      if (!known) throw std::invalid_argument("unknown flag " + k + " (--help lists the flags)");
+      if (i + 1 >= argc) throw std::invalid_argument("flag " + k + " needs a value (--help lists the flags)");
+      const std::string v = argv[i + 1];
+      try {
+        if (k == "--epochs")
+          epochs = std::stoll(v);
+        else if (k == "--steps")
+          steps = std::stoll(v);
+        else if (k == "--batch")
+          batch = std::stoll(v);
+        else if (k == "--lr")
+          lr = std::stod(v);
+        else if (k == "--codec")
+          codec = v;
+        else if (k == "--scheme")
+          scheme = v;
+        else if (k == "--period")
+          period = std::stoll(v);
+        else
+          autocast = cohort::parseAutocast(v);
+      } catch (const std::logic_error&) {  // std::stoll's and std::stod's invalid_argument, out_of_range
+        throw std::invalid_argument("flag " + k + ": '" + v + "' is not a number");
+      }
     }
   }
 };
