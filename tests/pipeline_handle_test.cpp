@@ -1,16 +1,19 @@
 // The pipeline handle used directly (include/cohort/pipeline.h), ranks as threads: two stages,
 // under either schedule and with a layer split between them, train as one process does on the
-// whole batch, and a job that does not fit the stages is refused.
+// whole batch, and a job that does not fit the stages is refused; frozen parameters stay frozen
+// through a split layer, the stages' replicas and TensorParallel's ways; a bad batch is refused.
 #include <cohort/autocast.h>
 #include <cohort/error.h>
 #include <cohort/job.h>
 #include <cohort/pipeline.h>
+#include <cohort/tensor_parallel.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <optional>
 
 #include "rank_threads.h"
@@ -170,6 +173,116 @@ TEST(PipelineHandle, AJobThatIsNotStagesTimesReplicasIsRefused) {
   test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
     EXPECT_THROW(Pipeline(Job::fromCommunicator(comm), copyOf(net), torch::zeros({2, 4}), {.stages = 3}),
                  InvalidArgument);
+  });
+}
+
+// Sets requires_grad false on the named parameters ("0.bias"). Before copyOf, which does not
+// keep the flag.
+torch::nn::Sequential frozen(torch::nn::Sequential net, const std::vector<std::string>& names) {
+  auto params = net->named_parameters();
+  for (const auto& name : names) params[name].requires_grad_(false);
+  return net;
+}
+
+// Each parameter's requires_grad, by name.
+std::map<std::string, bool> requiresGrad(torch::nn::Module& m) {
+  std::map<std::string, bool> out;
+  for (const auto& p : m.named_parameters()) out[p.key()] = p.value().requires_grad();
+  return out;
+}
+
+// A frozen layer (requires_grad false) stays frozen in its parts: a layer split between two
+// stages made its parts' weight and bias trainable.
+TEST(PipelineHandle, AFrozenLayerSplitBetweenStagesStaysFrozen) {
+  const auto net = makeNet();
+  torch::manual_seed(4);
+  const auto x = torch::randn({6, 4});
+  const auto y = torch::randint(0, 3, {6}, torch::kLong);
+  const torch::Tensor weight = net->named_parameters()["2.weight"].detach().clone();
+  test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    Pipeline pipe(Job::fromCommunicator(comm), frozen(copyOf(net), {"2.weight", "0.bias"}), x,
+                  {.stages = 2, .microBatches = 2, .partition = "2+1,1"});
+    const auto flags = requiresGrad(*pipe.module());
+    if (comm->rank() == 0) {
+      EXPECT_EQ(flags, (std::map<std::string, bool>{
+                           {"0.weight", true}, {"0.bias", false}, {"2.weight", false}, {"2.bias", true}}));
+    } else {
+      EXPECT_EQ(flags, (std::map<std::string, bool>{{"2.weight", false}, {"2.bias", true}}));
+    }
+    torch::optim::SGD opt(pipe.module()->parameters(), torch::optim::SGDOptions(0.1).weight_decay(0.1));
+    for (int i = 0; i < kSteps; ++i) pipe.step(x, y, crossEntropy, opt);
+    const torch::Tensor part = pipe.module()->named_parameters()["2.weight"];
+    const torch::Tensor rows = comm->rank() == 0 ? weight.narrow(0, 0, 1) : weight.narrow(0, 1, 2);
+    EXPECT_TRUE(torch::equal(part, rows)) << "rank " << comm->rank() << " moved a frozen weight";
+    pipe.finish();
+  });
+}
+
+// Passes its input through; its parameter gets no gradient.
+struct UnusedParameterImpl : torch::nn::Cloneable<UnusedParameterImpl> {
+  UnusedParameterImpl() { reset(); }
+  void reset() override { extra = register_parameter("extra", torch::ones({3})); }
+  torch::Tensor forward(const torch::Tensor& x) { return x; }
+  torch::Tensor extra;
+};
+TORCH_MODULE(UnusedParameter);
+
+// Two stages x two replicas, SGD with weight decay: a frozen parameter and one no replica got a
+// gradient for stay where they were and keep no gradient, as in one process (the stages'
+// average gave every parameter without a gradient zeros, which weight decay then moved).
+TEST(PipelineHandle, ReplicasLeaveFrozenAndUnusedParametersAlone) {
+  auto net = makeNet();
+  net->push_back(UnusedParameter());  // layer 3 (clone() names the layers by their index)
+  const torch::Tensor bias = net->named_parameters()["0.bias"].detach().clone();
+  test::onRanks(4, [&](std::shared_ptr<Communicator> comm) {
+    torch::manual_seed(10 + comm->rank() / 2);  // each replica its own batch
+    const auto x = torch::randn({6, 4});
+    const auto y = torch::randint(0, 3, {6}, torch::kLong);
+    Pipeline pipe(Job::fromCommunicator(comm), frozen(copyOf(net), {"0.bias"}), x,
+                  {.stages = 2, .replicas = 2, .microBatches = 2, .partition = "2,2"});
+    torch::optim::SGD opt(pipe.module()->parameters(), torch::optim::SGDOptions(0.1).weight_decay(0.1).momentum(0.9));
+    for (int i = 0; i < kSteps; ++i) pipe.step(x, y, crossEntropy, opt);
+    auto params = pipe.module()->named_parameters();
+    if (pipe.stage() == 0) {
+      EXPECT_TRUE(torch::equal(params["0.bias"], bias)) << "rank " << comm->rank() << " moved a frozen bias";
+      EXPECT_FALSE(params["0.bias"].grad().defined());
+      EXPECT_TRUE(params["0.weight"].grad().defined());
+    } else {
+      EXPECT_TRUE(torch::equal(params["3.extra"], torch::ones({3})))
+          << "rank " << comm->rank() << " moved a parameter no replica had a gradient for";
+      EXPECT_FALSE(params["3.extra"].grad().defined());
+      EXPECT_TRUE(params["2.weight"].grad().defined());
+    }
+    pipe.finish();
+  });
+}
+
+// An empty batch (micro-batches of no examples divided by zero: SIGSEGV), or targets of another
+// size than the inputs, is refused by every stage before any message.
+TEST(PipelineHandle, AnEmptyBatchOrMismatchedTargetsAreRefused) {
+  const auto net = makeNet();
+  test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    Pipeline pipe(Job::fromCommunicator(comm), copyOf(net), torch::zeros({4, 4}), {.stages = 2, .partition = "1,2"});
+    torch::optim::SGD opt(pipe.module()->parameters(), 0.1);
+    const auto y = torch::zeros({4}, torch::kLong);
+    EXPECT_THROW(pipe.step(torch::zeros({0, 4}), torch::zeros({0}, torch::kLong), crossEntropy, opt), InvalidArgument);
+    EXPECT_THROW(pipe.step(torch::zeros({4, 4}), torch::zeros({3}, torch::kLong), crossEntropy, opt), InvalidArgument);
+    pipe.step(torch::zeros({4, 4}), y, crossEntropy, opt);  // the pipeline still works
+    pipe.finish();
+  });
+}
+
+// TensorParallel: the parts of a frozen layer stay frozen (the column half, the row half, and
+// the bias added after the sum); a trainable one stays trainable.
+TEST(PipelineHandle, TensorParallelKeepsFrozenLayersFrozen) {
+  const auto net = makeNet();
+  test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    TensorParallel tp(Job::fromCommunicator(comm), frozen(copyOf(net), {"0.weight", "0.bias", "2.bias"}),
+                      torch::zeros({2, 4}), {.ways = 2});
+    EXPECT_EQ(requiresGrad(*tp.module()),
+              (std::map<std::string, bool>{
+                  {"0.weight", false}, {"0.bias", false}, {"2.weight", true}, {"2_sum.bias", false}}))
+        << tp.plan();
   });
 }
 

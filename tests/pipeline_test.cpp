@@ -502,5 +502,79 @@ TEST(Pipeline, ResumeFromSplitCutCheckpointsIsExactAndAnotherSplitIsRefused) {
   EXPECT_NE(refused.output.find("the checkpoints cut the model as 1+100,5"), std::string::npos) << refused.output;
 }
 
+// A run refused for an earlier run's checkpoints leaves that run's manifest as it was (rank 0
+// wrote its own cut over it while building the model, before the refusal), so the earlier run
+// still resumes with its cut.
+TEST(Pipeline, ARefusedNewRunLeavesTheEarlierRunsManifest) {
+  test::TempDir dir;
+  const std::string train = launch(2) + test::cohortBinary() +
+                            " train --model mlp --data synthetic:1200 --batch 8 --threads 1 --progress off"
+                            " --strategy pipeline --stages 2 --micro-batches 2 --checkpoint-dir " +
+                            dir.file("ckpt");
+  auto first = test::runCommand(train + " --partition 3,3 --steps 2", 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  const std::string manifest = test::readFile(dir.file("ckpt/pipeline.manifest"));
+  ASSERT_NE(manifest.find("cut 3,3"), std::string::npos) << manifest;
+  auto refused = test::runCommand(train + " --partition 2,4 --steps 4", 120);
+  EXPECT_EQ(refused.exitCode, 2) << refused.output;
+  EXPECT_NE(refused.output.find("holds checkpoints of an earlier run"), std::string::npos) << refused.output;
+  EXPECT_EQ(test::readFile(dir.file("ckpt/pipeline.manifest")), manifest);
+  auto resumed = test::runCommand(train + " --partition auto --steps 3 --resume", 120);
+  EXPECT_EQ(resumed.exitCode, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resuming with the checkpoints' cut 3,3"), std::string::npos) << resumed.output;
+}
+
+// A TorchScript stage whose first layer is an in-place ReLU: the interpreter rethrows autograd's
+// refusal (an in-place operation on the received activation, a leaf) as std::runtime_error, not
+// c10::Error, which the stage's step and the partition's timing did not catch.
+TEST(Pipeline, AScriptedStageStartingWithAnInPlaceLayerTrains) {
+  test::TempDir dir;
+  const std::string model = dir.file("inplace.pt");
+  auto script = test::runCommand(test::python() +
+                                 " -c 'import sys, torch; from torch import nn; torch.manual_seed(0); "
+                                 "torch.jit.script(nn.Sequential(nn.Flatten(), nn.Linear(784, 16), "
+                                 "nn.ReLU(inplace=True), nn.Linear(16, 10))).save(sys.argv[1])' " +
+                                 model);
+  ASSERT_EQ(script.exitCode, 0) << script.output;
+  for (const std::string partition : {"2,2", "auto"}) {
+    SCOPED_TRACE(partition);
+    auto r = test::runCommand(launch(2) + test::cohortBinary() + " train --model " + model +
+                                  " --data synthetic:600 --batch 8 --steps 3 --threads 1 --progress off"
+                                  " --strategy pipeline --stages 2 --micro-batches 2 --partition " +
+                                  partition,
+                              120);
+    EXPECT_EQ(r.exitCode, 0) << r.output;
+  }
+}
+
+// The stages' replicas average dense gradients: a sparse embedding table's (its touched rows) is
+// refused at construction, naming the table, instead of failing inside the first step.
+TEST(Pipeline, ReplicasOfASparseTableAreRefused) {
+  expectRefused(launch(4) + test::cohortBinary() +
+                    " train --model embed:rows=2000 --data synthetic-bags:2000,2000 --steps 2 --threads 1"
+                    " --progress off --strategy pipeline --stages 2 --replicas 2",
+                "is an embedding table with sparse gradients");
+}
+
+// --strategy tensor on a TorchScript model: its layers cannot be split, so every way trained the
+// whole model, silently.
+TEST(Pipeline, TensorWaysOverAScriptedModelAreRefused) {
+  test::TempDir dir;
+  auto script = test::runCommand(test::python() + " " + test::sourceDir() + "/examples/make_torchscript.py " +
+                                 dir.file("seq.pt"));
+  ASSERT_EQ(script.exitCode, 0) << script.output;
+  expectRefused(launch(2) + test::cohortBinary() + " train --model " + dir.file("seq.pt") +
+                    " --data synthetic:600 --steps 2 --threads 1 --progress off --strategy tensor --ways 2",
+                "no layer of the model can be split");
+}
+
+// One process: the message names that (it said "needs 1 processes ..., but this job has 1").
+TEST(Pipeline, OneProcessIsRefusedNamingWhy) {
+  const std::string train =
+      test::cohortBinary() + " train --model mlp --data synthetic:600 --steps 2 --threads 1 --progress off";
+  expectRefused(train + " --strategy pipeline --stages 1", "is one process");
+  expectRefused(train + " --strategy tensor --ways 1", "is one process");
+}
+
 }  // namespace
 }  // namespace cohort::pipeline_test

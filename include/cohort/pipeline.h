@@ -82,7 +82,9 @@ struct COHORT_API PipelineOptions {
   PipeSchedule schedule = PipeSchedule::kOneFOneB;
   PipelinePartition partition;  // auto
   // Where the stages' checkpoints are kept: rank 0 writes `pipeline.manifest` there (the stages
-  // and the cut); with `resume`, the cut is read from it and another is refused.
+  // and the cut); with `resume`, the cut is read from it and another is refused. Without
+  // `resume`, a directory that already holds stage checkpoints (stage-K/) keeps its manifest: an
+  // earlier run's, which its resume needs (the Trainer refuses such a run).
   std::string checkpointDir;
   bool resume = false;
   // Mixed precision (cohort::Autocast): each stage's layers and the loss run under autocast in
@@ -136,7 +138,9 @@ class COHORT_API Pipeline {
   // as training will see them (shapes, timings; its size is the batch for kAutoMicroBatches). A
   // collective of the job. Throws InvalidArgument when the job is not stages x replicas processes,
   // the model has fewer layers than stages, or the partition does not fit the model (naming the
-  // layer); with `resume`, when the manifest's stages or cut differ.
+  // layer); with `resume`, when the manifest's stages or cut differ; with replicas > 1, when the
+  // model has a sparse embedding table (the copies average dense gradients). A split layer's parts
+  // require their gradients as the layer's weight and bias do (a frozen layer stays frozen).
   Pipeline(const Job& job, torch::nn::Sequential model, const torch::Tensor& sample, PipelineOptions options);
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
@@ -161,6 +165,9 @@ class COHORT_API Pipeline {
   void broadcastParameters();
   // One training step on this replica's batch: forward and backward of each micro-batch in the
   // schedule's order, the gradients averaged over the stage's copies, then `optimizer.step()`.
+  // Frozen parameters take no part in the average; a trainable one that no copy got a gradient
+  // for keeps none (the optimizer leaves it alone, as in one process). Throws InvalidArgument,
+  // before any message, for an empty batch or targets of another size than the inputs.
   PipelineStepStats step(const torch::Tensor& inputs, const torch::Tensor& targets, const PipelineLoss& loss,
                          torch::optim::Optimizer& optimizer);
   // The whole model's outputs for `inputs`, through replica 0's stages (their collective, each

@@ -49,8 +49,10 @@ class COHORT_API TensorParallel {
  public:
   // `model` is the whole network, initialized alike on every process (the same seed); `sample` is
   // a batch of inputs, for the layers' shapes. A collective of the job's workers. Throws
-  // InvalidArgument when the job's size is not a multiple of the ways, or when a layer to split
-  // has fewer units than ways or cannot be split (naming the layer).
+  // InvalidArgument when the job's size is not a multiple of the ways, when a layer to split
+  // has fewer units than ways or cannot be split (naming the layer), or when more than one way
+  // finds no layer to split (a TorchScript model's layers cannot be). A split layer's parts
+  // require their gradients as the layer's weight and bias do (a frozen layer stays frozen).
   TensorParallel(const Job& job, const torch::nn::Sequential& model, const torch::Tensor& sample,
                  TensorParallelOptions options = {});
   ~TensorParallel();

@@ -1,6 +1,7 @@
 // The pipeline handle (include/cohort/pipeline.h): the job's processes as stages and replicas, the
 // model cut (pipeline_cut.cpp) and this stage's layers made (pipeline_split.cpp), evaluation
 // through the stages, and what the stages measured, gathered. A step is in pipeline_step.cpp.
+#include <cohort/checkpoint.h>
 #include <cohort/error.h>
 #include <cohort/pipeline.h>
 
@@ -10,6 +11,7 @@
 #include "schemes/pipeline_split.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <numeric>
 
 namespace cohort {
@@ -57,6 +59,33 @@ void checkLayers(const torch::nn::Sequential& model, const std::vector<std::stri
   for (int j = 0; j < L; ++j) list += (j ? ", " : "") + std::to_string(j) + " " + names[size_t(j)];
   COHORT_CHECK(stages <= L, InvalidArgument, "--stages ", stages, " is more than the model's ", L, " layers (", list,
                "): every stage needs at least one layer, use --stages ", L, " or fewer");
+}
+
+// Throws InvalidArgument when the stages' copies cannot average the model's gradients: a sparse
+// embedding table's are its touched rows, and averageGradients (pipeline_step.cpp) averages dense
+// tensors. Every process checks the whole model, so every one refuses it.
+void checkReplicable(torch::nn::Sequential& model, int replicas) {
+  if (replicas <= 1) return;
+  for (auto& [name, p] : uniqueParameters(*model)) {
+    COHORT_CHECK(!p.requires_grad() || !hasRowSparseGradient(*model, p), InvalidArgument, kWho, ": parameter ", name,
+                 " is an embedding table with sparse gradients, and the ", replicas,
+                 " copies of its stage average dense ones: make it dense (sparse(false); --model embed:sparse=0), "
+                 "train one copy of the pipeline (--replicas 1), or use allreduce, average or ps, which exchange "
+                 "the touched rows");
+  }
+}
+
+// Whether `dir` holds checkpoints of a stage (stage-K/, any K): an earlier run's, when this one
+// does not resume.
+bool holdsStageCheckpoints(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("stage-", 0) == 0 && entry.is_directory(ec) &&
+        !CheckpointStore(entry.path().string()).list().empty())
+      return true;
+  }
+  return false;
 }
 
 // What crosses between `stage` and its neighbours under the cut.
@@ -130,11 +159,16 @@ Pipeline::Pipeline(const Job& job, torch::nn::Sequential model, const torch::Ten
 
   p.layerNames = layerNames(model);
   checkLayers(model, p.layerNames, S);
+  checkReplicable(model, p.options.replicas);
   const LayerProfile profile = dryRun(model, sample);
   p.chooseCut(model, sample, profile);
   p.wire = stageWire(profile, p.counts, p.splits, p.stage);
   p.module = stageLayers(model, profile, p.counts, p.splits, p.stage);
-  if (p.comm->rank() == 0 && !p.options.checkpointDir.empty()) {
+  // The manifest says how the checkpoints beside it cut the model, and a resume reads it (before
+  // this, in chooseCut). A new run among an earlier run's checkpoints leaves it as it is: the
+  // Trainer refuses that run after this constructor, and the earlier run must still resume.
+  if (p.comm->rank() == 0 && !p.options.checkpointDir.empty() &&
+      (p.options.resume || !holdsStageCheckpoints(p.options.checkpointDir))) {
     writePipelineManifest(p.options.checkpointDir, {S, p.options.replicas, p.counts, p.splits}, p.layerNames);
   }
 }

@@ -94,9 +94,12 @@ struct COHORT_LOCAL Pipeline::Impl {
                          torch::optim::Optimizer& optimizer);
 };
 
-// Whether `e` is autograd refusing an in-place operation on a leaf that requires its gradient (or
-// on a view of one): what a layer such as ReLU(inplace) does to a stage's received activation.
-bool inPlaceOnLeaf(const c10::Error& e);
+// Whether an exception's what() is autograd refusing an in-place operation on a leaf that
+// requires its gradient (or on a view of one): what a layer such as ReLU(inplace) does to a
+// stage's received activation. A c10::Error from a C++ layer, a std::runtime_error from a
+// TorchScript one (the interpreter rethrows it with the script's frames), so callers catch
+// std::exception.
+bool inPlaceOnLeaf(const std::string& what);
 
 // Gloo's point-to-point messages read and write host memory (pipeline_step.cpp). Before a send:
 // a CUDA tensor copied to pinned host memory, blocking (Gloo's thread reads the host copy as soon

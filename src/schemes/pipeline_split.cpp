@@ -9,12 +9,17 @@ namespace cohort {
 
 namespace {
 
-// The first `count` output channels from `from` of `layer`'s weight and bias, copied into `part`'s.
+// The first `count` output channels from `from` of `layer`'s weight and bias, copied into `part`'s,
+// which require their gradient as `layer`'s do (a frozen layer's part stays frozen).
 template <typename LayerImpl, typename Layer>
 void copyRows(const LayerImpl& layer, Layer& part, int64_t from, int64_t count) {
   torch::NoGradGuard noGrad;
   part->weight.copy_(layer.weight.narrow(0, from, count));
-  if (part->bias.defined()) part->bias.copy_(layer.bias.narrow(0, from, count));
+  part->weight.requires_grad_(layer.weight.requires_grad());
+  if (part->bias.defined()) {
+    part->bias.copy_(layer.bias.narrow(0, from, count));
+    part->bias.requires_grad_(layer.bias.requires_grad());
+  }
 }
 
 // Output channels [from, from + count) of a splittable layer: a new Conv2d or Linear of `count`
@@ -59,7 +64,8 @@ torch::nn::AnyModule channelSlice(const torch::nn::Module& layer, int64_t from, 
 class SplitPart : public torch::nn::Module {
  protected:
   explicit SplitPart(torch::nn::AnyModule part) : part_(std::move(part)) {
-    for (const auto& p : part_.ptr()->named_parameters(/*recurse=*/false)) register_parameter(p.key(), p.value());
+    for (const auto& p : part_.ptr()->named_parameters(/*recurse=*/false))
+      register_parameter(p.key(), p.value(), p.value().requires_grad());
   }
   torch::nn::AnyModule part_;
 };

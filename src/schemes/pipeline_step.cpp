@@ -172,10 +172,10 @@ class StepRun {
       } else {
         try {
           h.output = throughLayers(h.input, &h.bytes);
-        } catch (const c10::Error& e) {
+        } catch (const std::exception& e) {
           // Only view operations can have run before the in-place one (anything else would have
           // made a new tensor): nothing to undo. From here on every micro-batch goes in as a copy.
-          if (!inPlaceOnLeaf(e)) throw;
+          if (!inPlaceOnLeaf(e.what())) throw;
           p_.copyInput = true;
           h.output = throughLayers(h.input.clone(), &h.bytes);
         }
@@ -245,9 +245,8 @@ class StepRun {
 
 }  // namespace
 
-bool inPlaceOnLeaf(const c10::Error& e) {
-  return std::string(e.what()).find("leaf Variable that requires grad is being used in an in-place operation") !=
-         std::string::npos;
+bool inPlaceOnLeaf(const std::string& what) {
+  return what.find("leaf Variable that requires grad is being used in an in-place operation") != std::string::npos;
 }
 
 torch::Tensor toWire(const torch::Tensor& t) {
@@ -263,17 +262,37 @@ torch::Tensor wireBuffer(const std::vector<int64_t>& shape, c10::ScalarType type
 
 namespace {
 
-// Averages the stage's gradients over its copies (a parameter without one contributes zeros);
-// returns the seconds it took.
+// Averages the stage's gradients over its copies; returns the seconds it took. A frozen parameter
+// (requires_grad false) takes no part. A trainable one that this copy got no gradient for adds
+// zeros; one that no copy got a gradient for keeps none, so the optimizer leaves it alone (weight
+// decay, momentum) as one process would: the copies agree on that through a mask of which had one,
+// averaged with the gradients (nonzero where any copy had one).
 double averageGradients(Communicator& stageGroup, torch::nn::Module& module) {
-  std::vector<torch::Tensor> grads;
+  std::vector<torch::Tensor> trainable;
   for (auto& p : module.parameters()) {
-    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  if (trainable.empty()) return 0;
+  auto had = torch::zeros({int64_t(trainable.size())}, torch::kFloat32);
+  std::vector<torch::Tensor> grads;
+  for (size_t i = 0; i < trainable.size(); ++i) {
+    torch::Tensor& p = trainable[i];
+    if (p.grad().defined()) {
+      had[int64_t(i)] = 1.0f;
+    } else {
+      p.mutable_grad() = torch::zeros_like(p);
+    }
     grads.push_back(p.grad());
   }
+  grads.push_back(had);
   const auto start = Clock::now();
   averageInPlace(stageGroup, grads);
-  return secondsSince(start);
+  const double seconds = secondsSince(start);
+  const auto anyHad = had.accessor<float, 1>();
+  for (size_t i = 0; i < trainable.size(); ++i) {
+    if (anyHad[int64_t(i)] == 0.0f) trainable[i].mutable_grad() = torch::Tensor();
+  }
+  return seconds;
 }
 
 // The chief (stage 0 of replica 0) reports the loss, which the last stage knows: the last stage
@@ -296,6 +315,12 @@ double shareLoss(Pipeline::Impl& p, double* loss) {
 
 PipelineStepStats Pipeline::Impl::step(const torch::Tensor& inputs, const torch::Tensor& targets,
                                        const PipelineLoss& loss, torch::optim::Optimizer& optimizer) {
+  // Every stage of the replica is given the same batch, so each refuses it alike, before any
+  // message (an empty one cut into no micro-batches divided by zero).
+  COHORT_CHECK(inputs.dim() >= 1 && inputs.size(0) >= 1, InvalidArgument,
+               "cohort::Pipeline::step: a batch of no examples (inputs ", inputs.sizes(), ")");
+  COHORT_CHECK(targets.dim() >= 1 && targets.size(0) == inputs.size(0), InvalidArgument,
+               "cohort::Pipeline::step: ", inputs.size(0), " inputs but targets ", targets.sizes());
   const auto start = Clock::now();
   const CommCounters before = comm->counters();
   clearGradients(*module);

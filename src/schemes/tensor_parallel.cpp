@@ -70,8 +70,9 @@ TORCH_MODULE(GradientSumLayer);
 
 struct PartialSumLayerImpl : nn::Module {
   // `bias` is added once, after the sum; `dims` is the output's rank (2: Linear, 4: Conv2d).
+  // The bias keeps `b`'s requires_grad (a frozen layer's stays frozen).
   PartialSumLayerImpl(std::shared_ptr<Communicator> c, const torch::Tensor& b, int64_t d) : comm(std::move(c)), dims(d) {
-    if (b.defined()) bias = register_parameter("bias", b.detach().clone());
+    if (b.defined()) bias = register_parameter("bias", b.detach().clone(), b.requires_grad());
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto y = PartialSum::apply(x, reinterpret_cast<int64_t>(comm.get()));
@@ -112,6 +113,14 @@ nn::Conv2dOptions convOptions(const nn::Conv2dImpl& conv, int64_t in, int64_t ou
       .dilation(o.dilation())
       .bias(o.bias())
       .padding_mode(o.padding_mode());
+}
+
+// Makes `part`'s weight and bias (copied rows or columns of `whole`'s) frozen where `whole`'s are:
+// a new layer's parameters require their gradient.
+template <typename LayerImpl, typename Layer>
+void keepFrozen(const LayerImpl& whole, Layer& part) {
+  part->weight.requires_grad_(whole.weight.requires_grad());
+  if (part->bias.defined() && whole.bias.defined()) part->bias.requires_grad_(whole.bias.requires_grad());
 }
 
 // One way's share of `units`: as even as possible, the first ones one larger.
@@ -195,6 +204,7 @@ class WaySplitter {
 
   nn::Sequential local() const { return local_; }
   std::string plan() const { return plan_.str(); }
+  bool splitAny() const { return splitAny_; }
 
  private:
   // (An rvalue name picks Sequential's public push_back overload.)
@@ -214,14 +224,17 @@ class WaySplitter {
       auto part = nn::Linear(nn::LinearOptions(linear->options.in_features(), size).bias(linear->options.bias()));
       part->weight.copy_(linear->weight.narrow(0, offset, size));
       if (linear->options.bias()) part->bias.copy_(linear->bias.narrow(0, offset, size));
+      keepFrozen(*linear, part);
       push(name, nn::AnyModule(part));
     } else {
       auto part = nn::Conv2d(convOptions(*conv, conv->options.in_channels(), size));
       part->weight.copy_(conv->weight.narrow(0, offset, size));
       if (conv->options.bias()) part->bias.copy_(conv->bias.narrow(0, offset, size));
+      keepFrozen(*conv, part);
       push(name, nn::AnyModule(part));
     }
     split_ = {true, units, offset, size, 1};
+    splitAny_ = true;
     plan_ << (linear ? "columns " : "output channels ") << size << "/" << units;
   }
 
@@ -243,6 +256,7 @@ class WaySplitter {
       auto part =
           nn::Linear(nn::LinearOptions(split_.size * split_.perUnit, linear->options.out_features()).bias(false));
       part->weight.copy_(linear->weight.narrow(1, split_.offset * split_.perUnit, split_.size * split_.perUnit));
+      keepFrozen(*linear, part);
       push(name, nn::AnyModule(part));
       push(name + "_sum",
            nn::AnyModule(PartialSumLayer(comm_, linear->options.bias() ? linear->bias : torch::Tensor(), 2)));
@@ -253,6 +267,7 @@ class WaySplitter {
                    describeLayer(i, name, m), " does not take the split channels of the layers before it");
       auto part = nn::Conv2d(convOptions(*conv, split_.size, conv->options.out_channels()).bias(false));
       part->weight.copy_(conv->weight.narrow(1, split_.offset, split_.size));
+      keepFrozen(*conv, part);
       push(name, nn::AnyModule(part));
       push(name + "_sum",
            nn::AnyModule(PartialSumLayer(comm_, conv->options.bias() ? conv->bias : torch::Tensor(), 4)));
@@ -274,6 +289,7 @@ class WaySplitter {
   std::shared_ptr<Communicator> comm_;
   int ways_, way_;
   SplitActivation split_;
+  bool splitAny_ = false;
   std::ostringstream plan_;
   nn::Sequential local_;
 };
@@ -314,6 +330,18 @@ TensorParallel::TensorParallel(const Job& job, const nn::Sequential& model, cons
   const auto shapes = outputShapes(layers, device ? sample.to(*device) : sample);
   WaySplitter splitter(s.waysComm, s.ways, s.way);
   for (size_t i = 0; i < layers.size(); ++i) splitter.add(layers, names, shapes, i);
+  // Nothing split: every way would train the whole model, each its own copy, silently.
+  if (!splitter.splitAny()) {
+    bool scripted = false;
+    for (const auto& layer : layers) scripted = scripted || kindOf(*layer.ptr()) == "ScriptedLayer";
+    throw InvalidArgument(
+        std::string(kWho) + ": no layer of the model can be split over " + std::to_string(s.ways) + " ways (" +
+        splitter.plan() + "): " +
+        (scripted ? "a TorchScript model's layers cannot be split; use a built-in model (--model mlp or cnn), or "
+                    "another --strategy"
+                  : "only a Linear or a Conv2d whose output reaches another (through element-wise layers, pooling "
+                    "and Flatten) can; use another --strategy, or --ways 1"));
+  }
   s.local = splitter.local();
   if (device && !device->is_cpu()) s.local->to(*device);
   s.plan = splitter.plan();

@@ -17,6 +17,10 @@ PipelineStrategy::PipelineStrategy(std::shared_ptr<Communicator> comm, Options o
   COHORT_CHECK(R >= 1, InvalidArgument, "--replicas must be positive, got ", R);
   COHORT_CHECK(options_.microBatches >= 1 || options_.microBatches == kAutoMicroBatches, InvalidArgument,
                "--micro-batches must be positive or auto, got ", options_.microBatches);
+  // One process has no communicator (Job::communicator()): no stage to send to.
+  COHORT_CHECK(comm_ != nullptr || S * R > 1, InvalidArgument, "--strategy pipeline --stages ", S, " --replicas ", R,
+               " is one process, which has no other stage to pipeline with: use --strategy local, or launch "
+               "stages x replicas processes (cohort launch -n 2 ... --stages 2)");
   COHORT_CHECK(comm_ != nullptr && comm_->worldSize() == S * R, InvalidArgument, "--strategy pipeline --stages ", S,
                " --replicas ", R, " needs ", S * R, " processes (cohort launch -n ", S * R, "), but this job has ",
                comm_ ? comm_->worldSize() : 1);

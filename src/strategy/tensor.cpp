@@ -12,6 +12,10 @@ namespace cohort {
 
 TensorStrategy::TensorStrategy(std::shared_ptr<Communicator> comm, int ways) : comm_(std::move(comm)), ways_(ways) {
   COHORT_CHECK(ways_ >= 1, InvalidArgument, "--ways must be at least 1, got ", ways_);
+  // One process has no communicator (Job::communicator()): nothing to split the layers over.
+  COHORT_CHECK(comm_ != nullptr || ways_ > 1, InvalidArgument, "--strategy tensor --ways ", ways_,
+               " is one process, which has no other way to split the layers with: use --strategy local, or "
+               "launch ways x replicas processes (cohort launch -n 2 ... --ways 2)");
   COHORT_CHECK(comm_ != nullptr && comm_->worldSize() % ways_ == 0, InvalidArgument, "--strategy tensor --ways ",
                ways_, " needs a multiple of ", ways_, " processes (cohort launch -n ", ways_,
                " or ways x replicas), but this job has ", comm_ ? comm_->worldSize() : 1);
