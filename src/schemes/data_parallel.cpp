@@ -298,7 +298,7 @@ struct COHORT_LOCAL DataParallel::Impl {
         ++found;
       }
     });
-    const std::string fix = ": make the handle after changing the model";
+    constexpr const char* fix = ": make the handle after changing the model";
     COHORT_CHECK(stranger == nullptr, InvalidArgument, kWho, ": parameter ", nameOf(*stranger),
                  " was added or unfrozen after the DataParallel handle was made, which did not hook it (each rank "
                  "would keep its own gradient and the replicas drift apart)",
