@@ -288,5 +288,22 @@ TEST(PsFaults, NoServersIsAClearError) {
   EXPECT_NE(bad.output.find("asynchronous modes"), std::string::npos) << bad.output;
 }
 
+// --ps-hosts is checked before anything starts: a port past 65535 (it used to wrap), none (gRPC's
+// 443), one that is not a number (0) and a shard named twice (its keys held twice) are refused
+// naming the entry, where each used to fail only after --timeout as an unreachable shard, or with
+// "unknown key" from the shard.
+TEST(PsFaults, BadPsHostsAreRefusedNamingTheEntry) {
+  for (const std::string hosts : {"127.0.0.1:70000", "localhost", "localhost:abc", "127.0.0.1:5000,127.0.0.1:5000"}) {
+    auto r = test::runCommand(train() +
+                                  " --model mlp --data synthetic:200 --steps 2 --strategy ps --timeout 30"
+                                  " --ps-hosts " +
+                                  hosts,
+                              60);
+    EXPECT_EQ(r.exitCode, 2) << hosts << ": " << r.output;
+    const std::string entry = hosts.substr(0, hosts.find(','));
+    EXPECT_NE(r.output.find("--ps-hosts: '" + entry + "'"), std::string::npos) << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace cohort::ps_test

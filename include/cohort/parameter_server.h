@@ -90,7 +90,8 @@ struct COHORT_API ParameterServerOptions {
   PsOptimizer optimizer = PsOptimizer::kSgd;  // row-sparse tables: lazy
   double lr = 0.01;
   double momentum = 0.9;
-  // Where the shards are: host:port each; empty: the job's cluster spec ("ps" tasks).
+  // Where the shards are: host:port each ([v6 host]:port), a port in 1..65535, each shard once
+  // (InvalidArgument otherwise); empty: the job's cluster spec ("ps" tasks).
   std::vector<std::string> hosts;
   std::string authToken;  // the job's secret (cohort launch sets COHORT_AUTH_TOKEN)
   std::string tlsCa;      // PEM roots for TLS to the shards

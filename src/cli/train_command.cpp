@@ -13,6 +13,7 @@
 #include "base/scheme.h"
 #include "cli/commands.h"
 #include "schemes/pipeline_plan.h"
+#include "schemes/ps_policy.h"
 #include "schemes/ps_shard_task.h"
 #include "train/step_profiler.h"
 
@@ -569,6 +570,7 @@ void applyFlags(TrainFlags& f) {
   if (!p.authToken.empty()) ::setenv("COHORT_AUTH_TOKEN", p.authToken.c_str(), 1);
   p.hosts.clear();
   p.hosts = splitList(f.psHosts);
+  checkShardHosts(p.hosts, "--ps-hosts");  // a bad port or a shard named twice, before anything starts
 }
 
 // The testing flags' values for this process's rank.

@@ -373,6 +373,9 @@ ParameterServerClient::ParameterServerClient(const Job& job, torch::nn::Module& 
                    "shard itself, which listens on any free port): give the workers the port it listens on");
       c.shards.push_back(h.str());
     }
+    checkShardHosts(c.shards, "the cluster spec's ps list");
+  } else {
+    checkShardHosts(c.shards, "cohort::ParameterServerOptions::hosts");
   }
   c.options = std::move(options);
   // The chief of a ps job hosts no rendezvous store: cohort launch (which waits for rank 0 to tell

@@ -2,8 +2,11 @@
 // client's options (see ps_policy.h and include/cohort/parameter_server.h).
 #include "schemes/ps_policy.h"
 
+#include "base/host_port.h"
+
 #include <cohort/error.h>
 
+#include <algorithm>
 #include <array>
 #include <utility>
 
@@ -70,6 +73,18 @@ std::optional<PsMode> parsePsMode(std::string_view name) { return parseIn(kModes
 std::optional<PsStalenessLr> parsePsStalenessLr(std::string_view name) { return parseIn(kStalenessLrs, name); }
 std::optional<PsPush> parsePsPush(std::string_view name) { return parseIn(kPushes, name); }
 std::optional<PsOptimizer> parsePsOptimizer(std::string_view name) { return parseIn(kOptimizers, name); }
+
+void checkShardHosts(const std::vector<std::string>& hosts, const std::string& what) {
+  std::vector<HostPort> seen;
+  for (const std::string& entry : hosts) {
+    const std::optional<HostPort> address = parseHostPort(entry);
+    COHORT_CHECK(address.has_value(), InvalidArgument, what, ": '", entry,
+                 "' is not a shard address: give HOST:PORT (an IPv6 host as [HOST]:PORT) with a port in 1..65535");
+    COHORT_CHECK(std::find(seen.begin(), seen.end(), *address) == seen.end(), InvalidArgument, what, ": '", entry,
+                 "' is named twice: list each shard once");
+    seen.push_back(*address);
+  }
+}
 
 void checkPolicyOptions(const ParameterServerOptions& o, int workers) {
   COHORT_CHECK(o.backupWorkers >= 0 && o.backupWorkers < workers, InvalidArgument, "--backup-workers must be in 0..",

@@ -7,7 +7,16 @@
 
 #include "ps.pb.h"
 
+#include <string>
+#include <vector>
+
 namespace cohort {
+
+// Throws InvalidArgument, naming the entry and `what` (the option they came from, "--ps-hosts"),
+// unless every entry of `hosts` is HOST:PORT ([V6HOST]:PORT) with a port in 1..65535 and no two
+// name the same address: a port beyond 65535 would wrap, a missing one would be gRPC's 443, and
+// a shard named twice would hold the same keys twice.
+void checkShardHosts(const std::vector<std::string>& hosts, const std::string& what);
 
 // Throws InvalidArgument, naming the command-line option, for options that do not fit `workers`
 // workers (backup workers, softsync, remedies that only the asynchronous modes have).
