@@ -305,5 +305,14 @@ TEST(PsFaults, BadPsHostsAreRefusedNamingTheEntry) {
   }
 }
 
+// Under ps, --checkpoint-every counts each shard's updates (the shards checkpoint themselves), and
+// --help says so: async with 2 workers writes one every N/2 steps of each worker.
+TEST(PsFaults, CheckpointEverySaysItCountsShardUpdatesUnderPs) {
+  auto r = test::runCommand(test::cohortBinary() + " train --help", 60);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("under --strategy ps each shard checkpoints every N of its updates"), std::string::npos)
+      << r.output;
+}
+
 }  // namespace
 }  // namespace cohort::ps_test

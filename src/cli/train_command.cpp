@@ -257,7 +257,9 @@ void addEvaluationAndCheckpointOptions(CLI::App* train, TrainOptions& o) {
                     "Stop at the first evaluation (--eval-every) this many seconds after the start (0: never)");
   train->add_option("--checkpoint-dir", o.checkpointDir,
                     "Write checkpoints to this directory (a new run refuses one holding checkpoints: --resume)");
-  train->add_option("--checkpoint-every", o.checkpointEvery, "Checkpoint every N steps (0: at the end only)");
+  train->add_option("--checkpoint-every", o.checkpointEvery,
+                    "Checkpoint every N steps (0: at the end only); under --strategy ps each shard checkpoints "
+                    "every N of its updates (async, ssp: every N pushes of all the workers together)");
   train->add_flag("--resume", o.resume, "Continue from the newest checkpoint in --checkpoint-dir");
   train
       ->add_option("--validation", o.validation,
