@@ -314,5 +314,25 @@ TEST(PsFaults, CheckpointEverySaysItCountsShardUpdatesUnderPs) {
       << r.output;
 }
 
+// A resume that only some shards can take up (one shard's checkpoints gone) is refused in every
+// mode, naming the shards that resumed and those that did not: async used to train on, the shard
+// without a checkpoint holding the chief's fresh values beside the others' trained ones.
+TEST(PsFaults, AResumeThatOnlySomeShardsCanTakeUpIsRefused) {
+  test::TempDir dir;
+  const std::string common = train() +
+                             " --model mlp --data synthetic:200 --batch 8 --strategy ps --ps-mode async"
+                             " --checkpoint-dir " +
+                             dir.path();
+  auto first = test::runCommand(launch(1, 2) + common + " --steps 10", 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  for (const auto& e : std::filesystem::directory_iterator(dir.file("ps-1"))) std::filesystem::remove(e.path());
+  auto resumed = test::runCommand(launch(1, 2) + common + " --steps 12 --resume", 120);
+  EXPECT_EQ(resumed.exitCode, 2) << resumed.output;
+  EXPECT_NE(resumed.output.find("only some shards had a checkpoint to resume from"), std::string::npos)
+      << resumed.output;
+  EXPECT_NE(resumed.output.find("(at version 10) resumed"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find(" had none"), std::string::npos) << resumed.output;
+}
+
 }  // namespace
 }  // namespace cohort::ps_test

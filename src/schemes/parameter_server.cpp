@@ -304,6 +304,22 @@ void ParameterServerClient::Impl::initShards() {
                   "ps shard " + c_.shards[s] + " resumed at version " + std::to_string(reply.version()));
     }
   });
+  // A resume that only some shards could take up (one's checkpoints gone) would train the resumed
+  // parts of the model with the others' fresh values (the chief's Init), in every mode.
+  if (c_.options.resume) {
+    std::string resumed, fresh;
+    for (size_t s = 0; s < resumedAt.size(); ++s) {
+      std::string& list = resumedAt[s] >= 0 ? resumed : fresh;
+      list += (list.empty() ? "" : ", ") + c_.shards[s];
+      if (resumedAt[s] >= 0) list += " (at version " + std::to_string(resumedAt[s]) + ")";
+    }
+    COHORT_CHECK(resumed.empty() || fresh.empty(), InvalidArgument,
+                 "cohort::ParameterServerClient: --resume, but only some shards had a checkpoint to resume from: ",
+                 resumed, " resumed; ", fresh,
+                 " had none and started from the chief's fresh values, which would train with the others' resumed "
+                 "ones. Put the missing shards' checkpoints back in their --checkpoint-dir (ps-N), or move every "
+                 "shard's checkpoints aside and start afresh without --resume");
+  }
   // sync steps every shard together: shards at different versions are parts of different models
   // (one's newest checkpoint lost, say), which the workers would mix without a word.
   if (c_.options.mode != PsMode::kSync) return;
