@@ -854,5 +854,29 @@ TEST(PsShard, AnInitWhileAPushIsHeldAbortsThatPush) {
   EXPECT_NE(held.message.find("re-initialized"), std::string::npos) << held.message;
 }
 
+// ssp: a worker that has made its last push and waits for the others (finishing) is not the
+// slowest: the others, with more steps to go, are not held for it. They used to wait for it until
+// their calls timed out.
+TEST(PsShard, SspDoesNotHoldTheOthersForAFinishingWorker) {
+  auto p = policy(wire::MODE_SSP, 2);
+  p.set_staleness_bound(1);
+  Fixture f(p);
+  f.push(0, 0, 1.0f);
+  wire::StatsRequest finishing;
+  finishing.set_protocol(kProtocolVersion);
+  finishing.set_worker(0);
+  finishing.set_finishing(true);
+  wire::StatsReply stats;
+  ASSERT_TRUE(f.shard->stats(finishing, &stats).ok());
+  auto rest = std::async(std::launch::async, [&] {
+    for (int i = 0; i < 4; ++i) f.push(1, uint64_t(1 + i), 1.0f);
+  });
+  const bool free = rest.wait_for(3s) == std::future_status::ready;
+  if (!free) f.shard->stop("the test gives up");  // lets the held push go
+  rest.get();
+  ASSERT_TRUE(free) << "worker 1 was held for the finishing worker 0";
+  EXPECT_EQ(f.stats().clocks(1), 4);
+}
+
 }  // namespace
 }  // namespace cohort::ps::shard_test

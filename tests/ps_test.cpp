@@ -334,5 +334,21 @@ TEST(PsFaults, AResumeThatOnlySomeShardsCanTakeUpIsRefused) {
   EXPECT_NE(resumed.output.find(" had none"), std::string::npos) << resumed.output;
 }
 
+// async: the chief finishes its steps long before worker 1 (slowed to 0.3 s a step), and waits
+// for it as long as it makes steps, past twice the timeout (where it used to fail the job).
+TEST(PsFaults, TheChiefWaitsForAWorkerStillTrainingPastTwiceTheTimeout) {
+  test::TempDir dir;
+  auto r = test::runCommand(launch(2, 1) + train() +
+                                " --model mlp --data synthetic:400 --batch 8 --strategy ps --ps-mode async"
+                                " --timeout 5 --steps 45 --test-slow-worker 1:0.3 --metrics " +
+                                dir.file("m.jsonl"),
+                            180);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  auto done = test::lastEvent(dir.file("m.jsonl"), "done");
+  ASSERT_FALSE(done.is_null()) << r.output;
+  EXPECT_EQ(done["gradients_applied"], 90) << done.dump();
+  EXPECT_EQ(done["workers_lost"].size(), 0u) << done.dump();
+}
+
 }  // namespace
 }  // namespace cohort::ps_test

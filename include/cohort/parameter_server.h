@@ -148,7 +148,8 @@ class COHORT_API ParameterServerClient {
   // Pulls the current parameters (before evaluating); no-op after finish().
   void synchronize();
   // The end of this worker's work: pulls the final parameters and says Done. The chief first
-  // waits for the other workers (at most twice the timeout). Call it once, on every worker.
+  // waits for the other workers, as long as they make steps (TimeoutError, naming them, when one
+  // makes none for the timeout; a dead one is counted lost). Call it once, on every worker.
   void finish();
   // The chief, stopping early (its target accuracy is reached): every other worker's next step
   // returns stopJob, and pushes the shards hold (a sync step, the ssp bound) are let go. Then

@@ -42,7 +42,7 @@ Status SspPolicy::finish(Shard& shard, Shard::HeldPush& push, bool applied) cons
 int64_t SspPolicy::slowestClock(const Shard& shard) {
   int64_t slowest = INT64_MAX;
   for (const auto& w : shard.workers_) {
-    if (!w.done && !w.lost) slowest = std::min(slowest, w.clock);
+    if (!w.done && !w.lost && !w.finishing) slowest = std::min(slowest, w.clock);
   }
   return slowest;
 }
@@ -52,7 +52,7 @@ void SspPolicy::recordClockGap(Shard& shard) {
   if (slowest == INT64_MAX) return;
   int64_t fastest = INT64_MIN;
   for (const auto& w : shard.workers_) {
-    if (!w.done && !w.lost && !w.held) fastest = std::max(fastest, w.clock);
+    if (!w.done && !w.lost && !w.finishing && !w.held) fastest = std::max(fastest, w.clock);
   }
   if (fastest != INT64_MIN) {
     shard.stats_.set_max_clock_gap(std::max(shard.stats_.max_clock_gap(), fastest - slowest));

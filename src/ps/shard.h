@@ -13,8 +13,8 @@
 //   async     Each push is applied on arrival.
 //   softsync  Pushes are summed; every `softsync` of them are averaged and applied.
 //   ssp       As async, but a worker that has pushed c steps is held until c - (slowest worker's
-//             steps) <= staleness_bound. Workers done or lost (silent for the timeout) no longer
-//             count as the slowest.
+//             steps) <= staleness_bound. Workers done, lost (silent for the timeout) or finishing
+//             (their last push made) no longer count as the slowest.
 // Asynchronous modes also take: staleness_lr inverse (scale by 1/tau), max_staleness T (drop when
 // tau > T), warmup_steps W (until version W only worker 0's pushes are applied; others' are held,
 // then dropped). tau = version at apply (or drop) - the version the gradient was computed on.

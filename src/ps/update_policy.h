@@ -107,8 +107,8 @@ class SoftSyncPolicy final : public AsyncPolicy {
 };
 
 // As async, but a worker that has pushed c steps is held until c - (the slowest live worker's
-// steps) <= staleness_bound. Workers done or lost (silent for the timeout) no longer count as the
-// slowest.
+// steps) <= staleness_bound. Workers done, lost (silent for the timeout) or finishing (their last
+// push made, waiting for the others) no longer count as the slowest.
 class SspPolicy final : public AsyncPolicy {
  public:
   explicit SspPolicy(const wire::Policy& policy) : AsyncPolicy(policy) {}
@@ -119,7 +119,7 @@ class SspPolicy final : public AsyncPolicy {
   Status finish(Shard& shard, Shard::HeldPush& push, bool applied) const override REQUIRES(shard.mu_);
 
  private:
-  // The fewest steps of a live worker (neither done nor lost); INT64_MAX when none is.
+  // The fewest steps of a live worker (neither done, lost nor finishing); INT64_MAX when none is.
   static int64_t slowestClock(const Shard& shard) REQUIRES(shard.mu_);
   // The ssp record, measured independently of the hold decision: how far the fastest worker that
   // is free to compute is ahead of the slowest live one (stats max_clock_gap).

@@ -162,16 +162,30 @@ void ParameterServerClient::Impl::finish() {
   // tells every shard, on every round (a shard restarted meanwhile learns it too), that it will
   // push no more: a sync step then closes without its gradient, or a worker still behind (its
   // clock put apart by a kill or a restart) would wait for it in vain.
-  const auto start = Clock::now();
+  // A worker still training (its clock on shard 0 moving) is waited for however long it takes:
+  // under async and ssp the others may be far behind the chief. One that makes no step for the
+  // timeout (and a second, so that a dead one is first seen lost by the shards, which go on
+  // without it) fails the job, naming it.
+  auto progress = Clock::now();
+  std::vector<int64_t> clocks;
   while (true) {
     std::vector<ps::wire::StatsReply> replies(clients_.size());
     forEachShard(clients_.size(), [&](size_t s) { replies[s] = statsOf(s, false, /*finishing=*/true); });
     const ps::wire::StatsReply& reply = replies[0];
     bool others = true;
-    for (int w = 1; w < reply.done_size(); ++w) others = others && (reply.done(w) || reply.lost(w));
+    std::string behind;
+    for (int w = 1; w < reply.done_size(); ++w) {
+      if (reply.done(w) || reply.lost(w)) continue;
+      others = false;
+      const int64_t clock = w < reply.clocks_size() ? reply.clocks(w) : 0;
+      if (size_t(w) >= clocks.size() || clocks[size_t(w)] != clock) progress = Clock::now();
+      behind += (behind.empty() ? "" : ", ") + std::to_string(w) + " (at step " + std::to_string(clock) + ")";
+    }
     if (others) break;
-    COHORT_CHECK(secondsSince(start) < 2 * c_.timeoutSeconds, TimeoutError, "the other workers did not finish within ",
-                 2 * c_.timeoutSeconds, " s of the chief");
+    clocks.assign(reply.clocks().begin(), reply.clocks().end());
+    COHORT_CHECK(secondsSince(progress) < c_.timeoutSeconds + 1, TimeoutError, "the chief finished, but worker ",
+                 behind, " made no step for ", c_.timeoutSeconds + 1,
+                 " s and has not finished (a worker stuck, or slower than --timeout a step)");
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   pullAll();
