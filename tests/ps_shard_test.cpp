@@ -854,6 +854,38 @@ TEST(PsShard, AnInitWhileAPushIsHeldAbortsThatPush) {
   EXPECT_NE(held.message.find("re-initialized"), std::string::npos) << held.message;
 }
 
+// softsync's last group, short of `softsync` gradients when the workers run out of pushes, is
+// applied (averaged over what it holds) once no worker can push any more: before the chief's
+// final pull (it is finishing, the others done) and the final checkpoint. It used to be counted as
+// applied and never applied.
+TEST(PsShard, SoftsyncAppliesItsLastPartialGroupWhenNoWorkerCanPushMore) {
+  test::TempDir dir;
+  auto p = policy(wire::MODE_SOFTSYNC, 3);
+  p.set_softsync(2);
+  Fixture f(p, 4, 0.0f, dir.path());
+  f.push(0, 0, 1.0f);
+  f.push(1, 0, 3.0f);  // a group: -2
+  f.push(2, 1, 4.0f);  // gathered, its group short of one
+  EXPECT_EQ(f.stats().version(), 1u);
+  f.done(1);
+  f.done(2);
+  EXPECT_EQ(f.stats().version(), 1u) << "applied while the chief could still push";
+  wire::StatsRequest finishing;  // the chief, waiting for the others before its final pull
+  finishing.set_protocol(kProtocolVersion);
+  finishing.set_worker(0);
+  finishing.set_finishing(true);
+  wire::StatsReply stats;
+  ASSERT_TRUE(f.shard->stats(finishing, &stats).ok());
+  EXPECT_EQ(stats.version(), 2u);
+  EXPECT_EQ(stats.applied(), 3);
+  EXPECT_FLOAT_EQ(f.values()[0], -6.0f);
+  f.done(0);
+  ASSERT_TRUE(f.shard->finished());
+  const auto files = CheckpointStore(dir.path(), "shard").list();
+  ASSERT_FALSE(files.empty());
+  EXPECT_EQ(files.front().step, 2) << "the final checkpoint is not of the last update";
+}
+
 // ssp: a worker that has made its last push and waits for the others (finishing) is not the
 // slowest: the others, with more steps to go, are not held for it. They used to wait for it until
 // their calls timed out.

@@ -411,7 +411,19 @@ void Shard::markLostLocked(Clock::time_point now) {
     log("worker " + std::to_string(i) + " is lost: nothing from it for " + seconds(policy_.timeout_s()) +
         " (at its step " + std::to_string(w.clock) + ")");
     changed_.notifyAll();
+    applyLastGroupLocked();
   }
+}
+
+void Shard::applyLastGroupLocked() {
+  if (!initialized_ || policy_.mode() != wire::MODE_SOFTSYNC) return;
+  if (std::none_of(pendingPieceCount_.begin(), pendingPieceCount_.end(), [](int n) { return n > 0; })) return;
+  for (const auto& w : workers_) {
+    if (!w.done && !w.lost && !w.finishing) return;  // it may still complete the group
+  }
+  log("applied the last group of " + std::to_string(pendingCount_) + " gradient(s), short of " +
+      std::to_string(policy_.softsync()) + ": no worker pushes any more");
+  applyPendingLocked();
 }
 
 void Shard::finishIfAllDoneLocked() {
@@ -423,6 +435,7 @@ void Shard::finishIfAllDoneLocked() {
     anyDone = anyDone || w.done;
   }
   if (!allOver || !anyDone) return;
+  applyLastGroupLocked();  // into the final checkpoint
   finished_ = true;
   checkpointLocked();
   changed_.notifyAll();
@@ -451,6 +464,7 @@ Status Shard::done(const wire::DoneRequest& request, wire::DoneReply* reply) {
   w.lost = false;
   w.lastSeen = now();
   changed_.notifyAll();
+  applyLastGroupLocked();  // before the chief's final pull, which comes after the others' Done
   finishIfAllDoneLocked();
   reply->set_all_done(finished_);
   if (finalCheckpointError_) reply->set_final_checkpoint_error(*finalCheckpointError_);
@@ -472,6 +486,7 @@ Status Shard::stats(const wire::StatsRequest& request, wire::StatsReply* reply) 
     if (request.finishing() && !w.finishing) {
       w.finishing = true;
       changed_.notifyAll();  // a sync step held for it may close now
+      applyLastGroupLocked();
     }
   }
   *reply = stats_;

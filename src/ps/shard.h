@@ -11,7 +11,9 @@
 //             A step that waits longer than the timeout fails the shard, naming the missing
 //             workers; with backup workers, workers that stay silent that long are counted lost.
 //   async     Each push is applied on arrival.
-//   softsync  Pushes are summed; every `softsync` of them are averaged and applied.
+//   softsync  Pushes are summed; every `softsync` of them are averaged and applied. The last
+//             group, short when no worker can push any more (done, lost or finishing), is applied
+//             averaged over what it holds, before the chief's final pull.
 //   ssp       As async, but a worker that has pushed c steps is held until c - (slowest worker's
 //             steps) <= staleness_bound. Workers done, lost (silent for the timeout) or finishing
 //             (their last push made) no longer count as the slowest.
@@ -264,6 +266,10 @@ class Shard {
   void writeDueCheckpoint() EXCLUDES(mu_);
   bool loadCheckpoint();
   bool restoreFrom(const std::string& path, const std::vector<uint8_t>& bytes);
+  // softsync: the group being gathered, short of `softsync` gradients, once no worker can push
+  // any more (each done, lost or finishing): applied, averaged over what it holds, so that the
+  // chief's final pull and the final checkpoint have it (its gradients were counted as applied).
+  void applyLastGroupLocked() REQUIRES(mu_);
   void finishIfAllDoneLocked() REQUIRES(mu_);
   void log(const std::string& message) const;
   // The shard's clock: its Env's (ShardOptions::env), so that a test may move it. Workers' last
