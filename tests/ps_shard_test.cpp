@@ -854,6 +854,49 @@ TEST(PsShard, AnInitWhileAPushIsHeldAbortsThatPush) {
   EXPECT_NE(held.message.find("re-initialized"), std::string::npos) << held.message;
 }
 
+// Under push updates the workers run the optimizer and the shard only adds what they send: it
+// keeps no optimizer state, so its checkpoints hold the values alone (adam's two slots, all zeros,
+// made them three times the size, which the size check before the first one did not count), and
+// a resume does not compare optimizers.
+TEST(PsShard, PushUpdatesKeepsNoOptimizerStateInItsCheckpoints) {
+  test::TempDir dir;
+  auto p = policy(wire::MODE_ASYNC, 1);
+  p.set_push(wire::PUSH_UPDATES);
+  p.set_optimizer(wire::OPTIMIZER_ADAM);
+  {
+    Fixture f(p, 4, 0.0f, dir.path());
+    f.push(0, 0, 0.5f);
+    f.done(0);  // the final checkpoint
+    EXPECT_EQ(f.values()[0], 0.5f);
+  }
+  const auto files = CheckpointStore(dir.path(), "shard").list();
+  ASSERT_EQ(files.size(), 1u);
+  const std::vector<uint8_t> bytes = CheckpointStore::readVerified(files.front().path);
+  wire::ShardCheckpoint c;
+  ASSERT_TRUE(c.ParseFromArray(bytes.data(), int(bytes.size())));
+  EXPECT_EQ(c.optimizer_slots_size(), 0);
+  EXPECT_EQ(c.values().size(), 4 * sizeof(float));
+
+  // Resumed with another --optimizer (the workers' own): taken, the values kept.
+  auto other = p;
+  other.set_optimizer(wire::OPTIMIZER_MOMENTUM);
+  other.set_momentum(0.5);
+  Fixture resumed(other, 4, 9.0f, dir.path(), /*resume=*/true);
+  EXPECT_EQ(resumed.values()[0], 0.5f);
+  resumed.clocks[0] = 1;  // the worker's clock, as the shard restored it
+  resumed.push(0, 1, 0.25f);
+  EXPECT_EQ(resumed.values()[0], 0.75f);
+
+  // Pushing gradients again, the shard's optimizer starts from its first step: momentum's first
+  // step is plain sgd (lr 1 here).
+  auto gradients = policy(wire::MODE_ASYNC, 1);
+  gradients.set_optimizer(wire::OPTIMIZER_MOMENTUM);
+  wire::InitReply reply;
+  ASSERT_TRUE(resumed.init(gradients, true, 9.0f, &reply).ok());
+  resumed.push(0, 2, 0.25f);
+  EXPECT_EQ(resumed.values()[0], 0.5f);
+}
+
 // softsync's last group, short of `softsync` gradients when the workers run out of pushes, is
 // applied (averaged over what it holds) once no worker can push any more: before the chief's
 // final pull (it is finishing, the others done) and the final checkpoint. It used to be counted as

@@ -34,6 +34,10 @@ std::string seconds(double s) {
   return buf;
 }
 
+UpdateRule serverRule(const wire::Policy& policy) {
+  return policy.push() == wire::PUSH_UPDATES ? UpdateRule::kSgd : updateRule(policy.optimizer());
+}
+
 Status notInitialized() {
   return Status::error(Code::kUnavailable, "not initialized yet: waiting for the chief's Init");
 }
@@ -121,7 +125,13 @@ Status Shard::resumeLocked(const wire::InitRequest& request, wire::InitReply* re
                                                         std::to_string(policy_.workers()) + " workers, not " +
                                                         std::to_string(request.policy().workers()));
   }
-  if (policy_.optimizer() != request.policy().optimizer() || policy_.momentum() != request.policy().momentum()) {
+  // Under push updates the shard runs no optimizer (the workers run theirs) and keeps no state of
+  // one: there is nothing to compare. A run that pushes gradients again starts the shard's
+  // optimizer afresh (below).
+  const bool updatesBefore = policy_.push() == wire::PUSH_UPDATES;
+  const bool updatesNow = request.policy().push() == wire::PUSH_UPDATES;
+  if (!updatesBefore && !updatesNow &&
+      (policy_.optimizer() != request.policy().optimizer() || policy_.momentum() != request.policy().momentum())) {
     return Status::error(Code::kFailedPrecondition, "this shard's state is for optimizer " +
                                                         std::string(optimizerName(policy_.optimizer())) +
                                                         " (momentum " + std::to_string(policy_.momentum()) + "), not " +
@@ -139,6 +149,13 @@ Status Shard::resumeLocked(const wire::InitRequest& request, wire::InitReply* re
   }
   policy_ = request.policy();  // the resumed job may change mode or learning rate
   updatePolicy_ = UpdatePolicy::make(policy_);
+  if (updatesBefore != updatesNow) {
+    // Into push updates: the optimizer's state goes (no slots to keep or checkpoint). Out of it:
+    // the shard's optimizer starts from its first step.
+    optimizer_ =
+        std::make_unique<ServerOptimizer>(serverRule(policy_), policy_.lr(), policy_.momentum(), values_.size());
+    pieceSteps_.assign(pieces_.size(), 0);
+  }
   optimizer_->setLr(policy_.lr());
   ++generation_;
   initSinceStart_ = true;
@@ -159,9 +176,7 @@ Status Shard::checkFitsCheckpoint(const wire::InitRequest& request, const std::v
   if (!store_) return Status::Ok();
   uint64_t total = 0;
   for (const auto& p : pieces) total += p.numel();
-  const uint64_t slots = request.policy().push() == wire::PUSH_UPDATES
-                             ? 0
-                             : uint64_t(ServerOptimizer::slotCount(updateRule(request.policy().optimizer())));
+  const uint64_t slots = uint64_t(ServerOptimizer::slotCount(serverRule(request.policy())));
   if ((1 + slots) * total * sizeof(float) > kMaxCheckpointBytes) {
     return Status::error(Code::kInvalidArgument,
                          "this shard's part of the model (" + std::to_string(total) +
@@ -186,8 +201,7 @@ void Shard::startAfreshLocked(const wire::InitRequest& request, const std::vecto
   pieces_.assign(pieces.begin(), pieces.end());
   values_.clear();
   for (const auto& t : request.values()) appendFloats(t, values_);
-  optimizer_ = std::make_unique<ServerOptimizer>(updateRule(policy_.optimizer()), policy_.lr(), policy_.momentum(),
-                                                 values_.size());
+  optimizer_ = std::make_unique<ServerOptimizer>(serverRule(policy_), policy_.lr(), policy_.momentum(), values_.size());
   pieceSteps_.assign(pieces_.size(), 0);
   version_ = 0;
   lastCheckpointVersion_ = 0;

@@ -22,7 +22,8 @@
 // then dropped). tau = version at apply (or drop) - the version the gradient was computed on.
 //
 // With push == "updates" the workers run the optimizer themselves and the shard adds the
-// (averaged, under sync and softsync) updates to the values.
+// (averaged, under sync and softsync) updates to the values; it keeps no optimizer state (none in
+// its checkpoints), and a resume does not compare optimizers.
 #pragma once
 
 #include <cohort/env.h>

@@ -186,9 +186,12 @@ bool Shard::restoreFrom(const std::string& path, const std::vector<uint8_t>& byt
   uint64_t total = 0;
   for (const auto& p : pieces) total += p.numel();
   if (c.values().size() != total * sizeof(float)) return corrupt("its values do not match its pieces");
-  auto optimizer = std::make_unique<ServerOptimizer>(updateRule(c.policy().optimizer()), c.policy().lr(),
-                                                     c.policy().momentum(), size_t(total));
-  if (optimizer->slots().size() != size_t(c.optimizer_slots_size()))
+  auto optimizer =
+      std::make_unique<ServerOptimizer>(serverRule(c.policy()), c.policy().lr(), c.policy().momentum(), size_t(total));
+  // Under push updates the shard keeps no optimizer state; slots there (written before it kept
+  // none) were never used.
+  const bool updates = c.policy().push() == wire::PUSH_UPDATES;
+  if (!updates && optimizer->slots().size() != size_t(c.optimizer_slots_size()))
     return corrupt("its optimizer state is incomplete");
   for (size_t s = 0; s < optimizer->slots().size(); ++s) {
     const std::string& slot = c.optimizer_slots(int(s));

@@ -5,6 +5,7 @@
 
 #include "base/clock.h"
 #include "ps.pb.h"
+#include "ps/optimizer.h"
 #include "ps/shard.h"
 #include "ps/status.h"
 
@@ -26,6 +27,10 @@ constexpr auto kTick = std::chrono::milliseconds(100);
 // Protobuf refuses to serialize a message of 2 GiB or more; a checkpoint holds the values and
 // up to two optimizer slots.
 constexpr uint64_t kMaxCheckpointBytes = (uint64_t(1) << 31) - (uint64_t(64) << 20);
+
+// The rule the shard's optimizer runs: the policy's optimizer, or none (plain sgd, no state) under
+// push updates, where the workers run theirs and the shard only adds what they send.
+UpdateRule serverRule(const wire::Policy& policy);
 
 // "60 s", "0.5 s": a timeout as the user gave it.
 std::string seconds(double s);
