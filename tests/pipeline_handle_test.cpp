@@ -1,7 +1,8 @@
 // The pipeline handle used directly (include/cohort/pipeline.h), ranks as threads: two stages,
 // under either schedule and with a layer split between them, train as one process does on the
 // whole batch, and a job that does not fit the stages is refused; frozen parameters stay frozen
-// through a split layer, the stages' replicas and TensorParallel's ways; a bad batch is refused.
+// through a split layer, the stages' replicas and TensorParallel's ways; a bad batch, or stages
+// given batches of different sizes, are refused.
 #include <cohort/autocast.h>
 #include <cohort/error.h>
 #include <cohort/job.h>
@@ -270,6 +271,41 @@ TEST(PipelineHandle, AnEmptyBatchOrMismatchedTargetsAreRefused) {
     pipe.step(torch::zeros({4, 4}), y, crossEntropy, opt);  // the pipeline still works
     pipe.finish();
   });
+}
+
+// A library user's mistake: the stages given batches of different sizes. The later stage sized its
+// receives for its own batch, and Gloo aborted the process on the first message (EnforceNotMet in
+// its thread); now that stage throws InvalidArgument naming both sizes, and the other fails as a
+// peer lost. The same in infer().
+TEST(PipelineHandle, StagesGivenBatchesOfDifferentSizesAreRefused) {
+  const auto net = makeNet();
+  for (const bool infer : {false, true}) {
+    SCOPED_TRACE(infer ? "infer" : "step");
+    test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+      Pipeline pipe(Job::fromCommunicator(comm), copyOf(net), torch::zeros({6, 4}), {.stages = 2, .partition = "1,2"});
+      torch::optim::SGD opt(pipe.module()->parameters(), 0.1);
+      const int64_t n = comm->rank() == 0 ? 6 : 4;
+      auto run = [&] {
+        if (infer) {
+          pipe.infer(torch::zeros({n, 4}));
+        } else {
+          pipe.step(torch::zeros({n, 4}), torch::zeros({n}, torch::kLong), crossEntropy, opt);
+        }
+      };
+      if (comm->rank() == 1) {
+        try {
+          run();
+          ADD_FAILURE() << "no error";
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(std::string(e.what()).find("stage 1 was given a batch of 4 examples and stage 0 (rank 0) one of 6"),
+                    std::string::npos)
+              << e.what();
+        }
+      } else {
+        EXPECT_THROW(run(), Error);
+      }
+    });
+  }
 }
 
 // TensorParallel: the parts of a frozen layer stay frozen (the column half, the row half, and

@@ -13,9 +13,11 @@
 // Ranks: rank = replica * S + stage. Stage s of replica q exchanges activations and gradients
 // point to point with ranks rank-1 and rank+1; the R copies of a stage average their gradients
 // before each optimizer step. Every stage of one replica must step on the same batches (stage 0
-// reads the inputs, the last stage the targets). step() and infer() are collectives of the
-// replica's stages, the constructor, step() and finish() of the whole job: every process calls
-// them in the same order.
+// reads the inputs, the last stage the targets): a stage given another batch size than the
+// stage before it throws InvalidArgument naming both (each stage sends its size ahead of its
+// activations), and the stages waiting on it then fail with a CommError naming it. step() and
+// infer() are collectives of the replica's stages, the constructor, step() and finish() of the
+// whole job: every process calls them in the same order.
 //
 // The cut: where the model may be cut is learned from a dry run on two examples of `sample` (a
 // layer whose output's first dimension is the batch); where it is cut, from `partition`, or from

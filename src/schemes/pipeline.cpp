@@ -198,14 +198,19 @@ torch::Tensor Pipeline::infer(const torch::Tensor& inputs) {
   Impl& p = *impl_;
   if (p.stages() == 1) return p.module->forward(inputs);
   const int64_t n = inputs.size(0);
+  // The batch size before the activations, as in a step (Impl::checkBatchOfPrevious).
+  CommWork batchSend;
+  if (!p.last()) batchSend = p.comm->sendAsync(torch::tensor({n}), p.nextRank(), kEvalBatchTag);
   torch::Tensor x = inputs;
   if (!p.first()) {
+    p.checkBatchOfPrevious(n, kEvalBatchTag, "infer");
     x = wireBuffer(withBatch(n, p.wire.inShape), p.wire.inType, inputs.device());
     p.comm->recv(x, p.prevRank(), kEvalTag);
     x = x.to(inputs.device());
   }
   auto y = toWire(p.module->forward(x));
   p.comm->send(y, p.last() ? 0 : p.nextRank(), p.last() ? kEvalOutputTag : kEvalTag);
+  batchSend.wait();
   if (!p.first()) return {};
   auto out = torch::empty(withBatch(n, p.wire.modelOutShape), torch::TensorOptions().dtype(p.wire.modelOutType));
   p.comm->recv(out, p.stages() - 1, kEvalOutputTag);

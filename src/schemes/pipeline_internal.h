@@ -25,6 +25,11 @@ constexpr int kLossTag = 1 << 24;
 constexpr int kEvalTag = kLossTag + 1;
 constexpr int kEvalOutputTag = kLossTag + 2;
 constexpr int kProbeTag = kLossTag + 3;  // and kProbeTag + 1
+// A step's (and an evaluation's) batch size, sent to the next stage before the activations: a
+// stage posts its receives sized for its own batch, and Gloo aborts the process on a message of
+// another size, so each checks its predecessor's first (checkBatchOfPrevious).
+constexpr int kBatchTag = kLossTag + 5;
+constexpr int kEvalBatchTag = kLossTag + 6;
 // Steps at the start whose idle time and step time the summary leaves out (as the Trainer's).
 constexpr int64_t kWarmupSteps = 5;
 
@@ -89,6 +94,9 @@ struct COHORT_LOCAL Pipeline::Impl {
   // pipeline_cut.cpp: sets counts, splits and options.microBatches (rank 0 decides, everyone gets
   // its choice), then checks the cut against the layers.
   void chooseCut(torch::nn::Sequential& model, const torch::Tensor& sample, const LayerProfile& profile);
+  // Stage s > 0: receives the batch size stage s-1 sent under `tag` and throws InvalidArgument,
+  // naming both, when it is not `batch`; returns the seconds waited. pipeline_step.cpp.
+  double checkBatchOfPrevious(int64_t batch, int tag, const char* who);
   // pipeline_step.cpp.
   PipelineStepStats step(const torch::Tensor& inputs, const torch::Tensor& targets, const PipelineLoss& loss,
                          torch::optim::Optimizer& optimizer);

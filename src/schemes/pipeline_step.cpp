@@ -134,6 +134,9 @@ class StepRun {
   }
 
   void run() {
+    // The batch size first, so that the next stage checks it before it posts a receive.
+    if (!p_.last()) sends_.push_back(p_.comm->sendAsync(torch::tensor({inputs_.size(0)}), p_.nextRank(), kBatchTag));
+    if (!p_.first()) times.idle += p_.checkBatchOfPrevious(inputs_.size(0), kBatchTag, "step");
     if (activations_) activations_->post(0);
     if (gradients_) gradients_->post(0);
     for (const PipeOp& op : ops_) {
@@ -258,6 +261,15 @@ torch::Tensor toWire(const torch::Tensor& t) {
 
 torch::Tensor wireBuffer(const std::vector<int64_t>& shape, c10::ScalarType type, const c10::Device& device) {
   return torch::empty(shape, torch::TensorOptions().dtype(type).pinned_memory(!device.is_cpu()));
+}
+
+double Pipeline::Impl::checkBatchOfPrevious(int64_t batch, int tag, const char* who) {
+  auto theirs = torch::empty({1}, torch::kInt64);
+  const double waited = comm->recvAsync(theirs, prevRank(), tag).wait();
+  COHORT_CHECK(theirs.item<int64_t>() == batch, InvalidArgument, "cohort::Pipeline::", who, ": stage ", stage,
+               " was given a batch of ", batch, " examples and stage ", stage - 1, " (rank ", prevRank(), ") one of ",
+               theirs.item<int64_t>(), ": every stage of a replica takes the same batch");
+  return waited;
 }
 
 namespace {
