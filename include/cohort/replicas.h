@@ -130,7 +130,9 @@ class COHORT_API ReplicaGroup {
   ReplicaGroup& operator=(const ReplicaGroup&) = delete;
 
   // One step on the batch (see above). Returns the loss, the shards' losses weighted by their
-  // sizes. Throws InvalidArgument for a batch smaller than the replica count.
+  // sizes. A batch smaller than the replica count is taken: the replicas left without examples
+  // contribute nothing. Throws InvalidArgument for a batch of no examples, or targets of another
+  // count than the inputs.
   double step(const torch::Tensor& inputs, const torch::Tensor& targets, const ShardLoss& loss);
 
   // Mirrored: makes every replica's floating-point buffers (BatchNorm's running statistics) their
