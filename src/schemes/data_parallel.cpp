@@ -3,6 +3,7 @@
 #include <cohort/error.h>
 
 #include "base/clock.h"
+#include "base/thread_annotations.h"
 #include "compress/codec.h"
 #include "schemes/compressed.h"
 #include "schemes/model_sync.h"
@@ -17,7 +18,6 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
-#include <mutex>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -56,30 +56,29 @@ class HookedParameters {
   // Claims `params` (their names beside them) for one handle, or throws InvalidArgument naming the
   // first that another handle holds; claims nothing then.
   static void claim(const std::vector<torch::Tensor>& params, const std::vector<std::string>& names) {
-    std::lock_guard<std::mutex> lock(mutex());
-    auto& held = set();
+    HookedParameters& h = instance();
+    MutexLock lock(h.mutex_);
     for (size_t k = 0; k < params.size(); ++k) {
-      COHORT_CHECK(held.count(params[k].unsafeGetTensorImpl()) == 0, InvalidArgument, kWho, ": parameter ", names[k],
+      COHORT_CHECK(h.held_.count(params[k].unsafeGetTensorImpl()) == 0, InvalidArgument, kWho, ": parameter ", names[k],
                    " is already hooked by another DataParallel handle of this process; two handles on one model "
                    "would each average its gradient, and the two scalings would halve it: destroy the first handle "
                    "before making another");
     }
-    for (const auto& p : params) held.insert(p.unsafeGetTensorImpl());
+    for (const auto& p : params) h.held_.insert(p.unsafeGetTensorImpl());
   }
   static void release(const std::vector<torch::Tensor>& params) {
-    std::lock_guard<std::mutex> lock(mutex());
-    for (const auto& p : params) set().erase(p.unsafeGetTensorImpl());
+    HookedParameters& h = instance();
+    MutexLock lock(h.mutex_);
+    for (const auto& p : params) h.held_.erase(p.unsafeGetTensorImpl());
   }
 
  private:
-  static std::mutex& mutex() {
-    static std::mutex m;
-    return m;
+  static HookedParameters& instance() {
+    static HookedParameters* const h = new HookedParameters();  // never destroyed: handles may outlive statics
+    return *h;
   }
-  static std::unordered_set<const c10::TensorImpl*>& set() {
-    static std::unordered_set<const c10::TensorImpl*> s;
-    return s;
-  }
+  Mutex mutex_;
+  std::unordered_set<const c10::TensorImpl*> held_ GUARDED_BY(mutex_);
 };
 
 // Module::parameters_ (protected) read without copying its names: named_parameters() and
