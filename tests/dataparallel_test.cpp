@@ -104,6 +104,26 @@ TEST(DataParallel, ABatchBeyondARanksShareIsRefused) {
   EXPECT_EQ(r.output.find("done:"), std::string::npos) << r.output;
 }
 
+// Under average an evaluation (or checkpoint) between averages averages the model early: those
+// averages' bytes were missing from the done event (0 bytes for 16 steps at --period 8
+// --eval-every 2, whose every average ran at an evaluation).
+TEST(DataParallel, AverageCountsTheAveragesOfItsEvaluations) {
+  test::TempDir dir;
+  auto r = test::runCommand(launch(2) + test::cohortBinary() +
+                                " train --model mlp --data synthetic:1024 --batch 32 --steps 16 --strategy average"
+                                " --period 8 --eval-every 2 --progress off --timeout 30 --metrics " +
+                                dir.file("m.jsonl"),
+                            120);
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto done = doneEvent(dir.file("m.jsonl"));
+  int64_t stepBytes = 0;
+  for (const auto& e : test::events(dir.file("m.jsonl"), "step")) stepBytes += e["bytes_sent"].get<int64_t>();
+  EXPECT_EQ(stepBytes, 0) << "every average ran at an evaluation, outside the steps";
+  // 8 averages (at steps 2, 4, ..., 14 and the end) of the mlp's 2.68 MB: a ring of 2 sends about
+  // that much each time; at least 7 of them.
+  EXPECT_GT(done["bytes_sent"].get<int64_t>(), 7 * 2'600'000) << done.dump();
+}
+
 TEST(DataParallel, AverageWithPeriodKeepsReplicasAveragedAtTheEnd) {
   test::TempDir dir;
   auto r = test::runCommand(launch(2) + test::cohortBinary() +

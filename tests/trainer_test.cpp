@@ -1,7 +1,9 @@
+#include "train/trainer.h"
+#include "base/scheme.h"
+#include "train/trainer_internal.h"
 #include <cohort/checkpoint.h>
 #include <cohort/error.h>
-#include "base/scheme.h"
-#include "train/trainer.h"
+#include <cohort/models.h>
 
 #include <nlohmann/json.hpp>
 
@@ -405,6 +407,38 @@ TEST(Trainer, RefusesAScriptedModelOfOtherOutputsThanClasses) {
                               "synthetic:640 has 10 classes"),
             std::string::npos)
       << refusalOf(o);
+}
+
+// Options the model cannot train under, refused before the first step: --average-optimizer-state
+// over sparse tables failed as "this optimizer's state would not be averaged" whatever --optimizer
+// said; --autocast fp16 with an LSTM on the CPU failed in oneDNN.
+TEST(Trainer, RefusesWhatTheModelCannotTrainUnder) {
+  const auto refusal = [](const TrainOptions& o, torch::nn::Module& model) {
+    try {
+      checkModelForRun(o, model, c10::Device(c10::kCPU));
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  TrainOptions o = smallRun();
+  o.strategy.scheme = Scheme::kAverage;
+  o.strategy.average.averageOptimizerState = true;
+  o.model = "embed:rows=100";
+  auto bags = makeModel(o.model, {.featureRows = 100});
+  EXPECT_NE(refusal(o, *bags).find("--average-optimizer-state: --model embed:rows=100 has sparse embedding tables"),
+            std::string::npos)
+      << refusal(o, *bags);
+  auto dense = makeModel("embed:rows=100,sparse=0", {.featureRows = 100});
+  EXPECT_EQ(refusal(o, *dense), "");
+  o = smallRun();
+  o.model = "lstm";
+  o.strategy.autocast = c10::kHalf;
+  auto lstm = makeModel("lstm", {});
+  EXPECT_NE(refusal(o, *lstm).find("--autocast fp16 on the CPU: --model lstm has a recurrent layer"), std::string::npos)
+      << refusal(o, *lstm);
+  o.strategy.autocast = c10::kBFloat16;
+  EXPECT_EQ(refusal(o, *lstm), "");
 }
 
 TEST(Trainer, RejectsBadOptions) {

@@ -346,7 +346,10 @@ void addDataParallelOptions(CLI::App* train, TrainFlags& f) {
                  "replica on a slower core does not hold the others at the sums; the step still equals one on the "
                  "whole batch, but runs are no longer bit-reproducible")
       ->group(dp);
-  train->add_option("--period", s.average.period, "average: average the parameters every K steps")
+  train
+      ->add_option("--period", s.average.period,
+                   "average: average the parameters every K steps (and at each evaluation and checkpoint, from "
+                   "which the K steps count anew)")
       ->group(dp)
       ->capture_default_str();
   train

@@ -55,7 +55,13 @@ StepStats AverageStrategy::step(const Batch& batch, const LossFn& loss) {
 }
 
 void AverageStrategy::synchronize() {
-  if (averaging_) averaging_->synchronize();
+  if (!averaging_) return;
+  const AveragingStats before = averaging_->stats();
+  averaging_->synchronize();
+  const AveragingStats after = averaging_->stats();
+  offStep_.bytesSent += after.bytesSent - before.bytesSent;
+  offStep_.bytesReceived += after.bytesReceived - before.bytesReceived;
+  offStep_.commWaitSeconds += after.commWaitSeconds - before.commWaitSeconds;
 }
 
 void AverageStrategy::saveState(torch::serialize::OutputArchive& archive) {

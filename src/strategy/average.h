@@ -22,8 +22,11 @@ class AverageStrategy final : public Strategy {
   ReplicaInfo replica() const override;
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;
   StepStats step(const Batch& batch, const LossFn& loss) override;
-  // Averages now if any step has been taken since the last average (every rank must call it).
+  // Averages now if any step has been taken since the last average (every rank must call it): an
+  // evaluation or a checkpoint between averages averages early, and the period counts anew.
   void synchronize() override;
+  // The averages synchronize() ran: their bytes and waiting.
+  StepStats offStepStats() const override { return offStep_; }
   // The outer optimizer's momentum ("outer_momentum"), when there is one; the steps taken
   // ("average_steps", which decide when --codec-warmup-steps ends) and the codec's residual
   // ("codec_residuals", every rank's error feedback, gathered by prepareCheckpoint()), when the
@@ -41,6 +44,7 @@ class AverageStrategy final : public Strategy {
   torch::nn::Sequential model_{nullptr};
   torch::optim::Optimizer* optimizer_ = nullptr;
   std::unique_ptr<ParameterAveraging> averaging_;
+  StepStats offStep_;                     // what synchronize() exchanged
   std::vector<torch::Tensor> residuals_;  // every rank's codec residual, from prepareCheckpoint()
   std::vector<torch::Tensor> scalers_;    // every rank's scalerStateTensor, from prepareCheckpoint()
   std::vector<torch::Tensor> optimizers_;  // every rank's serialized optimizer, from prepareCheckpoint()

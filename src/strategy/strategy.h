@@ -149,6 +149,10 @@ class Strategy {
   // Brings the local model to the state to evaluate or checkpoint. (ps with a sparse model: on a
   // process that does not evaluate, only what its next step reads, which it already has.)
   virtual void synchronize() = 0;
+  // What this process exchanged outside step() so far (average: the averages synchronize() ran
+  // for evaluations, checkpoints and the end): bytes and waiting, which the run's totals add to the
+  // steps'. Zero for schemes whose synchronize() exchanges nothing of its own.
+  virtual StepStats offStepStats() const { return {}; }
 
   // Where training should resume, when the scheme keeps that itself (ps: the servers count each
   // worker's steps); known after attach().

@@ -186,6 +186,7 @@ void Trainer::State::placeModel() {
   device = chooseDevice(o, *strategy, *model, cluster.localRank);
   checkBackend(o, *strategy, *model, device);
   if (!device.is_cpu()) model->to(device);  // before the optimizer: its state follows the parameters
+  checkModelForRun(o, *model, device);
   optimizer = makeOptimizer(o.optimizer, o.lr, o.momentum, *model);
 }
 

@@ -104,6 +104,29 @@ c10::Device chooseDevice(const TrainOptions& o, const Strategy& strategy, torch:
   throw InvalidArgument("--device " + o.device + ": " + reason + "; use --device cpu");
 }
 
+void checkModelForRun(const TrainOptions& o, torch::nn::Module& model, const c10::Device& device) {
+  bool sparse = false;
+  for (const auto& p : model.parameters()) sparse = sparse || hasRowSparseGradient(model, p);
+  // makeOptimizer() gives such a model the lazy row optimizer, which ParameterAveraging refused
+  // as "not SGD, Adam or AdamW" whatever --optimizer said.
+  COHORT_CHECK(!(o.strategy.scheme == Scheme::kAverage && o.strategy.average.averageOptimizerState && sparse),
+               InvalidArgument, "--average-optimizer-state: --model ", o.model,
+               " has sparse embedding tables, which train with the lazy row optimizer, whose state is not averaged: "
+               "drop --average-optimizer-state, or use dense tables (embed:sparse=0)");
+  // oneDNN has no float16 LSTM on the CPU: the first step failed with "could not create a
+  // primitive descriptor for the LSTM forward propagation primitive".
+  if (o.strategy.autocast == c10::kHalf && device.is_cpu()) {
+    bool recurrent = false;
+    for (const auto& m : model.modules(/*include_self=*/false)) {
+      recurrent = recurrent || m->as<torch::nn::LSTMImpl>() != nullptr || m->as<torch::nn::GRUImpl>() != nullptr ||
+                  m->as<torch::nn::RNNImpl>() != nullptr;
+    }
+    COHORT_CHECK(!recurrent, InvalidArgument, "--autocast fp16 on the CPU: --model ", o.model,
+                 " has a recurrent layer (LSTM, GRU or RNN), which has no float16 kernel on the CPU: use --autocast "
+                 "bf16, or a GPU");
+  }
+}
+
 void checkBackend(const TrainOptions& o, const Strategy& strategy, torch::nn::Module& model,
                   const c10::Device& device) {
   if (o.backend != CommBackend::kNccl || device.is_cuda()) return;

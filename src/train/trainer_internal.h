@@ -92,5 +92,8 @@ c10::Device chooseDevice(const TrainOptions& o, const Strategy& strategy, torch:
 // --backend nccl carries CUDA tensors only: a run whose model is on the CPU is refused, saying why
 // it is there. (A build without NCCL refuses it earlier: validate().)
 void checkBackend(const TrainOptions& o, const Strategy& strategy, torch::nn::Module& model, const c10::Device& device);
+// The model on `device` against the options that cannot train it: --average-optimizer-state over
+// sparse tables (the lazy optimizer's state), --autocast fp16 with a recurrent layer on the CPU.
+void checkModelForRun(const TrainOptions& o, torch::nn::Module& model, const c10::Device& device);
 
 }  // namespace cohort

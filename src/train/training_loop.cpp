@@ -139,6 +139,11 @@ class Trainer::State::Loop {
     MetricFields schemeReport;
     if (chief_) schemeReport = s_.strategy->report();
     saveModel();
+    // Exchanges outside the steps (average: the averages of the evaluations, checkpoints and end).
+    const StepStats offStep = s_.strategy->offStepStats();
+    result_.bytesSent += offStep.bytesSent;
+    result_.bytesReceived += offStep.bytesReceived;
+    result_.commWaitSeconds += offStep.commWaitSeconds;
     result_.steps = s_.step;
     result_.epochs = s_.epoch + (s_.stepInEpoch > 0 ? 1 : 0);
     result_.lastTrainLoss = recentLoss_;
