@@ -75,6 +75,13 @@ constexpr uint32_t kSummaryValue = 1;
 constexpr uint32_t kValueTag = 1;
 constexpr uint32_t kValueSimpleValue = 2;
 
+// An Event's wall_time and step, the fields every record after the first starts with.
+void putEventHead(std::vector<uint8_t>& event, double wallTime, int64_t step) {
+  putDouble(event, kEventWallTime, wallTime);
+  putKey(event, kEventStep, kVarint);
+  putVarint(event, uint64_t(step));  // int64: two's complement as a 64-bit varint
+}
+
 double unixSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -104,9 +111,7 @@ std::vector<uint8_t> encodeScalarEvent(double wallTime, int64_t step,
     putBytes(summary, kSummaryValue, v);
   }
   std::vector<uint8_t> event;
-  putDouble(event, kEventWallTime, wallTime);
-  putKey(event, kEventStep, kVarint);
-  putVarint(event, uint64_t(step));  // int64: two's complement as a 64-bit varint
+  putEventHead(event, wallTime, step);
   putBytes(event, kEventSummary, summary);
   return event;
 }
@@ -141,9 +146,7 @@ void TensorBoardWriter::sessionStart(int64_t step) {
   putKey(log, kSessionLogStatus, kVarint);
   putVarint(log, kSessionLogStart);
   std::vector<uint8_t> event;
-  putDouble(event, kEventWallTime, unixSeconds());
-  putKey(event, kEventStep, kVarint);
-  putVarint(event, uint64_t(step));
+  putEventHead(event, unixSeconds(), step);
   putBytes(event, kEventSessionLog, log);
   writeRecord(event);
 }

@@ -2,6 +2,8 @@
 #include <cohort/error.h>
 #include <cohort/models.h>
 
+#include "models/model_spec.h"
+
 #include <torch/torch.h>
 
 namespace cohort {
@@ -136,16 +138,12 @@ nn::Sequential makeEmbed(const std::string& spec, const InputShape& s) {
                         nn::Linear(hidden, s.classes));
 }
 
-bool endsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 }  // namespace
 
 torch::nn::Sequential makeModel(const std::string& spec, const InputShape& shape) {
   if (spec == "embed" || spec.rfind("embed:", 0) == 0) return makeEmbed(spec, shape);
-  COHORT_CHECK(shape.featureRows == 0 || endsWith(spec, ".pt") || spec.find('/') != std::string::npos,
-               InvalidArgument, "--model ", spec, " reads images, but the data are bags of feature ids: use --model embed");
+  COHORT_CHECK(shape.featureRows == 0 || isModelFileSpec(spec), InvalidArgument, "--model ", spec,
+               " reads images, but the data are bags of feature ids: use --model embed");
   if (spec == "mlp") return makeMlp(shape);
   if (spec.rfind("mlp:", 0) == 0) {  // the mlp with another hidden width, e.g. mlp:4096
     int64_t hidden = 0;
@@ -161,7 +159,7 @@ torch::nn::Sequential makeModel(const std::string& spec, const InputShape& shape
   }
   if (spec == "cnn") return makeCnn(shape);
   if (spec == "lstm") return makeLstm(shape);
-  if (endsWith(spec, ".pt") || spec.find('/') != std::string::npos) return loadScriptedModel(spec);
+  if (isModelFileSpec(spec)) return loadScriptedModel(spec);
   throw InvalidArgument("unknown model '" + spec + "': expected mlp, mlp:WIDTH, cnn, lstm, embed or a TorchScript file FILE.pt");
 }
 

@@ -289,6 +289,13 @@ bool hasRowSparseGradient(torch::nn::Module& model, const torch::Tensor& param) 
   return false;
 }
 
+bool hasRowSparseTable(torch::nn::Module& model) {
+  for (const auto& p : model.parameters()) {
+    if (hasRowSparseGradient(model, p)) return true;
+  }
+  return false;
+}
+
 std::pair<torch::Tensor, torch::Tensor> gradientRows(const torch::Tensor& grad) {
   torch::NoGradGuard noGrad;
   const torch::Tensor sparse = grad.is_sparse() ? grad.coalesce() : grad.to_sparse(1);

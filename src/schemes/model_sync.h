@@ -57,6 +57,8 @@ void unflattenParameters(const std::vector<torch::Tensor>& params, std::span<con
 // Whether backward gives `param` a row-sparse gradient (a sparse COO tensor of whole rows): it is
 // the weight of an nn::Embedding or nn::EmbeddingBag made with sparse(true) inside `model`.
 bool hasRowSparseGradient(torch::nn::Module& model, const torch::Tensor& param);
+// Whether any parameter of `model` has one (a sparse embedding table).
+bool hasRowSparseTable(torch::nn::Module& model);
 
 // A row-sparse gradient as (sorted, distinct rows, their values [rows, dim]), duplicates summed;
 // a dense gradient of a table is read the same way (its rows that are not all zero).

@@ -46,10 +46,8 @@ std::vector<OptimizerKind> allOptimizers() {
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(OptimizerKind kind, double lr, double momentum,
                                                        torch::nn::Module& model) {
   const std::vector<torch::Tensor> params = model.parameters();
-  for (const auto& p : params) {
-    // A sparse embedding table: updates by rows, lazily (train/lazy_optimizer.h).
-    if (hasRowSparseGradient(model, p)) return std::make_unique<LazyOptimizer>(params, kind, lr, momentum);
-  }
+  // A sparse embedding table: updates by rows, lazily (train/lazy_optimizer.h).
+  if (hasRowSparseTable(model)) return std::make_unique<LazyOptimizer>(params, kind, lr, momentum);
   switch (kind) {
     // torch::optim::SGD's update and state, its step in multi-tensor kernels on a GPU.
     case OptimizerKind::kSgd: return std::make_unique<ForeachSGD>(params, torch::optim::SGDOptions(lr));

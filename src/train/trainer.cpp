@@ -3,6 +3,7 @@
 #include "base/compute_threads.h"
 #include "base/files.h"
 #include "base/launcher_channel.h"
+#include "models/model_spec.h"
 #include "train/evaluator.h"
 #include "train/threads.h"
 #include "train/trainer_internal.h"
@@ -51,11 +52,6 @@ StrategyOptions strategyOptions(const TrainOptions& o) {
   so.gossip.authToken = o.strategy.ps.authToken;
   so.gossip.seed = o.seed;
   return so;
-}
-
-// --model names a TorchScript file (makeModel's rule) rather than a model of the zoo.
-bool isModelFile(const std::string& spec) {
-  return spec.find('/') != std::string::npos || (spec.size() >= 3 && spec.compare(spec.size() - 3, 3, ".pt") == 0);
 }
 
 // A resumed run goes on from its checkpoint's step: the metrics file's lines past that step (the
@@ -176,7 +172,7 @@ void Trainer::State::buildModel() {
   std::vector<int64_t> first(size_t(std::min(o.batch, data.train.size())));
   std::iota(first.begin(), first.end(), 0);
   const Batch sample = makeBatch(data.train, first);
-  if (isModelFile(o.model) && !o.loss) checkModelOutputs(o, sample, data.classes);
+  if (isModelFileSpec(o.model) && !o.loss) checkModelOutputs(o, sample, data.classes);
   model = strategy->localModel(model, sample);
 }
 

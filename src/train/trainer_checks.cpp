@@ -25,12 +25,10 @@ std::string cpuOnlyReason(const TrainOptions& o, const Strategy& strategy, torch
            " trains on the CPU only in this version (on a device so far: local, "
            "allreduce, average, ps, gossip, pipeline, tensor, mirrored and central)";
   }
-  for (const auto& p : model.parameters()) {
-    if (hasRowSparseGradient(model, p)) {
-      return "--model " + o.model +
-             " has sparse embeddings, whose optimizer and exchange work on host memory only "
-             "so far";
-    }
+  if (hasRowSparseTable(model)) {
+    return "--model " + o.model +
+           " has sparse embeddings, whose optimizer and exchange work on host memory only "
+           "so far";
   }
   return "";
 }
@@ -105,8 +103,7 @@ c10::Device chooseDevice(const TrainOptions& o, const Strategy& strategy, torch:
 }
 
 void checkModelForRun(const TrainOptions& o, torch::nn::Module& model, const c10::Device& device) {
-  bool sparse = false;
-  for (const auto& p : model.parameters()) sparse = sparse || hasRowSparseGradient(model, p);
+  const bool sparse = hasRowSparseTable(model);
   // makeOptimizer() gives such a model the lazy row optimizer, which ParameterAveraging refused
   // as "not SGD, Adam or AdamW" whatever --optimizer said.
   COHORT_CHECK(!(o.strategy.scheme == Scheme::kAverage && o.strategy.average.averageOptimizerState && sparse),
