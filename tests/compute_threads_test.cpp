@@ -29,5 +29,18 @@ TEST(ComputeThreads, DoNothingWithoutTheLibrariesAndReachThemOnceLoaded) {
   EXPECT_EQ(maxThreads(), 3);  // this thread's count
 }
 
+// One reading of OMP_NUM_THREADS for the trainer, the evaluator and the replica schemes: the
+// trainer's atoi once read "4,2" as 4 and the replica schemes' strtol read it as no value at all.
+TEST(ComputeThreads, OmpNumThreadsIsTheFirstCountOfItsList) {
+  EXPECT_EQ(parseOmpNumThreads("4"), 4);
+  EXPECT_EQ(parseOmpNumThreads("4,2"), 4);
+  EXPECT_EQ(parseOmpNumThreads(" 3 "), 3);
+  EXPECT_EQ(parseOmpNumThreads("65536"), 65536);
+  for (const char* bad : {"", " ", "0", "-2", "four", "4x", "4 2", ",4", "65537", "99999999999999999999"}) {
+    EXPECT_EQ(parseOmpNumThreads(bad), std::nullopt) << "'" << bad << "'";
+  }
+  EXPECT_EQ(parseOmpNumThreads(nullptr), std::nullopt);
+}
+
 }  // namespace
 }  // namespace cohort

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -110,5 +111,20 @@ int openBlasThreads() {
 void setOpenBlasThreads(int threads) {
   if (auto fn = lookUp<void (*)(int)>("openblas_set_num_threads")) fn(threads);
 }
+
+std::optional<int> parseOmpNumThreads(const char* text) {
+  if (text == nullptr) return std::nullopt;
+  const char* p = text;
+  while (*p == ' ' || *p == '\t') ++p;
+  int64_t count = 0;
+  const char* digits = p;
+  while (*p >= '0' && *p <= '9' && count <= 65536) count = count * 10 + (*p++ - '0');
+  if (p == digits || count < 1 || count > 65536) return std::nullopt;
+  while (*p == ' ' || *p == '\t') ++p;
+  if (*p != '\0' && *p != ',') return std::nullopt;
+  return int(count);
+}
+
+std::optional<int> ompNumThreadsFromEnvironment() { return parseOmpNumThreads(std::getenv("OMP_NUM_THREADS")); }
 
 }  // namespace cohort

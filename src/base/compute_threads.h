@@ -28,6 +28,16 @@ int defaultComputeThreads(int processes);
 // idle cores, which its running siblings have already taken from.
 int defaultComputeThreadsBeside(int processes);
 
+// OMP_NUM_THREADS's value as OpenMP reads it for the outermost level: the first count of its
+// list ("4", or "4,2" for nested levels), spaces around it allowed. nullopt where `text` is null,
+// empty, or not a count from 1 to 65536 ("0", "-2", "four", "4x").
+std::optional<int> parseOmpNumThreads(const char* text);
+
+// parseOmpNumThreads of this process's OMP_NUM_THREADS: what cohort launch, mpirun or Slurm gave
+// this process as its share of the host's cores. One reading for every caller, so that "4,2" is 4
+// for the trainer, the evaluator and the replica schemes alike.
+std::optional<int> ompNumThreadsFromEnvironment();
+
 // omp_set_num_threads: the OpenMP threads of the calling thread's parallel regions.
 void setOpenMpThreads(int threads);
 

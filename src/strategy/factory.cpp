@@ -3,6 +3,7 @@
 #include <cohort/communicator.h>
 #include <cohort/error.h>
 
+#include "base/compute_threads.h"
 #include "compress/codec.h"
 #include "strategy/allreduce.h"
 #include "strategy/average.h"
@@ -23,11 +24,7 @@ namespace cohort {
 // gives as OMP_NUM_THREADS when processes share the host; else the host's.
 int replicaThreads(const StrategyOptions& options) {
   if (options.replicas > 0) return options.replicas;
-  if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr) {
-    char* end = nullptr;
-    const long share = std::strtol(env, &end, 10);
-    if (end != env && *end == '\0' && share > 0 && share <= 4096) return int(share);
-  }
+  if (const std::optional<int> share = ompNumThreadsFromEnvironment()) return *share;
   return int(std::max(1u, std::thread::hardware_concurrency()));
 }
 

@@ -1,6 +1,7 @@
 #include "train/evaluator.h"
 
 #include "base/clock.h"
+#include "base/compute_threads.h"
 #include "base/crypto.h"
 #include "base/files.h"
 #include "base/tensorboard.h"
@@ -320,10 +321,7 @@ int runEvaluator(const TrainOptions& o, const ClusterSpec& cluster, const Evalua
                : scheme == Scheme::kPipeline ? "stage"
                                              : "way",
                "): drop the evaluator task");
-  const char* ompThreads = std::getenv("OMP_NUM_THREADS");
-  setComputeThreads(o.threads > 0                                        ? o.threads
-                    : ompThreads != nullptr && std::atoi(ompThreads) > 0 ? std::atoi(ompThreads)
-                                                                         : 1);
+  setComputeThreads(o.threads > 0 ? o.threads : ompNumThreadsFromEnvironment().value_or(1));
   torch::manual_seed(o.seed);
   return EvaluatorTask(o, cluster, eo).run();
 }

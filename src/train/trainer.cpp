@@ -29,7 +29,7 @@ namespace fs = std::filesystem;
 // Threads for this process when --threads is not given: OMP_NUM_THREADS (cohort launch sets it),
 // else its share of this host's cores, no more than are idle (its siblings may be running).
 int defaultThreads() {
-  if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr && std::atoi(env) > 0) return std::atoi(env);
+  if (const std::optional<int> share = ompNumThreadsFromEnvironment()) return *share;
   int local = 1;
   try {
     local = std::max(1, resolveClusterFromEnvironment().localWorldSize);
