@@ -830,6 +830,93 @@ TEST(TensorParallel, RefusesMoreWaysThanALayerHasUnits) {
   });
 }
 
+// Dropout before, inside and after the split: the random draws agree where the ways hold the same
+// activation, or the layers every way keeps whole would train apart.
+nn::Sequential dropoutNet(uint64_t seed) {
+  torch::manual_seed(seed);
+  return nn::Sequential(nn::Flatten(), nn::Dropout(0.3), nn::Linear(36, 7), nn::ReLU(), nn::Dropout(0.5),
+                        nn::Linear(7, 6), nn::ReLU(), nn::Dropout(0.5), nn::Linear(6, 5));
+}
+
+TEST(TensorParallel, DropoutKeepsTheWaysWholeLayersIdentical) {
+  for (int ways : {2, 3}) {
+    const Data d = batches(3, 12);
+    std::vector<nn::Sequential> nets;
+    for (int r = 0; r < ways; ++r) nets.push_back(dropoutNet(1));
+    std::vector<std::vector<torch::Tensor>> last{size_t(ways)};
+    std::vector<torch::Tensor> outputs{size_t(ways)};
+    test::onRanks(ways, [&](std::shared_ptr<Communicator> comm) {
+      TensorParallel tp(Job::fromCommunicator(comm), nets[size_t(comm->rank())], d.x[0], {.ways = ways});
+      auto local = tp.module();
+      torch::optim::SGD opt(local->parameters(), 0.1);
+      for (size_t i = 0; i < d.x.size(); ++i) {
+        opt.zero_grad();
+        crossEntropy(*local, d.x[i], d.y[i]).backward();
+        opt.step();
+      }
+      outputs[size_t(comm->rank())] = local->forward(d.x[0]).detach();
+      // The last Linear, kept whole on every way.
+      last[size_t(comm->rank())] = parametersOf(*local->children().back());
+    });
+    for (int w = 1; w < ways; ++w) {
+      EXPECT_TRUE(identical(last[size_t(w)], last[0])) << ways << " ways: way " << w << "'s last layer";
+      EXPECT_TRUE(torch::equal(outputs[size_t(w)], outputs[0])) << ways << " ways: way " << w << "'s output";
+    }
+  }
+}
+
+// A dropout on split units: each way drops its own units, drawn as the slice of one mask over all
+// units (not a mask of its own shape, which the ways of one seed would draw alike); in evaluation
+// nothing is dropped. The layers pass the hidden units through: the output is the mask.
+TEST(TensorParallel, DropoutOnSplitUnitsDrawsEachWaysSliceOfOneMask) {
+  const int64_t n = 64, units = 8;
+  auto make = [&] {
+    auto net =
+        nn::Sequential(nn::Linear(4, units), nn::Dropout(0.5), nn::Linear(nn::LinearOptions(units, units).bias(false)));
+    torch::NoGradGuard noGrad;
+    net[0]->as<nn::LinearImpl>()->weight.zero_();
+    net[0]->as<nn::LinearImpl>()->bias.fill_(1);
+    net[2]->as<nn::LinearImpl>()->weight.copy_(torch::eye(units));
+    return net;
+  };
+  std::vector<nn::Sequential> nets{make(), make()};
+  std::vector<torch::Tensor> train(2), eval(2);
+  const auto x = torch::randn({n, 4});
+  test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    const auto r = size_t(comm->rank());
+    TensorParallel tp(Job::fromCommunicator(comm), nets[r], x, {.ways = 2});
+    auto local = tp.module();
+    train[r] = local->forward(x).detach();
+    local->eval();
+    eval[r] = local->forward(x).detach();
+  });
+  EXPECT_TRUE(torch::equal(train[0], train[1]));
+  EXPECT_TRUE(torch::equal(eval[0], torch::ones({n, units})));
+  EXPECT_TRUE(torch::equal(eval[1], eval[0]));
+  const auto mask = train[0];
+  EXPECT_TRUE(torch::equal(mask.eq(0).logical_or(mask.eq(2)), torch::ones({n, units}, torch::kBool))) << mask;
+  const double dropped = mask.eq(0).to(torch::kDouble).mean().item<double>();
+  EXPECT_GT(dropped, 0.35);
+  EXPECT_LT(dropped, 0.65);
+  // Way 0 holds units 0-3, way 1 units 4-7: their masks are not one pattern drawn twice.
+  EXPECT_FALSE(torch::equal(mask.narrow(1, 0, 4), mask.narrow(1, 4, 4)));
+}
+
+// A random layer the split cannot draw alike on every way is refused, not left to train apart.
+TEST(TensorParallel, RefusesARandomLayerItCannotDrawAlike) {
+  test::onRanks(2, [&](std::shared_ptr<Communicator> comm) {
+    torch::manual_seed(1);
+    auto net = nn::Sequential(nn::Flatten(), nn::AlphaDropout(0.2), nn::Linear(36, 7), nn::ReLU(), nn::Linear(7, 5));
+    try {
+      TensorParallel tp(Job::fromCommunicator(comm), net, torch::randn({2, 1, 6, 6}), {.ways = 2});
+      ADD_FAILURE() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("layer 1 ("), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("draws random numbers"), std::string::npos) << e.what();
+    }
+  });
+}
+
 // ---- the command line ----
 
 TEST(ReplicasCli, BadInputIsOneLineErrors) {

@@ -5,8 +5,11 @@
 #include <cohort/communicator.h>
 #include <cohort/error.h>
 #include <cohort/tensor_parallel.h>
+
+#include "models/cpu_generator.h"
 #include "schemes/model_sync.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <optional>
@@ -85,8 +88,75 @@ struct PartialSumLayerImpl : nn::Module {
 };
 TORCH_MODULE(PartialSumLayer);
 
+// A dropout the split redraws (WayDropout): its p, and for Dropout2d and Dropout3d the dimensions
+// each channel's one draw covers.
+struct DropoutKind {
+  double p = 0;
+  int64_t featureDims = 0;  // 0: Dropout, each element its own draw
+};
+
+std::optional<DropoutKind> dropoutKind(const std::shared_ptr<nn::Module>& m) {
+  if (auto* d = m->as<nn::DropoutImpl>()) return DropoutKind{d->options.p(), 0};
+  if (auto* d = m->as<nn::Dropout2dImpl>()) return DropoutKind{d->options.p(), 2};
+  if (auto* d = m->as<nn::Dropout3dImpl>()) return DropoutKind{d->options.p(), 3};
+  return std::nullopt;
+}
+
+// Layers that draw random numbers in training and that the split cannot draw alike on every way.
+bool drawsApart(const std::shared_ptr<nn::Module>& m) {
+  return m->as<nn::AlphaDropoutImpl>() || m->as<nn::FeatureAlphaDropoutImpl>() || m->as<nn::RReLUImpl>();
+}
+
+// A dropout of the split network. Every way draws the mask of the whole activation from a
+// generator of its own, seeded alike on the ways of a replica, and applies its slice: a dropout on
+// split units drops each way's units as one process drawing that mask would (a mask of the way's
+// own shape would repeat one pattern on every way of an even split, and an uneven split would set
+// the ways' generators apart), and one on an activation every way holds whole drops the same
+// elements on every way (else the layers kept whole would train apart). Not torch's generator:
+// the ways' draws do not depend on what else a process draws. The mask is drawn on the CPU and
+// copied to the activation's device.
+struct WayDropoutImpl : nn::Module {
+  struct Slice {
+    int64_t total = 0, offset = 0, size = 0;  // of dimension 1; total 0: the activation is whole
+  };
+  WayDropoutImpl(DropoutKind k, uint64_t seed, Slice s)
+      : kind(k), slice(s), generator(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (!is_training() || kind.p == 0) return x;
+    if (kind.p == 1) return x * torch::zeros({}, x.options());
+    std::vector<int64_t> shape = x.sizes().vec();
+    if (kind.featureDims > 0) {
+      COHORT_CHECK_EQ(x.dim(), kind.featureDims + 2, InvalidArgument, kWho, ": Dropout", kind.featureDims,
+                      "d under tensor parallelism takes a batch of channels (N, C, ...) only");
+      for (size_t d = 2; d < shape.size(); ++d) shape[d] = 1;
+    }
+    if (slice.total > 0) shape[1] = slice.total;
+    auto mask = torch::empty(shape, torch::kFloat32).bernoulli_(1 - kind.p, generator).div_(1 - kind.p);
+    if (slice.total > 0) mask = mask.narrow(1, slice.offset, slice.size);
+    return x * mask.to(x.device(), x.scalar_type());
+  }
+  void pretty_print(std::ostream& out) const override {
+    out << "cohort::WayDropout(p=" << kind.p << ", feature_dims=" << kind.featureDims << ")";
+  }
+
+  DropoutKind kind;
+  Slice slice;
+  at::Generator generator;
+};
+TORCH_MODULE(WayDropout);
+
+// The seed of the dropout at layer `index` of `replica`: way 0's generator state (so that one
+// process seeded differently gets other masks) mixed with both, as splitmix64 mixes.
+uint64_t dropoutSeed(uint64_t base, size_t index, int replica) {
+  uint64_t z = base + 0x9e3779b97f4a7c15ULL * (uint64_t(index) + 1) + 0xbf58476d1ce4e5b9ULL * uint64_t(replica);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
 bool passesThrough(const std::shared_ptr<nn::Module>& m) {
-  return m->as<nn::ReLUImpl>() || m->as<nn::MaxPool2dImpl>() || m->as<nn::AvgPool2dImpl>() || m->as<nn::DropoutImpl>() ||
+  return m->as<nn::ReLUImpl>() || m->as<nn::MaxPool2dImpl>() || m->as<nn::AvgPool2dImpl>() || dropoutKind(m) ||
          m->as<nn::TanhImpl>() || m->as<nn::SigmoidImpl>() || m->as<nn::GELUImpl>() || m->as<nn::LeakyReLUImpl>() ||
          m->as<nn::IdentityImpl>();
 }
@@ -148,16 +218,35 @@ std::string describeLayer(size_t index, const std::string& name, const std::shar
 }
 
 // The layers' output shapes, from a dry run on (at most) two examples: a Flatten after split
-// channels needs its input's.
+// channels needs its input's. A dropout in it draws from torch's CPU generator; its state is put
+// back.
 std::vector<std::vector<int64_t>> outputShapes(std::vector<nn::AnyModule>& layers, const torch::Tensor& sample) {
   torch::NoGradGuard noGrad;
+  const torch::Tensor rng = cpuGeneratorState();
   std::vector<std::vector<int64_t>> shapes;
   auto x = sample.narrow(0, 0, std::min<int64_t>(2, sample.size(0)));
   for (auto& layer : layers) {
     x = layer.forward(x);
     shapes.push_back(x.sizes().vec());
   }
+  setCpuGeneratorState(rng);
   return shapes;
+}
+
+// A seed the ways of a replica agree on, for their dropouts: way 0's generator state, hashed
+// (FNV-1a), and broadcast. No collective when the model has no dropout (every way sees the same
+// layers).
+uint64_t agreedDropoutBase(const std::vector<nn::AnyModule>& layers, Communicator* waysComm) {
+  bool any = false;
+  for (const auto& layer : layers) any = any || dropoutKind(layer.ptr());
+  if (!any) return 0;
+  const torch::Tensor state = cpuGeneratorState().contiguous();
+  const auto* bytes = state.data_ptr<uint8_t>();
+  uint64_t hash = 0xcbf29ce484222325ULL;
+  for (int64_t i = 0; i < state.numel(); ++i) hash = (hash ^ bytes[i]) * 0x100000001b3ULL;
+  auto agreed = torch::tensor({int64_t(hash)}, torch::kInt64);
+  if (waysComm != nullptr) waysComm->broadcast(agreed, 0);
+  return uint64_t(agreed.item<int64_t>());
 }
 
 // Whether layer i's split output can be consumed: through element-wise layers, pooling and a
@@ -184,7 +273,8 @@ bool feedsSplittable(const std::vector<nn::AnyModule>& layers, size_t i) {
 // channels) and followed by the sum over the ways. The rest is kept whole.
 class WaySplitter {
  public:
-  WaySplitter(std::shared_ptr<Communicator> comm, int ways, int way) : comm_(std::move(comm)), ways_(ways), way_(way) {}
+  WaySplitter(std::shared_ptr<Communicator> comm, int ways, int way, int replica, uint64_t dropoutBase)
+      : comm_(std::move(comm)), ways_(ways), way_(way), replica_(replica), dropoutBase_(dropoutBase) {}
 
   void add(const std::vector<nn::AnyModule>& layers, const std::vector<std::string>& names,
            const std::vector<std::vector<int64_t>>& shapes, size_t i) {
@@ -192,11 +282,16 @@ class WaySplitter {
     auto m = layers[i].ptr();
     if (i > 0) plan_ << "; ";
     plan_ << i << " " << kindOf(*m) << " ";
-    if (split_.on) {
+    if (auto dropout = dropoutKind(m)) {
+      addDropout(*dropout, names[i], m, i);
+    } else if (split_.on) {
       continueSplit(layers[i], names[i], shapes, i);
     } else if ((m->as<nn::LinearImpl>() || plainConv(m)) && feedsSplittable(layers, i)) {
       splitOutputs(names[i], m, i);
     } else {
+      COHORT_CHECK(!drawsApart(m), InvalidArgument, kWho, ": ", describeLayer(i, names[i], m),
+                   " draws random numbers, which the ways would draw apart (only Dropout, Dropout2d and Dropout3d "
+                   "are drawn alike): replace it, or use another --strategy");
       push(names[i], layers[i]);
       plan_ << "whole";
     }
@@ -209,6 +304,18 @@ class WaySplitter {
  private:
   // (An rvalue name picks Sequential's public push_back overload.)
   void push(const std::string& name, nn::AnyModule layer) { local_->push_back(std::string(name), std::move(layer)); }
+
+  // Layer i is a dropout: a WayDropout over this way's slice of the activation, or over all of it.
+  void addDropout(DropoutKind kind, const std::string& name, const std::shared_ptr<nn::Module>& m, size_t i) {
+    WayDropoutImpl::Slice slice;
+    if (split_.on) {
+      COHORT_CHECK(kind.featureDims == 0 || split_.perUnit == 1, InvalidArgument, kWho, ": ", describeLayer(i, name, m),
+                   " drops channels of an activation that is no longer channels");
+      slice = {split_.units * split_.perUnit, split_.offset * split_.perUnit, split_.size * split_.perUnit};
+    }
+    push(name, nn::AnyModule(WayDropout(kind, dropoutSeed(dropoutBase_, i, replica_), slice)));
+    plan_ << (split_.on ? "split" : "whole");
+  }
 
   // Layer i (a Linear or a plain Conv2d) keeps this way's share of its outputs.
   void splitOutputs(const std::string& name, const std::shared_ptr<nn::Module>& m, size_t i) {
@@ -287,7 +394,8 @@ class WaySplitter {
   };
 
   std::shared_ptr<Communicator> comm_;
-  int ways_, way_;
+  int ways_, way_, replica_;
+  uint64_t dropoutBase_;
   SplitActivation split_;
   bool splitAny_ = false;
   std::ostringstream plan_;
@@ -328,7 +436,7 @@ TensorParallel::TensorParallel(const Job& job, const nn::Sequential& model, cons
   std::vector<nn::AnyModule> layers(model->begin(), model->end());
   const auto names = model->named_children().keys();
   const auto shapes = outputShapes(layers, device ? sample.to(*device) : sample);
-  WaySplitter splitter(s.waysComm, s.ways, s.way);
+  WaySplitter splitter(s.waysComm, s.ways, s.way, s.replica, agreedDropoutBase(layers, s.waysComm.get()));
   for (size_t i = 0; i < layers.size(); ++i) splitter.add(layers, names, shapes, i);
   // Nothing split: every way would train the whole model, each its own copy, silently.
   if (!splitter.splitAny()) {
