@@ -280,6 +280,26 @@ TEST(Cli, ZeroReplicasIsRefused) {
   expectOneLineError(kQuickRun + "--strategy mirrored --replicas 0", "--replicas: Value 0 not in range 1 to", 2);
 }
 
+// A flag of another scheme did nothing, silently: --replicas 4 under local trained one replica.
+// Refused, naming where it acts; --codec none is every run's and passes.
+TEST(Cli, AFlagOfAnotherSchemeIsRefused) {
+  expectOneLineError(kQuickRun + "--strategy local --replicas 4",
+                     "--replicas does not apply to --strategy local: it acts under --strategy pipeline, mirrored, "
+                     "central or hogwild only; drop --replicas",
+                     2);
+  expectOneLineError(kQuickRun + "--strategy allreduce --period 4",
+                     "--period does not apply to --strategy allreduce: it acts under --strategy average only", 2);
+  expectOneLineError(kQuickRun + "--strategy mirrored --replicas 2 --micro-batches 2",
+                     "--micro-batches does not apply to --strategy mirrored", 2);
+  expectOneLineError(kQuickRun + "--strategy average --gossip-peers 1", "--gossip-peers does not apply", 2);
+  expectOneLineError(kQuickRun + "--strategy ps --ps-mode sync --softsync 2",
+                     "--softsync does not apply to --ps-mode sync: it acts under --ps-mode softsync only", 2);
+  expectOneLineError(kQuickRun + "--strategy ps --staleness-bound 3",
+                     "--staleness-bound does not apply to --ps-mode async: it acts under --ps-mode ssp only", 2);
+  auto r = test::runCommand(test::cohortBinary() + " " + kQuickRun + "--strategy local --codec none", 120);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+}
+
 TEST(Cli, HelpListsTheTrainOptions) {
   auto r = test::runCommand(test::cohortBinary() + " train --help");
   EXPECT_EQ(r.exitCode, 0);

@@ -11,6 +11,7 @@
 #include "test_util.h"
 
 #include <regex>
+#include <set>
 
 namespace cohort {
 namespace {
@@ -425,6 +426,52 @@ TEST(Plan, EpochsCountTheTrainingSetLessTheValidationExamples) {
   test::TempDir dir;
   const std::string html = test::readFile(experiment::writeReport(input, dir.path(), {.png = false}));
   EXPECT_NE(html.find("<td class=\"num\">50.0</td>"), std::string::npos) << html;
+}
+
+// A compare file's top-level options go to every run; one of another scheme's (period beside an
+// allreduce run) is left out of that run, which train would refuse, and a configuration's own go
+// as given.
+TEST(Plan, SharedOptionsOfOtherSchemesAreLeftOut) {
+  experiment::PlanOptions plan;
+  plan.binary = "cohort";
+  plan.budget.steps = 10;
+  plan.shared = {{"--batch", "32"}, {"--period", "8"}, {"--codec", "fp16"}, {"--softsync", "2"}};
+  auto argvOf = [&](const experiment::Configuration& c) {
+    const std::vector<std::string> argv = experiment::trainCommand(c, plan, "m.jsonl");
+    return std::set<std::string>(argv.begin(), argv.end());
+  };
+  const auto allreduce = argvOf({"allreduce", Scheme::kAllreduce, 2, 0, {}});
+  EXPECT_EQ(allreduce.count("--period"), 0u);
+  EXPECT_EQ(allreduce.count("--softsync"), 0u);
+  EXPECT_EQ(allreduce.count("--codec"), 1u);
+  EXPECT_EQ(allreduce.count("--batch"), 1u);
+  EXPECT_EQ(argvOf({"average", Scheme::kAverage, 2, 0, {}}).count("--period"), 1u);
+  const auto local = argvOf({"local", Scheme::kLocal, 1, 0, {}});
+  EXPECT_EQ(local.count("--codec"), 0u);
+  EXPECT_EQ(local.count("--batch"), 1u);
+  EXPECT_EQ(argvOf({"ps", Scheme::kPs, 2, 1, {}}).count("--softsync"), 0u);  // train's default mode: async
+  EXPECT_EQ(argvOf({"ps-soft", Scheme::kPs, 2, 1, {{"--ps-mode", "softsync"}}}).count("--softsync"), 1u);
+  EXPECT_EQ(argvOf({"own", Scheme::kAllreduce, 2, 0, {{"--period", "4"}}}).count("--period"), 1u);
+}
+
+// A sweep that draws --strategy leaves out of each trial the fixed options of the other schemes;
+// one that does not keeps every fixed option, for train to refuse a wrong one.
+TEST(Sweep, DrawnSchemesLeaveOutTheFixedOptionsOfOthers) {
+  test::TempDir dir;
+  test::writeFile(dir.file("s.toml"), "period = 8\nbatch = 32\nstrategy = [\"allreduce\", \"average\"]\n");
+  const experiment::OptionCatalog options{
+      .takesValue = {{"lr", true}, {"batch", true}, {"period", true}, {"strategy", true}}};
+  const auto space = experiment::readSweepFile(dir.file("s.toml"), options);
+  const auto trials = experiment::expandTrials(space);
+  ASSERT_EQ(trials.size(), 2u);
+  const auto first = experiment::trialOptions(space, trials[0]);
+  EXPECT_EQ(*experiment::findArg(first, "--strategy"), "allreduce");
+  EXPECT_EQ(experiment::findArg(first, "--period"), nullptr);
+  EXPECT_EQ(*experiment::findArg(first, "--batch"), "32");
+  EXPECT_EQ(*experiment::findArg(experiment::trialOptions(space, trials[1]), "--period"), "8");
+  test::writeFile(dir.file("fixed.toml"), "period = 8\nstrategy = \"allreduce\"\nlr = [0.1, 0.2]\n");
+  const auto fixed = experiment::readSweepFile(dir.file("fixed.toml"), options);
+  EXPECT_EQ(*experiment::findArg(experiment::trialOptions(fixed, experiment::expandTrials(fixed)[0]), "--period"), "8");
 }
 
 // Command-line errors: one line, before any run starts.

@@ -28,4 +28,15 @@ std::string schemeNames();
 // mirrored, central, hogwild: replica threads of one process that share its memory.
 bool isInProcess(Scheme scheme);
 
+// Where a `cohort train` flag that acts under some schemes only acts, when it does nothing under
+// `scheme` (and, for a ps flag of some modes only, under `psMode`: "sync", "async", "softsync" or
+// "ssp"): "--strategy average", "--strategy mirrored, central or hogwild", "--ps-mode softsync".
+// nullopt when it acts here, and for every flag that acts under every scheme. One table, so that
+// train refuses such a flag and compare and sweep leave a shared one out of the runs it means
+// nothing to. `flag` is the long name with its dashes: "--period".
+std::optional<std::string> whereFlagActs(std::string_view flag, Scheme scheme, std::string_view psMode);
+
+// The flags whereFlagActs knows, for a command to check the ones it was given.
+std::vector<std::string> schemeSpecificFlags();
+
 }  // namespace cohort

@@ -43,8 +43,7 @@ std::vector<experiment::JobSpec> trialJobs(const experiment::SweepSpace& space,
   const std::string binary = selfExecutable();
   std::vector<experiment::JobSpec> jobs;
   for (const experiment::Trial& t : trials) {
-    experiment::TrainArgs args = space.fixed;
-    for (const auto& [flag, value] : t.chosen) experiment::setArg(args, flag, value);
+    experiment::TrainArgs args = experiment::trialOptions(space, t);
     if (!f.device.empty()) experiment::setArg(args, "--device", f.device);
     experiment::setArg(args, "--metrics", experiment::metricsPathOf(f.out, t.id));
     experiment::setArg(args, "--progress", "off");

@@ -188,6 +188,7 @@ struct TrainFlags {
   std::string nanAt;
   std::string profileSteps = "6:10";  // --profile-steps: parseProfileSteps
   // Whether they were given, for the checks that depend on it.
+  CLI::App* command = nullptr;  // counts every flag
   CLI::Option* bucketMb = nullptr;
   CLI::Option* firstBucketMb = nullptr;
   CLI::Option* saveModel = nullptr;
@@ -541,6 +542,23 @@ void checkSaveModelPath(const TrainOptions& o) {
   if (!intoCheckpointDir) checkOutputPath("--save-model", o.saveModelPath);
 }
 
+// A flag given for a scheme other than the run's does nothing, and the user would not see it:
+// refused, naming where it acts. (compare and sweep leave a shared one out of the runs it means
+// nothing to: experiment/plan.cpp.) `--codec none` is what every run does, and passes.
+void refuseFlagsOfOtherSchemes(const TrainFlags& f) {
+  const Scheme scheme = f.options.strategy.scheme;
+  for (const std::string& flag : schemeSpecificFlags()) {
+    if (f.command->count(flag) == 0) continue;
+    if (flag == "--codec" && f.options.strategy.codec == "none") continue;
+    const std::optional<std::string> where = whereFlagActs(flag, scheme, f.psMode);
+    if (!where) continue;
+    const bool modeOnly = where->rfind("--ps-mode", 0) == 0;
+    throw InvalidArgument(flag + " does not apply to " +
+                          (modeOnly ? "--ps-mode " + f.psMode : "--strategy " + std::string(schemeName(scheme))) +
+                          ": it acts under " + *where + " only; drop " + flag);
+  }
+}
+
 // The flags read as text, turned into options and checked: a bad value is a usage error before
 // anything starts.
 void applyFlags(TrainFlags& f) {
@@ -561,6 +579,7 @@ void applyFlags(TrainFlags& f) {
   checkCodecOptions(o.strategy);  // a bad --codec is a usage error before anything starts
   checkAutocastOptions(o.strategy);
   applyBucketOptions(o.strategy, f.bucketMb->count() > 0, f.firstBucketMb->count() > 0);
+  refuseFlagsOfOtherSchemes(f);
   o.strategy.pipeline.microBatches =
       parseMicroBatches(f.microBatches, o.strategy.scheme == Scheme::kPipeline ? o.batch : INT64_MAX);
   o.strategy.pipeline.schedule = parseSchedule(f.schedule);  // --schedule's check let only these through
@@ -642,6 +661,7 @@ int runTrain(TrainFlags& f) {
 Run addTrainCommand(CLI::App& app) {
   auto flags = std::make_shared<TrainFlags>();
   CLI::App* train = app.add_subcommand("train", "Train a model with one of the distribution schemes");
+  flags->command = train;
   // A flag given twice (in --config and on the command line) takes the last: the command line.
   train->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   // Read by expandConfig() before parsing; declared here for --help.

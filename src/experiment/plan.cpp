@@ -155,6 +155,14 @@ const std::string* findArg(const TrainArgs& args, const std::string& flag) {
   return nullptr;
 }
 
+TrainArgs withoutFlagsOfOtherSchemes(const TrainArgs& args, Scheme scheme, const std::string& psMode) {
+  TrainArgs out;
+  for (const auto& arg : args) {
+    if (!whereFlagActs(arg.first, scheme, psMode.empty() ? "async" : psMode)) out.push_back(arg);
+  }
+  return out;
+}
+
 bool Configuration::asynchronous() const {
   if (scheme == Scheme::kGossip) return true;
   if (scheme != Scheme::kPs) return false;
@@ -367,7 +375,12 @@ int64_t epochExamples(const Configuration& c, const PlanOptions& options) {
 }
 
 std::vector<std::string> trainCommand(const Configuration& c, const PlanOptions& options, const std::string& metricsPath) {
-  TrainArgs args = options.shared;
+  // A shared option of another scheme's (a file's top-level period = 8 beside an allreduce run) is
+  // left out; the configuration's own options go as given, for train to refuse what is wrong.
+  const std::string* ownMode = findArg(c.options, "--ps-mode");
+  const std::string* sharedMode = findArg(options.shared, "--ps-mode");
+  const std::string psMode = ownMode != nullptr ? *ownMode : sharedMode != nullptr ? *sharedMode : "";
+  TrainArgs args = withoutFlagsOfOtherSchemes(options.shared, c.scheme, psMode);
   for (const auto& [flag, value] : c.options) setArg(args, flag, value);
   setArg(args, "--strategy", schemeName(c.scheme));
   const std::string* batchText = findArg(args, "--batch");

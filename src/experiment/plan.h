@@ -36,6 +36,11 @@ using TrainArgs = std::vector<std::pair<std::string, std::string>>;
 void setArg(TrainArgs& args, const std::string& flag, const std::string& value);
 const std::string* findArg(const TrainArgs& args, const std::string& flag);
 
+// `args` less the flags that do nothing under `scheme` and `psMode` (base/scheme.h's whereFlagActs),
+// which cohort train refuses: what options shared by the runs of many schemes mean to one of them.
+// psMode "" is train's default, async.
+TrainArgs withoutFlagsOfOtherSchemes(const TrainArgs& args, Scheme scheme, const std::string& psMode);
+
 struct Configuration {
   std::string name;
   Scheme scheme = Scheme::kLocal;  // train's --strategy

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <optional>
 #include <random>
 
 namespace cohort::experiment {
@@ -239,6 +240,21 @@ std::vector<Trial> expandTrials(const SweepSpace& space) {
     trials.push_back(std::move(t));
   }
   return trials;
+}
+
+TrainArgs trialOptions(const SweepSpace& space, const Trial& t) {
+  const std::string* drawnScheme = findArg(t.chosen, "--strategy");
+  const std::string* drawnMode = findArg(t.chosen, "--ps-mode");
+  TrainArgs args = space.fixed;
+  if (drawnScheme != nullptr || drawnMode != nullptr) {
+    const std::string* schemeText = drawnScheme != nullptr ? drawnScheme : findArg(space.fixed, "--strategy");
+    const std::string* modeText = drawnMode != nullptr ? drawnMode : findArg(space.fixed, "--ps-mode");
+    // train's default scheme where none is named; an unknown name is train's to refuse.
+    const std::optional<Scheme> scheme = schemeText != nullptr ? parseScheme(*schemeText) : Scheme::kLocal;
+    if (scheme) args = withoutFlagsOfOtherSchemes(space.fixed, *scheme, modeText != nullptr ? *modeText : "");
+  }
+  for (const auto& [flag, value] : t.chosen) setArg(args, flag, value);
+  return args;
 }
 
 }  // namespace cohort::experiment

@@ -54,4 +54,9 @@ struct Trial {
 // Grid: every combination, the first parameter changing slowest. Random: `trials` draws.
 std::vector<Trial> expandTrials(const SweepSpace& space);
 
+// Trial `t`'s train options: the file's fixed ones, then its drawn ones. Where the trial draws
+// --strategy or --ps-mode, the fixed options of other schemes and modes are left out (period = 8
+// beside strategy = ["allreduce", "average"]), which train would refuse; drawn ones go as they are.
+TrainArgs trialOptions(const SweepSpace& space, const Trial& t);
+
 }  // namespace cohort::experiment
