@@ -300,6 +300,17 @@ TEST(Cli, AFlagOfAnotherSchemeIsRefused) {
   EXPECT_EQ(r.exitCode, 0) << r.output;
 }
 
+// --momentum beside sgd, adam or adagrad, and --outer-momentum beside the outer sgd, did nothing.
+TEST(Cli, MomentumWithoutAMomentumOptimizerIsRefused) {
+  expectOneLineError(kQuickRun + "--optimizer sgd --momentum 0.5",
+                     "--momentum is the momentum optimizer's, and --optimizer sgd has none: give --optimizer "
+                     "momentum or drop --momentum",
+                     2);
+  expectOneLineError(kQuickRun + "--optimizer adam --momentum 0.5", "--optimizer adam has none", 2);
+  expectOneLineError(kQuickRun + "--strategy average --outer-momentum 0.5",
+                     "--outer-momentum is the outer optimizer's momentum, and --outer-optimizer sgd has none", 2);
+}
+
 TEST(Cli, HelpListsTheTrainOptions) {
   auto r = test::runCommand(test::cohortBinary() + " train --help");
   EXPECT_EQ(r.exitCode, 0);

@@ -569,6 +569,15 @@ void applyFlags(TrainFlags& f) {
   COHORT_CHECK(optimizer.has_value(), InvalidArgument, "unknown optimizer '", f.optimizer,
                "': expected sgd, momentum, adam or adagrad");
   o.optimizer = *optimizer;
+  // Each did nothing beside another optimizer, silently.
+  COHORT_CHECK(f.command->count("--momentum") == 0 || o.optimizer == OptimizerKind::kMomentum, InvalidArgument,
+               "--momentum is the momentum optimizer's, and --optimizer ", f.optimizer,
+               " has none: give --optimizer momentum or drop --momentum");
+  COHORT_CHECK(
+      f.command->count("--outer-momentum") == 0 || o.strategy.average.outerOptimizer != AveragingOptions::Outer::kSgd,
+      InvalidArgument,
+      "--outer-momentum is the outer optimizer's momentum, and --outer-optimizer sgd has none: give "
+      "--outer-optimizer momentum or nesterov, or drop --outer-momentum");
   o.strategy.autocast = parseAutocast(f.autocast);
   COHORT_CHECK(f.saveModel->count() == 0 || !o.saveModelPath.empty(), InvalidArgument,
                "--save-model needs a file "
