@@ -381,8 +381,10 @@ TEST_P(LaunchLosesAWorker, TheOthersFinishAndTheChiefNamesIt) {
   test::TempDir dir;
   const std::string scheme = GetParam() == "gossip" ? "--strategy gossip" : "--strategy ps --ps-mode " + GetParam();
   auto r = test::runCommand(launch(std::string("-n 3") + (GetParam() == "gossip" ? "" : " --ps 1") +
-                                   train(scheme + " --staleness-bound 2 --timeout 10 --steps 150 --test-kill-at 2:20 "
-                                                  "--metrics " + dir.file("m.jsonl"))),
+                                   train(scheme + (GetParam() == "ssp" ? " --staleness-bound 2" : "") +
+                                         " --timeout 10 --steps 150 --test-kill-at 2:20 "
+                                         "--metrics " +
+                                         dir.file("m.jsonl"))),
                             180);
   EXPECT_EQ(r.exitCode, 0) << r.output;
   EXPECT_NE(r.output.find("cohort launch: rank 2 was killed by signal 9 (SIGKILL); the others go on without it"),
@@ -539,8 +541,10 @@ TEST_P(TargetStopsEveryone, NoOneRunsOnOrWaitsOutTheTimeout) {
   const std::string scheme = ps ? "--strategy ps --ps-mode " + GetParam()
                                 : "--strategy " + GetParam() + (GetParam() == "average" ? " --period 4" : "");
   auto r = test::runCommand(launch(std::string("-n 3") + (ps ? " --ps 1" : "") +
-                                   train(scheme + " --staleness-bound 2 --timeout 60 --steps 100000 --eval-every 20 "
-                                                  "--target-accuracy 0.3 --metrics " + dir.file("m.jsonl"))),
+                                   train(scheme + (GetParam() == "ssp" ? " --staleness-bound 2" : "") +
+                                         " --timeout 60 --steps 100000 --eval-every 20 "
+                                         "--target-accuracy 0.3 --metrics " +
+                                         dir.file("m.jsonl"))),
                             110);
   ASSERT_EQ(r.exitCode, 0) << r.output;
   auto done = test::lastEvent(dir.file("m.jsonl"), "done");
