@@ -290,6 +290,34 @@ TEST(Trainer, AnEvalAtAnEpochsEndCarriesThatEpoch) {
   EXPECT_EQ(evals, (std::vector<std::pair<int64_t, int64_t>>{{10, 0}, {20, 1}}));
 }
 
+// A resumed run's clock goes on from its checkpoint's: --max-seconds and wall_s counted from the
+// resumed process's start, so a run restarted after a kill had its whole time budget again.
+TEST(Trainer, AResumedRunsClockGoesOnFromItsCheckpoint) {
+  test::TempDir dir;
+  TrainOptions o = smallRun();
+  o.steps = 5;
+  o.checkpointDir = dir.path();
+  o.strategy.slowRank = 0;  // each step sleeps 0.3 s: the 5 steps take at least 1.5 s
+  o.strategy.slowSeconds = 0.3;
+  Trainer(o).run();
+  TrainOptions again = smallRun();
+  again.checkpointDir = dir.path();
+  again.resume = true;
+  again.steps = 40;
+  again.evalEvery = 1;
+  again.maxSeconds = 1.0;  // spent before the resume: the first evaluation stops the run
+  again.metricsPath = dir.file("resumed.jsonl");
+  const TrainResult r = Trainer(again).run();
+  EXPECT_EQ(r.steps, 6);
+  EXPECT_GE(r.wallSeconds, 1.5);
+  const std::string metrics = test::readFile(again.metricsPath);
+  const size_t step6 = metrics.find("\"step\":6,");
+  ASSERT_NE(step6, std::string::npos) << metrics;
+  const size_t wall = metrics.find("\"wall_s\":", step6);
+  ASSERT_NE(wall, std::string::npos) << metrics;
+  EXPECT_GE(std::stod(metrics.substr(wall + 9)), 1.5) << metrics;
+}
+
 // --momentum on --resume applies, as --lr does: LibTorch's load put the checkpoint's back silently.
 TEST(Trainer, ResumeAppliesTheRunsMomentum) {
   // Steps 6..10 resumed with `momentum` from 5 steps at momentum 0.9; the parameters after them.

@@ -255,7 +255,8 @@ void addEvaluationAndCheckpointOptions(CLI::App* train, TrainOptions& o) {
   train->add_option("--target-accuracy", o.targetAccuracy,
                     "Stop at the first evaluation reaching this test accuracy (0: never)");
   train->add_option("--max-seconds", o.maxSeconds,
-                    "Stop at the first evaluation (--eval-every) this many seconds after the start (0: never)");
+                    "Stop at the first evaluation (--eval-every) this many seconds after the start (0: never); a "
+                    "resumed run's clock goes on from its checkpoint's");
   train->add_option("--checkpoint-dir", o.checkpointDir,
                     "Write checkpoints to this directory (a new run refuses one holding checkpoints: --resume)");
   train->add_option("--checkpoint-every", o.checkpointEvery,

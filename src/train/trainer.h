@@ -40,7 +40,8 @@ struct TrainOptions {
   uint64_t seed = 1;
   int64_t evalEvery = 0;  // steps; 0 = at the end only
   double targetAccuracy = 0.0;  // stop at the first evaluation that reaches it; 0 = never
-  double maxSeconds = 0.0;  // stop at the first evaluation this long after the start; 0 = never
+  double maxSeconds = 0.0;      // stop at the first evaluation this long after the start (a resumed run:
+                                // the run's, which its checkpoint's clock carries); 0 = never
   std::string checkpointDir;
   int64_t checkpointEvery = 0;  // steps; 0 = at the end only (when checkpointDir is set)
   bool resume = false;
@@ -83,7 +84,7 @@ struct TrainResult {
   std::optional<double> validationAccuracy;  // with --validation
   std::optional<double> validationLoss;
   double lastTrainLoss = 0.0;
-  double wallSeconds = 0.0;
+  double wallSeconds = 0.0;       // the run's, a resumed one's counting from its checkpoint's clock
   double samplesPerSecond = 0.0;  // steady state, all replicas, evaluation excluded
   std::optional<double> secondsToTarget;
   int64_t bytesSent = 0;

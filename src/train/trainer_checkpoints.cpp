@@ -47,6 +47,7 @@ std::vector<uint8_t> Trainer::State::serialize() {
   archive.write("step", c10::IValue(step));
   archive.write("epoch", c10::IValue(epoch));
   archive.write("step_in_epoch", c10::IValue(stepInEpoch));
+  archive.write("wall_s", c10::IValue(secondsSince(clockStart)));
   archive.write("fingerprint", c10::IValue(fingerprint(options, replica, strategy->layout())));
   archive.write("rng", cpuGeneratorState());
   std::vector<uint8_t> bytes;
@@ -115,6 +116,8 @@ void Trainer::State::restore(const LoadedCheckpoint& ckpt) {
     epoch = value.toInt();
     archive.read("step_in_epoch", value);
     stepInEpoch = value.toInt();
+    // Absent from checkpoints of earlier versions: the clock then starts at 0, as it did.
+    wallSecondsBefore = archive.try_read("wall_s", value) ? value.toDouble() : 0.0;
     torch::Tensor rng;
     archive.read("rng", rng);
     setCpuGeneratorState(rng.to(torch::kCPU));  // the CPU generator's state, mapped to the device with the rest
@@ -125,6 +128,9 @@ void Trainer::State::restore(const LoadedCheckpoint& ckpt) {
       step >= 0 && step <= kMaxSteps && epoch >= 0 && epoch <= kMaxSteps && stepInEpoch >= 0 && stepInEpoch <= step,
       IoError, path, ": corrupt checkpoint: step ", step, ", epoch ", epoch, ", step_in_epoch ", stepInEpoch,
       " are not a training position");
+  constexpr double kYear = 366.0 * 24 * 3600;
+  COHORT_CHECK(wallSecondsBefore >= 0 && wallSecondsBefore <= 100 * kYear, IoError, path,
+               ": corrupt checkpoint: wall_s ", wallSecondsBefore, " is not the seconds of a run");
 }
 
 // The writer (the chief) reads the checkpoint and sends it to the processes that restore the

@@ -7,6 +7,7 @@
 //   training_loop.cpp        Trainer::run: the epochs of steps and the end of the run
 #pragma once
 
+#include "base/clock.h"
 #include "base/tensorboard.h"
 #include "train/evaluation.h"
 #include "train/trainer.h"
@@ -45,6 +46,16 @@ struct Trainer::State {
   int64_t step = 0;         // steps completed
   int64_t epoch = 0;        // the epoch under way
   int64_t stepInEpoch = 0;  // its steps completed
+  // The run's clock (wall_s, --max-seconds, seconds_to_target): it counts the seconds the run had
+  // trained before the checkpoint this process resumed from (its wall_s), so a resumed run goes on
+  // from there instead of from 0. startClock() sets it as the loop starts.
+  double wallSecondsBefore = 0.0;
+  Clock::time_point clockStart = Clock::now();
+  Clock::time_point startClock() {
+    clockStart =
+        Clock::now() - std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(wallSecondsBefore));
+    return clockStart;
+  }
   // The strategy's own state from the checkpoint resumed, until attach() has made the strategy's.
   std::optional<torch::serialize::InputArchive> strategyState;
   std::string strategyStateSource;  // the checkpoint it came from

@@ -122,7 +122,7 @@ class Trainer::State::Loop {
         serverCheckpoints_(s_.checkpointPlan.keptByScheme),
         progress_(progressStyle(o_.progress, chief_), totalSteps_, o_.progressIntervalSeconds, s_.step),
         profiler_(o_.profile, s_.device, s_.cluster.rank, s_.cluster.worldSize),
-        start_(Clock::now()),
+        start_(s_.startClock()),
         firstStep_(s_.step) {}
 
   TrainResult run() {
