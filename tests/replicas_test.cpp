@@ -216,6 +216,77 @@ TEST_P(ThrowingReplica, EndsTheStepWithItsError) {
 INSTANTIATE_TEST_SUITE_P(Replicas, ThrowingReplica,
                          ::testing::Values(Scheme::kMirrored, Scheme::kCentral, Scheme::kHogwild));
 
+class FrozenParameter : public ::testing::TestWithParam<Scheme> {};
+
+// A parameter that does not require its gradient (a frozen layer) stays frozen in every replica's
+// copy, and keeps its value: torch's Module::clone() gives a copy's parameters requires_grad as a
+// new layer's, so the copies had one more trainable parameter than the model (the handle refused
+// it) or trained the frozen one.
+TEST_P(FrozenParameter, StaysFrozenInEveryReplica) {
+  const Data d = batches(3, 12);
+  auto alone = smallNet(1);
+  alone[0]->as<nn::Conv2dImpl>()->weight.requires_grad_(false);
+  const auto expected = trainAlone(d, 0.1, alone);
+  auto net = smallNet(1);
+  const auto frozen = net[0]->as<nn::Conv2dImpl>()->weight.requires_grad_(false);
+  const auto frozenBefore = frozen.detach().clone();
+  std::vector<torch::Tensor> trainable;
+  for (const auto& p : net->parameters()) {
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  torch::optim::SGD opt(trainable, 0.1);
+  auto group = makeGroup(GetParam(), net, opt, {.replicas = 3});
+  for (size_t i = 0; i < d.x.size(); ++i) group->step(d.x[i], d.y[i], kLoss);
+  for (int r = 0; r < 3; ++r) {
+    auto& copy = *group->replica(r).as<nn::SequentialImpl>();
+    const auto weight = copy[0]->as<nn::Conv2dImpl>()->weight;
+    EXPECT_FALSE(weight.requires_grad()) << "replica " << r;
+    EXPECT_TRUE(torch::equal(weight, frozenBefore)) << "replica " << r;
+    EXPECT_TRUE(copy[0]->as<nn::Conv2dImpl>()->bias.requires_grad()) << "replica " << r;
+  }
+  // Hogwild's replicas apply their updates in no set order: it trained, with the frozen weight kept.
+  if (GetParam() != Scheme::kHogwild) EXPECT_LT(maxDifference(parametersOf(*net), expected), 1e-5);
+  EXPECT_GT(maxDifference(parametersOf(*net), parametersOf(*smallNet(1))), 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Replicas, FrozenParameter,
+                         ::testing::Values(Scheme::kMirrored, Scheme::kCentral, Scheme::kHogwild));
+
+class BatchNormBuffers : public ::testing::TestWithParam<Scheme> {};
+
+// BatchNorm's running statistics under replicas, against one process on the whole batches: the
+// running mean is the same (up to rounding), the running variance near it (each replica's batch
+// variance is of its shard), the batches seen are the steps. CentralStorage and Hogwild keep one
+// set of buffers, each step's the replicas' updates weighted by their shards; Mirrored's replicas
+// keep their own until synchronizeBuffers. (CentralStorage's and Hogwild's replicas shared the
+// model's buffers: every replica's forward updated them, concurrently, once per replica and step.)
+// A learning rate of 0: the running statistics depend on the batches only, also under Hogwild.
+TEST_P(BatchNormBuffers, RunningStatisticsAreOneProcesssOnTheWholeBatches) {
+  const Data d = batches(4, 12);
+  auto make = [] {
+    torch::manual_seed(7);
+    return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 3, 3)), nn::BatchNorm2d(3), nn::ReLU(), nn::Flatten(),
+                          nn::Linear(3 * 4 * 4, 5));
+  };
+  auto alone = make();
+  trainAlone(d, 0.0, alone);
+  auto net = make();
+  torch::optim::SGD opt(net->parameters(), 0.0);
+  auto group = makeGroup(GetParam(), net, opt, {.replicas = 3});
+  for (size_t i = 0; i < d.x.size(); ++i) group->step(d.x[i], d.y[i], kLoss);
+  group->synchronizeBuffers();
+  const auto& expected = *alone[1]->as<nn::BatchNorm2dImpl>();
+  for (int r = 0; r < 3; ++r) {
+    const auto& bn = *group->replica(r).as<nn::SequentialImpl>()->ptr(1)->as<nn::BatchNorm2dImpl>();
+    EXPECT_LT((bn.running_mean - expected.running_mean).abs().max().item<double>(), 1e-6) << "replica " << r;
+    EXPECT_LT((bn.running_var - expected.running_var).abs().max().item<double>(), 0.05) << "replica " << r;
+    EXPECT_EQ(bn.num_batches_tracked.item<int64_t>(), 4) << "replica " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Replicas, BatchNormBuffers,
+                         ::testing::Values(Scheme::kMirrored, Scheme::kCentral, Scheme::kHogwild));
+
 // One intra-op thread per replica whatever the process's count: ATen's lazy per-thread
 // initialization would otherwise give each replica thread the process-wide count at its first
 // parallel operation.

@@ -48,12 +48,9 @@ void ReplicaGroup::Impl::beginStep(Replica& self, size_t r) {
   clearGradients(*self.module);
   if (kind == Kind::kCentral && elsewhere(r)) {
     // CentralStorage's one parameter set is replica 0's; a replica on another GPU computes
-    // against a copy of it, refreshed here (its buffers too: its own updates to them are not kept).
+    // against a copy of it, refreshed here (its buffers: pullBuffers).
     torch::NoGradGuard noGrad;
     for (size_t k = 0; k < self.params.size(); ++k) self.params[k].copy_(replicas[0].params[k]);
-    auto mine = self.module->buffers();
-    auto first = replicas[0].module->buffers();
-    for (size_t i = 0; i < mine.size() && i < first.size(); ++i) mine[i].copy_(first[i]);
   }
   for (size_t b = 0; b < buckets.size(); ++b) {
     self.filled[b].assign(buckets[b]->params.size(), false);

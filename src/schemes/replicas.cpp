@@ -131,10 +131,8 @@ void ReplicaGroup::Impl::makeReplica(size_t r, const std::shared_ptr<torch::nn::
     // One set of parameters: the copies are distinct tensors (each its own gradient) over the
     // same memory.
     torch::NoGradGuard noGrad;
+    // Not the buffers: each replica's forward updates its own (pullBuffers, mergeBuffers).
     for (size_t k = 0; k < named.size(); ++k) replica.params[k].set_data(named[k].second);
-    auto mine = replica.module->buffers();
-    auto first = model->buffers();
-    for (size_t i = 0; i < mine.size() && i < first.size(); ++i) mine[i].set_data(first[i]);
   }
   if (r == 0) {
     replica.optimizer = &optimizer;
@@ -146,14 +144,22 @@ void ReplicaGroup::Impl::makeReplica(size_t r, const std::shared_ptr<torch::nn::
 
 std::shared_ptr<torch::nn::Module> ReplicaGroup::Impl::cloneModel(torch::nn::Module& model, c10::Device device,
                                                                    c10::Device home) const {
+  std::shared_ptr<torch::nn::Module> copy;
   try {
-    return device == home ? model.clone() : model.clone(device);
+    copy = device == home ? model.clone() : model.clone(device);
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
     throw InvalidArgument(detail::concat(who, ": the model cannot be copied into replicas (",
                                          what.substr(0, what.find('\n')),
                                          "): every submodule must be a torch::nn::Cloneable"));
   }
+  // torch's clone() gives the copy's parameters a new layer's requires_grad (it sets their data
+  // only): a frozen parameter of the model would be trained in the copies.
+  const auto original = model.named_parameters(/*recurse=*/true);
+  for (auto& p : copy->named_parameters(/*recurse=*/true)) {
+    if (const torch::Tensor* o = original.find(p.key())) p.value().requires_grad_(o->requires_grad());
+  }
+  return copy;
 }
 
 std::unique_ptr<torch::optim::Optimizer> ReplicaGroup::Impl::copyOptimizer(
@@ -220,8 +226,10 @@ double ReplicaGroup::step(const torch::Tensor& inputs, const torch::Tensor& targ
   const std::vector<int64_t> sizes = s.shardSizes(n);
   s.splitBatch(inputs, targets, sizes);
   s.resetForStep(loss);
+  if (s.kind != Kind::kMirrored) s.pullBuffers();
   const CommCounters commBefore = s.comm ? s.comm->counters() : CommCounters{};
   s.runThreads();
+  if (s.kind != Kind::kMirrored) s.mergeBuffers();
   const CommCounters after = s.comm ? s.comm->counters() : CommCounters{};
   double total = 0;
   for (auto& replica : s.replicas) total += replica.weight * replica.loss;
@@ -289,6 +297,38 @@ void ReplicaGroup::Impl::followCallersOptions() {
   }
 }
 
+void ReplicaGroup::Impl::pullBuffers() {
+  torch::NoGradGuard noGrad;
+  const auto first = replicas[0].module->buffers();
+  for (size_t r = 1; r < replicas.size(); ++r) {
+    auto mine = replicas[r].module->buffers();
+    for (size_t i = 0; i < mine.size() && i < first.size(); ++i) {
+      if (mine[i].defined() && first[i].defined()) mine[i].copy_(first[i]);
+    }
+  }
+}
+
+void ReplicaGroup::Impl::mergeBuffers() {
+  torch::NoGradGuard noGrad;
+  auto first = replicas[0].module->buffers();
+  std::vector<std::vector<torch::Tensor>> others;
+  for (size_t r = 1; r < replicas.size(); ++r) others.push_back(replicas[r].module->buffers());
+  for (size_t i = 0; i < first.size(); ++i) {
+    // Counters (BatchNorm's batches seen) are replica 0's, counted once per step as in one process.
+    if (!first[i].defined() || !first[i].is_floating_point()) continue;
+    bool changed = false;
+    for (const auto& mine : others) changed = changed || !torch::equal(mine[i].to(first[i].device()), first[i]);
+    if (!changed) continue;  // untouched (or touched alike): kept bit for bit
+    const auto type = c10::promoteTypes(first[i].scalar_type(), torch::kFloat32);
+    auto merged = first[i].to(type).mul(replicas[0].weight);
+    for (size_t r = 1; r < replicas.size(); ++r) {
+      merged.add_(others[r - 1][i].to(first[i].device(), type), replicas[r].weight);
+    }
+    first[i].copy_(merged);
+  }
+  pullBuffers();  // replica(r) reads the one set between steps too
+}
+
 void ReplicaGroup::Impl::runThreads() {
   MutexLock lock(mutex);
   error = nullptr;
@@ -343,7 +383,7 @@ void ReplicaGroup::Impl::rethrowFailure() {
 
 void ReplicaGroup::synchronizeBuffers() {
   Impl& s = *impl_;
-  if (s.kind != Kind::kMirrored) return;  // one set of buffers already
+  if (s.kind != Kind::kMirrored) return;  // one set of buffers already, merged after every step
   torch::NoGradGuard noGrad;
   std::vector<std::vector<torch::Tensor>> all;
   for (auto& replica : s.replicas) all.push_back(replica.module->buffers());

@@ -160,6 +160,16 @@ struct COHORT_LOCAL ReplicaGroup::Impl {
   // Each replica's shard of the batch, on its device, and its weight.
   void splitBatch(const torch::Tensor& inputs, const torch::Tensor& targets, const std::vector<int64_t>& sizes);
   void resetForStep(const ShardLoss& loss);
+  // CentralStorage and Hogwild keep one set of buffers, the model's (replica 0's), but each
+  // replica's forward updates a copy of its own (BatchNorm's running statistics; updating the one
+  // set from every thread at once was a data race, and counted each step R times): before the
+  // step, the copies take the model's; after it, each floating-point buffer of the model becomes
+  // the replicas' mean weighted by their shards (a buffer no replica changed is kept bit for bit;
+  // integer ones, the batches seen, are replica 0's), and the copies take it. The running mean
+  // then equals one process's on the whole batch, up to rounding; the running variance is the
+  // shards' variances weighted.
+  void pullBuffers();
+  void mergeBuffers();
   // The copies of the optimizer (Mirrored, Hogwild) take the caller's options (learning rate,
   // momentum...) as they are now: a schedule that changes them reaches every replica.
   void followCallersOptions();
