@@ -155,7 +155,10 @@ std::string budgetText(const experiment::Budget& b) {
 // What runs: the positional file of configurations, and the train options every run shares.
 void addTrainOptions(CLI::App* cmd, CompareFlags& f) {
   cmd->add_option("file", f.file, "A TOML file listing the configurations (default: the seeds' set)");
-  cmd->add_option("--model", f.model, "mlp, cnn, lstm or FILE.pt")->capture_default_str();
+  cmd->add_option("--model", f.model,
+                  "The model of every run, as cohort train --model: mlp, mlp:WIDTH, cnn, lstm, embed[:...] (with "
+                  "bags of ids) or FILE.pt")
+      ->capture_default_str();
   cmd->add_option("--data", f.data,
                   "fashion-mnist, mnist:DIR, synthetic[:N], libsvm:TRAIN[,TEST] or synthetic-bags[:N[,ROWS]] "
                   "(bags with --model embed)")

@@ -517,14 +517,19 @@ Run addSimulateCommand(CLI::App& app) {
   cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   cmd->add_flag("--calibrate", f.calibrate, "Measure this machine and the model, write --calibration FILE");
   cmd->add_option("--calibration", f.calibration, "The calibration file (JSON)")->capture_default_str();
-  cmd->add_option("--model", f.model, "--calibrate: mlp, cnn, lstm or FILE.pt")->capture_default_str();
+  cmd->add_option("--model", f.model,
+                  "--calibrate: the model, as cohort train --model: mlp, mlp:WIDTH, cnn, lstm, embed[:...] (with "
+                  "--data synthetic-bags or libsvm) or FILE.pt")
+      ->capture_default_str();
   cmd->add_option("--data", f.data, "--calibrate: the data the model is profiled on")->capture_default_str();
   cmd->add_option("--codecs", f.codecs, "--calibrate: the codecs to measure")->capture_default_str();
-  cmd->add_option("--profile-steps", f.profileSteps, "--calibrate: steps profiled")->capture_default_str();
+  cmd->add_option("--profile-steps", f.profileSteps, "--calibrate: steps profiled (at least 10)")
+      ->capture_default_str();
   cmd->add_option("--job-ranks", f.jobRanks,
                   "--calibrate: ranks of the short allreduce jobs that measure what ranks sharing the cores "
                   "compute at (default: the cores, one more, twice the cores)");
-  cmd->add_option("--job-steps", f.jobSteps, "--calibrate: steps of each of those jobs")->capture_default_str();
+  cmd->add_option("--job-steps", f.jobSteps, "--calibrate: steps of each of those jobs (at least 10)")
+      ->capture_default_str();
   const std::string model = "Model (override the calibration)";
   cmd->add_option("--params", f.params, "Parameters of the model")->group(model);
   cmd->add_option("--example-ms", f.exampleMs, "Compute per example, ms (forward, backward, step)")->group(model);
