@@ -14,9 +14,9 @@ Run addLaunchCommand(CLI::App& app) {
       "Usage: cohort launch -n N [--ps M] [--evaluator] [--max-restarts K] [--port P] [--host H] [--grace S] -- "
       "COMMAND...\n"
       "Every process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and,\n"
-      "unless OMP_NUM_THREADS is set, OMP_NUM_THREADS = the host's idle cores / N (at least 1). Its\n"
-      "output lines are prefixed with [rank i], and every process of the job gets the same random\n"
-      "COHORT_AUTH_TOKEN (unless it is set).\n"
+      "unless OMP_NUM_THREADS is set, OMP_NUM_THREADS (and OPENBLAS_NUM_THREADS, unless set) = the host's\n"
+      "idle cores / N (at least 1). Its output lines are prefixed with [rank i], and every process of the\n"
+      "job gets the same random COHORT_AUTH_TOKEN (unless it is set).\n"
       "The first rank to fail stops the others; its status is the exit status, or 2 when another then\n"
       "exits with 2 (a refused input, the cause of the first failure). Under a scheme that\n"
       "survives a lost worker (ps async/softsync/ssp, ps sync with --backup-workers, gossip) a failed\n"
@@ -41,8 +41,10 @@ Run addLaunchCommand(CLI::App& app) {
       ->capture_default_str();
   launch->add_flag("--evaluator", o.evaluator,
                    "Start an evaluator task as well (TF_CONFIG type evaluator): it evaluates the checkpoints");
-  launch->add_option("--max-restarts", o.maxRestarts,
-                     "Restart a failed job (every process, from its newest checkpoint) up to K times")
+  launch
+      ->add_option("--max-restarts", o.maxRestarts,
+                   "Restart a failed job up to K times: every process, from its newest checkpoint, or only the "
+                   "failed shard or worker where the scheme allows it (below)")
       ->capture_default_str();
   launch->add_option("--port", o.port,
                      "MASTER_PORT (0: rank 0 binds any free port and tells the launcher, which starts the others "
