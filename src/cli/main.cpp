@@ -82,6 +82,11 @@ int main(int argc, char** argv) {
   cohort::cli::Run quantize = cohort::cli::addQuantizeCommand(app);
   cohort::cli::Run compare = cohort::cli::addCompareCommand(app);
   cohort::cli::Run sweep = cohort::cli::addSweepCommand(app);
+  // After the subcommands: CLI11 copies a parent's footer into the subcommands made after it.
+  app.footer(
+      "cohort SUBCOMMAND --help lists a command's options. Every command also takes --config FILE.toml\n"
+      "(one a command): its options from a TOML file whose keys are the long flag names (batch = 32);\n"
+      "the command line overrides them.");
 
   try {
     std::vector<std::string> args = cohort::cli::expandConfig(app, {argv + 1, argv + argc});
