@@ -1048,6 +1048,24 @@ TEST(ReplicasCli, TheZoosLstmAndEmbedTrainAsReplicas) {
       << sparse.output;
 }
 
+// A checkpoint holds replica 0's optimizer, the caller's: a resumed hogwild's other replicas start
+// from its state (their own momentum is lost), and the run says so rather than silently.
+TEST(ReplicasCli, AResumedHogwildSaysItsReplicasTakeReplicaZerosOptimizer) {
+  test::TempDir dir;
+  const std::string train = test::cohortBinary() +
+                            " train --model mlp --data synthetic:64 --batch 8 --threads 1 --progress off "
+                            "--strategy hogwild --replicas 2 --checkpoint-dir " +
+                            dir.path();
+  const std::string warning = "replicas 1-1 start from replica 0's optimizer state";
+  auto first = test::runCommand(train + " --optimizer momentum --steps 2", 120);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  EXPECT_EQ(first.output.find(warning), std::string::npos) << first.output;
+  auto resumed = test::runCommand(train + " --optimizer momentum --steps 4 --resume", 120);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("cohort: warning: hogwild resumed at step 2: " + warning), std::string::npos)
+      << resumed.output;
+}
+
 // --bucket-mb sizes mirrored's and central's in-memory buckets: the mlp's 2.7 MB of gradients fit
 // one bucket of the default 4 MB, and with 0.01 MB every one of its 6 parameters has its own.
 TEST(ReplicasCli, BucketMbSizesTheInMemoryBuckets) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 
 namespace cohort {
 
@@ -29,6 +30,14 @@ void ReplicaStrategy::attach(torch::nn::Sequential model, torch::optim::Optimize
     group_ = std::make_unique<CentralStorage>(module, optimizer, options_);
   } else {
     group_ = std::make_unique<Hogwild>(module, optimizer, options_);
+    // Mirrored's copies of the optimizer are replica 0's bit for bit and CentralStorage has one;
+    // Hogwild's each follow their own gradients, and only replica 0's is checkpointed.
+    if (resumedAt_ > 0 && options_.replicas > 1 && !optimizer.state().empty()) {
+      std::fprintf(stderr,
+                   "cohort: warning: hogwild resumed at step %lld: replicas 1-%d start from replica 0's optimizer "
+                   "state (a checkpoint holds replica 0's only; theirs, their own momentum or moments, is lost)\n",
+                   (long long)resumedAt_, options_.replicas - 1);
+    }
   }
 }
 

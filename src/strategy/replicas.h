@@ -8,6 +8,7 @@
 
 #include "strategy/strategy.h"
 
+#include <cstdint>
 #include <memory>
 
 namespace cohort {
@@ -23,6 +24,9 @@ class ReplicaStrategy final : public Strategy {
   bool trainsOnDevices() const override { return scheme_ != Scheme::kHogwild; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override;
+  // Hogwild resumed: says that replicas 1..R-1 start from replica 0's optimizer state (a
+  // checkpoint holds the caller's optimizer only; theirs are copies of it made at attach).
+  void resumeAt(int64_t step) override { resumedAt_ = step; }
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;
   StepStats step(const Batch& batch, const LossFn& loss) override;
   // Mirrored: averages the replicas' buffers (and the processes'). A collective.
@@ -34,6 +38,7 @@ class ReplicaStrategy final : public Strategy {
   std::shared_ptr<Communicator> comm_;
   ReplicaOptions options_;
   std::unique_ptr<ReplicaGroup> group_;
+  int64_t resumedAt_ = 0;
 };
 
 }  // namespace cohort
