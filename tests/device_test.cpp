@@ -1,4 +1,5 @@
 // Device names and the checks that run without a GPU (tests/gpu_test.cpp has those that need one).
+#include <cohort/communicator.h>
 #include <cohort/data_parallel.h>
 #include <cohort/device.h>
 #include <cohort/error.h>
@@ -9,7 +10,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <future>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "test_util.h"
 
@@ -69,6 +73,50 @@ TEST(Device, CudaWhereThereIsNoGpuIsOneLineNamingTheFix) {
 TEST(Device, AJobResolvesItsDeviceWhenMadeAndRefusesABadOne) {
   EXPECT_EQ(Job::fromSpec(ClusterSpec{}, {.device = "cpu"}).device(), c10::Device(c10::kCPU));
   EXPECT_THROW(Job::fromSpec(ClusterSpec{}, {.device = "tpu"}), InvalidArgument);
+}
+
+// The process's GPU is cuda:(LOCAL_RANK mod the GPU count) however its Job is made: from a spec,
+// or around a communicator whose rank in its group is not the process's local rank (two ranks as
+// threads with local ranks 1 and 0; each alone in a group split off). Job::fromCommunicator chose
+// by the group's rank: both groups' Jobs took cuda:0, and rank 1's whole-job Job cuda:1 where its
+// local rank is 0. Without a GPU every device is the CPU; the local rank each Job reports is the one
+// its device was resolved for.
+TEST(Device, AJobAroundACommunicatorChoosesItsGpuByTheLocalRank) {
+  const auto fromSpec = Job::fromSpec(ClusterSpec{.rank = 0, .worldSize = 1, .localRank = 3});
+  EXPECT_EQ(fromSpec.cluster().localRank, 3);
+  EXPECT_EQ(fromSpec.device(), resolveDevice("auto", 3));
+  std::promise<int> listening;
+  std::shared_future<int> port = listening.get_future().share();
+  std::vector<std::thread> ranks;
+  std::vector<std::string> failures(2);
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        ClusterSpec spec{.rank = r, .worldSize = 2, .localRank = 1 - r, .master = {"127.0.0.1", 0}};
+        CommOptions options{.timeout = std::chrono::seconds(30)};
+        if (r == 0) {
+          options.onListening = [&](int p) { listening.set_value(p); };
+        } else if (port.wait_for(std::chrono::seconds(30)) == std::future_status::ready) {
+          spec.master.port = port.get();
+        }
+        const std::shared_ptr<Communicator> comm = Communicator::connect(spec, options);
+        const std::shared_ptr<Communicator> alone = comm->split({r}, "alone-" + std::to_string(r));
+        for (const Job& job : {Job::fromCommunicator(comm), Job::fromCommunicator(alone)}) {
+          if (job.cluster().localRank != 1 - r || job.device() != resolveDevice("auto", 1 - r)) {
+            failures[size_t(r)] += "rank " + std::to_string(job.rank()) + " of " + std::to_string(job.worldSize()) +
+                                   ": local rank " + std::to_string(job.cluster().localRank) + ", device " +
+                                   job.device().str() + "; ";
+          }
+        }
+        comm->barrier();
+      } catch (const std::exception& e) {
+        failures[size_t(r)] += e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(failures[0], "");
+  EXPECT_EQ(failures[1], "");
 }
 
 // The meta device stands in for a second device on a machine without one.

@@ -92,6 +92,10 @@ class COHORT_API Communicator {
 
   int rank() const;
   int worldSize() const;
+  // This process's rank among the workers on its host (the ClusterSpec::localRank it connected
+  // with; a split()'s is its parent's): which GPU is this process's (resolveDevice), whatever its
+  // rank in this group.
+  int localRank() const;
 
   // In place: tensor becomes the sum over ranks.
   CommWork allreduceAsync(torch::Tensor tensor);

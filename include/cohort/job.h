@@ -49,7 +49,8 @@ class COHORT_API Job {
   // A job from an explicit spec (tests, launchers of one's own).
   static Job fromSpec(const ClusterSpec& spec, const JobOptions& options = {});
   // A job around a communicator that is already connected (ranks as threads in tests; a
-  // sub-group of a larger job).
+  // sub-group of a larger job): its rank and world size are the communicator's, its device "auto"
+  // for the process's local rank (Communicator::localRank), as fromSpec() would choose.
   static Job fromCommunicator(std::shared_ptr<Communicator> comm);
   // One process alone: rank 0 of 1.
   static Job single();

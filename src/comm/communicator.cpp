@@ -235,6 +235,7 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
   auto impl = std::make_shared<Impl>();
   impl->rank = spec.rank;
   impl->size = spec.worldSize;
+  impl->localRank = spec.localRank;
   impl->options = options;
   impl->master = spec.master;
   const std::string where = spec.master.host + ":" + std::to_string(spec.master.port);
@@ -293,6 +294,7 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks,
   auto sub = std::make_shared<Impl>();
   sub->rank = int(at - ranks.begin());
   sub->size = int(ranks.size());
+  sub->localRank = impl_->localRank;
   sub->options = impl_->options;
   sub->master = impl_->master;
   sub->store = impl_->store;
@@ -312,6 +314,7 @@ void Communicator::setRankNames(std::function<std::string(int)> describe) {
 }
 
 int Communicator::rank() const { return impl_->rank; }
+int Communicator::localRank() const { return impl_->localRank; }
 int Communicator::worldSize() const { return impl_->size; }
 const CommOptions& Communicator::options() const { return impl_->options; }
 

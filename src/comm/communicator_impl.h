@@ -28,6 +28,7 @@ namespace cohort {
 struct COHORT_LOCAL Communicator::Impl {
   int rank = 0;  // in this group
   int size = 1;
+  int localRank = 0;  // the process's among the workers on its host (ClusterSpec::localRank); a sub-group's too
   // A sub-group's ranks in the whole job, and the whole job's communicator, which keeps the
   // heartbeats and the counters. Both empty for the whole job.
   std::vector<int> members;

@@ -83,11 +83,14 @@ Job Job::fromCommunicator(std::shared_ptr<Communicator> comm) {
   auto state = std::make_shared<State>();
   state->spec.rank = comm->rank();
   state->spec.worldSize = comm->worldSize();
+  state->spec.localRank = comm->localRank();
   state->spec.source = "communicator";
   state->options.timeout = comm->options().timeout;
   state->options.backend = comm->options().backend;
   state->options.env = comm->options().env;
-  state->device = resolveDevice("auto", state->spec.rank);
+  // The process's GPU, as fromSpec() picks it: by its local rank, not its rank in this group (a
+  // pipeline's stage group, a sub-group of a larger job).
+  state->device = resolveDevice("auto", state->spec.localRank);
   {
     MutexLock lock(state->mutex);  // no other thread sees state yet: the lock is for the analysis
     state->comm = std::move(comm);
