@@ -3,6 +3,7 @@
 #include "comm/c10d_store.h"
 #include "comm/communicator_impl.h"
 #include "comm/nccl.h"
+#include "comm/rank_claim.h"
 
 #include <cohort/comm_backend.h>
 #include <cohort/communicator.h>
@@ -53,10 +54,14 @@ std::vector<std::shared_ptr<::gloo::transport::Device>> makeDevices(const std::s
 // may write) held the constructor five timeouts (issue 30). It runs on a thread of its own, over a
 // store connection of its own, and is left behind when the timeout (and a margin in which Gloo's
 // own error, naming the key or the peer, comes first) passes. A thread left behind holds nothing
-// of the communicator's; in a process that exits meanwhile it ends with the process.
+// of the communicator's; in a process that exits meanwhile it ends with the process. While it
+// waits, it checks through `claim` (the job's first group; null for a sub-group, formed after the
+// rendezvous) whether another process refused the job (comm/rank_claim.h: a rank claimed twice,
+// another world size) and throws InvalidArgument with that process's line.
 c10::intrusive_ptr<c10d::ProcessGroupGloo> formGlooGroup(const c10::intrusive_ptr<c10d::Store>& store,
-                                                         const std::string& prefix, int rank, int size,
-                                                         const HostPort& master, const CommOptions& options) {
+                                                         const store::RankClaim* claim, const std::string& prefix,
+                                                         int rank, int size, const HostPort& master,
+                                                         const CommOptions& options) {
   auto groupOptions = c10d::ProcessGroupGloo::Options::create(options.timeout);
   groupOptions->devices = makeDevices(master.host);
   groupOptions->threads = options.glooThreads;
@@ -66,7 +71,18 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> formGlooGroup(const c10::intrusive_pt
   });
   std::future<c10::intrusive_ptr<c10d::ProcessGroupGloo>> formed = form.get_future();
   std::thread(std::move(form)).detach();
-  if (formed.wait_for(options.timeout + kGlooMargin) == std::future_status::ready) return formed.get();
+  const auto deadline = Clock::now() + options.timeout + kGlooMargin;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (formed.wait_for(std::clamp(left, std::chrono::milliseconds(0), store::kRefusalCheckPeriod)) ==
+        std::future_status::ready) {
+      return formed.get();
+    }
+    if (claim != nullptr) {
+      if (std::optional<std::string> why = claim->refusal()) throw InvalidArgument(*why);
+    }
+    if (left <= store::kRefusalCheckPeriod) break;
+  }
   // Gloo's keys are "<prefix>/0/<rank>" (ProcessGroupGloo's device 0): the ranks without one never
   // came; when every rank has one, an address is not this job's or cannot be reached.
   std::string absent;
@@ -232,6 +248,8 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
                ": backend nccl (--backend nccl), but this cohort was built without NCCL (its LibTorch has no c10d "
                "ProcessGroupNCCL, or CMake found no nccl.h): use --backend gloo or auto, or rebuild cohort against a "
                "LibTorch with NCCL (PyPI's torch==2.11.0, which scripts/setup.sh installs, has it)");
+  COHORT_CHECK(spec.worldSize >= 1 && spec.rank >= 0 && spec.rank < spec.worldSize, InvalidArgument, "rank ", spec.rank,
+               " of a job of ", spec.worldSize, " workers: a rank is 0 to the world size - 1");
   auto impl = std::make_shared<Impl>();
   impl->rank = spec.rank;
   impl->size = spec.worldSize;
@@ -239,6 +257,7 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
   impl->options = options;
   impl->master = spec.master;
   const std::string where = spec.master.host + ":" + std::to_string(spec.master.port);
+  std::optional<store::RankClaim> claim;  // through impl->heartbeatStore
   try {
     if (spec.rank == 0) {
       if (spec.secret.empty() && spec.worldSize > 1) {
@@ -265,7 +284,10 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
     const int port = impl->master.port;
     impl->store = c10::make_intrusive<store::C10dStore>(spec.master.host, port, spec.storeKey(), options.timeout);
     impl->heartbeatStore = store::Client::connect(spec.master.host, port, spec.storeKey(), options.timeout);
+    claim = store::RankClaim::make(*impl->heartbeatStore, spec.rank, spec.worldSize, options.timeout);
     impl->heartbeatStore->add(heartbeatKey(spec.rank), 1);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument("rank " + std::to_string(spec.rank) + ": " + e.what());
   } catch (const Error& e) {
     throw CommError("rank " + std::to_string(spec.rank) + ": rendezvous with the chief at " + where +
                     " failed: " + firstLine(e.what()));
@@ -277,7 +299,10 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
   }
   try {
     impl->storePrefix = "cohort/group";
-    impl->group = formGlooGroup(impl->store, impl->storePrefix, spec.rank, spec.worldSize, impl->master, options);
+    impl->group =
+        formGlooGroup(impl->store, &*claim, impl->storePrefix, spec.rank, spec.worldSize, impl->master, options);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument("rank " + std::to_string(spec.rank) + ": " + e.what());
   } catch (const std::exception& e) {
     throw CommError("rank " + std::to_string(spec.rank) + ": forming the Gloo group through " + where +
                     " failed: " + firstLine(e.what()));
@@ -302,7 +327,8 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks,
   for (int r : ranks) sub->members.push_back(impl_->members.empty() ? r : impl_->members[size_t(r)]);
   try {
     sub->storePrefix = "cohort/group/" + name;
-    sub->group = formGlooGroup(impl_->store, sub->storePrefix, sub->rank, sub->size, impl_->master, impl_->options);
+    sub->group =
+        formGlooGroup(impl_->store, nullptr, sub->storePrefix, sub->rank, sub->size, impl_->master, impl_->options);
   } catch (const std::exception& e) {
     sub->fail("forming the group '" + name + "'", e);
   }
