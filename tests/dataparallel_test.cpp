@@ -12,6 +12,7 @@
 #include "test_util.h"
 
 #include <csignal>
+#include <sstream>
 
 namespace cohort::dataparallel_test {
 namespace {
@@ -122,6 +123,40 @@ TEST(DataParallel, AverageCountsTheAveragesOfItsEvaluations) {
   // 8 averages (at steps 2, 4, ..., 14 and the end) of the mlp's 2.68 MB: a ring of 2 sends about
   // that much each time; at least 7 of them.
   EXPECT_GT(done["bytes_sent"].get<int64_t>(), 7 * 2'600'000) << done.dump();
+}
+
+// allreduce and average: each rank scores a slice of the test set and the counts are summed, so
+// no rank waits at its next collective (bounded by --timeout) while the chief alone scores it (a
+// cnn on Fashion-MNIST with --timeout 1 failed so); the sums are the whole set's scores, which
+// `cohort ensemble` computes from the saved model in one process.
+TEST(DataParallel, RanksScoreSlicesThatAddUpToTheWholeTestSet) {
+  for (const std::string scheme : {"allreduce", "average --period 3"}) {
+    test::TempDir dir;
+    const std::string data = " --data synthetic:3000";
+    auto r = test::runCommand(launch(2) + test::cohortBinary() + " train --model mlp" + data +
+                                  " --steps 10 --eval-every 5 --threads 1 --progress off --strategy " + scheme +
+                                  " --save-model " + dir.file("m.pt") + " --metrics " + dir.file("m.jsonl"),
+                              180);
+    ASSERT_EQ(r.exitCode, 0) << scheme << "\n" << r.output;
+    const auto eval = test::lastEvent(dir.file("m.jsonl"), "eval");
+    ASSERT_FALSE(eval.is_null()) << scheme;
+    EXPECT_EQ(eval.value("scored_by", 0), 2) << scheme << ": " << eval.dump();
+    EXPECT_EQ(eval["step"], 10) << eval.dump();
+    auto scored = test::runCommand(test::cohortBinary() + " ensemble " + dir.file("m.pt") + data, 120);
+    ASSERT_EQ(scored.exitCode, 0) << scored.output;
+    // The model's line: its path, validation accuracy ("-"), test accuracy, test loss, test F1.
+    std::string line;
+    for (const std::string& l : test::lines(scored.output)) {
+      if (l.rfind(dir.file("m.pt"), 0) == 0) line = l;
+    }
+    std::istringstream fields(line.substr(std::min(line.size(), dir.file("m.pt").size())));
+    std::string validation;
+    double accuracy = -1, loss = -1;
+    fields >> validation >> accuracy >> loss;
+    ASSERT_TRUE(fields) << scored.output;
+    EXPECT_NEAR(eval["accuracy"].get<double>(), accuracy, 5.1e-5) << scheme << "\n" << scored.output;
+    EXPECT_NEAR(eval["loss"].get<double>(), loss, 5.1e-5) << scheme << "\n" << scored.output;
+  }
 }
 
 TEST(DataParallel, AverageWithPeriodKeepsReplicasAveragedAtTheEnd) {

@@ -27,6 +27,8 @@ class AllreduceStrategy final : public Strategy {
   // Averages floating-point buffers (e.g. BatchNorm's running statistics), which each rank
   // updates from its own shard; parameters are identical already. Every rank must call it.
   void synchronize() override;
+  // Every rank holds the same parameters and buffers after synchronize(): each scores a slice.
+  bool evaluatesInSlices() const override { return comm_ != nullptr; }
   // The done event's "backend": what carried the gradients, "nccl" or "gloo".
   MetricFields report() override;
   // The codec's state ("allreduce_steps", the warm-up's count, and "allreduce_codec_residuals",

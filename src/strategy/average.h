@@ -25,6 +25,8 @@ class AverageStrategy final : public Strategy {
   // Averages now if any step has been taken since the last average (every rank must call it): an
   // evaluation or a checkpoint between averages averages early, and the period counts anew.
   void synchronize() override;
+  // Every rank holds the same parameters and buffers after synchronize(): each scores a slice.
+  bool evaluatesInSlices() const override { return comm_ != nullptr; }
   // The averages synchronize() ran: their bytes and waiting.
   StepStats offStepStats() const override { return offStep_; }
   // The outer optimizer's momentum ("outer_momentum"), when there is one; the steps taken

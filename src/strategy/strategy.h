@@ -124,7 +124,13 @@ class Strategy {
   virtual std::string layout() const { return ""; }
 
   // Whether this process takes part in evaluation; the chief always does.
-  virtual bool joinsEvaluation() const { return replica().isChief(); }
+  virtual bool joinsEvaluation() const { return replica().isChief() || evaluatesInSlices(); }
+
+  // Whether every process of communicator() holds the same model after synchronize() (allreduce,
+  // average), so that each scores a slice of the test and validation sets and the slices' counts
+  // are summed to the whole sets' scores: evaluation takes 1/N of the time, and no process waits
+  // at its next collective (bounded by --timeout) while the chief alone scores a large set.
+  virtual bool evaluatesInSlices() const { return false; }
 
   // Inference on the whole model for evaluation, called by every process that joins it, with the
   // same inputs; returns the outputs on the chief (others may get an undefined tensor).

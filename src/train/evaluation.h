@@ -29,6 +29,10 @@ class ScoreAccumulator {
   // passes the log of its averaged probabilities); targets: [B] int64. Either may be on any device.
   void add(const torch::Tensor& logits, const torch::Tensor& targets);
   Scores scores() const;
+  // What scores() is made of, for processes that scored slices of one set to add up
+  // (scoresFromConfusion of the sums is the whole set's).
+  const std::vector<int64_t>& confusion() const { return confusion_; }
+  double lossSum() const { return lossSum_; }
 
  private:
   int64_t classes_;

@@ -3,6 +3,7 @@
 // (the eval event's scores, TensorBoard's scalars, the progress line).
 #include "train/trainer_internal.h"
 
+#include <cmath>
 #include <cstdio>
 #include <limits>
 #include <numeric>
@@ -27,14 +28,21 @@ Trainer::State::Eval Trainer::State::evaluate() {
   return ev;
 }
 
+// Under a scheme whose processes hold one model (Strategy::evaluatesInSlices), each scores its
+// slice of `set` and the counts are summed over them: every process returns the whole set's scores.
 Scores Trainer::State::evaluateOn(const Dataset& set) {
   const int64_t n = set.size();
+  const std::shared_ptr<Communicator> group = strategy->evaluatesInSlices() ? strategy->communicator() : nullptr;
+  const int64_t parts = group ? group->worldSize() : 1;
+  const int64_t part = group ? group->rank() : 0;
+  const int64_t first = n * part / parts;
+  const int64_t end = n * (part + 1) / parts;
   ScoreAccumulator acc(data.classes);
   double lossSum = 0;  // with options.evaluate
   double metricSum = 0;
   std::vector<int64_t> idx;
-  for (int64_t start = 0; start < n; start += kEvalBatch) {
-    const int64_t count = std::min(kEvalBatch, n - start);
+  for (int64_t start = first; start < end; start += kEvalBatch) {
+    const int64_t count = std::min(kEvalBatch, end - start);
     idx.resize(size_t(count));
     std::iota(idx.begin(), idx.end(), start);
     Batch batch = makeBatch(set, idx);
@@ -49,7 +57,21 @@ Scores Trainer::State::evaluateOn(const Dataset& set) {
       acc.add(out, batch.targets);
     }
   }
-  if (!options.evaluate) return acc.scores();
+  std::vector<int64_t> confusion = acc.confusion();
+  if (!options.evaluate) lossSum = acc.lossSum();
+  if (group) {
+    // One sum of every count (exact in a double below 2^53 examples) and the loss and metric sums.
+    std::vector<double> counts(confusion.begin(), confusion.end());
+    counts.push_back(lossSum);
+    counts.push_back(metricSum);
+    torch::Tensor sums = torch::from_blob(counts.data(), {int64_t(counts.size())}, torch::kFloat64).clone();
+    group->allreduce(sums);
+    const double* summed = sums.data_ptr<double>();
+    for (size_t i = 0; i < confusion.size(); ++i) confusion[i] = int64_t(std::llround(summed[i]));
+    lossSum = summed[confusion.size()];
+    metricSum = summed[confusion.size() + 1];
+  }
+  if (!options.evaluate) return scoresFromConfusion(confusion, data.classes, lossSum);
   Scores custom;  // the injected metric has no classes: no F1, no per-class figures
   custom.examples = n;
   custom.loss = lossSum / double(n);

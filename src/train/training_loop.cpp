@@ -336,7 +336,9 @@ class Trainer::State::Loop {
   // The chief's evaluation: its result, the eval event, and the decision to stop at
   // --target-accuracy or --max-seconds.
   void evaluateOnChief() {
+    const auto evalStart = Clock::now();
     const Eval ev = s_.evaluate();
+    const double evalSeconds = secondsSince(evalStart);
     lastEval_ = ev;
     result_.testAccuracy = ev.test.accuracy;
     result_.testLoss = ev.test.loss;
@@ -354,6 +356,10 @@ class Trainer::State::Loop {
     }
     if (o_.maxSeconds > 0 && wall >= o_.maxSeconds) stop_ = true;  // the time budget is spent
     fields.emplace_back("epoch_progress", double(s_.step) / double(perEpoch_));
+    // How long scoring took, and over how many processes' slices (Strategy::evaluatesInSlices).
+    fields.emplace_back("eval_s", evalSeconds);
+    const std::shared_ptr<Communicator> group = s_.strategy->communicator();
+    fields.emplace_back("scored_by", int64_t(s_.strategy->evaluatesInSlices() && group ? group->worldSize() : 1));
     s_.metrics->write("eval", fields);
     s_.boardEval(ev);
     progress_.message(s_.evalMessage(ev));
