@@ -1627,40 +1627,84 @@ TEST(PsStreamTest, ABadChunkOrAnEarlyEndKeepsThePiecesOfTheValidChunksBeforeIt) 
   };
   const char* kept = "1 of its 2 pieces, received before, were applied and stay";
   const std::vector<Case> cases{
-      {"NaN in the second chunk", {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bNan)},
-       grpc::StatusCode::INVALID_ARGUMENT, "b holds NaN at element 1", true},
-      {"Inf in the second chunk", {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bInf)},
-       grpc::StatusCode::INVALID_ARGUMENT, "b holds Inf at element 0", true},
-      {"a chunk of the wrong size", {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bShort)},
-       grpc::StatusCode::INVALID_ARGUMENT, "carries 4 bytes, its pieces need 8", true},
-      {"a piece twice", {head, chunkMessage(0, 1, a), chunkMessage(0, 1, a), chunkMessage(1, 1, b)},
-       grpc::StatusCode::INVALID_ARGUMENT, "begins at piece 0 where piece 1 comes next", true},
-      {"truncated after the first chunk", {head, chunkMessage(0, 1, a)}, grpc::StatusCode::INVALID_ARGUMENT,
-       "the stream ended after 1 of its 2 pieces", true},
+      {"NaN in the second chunk",
+       {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bNan)},
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "b holds NaN at element 1",
+       true},
+      {"Inf in the second chunk",
+       {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bInf)},
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "b holds Inf at element 0",
+       true},
+      {"a chunk of the wrong size",
+       {head, chunkMessage(0, 1, a), chunkMessage(1, 1, bShort)},
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "carries 4 bytes, its pieces need 8",
+       true},
+      {"a piece twice",
+       {head, chunkMessage(0, 1, a), chunkMessage(0, 1, a), chunkMessage(1, 1, b)},
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "begins at piece 0 where piece 1 comes next",
+       true},
+      {"truncated after the first chunk",
+       {head, chunkMessage(0, 1, a)},
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "the stream ended after 1 of its 2 pieces",
+       true},
       {"a chunk header that does not parse after a good chunk",
-       {head, chunkMessage(0, 1, a),
+       {head,
+        chunkMessage(0, 1, a),
         {.head = withLength(std::string("CPSF\0\0\0\0\xff\xff", 10), 2), .payload = {}, .keepAlive = nullptr}},
-       grpc::StatusCode::INVALID_ARGUMENT, "does not parse", true},
-      {"out of order", {head, chunkMessage(1, 1, b), chunkMessage(0, 1, a)}, grpc::StatusCode::INVALID_ARGUMENT,
-       "begins at piece 1 where piece 0 comes next", false},
-      {"NaN in the first chunk of two pieces", {head, chunkMessage(0, 2, abNan)},
-       grpc::StatusCode::INVALID_ARGUMENT, "b holds NaN at element 0", false},
-      {"more pieces than the shard has", {head, chunkMessage(0, 3, both)}, grpc::StatusCode::INVALID_ARGUMENT,
-       "a chunk of 3 pieces from piece 0, the shard has 2", false},
-      {"an empty chunk", {head, chunkMessage(0, 0, none)}, grpc::StatusCode::INVALID_ARGUMENT, "a chunk of 0 pieces",
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "does not parse",
+       true},
+      {"out of order",
+       {head, chunkMessage(1, 1, b), chunkMessage(0, 1, a)},
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "begins at piece 1 where piece 0 comes next",
+       false},
+      {"NaN in the first chunk of two pieces",
+       {head, chunkMessage(0, 2, abNan)},
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "b holds NaN at element 0",
+       false},
+      {"more pieces than the shard has",
+       {head, chunkMessage(0, 3, both)},
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "a chunk of 3 pieces from piece 0, the shard has 2",
+       false},
+      {"an empty chunk",
+       {head, chunkMessage(0, 0, none)},
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "a chunk of 0 pieces",
        false},
       {"no header", {}, grpc::StatusCode::INVALID_ARGUMENT, "ended before its header", false},
-      {"floats in the header frame", {{.head = frameHead(header), .payload = {stray}, .keepAlive = nullptr}},
-       grpc::StatusCode::INVALID_ARGUMENT, "header frame carries 4 payload bytes", false},
+      {"floats in the header frame",
+       {{.head = frameHead(header), .payload = {stray}, .keepAlive = nullptr}},
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "header frame carries 4 payload bytes",
+       false},
       {"a chunk header that does not parse",
        {head, {.head = withLength(std::string("CPSF\0\0\0\0\xff\xff", 10), 2), .payload = {}, .keepAlive = nullptr}},
-       grpc::StatusCode::INVALID_ARGUMENT, "does not parse", false},
-      {"protocol 2 (an older worker)", {{.head = frameHead(oldHeader), .payload = {}, .keepAlive = nullptr}},
-       grpc::StatusCode::FAILED_PRECONDITION, "protocol version 2 is not this server's 3", false},
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "does not parse",
+       false},
+      {"protocol 2 (an older worker)",
+       {{.head = frameHead(oldHeader), .payload = {}, .keepAlive = nullptr}},
+       grpc::StatusCode::FAILED_PRECONDITION,
+       "protocol version 2 is not this server's",
+       false},
   };
   std::vector<float> expected{1, 2, 3, -1, 4};
   int64_t partial = 0;
-  for (const auto& c : cases) {
+  int64_t clock = 100;
+  for (auto c : cases) {
+    // Each case its own push (its own clock): a second stream of one clock is that push's retry,
+    // which does not apply again the pieces the first applied.
+    if (!c.messages.empty() && c.messages[0].head == head.head) {
+      c.messages[0].head = frameHead(streamHeader(kPieces, 0, clock++));
+    }
     const grpc::Status s = sendRawStream(server.address(), c.messages, "s3cret");
     EXPECT_EQ(s.error_code(), c.expected) << c.what << ": " << s.error_message();
     EXPECT_NE(s.error_message().find(c.says), std::string::npos) << c.what << ": " << s.error_message();
@@ -1750,12 +1794,18 @@ TEST(PsStreamTest, AStreamCutOffByTheWorkerKeepsTheChunksItSent) {
                         line.find("1 of its 2 pieces") != std::string::npos);
   }
   EXPECT_TRUE(logged);
+  // The worker's retry of that push (the same clock) completes it: piece a, in already, is not
+  // applied a second time; b is, and the push counts once.
   ASSERT_TRUE(sendRawStream(server.address(), {head, chunkMessage(0, 1, a), chunkMessage(1, 1, b)}).ok());
-  EXPECT_EQ(pullAll(*client), (std::vector<float>{-49.5f, -48.5f, -47.5f, -1.5f, 3.5f}));
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{-49, -48, -47, -1.5f, 3.5f}));
   stats = statsOf(*client);
   EXPECT_EQ(stats.applied(), 1);
   EXPECT_EQ(stats.version(), 1u);
   EXPECT_EQ(stats.partial_pushes(), 1);
+  // Its next push is whole again.
+  const OutgoingFrame next{.head = frameHead(streamHeader(kPieces, 0, 1, 1)), .payload = {}, .keepAlive = nullptr};
+  ASSERT_TRUE(sendRawStream(server.address(), {next, chunkMessage(0, 1, a), chunkMessage(1, 1, b)}).ok());
+  EXPECT_EQ(pullAll(*client), (std::vector<float>{-49.5f, -48.5f, -47.5f, -2, 3}));
 }
 
 // A streamed push driven on a Shard directly, as the service does, so that the test decides what
@@ -1944,6 +1994,7 @@ TEST(PsStreamTest, ACheckpointKeepsEachPiecesOptimizerSteps) {
   EXPECT_EQ(pullShard(second), pullShard(first));
   for (Shard* shard : {&first, &second}) {
     wire::PushRequest next = pushOf({{1.0f, 0.25f, -0.5f}, {-2.0f, 0.125f}});
+    next.set_clock(1);  // the worker's next push (clock 0 again would be the cut one's retry)
     wire::PushReply reply;
     ASSERT_TRUE(shard->push(next, &reply).ok());
     EXPECT_TRUE(reply.applied());
@@ -1955,6 +2006,182 @@ TEST(PsStreamTest, ACheckpointKeepsEachPiecesOptimizerSteps) {
   // the step count of piece a (its second) it would move by less.
   EXPECT_NEAR(b[3], -1.0f + 0.01f, 1e-6);
   EXPECT_NEAR(b[4], 4.0f - 0.01f, 1e-6);
+}
+
+// A push may say it has no gradient for a piece (protocol 4: the worker's parameter had none this
+// step): the shard leaves that piece and its optimizer state alone, as torch's optimizers skip a
+// parameter without a gradient. One-message (protobuf and framed) and streamed pushes alike.
+TEST(PsNoGradientTest, APieceWithoutAGradientKeepsItsValueAndMomentum) {
+  // Momentum 0.9, lr 0.5: b gets gradient {1, 1}, then none, then {1, 1} again. Left alone in the
+  // second push, its buffer is {1, 1} and then {1.9, 1.9}: b = {-1, 4} - 0.5 - 0.95.
+  const std::vector<float> expectedB{-2.45f, 2.55f};
+  enum class Way { kProtobuf, kFramed, kStreamed };
+  for (const Way way : {Way::kProtobuf, Way::kFramed, Way::kStreamed}) {
+    SCOPED_TRACE(way == Way::kProtobuf ? "protobuf" : way == Way::kFramed ? "framed" : "streamed");
+    auto shard = std::make_shared<Shard>(ShardOptions{.log = [](const std::string&) {}});
+    auto client = makeFakeClient(shard, "fake", way == Way::kStreamed ? 8 : 0);
+    wire::Policy policy = asyncPolicy();
+    policy.set_optimizer(wire::OPTIMIZER_MOMENTUM);
+    policy.set_momentum(0.9);
+    wire::InitReply initReply;
+    ASSERT_TRUE(client->init(initOf(policy, kPieces, kStart), &initReply).ok());
+    const std::vector<float> ga{1, 1, 1}, gb{1, 1};
+    for (int64_t clock = 0; clock < 3; ++clock) {
+      wire::PushRequest request = pushOf({ga, gb});
+      request.set_clock(clock);
+      request.set_pulled_version(uint64_t(clock));
+      if (clock == 1) setNoGradient(request.mutable_values(1), kPieces[1]);
+      wire::PushReply reply;
+      if (way == Way::kProtobuf) {
+        ASSERT_TRUE(client->push(request, &reply).ok());
+      } else {
+        // The floats travel from a copy of the request's data; the header keeps the shapes only.
+        const auto kept = std::make_shared<const wire::PushRequest>(request);
+        FramedPush framed;
+        framed.request = request;
+        for (auto& t : *framed.request.mutable_values()) t.clear_data();
+        for (const auto& t : kept->values()) {
+          framed.payload.emplace_back(reinterpret_cast<const float*>(t.data().data()), t.data().size() / sizeof(float));
+        }
+        framed.keepAlive = kept;
+        ASSERT_TRUE(client->pushFramed(framed, {}, &reply).ok());
+      }
+      EXPECT_TRUE(reply.applied());
+      EXPECT_EQ(reply.version(), uint64_t(clock + 1));
+      const auto values = pullAll(*client);
+      if (clock == 1) {
+        // b as after the first push (-0.5 each); a moved by its momentum.
+        EXPECT_EQ(std::vector<float>(values.begin() + 3, values.end()), (std::vector<float>{-1.5f, 3.5f}));
+      }
+    }
+    const auto values = pullAll(*client);
+    EXPECT_NEAR(values[3], expectedB[0], 1e-6);
+    EXPECT_NEAR(values[4], expectedB[1], 1e-6);
+    // a had three gradients: buffers 1, 1.9, 2.71: a = {1, 2, 3} - 0.5 * 5.61.
+    EXPECT_NEAR(values[0], 1 - 0.5f * 5.61f, 1e-5);
+    // The pushes carried 5, 3 and 5 floats: the second none of b's.
+    const auto stats = statsOf(*client);
+    EXPECT_EQ(stats.applied(), 3);
+    EXPECT_EQ(stats.bytes_pushed(), 13 * 4);
+  }
+}
+
+// sync, 2 workers: a piece one worker had no gradient for is averaged over both pushes, as a zero
+// (DataParallel's rule for a parameter some ranks did not use); a piece neither had one for is
+// left alone, with its momentum.
+TEST(PsNoGradientTest, SyncAveragesOverThePushesAndSkipsAPieceNoPushHadAGradientFor) {
+  auto shard = std::make_shared<Shard>(ShardOptions{.log = [](const std::string&) {}});
+  wire::Policy policy = asyncPolicy();
+  policy.set_mode(wire::MODE_SYNC);
+  policy.set_workers(2);
+  policy.set_optimizer(wire::OPTIMIZER_MOMENTUM);
+  policy.set_momentum(0.5);
+  wire::InitReply initReply;
+  ASSERT_TRUE(shard->init(initOf(policy, kPieces, kStart), &initReply).ok());
+  auto step = [&](int64_t clock, bool bFrom0, bool bFrom1) {
+    std::vector<std::thread> workers;
+    for (uint32_t w = 0; w < 2; ++w) {
+      workers.emplace_back([&, w] {
+        wire::PushRequest request = pushOf({{2, 2, 2}, {2, 2}}, w);
+        request.set_clock(clock);
+        request.set_pulled_version(uint64_t(clock));
+        if (!(w == 0 ? bFrom0 : bFrom1)) setNoGradient(request.mutable_values(1), kPieces[1]);
+        wire::PushReply reply;
+        const Status s = shard->push(request, &reply);
+        EXPECT_TRUE(s.ok()) << s.message;
+        EXPECT_TRUE(reply.applied());
+      });
+    }
+    for (auto& t : workers) t.join();
+  };
+  step(0, true, false);  // b: (2 + 0) / 2 = 1; buffer 1; b = {-1, 4} - 0.5
+  EXPECT_EQ(pullShard(*shard), (std::vector<float>{0, 1, 2, -1.5f, 3.5f}));
+  step(1, false, false);  // b: no gradient in the step: unchanged, buffer kept
+  EXPECT_EQ(pullShard(*shard), (std::vector<float>{-1.5f, -0.5f, 0.5f, -1.5f, 3.5f}));
+  step(2, true, true);  // b: 2; buffer 0.5 * 1 + 2 = 2.5; b -= 1.25
+  EXPECT_EQ(pullShard(*shard), (std::vector<float>{-3.25f, -2.25f, -1.25f, -2.75f, 2.25f}));
+}
+
+// Where "no gradient" means nothing: an Init's values, a reply's.
+TEST(PsNoGradientTest, OnlyAPushMaySayNoGradient) {
+  wire::InitRequest init = initOf(asyncPolicy(), kPieces, kStart);
+  setNoGradient(init.mutable_values(1), kPieces[1]);
+  EXPECT_FALSE(checkTensors(init.values(), kPieces, true, "Init").ok());
+  EXPECT_TRUE(checkTensors(init.values(), kPieces, true, "push", NoGradient::kAllowed).ok());
+  Shard shard(ShardOptions{.log = [](const std::string&) {}});
+  wire::InitReply reply;
+  EXPECT_EQ(shard.init(init, &reply).code, Code::kInvalidArgument);
+}
+
+// A worker retries a streamed push cut midway (its client sends the whole push again, on a new
+// connection): the retry completes that push, each piece applied once. The cut attempt's last
+// chunk may still be taken in after the retry began (gRPC had it read): whichever attempt reaches
+// a piece first applies it, the other passes over it, and the push counts once (async, sgd).
+TEST(PsStreamTest, ARetryOfACutStreamAppliesEachPieceOnce) {
+  const std::vector<float> a{1, 1, 1}, b{2, 2};
+  for (const bool overlapping : {false, true}) {
+    SCOPED_TRACE(overlapping ? "the cut attempt's last chunk arrives during the retry" : "the retry after the cut");
+    Shard shard(ShardOptions{.log = [](const std::string&) {}});
+    wire::InitReply initReply;
+    ASSERT_TRUE(shard.init(initOf(asyncPolicy(), kPieces, kStart), &initReply).ok());
+    DirectStream cut(shard, streamHeader(kPieces, 0, 0, 0));
+    ASSERT_TRUE(cut.chunk(0, a).ok());
+    const Status cancelled = Status::error(Code::kCancelled, "push stream: cancelled");
+    if (!overlapping) EXPECT_EQ(shard.refuseStream(*cut.stream, cancelled).code, Code::kCancelled);
+    DirectStream retry(shard, streamHeader(kPieces, 0, 0, 0));
+    ASSERT_TRUE(retry.chunk(0, a).ok());
+    if (overlapping) ASSERT_TRUE(cut.chunk(1, b).ok());
+    ASSERT_TRUE(retry.chunk(1, b).ok());
+    wire::PushReply reply;
+    ASSERT_TRUE(retry.finish(&reply).ok());
+    EXPECT_TRUE(reply.applied());
+    EXPECT_EQ(reply.version(), 1u);
+    if (overlapping) EXPECT_EQ(shard.refuseStream(*cut.stream, cancelled).code, Code::kCancelled);
+    // sgd, lr 0.5: a = {1, 2, 3} - 0.5, b = {-1, 4} - 1, once each.
+    EXPECT_EQ(pullShard(shard), (std::vector<float>{0.5f, 1.5f, 2.5f, -2, 3}));
+    wire::StatsReply stats;
+    ASSERT_TRUE(shard.stats(withProtocol<wire::StatsRequest>(), &stats).ok());
+    EXPECT_EQ(stats.applied(), 1);
+    EXPECT_EQ(stats.version(), 1u);
+    EXPECT_EQ(stats.clocks(0), 1);
+    EXPECT_EQ(stats.partial_pushes(), 1);
+    // The worker's next push is applied whole.
+    DirectStream next(shard, streamHeader(kPieces, 0, 1, 1));
+    ASSERT_TRUE(next.chunk(0, a).ok());
+    ASSERT_TRUE(next.chunk(1, b).ok());
+    ASSERT_TRUE(next.finish(&reply).ok());
+    EXPECT_EQ(pullShard(shard), (std::vector<float>{0, 1, 2, -3, 2}));
+  }
+}
+
+// The same under softsync 2 (pieces gathered as they arrive): the retry of a cut push adds to the
+// group only the pieces the cut left out, so that each piece is averaged over one gradient of that
+// push, and the push counts once in the group.
+TEST(PsStreamTest, ARetryOfACutStreamIsGatheredOnce) {
+  Shard shard(ShardOptions{.log = [](const std::string&) {}});
+  wire::Policy policy = streamPolicy(wire::MODE_SOFTSYNC, wire::OPTIMIZER_SGD, 2);
+  policy.set_softsync(2);
+  wire::InitReply initReply;
+  ASSERT_TRUE(shard.init(initOf(policy, kPieces, kStart), &initReply).ok());
+  DirectStream cut(shard, streamHeader(kPieces, 0, 0, 0));
+  ASSERT_TRUE(cut.chunk(0, {3, 3, 3}).ok());
+  EXPECT_EQ(shard.refuseStream(*cut.stream, Status::error(Code::kCancelled, "cut")).code, Code::kCancelled);
+  DirectStream retry(shard, streamHeader(kPieces, 0, 0, 0));
+  ASSERT_TRUE(retry.chunk(0, {3, 3, 3}).ok());
+  ASSERT_TRUE(retry.chunk(1, {6, 6}).ok());
+  wire::PushReply reply;
+  ASSERT_TRUE(retry.finish(&reply).ok());
+  EXPECT_TRUE(reply.applied());
+  EXPECT_EQ(reply.version(), 0u);  // one push of the two the group needs
+  wire::PushRequest other = pushOf({{1, 1, 1}, {2, 2}}, 1);
+  ASSERT_TRUE(shard.push(other, &reply).ok());
+  EXPECT_EQ(reply.version(), 1u);
+  // a: 1 - 0.5 * (3 + 1) / 2; b: -1 - 0.5 * (6 + 2) / 2.
+  EXPECT_EQ(pullShard(shard), (std::vector<float>{0, 1, 2, -3, 2}));
+  wire::StatsReply stats;
+  ASSERT_TRUE(shard.stats(withProtocol<wire::StatsRequest>(), &stats).ok());
+  EXPECT_EQ(stats.applied(), 2);
+  EXPECT_EQ(stats.partial_pushes(), 1);
 }
 
 // A push no larger than one chunk goes as one message: a stream would have nothing to overlap.

@@ -134,8 +134,18 @@ Status parseFrame(std::span<const std::span<const uint8_t>> chunks, google::prot
   return Status::Ok();
 }
 
+uint64_t framedPayloadBytes(const google::protobuf::RepeatedPtrField<wire::Tensor>& tensors) {
+  uint64_t bytes = 0;
+  // Saturating: the values are not checked yet, and a hostile numel must not wrap to the right sum.
+  for (const auto& t : tensors) {
+    bytes = t.numel() > (UINT64_MAX - bytes) / sizeof(float) ? UINT64_MAX : bytes + t.numel() * sizeof(float);
+  }
+  return bytes;
+}
+
 Status checkFramedTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>& tensors,
-                          std::span<const wire::PieceSpec> pieces, size_t payloadBytes, const char* what) {
+                          std::span<const wire::PieceSpec> pieces, size_t payloadBytes, const char* what,
+                          NoGradient noGradient) {
   const std::string w = what;
   uint64_t bytes = 0;
   for (int i = 0; i < tensors.size(); ++i) {
@@ -149,6 +159,7 @@ Status checkFramedTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>
       return invalid(w + ": key " + std::to_string(t.key()) + " where piece " + std::to_string(p.key()) + " (" +
                      p.name() + ") belongs");
     }
+    if (noGradient == NoGradient::kAllowed && isNoGradient(t)) continue;
     if (Status s = checkPieceShape(t, p, w); !s.ok()) return s;
     if (!t.data().empty()) {
       return invalid(w + ": " + p.name() + " carries data in the frame's header; its values belong in the payload");

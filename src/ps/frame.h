@@ -72,8 +72,13 @@ Status parseFrame(std::span<const std::span<const uint8_t>> chunks, google::prot
                   FramePayload* payload, const char* what);
 
 // The header values of a frame against the pieces they must be (in order: key, FLOAT32, numel,
-// empty data) and the payload's length (exactly their floats). The error names the first problem.
+// empty data; or, where allowed, a piece's no-gradient value, which has no floats in the payload)
+// and the payload's length (exactly their floats). The error names the first problem.
 Status checkFramedTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>& tensors,
-                          std::span<const wire::PieceSpec> pieces, size_t payloadBytes, const char* what);
+                          std::span<const wire::PieceSpec> pieces, size_t payloadBytes, const char* what,
+                          NoGradient noGradient = NoGradient::kRefused);
+
+// The payload bytes the header values of a frame (checked by checkFramedTensors) announce.
+uint64_t framedPayloadBytes(const google::protobuf::RepeatedPtrField<wire::Tensor>& tensors);
 
 }  // namespace cohort::ps

@@ -192,6 +192,7 @@ void Shard::clearPendingLocked() {
   pendingRows_.assign(pieces_.size(), {});
   pendingCount_ = 0;
   pendingPieceCount_.assign(pieces_.size(), 0);
+  pendingPieceGradient_.assign(pieces_.size(), 0);
   pendingFrom_.assign(policy_.workers(), false);
 }
 
@@ -300,6 +301,7 @@ void Shard::noteStalenessLocked(int64_t tau) {
 }
 
 void Shard::applyPieceLocked(size_t k, size_t at, const Part& part, float scale) {
+  if (part.noGradient || part.alreadyIn) return;
   const bool updates = policy_.push() == wire::PUSH_UPDATES;
   const int64_t step = updates ? 0 : ++pieceSteps_[k];
   // A row-sparse part updates its rows alone: untouched rows and their optimizer state are left
@@ -340,6 +342,10 @@ void Shard::applyLocked(const Parts& parts, float scale) {
 }
 
 void Shard::accumulatePieceLocked(size_t k, size_t at, const Part& part, float scale) {
+  if (part.alreadyIn) return;
+  pendingPieceCount_[k] += 1;
+  if (part.noGradient) return;
+  pendingPieceGradient_[k] = 1;
   if (part.rowDim == 0) {
     float* p = pending_.data() + at;
     for (size_t i = 0; i < part.values.size(); ++i) p[i] += scale * part.values[i];
@@ -356,7 +362,6 @@ void Shard::accumulatePieceLocked(size_t k, size_t at, const Part& part, float s
       }
     }
   }
-  pendingPieceCount_[k] += 1;
 }
 
 void Shard::accumulateLocked(const Parts& parts, float scale) {
@@ -371,14 +376,14 @@ void Shard::accumulateLocked(const Parts& parts, float scale) {
 // Applies the average of the gathered gradients (sync, softsync) and starts a new gathering.
 void Shard::applyPendingLocked() {
   // Each piece averaged over the gradients it was given: pendingCount_ for all of them unless a
-  // streamed push ended midway, or a sync step closed on one midway. A piece given none is left
-  // alone (no optimizer step).
+  // streamed push ended midway, or a sync step closed on one midway. A piece given none, or only
+  // pushes without a gradient for it, is left alone (no optimizer step).
   std::vector<float> gathered;
   size_t at = 0;
   for (size_t k = 0; k < pieces_.size(); ++k) {
     const size_t numel = size_t(pieces_[k].numel());
     const size_t dim = size_t(pieces_[k].row_dim());
-    const int count = pendingPieceCount_[k];
+    const int count = pendingPieceGradient_[k] ? pendingPieceCount_[k] : 0;
     if (count > 0 && dim == 0) {
       applyPieceLocked(k, at,
                        {.values = std::span<const float>(pending_).subspan(at, numel), .rows = {}, .numel = numel},
@@ -413,6 +418,7 @@ void Shard::applyPendingLocked() {
   }
   pendingCount_ = 0;
   std::fill(pendingPieceCount_.begin(), pendingPieceCount_.end(), 0);
+  std::fill(pendingPieceGradient_.begin(), pendingPieceGradient_.end(), 0);
   std::fill(pendingFrom_.begin(), pendingFrom_.end(), false);
 }
 

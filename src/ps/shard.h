@@ -178,10 +178,14 @@ class Shard {
     std::span<const uint32_t> rows;
     size_t numel = 0;    // the piece's elements
     size_t rowDim = 0;   // > 0: values are `rows` rows of this width
+    bool noGradient = false;  // the worker had none for it (wire.h's isNoGradient): no values
+    bool alreadyIn = false;   // applied or gathered by a cut attempt of the same push: not again
   };
   using Parts = std::vector<Part>;
   // One piece (k, starting at element `at`): an optimizer step at the piece's own count, or (push
-  // updates) the update added; and the same into the step or group being gathered.
+  // updates) the update added; and the same into the step or group being gathered. A part without
+  // a gradient is not applied (no step: the piece and its optimizer state stay as they are); one
+  // gathered counts in the piece's average as zeros. A part alreadyIn does nothing.
   void applyPieceLocked(size_t k, size_t at, const Part& part, float scale) REQUIRES(mu_);
   void accumulatePieceLocked(size_t k, size_t at, const Part& part, float scale) REQUIRES(mu_);
   // Every piece, then the version (one update).
@@ -189,6 +193,12 @@ class Shard {
   void accumulateLocked(const Parts& parts, float scale) REQUIRES(mu_);
   // An update's end: the version bumped, waiters woken, a checkpoint asked for when due.
   void finishUpdateLocked() REQUIRES(mu_);
+  // Whether piece k of `worker`'s push of `clock` is to be applied or gathered now: not when an
+  // earlier attempt of that push (a stream cut midway, being retried) has it in already. Counts it
+  // in when so; pieces come in order.
+  bool takePieceLocked(uint32_t worker, int64_t clock, size_t k) REQUIRES(mu_);
+  // Marks the parts of a whole push that an earlier, cut attempt of it applied or gathered.
+  void markPiecesInLocked(const wire::PushRequest& request, Parts& parts) REQUIRES(mu_);
   // A streamed push that will not count as an update ends (refused, cut, late, aborted).
   // Returns `why`, saying which pieces stay applied, if any.
   Status endStreamLocked(Stream& stream, const Status& why, bool rejected) REQUIRES(mu_);
@@ -309,6 +319,9 @@ class Shard {
   // of streamed pushes that ended midway, or that a sync step closed on midway). Each piece is
   // averaged over its own.
   std::vector<int> pendingPieceCount_ GUARDED_BY(mu_);
+  // Per piece: some push in the step or group had a gradient for it; a piece none had one for is
+  // left alone when the step or group is applied.
+  std::vector<uint8_t> pendingPieceGradient_ GUARDED_BY(mu_);
   std::vector<bool> pendingFrom_ GUARDED_BY(mu_);
   std::optional<std::string> failure_ GUARDED_BY(mu_);
   bool finished_ GUARDED_BY(mu_) = false;
@@ -350,7 +363,7 @@ struct Shard::Stream {
   uint64_t version = 0;     // the version then (sync: the step the push belongs to)
   int64_t tau = 0;          // its staleness then
   float scale = 1.0f;       // staleness_lr's factor
-  size_t applied = 0;       // pieces applied or gathered so far
+  size_t applied = 0;       // pieces applied or gathered so far (or in already: Worker::piecesIn)
   bool ended = false;       // refused or aborted: counted once
 };
 

@@ -63,6 +63,14 @@ struct Shard::Worker {
   // sync: the clock of its push held in the step being gathered (-1: none). A retry of that push
   // (its connection dropped while it was held) waits for it and is answered as its duplicate.
   int64_t heldClock = -1;
+  // Its push of clock `pushingClock` (under Init `pushingGeneration`) not counted yet, of which
+  // pieces [0, piecesIn) are applied or gathered: by a streamed attempt cut midway, or by one
+  // still arriving. Pieces come in order, so a prefix. A retry of that push (the worker's client
+  // sends it whole again, on a new connection, while the cut attempt may still take in a chunk
+  // gRPC had read) applies only the pieces from piecesIn on: each piece once per push.
+  int64_t pushingClock = -1;
+  uint64_t pushingGeneration = 0;
+  size_t piecesIn = 0;
   Clock::time_point lastSeen;  // on the shard's clock (Shard::now()), set when the worker is made
 };
 

@@ -51,8 +51,22 @@ Status checkShape(const wire::PushRequest& request, const FramePayload* framed, 
                ? Status::Ok()
                : Status::error(Code::kAborted, "the shard was re-initialized during the push");
   }
-  if (compressed && request.values_size() > 0) {
-    return Status::error(Code::kInvalidArgument, "push: carries both values and a compressed message");
+  if (compressed) {
+    // Beside a compressed message, values only say which pieces have no gradient (their part of
+    // the message is ignored): no-gradient values of dense pieces, in the pieces' order.
+    size_t next = 0;
+    for (const auto& t : request.values()) {
+      if (!isNoGradient(t)) {
+        return Status::error(Code::kInvalidArgument, "push: carries both values and a compressed message");
+      }
+      while (next < densePieces.size() && densePieces[next].key() != t.key()) ++next;
+      if (next == densePieces.size()) {
+        return Status::error(Code::kInvalidArgument, "push: says piece " + std::to_string(t.key()) +
+                                                         " has no gradient, but it is no dense piece of this shard "
+                                                         "after the one said before");
+      }
+      ++next;
+    }
   }
   if (!rowSparse && (request.rows_size() > 0 || request.want_rows_size() > 0)) {
     return Status::error(Code::kInvalidArgument, "push: carries rows but is not row_sparse");
@@ -62,8 +76,10 @@ Status checkShape(const wire::PushRequest& request, const FramePayload* framed, 
                          "push: a framed push carries float32 values only (no codec, no rows): send "
                          "compressed and row-sparse pushes with Push");
   }
-  if (framed != nullptr) return checkFramedTensors(request.values(), densePieces, framed->size(), "push");
-  return compressed ? Status::Ok() : checkTensors(request.values(), densePieces, true, "push");
+  if (framed != nullptr) {
+    return checkFramedTensors(request.values(), densePieces, framed->size(), "push", NoGradient::kAllowed);
+  }
+  return compressed ? Status::Ok() : checkTensors(request.values(), densePieces, true, "push", NoGradient::kAllowed);
 }
 
 int64_t pushedBytesOf(const wire::PushRequest& request, const FramePayload* framed, const Shard::Stream* streamed) {
@@ -141,12 +157,26 @@ void Shard::decodePush(const wire::PushRequest& request, const FramePayload* fra
     }
   }
   if (!valid.ok()) return;
-  // Each piece's part: its dense floats, or the rows the push carries for it.
+  // The dense pieces the worker had no gradient for: their values say so, one per piece, or
+  // (compressed) listed beside the message, which holds zeros (or a codec's residual) for them.
+  std::vector<bool> noGradient(out.densePieces.size(), false);
+  for (size_t i = 0, next = 0; i < size_t(request.values_size()); ++i) {
+    if (!isNoGradient(request.values(int(i)))) continue;
+    if (request.compressed().empty()) {
+      noGradient[i] = true;
+      continue;
+    }
+    while (out.densePieces[next].key() != request.values(int(i)).key()) ++next;  // checkShape: it is there
+    noGradient[next++] = true;
+  }
+  // Each piece's part: its dense floats (none when the worker had no gradient for it), or the
+  // rows the push carries for it.
   out.rowValues.resize(size_t(request.rows_size()));
   size_t nextDense = 0;
   for (const auto& p : pieces) {
     Part part{.values = {}, .rows = {}, .numel = size_t(p.numel())};
     if (!rowSparse || p.row_dim() == 0) {
+      part.noGradient = noGradient[nextDense];
       part.values = out.dense[nextDense++];
     } else {
       part.rowDim = size_t(p.row_dim());
@@ -232,9 +262,34 @@ int64_t Shard::stalenessLocked(const HeldPush& push) const {
   return int64_t(version_ - std::min<uint64_t>(push.pulled, version_));
 }
 
+bool Shard::takePieceLocked(uint32_t worker, int64_t clock, size_t k) {
+  Worker& w = workers_[worker];
+  // A push counted already (the retry finished first): the cut attempt takes nothing more.
+  if (clock < w.clock) return false;
+  if (w.pushingClock != clock || w.pushingGeneration != generation_) {
+    w.pushingClock = clock;
+    w.pushingGeneration = generation_;
+    w.piecesIn = 0;
+  }
+  if (k < w.piecesIn) return false;
+  w.piecesIn = k + 1;
+  return true;
+}
+
+void Shard::markPiecesInLocked(const wire::PushRequest& request, Parts& parts) {
+  const Worker& w = workers_[request.worker()];
+  if (w.pushingClock != request.clock() || w.pushingGeneration != generation_ || w.piecesIn == 0) return;
+  for (size_t k = 0; k < std::min(w.piecesIn, parts.size()); ++k) parts[k].alreadyIn = true;
+  log("worker " + std::to_string(request.worker()) + " sent its push of step " + std::to_string(request.clock()) +
+      " again: its first " + std::to_string(w.piecesIn) +
+      " pieces, in from an attempt cut before, are not applied twice");
+}
+
 Status Shard::finishPushLocked(HeldPush& push, bool applied) {
   Worker& me = workers_[push.id];
   me.clock += 1;
+  me.pushingClock = -1;
+  me.piecesIn = 0;
   me.inClosedStep = false;
   me.heldClock = -1;
   me.lastSeen = now();
@@ -272,11 +327,13 @@ Status Shard::handlePush(const wire::PushRequest& request, const FramePayload* f
 
   MutexLock lock(mu_);
   if (Status s = acceptLocked(request, decoded, streamed, admitted); !s.ok()) return s;
+  const bool early = streamed != nullptr && !streamed->keepsChunks();
+  if (!early && request.clock() >= workers_[request.worker()].clock) markPiecesInLocked(request, decoded.grad);
   HeldPush push{.request = request,
                 .reply = reply,
                 .replyValues = replyValues,
                 .streamed = streamed,
-                .early = streamed != nullptr && !streamed->keepsChunks(),
+                .early = early,
                 .grad = decoded.grad,
                 .arrived = arrived,
                 .id = request.worker(),

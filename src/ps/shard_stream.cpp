@@ -24,14 +24,13 @@ using namespace shard_internal;
 Status Shard::beginStream(const wire::PushRequest& request, std::unique_ptr<Stream>* stream) {
   std::vector<wire::PieceSpec> pieces;
   if (Status s = admitPush(request, &pieces); !s.ok()) return s;
-  uint64_t bytes = 0;
-  for (const auto& p : pieces) bytes += p.numel() * sizeof(float);
   Status s =
       !request.compressed().empty() || request.row_sparse() || request.rows_size() > 0 || request.want_rows_size() > 0
           ? Status::error(Code::kInvalidArgument,
                           "push: a streamed push carries float32 values only (no codec, no rows): send "
                           "compressed and row-sparse pushes with Push")
-          : checkFramedTensors(request.values(), pieces, size_t(bytes), "push");
+          : checkFramedTensors(request.values(), pieces, size_t(framedPayloadBytes(request.values())), "push",
+                               NoGradient::kAllowed);
   if (!s.ok()) {
     countRejected(s);
     return s;
@@ -82,8 +81,10 @@ Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const Frame
     s = Status::error(Code::kInvalidArgument, "push: a chunk of " + std::to_string(count) + " pieces from piece " +
                                                   std::to_string(first) + ", the shard has " + std::to_string(total));
   }
+  // A piece the worker had no gradient for has no floats (numel 0 in the header).
+  auto floatsIn = [&](size_t k) { return size_t(stream.request.values(int(k)).numel()); };
   size_t bytes = 0;
-  for (size_t k = first; s.ok() && k < first + count; ++k) bytes += size_t(stream.pieces[k].numel()) * sizeof(float);
+  for (size_t k = first; s.ok() && k < first + count; ++k) bytes += floatsIn(k) * sizeof(float);
   if (s.ok() && bytes != payload.size()) {
     s = Status::error(Code::kInvalidArgument, "push: the chunk of pieces " + std::to_string(first) + " to " +
                                                   std::to_string(first + count - 1) + " carries " +
@@ -94,7 +95,7 @@ Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const Frame
   // whole chunk is checked before any of its pieces is applied.
   size_t offset = 0;
   for (size_t k = first; s.ok() && k < first + count; ++k) {
-    const size_t numel = size_t(stream.pieces[k].numel());
+    const size_t numel = floatsIn(k);
     size_t bad = numel;
     stream.dense[k] = payload.checkedFloats(offset, numel, stream.copies[k], &bad);
     offset += numel * sizeof(float);
@@ -121,14 +122,23 @@ Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const Frame
         return endStreamLocked(stream, why, false);
       }
       workers_[stream.request.worker()].lastSeen = now();
-      const Part part{.values = stream.dense[k], .rows = {}, .numel = numel};
-      if (stream.plan == Stream::Plan::kApply) {
-        applyPieceLocked(k, at, part, stream.scale);
+      const Part part{.values = stream.dense[k],
+                      .rows = {},
+                      .numel = numel,
+                      .rowDim = 0,
+                      .noGradient = isNoGradient(stream.request.values(int(k)))};
+      const bool take = stream.plan == Stream::Plan::kApply || updatePolicy_->stillGathering(*this, stream);
+      // else sync's step closed meanwhile: the rest of the push is late (finishStream says so).
+      if (take && takePieceLocked(stream.request.worker(), stream.request.clock(), k)) {
+        if (stream.plan == Stream::Plan::kApply) {
+          applyPieceLocked(k, at, part, stream.scale);
+        } else {
+          accumulatePieceLocked(k, at, part, stream.scale);
+        }
         ++stream.applied;
-      } else if (updatePolicy_->stillGathering(*this, stream)) {
-        accumulatePieceLocked(k, at, part, stream.scale);
-        ++stream.applied;
-      }  // else sync's step closed meanwhile: the rest of the push is late (finishStream says so)
+      } else if (take) {
+        ++stream.applied;  // in already, from another attempt of this push
+      }
     }
     stream.dense[k] = {};
     FloatScratch().swap(stream.copies[k]);

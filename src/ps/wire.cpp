@@ -22,6 +22,17 @@ Status checkProtocol(uint32_t protocol) {
                            std::to_string(kProtocolVersion) + ": run the same cohort on workers and servers");
 }
 
+bool isNoGradient(const wire::Tensor& t) {
+  return t.dtype() == wire::DTYPE_UNSPECIFIED && t.numel() == 0 && t.data().empty();
+}
+
+void setNoGradient(wire::Tensor* t, const wire::PieceSpec& piece) {
+  t->set_key(piece.key());
+  t->set_numel(0);
+  t->set_dtype(wire::DTYPE_UNSPECIFIED);
+  t->clear_data();
+}
+
 Status checkPieceShape(const wire::Tensor& t, const wire::PieceSpec& p, const std::string& w) {
   if (t.dtype() != wire::FLOAT32) {
     const std::string name = wire::DType_Name(t.dtype());
@@ -65,7 +76,7 @@ size_t firstNonFinite(const void* floats, size_t n) {
 }
 
 Status checkTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>& tensors,
-                    std::span<const wire::PieceSpec> pieces, bool finiteOnly, const char* what) {
+                    std::span<const wire::PieceSpec> pieces, bool finiteOnly, const char* what, NoGradient noGradient) {
   const std::string w = what;
   for (int i = 0; i < tensors.size(); ++i) {
     const wire::Tensor& t = tensors.Get(i);
@@ -84,6 +95,7 @@ Status checkTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>& tens
                                          "unknown key " + std::to_string(t.key())) +
                      " where piece " + std::to_string(p.key()) + " (" + p.name() + ") belongs");
     }
+    if (noGradient == NoGradient::kAllowed && isNoGradient(t)) continue;
     if (Status s = checkPieceShape(t, p, w); !s.ok()) return s;
     if (t.data().size() != p.numel() * sizeof(float)) {
       return invalid(w + ": " + p.name() + " carries " + std::to_string(t.data().size()) + " bytes, expected " +

@@ -17,17 +17,33 @@ namespace cohort::ps {
 
 // Bumped whenever a message changes meaning; a shard refuses every other version. 2: pushes of
 // float32 values travel as frames (ps/frame.h, the PushFramed call). 3: or as a stream of frames,
-// a chunk of pieces each (the PushStream call).
-constexpr uint32_t kProtocolVersion = 3;
+// a chunk of pieces each (the PushStream call). 4: a push's value may say that the worker has no
+// gradient for the piece (isNoGradient).
+constexpr uint32_t kProtocolVersion = 4;
 
 Status checkProtocol(uint32_t protocol);
 
+// A push's value for a piece whose parameter has no gradient this step (its grad undefined: a
+// frozen layer, a branch the batch did not use): the piece's key, numel 0, dtype
+// DTYPE_UNSPECIFIED, no data (a few bytes, no payload). The shard leaves such a piece and its
+// optimizer state alone, as torch's optimizers skip a parameter without a gradient; sync and
+// softsync count the push in the piece's average as a zero gradient (DataParallel's rule for a
+// parameter some ranks did not use), and a piece no push of the step or group had a gradient for
+// is left alone.
+bool isNoGradient(const wire::Tensor& t);
+void setNoGradient(wire::Tensor* t, const wire::PieceSpec& piece);
+
+// Whether a check lets a push's value say "no gradient" (isNoGradient): pushes only, never Init
+// values or replies.
+enum class NoGradient { kRefused, kAllowed };
+
 // `tensors` must hold exactly one FLOAT32 tensor per piece, in the pieces' order, with the piece's
-// key and element count, data of numel * 4 bytes, and (when finiteOnly) no NaN or Inf. The error
-// names the first problem: unknown key, missing piece, wrong shape or dtype, truncated data,
-// non-finite value (with its index).
+// key and element count, data of numel * 4 bytes, and (when finiteOnly) no NaN or Inf; or, where
+// allowed, the piece's no-gradient value. The error names the first problem: unknown key, missing
+// piece, wrong shape or dtype, truncated data, non-finite value (with its index).
 Status checkTensors(const google::protobuf::RepeatedPtrField<wire::Tensor>& tensors,
-                    std::span<const wire::PieceSpec> pieces, bool finiteOnly, const char* what);
+                    std::span<const wire::PieceSpec> pieces, bool finiteOnly, const char* what,
+                    NoGradient noGradient = NoGradient::kRefused);
 
 // One tensor's dtype (FLOAT32) and element count against its piece; the error starts with what.
 Status checkPieceShape(const wire::Tensor& t, const wire::PieceSpec& p, const std::string& what);

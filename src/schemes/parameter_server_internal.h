@@ -84,9 +84,13 @@ struct COHORT_LOCAL ParameterServerClient::Impl {
 
   // What one step pushes: per parameter, the gradient or the change the local optimizer made
   // (send; CPU, contiguous), or for a row-sparse table its touched rows (rows: ids and values).
+  // noGradient: per parameter, push gradients and its grad undefined this step (a frozen layer,
+  // an unused branch): its pieces go as "no gradient" (ps::isNoGradient) and the shards leave them
+  // alone, as torch's optimizers do; send holds zeros for it, which only a codec's message carries.
   struct Outgoing {
     std::vector<torch::Tensor> send;
     std::vector<std::pair<torch::Tensor, torch::Tensor>> rows;
+    std::vector<bool> noGradient;
   };
 
   ParameterServerStep push(int64_t samples);
@@ -99,7 +103,7 @@ struct COHORT_LOCAL ParameterServerClient::Impl {
 
   // Shard s's dense pieces into its push: side by side through its encoder (and its residual)
   // when compressing, else as float32 tensors. Returns the bytes added.
-  int64_t addValues(size_t s, const std::vector<torch::Tensor>& send, bool compress, ps::wire::PushRequest& request);
+  int64_t addValues(size_t s, const Outgoing& out, bool compress, ps::wire::PushRequest& request);
 
   // Shard s's part of each row-sparse table into its push: the touched rows, and (wantRows) the
   // rows the next step reads, asked back. Returns the bytes added.
@@ -138,8 +142,7 @@ struct COHORT_LOCAL ParameterServerClient::Impl {
   // A push of float32 gradients (or updates) to shard s on the zero-copy path: `send`'s memory goes
   // to the wire as it lies (the tensors kept alive until the transport lets go of it), and the
   // reply's parameters are written straight into params_. Returns the bytes pushed.
-  int64_t pushFramed(size_t s, const ps::wire::PushRequest& header, const std::vector<torch::Tensor>& send,
-                     ps::wire::PushReply* reply);
+  int64_t pushFramed(size_t s, const ps::wire::PushRequest& header, const Outgoing& out, ps::wire::PushReply* reply);
 
   ps::wire::StatsReply statsOf(size_t s, bool stopJob = false, bool finishing = false);
 

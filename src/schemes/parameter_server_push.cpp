@@ -67,10 +67,10 @@ ParameterServerStep ParameterServerClient::Impl::push(int64_t samples) {
     request.set_row_sparse(anyRowSparse_);
     request.set_want_all_rows(anyRowSparse_ && !wantRows);
     if (!compress && !anyRowSparse_) {
-      sent[s] = pushFramed(s, request, out.send, &replies[s]);
+      sent[s] = pushFramed(s, request, out, &replies[s]);
       return;
     }
-    sent[s] = addValues(s, out.send, compress, request) + addRows(s, out.rows, compress, wantRows, request);
+    sent[s] = addValues(s, out, compress, request) + addRows(s, out.rows, compress, wantRows, request);
     check(clients_[s]->push(request, &replies[s]), c_.shards[s], "Push");
     if (anyRowSparse_ && wantRows) {
       loadRows(s, replies[s].version(), replies[s].values(), replies[s].rows());
@@ -102,6 +102,7 @@ ParameterServerClient::Impl::Outgoing ParameterServerClient::Impl::outgoing() {
   torch::NoGradGuard noGrad;
   Outgoing out;
   out.rows.resize(params_.size());
+  out.noGradient.assign(params_.size(), false);
   if (mirror_ && c_.options.push == PsPush::kUpdates) {
     mirror_->toHost();  // the change the local optimizer made on the device
   } else if (mirror_) {
@@ -126,32 +127,57 @@ ParameterServerClient::Impl::Outgoing ParameterServerClient::Impl::outgoing() {
     } else if (c_.options.push == PsPush::kUpdates) {
       out.send.push_back((params_[i].detach() - before_[i]).contiguous());
     } else if (gradMirror_) {
+      out.noGradient[i] = !modelParams_[i].grad().defined();
       out.send.push_back(gradMirror_->views()[i]);
     } else {
       const auto& g = params_[i].grad();
+      out.noGradient[i] = !g.defined();
       out.send.push_back(g.defined() ? g.contiguous() : torch::zeros_like(params_[i]));
     }
   }
   return out;
 }
 
-int64_t ParameterServerClient::Impl::addValues(size_t s, const std::vector<torch::Tensor>& send, bool compress,
+int64_t ParameterServerClient::Impl::addValues(size_t s, const Outgoing& out, bool compress,
                                                ps::wire::PushRequest& request) {
+  const std::vector<torch::Tensor>& send = out.send;
   if (compress && !denseSpecs_[s].empty()) {
     float* flat = flat_[s].data();
-    for (const ps::Piece* p : shardPieces_[s]) {
+    // The pieces without a gradient, as [start, end) in flat_. They travel as zeros in
+    // the message and are named beside it; the shard ignores their part, so the residual the
+    // encoder kept for them is put back, to be sent once they have a gradient again.
+    std::vector<std::pair<size_t, size_t>> absent;
+    for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
+      const ps::Piece* p = shardPieces_[s][k];
       if (anyRowSparse_ && p->rowDim > 0) continue;
       std::memcpy(flat, send[p->param].data_ptr<float>() + p->offset, p->numel * sizeof(float));
+      if (out.noGradient[p->param]) {
+        const size_t start = size_t(flat - flat_[s].data());
+        absent.emplace_back(start, start + p->numel);
+        ps::setNoGradient(request.add_values(), specs_[s][k]);
+      }
       flat += p->numel;
     }
+    std::vector<float> kept;
+    if (!absent.empty()) kept.assign(encoders_[s].residual().begin(), encoders_[s].residual().end());
     encoders_[s].encode(flat_[s], messages_[s]);
+    if (!absent.empty() && !kept.empty()) {
+      std::vector<float> residual(encoders_[s].residual().begin(), encoders_[s].residual().end());
+      for (const auto& [start, end] : absent)
+        std::copy(kept.begin() + ptrdiff_t(start), kept.begin() + ptrdiff_t(end), residual.begin() + ptrdiff_t(start));
+      encoders_[s].setResidual(residual);
+    }
     request.set_compressed(messages_[s].data(), messages_[s].size());
     return int64_t(messages_[s].size());
   }
   for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
     const ps::Piece& p = *shardPieces_[s][k];
     if (anyRowSparse_ && p.rowDim > 0) continue;
-    ps::setTensor(request.add_values(), specs_[s][k], send[p.param].data_ptr<float>() + p.offset);
+    if (out.noGradient[p.param]) {
+      ps::setNoGradient(request.add_values(), specs_[s][k]);
+    } else {
+      ps::setTensor(request.add_values(), specs_[s][k], send[p.param].data_ptr<float>() + p.offset);
+    }
   }
   return payloadBytes(request.values());
 }
@@ -201,8 +227,9 @@ ParameterServerStep ParameterServerClient::Impl::stepOf(const std::vector<ps::wi
   return stats;
 }
 
-int64_t ParameterServerClient::Impl::pushFramed(size_t s, const ps::wire::PushRequest& header,
-                                                const std::vector<torch::Tensor>& send, ps::wire::PushReply* reply) {
+int64_t ParameterServerClient::Impl::pushFramed(size_t s, const ps::wire::PushRequest& header, const Outgoing& out,
+                                                ps::wire::PushReply* reply) {
+  const std::vector<torch::Tensor>& send = out.send;
   ps::FramedPush push;
   push.request = header;
   std::vector<ps::FrameTarget> into;
@@ -210,12 +237,17 @@ int64_t ParameterServerClient::Impl::pushFramed(size_t s, const ps::wire::PushRe
   for (size_t k = 0; k < shardPieces_[s].size(); ++k) {
     const ps::Piece& p = *shardPieces_[s][k];
     ps::wire::Tensor* t = push.request.add_values();
+    into.push_back(
+        {.key = p.key, .values = std::span<float>(params_[p.param].data_ptr<float>() + p.offset, size_t(p.numel))});
+    if (out.noGradient[p.param]) {
+      ps::setNoGradient(t, specs_[s][k]);  // no floats in the payload
+      push.payload.emplace_back();
+      continue;
+    }
     t->set_key(p.key);
     t->set_numel(p.numel);
     t->set_dtype(ps::wire::FLOAT32);
     push.payload.emplace_back(send[p.param].data_ptr<float>() + p.offset, size_t(p.numel));
-    into.push_back(
-        {.key = p.key, .values = std::span<float>(params_[p.param].data_ptr<float>() + p.offset, size_t(p.numel))});
     bytes += int64_t(p.numel * sizeof(float));
   }
   push.keepAlive = std::make_shared<const std::vector<torch::Tensor>>(send);
