@@ -8,6 +8,8 @@
 #include "ps/client.h"
 #include "ps/service.h"
 
+#include <sys/resource.h>
+
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -77,9 +79,19 @@ class KillAtVersionEnv final : public Env {
   const int64_t killAt_;
 };
 
+// A shard keeps a connection per worker, up to half its open-file limit (ps/service_connections.h):
+// it takes the hard limit, as servers do, rather than a login shell's soft 1024 (512 workers).
+void raiseOpenFileLimit() {
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) != 0 || files.rlim_cur >= files.rlim_max) return;
+  files.rlim_cur = files.rlim_max;
+  ::setrlimit(RLIMIT_NOFILE, &files);  // refused (above fs.nr_open): the shard keeps what it has, and says so at Init
+}
+
 }  // namespace
 
 int runShardProcess(ps::ServerOptions options) {
+  raiseOpenFileLimit();
   ps::keepFreedMemory();
   ps::allocateFromOneHeap();
   StopSignals signals;

@@ -241,6 +241,18 @@ class Service final : public wire::ParameterServer::Service {
 
   grpc::Status Init(grpc::ServerContext* c, const wire::InitRequest* q, wire::InitReply* r) override {
     return handle(c, Request::kInit, q->ByteSizeLong(), [&](uint64_t) {
+      // Each worker holds a connection: a job the shard cannot keep them all for would lose the
+      // last ones at connect (closed at once, "unreachable" until their timeout).
+      const int64_t workers = q->policy().workers();
+      const int64_t room = int64_t(connections_->maxConnections()) - Connections::kMaxUnproven;
+      if (workers > room) {
+        return Status::error(
+            Code::kFailedPrecondition,
+            "ps shard " + refusals_->name() + " keeps at most " + std::to_string(connections_->maxConnections()) +
+                " connections (" + connections_->limitSource() + "), " + std::to_string(Connections::kMaxUnproven) +
+                " of them for callers still proving the secret, and this job has " + std::to_string(workers) +
+                " workers, one connection each: " + connections_->raiseLimitHint(workers));
+      }
       Status s = shard_->init(*q, r);
       if (s.ok()) refusals_->setLayout(*q);
       return s;
@@ -430,7 +442,7 @@ ShardServer::ShardServer(ServerOptions options) : impl_(std::make_unique<Impl>()
   impl_->refusals = std::make_shared<Refusals>(impl_->shard, options.shard.name, options.shard.log, options.shard.env);
   const auto credentials = serverCredentials(options, tls, verifier, impl_->refusals, impl_->checksBeforeBody);
   impl_->tokenBeforeBody = impl_->checksBeforeBody && verifier != nullptr;
-  impl_->connections = std::make_unique<Connections>(options.address, impl_->refusals);
+  impl_->connections = std::make_unique<Connections>(options.address, impl_->refusals, options.maxConnections);
   impl_->service = std::make_unique<Service>(impl_->shard, impl_->tokenBeforeBody ? nullptr : verifier, impl_->refusals,
                                              impl_->connections.get());
   grpc::ServerBuilder builder;
@@ -466,6 +478,8 @@ bool ShardServer::checksTokenBeforeBody() const { return impl_->tokenBeforeBody;
 size_t ShardServer::requestQuotaBytes() const { return impl_->quotaBytes; }
 
 uint64_t ShardServer::requestCapBytes() const { return impl_->refusals->cap(Request::kOther); }
+
+int ShardServer::maxConnections() const { return impl_->connections->maxConnections(); }
 
 ConnectionCounts ShardServer::connections() const {
   const Connections::Counts c = impl_->connections->counts();

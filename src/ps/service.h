@@ -21,6 +21,9 @@ struct ServerOptions {
   std::function<void(int port)> onListening;
   // serveShard: asked every 250 ms; a reason ("SIGTERM") ends the serving, with a checkpoint first.
   std::function<std::string()> stopRequested;
+  // The most connections the shard keeps open (ShardServer::connections); 0: half the process's
+  // open-file limit (RLIMIT_NOFILE's soft limit, `ulimit -n`). Testing sets fewer.
+  int maxConnections = 0;
 };
 
 // How serveShard ended.
@@ -67,9 +70,12 @@ class ShardServer {
   size_t requestQuotaBytes() const;
   // The shard accepts connections itself and hands them to gRPC: at most 64 that have not carried
   // a call with a good proof (with no secret: any call) at a time, a newcomer evicting the oldest,
-  // as the store and the gossip peers hold theirs; at most half the process's descriptors (up to
-  // 1024) in all.
+  // as the store and the gossip peers hold theirs; at most maxConnections() in all. Each worker
+  // holds one, so an Init for more workers than maxConnections() - 64 is refused
+  // (FAILED_PRECONDITION), naming the limit and how to raise it.
   ConnectionCounts connections() const;
+  // ServerOptions::maxConnections, or half the open-file limit when the server started.
+  int maxConnections() const;
   // Gives the heap pages a refused large request took back to the system (malloc_trim), if a
   // request was refused since the last time. serveShard calls it every 250 ms.
   void trimFreedMemory();

@@ -21,11 +21,19 @@
 
 namespace cohort::ps::service_internal {
 
-Connections::Connections(const std::string& address, std::shared_ptr<Refusals> refusals)
+Connections::Connections(const std::string& address, std::shared_ptr<Refusals> refusals, int maxConnections)
     : refusals_(std::move(refusals)) {
-  rlimit files{};
-  ::getrlimit(RLIMIT_NOFILE, &files);
-  maxConnections_ = int(std::clamp<rlim_t>(files.rlim_cur / 2, kMaxUnproven + 16, 1024));
+  if (maxConnections > 0) {
+    maxConnections_ = maxConnections;
+    limitSource_ = "its ServerOptions::maxConnections";
+  } else {
+    rlimit files{};
+    ::getrlimit(RLIMIT_NOFILE, &files);
+    // The other half: gRPC's own, checkpoints, the log. RLIM_INFINITY: bounded all the same.
+    maxConnections_ = int(std::clamp<rlim_t>(files.rlim_cur / 2, kMaxUnproven + 16, rlim_t(1) << 24));
+    limitSource_ = "half its open-file limit of " +
+                   (files.rlim_cur == RLIM_INFINITY ? std::string("unlimited") : std::to_string(files.rlim_cur));
+  }
   try {
     listen(address);
     wake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -53,6 +61,13 @@ void Connections::stop() {
   const uint64_t one = 1;
   [[maybe_unused]] const ssize_t written = ::write(wake_, &one, sizeof(one));
   thread_.join();
+}
+
+std::string Connections::raiseLimitHint(int64_t workers) const {
+  return "raise the shard process's open-file limit (`ulimit -n`; LimitNOFILE= under systemd, --ulimit nofile= "
+         "under docker) to at least " +
+         std::to_string(2 * (workers + kMaxUnproven + 16)) + " (twice the workers and " +
+         std::to_string(kMaxUnproven + 16) + " for callers proving the secret and restarts)";
 }
 
 void Connections::prove(const std::string& peer) {
@@ -208,7 +223,8 @@ void Connections::acceptAll(int listener) {
       if (int(open_.size()) >= maxConnections_) {
         ++counts_.dropped;
         ::close(fd);
-        warn("refused a connection: " + std::to_string(open_.size()) + " are open, the most this shard keeps");
+        warn("refused a connection: " + std::to_string(open_.size()) + " are open, the most this shard keeps (" +
+             limitSource_ + "); a job of that many workers needs more: " + raiseLimitHint(int64_t(open_.size())));
         continue;
       }
       int unproven = 0;

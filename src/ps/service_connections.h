@@ -33,8 +33,10 @@ namespace cohort::ps::service_internal {
 //  - at most kMaxUnproven connections are unproven at a time: a newcomer evicts the oldest (it
 //    had the most time to prove itself), so a flood cannot lock the job's processes out; an
 //    evicted connection is shut down (its client, if it was one, retries on a new one);
-//  - at most maxConnections are open in all (half the descriptors the process may open, at most
-//    1024): beyond, a newcomer is closed at once.
+//  - at most maxConnections() are open in all (half the descriptors the process may open: no fixed
+//    ceiling, the accept loop polls and gRPC uses epoll): beyond, a newcomer is closed at once and
+//    the shard logs the limit and how to raise it. ShardServer refuses an Init for more workers
+//    than fit beside kMaxUnproven.
 // gRPC closes a connection by itself as before (the peer left, the handshake deadline); a record
 // goes once its descriptor no longer holds its socket (the same device and inode), which the loop
 // looks at after every accept and at least once a second. Thread-safe.
@@ -53,12 +55,19 @@ class Connections {
   // Binds `address` ("host:port", "[v6]:port"; port 0: a free one), every address the host
   // resolves to; throws Error naming it when it cannot.
   // `refusals` logs for it and gives back the heap pages of the connections gRPC closed.
-  Connections(const std::string& address, std::shared_ptr<Refusals> refusals);
+  // maxConnections: 0 for half the process's open-file limit.
+  Connections(const std::string& address, std::shared_ptr<Refusals> refusals, int maxConnections = 0);
   ~Connections();
   Connections(const Connections&) = delete;
   Connections& operator=(const Connections&) = delete;
 
   int port() const { return port_; }
+  int maxConnections() const { return maxConnections_; }
+  // Where maxConnections() comes from, for messages: "half its open-file limit of 2048", or
+  // "its ServerOptions::maxConnections".
+  const std::string& limitSource() const { return limitSource_; }
+  // What fixes a limit too low for `workers`, for messages: the open-file limit to raise to.
+  std::string raiseLimitHint(int64_t workers) const;
 
   // Starts accepting into gRPC (the server is started: a connection handed to it earlier is closed).
   void start(std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor);
@@ -110,7 +119,8 @@ class Connections {
   void warn(const std::string& message);
 
   const std::shared_ptr<Refusals> refusals_;
-  int maxConnections_ = 1024;
+  int maxConnections_ = 0;
+  std::string limitSource_;
   std::vector<int> listening_;
   int wake_ = -1;
   int port_ = 0;
