@@ -346,6 +346,23 @@ TEST(SimEvents, ParameterServerPaysTheMeasuredGrpcCosts) {
   EXPECT_NEAR(simulateWorkers(s, 1).samplesPerSecond, 64 / step, 1e-6);
 }
 
+// "Stops paying at" is where every further count adds under 10 % of one worker per added worker:
+// a small step followed by counts that pay again (1 -> 2: +5 %, 2 -> 3: +35 %) is not it.
+TEST(SimEvents, TheKneeIsWhereNoFurtherCountPays) {
+  std::vector<Prediction> points;
+  for (const auto& [workers, rate] :
+       std::vector<std::pair<int, double>>{{1, 100}, {2, 105}, {3, 140}, {4, 142}, {6, 145}}) {
+    Prediction p;
+    p.workers = workers;
+    p.samplesPerSecond = rate;
+    p.speedup = rate / 100;
+    points.push_back(p);
+  }
+  EXPECT_EQ(findKnee(points).stopsPaying, 3);
+  points.back().samplesPerSecond = 200;  // the last step pays again: it has not stopped
+  EXPECT_EQ(findKnee(points).stopsPaying, 0);
+}
+
 TEST(SimEvents, SweepAndKnee) {
   Scenario s = scenarioOf(Scheme::kAllreduce);
   s.network.latency = 2e-3;  // the latency term 2 (p-1) a eventually dominates

@@ -236,7 +236,7 @@ struct Flags {
   bool noOverlap = false;
   int period = 1;
   std::string psMode = "async";
-  int shards = 1, backupWorkers = 0, stalenessBound = 0, softsync = 1, gossipPeers = 0;
+  int shards = 1, backupWorkers = 0, stalenessBound = 3, softsync = 1, gossipPeers = 0;
   int stages = 2, microBatches = 4;
   double activationBytes = 0;
   double density = 0, speed = 1;
@@ -559,7 +559,9 @@ Run addSimulateCommand(CLI::App& app) {
   cmd->add_option("--shards", f.shards, "ps: shards")->group(scheme)->capture_default_str();
   cmd->add_option("--backup-workers", f.backupWorkers, "ps sync: a step closes without the last B")->group(scheme)
       ->capture_default_str();
-  cmd->add_option("--staleness-bound", f.stalenessBound, "ssp: the bound")->group(scheme)->capture_default_str();
+  cmd->add_option("--staleness-bound", f.stalenessBound, "ssp: the bound (train's default too)")
+      ->group(scheme)
+      ->capture_default_str();
   cmd->add_option("--softsync", f.softsync, "softsync: gradients per update")->group(scheme)->capture_default_str();
   cmd->add_option("--gossip-peers", f.gossipPeers, "gossip: peers each update goes to; 0: all the others (as train)")
       ->group(scheme)

@@ -336,11 +336,15 @@ Knee findKnee(const std::vector<Prediction>& predictions) {
       k.peak = p.workers;
     }
     if (k.halfEfficiency == 0 && p.speedup < 0.5 * p.workers) k.halfEfficiency = p.workers;
-    if (k.stopsPaying == 0 && i + 1 < predictions.size()) {
-      const Prediction& next = predictions[i + 1];
-      const double perAdded = (next.samplesPerSecond - p.samplesPerSecond) / double(next.workers - p.workers);
-      if (perAdded < kPaysShare * oneWorker) k.stopsPaying = p.workers;
-    }
+  }
+  // From the largest count back: the first count from which every further count adds too little
+  // (a dip followed by counts that pay again is not where it stops paying).
+  for (size_t i = predictions.size() - 1; i-- > 0;) {
+    const Prediction& p = predictions[i];
+    const Prediction& next = predictions[i + 1];
+    const double perAdded = (next.samplesPerSecond - p.samplesPerSecond) / double(next.workers - p.workers);
+    if (perAdded >= kPaysShare * oneWorker) break;
+    k.stopsPaying = p.workers;
   }
   k.stillGrowing = k.peak == predictions.back().workers;
   return k;

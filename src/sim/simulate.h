@@ -96,7 +96,7 @@ std::string countsText(const std::vector<int>& counts);
 std::vector<Prediction> sweep(const Scenario& setup, const std::vector<int>& workers);
 
 // Where adding workers stops paying: from `stopsPaying` on, each added worker adds less than
-// kPaysShare of what one worker alone trains (0: it still pays at the largest count).
+// kPaysShare of what one worker alone trains, up to the largest count (0: it still pays there).
 inline constexpr double kPaysShare = 0.1;
 struct Knee {
   int stopsPaying = 0;
