@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Make a TorchScript model that `cohort train --model FILE.pt` trains from C++.
 
-    python3 examples/make_torchscript.py model.pt            # an nn.Sequential (pipeline-able)
-    python3 examples/make_torchscript.py model.pt --custom   # a module with its own forward()
+    .venv/bin/python examples/make_torchscript.py model.pt            # an nn.Sequential (pipeline-able)
+    .venv/bin/python examples/make_torchscript.py model.pt --custom   # a module with its own forward()
 
 The module takes a [B, 1, 28, 28] float batch and returns [B, 10] logits. A top-level
 nn.Sequential becomes one cohort layer per child, so it can later be cut into pipeline stages.
-Run it with Debian's python3-torch (/usr/bin/python3).
+Run it with the torch 2.11 that `make build` installs into .venv (scripts/setup.sh): the same
+LibTorch as cohort's, so the file's TorchScript is one cohort reads.
 """
 import argparse
 

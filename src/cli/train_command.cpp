@@ -390,7 +390,7 @@ void addDataParallelOptions(CLI::App* train, TrainFlags& f) {
 }
 
 void addModelParallelOptions(CLI::App* train, TrainFlags& f) {
-  auto* mp = "Model parallelism (--strategy pipeline; cohort launch -n STAGES*REPLICAS)";
+  auto* mp = "Model parallelism and replicas (pipeline, tensor; --replicas also mirrored, central, hogwild)";
   StrategyOptions& s = f.options.strategy;
   auto& pl = s.pipeline;
   train->add_option("--stages", pl.stages, "Cut the model into S stages, one per process (rank = replica*S + stage)")
@@ -414,7 +414,8 @@ void addModelParallelOptions(CLI::App* train, TrainFlags& f) {
                    "Split each batch into M micro-batches (1 to --batch), or auto: at start, time every layer on 1 "
                    "example and on the batch, and a message between stages 0 and 1, and take the M that minimizes "
                    "the predicted step (M+S-1) x (the slowest stage's time per micro-batch + the message), which about "
-                   "keeps each micro-batch's work at least M/(S-1) times its fixed cost")
+                   "keeps each micro-batch's work at least M/(S-1) times its fixed cost (auto: not with a --partition "
+                   "that splits a layer)")
       ->group(mp)
       ->capture_default_str();
   train
@@ -458,21 +459,26 @@ void addParameterServerOptions(CLI::App* train, TrainFlags& f) {
   train
       ->add_option("--backup-workers", p.backupWorkers,
                    "sync: aggregate the first N-K gradients of each step, drop the late ones")
-      ->group(psGroup);
+      ->group(psGroup)
+      ->capture_default_str();
   train->add_option("--softsync", p.softsync, "softsync: apply after this many gradients, averaged")
       ->group(psGroup)
       ->capture_default_str();
   train->add_option("--staleness-bound", p.stalenessBound, "ssp: a worker more than S steps ahead of the slowest waits")
       ->group(psGroup)
       ->capture_default_str();
-  train->add_option("--staleness-lr", f.stalenessLr, "none, or inverse: scale each gradient by 1/staleness")
+  train
+      ->add_option("--staleness-lr", f.stalenessLr,
+                   "async, softsync, ssp: none, or inverse: scale each gradient by 1/staleness")
       ->check(CLI::IsMember({"none", "inverse"}))
       ->group(psGroup)
       ->capture_default_str();
-  train->add_option("--max-staleness", p.maxStaleness, "Drop gradients staler than T (-1: never)")
+  train->add_option("--max-staleness", p.maxStaleness, "async, softsync, ssp: drop gradients staler than T (-1: never)")
       ->group(psGroup)
       ->capture_default_str();
-  train->add_option("--warmup-steps", p.warmupSteps, "Worker 0 trains alone for the first W updates")
+  train
+      ->add_option("--warmup-steps", p.warmupSteps,
+                   "async, softsync, ssp: worker 0 trains alone for the first W updates")
       ->group(psGroup)
       ->capture_default_str();
   train->add_option("--push", f.push, "gradients (the shards run the optimizer) or updates (the workers do)")
