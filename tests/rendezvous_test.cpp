@@ -2,6 +2,7 @@
 // claim, a world size that differs from the chief's. Real `cohort train` processes on loopback,
 // started as a launcher would with torchrun's variables; and the gossip scheme's Rendezvous with
 // ranks as threads.
+#include <cohort/communicator.h>
 #include <cohort/error.h>
 #include <cohort/rendezvous.h>
 
@@ -109,6 +110,56 @@ TEST(Rendezvous, TheGossipRendezvousRefusesARankClaimedTwice) {
   const std::string line = "rank 1 is claimed by two processes, pid " + std::to_string(::getpid());
   EXPECT_NE(secondError.find(line), std::string::npos) << secondError;
   EXPECT_NE(chiefError.find(line), std::string::npos) << chiefError;
+}
+
+// The chief of a job of 2 whose rank 1 never comes: the error names rank 1, where it gave Gloo's
+// "keys did not appear within 2 s", which names no rank.
+TEST(Rendezvous, AChiefWhosePeerNeverComesNamesIt) {
+  try {
+    Communicator::connect(ClusterSpec{.rank = 0, .worldSize = 2, .master = {"127.0.0.1", 0}},
+                          {.timeout = std::chrono::seconds(2)});
+    FAIL() << "expected CommError";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 did not give its Gloo address within 2 s: is every worker started"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// A worker given another COHORT_AUTH_TOKEN than the chief's: the worker is refused and says why;
+// the chief, whose rank 1 never comes, names it and the connection its store refused (it said
+// only that Gloo's keys did not appear).
+TEST(Rendezvous, AWorkerWithAnotherSecretIsRefusedAndTheChiefSaysSo) {
+  const auto timeout = std::chrono::seconds(3);
+  std::promise<int> listening;
+  std::string chiefError;
+  std::thread chief([&] {
+    try {
+      Communicator::connect(
+          ClusterSpec{.rank = 0, .worldSize = 2, .master = {"127.0.0.1", 0}, .secret = "the chief's secret"},
+          {.timeout = timeout, .onListening = [&](int port) { listening.set_value(port); }});
+    } catch (const std::exception& e) {
+      chiefError = e.what();
+    }
+  });
+  std::future<int> port = listening.get_future();
+  ASSERT_EQ(port.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  std::string workerError;
+  try {
+    Communicator::connect(
+        ClusterSpec{.rank = 1, .worldSize = 2, .master = {"127.0.0.1", port.get()}, .secret = "another secret"},
+        {.timeout = timeout});
+  } catch (const CommError& e) {
+    workerError = e.what();
+  }
+  chief.join();
+  EXPECT_NE(workerError.find("refused this process's proof of the secret"), std::string::npos) << workerError;
+  EXPECT_NE(workerError.find("COHORT_AUTH_TOKEN differs from the chief's"), std::string::npos) << workerError;
+  EXPECT_NE(chiefError.find("rank 1 did not give its Gloo address"), std::string::npos) << chiefError;
+  EXPECT_NE(chiefError.find("the store refused 1 connection that did not prove the job's secret: is "
+                            "COHORT_AUTH_TOKEN the same on every process?"),
+            std::string::npos)
+      << chiefError;
 }
 
 }  // namespace

@@ -48,6 +48,27 @@ std::vector<std::shared_ptr<::gloo::transport::Device>> makeDevices(const std::s
   return devices;
 }
 
+// The ranks of a group of `size` whose Gloo address is not in the store under `prefix` ("1, 2");
+// "" when every rank's is, or when the store cannot tell (it is gone).
+std::string ranksWithoutAGlooAddress(c10d::Store& store, const std::string& prefix, int size) {
+  // Gloo's keys are "<prefix>/0/<rank>" (ProcessGroupGloo's device 0).
+  std::string absent;
+  try {
+    for (int r = 0; r < size; ++r) {
+      if (!store.check({prefix + "/0/" + std::to_string(r)}))
+        absent += (absent.empty() ? "" : ", ") + std::to_string(r);
+    }
+  } catch (const std::exception&) {
+    return "";
+  }
+  return absent;
+}
+
+std::string didNotGiveItsAddress(const std::string& absent, const std::string& within) {
+  return "rank " + absent + " did not give its Gloo address" + within +
+         ": is every worker started, with the same MASTER_ADDR/MASTER_PORT?";
+}
+
 // The Gloo group of `size` ranks over the store's keys under `prefix`, formed within the timeout.
 // Gloo's own waits are bounded by it, but not its whole: a rank that publishes an address and
 // never completes Gloo's handshake (a stranger's, in a job without a secret, whose store anyone
@@ -71,29 +92,30 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> formGlooGroup(const c10::intrusive_pt
   });
   std::future<c10::intrusive_ptr<c10d::ProcessGroupGloo>> formed = form.get_future();
   std::thread(std::move(form)).detach();
+  const std::string within = " within " + std::to_string(options.timeout.count() / 1000) + " s";
   const auto deadline = Clock::now() + options.timeout + kGlooMargin;
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (formed.wait_for(std::clamp(left, std::chrono::milliseconds(0), store::kRefusalCheckPeriod)) ==
         std::future_status::ready) {
-      return formed.get();
+      try {
+        return formed.get();
+      } catch (const std::exception&) {
+        // Gloo's own timeout ("keys did not appear") names no rank: the ranks that never came.
+        const std::string absent = ranksWithoutAGlooAddress(*store, prefix, size);
+        if (absent.empty()) throw;
+        throw std::runtime_error(didNotGiveItsAddress(absent, within));
+      }
     }
     if (claim != nullptr) {
       if (std::optional<std::string> why = claim->refusal()) throw InvalidArgument(*why);
     }
     if (left <= store::kRefusalCheckPeriod) break;
   }
-  // Gloo's keys are "<prefix>/0/<rank>" (ProcessGroupGloo's device 0): the ranks without one never
-  // came; when every rank has one, an address is not this job's or cannot be reached.
-  std::string absent;
-  for (int r = 0; r < size; ++r) {
-    if (!store->check({prefix + "/0/" + std::to_string(r)})) absent += (absent.empty() ? "" : ", ") + std::to_string(r);
-  }
-  const std::string within = " within " + std::to_string(options.timeout.count() / 1000) + " s";
-  if (!absent.empty()) {
-    throw std::runtime_error("rank " + absent + " did not give its Gloo address" + within +
-                             ": is every worker started, with the same MASTER_ADDR/MASTER_PORT?");
-  }
+  // The ranks without an address never came; when every rank has one, an address is not this
+  // job's or cannot be reached.
+  const std::string absent = ranksWithoutAGlooAddress(*store, prefix, size);
+  if (!absent.empty()) throw std::runtime_error(didNotGiveItsAddress(absent, within));
   throw std::runtime_error("every rank gave its Gloo address, but Gloo's connections did not complete" + within +
                            ": an address that is not this job's (without a secret anyone may write the store), or "
                            "one this host cannot reach (GLOO_SOCKET_IFNAME)");
@@ -297,6 +319,7 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
                     " workers are started, that MASTER_ADDR/MASTER_PORT name the chief, and that the port "
                     "is free (--timeout to wait longer)");
   }
+  const std::string bound = spec.master.host + ":" + std::to_string(impl->master.port);  // port 0: the one taken
   try {
     impl->storePrefix = "cohort/group";
     impl->group =
@@ -304,8 +327,16 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
   } catch (const InvalidArgument& e) {
     throw InvalidArgument("rank " + std::to_string(spec.rank) + ": " + e.what());
   } catch (const std::exception& e) {
-    throw CommError("rank " + std::to_string(spec.rank) + ": forming the Gloo group through " + where +
-                    " failed: " + firstLine(e.what()));
+    // A worker with another secret is refused by the chief's store and says so itself; the chief
+    // only sees that its rank never came.
+    const int64_t refused = impl->storeServer ? impl->storeServer->stats().refused : 0;
+    throw CommError("rank " + std::to_string(spec.rank) + ": forming the Gloo group through " + bound +
+                    " failed: " + firstLine(e.what()) +
+                    (refused == 0 ? ""
+                                  : "; the store refused " + std::to_string(refused) + " connection" +
+                                        (refused == 1 ? "" : "s") +
+                                        " that did not prove the job's secret: is COHORT_AUTH_TOKEN the same on "
+                                        "every process?"));
   }
   impl->heartbeat = std::thread([raw = impl.get()] { raw->beat(); });
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
