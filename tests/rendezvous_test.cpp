@@ -61,6 +61,24 @@ TEST(Rendezvous, TwoProcessesOfOneRankEndTheJobNamingBoth) {
   }
 }
 
+// Two processes given RANK=0 on one host: the second finds the first's store on the port. It is
+// refused naming both (it said "another job uses the port"), and the chief fails with the same
+// line instead of waiting out the timeout for the ranks that never come.
+TEST(Rendezvous, TwoChiefsOnOneHostEndTheJobNamingBoth) {
+  const test::ReservedPort reserved;  // held, not listening: the first chief binds it after
+  test::Process first(worker(0, 3, reserved.port()));
+  ASSERT_EQ(first.port(), reserved.port()) << first.output();  // it listens
+  test::Process second(worker(0, 3, reserved.port()));
+  const std::string line = "rank 0 is claimed by two processes, pid " + std::to_string(first.pid()) + " on host " +
+                           hostName() + " and then pid " + std::to_string(second.pid()) + " on host " + hostName() +
+                           ": give each process of the job its own RANK, 0 to 2";
+  for (test::Process* p : {&first, &second}) {
+    const test::CommandResult r = p->wait(std::chrono::seconds(120));
+    EXPECT_EQ(r.exitCode, 2) << r.output;
+    EXPECT_NE(r.output.find(line), std::string::npos) << r.output;
+  }
+}
+
 // A worker started with WORLD_SIZE=3 in the chief's job of 2: it is refused before it writes
 // anything the chief reads, and the chief fails with the same line (both sizes, both processes;
 // the chief came first, and every process is compared with the first).

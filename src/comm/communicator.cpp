@@ -138,6 +138,21 @@ void setTorchsEnvironmentOnce() {
   });
 }
 
+// A second process given rank 0 finds the chief's store on the port: when that store is this
+// job's (it admits this process's secret or job identity), the rank is claimed there as any other
+// and refused, naming both processes, and the chief fails with the same line. Returns when the
+// port is another program's or another job's.
+void refuseASecondChief(const ClusterSpec& spec, std::chrono::milliseconds timeout) {
+  std::unique_ptr<store::Client> store;
+  try {
+    store = store::Client::connect(spec.master.host, spec.master.port, spec.storeKey(),
+                                   std::min(timeout, std::chrono::milliseconds(2000)));
+  } catch (const Error&) {
+    return;
+  }
+  store::RankClaim::make(*store, spec.rank, spec.worldSize, timeout);  // throws, unless rank 0 was free
+}
+
 int64_t nbytes(const torch::Tensor& t) { return int64_t(t.numel()) * int64_t(t.element_size()); }
 
 }  // namespace
@@ -296,9 +311,13 @@ std::shared_ptr<Communicator> Communicator::connect(const ClusterSpec& spec, con
       }
       // Port 0 (cohort launch without --port): any free port, which the launcher learns from here
       // and hands to the other workers it starts only then.
-      impl->storeServer = store::Server::start(
-          store::ServerOptions{
-              .host = spec.master.host, .port = spec.master.port, .secret = spec.storeKey(), .env = options.env});
+      try {
+        impl->storeServer = store::Server::start(store::ServerOptions{
+            .host = spec.master.host, .port = spec.master.port, .secret = spec.storeKey(), .env = options.env});
+      } catch (const store::AddressInUse&) {
+        refuseASecondChief(spec, options.timeout);  // when the port is this job's chief's
+        throw;
+      }
       impl->master.port = impl->storeServer->port();
       launcher::tellPort(impl->master.port);
       if (options.onListening) options.onListening(impl->master.port);

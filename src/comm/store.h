@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cohort/env.h>
+#include <cohort/error.h>
 
 #include <chrono>
 #include <cstdint>
@@ -55,11 +56,17 @@ struct ServerStats {
   int open = 0;                // connections open now
 };
 
+// What Server::start throws when another process listens on the port already.
+class AddressInUse : public CommError {
+ public:
+  using CommError::CommError;
+};
+
 class Server {
  public:
   // Binds host:port (host's own interface; every interface when host is a name that is not an
   // address of this machine, with a warning) and starts serving. Throws CommError naming the
-  // address when it cannot listen.
+  // address when it cannot listen (AddressInUse when another process listens there).
   static std::unique_ptr<Server> start(const ServerOptions& options);
   ~Server();  // stops serving and closes every connection
 

@@ -431,6 +431,10 @@ std::unique_ptr<Server> Server::start(const ServerOptions& options) {
     if (impl->listenFd >= 0 || lastErrno != EADDRNOTAVAIL) break;
   }
   if (impl->listenFd < 0) {
+    if (lastErrno == EADDRINUSE) {
+      throw AddressInUse("the rendezvous store cannot listen on " + where + ": " + std::strerror(lastErrno) +
+                         ": another job uses the port; give this job a free one: --port or MASTER_PORT");
+    }
     throw CommError("the rendezvous store cannot listen on " + where + ": " + std::strerror(lastErrno) +
                     (lastErrno == EADDRINUSE
                          ? ": another job uses the port; give this job a free one: --port or MASTER_PORT"
