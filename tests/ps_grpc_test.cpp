@@ -2154,6 +2154,63 @@ TEST(PsStreamTest, ARetryOfACutStreamAppliesEachPieceOnce) {
   }
 }
 
+// The whole path: the client's streamed push is cut after the shard took its first chunk (the
+// connection fails; 96 MB, more than HTTP/2's 64 MB window, so that the rest is still on the
+// client's side), the client retries it on a new connection, and each piece is applied once; the
+// push counts once (async, sgd, lr 0.5).
+TEST(PsStreamTest, AClientsPushCutMidStreamIsRetriedAndAppliedOnce) {
+  std::vector<wire::PieceSpec> pieces;
+  std::vector<std::vector<float>> start, grads;
+  for (uint32_t k = 0; k < 6; ++k) {
+    pieces.push_back(piece(k, "w" + std::to_string(k), uint64_t(1) << 22));  // 16 MB, the largest piece
+    start.emplace_back(size_t(1) << 22, 0.0f);
+    grads.emplace_back(size_t(1) << 22, 1.0f);
+  }
+  std::atomic<ShardServer*> cutter{nullptr};
+  std::atomic<int> cuts{0};
+  ServerOptions options;
+  options.shard.afterChunk = [&](uint32_t, size_t nextPiece) {
+    if (nextPiece == 1 && cuts++ == 0) cutter.load()->cutConnectionsForTesting();
+  };
+  TestServer server(options);
+  cutter = server.server.get();
+  auto client = server.client({.timeoutSeconds = 20, .quiet = true});
+  expectInit(*client, pieces, start);
+  test::Retries retries;
+  auto pusher = server.client({.timeoutSeconds = 20, .quiet = true, .onRetry = retries.hook()});  // a chunk a piece
+  wire::PushRequest request = protobufPush(pieces, grads, 0);
+  request.set_want_values(false);
+  wire::PushRequest header = request;
+  for (auto& t : *header.mutable_values()) t.clear_data();
+  FramedPush push;
+  push.request = header;
+  for (const auto& g : grads) push.payload.emplace_back(g);
+  ASSERT_TRUE(pushStreams(push, kDefaultPushChunkBytes));
+  wire::PushReply reply;
+  const Status s = pusher->pushFramed(push, {}, &reply);
+  retries.finished();
+  ASSERT_TRUE(s.ok()) << s.message;
+  EXPECT_TRUE(reply.applied()) << reply.dropped();
+  EXPECT_GE(retries.all().size(), 1u) << "the client did not retry: the cut did not happen mid-push";
+  // The retry found pieces in from the cut attempt, and passed over them.
+  bool passedOver = false;
+  for (const auto& line : server.log())
+    passedOver = passedOver || line.find("sent its push of step 0 again") != std::string::npos;
+  EXPECT_TRUE(passedOver);
+  EXPECT_TRUE(eventually([&] { return statsOf(*client).partial_pushes() == 1; }));
+  const auto stats = statsOf(*client);
+  EXPECT_EQ(stats.applied(), 1);
+  EXPECT_EQ(stats.version(), 1u);
+  EXPECT_EQ(stats.clocks(0), 1);
+  const auto values = pullAll(*client);
+  size_t twice = 0, wrong = 0;
+  for (const float v : values) {
+    twice += v == -1.0f;
+    wrong += v != -0.5f;
+  }
+  EXPECT_EQ(wrong, 0u) << twice << " of " << values.size() << " values took the gradient twice";
+}
+
 // The same under softsync 2 (pieces gathered as they arrive): the retry of a cut push adds to the
 // group only the pieces the cut left out, so that each piece is averaged over one gradient of that
 // push, and the push counts once in the group.

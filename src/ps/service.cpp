@@ -481,6 +481,8 @@ uint64_t ShardServer::requestCapBytes() const { return impl_->refusals->cap(Requ
 
 int ShardServer::maxConnections() const { return impl_->connections->maxConnections(); }
 
+void ShardServer::cutConnectionsForTesting() { impl_->connections->cutAll(); }
+
 ConnectionCounts ShardServer::connections() const {
   const Connections::Counts c = impl_->connections->counts();
   return {.open = c.open, .unproven = c.unproven, .evicted = c.evicted, .dropped = c.dropped};

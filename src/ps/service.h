@@ -76,6 +76,9 @@ class ShardServer {
   ConnectionCounts connections() const;
   // ServerOptions::maxConnections, or half the open-file limit when the server started.
   int maxConnections() const;
+  // Testing: cuts every connection open now (shutdown), as a network failure would; its calls in
+  // flight end on both sides, and the clients retry on new connections.
+  void cutConnectionsForTesting();
   // Gives the heap pages a refused large request took back to the system (malloc_trim), if a
   // request was refused since the last time. serveShard calls it every 250 ms.
   void trimFreedMemory();

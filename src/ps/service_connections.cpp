@@ -88,6 +88,12 @@ Connections::Counts Connections::counts() {
   return out;
 }
 
+void Connections::cutAll() {
+  MutexLock lock(mu_);
+  reapLocked();  // every descriptor left still holds its socket
+  for (const auto& [id, c] : open_) ::shutdown(c.fd, SHUT_RDWR);
+}
+
 void Connections::setPort(sockaddr_storage& a, int port) {
   if (a.ss_family == AF_INET) reinterpret_cast<sockaddr_in&>(a).sin_port = htons(uint16_t(port));
   if (a.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6&>(a).sin6_port = htons(uint16_t(port));

@@ -81,6 +81,9 @@ class Connections {
 
   Counts counts();
 
+  // Shuts every open connection down (ShardServer::cutConnectionsForTesting).
+  void cutAll();
+
  private:
   struct Connection {
     int fd = -1;

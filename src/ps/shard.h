@@ -77,6 +77,9 @@ struct ShardOptions {
   // slowest live worker is at `slowest`, or when a retry of a sync push of `clock` waits for the
   // push it repeats (`slowest` -1). Under the shard's lock: it must not call the shard.
   std::function<void(uint32_t worker, int64_t clock, int64_t slowest)> onHeld;
+  // Testing: called when a streamed push's chunk has been taken in (applied, gathered or kept),
+  // with the first piece not received yet; without the shard's lock.
+  std::function<void(uint32_t worker, size_t nextPiece)> afterChunk;
 };
 
 class Shard {
@@ -197,6 +200,9 @@ class Shard {
   // earlier attempt of that push (a stream cut midway, being retried) has it in already. Counts it
   // in when so; pieces come in order.
   bool takePieceLocked(uint32_t worker, int64_t clock, size_t k) REQUIRES(mu_);
+  // The pieces of this push (its worker and clock) an earlier, cut attempt of it applied or
+  // gathered (Worker::piecesIn), logged when there are any.
+  size_t piecesInLocked(const wire::PushRequest& request) const REQUIRES(mu_);
   // Marks the parts of a whole push that an earlier, cut attempt of it applied or gathered.
   void markPiecesInLocked(const wire::PushRequest& request, Parts& parts) REQUIRES(mu_);
   // A streamed push that will not count as an update ends (refused, cut, late, aborted).

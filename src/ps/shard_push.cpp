@@ -276,13 +276,18 @@ bool Shard::takePieceLocked(uint32_t worker, int64_t clock, size_t k) {
   return true;
 }
 
-void Shard::markPiecesInLocked(const wire::PushRequest& request, Parts& parts) {
+size_t Shard::piecesInLocked(const wire::PushRequest& request) const {
   const Worker& w = workers_[request.worker()];
-  if (w.pushingClock != request.clock() || w.pushingGeneration != generation_ || w.piecesIn == 0) return;
-  for (size_t k = 0; k < std::min(w.piecesIn, parts.size()); ++k) parts[k].alreadyIn = true;
+  if (w.pushingClock != request.clock() || w.pushingGeneration != generation_ || w.piecesIn == 0) return 0;
   log("worker " + std::to_string(request.worker()) + " sent its push of step " + std::to_string(request.clock()) +
       " again: its first " + std::to_string(w.piecesIn) +
       " pieces, in from an attempt cut before, are not applied twice");
+  return w.piecesIn;
+}
+
+void Shard::markPiecesInLocked(const wire::PushRequest& request, Parts& parts) {
+  const size_t in = piecesInLocked(request);
+  for (size_t k = 0; k < std::min(in, parts.size()); ++k) parts[k].alreadyIn = true;
 }
 
 Status Shard::finishPushLocked(HeldPush& push, bool applied) {

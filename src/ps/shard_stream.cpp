@@ -62,6 +62,7 @@ Status Shard::beginStream(const wire::PushRequest& request, std::unique_ptr<Stre
   const uint64_t pulled = std::min<uint64_t>(request.pulled_version(), version_);
   st.tau = int64_t(version_ - pulled);
   updatePolicy_->planStream(*this, st);
+  if (!st.keepsChunks()) piecesInLocked(request);  // said here; addChunk passes over them
   workers_[id].lastSeen = now();
   *stream = std::move(opened);
   return Status::Ok();
@@ -106,7 +107,10 @@ Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const Frame
   if (!s.ok()) return refuseStream(stream, s);
   stream.nextPiece = first + count;
   stream.bytes += int64_t(payload.size());
-  if (stream.keepsChunks()) return Status::Ok();
+  if (stream.keepsChunks()) {
+    if (options_.afterChunk) options_.afterChunk(stream.request.worker(), stream.nextPiece);
+    return Status::Ok();
+  }
 
   // Applied (or gathered) now, piece by piece: between two pieces the lock is free for the other
   // workers' pushes and pulls. Each piece is one whole optimizer step at its own count.
@@ -144,6 +148,7 @@ Status Shard::addChunk(Stream& stream, const wire::PushChunk& chunk, const Frame
     FloatScratch().swap(stream.copies[k]);
     at += numel;
   }
+  if (options_.afterChunk) options_.afterChunk(stream.request.worker(), stream.nextPiece);
   return Status::Ok();
 }
 
