@@ -18,7 +18,9 @@
 // The chief hosts the store: once it has read the refusal it waits (a few seconds at most) until
 // every other claimant has left, so that none finds the store gone instead of the line.
 // A process that claims its rank after the others formed their group (one started late) is
-// refused alone: the job it would have joined is complete.
+// refused alone: the job it would have joined is complete. A rank whose first claimant was a
+// process of this host that has ended is taken by the new one (a peer restarted alone, which its
+// scheme takes or refuses for its own reason: gossip says it cannot rejoin a running group).
 #pragma once
 
 #include "comm/store.h"

@@ -5,9 +5,12 @@
 #include <cohort/error.h>
 #include <cohort/rendezvous.h>
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 
 namespace cohort {
 
@@ -32,6 +35,26 @@ std::string thisProcess() {
   ::gethostname(host, sizeof(host) - 1);
   return "pid " + std::to_string(::getpid()) + " on host " + host;
 }
+
+namespace {
+
+// Whether `who` ("pid 4242 on host node3", thisProcess()) names a process of this host that has
+// ended.
+bool claimantHasEnded(const std::string& who) {
+  const std::string prefix = "pid ", onHost = " on host ";
+  const size_t at = who.find(onHost);
+  if (who.rfind(prefix, 0) != 0 || at == std::string::npos) return false;
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  if (who.substr(at + onHost.size()) != host) return false;
+  const std::string digits = who.substr(prefix.size(), at - prefix.size());
+  char* end = nullptr;
+  const long pid = std::strtol(digits.c_str(), &end, 10);
+  if (digits.empty() || *end != '\0' || pid <= 0) return false;
+  return ::kill(pid_t(pid), 0) != 0 && errno == ESRCH;
+}
+
+}  // namespace
 
 RankClaim RankClaim::make(Client& store, int rank, int worldSize, std::chrono::milliseconds timeout) {
   const std::string me = thisProcess();
@@ -60,6 +83,10 @@ RankClaim RankClaim::make(Client& store, int rank, int worldSize, std::chrono::m
   // The first claimant sets its name just after its add; one that died between the two is unnamed.
   const std::optional<std::vector<uint8_t>> first =
       store.get(claimKey(rank, 1), std::min(timeout, std::chrono::milliseconds(5000)));
+  // A process of this host that has ended is no claimant: this one is its restart (a peer started
+  // again alone, which its scheme then takes or refuses with its own reason), not a second process
+  // given its RANK. On another host there is no telling: refused.
+  if (first && claimantHasEnded(textOf(*first))) return RankClaim(store, rank, worldSize, number);
   const std::string line = "rank " + std::to_string(rank) + " is claimed by two processes, " +
                            (first ? textOf(*first) : std::string("another process")) + " and then " + me +
                            ": give each process of the job its own RANK, 0 to " + std::to_string(worldSize - 1) +
