@@ -190,8 +190,10 @@ Status Shard::endStreamLocked(Stream& stream, const Status& why, bool rejected) 
                            " pieces, received before, were " +
                            (stream.plan == Stream::Plan::kApply ? "applied" : "added to the step being gathered") +
                            " and stay (the push is not counted as an update)";
-  log("a streamed push of worker " + std::to_string(stream.request.worker()) + " ended early: " + why.message + "; " +
-      kept);
+  // A whole stream that does not count (sync's step closed while it arrived) did not end early.
+  const bool whole = stream.nextPiece == stream.pieces.size();
+  log("a streamed push of worker " + std::to_string(stream.request.worker()) +
+      (whole ? " arrived whole but was not counted: " : " ended early: ") + why.message + "; " + kept);
   return Status::error(why.code, why.message + "; " + kept);
 }
 
