@@ -100,7 +100,12 @@ std::optional<std::string> RankClaim::refusal() const {
   if (!store_->check({kRefusedKey})) return std::nullopt;
   const std::optional<std::vector<uint8_t>> line = store_->get(kRefusedKey, std::chrono::milliseconds(0));
   if (!line) return std::nullopt;
-  store_->set(leftKey(rank_, number_), {});
+  // Best effort: the line is read, and it is this process's error whether or not the chief (whose
+  // store this is) is still there to count it leaving; its store gone, the set fails.
+  try {
+    store_->set(leftKey(rank_, number_), {});
+  } catch (const CommError&) {
+  }
   if (rank_ == 0) {
     // The chief's store outlives it by nothing: the others' lines first (any that has died, or is
     // still connecting, is waited for kRefusalLinger at most).
