@@ -159,14 +159,24 @@ TEST(LaunchFaults, AShardWithoutCheckpointsEndsTheJob) {
       << r.output;
 }
 
+// Rank 0 stays until the restarted shard says it is back (the second fifo): with every worker
+// finished, the launcher would rightly not restart the shard, and a run where both workers ended
+// before the shard's exit 5 failed so.
 TEST(LaunchFaults, AShardThatCheckpointsIsRestartedAlone) {
-  FifoDir d;
+  FifoDir d, back;
   auto r = test::runCommand(
       launch("-n 2 --ps 1 --max-restarts 1" + kAnyPort +
-             script("if [ -z \"$RANK\" ]; then " + kShardPort + "echo shard-checkpoints " + kSay + "; echo shard-has-checkpoint " + kSay +
+             script("if [ -z \"$RANK\" ]; then " + kShardPort + "echo shard-checkpoints " + kSay +
+                    "; echo shard-has-checkpoint " + kSay +
                     "; if [ $COHORT_RESTART_COUNT = 0 ]; "
-                    "then read x < " + d.fifo() + "; exit 5; fi; echo shard-back-$COHORT_RESTART_COUNT-alone-$COHORT_RESTARTED_ALONE; exit 0; fi; "
-                    "if [ $RANK = 0 ]; then echo fault-policy rejoins " + kSay + "; echo go > " + d.fifo() +
+                    "then read x < " +
+                    d.fifo() +
+                    "; exit 5; fi; echo shard-back-$COHORT_RESTART_COUNT-alone-$COHORT_RESTARTED_ALONE; "
+                    "echo back > " +
+                    back.fifo() +
+                    "; exit 0; fi; "
+                    "if [ $RANK = 0 ]; then echo fault-policy rejoins " +
+                    kSay + "; echo go > " + d.fifo() + "; read y < " + back.fifo() +
                     "; fi; echo worker-$RANK-run-$COHORT_RESTART_COUNT")),
       60);
   EXPECT_EQ(r.exitCode, 0) << r.output;
