@@ -141,6 +141,10 @@ class COHORT_API ReplicaGroup {
 
   int replicas() const;
   torch::nn::Module& replica(int r);
+  // Replica r's optimizer: replica 0's is the caller's, which CentralStorage's replicas all step;
+  // Mirrored's and Hogwild's others are copies of it (Hogwild's follow their own gradients: save
+  // and load them beside the model to resume exactly).
+  torch::optim::Optimizer& optimizer(int r);
   ReplicaStats stats() const;
 
   struct Impl;

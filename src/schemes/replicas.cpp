@@ -403,6 +403,12 @@ void ReplicaGroup::synchronizeBuffers() {
 
 int ReplicaGroup::replicas() const { return int(impl_->replicas.size()); }
 
+torch::optim::Optimizer& ReplicaGroup::optimizer(int r) {
+  COHORT_CHECK(r >= 0 && r < replicas(), InvalidArgument, impl_->who, ": no replica ", r);
+  torch::optim::Optimizer* own = impl_->replicas[size_t(r)].optimizer;
+  return own != nullptr ? *own : *impl_->replicas[0].optimizer;  // CentralStorage: replica 0's
+}
+
 torch::nn::Module& ReplicaGroup::replica(int r) {
   COHORT_CHECK(r >= 0 && r < replicas(), InvalidArgument, impl_->who, ": no replica ", r);
   return *impl_->replicas[size_t(r)].module;

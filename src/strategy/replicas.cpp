@@ -2,6 +2,8 @@
 
 #include <cohort/error.h>
 
+#include "schemes/model_sync.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -30,14 +32,40 @@ void ReplicaStrategy::attach(torch::nn::Sequential model, torch::optim::Optimize
     group_ = std::make_unique<CentralStorage>(module, optimizer, options_);
   } else {
     group_ = std::make_unique<Hogwild>(module, optimizer, options_);
-    // Mirrored's copies of the optimizer are replica 0's bit for bit and CentralStorage has one;
-    // Hogwild's each follow their own gradients, and only replica 0's is checkpointed.
-    if (resumedAt_ > 0 && options_.replicas > 1 && !optimizer.state().empty()) {
-      std::fprintf(stderr,
-                   "cohort: warning: hogwild resumed at step %lld: replicas 1-%d start from replica 0's optimizer "
-                   "state (a checkpoint holds replica 0's only; theirs, their own momentum or moments, is lost)\n",
-                   (long long)resumedAt_, options_.replicas - 1);
+  }
+}
+
+// Mirrored's copies of the optimizer are replica 0's bit for bit and CentralStorage has one;
+// Hogwild's each follow their own gradients.
+void ReplicaStrategy::saveState(torch::serialize::OutputArchive& archive) {
+  if (scheme_ != Scheme::kHogwild || !group_) return;
+  for (int r = 1; r < group_->replicas(); ++r) {
+    std::string bytes = optimizerBytes(group_->optimizer(r));
+    archive.write("hogwild_optimizer_" + std::to_string(r),
+                  torch::from_blob(bytes.data(), {int64_t(bytes.size())}, torch::kUInt8).clone());
+  }
+}
+
+void ReplicaStrategy::loadState(torch::serialize::InputArchive& archive) {
+  if (scheme_ != Scheme::kHogwild || !group_) return;
+  int missing = 0;
+  for (int r = 1; r < group_->replicas(); ++r) {
+    torch::Tensor packed;
+    if (!archive.try_read("hogwild_optimizer_" + std::to_string(r), packed)) {
+      ++missing;
+      continue;
     }
+    const torch::Tensor bytes = packed.to(torch::kCPU).contiguous();
+    torch::serialize::InputArchive saved;
+    saved.load_from(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), size_t(bytes.numel()));
+    loadOptimizerKeepingOptions(group_->optimizer(r), saved);  // the run's --lr and --momentum stay
+  }
+  if (missing > 0 && !group_->optimizer(0).state().empty()) {
+    std::fprintf(stderr,
+                 "cohort: warning: hogwild resumed at step %lld: %d of replicas 1-%d start from replica 0's optimizer "
+                 "state (the checkpoint holds no optimizer of theirs: written by an earlier cohort, or with fewer "
+                 "--replicas)\n",
+                 (long long)resumedAt_, missing, group_->replicas() - 1);
   }
 }
 

@@ -24,14 +24,20 @@ class ReplicaStrategy final : public Strategy {
   bool trainsOnDevices() const override { return scheme_ != Scheme::kHogwild; }
   std::shared_ptr<Communicator> communicator() const override { return comm_; }
   ReplicaInfo replica() const override;
-  // Hogwild resumed: says that replicas 1..R-1 start from replica 0's optimizer state (a
-  // checkpoint holds the caller's optimizer only; theirs are copies of it made at attach).
   void resumeAt(int64_t step) override { resumedAt_ = step; }
   void attach(torch::nn::Sequential model, torch::optim::Optimizer& optimizer) override;
   StepStats step(const Batch& batch, const LossFn& loss) override;
   // Mirrored: averages the replicas' buffers (and the processes'). A collective.
   void synchronize() override;
   MetricFields report() override;
+  // Hogwild: the optimizers of replicas 1..R-1 ("hogwild_optimizer_R"), each its own (momentum,
+  // Adam's moments), beside the Trainer's checkpoint of replica 0's; loaded over the copies of
+  // replica 0's that attach() made. A checkpoint without them (an earlier cohort's, or of fewer
+  // replicas) leaves those replicas with replica 0's state, and says so.
+  void saveState(torch::serialize::OutputArchive& archive) override;
+  void loadState(torch::serialize::InputArchive& archive) override;
+
+  ReplicaGroup* group() const { return group_.get(); }
 
  private:
   Scheme scheme_;
