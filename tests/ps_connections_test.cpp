@@ -6,6 +6,7 @@
 #include "ps/client.h"
 #include "ps/service.h"
 #include "ps/wire.h"
+#include "ps_test_server.h"
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -23,28 +24,13 @@ namespace {
 
 using namespace std::chrono_literals;
 
-struct LoggedServer {
-  std::mutex mu;
-  std::vector<std::string> logged;
-  std::unique_ptr<ShardServer> server;
-
-  explicit LoggedServer(ServerOptions options = {}) {
-    options.shard.name = "test";
-    options.shard.log = [this](const std::string& m) {
-      std::lock_guard<std::mutex> lock(mu);
-      logged.push_back(m);
-    };
-    server = std::make_unique<ShardServer>(options);
+// Whether a line of the shard's log says both `a` and `b`.
+bool logSays(TestServer& server, const std::string& a, const std::string& b) {
+  for (const auto& line : server.log()) {
+    if (line.find(a) != std::string::npos && line.find(b) != std::string::npos) return true;
   }
-  std::string address() const { return "127.0.0.1:" + std::to_string(server->port()); }
-  bool logSays(const std::string& a, const std::string& b) {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const auto& line : logged) {
-      if (line.find(a) != std::string::npos && line.find(b) != std::string::npos) return true;
-    }
-    return false;
-  }
-};
+  return false;
+}
 
 wire::InitRequest initFor(uint32_t workers) {
   wire::InitRequest r;
@@ -97,7 +83,7 @@ TEST(PsConnectionsTest, AShardKeepsMoreThan1024Connections) {
   }
   ASSERT_GE(files.rlim_cur, needed) << "this test needs an open-file limit of " << needed
                                     << " (ulimit -n); the hard limit here is " << files.rlim_max;
-  LoggedServer server;
+  TestServer server;
   std::vector<std::shared_ptr<grpc::Channel>> channels(kConnections);
   int failed = 0;
   std::string firstError;
@@ -115,7 +101,7 @@ TEST(PsConnectionsTest, AShardKeepsMoreThan1024Connections) {
 // A job with more workers than the shard can keep connections for is refused at its chief's Init,
 // naming the limit and the fix; one that fits is taken.
 TEST(PsConnectionsTest, AJobTheShardCannotKeepConnectionsForIsRefusedAtInit) {
-  LoggedServer server(ServerOptions{.maxConnections = 100});
+  TestServer server(ServerOptions{.maxConnections = 100});
   auto client = makeGrpcClient(server.address(), {.timeoutSeconds = 5, .quiet = true});
   wire::InitReply reply;
   // 64 of the 100 stay for callers still proving the secret: 36 workers fit, 37 do not.
@@ -131,7 +117,7 @@ TEST(PsConnectionsTest, AJobTheShardCannotKeepConnectionsForIsRefusedAtInit) {
 // A connection past the limit is closed at once, and the shard's log says which limit and how to
 // raise it.
 TEST(PsConnectionsTest, AConnectionPastTheLimitIsLoggedNamingTheLimitAndTheFix) {
-  LoggedServer server(ServerOptions{.maxConnections = 80});
+  TestServer server(ServerOptions{.maxConnections = 80});
   std::vector<std::shared_ptr<grpc::Channel>> channels(81);
   for (int i = 0; i < 80; ++i) {
     const grpc::Status s = statsOnNewConnection(server.address(), i, &channels[size_t(i)]);
@@ -139,7 +125,7 @@ TEST(PsConnectionsTest, AConnectionPastTheLimitIsLoggedNamingTheLimitAndTheFix) 
   }
   EXPECT_FALSE(statsOnNewConnection(server.address(), 80, &channels[80]).ok());
   EXPECT_GE(server.server->connections().dropped, 1);
-  EXPECT_TRUE(server.logSays("80 are open, the most this shard keeps", "ulimit -n"));
+  EXPECT_TRUE(logSays(server, "80 are open, the most this shard keeps", "ulimit -n"));
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "ps.grpc.pb.h"
 
 #include "hostile.h"
+#include "ps_test_server.h"
 #include "ps_test_util.h"
 #include "test_util.h"
 
@@ -139,34 +140,6 @@ uint64_t bytesOf(const std::vector<OutgoingFrame>& messages) {
   }
   return bytes;
 }
-
-// A ShardServer on 127.0.0.1 whose log lines the test can read.
-struct TestServer {
-  std::mutex mu;
-  std::vector<std::string> logged;
-  std::unique_ptr<ShardServer> server;
-
-  explicit TestServer(ServerOptions options = {}) {
-    if (options.address == ServerOptions{}.address) options.address = "127.0.0.1:0";
-    options.shard.name = "test";
-    options.shard.log = [this](const std::string& m) {
-      std::lock_guard<std::mutex> lock(mu);
-      logged.push_back(m);
-    };
-    server = std::make_unique<ShardServer>(options);
-  }
-
-  std::string address() const { return "127.0.0.1:" + std::to_string(server->port()); }
-
-  std::unique_ptr<ShardClient> client(ClientOptions options = {.timeoutSeconds = 5, .quiet = true}) const {
-    return makeGrpcClient(address(), options);
-  }
-
-  std::vector<std::string> log() {
-    std::lock_guard<std::mutex> lock(mu);
-    return logged;
-  }
-};
 
 void expectInit(ShardClient& client, const std::vector<wire::PieceSpec>& pieces = kPieces,
                 const std::vector<std::vector<float>>& values = kStart) {
