@@ -28,7 +28,7 @@ class AllreduceStrategy final : public Strategy {
   // updates from its own shard; parameters are identical already. Every rank must call it.
   void synchronize() override;
   // Every rank holds the same parameters and buffers after synchronize(): each scores a slice.
-  bool evaluatesInSlices() const override { return comm_ != nullptr; }
+  std::shared_ptr<Communicator> evaluationGroup() const override { return comm_; }
   // The done event's "backend": what carried the gradients, "nccl" or "gloo".
   MetricFields report() override;
   // The codec's state ("allreduce_steps", the warm-up's count, and "allreduce_codec_residuals",

@@ -26,7 +26,7 @@ class AverageStrategy final : public Strategy {
   // evaluation or a checkpoint between averages averages early, and the period counts anew.
   void synchronize() override;
   // Every rank holds the same parameters and buffers after synchronize(): each scores a slice.
-  bool evaluatesInSlices() const override { return comm_ != nullptr; }
+  std::shared_ptr<Communicator> evaluationGroup() const override { return comm_; }
   // The averages synchronize() ran: their bytes and waiting.
   StepStats offStepStats() const override { return offStep_; }
   // The outer optimizer's momentum ("outer_momentum"), when there is one; the steps taken

@@ -124,13 +124,14 @@ class Strategy {
   virtual std::string layout() const { return ""; }
 
   // Whether this process takes part in evaluation; the chief always does.
-  virtual bool joinsEvaluation() const { return replica().isChief() || evaluatesInSlices(); }
+  virtual bool joinsEvaluation() const { return replica().isChief() || evaluationGroup() != nullptr; }
 
-  // Whether every process of communicator() holds the same model after synchronize() (allreduce,
-  // average), so that each scores a slice of the test and validation sets and the slices' counts
-  // are summed to the whole sets' scores: evaluation takes 1/N of the time, and no process waits
-  // at its next collective (bounded by --timeout) while the chief alone scores a large set.
-  virtual bool evaluatesInSlices() const { return false; }
+  // The processes that hold the same model after synchronize() (allreduce, average: all of
+  // communicator()), so that each scores a slice of the test and validation sets and the slices'
+  // counts are summed to the whole sets' scores: evaluation takes 1/N of the time, and no process
+  // waits at its next collective (bounded by --timeout) while the chief alone scores a large set.
+  // Null where the chief scores alone.
+  virtual std::shared_ptr<Communicator> evaluationGroup() const { return nullptr; }
 
   // Inference on the whole model for evaluation, called by every process that joins it, with the
   // same inputs; returns the outputs on the chief (others may get an undefined tensor).

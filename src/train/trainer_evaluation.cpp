@@ -28,11 +28,11 @@ Trainer::State::Eval Trainer::State::evaluate() {
   return ev;
 }
 
-// Under a scheme whose processes hold one model (Strategy::evaluatesInSlices), each scores its
+// Under a scheme whose processes hold one model (Strategy::evaluationGroup), each scores its
 // slice of `set` and the counts are summed over them: every process returns the whole set's scores.
 Scores Trainer::State::evaluateOn(const Dataset& set) {
   const int64_t n = set.size();
-  const std::shared_ptr<Communicator> group = strategy->evaluatesInSlices() ? strategy->communicator() : nullptr;
+  const std::shared_ptr<Communicator> group = strategy->evaluationGroup();
   const int64_t parts = group ? group->worldSize() : 1;
   const int64_t part = group ? group->rank() : 0;
   const int64_t first = n * part / parts;

@@ -356,10 +356,10 @@ class Trainer::State::Loop {
     }
     if (o_.maxSeconds > 0 && wall >= o_.maxSeconds) stop_ = true;  // the time budget is spent
     fields.emplace_back("epoch_progress", double(s_.step) / double(perEpoch_));
-    // How long scoring took, and over how many processes' slices (Strategy::evaluatesInSlices).
+    // How long scoring took, and over how many processes' slices (Strategy::evaluationGroup).
     fields.emplace_back("eval_s", evalSeconds);
-    const std::shared_ptr<Communicator> group = s_.strategy->communicator();
-    fields.emplace_back("scored_by", int64_t(s_.strategy->evaluatesInSlices() && group ? group->worldSize() : 1));
+    const std::shared_ptr<Communicator> group = s_.strategy->evaluationGroup();
+    fields.emplace_back("scored_by", int64_t(group ? group->worldSize() : 1));
     s_.metrics->write("eval", fields);
     s_.boardEval(ev);
     progress_.message(s_.evalMessage(ev));
